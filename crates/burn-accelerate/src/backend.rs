@@ -1,0 +1,277 @@
+//! Compute backends: which are compiled in, and how a [`Device`] is chosen.
+//!
+//! Burn 0.22 carries the backend in the runtime [`Device`] value, so a backend here is just a name, the cargo
+//! feature that compiles it, and the `Device` constructor to call. Resolution order (highest first): an explicit
+//! device or backend from the builder, `ACCELERATE_USE_CPU` (forces a CPU backend), `BURN_DEVICE`, then Burn's
+//! own priority order (CUDA, Metal, ROCm, Vulkan, WebGPU, wgpu, LibTorch, Flex, NdArray).
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::Device;
+
+use crate::env;
+use crate::error::{Error, Result};
+
+/// A compute backend burn-accelerate can run on. Each one is a cargo feature of the same name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Burn's pure-Rust CPU backend (`flex`, the default). f32, f16 and bf16.
+    Flex,
+    /// The deprecated ndarray CPU backend (`ndarray`). f32 only.
+    NdArray,
+    /// wgpu with the graphics API chosen automatically (`wgpu`).
+    Wgpu,
+    /// wgpu pinned to Vulkan (`vulkan`).
+    Vulkan,
+    /// wgpu pinned to Metal (`metal`).
+    Metal,
+    /// wgpu pinned to WebGPU (`webgpu`).
+    WebGpu,
+    /// NVIDIA CUDA (`cuda`).
+    Cuda,
+    /// AMD ROCm (`rocm`).
+    Rocm,
+    /// LibTorch through tch (`tch`), CPU or CUDA.
+    LibTorch,
+}
+
+impl Backend {
+    /// Every backend, in Burn's default priority order.
+    pub const ALL: [Backend; 9] = [
+        Backend::Cuda,
+        Backend::Metal,
+        Backend::Rocm,
+        Backend::Vulkan,
+        Backend::WebGpu,
+        Backend::Wgpu,
+        Backend::LibTorch,
+        Backend::Flex,
+        Backend::NdArray,
+    ];
+
+    /// The cargo feature that compiles this backend in.
+    pub fn feature(self) -> &'static str {
+        match self {
+            Backend::Flex => "flex",
+            Backend::NdArray => "ndarray",
+            Backend::Wgpu => "wgpu",
+            Backend::Vulkan => "vulkan",
+            Backend::Metal => "metal",
+            Backend::WebGpu => "webgpu",
+            Backend::Cuda => "cuda",
+            Backend::Rocm => "rocm",
+            Backend::LibTorch => "tch",
+        }
+    }
+
+    /// Whether this build contains the backend.
+    pub fn is_compiled(self) -> bool {
+        match self {
+            Backend::Flex => cfg!(feature = "flex"),
+            Backend::NdArray => cfg!(feature = "ndarray"),
+            Backend::Wgpu => cfg!(feature = "wgpu"),
+            Backend::Vulkan => cfg!(feature = "vulkan"),
+            Backend::Metal => cfg!(feature = "metal"),
+            Backend::WebGpu => cfg!(feature = "webgpu"),
+            Backend::Cuda => cfg!(feature = "cuda"),
+            Backend::Rocm => cfg!(feature = "rocm"),
+            Backend::LibTorch => cfg!(feature = "tch"),
+        }
+    }
+
+    /// Whether the backend computes on the host CPU.
+    pub fn is_cpu(self) -> bool {
+        matches!(self, Backend::Flex | Backend::NdArray)
+    }
+
+    /// The backends this build contains, in priority order.
+    pub fn compiled() -> Vec<Backend> {
+        Self::ALL.into_iter().filter(|b| b.is_compiled()).collect()
+    }
+
+    /// The device of this backend with the given index (ignored by single-device CPU backends).
+    ///
+    /// # Errors
+    /// [`Error::BackendNotCompiled`] when the feature is off.
+    pub fn device(self, index: usize) -> Result<Device> {
+        self.device_from(index, "requested explicitly")
+    }
+
+    pub(crate) fn device_from(self, index: usize, origin: &str) -> Result<Device> {
+        let _ = index;
+        let missing = || Error::BackendNotCompiled {
+            backend: self.to_string(),
+            origin: origin.to_string(),
+            feature: self.feature(),
+        };
+        match self {
+            #[cfg(feature = "flex")]
+            Backend::Flex => Ok(Device::flex()),
+            #[cfg(feature = "ndarray")]
+            #[allow(deprecated)]
+            Backend::NdArray => Ok(Device::ndarray()),
+            #[cfg(feature = "wgpu")]
+            Backend::Wgpu => Ok(Device::wgpu(wgpu_kind(index))),
+            #[cfg(feature = "vulkan")]
+            Backend::Vulkan => Ok(Device::vulkan(wgpu_kind(index))),
+            #[cfg(feature = "metal")]
+            Backend::Metal => Ok(Device::metal(wgpu_kind(index))),
+            #[cfg(feature = "webgpu")]
+            Backend::WebGpu => Ok(Device::webgpu(wgpu_kind(index))),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => Ok(Device::cuda(index)),
+            #[cfg(feature = "rocm")]
+            Backend::Rocm => Ok(Device::rocm(index)),
+            #[cfg(feature = "tch")]
+            #[allow(deprecated)]
+            Backend::LibTorch => Ok(Device::libtorch()),
+            #[allow(unreachable_patterns)]
+            _ => Err(missing()),
+        }
+    }
+}
+
+/// The wgpu adapter for local rank `index`: the default adapter for rank 0, the `index`-th discrete GPU otherwise.
+#[cfg(any(
+    feature = "wgpu",
+    feature = "vulkan",
+    feature = "metal",
+    feature = "webgpu"
+))]
+fn wgpu_kind(index: usize) -> burn::tensor::DeviceKind {
+    if index == 0 {
+        burn::tensor::DeviceKind::DefaultDevice
+    } else {
+        burn::tensor::DeviceKind::DiscreteGpu(index)
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.feature())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = Error;
+
+    /// Parses the names `BURN_DEVICE` accepts (`flex`, `ndarray`, `wgpu`, `vulkan`, `metal`, `webgpu`, `cuda`,
+    /// `rocm`, `tch`), case-insensitively; `libtorch` is accepted for `tch`.
+    fn from_str(s: &str) -> Result<Self> {
+        let name = s.trim().to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|b| b.feature() == name)
+            .or((name == "libtorch").then_some(Backend::LibTorch))
+            .ok_or_else(|| {
+                Error::config(
+                    "backend",
+                    s,
+                    "backend name",
+                    "one of flex, ndarray, wgpu, vulkan, metal, webgpu, cuda, rocm, tch",
+                )
+            })
+    }
+}
+
+/// What the user asked for when choosing a device.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DeviceRequest {
+    /// An explicit device from the builder.
+    pub device: Option<Device>,
+    /// An explicit backend from the builder.
+    pub backend: Option<Backend>,
+    /// `cpu=true` from the builder or config.
+    pub cpu: bool,
+}
+
+/// Chooses the device of local rank `local_index` (without autodiff), following the resolution order of this
+/// module. Returns the device and the backend it belongs to, when known.
+pub(crate) fn select_device(
+    request: &DeviceRequest,
+    local_index: usize,
+) -> Result<(Device, Option<Backend>)> {
+    if let Some(device) = &request.device {
+        return Ok((device.clone(), None));
+    }
+    if let Some(backend) = request.backend {
+        return Ok((backend.device_from(local_index, "builder")?, Some(backend)));
+    }
+    if request.cpu || env::flag("ACCELERATE_USE_CPU")?.unwrap_or(false) {
+        let origin = if request.cpu {
+            "cpu=true"
+        } else {
+            "ACCELERATE_USE_CPU"
+        };
+        let backend = cpu_backend().ok_or_else(|| Error::BackendNotCompiled {
+            backend: "cpu (flex or ndarray)".into(),
+            origin: origin.into(),
+            feature: "flex",
+        })?;
+        return Ok((backend.device_from(0, origin)?, Some(backend)));
+    }
+    if let Some(name) = env::var("BURN_DEVICE") {
+        let backend: Backend = name.parse().map_err(|_| {
+            Error::config(
+                "BURN_DEVICE",
+                &name,
+                "environment",
+                "one of flex, ndarray, wgpu, vulkan, metal, webgpu, cuda, rocm, tch",
+            )
+        })?;
+        return Ok((
+            backend.device_from(local_index, "BURN_DEVICE")?,
+            Some(backend),
+        ));
+    }
+    let backend = Backend::compiled()
+        .into_iter()
+        .next()
+        .ok_or(Error::NoBackend {
+            available: "flex, ndarray, wgpu, vulkan, metal, webgpu, cuda, rocm, tch",
+        })?;
+    Ok((backend.device_from(local_index, "default")?, Some(backend)))
+}
+
+/// The CPU backend this build prefers: flex, else ndarray.
+fn cpu_backend() -> Option<Backend> {
+    [Backend::Flex, Backend::NdArray]
+        .into_iter()
+        .find(|b| b.is_compiled())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for backend in Backend::ALL {
+            assert_eq!(backend.to_string().parse::<Backend>().unwrap(), backend);
+        }
+        assert_eq!("LibTorch".parse::<Backend>().unwrap(), Backend::LibTorch);
+        assert!("tpu".parse::<Backend>().is_err());
+    }
+
+    #[test]
+    fn missing_backend_names_its_feature() {
+        let absent = Backend::ALL.into_iter().find(|b| !b.is_compiled());
+        if let Some(backend) = absent {
+            let err = backend.device(0).unwrap_err().to_string();
+            assert!(err.contains(backend.feature()), "{err}");
+            assert!(err.contains("cargo feature"), "{err}");
+        }
+    }
+
+    #[test]
+    fn explicit_backend_wins() {
+        let backend = Backend::compiled()[0];
+        let request = DeviceRequest {
+            backend: Some(backend),
+            ..Default::default()
+        };
+        let (_, chosen) = select_device(&request, 0).unwrap();
+        assert_eq!(chosen, Some(backend));
+    }
+}

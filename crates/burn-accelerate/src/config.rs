@@ -1,0 +1,82 @@
+//! The accelerator's configuration and where Accelerate keeps its config file.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::env;
+use crate::error::{Error, Result};
+
+/// Settings of an [`Accelerator`](crate::Accelerator), resolved from (highest first) builder calls,
+/// `ACCELERATE_*` environment variables and defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AcceleratorConfig {
+    /// Place models and batches on the accelerator's device (default `true`).
+    pub device_placement: bool,
+    /// Advance prepared schedulers with the optimizer, Accelerate's rule (default `true`).
+    pub step_scheduler_with_optimizer: bool,
+    /// Split each batch between ranks instead of giving each rank its own batch (default `false`).
+    pub split_batches: bool,
+    /// Micro-batches per optimizer step (default 1; `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
+    pub gradient_accumulation_steps: usize,
+    /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
+    pub cpu: bool,
+}
+
+impl Default for AcceleratorConfig {
+    fn default() -> Self {
+        Self {
+            device_placement: true,
+            step_scheduler_with_optimizer: true,
+            split_batches: false,
+            gradient_accumulation_steps: 1,
+            cpu: false,
+        }
+    }
+}
+
+impl AcceleratorConfig {
+    /// Defaults overridden by the `ACCELERATE_*` environment variables that are set.
+    pub fn from_env() -> Result<Self> {
+        let mut config = Self::default();
+        if let Some(cpu) = env::flag("ACCELERATE_USE_CPU")? {
+            config.cpu = cpu;
+        }
+        if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
+            config.gradient_accumulation_steps = steps;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the values.
+    pub fn validate(&self) -> Result<()> {
+        if self.gradient_accumulation_steps == 0 {
+            return Err(Error::config(
+                "gradient_accumulation_steps",
+                "0",
+                "configuration",
+                "an integer >= 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The folder Accelerate keeps its configuration in: `$HF_HOME/accelerate`, else
+/// `$XDG_CACHE_HOME/huggingface/accelerate`, else `~/.cache/huggingface/accelerate`.
+pub fn config_dir() -> Option<PathBuf> {
+    if let Some(hf_home) = env::var("HF_HOME") {
+        return Some(PathBuf::from(hf_home).join("accelerate"));
+    }
+    let cache = env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(cache.join("huggingface").join("accelerate"))
+}
+
+/// The default config file, `default_config.yaml` in [`config_dir`], shared with Accelerate.
+pub fn default_config_file() -> Option<PathBuf> {
+    config_dir().map(|d| d.join("default_config.yaml"))
+}

@@ -1,0 +1,111 @@
+//! Typed errors of burn-accelerate.
+//!
+//! Every error says what went wrong, where, and how to fix it, so that it can be shown to a user as is.
+
+use std::path::PathBuf;
+
+/// The result type of every fallible burn-accelerate call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in burn-accelerate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A backend was asked for (builder, `BURN_DEVICE`, `ACCELERATE_USE_CPU`) that this build does not contain.
+    #[error(
+        "the `{backend}` backend was requested ({origin}) but is not compiled in; enable the cargo feature \
+         `{feature}` of burn-accelerate (for example `cargo run --features {feature}`)"
+    )]
+    BackendNotCompiled {
+        /// The backend that was requested.
+        backend: String,
+        /// Where the request came from.
+        origin: String,
+        /// The cargo feature that compiles it in.
+        feature: &'static str,
+    },
+
+    /// This build has no compute backend at all.
+    #[error(
+        "no compute backend is compiled in; enable one cargo feature of burn-accelerate: {available}"
+    )]
+    NoBackend {
+        /// The feature names that would provide one.
+        available: &'static str,
+    },
+
+    /// A configuration value (builder, environment variable or config file) is not valid.
+    #[error("invalid value {value:?} for {key} ({origin}): {expected}")]
+    InvalidConfig {
+        /// The setting, e.g. `ACCELERATE_USE_CPU` or `gradient_accumulation_steps`.
+        key: String,
+        /// The value that was given.
+        value: String,
+        /// Where it came from (environment, builder, file path).
+        origin: String,
+        /// What would have been accepted.
+        expected: String,
+    },
+
+    /// A gradient operation was asked for while no gradient is stored.
+    #[error(
+        "{operation}: no gradients are stored for this model; call `accelerator.backward(loss, &model)` first"
+    )]
+    NoGradients {
+        /// The operation that needed gradients.
+        operation: &'static str,
+    },
+
+    /// A tensor value could not be read back from the device.
+    #[error("reading a tensor back from {device} failed during {operation}: {reason}")]
+    Execution {
+        /// What was being done.
+        operation: &'static str,
+        /// The device the tensor lives on.
+        device: String,
+        /// The backend's message.
+        reason: String,
+    },
+
+    /// A dataset item could not be loaded.
+    #[error("loading item {index} of the dataset failed: {reason}")]
+    Dataset {
+        /// The index of the item.
+        index: usize,
+        /// The dataset's message.
+        reason: String,
+    },
+
+    /// A file could not be read or written.
+    #[error("{operation} {path}: {source}")]
+    Io {
+        /// What was being done ("reading", "writing", ...).
+        operation: &'static str,
+        /// The file concerned.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Bad input to a call that is not covered by a more specific variant.
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidConfig`].
+    pub(crate) fn config(
+        key: impl Into<String>,
+        value: impl Into<String>,
+        origin: impl Into<String>,
+        expected: impl Into<String>,
+    ) -> Self {
+        Self::InvalidConfig {
+            key: key.into(),
+            value: value.into(),
+            origin: origin.into(),
+            expected: expected.into(),
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Global gradient clipping, as `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` do it.
+//!
+//! Burn's own `GradientClipping::Norm` clips each tensor by its own norm; users coming from PyTorch expect one
+//! norm over all parameters together, which is what these functions compute.
+
+use burn::module::ParamId;
+use burn::tensor::{FloatDType, Tensor};
+
+use super::GradientBuffer;
+use crate::error::{Error, Result};
+
+/// Which norm [`clip_grad_norm`] measures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NormType {
+    /// The Euclidean norm (torch's default, `norm_type=2`).
+    L2,
+    /// The largest absolute value (`norm_type=inf`).
+    Inf,
+    /// The p-norm for a finite `p > 0`.
+    P(f64),
+}
+
+impl Default for NormType {
+    fn default() -> Self {
+        NormType::L2
+    }
+}
+
+impl NormType {
+    fn validate(self) -> Result<Self> {
+        match self {
+            NormType::P(p) if !(p.is_finite() && p > 0.0) => Err(Error::InvalidArgument(format!(
+                "clip_grad_norm: norm type p={p} is not a finite number above 0; use NormType::Inf for the max norm"
+            ))),
+            NormType::P(p) if p == 2.0 => Ok(NormType::L2),
+            other => Ok(other),
+        }
+    }
+}
+
+/// Clips the gradients of `ids` in `buffer` so that their combined norm is at most `max_norm`, and returns the
+/// combined norm measured before clipping.
+///
+/// Follows torch: `coef = max_norm / (total + 1e-6)`; when `coef < 1` every gradient is multiplied by it. A
+/// non-finite total (an overflow) is returned as is and, like torch, scales the gradients by `coef` (zero for
+/// an infinite norm, NaN for a NaN one), so check the returned value when that matters.
+pub fn clip_grad_norm(
+    buffer: &mut GradientBuffer,
+    ids: &[ParamId],
+    max_norm: f64,
+    norm_type: NormType,
+) -> Result<f64> {
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "clip_grad_norm: max_norm={max_norm} must be a finite number >= 0"
+        )));
+    }
+    let norm_type = norm_type.validate()?;
+    let grads = buffer.flat(ids);
+    if grads.is_empty() {
+        return Err(Error::NoGradients {
+            operation: "clip_grad_norm",
+        });
+    }
+    let device = grads[0].device();
+    let parts: Vec<Tensor<1>> = grads
+        .into_iter()
+        .map(|g| {
+            let g = g.cast(FloatDType::F32);
+            match norm_type {
+                NormType::L2 => g.square().sum(),
+                NormType::Inf => g.abs().max(),
+                NormType::P(p) => g.abs().powf_scalar(p).sum(),
+            }
+        })
+        .collect();
+    let stacked = Tensor::cat(parts, 0);
+    let total = match norm_type {
+        NormType::L2 => stacked.sum().sqrt(),
+        NormType::Inf => stacked.max(),
+        NormType::P(p) => stacked.sum().powf_scalar(1.0 / p),
+    };
+    let total = total
+        .try_into_scalar::<f32>()
+        .map_err(|e| Error::Execution {
+            operation: "clip_grad_norm",
+            device: format!("{device:?}"),
+            reason: e.to_string(),
+        })? as f64;
+    let coef = max_norm / (total + 1e-6);
+    if coef < 1.0 || coef.is_nan() {
+        let coef = coef as f32;
+        buffer.map_flat(ids, |g| g.mul_scalar(coef));
+    }
+    Ok(total)
+}
+
+/// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`.
+pub fn clip_grad_value(
+    buffer: &mut GradientBuffer,
+    ids: &[ParamId],
+    clip_value: f64,
+) -> Result<()> {
+    if !(clip_value.is_finite() && clip_value >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "clip_grad_value: clip_value={clip_value} must be a finite number >= 0"
+        )));
+    }
+    if buffer.flat(ids).is_empty() {
+        return Err(Error::NoGradients {
+            operation: "clip_grad_value",
+        });
+    }
+    let c = clip_value as f32;
+    buffer.map_flat(ids, |g| g.clamp(-c, c));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    fn buffer_with(values: &[&[f32]]) -> (GradientBuffer, Vec<ParamId>) {
+        let device = Device::default();
+        let mut buffer = GradientBuffer::new();
+        let mut ids = Vec::new();
+        for v in values {
+            let id = ParamId::new();
+            buffer.add(
+                id,
+                Tensor::<1>::from_floats(*v, &device).reshape([v.len(), 1]),
+            );
+            ids.push(id);
+        }
+        (buffer, ids)
+    }
+
+    fn values(buffer: &GradientBuffer, ids: &[ParamId]) -> Vec<Vec<f32>> {
+        buffer
+            .flat(ids)
+            .into_iter()
+            .map(|t| t.into_data().to_vec::<f32>().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn global_norm_equals_manual_and_scales_all() {
+        let grads: &[&[f32]] = &[&[3.0, 0.0], &[0.0, 4.0, 12.0]];
+        let (mut buffer, ids) = buffer_with(grads);
+        let manual = grads
+            .iter()
+            .flat_map(|g| g.iter())
+            .map(|x| (x * x) as f64)
+            .sum::<f64>()
+            .sqrt();
+        assert_eq!(manual, 13.0);
+        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2).unwrap();
+        assert!((total - manual).abs() < 1e-5, "{total}");
+        let coef = (1.3 / (13.0 + 1e-6)) as f32;
+        let after = values(&buffer, &ids);
+        for (g, a) in grads.iter().zip(&after) {
+            for (x, y) in g.iter().zip(a) {
+                assert!((x * coef - y).abs() < 1e-6, "{x} * {coef} != {y}");
+            }
+        }
+        let new_norm: f32 = after.iter().flatten().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((new_norm - 1.3).abs() < 1e-4, "{new_norm}");
+    }
+
+    #[test]
+    fn no_scaling_below_max_norm() {
+        let grads: &[&[f32]] = &[&[0.3], &[0.4]];
+        let (mut buffer, ids) = buffer_with(grads);
+        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2).unwrap();
+        assert!((total - 0.5).abs() < 1e-6);
+        assert_eq!(values(&buffer, &ids), vec![vec![0.3], vec![0.4]]);
+    }
+
+    #[test]
+    fn inf_and_p_norms() {
+        let grads: &[&[f32]] = &[&[1.0, -5.0], &[2.0]];
+        let (mut buffer, ids) = buffer_with(grads);
+        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf).unwrap();
+        assert_eq!(total, 5.0);
+        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0)).unwrap();
+        assert!((total - 8.0).abs() < 1e-5);
+        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0)).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2).is_err());
+    }
+
+    #[test]
+    fn value_clipping_clamps_each_element() {
+        let grads: &[&[f32]] = &[&[0.5, -3.0], &[2.0, 0.1]];
+        let (mut buffer, ids) = buffer_with(grads);
+        clip_grad_value(&mut buffer, &ids, 1.0).unwrap();
+        assert_eq!(values(&buffer, &ids), vec![vec![0.5, -1.0], vec![1.0, 0.1]]);
+        assert!(clip_grad_value(&mut buffer, &ids, -1.0).is_err());
+    }
+
+    #[test]
+    fn empty_buffer_is_an_error() {
+        let mut buffer = GradientBuffer::new();
+        let err = clip_grad_norm(&mut buffer, &[ParamId::new()], 1.0, NormType::L2).unwrap_err();
+        assert!(err.to_string().contains("backward"), "{err}");
+    }
+}

@@ -1,0 +1,313 @@
+//! The prepared optimizer and learning-rate scheduler.
+//!
+//! [`AcceleratedOptimizer`] takes its gradients from the accelerator (filled by
+//! [`Accelerator::backward`](crate::Accelerator::backward)) and does nothing on steps that do not synchronise
+//! gradients. [`AcceleratedScheduler`] follows Accelerate's `step_scheduler_with_optimizer` rule: it advances only
+//! when the optimizer really stepped, and `num_processes` times per step unless batches are split, so a schedule
+//! written for single-process batches ends at the same point on any number of ranks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
+use burn::module::Module;
+use burn::optim::LearningRate;
+use burn::optim::ModuleOptimizer;
+
+use crate::step_state::SharedStep;
+
+/// The learning rate an optimizer uses, shared with the scheduler that drives it.
+#[derive(Clone)]
+struct LrCell(Arc<Mutex<ModuleLearningRate>>);
+
+impl LrCell {
+    fn get(&self) -> ModuleLearningRate {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn set(&self, lr: ModuleLearningRate) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = lr;
+    }
+}
+
+/// A Burn optimizer prepared by the [`Accelerator`](crate::Accelerator).
+///
+/// Call [`step`](Self::step) once per micro-batch, after `accelerator.backward(...)`: on steps that synchronise
+/// gradients it applies the stored gradients and clears them; on accumulation steps it returns the model
+/// unchanged.
+pub struct AcceleratedOptimizer {
+    inner: ModuleOptimizer,
+    lr: LrCell,
+    shared: SharedStep,
+    skipped: Arc<AtomicBool>,
+    steps: u64,
+}
+
+impl AcceleratedOptimizer {
+    pub(crate) fn new(inner: ModuleOptimizer, lr: ModuleLearningRate, shared: SharedStep) -> Self {
+        Self {
+            inner,
+            lr: LrCell(Arc::new(Mutex::new(lr))),
+            shared,
+            skipped: Arc::new(AtomicBool::new(false)),
+            steps: 0,
+        }
+    }
+
+    /// Applies the accumulated gradients of `model` and returns the updated model; on a step that does not
+    /// synchronise gradients, returns `model` unchanged and keeps the gradients for later.
+    ///
+    /// A model without stored gradients (no `backward` since the last step) is returned unchanged, like
+    /// `torch.optim.Optimizer.step` with no `.grad`.
+    pub fn step<M: Module>(&mut self, model: M) -> M {
+        let grads = {
+            let mut state = self.shared.lock();
+            if !state.sync_gradients {
+                return model;
+            }
+            state.optimizer_step_was_skipped = false;
+            state.buffer.take_for(&model)
+        };
+        self.skipped.store(false, Ordering::Relaxed);
+        if grads.is_empty() {
+            log::debug!("optimizer step without gradients: the model is unchanged");
+            return model;
+        }
+        self.steps += 1;
+        self.inner.step(self.lr.get(), model, grads)
+    }
+
+    /// Drops every stored gradient (Burn's optimizer consumes them at each step, so this is only needed to
+    /// discard gradients on purpose).
+    pub fn zero_grad(&mut self) {
+        self.shared.lock().buffer.clear();
+    }
+
+    /// The learning rate the next step uses (the base rate when there are parameter groups).
+    pub fn lr(&self) -> LearningRate {
+        self.lr.get().base()
+    }
+
+    /// Sets the learning rate used by the next steps (a prepared scheduler overwrites it when it steps).
+    pub fn set_lr(&mut self, lr: impl Into<ModuleLearningRate>) {
+        self.lr.set(lr.into());
+    }
+
+    /// Whether the latest synchronising step was skipped (fp16 overflow).
+    pub fn step_was_skipped(&self) -> bool {
+        self.skipped.load(Ordering::Relaxed)
+    }
+
+    /// How many times the optimizer really updated the model.
+    pub fn num_steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The wrapped Burn optimizer.
+    pub fn inner(&self) -> &ModuleOptimizer {
+        &self.inner
+    }
+
+    /// Gives the wrapped Burn optimizer back.
+    pub fn into_inner(self) -> ModuleOptimizer {
+        self.inner
+    }
+}
+
+/// How a prepared scheduler advances.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SchedulerRule {
+    pub step_with_optimizer: bool,
+    pub split_batches: bool,
+    pub num_processes: usize,
+}
+
+/// A Burn learning-rate scheduler prepared by the [`Accelerator`](crate::Accelerator) and tied to one optimizer.
+///
+/// Call [`step`](Self::step) after each `optimizer.step(...)`, as with Accelerate. When
+/// `step_scheduler_with_optimizer` is on (the default) it advances only on steps where the optimizer really
+/// stepped (not on accumulation steps, not on skipped fp16 steps), `num_processes` times per step unless
+/// `split_batches` is on. When it is off, every call advances it once.
+pub struct AcceleratedScheduler {
+    inner: ModuleLrScheduler,
+    lr: LrCell,
+    skipped: Arc<AtomicBool>,
+    shared: SharedStep,
+    rule: SchedulerRule,
+    last: ModuleLearningRate,
+}
+
+impl AcceleratedScheduler {
+    pub(crate) fn new(
+        mut inner: ModuleLrScheduler,
+        optimizer: &AcceleratedOptimizer,
+        shared: SharedStep,
+        rule: SchedulerRule,
+    ) -> Self {
+        // Burn's schedulers return the rate of the coming step; the first value is the initial rate, which a
+        // torch scheduler sets on its optimizer when it is created.
+        let last = inner.step();
+        optimizer.lr.set(last.clone());
+        Self {
+            inner,
+            lr: optimizer.lr.clone(),
+            skipped: optimizer.skipped.clone(),
+            shared,
+            rule,
+            last,
+        }
+    }
+
+    /// Advances the schedule according to the rule above and hands the new rate to the optimizer.
+    pub fn step(&mut self) {
+        let times = if !self.rule.step_with_optimizer {
+            1
+        } else {
+            let state = self.shared.lock();
+            if !state.sync_gradients || self.skipped.load(Ordering::Relaxed) {
+                return;
+            }
+            if self.rule.split_batches {
+                1
+            } else {
+                self.rule.num_processes
+            }
+        };
+        for _ in 0..times {
+            self.last = self.inner.step();
+        }
+        self.lr.set(self.last.clone());
+    }
+
+    /// The current learning rate (Accelerate's `get_last_lr()[0]`).
+    pub fn lr(&self) -> LearningRate {
+        self.last.base()
+    }
+
+    /// The wrapped Burn scheduler.
+    pub fn inner(&self) -> &ModuleLrScheduler {
+        &self.inner
+    }
+
+    /// Gives the wrapped Burn scheduler back.
+    pub fn into_inner(self) -> ModuleLrScheduler {
+        self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+    use burn::optim::SgdConfig;
+
+    /// Accelerate's `test_scheduler.py` schedule: lr = 1 - n/10, a linear decay from 1 to 0 over 10 steps.
+    fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
+        let shared = SharedStep::new(1);
+        let optimizer =
+            AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone());
+        let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
+        let scheduler = AcceleratedScheduler::new(schedule, &optimizer, shared.clone(), rule);
+        (shared, optimizer, scheduler)
+    }
+
+    fn rule(num_processes: usize, split_batches: bool, step_with_optimizer: bool) -> SchedulerRule {
+        SchedulerRule {
+            step_with_optimizer,
+            split_batches,
+            num_processes,
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-12
+    }
+
+    #[test]
+    fn preparing_sets_the_initial_rate_on_the_optimizer() {
+        let (_, optimizer, scheduler) = setup(rule(1, false, true));
+        assert!(close(optimizer.lr(), 1.0));
+        assert!(close(scheduler.lr(), 1.0));
+    }
+
+    #[test]
+    fn steps_num_processes_times_per_optimizer_step() {
+        for p in [1, 2, 4] {
+            let (_, optimizer, mut scheduler) = setup(rule(p, false, true));
+            scheduler.step();
+            let expected = 1.0 - p as f64 / 10.0;
+            assert!(close(scheduler.lr(), expected), "P={p}: {}", scheduler.lr());
+            assert!(close(optimizer.lr(), expected), "the optimizer follows");
+        }
+    }
+
+    #[test]
+    fn split_batches_steps_once() {
+        let (_, _, mut scheduler) = setup(rule(4, true, true));
+        scheduler.step();
+        assert!(close(scheduler.lr(), 0.9));
+    }
+
+    #[test]
+    fn not_stepping_with_optimizer_steps_every_call() {
+        let (shared, _, mut scheduler) = setup(rule(4, false, false));
+        shared.lock().sync_gradients = false;
+        scheduler.step();
+        scheduler.step();
+        assert!(close(scheduler.lr(), 0.8));
+    }
+
+    #[test]
+    fn no_step_on_accumulation_or_skipped_steps() {
+        let (shared, optimizer, mut scheduler) = setup(rule(2, false, true));
+        shared.lock().sync_gradients = false;
+        scheduler.step();
+        assert!(close(scheduler.lr(), 1.0), "accumulation step");
+        shared.lock().sync_gradients = true;
+        optimizer.skipped.store(true, Ordering::Relaxed);
+        scheduler.step();
+        assert!(close(scheduler.lr(), 1.0), "skipped optimizer step");
+        optimizer.skipped.store(false, Ordering::Relaxed);
+        scheduler.step();
+        assert!(close(scheduler.lr(), 0.8));
+    }
+
+    #[test]
+    fn schedule_sized_for_single_process_ends_after_fewer_steps() {
+        // Accelerate's accumulation_test: a 10-step schedule on P=2 reaches its end after 5 optimizer steps.
+        let (_, _, mut scheduler) = setup(rule(2, false, true));
+        for _ in 0..4 {
+            scheduler.step();
+            assert!(scheduler.lr() > 0.0);
+        }
+        scheduler.step();
+        assert!(close(scheduler.lr(), 0.0));
+    }
+
+    #[test]
+    fn optimizer_does_nothing_on_accumulation_steps() {
+        use burn::nn::LinearConfig;
+        use burn::tensor::{Device, Tensor};
+        let device = Device::default().autodiff();
+        let model = LinearConfig::new(2, 1).init(&device);
+        let shared = SharedStep::new(2);
+        let mut optimizer =
+            AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone());
+        let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();
+        let mut grads = loss.backward();
+        shared.lock().buffer.collect(&model, &mut grads);
+        shared.lock().sync_gradients = false;
+        let before = model.weight.val().into_data();
+        let model = optimizer.step(model);
+        assert_eq!(model.weight.val().into_data(), before);
+        assert_eq!(
+            shared.lock().buffer.len(),
+            2,
+            "gradients are kept for the sync step"
+        );
+        shared.lock().sync_gradients = true;
+        let model = optimizer.step(model);
+        assert_ne!(model.weight.val().into_data(), before);
+        assert!(shared.lock().buffer.is_empty());
+        assert_eq!(optimizer.num_steps(), 1);
+    }
+}

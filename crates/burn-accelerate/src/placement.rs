@@ -1,0 +1,268 @@
+//! Moving batches to a device: Accelerate's `send_to_device` as a trait.
+//!
+//! [`ToDevice`] is implemented for tensors of every kind, `Vec`, arrays, `Option`, tuples, maps and plain values
+//! (which pass through). For your own batch struct, use [`impl_to_device!`](crate::impl_to_device) or write the
+//! impl by hand.
+//!
+//! ```
+//! use burn::tensor::{Device, Int, Tensor};
+//! use burn_accelerate::{impl_to_device, ToDevice};
+//!
+//! struct Batch {
+//!     images: Tensor<2>,
+//!     labels: Tensor<1, Int>,
+//!     ids: Vec<u64>,
+//! }
+//! impl_to_device!(Batch { images, labels, ids });
+//!
+//! let device = Device::default();
+//! let batch = Batch {
+//!     images: Tensor::zeros([2, 3], &device),
+//!     labels: Tensor::zeros([2], &device),
+//!     ids: vec![7, 8],
+//! };
+//! let batch = batch.to_device(&device);
+//! assert_eq!(batch.ids, vec![7, 8]);
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+
+use burn::tensor::{Device, Tensor, kind::Basic};
+
+/// A value that can be moved to a device. Non-tensor parts are left as they are.
+///
+/// Moving keeps each tensor's autodiff association (a plain input stays plain on an autodiff device), as Burn's
+/// `Tensor::to_device` does.
+pub trait ToDevice: Sized {
+    /// Returns the value with every tensor it holds on `device`.
+    fn to_device(self, device: &Device) -> Self;
+}
+
+impl<const D: usize, K: Basic> ToDevice for Tensor<D, K> {
+    fn to_device(self, device: &Device) -> Self {
+        if &self.device() == device {
+            self
+        } else {
+            Tensor::to_device(self, device)
+        }
+    }
+}
+
+impl<T: ToDevice> ToDevice for Vec<T> {
+    fn to_device(self, device: &Device) -> Self {
+        self.into_iter().map(|v| v.to_device(device)).collect()
+    }
+}
+
+impl<T: ToDevice, const N: usize> ToDevice for [T; N] {
+    fn to_device(self, device: &Device) -> Self {
+        self.map(|v| v.to_device(device))
+    }
+}
+
+impl<T: ToDevice> ToDevice for Option<T> {
+    fn to_device(self, device: &Device) -> Self {
+        self.map(|v| v.to_device(device))
+    }
+}
+
+impl<T: ToDevice> ToDevice for Box<T> {
+    fn to_device(self, device: &Device) -> Self {
+        Box::new((*self).to_device(device))
+    }
+}
+
+impl<K: Eq + Hash, V: ToDevice, S: std::hash::BuildHasher + Default> ToDevice for HashMap<K, V, S> {
+    fn to_device(self, device: &Device) -> Self {
+        self.into_iter()
+            .map(|(k, v)| (k, v.to_device(device)))
+            .collect()
+    }
+}
+
+impl<K: Ord, V: ToDevice> ToDevice for BTreeMap<K, V> {
+    fn to_device(self, device: &Device) -> Self {
+        self.into_iter()
+            .map(|(k, v)| (k, v.to_device(device)))
+            .collect()
+    }
+}
+
+macro_rules! pass_through {
+    ($($t:ty),* $(,)?) => {
+        $(impl ToDevice for $t {
+            fn to_device(self, _device: &Device) -> Self {
+                self
+            }
+        })*
+    };
+}
+pass_through!(
+    (),
+    bool,
+    char,
+    u8,
+    u16,
+    u32,
+    u64,
+    u128,
+    usize,
+    i8,
+    i16,
+    i32,
+    i64,
+    i128,
+    isize,
+    f32,
+    f64,
+    String,
+    &'static str
+);
+
+macro_rules! tuples {
+    ($(($($name:ident),+)),+ $(,)?) => {
+        $(
+            #[allow(non_snake_case)]
+            impl<$($name: ToDevice),+> ToDevice for ($($name,)+) {
+                fn to_device(self, device: &Device) -> Self {
+                    let ($($name,)+) = self;
+                    ($($name.to_device(device),)+)
+                }
+            }
+        )+
+    };
+}
+tuples!(
+    (A),
+    (A, B),
+    (A, B, C),
+    (A, B, C, D),
+    (A, B, C, D, E),
+    (A, B, C, D, E, F),
+    (A, B, C, D, E, F, G),
+    (A, B, C, D, E, F, G, H)
+);
+
+/// Implements [`ToDevice`] for a struct by moving each named field (every field must implement `ToDevice`;
+/// fields not listed are left as they are).
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_accelerate::{impl_to_device, ToDevice};
+///
+/// struct Pair { x: Tensor<2>, y: Tensor<2>, name: String }
+/// impl_to_device!(Pair { x, y });
+///
+/// let device = Device::default();
+/// let pair = Pair { x: Tensor::ones([1, 2], &device), y: Tensor::zeros([1, 2], &device), name: "a".into() };
+/// let pair = pair.to_device(&device);
+/// assert_eq!(pair.name, "a");
+/// ```
+#[macro_export]
+macro_rules! impl_to_device {
+    ($ty:ident { $($field:ident),* $(,)? }) => {
+        impl $crate::ToDevice for $ty {
+            fn to_device(self, device: &$crate::burn::tensor::Device) -> Self {
+                #[allow(unused_mut)]
+                let mut value = self;
+                $(value.$field = $crate::ToDevice::to_device(value.$field, device);)*
+                value
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Bool, Int};
+
+    use std::sync::{Arc, Mutex};
+
+    /// A leaf that records every device it is moved to, so the tests see whether recursion reached it.
+    #[derive(Clone)]
+    struct Probe(Arc<Mutex<Vec<Device>>>);
+    impl ToDevice for Probe {
+        fn to_device(self, device: &Device) -> Self {
+            self.0.lock().unwrap().push(device.clone());
+            self
+        }
+    }
+
+    struct Batch {
+        x: Tensor<2>,
+        mask: Option<Tensor<1, Bool>>,
+        labels: Vec<Tensor<1, Int>>,
+        meta: BTreeMap<String, (Probe, u32)>,
+        extra: (Probe, Option<Probe>, Vec<Probe>, [Probe; 2]),
+        name: &'static str,
+    }
+    impl_to_device!(Batch {
+        x,
+        mask,
+        labels,
+        meta,
+        extra
+    });
+
+    #[test]
+    fn nested_batch_moves_every_leaf() {
+        let device = Device::default();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let probe = Probe(calls.clone());
+        let mut meta = BTreeMap::new();
+        meta.insert("w".to_string(), (probe.clone(), 5u32));
+        let batch = Batch {
+            x: Tensor::ones([2, 2], &device),
+            mask: Some(Tensor::<1, Bool>::from_data([true, false], &device)),
+            labels: vec![Tensor::<1, Int>::from_data([1, 2], &device); 3],
+            meta,
+            extra: (
+                probe.clone(),
+                Some(probe.clone()),
+                vec![probe.clone(); 3],
+                [probe.clone(), probe.clone()],
+            ),
+            name: "batch",
+        };
+        let target = Device::default().autodiff();
+        let moved = batch.to_device(&target);
+        let calls = calls.lock().unwrap();
+        assert_eq!(
+            calls.len(),
+            1 + 1 + 1 + 3 + 2,
+            "every probe leaf is visited once"
+        );
+        assert!(calls.iter().all(|d| d == &target));
+        assert_eq!(moved.name, "batch");
+        assert_eq!(moved.meta["w"].1, 5);
+        assert_eq!(moved.labels.len(), 3);
+        assert_eq!(
+            moved.mask.unwrap().into_data().to_vec::<bool>().unwrap(),
+            vec![true, false]
+        );
+        assert_eq!(moved.x.into_data().to_vec::<f32>().unwrap(), vec![1.0; 4]);
+    }
+
+    #[test]
+    fn tuples_maps_and_arrays() {
+        let device = Device::default();
+        let mut map = HashMap::new();
+        map.insert(1u8, Tensor::<1>::zeros([3], &device));
+        let value = (
+            Tensor::<1>::ones([1], &device),
+            [
+                Tensor::<1>::ones([1], &device),
+                Tensor::<1>::ones([1], &device),
+            ],
+            map,
+            Box::new(3.5f32),
+        );
+        let (a, b, c, d) = value.to_device(&device);
+        assert_eq!(a.dims(), [1]);
+        assert_eq!(b.len(), 2);
+        assert_eq!(c[&1].dims(), [3]);
+        assert_eq!(*d, 3.5);
+    }
+}

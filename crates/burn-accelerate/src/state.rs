@@ -1,0 +1,181 @@
+//! Who this process is: rank, world size, device, and the kind of distributed run.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::comm::Communicator;
+use crate::env;
+use crate::error::Result;
+
+/// The kind of run, with Accelerate's names so config files are shared between both tools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum DistributedType {
+    /// One process, one device.
+    No,
+    /// Several CPU ranks.
+    MultiCpu,
+    /// Several GPU ranks.
+    MultiGpu,
+}
+
+impl DistributedType {
+    /// Accelerate's name for it: `NO`, `MULTI_CPU` or `MULTI_GPU`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DistributedType::No => "NO",
+            DistributedType::MultiCpu => "MULTI_CPU",
+            DistributedType::MultiGpu => "MULTI_GPU",
+        }
+    }
+
+    /// The type of a run with `world_size` ranks on `backend`.
+    pub fn for_run(world_size: usize, backend: Option<Backend>) -> Self {
+        match (world_size, backend) {
+            (0 | 1, _) => DistributedType::No,
+            (_, Some(b)) if b.is_cpu() => DistributedType::MultiCpu,
+            _ => DistributedType::MultiGpu,
+        }
+    }
+}
+
+impl fmt::Display for DistributedType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The identity of one rank: what Accelerate keeps in `PartialState`, held per rank instead of per process so
+/// that several ranks can live in one process as threads.
+#[derive(Debug, Clone)]
+pub struct ProcessState {
+    process_index: usize,
+    local_process_index: usize,
+    num_processes: usize,
+    device: Device,
+    backend: Option<Backend>,
+    distributed_type: DistributedType,
+    comm: Arc<dyn Communicator>,
+}
+
+impl ProcessState {
+    /// A state for `comm`'s rank on `device`. `local_process_index` is the rank on this machine.
+    pub fn new(
+        comm: Arc<dyn Communicator>,
+        local_process_index: usize,
+        device: Device,
+        backend: Option<Backend>,
+    ) -> Self {
+        let num_processes = comm.world_size();
+        Self {
+            process_index: comm.rank(),
+            local_process_index,
+            num_processes,
+            distributed_type: DistributedType::for_run(num_processes, backend),
+            device,
+            backend,
+            comm,
+        }
+    }
+
+    /// The global rank.
+    pub fn process_index(&self) -> usize {
+        self.process_index
+    }
+    /// The rank on this machine.
+    pub fn local_process_index(&self) -> usize {
+        self.local_process_index
+    }
+    /// The number of ranks.
+    pub fn num_processes(&self) -> usize {
+        self.num_processes
+    }
+    /// The device of this rank (autodiff enabled).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// The backend of the device, when it was chosen by name.
+    pub fn backend(&self) -> Option<Backend> {
+        self.backend
+    }
+    /// The kind of run.
+    pub fn distributed_type(&self) -> DistributedType {
+        self.distributed_type
+    }
+    /// Whether this is global rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.process_index == 0
+    }
+    /// Whether this is rank 0 on its machine.
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_process_index == 0
+    }
+    /// Whether this is the last rank.
+    pub fn is_last_process(&self) -> bool {
+        self.process_index + 1 == self.num_processes
+    }
+    /// The communicator of this rank.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+    /// Blocks until every rank arrives (no-op for one process).
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        if self.num_processes > 1 {
+            self.comm.barrier()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Makes this the state that logging on the current thread reports.
+    pub(crate) fn install_for_thread(self: &Arc<Self>) {
+        CURRENT.with(|c| *c.borrow_mut() = Some(self.clone()));
+    }
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Arc<ProcessState>>> = const { RefCell::new(None) };
+}
+
+/// The state of the rank running on this thread, if an [`Accelerator`](crate::Accelerator) was created on it.
+pub fn current() -> Option<Arc<ProcessState>> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
+/// The global rank of this thread: the installed state's, else the launcher's environment (`RANK`,
+/// `OMPI_COMM_WORLD_RANK`, `PMI_RANK`), else 0. Never fails.
+pub fn current_rank() -> usize {
+    current()
+        .map(|s| s.process_index())
+        .or_else(|| env::first_usize(env::RANK_VARS).ok().flatten())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn distributed_type_names_match_accelerate() {
+        assert_eq!(DistributedType::No.as_str(), "NO");
+        let yaml_like = serde_json::to_string(&DistributedType::MultiCpu).unwrap();
+        assert_eq!(yaml_like, "\"MULTI_CPU\"");
+        assert_eq!(
+            DistributedType::for_run(1, Some(Backend::Cuda)),
+            DistributedType::No
+        );
+        assert_eq!(
+            DistributedType::for_run(2, Some(Backend::Flex)),
+            DistributedType::MultiCpu
+        );
+        assert_eq!(
+            DistributedType::for_run(2, Some(Backend::Cuda)),
+            DistributedType::MultiGpu
+        );
+    }
+}

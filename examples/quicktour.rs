@@ -1,0 +1,118 @@
+//! Accelerate's Quicktour, in Burn.
+//!
+//! A plain Burn training loop with the Quicktour's four changes:
+//! 1. create an `Accelerator`;
+//! 2. drop the manual device moves (no `device` is passed around);
+//! 3. pass the model, optimizer, dataloader and scheduler through `prepare_*`;
+//! 4. replace `loss.backward()` with `accelerator.backward(loss, &model)`.
+//!
+//! Run: `cargo run --release --example quicktour` (add `-- --help` for the options).
+
+#[path = "support/mlp.rs"]
+mod mlp;
+
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::optim::AdamConfig;
+use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
+use burn_accelerate::{Accelerator, Backend};
+use clap::Parser;
+use mlp::{Batch, Mlp, Sample, SampleBatcher};
+
+/// Trains a small MLP on synthetic regression data through burn-accelerate.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 4)]
+    epochs: usize,
+    /// Examples per batch.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Peak learning rate (decays linearly to a tenth).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Training examples.
+    #[arg(long, default_value_t = 4096)]
+    samples: usize,
+    /// Seed for weights, data and shuffling.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Backend to run on (default: the best compiled in; see `burn-accelerate env`).
+    #[arg(long)]
+    backend: Option<Backend>,
+    /// Run on the CPU even when an accelerator is available.
+    #[arg(long)]
+    cpu: bool,
+}
+
+fn mean_loss(
+    model: &Mlp,
+    loader: &PreparedDataLoader<Sample, Batch>,
+) -> burn_accelerate::Result<f64> {
+    let (mut total, mut count) = (0.0, 0usize);
+    for batch in loader.iter() {
+        let batch = batch?;
+        let n = batch.x.dims()[0];
+        total += model.loss(batch).into_scalar::<f32>() as f64 * n as f64;
+        count += n;
+    }
+    Ok(total / count.max(1) as f64)
+}
+
+fn main() -> burn_accelerate::Result<()> {
+    burn_accelerate::logging::init(None);
+    let args = Args::parse();
+
+    // 1. Create the accelerator: it picks the device and knows the ranks.
+    let mut builder = Accelerator::builder().cpu(args.cpu);
+    if let Some(backend) = args.backend {
+        builder = builder.backend(backend);
+    }
+    let accelerator = builder.build()?;
+    accelerator.set_seed(args.seed, false);
+    accelerator.print(format!(
+        "device={:?} processes={}",
+        accelerator.device(),
+        accelerator.num_processes()
+    ));
+
+    // 2. Build everything without a device: the accelerator places it.
+    let model = Mlp::new(accelerator.device());
+    let train = DataLoaderBuilder::new(SampleBatcher)
+        .batch_size(args.batch_size)
+        .shuffle(args.seed)
+        .build(mlp::dataset(args.samples, args.seed));
+    let eval = DataLoaderBuilder::new(SampleBatcher)
+        .batch_size(256)
+        .build(mlp::dataset(1024, args.seed + 1));
+
+    // 3. Prepare.
+    let mut model = accelerator.prepare_model(model);
+    let train = accelerator.prepare_dataloader(train);
+    let eval = accelerator.prepare_dataloader(eval);
+    let mut optimizer = accelerator.prepare_optimizer(AdamConfig::new().init(), args.lr);
+    let total_steps = args.epochs * train.len();
+    let schedule = LinearLrSchedulerConfig::new(args.lr, args.lr / 10.0, total_steps.max(1))
+        .init()
+        .map_err(burn_accelerate::Error::InvalidArgument)?;
+    let mut scheduler = accelerator.prepare_scheduler(schedule, &optimizer);
+
+    let initial = mean_loss(&model, &eval)?;
+    accelerator.print(format!("initial_loss={initial:.6}"));
+    for epoch in 0..args.epochs {
+        for batch in train.iter() {
+            let loss = model.loss(batch?);
+            // 4. Backward through the accelerator.
+            accelerator.backward(loss, &model)?;
+            model = optimizer.step(model);
+            scheduler.step();
+        }
+        let loss = mean_loss(&model, &eval)?;
+        accelerator.print(format!(
+            "epoch={epoch} eval_loss={loss:.6} lr={:.2e}",
+            scheduler.lr()
+        ));
+    }
+    let final_loss = mean_loss(&model, &eval)?;
+    accelerator.print(format!("final_loss={final_loss:.6}"));
+    Ok(())
+}
