@@ -175,6 +175,36 @@ impl FromStr for Backend {
     }
 }
 
+/// The devices of `backend` that Burn finds on this machine (empty when the backend is not compiled in).
+/// GPU backends open each device to list it.
+pub fn enumerate(backend: Backend) -> Vec<Device> {
+    use burn::tensor::DeviceType;
+    let kind: Option<DeviceType> = match backend {
+        #[cfg(feature = "flex")]
+        Backend::Flex => Some(DeviceType::Flex),
+        #[cfg(feature = "ndarray")]
+        Backend::NdArray => Some(DeviceType::NdArray),
+        #[cfg(feature = "wgpu")]
+        Backend::Wgpu => Some(DeviceType::Wgpu),
+        #[cfg(feature = "vulkan")]
+        Backend::Vulkan => Some(DeviceType::Vulkan),
+        #[cfg(feature = "metal")]
+        Backend::Metal => Some(DeviceType::Metal),
+        #[cfg(feature = "webgpu")]
+        Backend::WebGpu => Some(DeviceType::WebGpu),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Some(DeviceType::Cuda),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm => Some(DeviceType::Rocm),
+        #[cfg(feature = "tch")]
+        Backend::LibTorch => Some(DeviceType::LibTorch),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    };
+    kind.map(|k| Device::enumerate(k).into_vec())
+        .unwrap_or_default()
+}
+
 /// What the user asked for when choosing a device.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct DeviceRequest {

@@ -239,10 +239,18 @@ mod tests {
         assert_eq!(moved.meta["w"].1, 5);
         assert_eq!(moved.labels.len(), 3);
         assert_eq!(
-            moved.mask.unwrap().into_data().to_vec::<bool>().unwrap(),
+            moved
+                .mask
+                .unwrap()
+                .into_data()
+                .try_to_vec::<bool>()
+                .unwrap(),
             vec![true, false]
         );
-        assert_eq!(moved.x.into_data().to_vec::<f32>().unwrap(), vec![1.0; 4]);
+        assert_eq!(
+            moved.x.into_data().try_to_vec::<f32>().unwrap(),
+            vec![1.0; 4]
+        );
     }
 
     #[test]

@@ -136,11 +136,11 @@ mod tests {
         (buffer, ids)
     }
 
-    fn values(buffer: &GradientBuffer, ids: &[ParamId]) -> Vec<Vec<f32>> {
+    fn values(buffer: &mut GradientBuffer, ids: &[ParamId]) -> Vec<Vec<f32>> {
         buffer
             .flat(ids)
             .into_iter()
-            .map(|t| t.into_data().to_vec::<f32>().unwrap())
+            .map(|t| t.into_data().try_to_vec::<f32>().unwrap())
             .collect()
     }
 
@@ -158,7 +158,7 @@ mod tests {
         let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2).unwrap();
         assert!((total - manual).abs() < 1e-5, "{total}");
         let coef = (1.3 / (13.0 + 1e-6)) as f32;
-        let after = values(&buffer, &ids);
+        let after = values(&mut buffer, &ids);
         for (g, a) in grads.iter().zip(&after) {
             for (x, y) in g.iter().zip(a) {
                 assert!((x * coef - y).abs() < 1e-6, "{x} * {coef} != {y}");
@@ -174,7 +174,7 @@ mod tests {
         let (mut buffer, ids) = buffer_with(grads);
         let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2).unwrap();
         assert!((total - 0.5).abs() < 1e-6);
-        assert_eq!(values(&buffer, &ids), vec![vec![0.3], vec![0.4]]);
+        assert_eq!(values(&mut buffer, &ids), vec![vec![0.3], vec![0.4]]);
     }
 
     #[test]
@@ -194,7 +194,10 @@ mod tests {
         let grads: &[&[f32]] = &[&[0.5, -3.0], &[2.0, 0.1]];
         let (mut buffer, ids) = buffer_with(grads);
         clip_grad_value(&mut buffer, &ids, 1.0).unwrap();
-        assert_eq!(values(&buffer, &ids), vec![vec![0.5, -1.0], vec![1.0, 0.1]]);
+        assert_eq!(
+            values(&mut buffer, &ids),
+            vec![vec![0.5, -1.0], vec![1.0, 0.1]]
+        );
         assert!(clip_grad_value(&mut buffer, &ids, -1.0).is_err());
     }
 

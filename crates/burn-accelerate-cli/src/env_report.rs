@@ -1,0 +1,95 @@
+//! `burn-accelerate env`: what a bug report needs to know about this machine and build.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use burn_accelerate::{Backend, backend, config, sys};
+
+/// The facts `burn-accelerate env` prints.
+pub struct EnvReport {
+    version: &'static str,
+    backends: Vec<(Backend, Vec<String>)>,
+    os: String,
+    kernel: Option<String>,
+    kernel_warning: Option<String>,
+    config_file: Option<PathBuf>,
+    variables: Vec<(String, String)>,
+}
+
+impl EnvReport {
+    /// Gathers the facts of this process.
+    pub fn collect() -> Self {
+        let backends = Backend::compiled()
+            .into_iter()
+            .map(|b| {
+                let devices = backend::enumerate(b)
+                    .iter()
+                    .map(|d| format!("{d:?}"))
+                    .collect();
+                (b, devices)
+            })
+            .collect();
+        let kernel = sys::kernel_release();
+        let mut variables: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| {
+                k.starts_with("ACCELERATE_")
+                    || k == "BURN_DEVICE"
+                    || k == "HF_HOME"
+                    || k.starts_with("CUBECL_")
+            })
+            .collect();
+        variables.sort();
+        Self {
+            version: env!("CARGO_PKG_VERSION"),
+            backends,
+            os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+            kernel_warning: kernel.as_deref().and_then(sys::kernel_warning),
+            kernel,
+            config_file: config::default_config_file(),
+            variables,
+        }
+    }
+}
+
+impl fmt::Display for EnvReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "Copy-and-paste the text below in your issue.")?;
+        writeln!(f)?;
+        writeln!(f, "- `burn-accelerate` version: {}", self.version)?;
+        writeln!(f, "- Platform: {}", self.os)?;
+        if let Some(kernel) = &self.kernel {
+            writeln!(f, "- Kernel: {kernel}")?;
+        }
+        if let Some(warning) = &self.kernel_warning {
+            writeln!(f, "- Warning: {warning}")?;
+        }
+        let names: Vec<String> = self.backends.iter().map(|(b, _)| b.to_string()).collect();
+        writeln!(f, "- Backend features: {}", names.join(", "))?;
+        for (backend, devices) in &self.backends {
+            if devices.is_empty() {
+                writeln!(f, "- Devices ({backend}): none found")?;
+            } else {
+                writeln!(f, "- Devices ({backend}): {}", devices.join(", "))?;
+            }
+        }
+        match &self.config_file {
+            Some(path) => {
+                let status = if path.exists() { "found" } else { "not found" };
+                writeln!(f, "- Config file: {} ({status})", path.display())?;
+            }
+            None => writeln!(
+                f,
+                "- Config file: unknown (no HF_HOME, XDG_CACHE_HOME or HOME)"
+            )?,
+        }
+        if self.variables.is_empty() {
+            writeln!(f, "- Environment: no ACCELERATE_*/BURN_DEVICE variable set")?;
+        } else {
+            writeln!(f, "- Environment:")?;
+            for (k, v) in &self.variables {
+                writeln!(f, "  - {k}={v}")?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,45 @@
+//! `burn-accelerate env` prints the version, backends, devices and config path.
+
+use std::process::Command;
+
+#[test]
+fn env_prints_the_facts() {
+    let dir = std::env::temp_dir().join(format!("ba-env-test-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("HF_HOME", &dir)
+        .env("ACCELERATE_LOG_LEVEL", "INFO")
+        .output()
+        .expect("the binary runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains(&format!("version: {}", env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    assert!(text.contains("- Backend features: "), "{text}");
+    assert!(text.contains("- Devices ("), "{text}");
+    let expected = dir.join("accelerate").join("default_config.yaml");
+    assert!(
+        text.contains(&format!(
+            "- Config file: {} (not found)",
+            expected.display()
+        )),
+        "{text}"
+    );
+    assert!(text.contains("ACCELERATE_LOG_LEVEL=INFO"), "{text}");
+}
+
+#[test]
+fn unknown_subcommand_is_a_usage_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("frobnicate")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
+}
