@@ -13,7 +13,7 @@ const MAX_SHAPED_RANK: usize = 8;
 enum GradValue {
     /// A `Tensor<D>` with `D = shape.num_dims() <= MAX_SHAPED_RANK`.
     Shaped(Box<dyn Any + Send>),
-    Flat(Tensor<1>),
+    Flat(Box<Tensor<1>>),
 }
 
 struct StoredGrad {
@@ -28,7 +28,7 @@ impl StoredGrad {
                 Ok(t) => *t,
                 Err(any) => to_flat(any, &self.shape).reshape(self.shape),
             },
-            GradValue::Flat(t) => t.reshape(self.shape),
+            GradValue::Flat(t) => (*t).reshape(self.shape),
         }
     }
 
@@ -39,7 +39,7 @@ impl StoredGrad {
             else {
                 unreachable!("checked above")
             };
-            self.value = GradValue::Flat(to_flat(any, &self.shape));
+            self.value = GradValue::Flat(Box::new(to_flat(any, &self.shape)));
         }
         match &mut self.value {
             GradValue::Flat(t) => t,
@@ -131,7 +131,7 @@ impl GradientBuffer {
                 let value = if D <= MAX_SHAPED_RANK {
                     GradValue::Shaped(Box::new(grad))
                 } else {
-                    GradValue::Flat(grad.reshape([shape.num_elements()]))
+                    GradValue::Flat(Box::new(grad.reshape([shape.num_elements()])))
                 };
                 self.grads.insert(id, StoredGrad { shape, value });
             }
@@ -141,12 +141,12 @@ impl GradientBuffer {
                         Ok(t) => GradValue::Shaped(Box::new(*t + grad)),
                         Err(any) => {
                             let numel = stored.shape.num_elements();
-                            GradValue::Flat(to_flat(any, &stored.shape) + grad.reshape([numel]))
+                            GradValue::Flat(Box::new(to_flat(any, &stored.shape) + grad.reshape([numel])))
                         }
                     },
                     GradValue::Flat(t) => {
                         let numel = stored.shape.num_elements();
-                        GradValue::Flat(t + grad.reshape([numel]))
+                        GradValue::Flat(Box::new(*t + grad.reshape([numel])))
                     }
                 };
                 self.grads.insert(id, stored);
@@ -159,7 +159,7 @@ impl GradientBuffer {
         let stored = self.grads.get(&id)?;
         match &stored.value {
             GradValue::Shaped(any) => any.downcast_ref::<Tensor<D>>().cloned(),
-            GradValue::Flat(t) => Some(t.clone().reshape(stored.shape.clone())),
+            GradValue::Flat(t) => Some((**t).clone().reshape(stored.shape.clone())),
         }
     }
 

@@ -10,20 +10,15 @@ use super::GradientBuffer;
 use crate::error::{Error, Result};
 
 /// Which norm [`clip_grad_norm`] measures.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum NormType {
     /// The Euclidean norm (torch's default, `norm_type=2`).
+    #[default]
     L2,
     /// The largest absolute value (`norm_type=inf`).
     Inf,
     /// The p-norm for a finite `p > 0`.
     P(f64),
-}
-
-impl Default for NormType {
-    fn default() -> Self {
-        NormType::L2
-    }
 }
 
 impl NormType {
@@ -32,7 +27,7 @@ impl NormType {
             NormType::P(p) if !(p.is_finite() && p > 0.0) => Err(Error::InvalidArgument(format!(
                 "clip_grad_norm: norm type p={p} is not a finite number above 0; use NormType::Inf for the max norm"
             ))),
-            NormType::P(p) if p == 2.0 => Ok(NormType::L2),
+            NormType::P(2.0) => Ok(NormType::L2),
             other => Ok(other),
         }
     }
