@@ -101,7 +101,7 @@ impl AcceleratorBuilder {
             cpu: config.cpu,
             ..self.device
         };
-        let comm = Arc::new(SingleProcess);
+        let comm = Arc::new(SingleProcess::default());
         let local_rank = 0;
         let (device, backend) = select_device(&request, local_rank)?;
         let state = Arc::new(ProcessState::new(

@@ -88,6 +88,23 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A collective failed: timeout, failed rank, mismatched calls or an engine error.
+    #[error(transparent)]
+    Comm(#[from] burn_accelerate_comm::CommError),
+
+    /// Tensors given to a collective have shapes that cannot be combined (Accelerate's message).
+    #[error(
+        "Cannot apply desired operation due to shape mismatches. All shapes across devices must be valid.\n\n\
+         Operation: `{operation}`\nInput shapes:\n  - {}",
+        shapes.iter().enumerate().map(|(i, s)| format!("Process {i}: {s}")).collect::<Vec<_>>().join("\n  - ")
+    )]
+    ShapeMismatch {
+        /// The collective.
+        operation: String,
+        /// Each rank's shape, in rank order, formatted like a Python list.
+        shapes: Vec<String>,
+    },
+
     /// Bad input to a call that is not covered by a more specific variant.
     #[error("{0}")]
     InvalidArgument(String),

@@ -299,8 +299,27 @@ mod tests {
         fn world_size(&self) -> usize {
             self.1
         }
-        fn barrier(&self) -> crate::Result<()> {
+        fn barrier(&self) -> crate::comm::CommResult<()> {
             Ok(())
+        }
+        fn engine(&self) -> &'static str {
+            "fake"
+        }
+        fn all_reduce(
+            &self,
+            data: crate::comm::ReduceBuffer,
+            _: crate::comm::ReduceOp,
+        ) -> crate::comm::CommResult<crate::comm::ReduceBuffer> {
+            Ok(data)
+        }
+        fn all_gather(&self, data: Vec<u8>) -> crate::comm::CommResult<Vec<Vec<u8>>> {
+            Ok(vec![data; self.1])
+        }
+        fn broadcast(&self, data: Vec<u8>, _: usize) -> crate::comm::CommResult<Vec<u8>> {
+            Ok(data)
+        }
+        fn all_reduce_count(&self) -> u64 {
+            0
         }
     }
 

@@ -126,7 +126,7 @@ impl ProcessState {
     /// Blocks until every rank arrives (no-op for one process).
     pub fn wait_for_everyone(&self) -> Result<()> {
         if self.num_processes > 1 {
-            self.comm.barrier()
+            Ok(self.comm.barrier()?)
         } else {
             Ok(())
         }

@@ -141,7 +141,9 @@ impl GradientBuffer {
                         Ok(t) => GradValue::Shaped(Box::new(*t + grad)),
                         Err(any) => {
                             let numel = stored.shape.num_elements();
-                            GradValue::Flat(Box::new(to_flat(any, &stored.shape) + grad.reshape([numel])))
+                            GradValue::Flat(Box::new(
+                                to_flat(any, &stored.shape) + grad.reshape([numel]),
+                            ))
                         }
                     },
                     GradValue::Flat(t) => {

@@ -1,0 +1,96 @@
+//! # burn-accelerate-comm
+//!
+//! Communication between ranks for burn-accelerate.
+//!
+//! One object-safe [`Communicator`] trait is the seam every engine implements: [`InProcessGroup`] (one rank per
+//! thread, shared memory), the MPI engine of the `burn-accelerate-mpi` crate, and [`SingleProcess`]. Buffers are
+//! passed by value so that an engine can move them instead of copying; tensor-level collectives
+//! (`burn_accelerate::ops`) are built on these few calls.
+//!
+//! Every blocking call has a timeout, and a rank that fails makes the others return an error instead of hanging.
+
+#![warn(missing_docs)]
+
+mod error;
+mod in_process;
+mod reduce;
+
+use std::fmt::Debug;
+
+pub use error::{CommError, CommResult};
+pub use in_process::{InProcessComm, InProcessGroup};
+pub use reduce::{ReduceBuffer, ReduceOp};
+
+type Result<T> = CommResult<T>;
+
+/// How ranks talk to each other. Each rank owns one communicator and calls it from its own thread; every rank
+/// must call the same collectives in the same order.
+pub trait Communicator: Send + Sync + Debug {
+    /// A short name of the engine, for messages (`in-process`, `mpi`, `single`).
+    fn engine(&self) -> &'static str;
+
+    /// This rank's index in the group, `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// How many ranks the group has.
+    fn world_size(&self) -> usize;
+
+    /// Blocks until every rank has called `barrier`.
+    fn barrier(&self) -> Result<()>;
+
+    /// Combines `data` element-wise across ranks with `op`; every rank gets the result. All ranks must pass
+    /// buffers of the same kind and length.
+    fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> Result<ReduceBuffer>;
+
+    /// Gathers every rank's bytes (lengths may differ); the result is in rank order.
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+
+    /// Returns `root`'s bytes on every rank (`data` is ignored on the other ranks).
+    fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
+
+    /// How many all-reduce calls this communicator has completed (to verify, for instance, that gradient
+    /// accumulation communicates only on sync steps).
+    fn all_reduce_count(&self) -> u64;
+}
+
+/// The communicator of a run with one process and one device: every collective returns its input.
+#[derive(Debug, Default)]
+pub struct SingleProcess {
+    reduces: std::sync::atomic::AtomicU64,
+}
+
+impl Communicator for SingleProcess {
+    fn engine(&self) -> &'static str {
+        "single"
+    }
+
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn all_reduce(&self, data: ReduceBuffer, _op: ReduceOp) -> Result<ReduceBuffer> {
+        self.reduces
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(data)
+    }
+
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        Ok(vec![data])
+    }
+
+    fn broadcast(&self, data: Vec<u8>, _root: usize) -> Result<Vec<u8>> {
+        Ok(data)
+    }
+
+    fn all_reduce_count(&self) -> u64 {
+        self.reduces.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}

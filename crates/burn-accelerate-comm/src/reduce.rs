@@ -1,0 +1,198 @@
+//! Reduction operators and the host buffers they combine.
+
+use std::fmt;
+
+use crate::error::{CommError, CommResult};
+
+/// How values are combined across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean (sum divided by the number of ranks; integers round toward zero).
+    Mean,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        })
+    }
+}
+
+/// A host buffer to reduce. Half-precision floats travel as `F32` (and are reduced in f32, which is more
+/// accurate than summing in f16); integers and booleans as `I64`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReduceBuffer {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// 64-bit floats.
+    F64(Vec<f64>),
+    /// 64-bit integers.
+    I64(Vec<i64>),
+}
+
+impl ReduceBuffer {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            ReduceBuffer::F32(v) => v.len(),
+            ReduceBuffer::F64(v) => v.len(),
+            ReduceBuffer::I64(v) => v.len(),
+        }
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element kind's name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ReduceBuffer::F32(_) => "f32",
+            ReduceBuffer::F64(_) => "f64",
+            ReduceBuffer::I64(_) => "i64",
+        }
+    }
+
+    /// An empty buffer of the same kind with room for `capacity` elements.
+    pub(crate) fn empty_like(&self, capacity: usize) -> Self {
+        match self {
+            ReduceBuffer::F32(_) => ReduceBuffer::F32(Vec::with_capacity(capacity)),
+            ReduceBuffer::F64(_) => ReduceBuffer::F64(Vec::with_capacity(capacity)),
+            ReduceBuffer::I64(_) => ReduceBuffer::I64(Vec::with_capacity(capacity)),
+        }
+    }
+
+    /// Appends `other`, of the same kind.
+    pub(crate) fn extend_from(&mut self, other: &ReduceBuffer) {
+        match (self, other) {
+            (ReduceBuffer::F32(a), ReduceBuffer::F32(b)) => a.extend_from_slice(b),
+            (ReduceBuffer::F64(a), ReduceBuffer::F64(b)) => a.extend_from_slice(b),
+            (ReduceBuffer::I64(a), ReduceBuffer::I64(b)) => a.extend_from_slice(b),
+            (a, b) => unreachable!("kinds checked before: {} vs {}", a.kind(), b.kind()),
+        }
+    }
+}
+
+/// Checks that every rank passed the same kind and length (`inputs` in rank order).
+pub fn check_compatible(inputs: &[&ReduceBuffer]) -> CommResult<()> {
+    let first = inputs[0];
+    if inputs
+        .iter()
+        .all(|b| b.kind() == first.kind() && b.len() == first.len())
+    {
+        return Ok(());
+    }
+    let described: Vec<String> = inputs
+        .iter()
+        .enumerate()
+        .map(|(r, b)| format!("rank {r}: {} x {}", b.len(), b.kind()))
+        .collect();
+    Err(CommError::IncompatibleInputs {
+        operation: "all_reduce".into(),
+        reason: format!(
+            "ranks passed buffers of different kinds or lengths ({}); reduce tensors of the same shape and dtype",
+            described.join(", ")
+        ),
+    })
+}
+
+/// Reduces `range` of every input into a new buffer, combining ranks in rank order (so every rank computes
+/// bit-identical results).
+pub fn reduce_range(
+    inputs: &[&ReduceBuffer],
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+) -> ReduceBuffer {
+    let n = inputs.len();
+    macro_rules! reduce {
+        ($variant:ident, $t:ty, $mean:expr, $is_nan:expr) => {{
+            let is_nan: fn($t) -> bool = $is_nan;
+            let slices: Vec<&[$t]> = inputs
+                .iter()
+                .map(|b| match b {
+                    ReduceBuffer::$variant(v) => &v[range.clone()],
+                    _ => unreachable!("kinds checked before"),
+                })
+                .collect();
+            let mut out: Vec<$t> = slices[0].to_vec();
+            for s in &slices[1..] {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Mean => {
+                        out.iter_mut().zip(*s).for_each(|(a, b)| *a += *b)
+                    }
+                    ReduceOp::Max => out.iter_mut().zip(*s).for_each(|(a, b)| {
+                        if *b > *a || is_nan(*b) {
+                            *a = *b
+                        }
+                    }),
+                    ReduceOp::Min => out.iter_mut().zip(*s).for_each(|(a, b)| {
+                        if *b < *a || is_nan(*b) {
+                            *a = *b
+                        }
+                    }),
+                }
+            }
+            if op == ReduceOp::Mean {
+                let mean: fn($t, usize) -> $t = $mean;
+                out.iter_mut().for_each(|a| *a = mean(*a, n));
+            }
+            ReduceBuffer::$variant(out)
+        }};
+    }
+    match inputs[0] {
+        ReduceBuffer::F32(_) => reduce!(F32, f32, |a, n| a / n as f32, f32::is_nan),
+        ReduceBuffer::F64(_) => reduce!(F64, f64, |a, n| a / n as f64, f64::is_nan),
+        ReduceBuffer::I64(_) => reduce!(I64, i64, |a, n| a / n as i64, |_| false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_in_rank_order() {
+        let a = ReduceBuffer::F32(vec![1.0, 5.0, f32::NAN]);
+        let b = ReduceBuffer::F32(vec![3.0, 2.0, 1.0]);
+        let inputs = [&a, &b];
+        assert_eq!(
+            reduce_range(&inputs, 0..2, ReduceOp::Sum),
+            ReduceBuffer::F32(vec![4.0, 7.0])
+        );
+        assert_eq!(
+            reduce_range(&inputs, 0..2, ReduceOp::Mean),
+            ReduceBuffer::F32(vec![2.0, 3.5])
+        );
+        assert_eq!(
+            reduce_range(&inputs, 0..2, ReduceOp::Max),
+            ReduceBuffer::F32(vec![3.0, 5.0])
+        );
+        assert_eq!(
+            reduce_range(&inputs, 1..2, ReduceOp::Min),
+            ReduceBuffer::F32(vec![2.0])
+        );
+        match reduce_range(&[&b, &a], 2..3, ReduceOp::Max) {
+            ReduceBuffer::F32(v) => assert!(v[0].is_nan(), "NaN propagates through max"),
+            _ => unreachable!(),
+        }
+        let i = ReduceBuffer::I64(vec![3, -3]);
+        let j = ReduceBuffer::I64(vec![4, 0]);
+        assert_eq!(
+            reduce_range(&[&i, &j], 0..2, ReduceOp::Mean),
+            ReduceBuffer::I64(vec![3, -1])
+        );
+        assert!(check_compatible(&[&i, &a]).is_err());
+        assert!(check_compatible(&[&i, &j]).is_ok());
+    }
+}
