@@ -3,18 +3,23 @@
 
 use std::fmt;
 use std::sync::{Arc, Once};
+use std::time::Duration;
 
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
+use burn::tensor::kind::Basic;
 use burn::tensor::{Device, Tensor};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::backend::{Backend, DeviceRequest, select_device};
-use crate::comm::SingleProcess;
+use crate::comm::{Communicator, ReduceOp, SingleProcess};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::error::{Error, Result};
 use crate::grad::{self, NormType};
+use crate::ops;
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerRule};
 use crate::placement::ToDevice;
 use crate::state::{DistributedType, ProcessState};
@@ -23,13 +28,15 @@ use crate::sys;
 
 /// Builds an [`Accelerator`]. Every setting not given here comes from the `ACCELERATE_*` environment variables,
 /// else from the defaults of [`AcceleratorConfig`].
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct AcceleratorBuilder {
     device: DeviceRequest,
     device_placement: Option<bool>,
     step_scheduler_with_optimizer: Option<bool>,
     split_batches: Option<bool>,
     gradient_accumulation_steps: Option<usize>,
+    debug: Option<bool>,
+    collective_timeout: Option<Duration>,
 }
 
 impl AcceleratorBuilder {
@@ -77,11 +84,52 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Debug mode: before every collective, ranks compare the operation and tensor shapes, so that a mismatch
+    /// is an error on every rank instead of a hang (like `ACCELERATE_DEBUG_MODE=1`). Costs one small exchange per
+    /// collective.
+    pub fn debug(mut self, on: bool) -> Self {
+        self.debug = Some(on);
+        self
+    }
+
+    /// How long a collective waits for the other ranks before failing with an error that names the missing
+    /// ranks (default 300 s; `ACCELERATE_COLLECTIVE_TIMEOUT=<seconds>`).
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.collective_timeout = Some(timeout);
+        self
+    }
+
     /// Resolves the configuration, picks the device and creates the accelerator.
     ///
     /// # Errors
     /// An invalid setting or environment variable, or a requested backend that is not compiled in.
     pub fn build(self) -> Result<Accelerator> {
+        let config = self.resolve()?;
+        let comm: Arc<dyn Communicator> = Arc::new(SingleProcess::default());
+        self.build_rank(config, comm, 0)
+    }
+
+    /// Runs `f` on `num_processes` ranks, one thread each, every one with its own accelerator (Accelerate's
+    /// `notebook_launcher`/`debug_launcher`). Rank `i` gets device `i` when the backend has several devices,
+    /// else the backend's device. Returns every rank's result in rank order, or the error that caused the
+    /// failure (a panic, or the first rank's own error rather than the errors it caused on the others).
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let ranks = Accelerator::builder().launch(3, |acc| Ok(acc.process_index()))?;
+    /// assert_eq!(ranks, vec![0, 1, 2]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn launch<T, F>(self, num_processes: usize, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(Accelerator) -> Result<T> + Send + Sync,
+    {
+        crate::launch::run(self, num_processes, f)
+    }
+
+    /// The configuration: builder values over environment variables over defaults.
+    pub(crate) fn resolve(&self) -> Result<AcceleratorConfig> {
         let mut config = AcceleratorConfig::from_env()?;
         if let Some(v) = self.device_placement {
             config.device_placement = v;
@@ -95,22 +143,32 @@ impl AcceleratorBuilder {
         if let Some(v) = self.gradient_accumulation_steps {
             config.gradient_accumulation_steps = v;
         }
+        if let Some(v) = self.debug {
+            config.debug = v;
+        }
+        if let Some(v) = self.collective_timeout {
+            config.collective_timeout_secs = v.as_secs_f64();
+        }
         config.cpu |= self.device.cpu;
         config.validate()?;
+        Ok(config)
+    }
+
+    /// The accelerator of the rank `comm` speaks for, `local_rank` on this machine.
+    pub(crate) fn build_rank(
+        &self,
+        config: AcceleratorConfig,
+        comm: Arc<dyn Communicator>,
+        local_rank: usize,
+    ) -> Result<Accelerator> {
         let request = DeviceRequest {
             cpu: config.cpu,
-            ..self.device
+            ..self.device.clone()
         };
-        let comm = Arc::new(SingleProcess::default());
-        let local_rank = 0;
         let (device, backend) = select_device(&request, local_rank)?;
-        let state = Arc::new(ProcessState::new(
-            comm,
-            local_rank,
-            device.autodiff(),
-            backend,
-        ));
-        Accelerator::from_parts(state, config)
+        let state = ProcessState::new(comm, local_rank, device.autodiff(), backend)
+            .with_debug(config.debug);
+        Accelerator::from_parts(Arc::new(state), config)
     }
 }
 
@@ -139,6 +197,7 @@ pub struct Accelerator {
     state: Arc<ProcessState>,
     config: AcceleratorConfig,
     step: SharedStep,
+    trigger: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Accelerator {
@@ -183,6 +242,7 @@ impl Accelerator {
             state,
             config,
             step,
+            trigger: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -320,6 +380,96 @@ impl Accelerator {
     /// Moves a batch (any [`ToDevice`] value) to the accelerator's device.
     pub fn to_device<T: ToDevice>(&self, value: T) -> T {
         value.to_device(self.device())
+    }
+
+    // ----- collectives ----------------------------------------------------------------------------------
+
+    /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ
+    /// between ranks (no padding is left in the result). See [`ops::gather`](crate::ops::gather).
+    pub fn gather<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
+        ops::gather(&self.state, tensor)
+    }
+
+    /// Combines every rank's tensor with `op` (sum, mean, max, min); every rank gets the result.
+    pub fn reduce<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        op: ReduceOp,
+    ) -> Result<Tensor<D, K>> {
+        ops::reduce(&self.state, tensor, op)
+    }
+
+    /// Returns rank `from`'s tensor on every rank.
+    pub fn broadcast<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        from: usize,
+    ) -> Result<Tensor<D, K>> {
+        ops::broadcast(&self.state, tensor, from)
+    }
+
+    /// Pads `tensor` along `dim` with `pad_value` to the largest size across ranks (after the data, or before
+    /// it with `pad_first`).
+    pub fn pad_across_processes<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        dim: usize,
+        pad_value: f64,
+        pad_first: bool,
+    ) -> Result<Tensor<D, K>> {
+        ops::pad_across_processes(&self.state, tensor, dim, pad_value, pad_first)
+    }
+
+    /// Gathers one serializable value per rank, in rank order (unlike Accelerate, a single process also gets a
+    /// one-element `Vec`, and lists are not flattened).
+    pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        ops::gather_object(&self.state, value)
+    }
+
+    /// Returns rank `from`'s value on every rank.
+    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: &T,
+        from: usize,
+    ) -> Result<T> {
+        ops::broadcast_object(&self.state, value, from)
+    }
+
+    /// This rank's share of `items` (contiguous; the first `len % num_processes` ranks get one more). With
+    /// `apply_padding`, every rank gets the same count (shorter shares repeat their last item).
+    pub fn split_between_processes<T: Clone>(&self, items: &[T], apply_padding: bool) -> Vec<T> {
+        ops::split_between_processes(
+            items,
+            self.process_index(),
+            self.num_processes(),
+            apply_padding,
+        )
+    }
+
+    /// Raises this rank's trigger (e.g. an early-stopping condition); [`check_trigger`](Self::check_trigger)
+    /// reports it on every rank.
+    pub fn set_trigger(&self) {
+        self.trigger
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether any rank raised its trigger since the last check that fired; resets the triggers when it
+    /// fires. A collective: every rank must call it at the same point.
+    pub fn check_trigger(&self) -> Result<bool> {
+        use std::sync::atomic::Ordering;
+        let mine = i64::from(self.trigger.load(Ordering::Relaxed));
+        let fired = match self
+            .state
+            .comm()
+            .all_reduce(crate::comm::ReduceBuffer::I64(vec![mine]), ReduceOp::Max)?
+        {
+            crate::comm::ReduceBuffer::I64(v) => v.first().copied().unwrap_or(0) > 0,
+            _ => false,
+        };
+        if fired {
+            self.trigger.store(false, Ordering::Relaxed);
+        }
+        Ok(fired)
     }
 
     // ----- gradients -----------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ pub(crate) fn select_device(
         return Ok((device.clone(), None));
     }
     if let Some(backend) = request.backend {
-        return Ok((backend.device_from(local_index, "builder")?, Some(backend)));
+        return Ok((rank_device(backend, local_index, "builder")?, Some(backend)));
     }
     if request.cpu || env::flag("ACCELERATE_USE_CPU")?.unwrap_or(false) {
         let origin = if request.cpu {
@@ -251,7 +251,7 @@ pub(crate) fn select_device(
             )
         })?;
         return Ok((
-            backend.device_from(local_index, "BURN_DEVICE")?,
+            rank_device(backend, local_index, "BURN_DEVICE")?,
             Some(backend),
         ));
     }
@@ -261,7 +261,21 @@ pub(crate) fn select_device(
         .ok_or(Error::NoBackend {
             available: "flex, ndarray, wgpu, vulkan, metal, webgpu, cuda, rocm, tch",
         })?;
-    Ok((backend.device_from(local_index, "default")?, Some(backend)))
+    Ok((rank_device(backend, local_index, "default")?, Some(backend)))
+}
+
+/// The device of local rank `local_index` on `backend`: device `local_index` when the machine has several,
+/// else the backend's one device (CPU backends, or one GPU shared by in-process ranks).
+fn rank_device(backend: Backend, local_index: usize, origin: &str) -> Result<Device> {
+    if local_index == 0 || backend.is_cpu() {
+        return backend.device_from(0, origin);
+    }
+    let devices = enumerate(backend);
+    if devices.len() > 1 {
+        Ok(devices[local_index % devices.len()].clone())
+    } else {
+        backend.device_from(0, origin)
+    }
 }
 
 /// The CPU backend this build prefers: flex, else ndarray.

@@ -22,6 +22,12 @@ pub struct AcceleratorConfig {
     pub gradient_accumulation_steps: usize,
     /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
     pub cpu: bool,
+    /// Check operations and shapes across ranks before every collective (default `false`;
+    /// `ACCELERATE_DEBUG_MODE`).
+    pub debug: bool,
+    /// Seconds a collective waits for the other ranks before failing (default 300;
+    /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
+    pub collective_timeout_secs: f64,
 }
 
 impl Default for AcceleratorConfig {
@@ -32,6 +38,8 @@ impl Default for AcceleratorConfig {
             split_batches: false,
             gradient_accumulation_steps: 1,
             cpu: false,
+            debug: false,
+            collective_timeout_secs: 300.0,
         }
     }
 }
@@ -42,6 +50,19 @@ impl AcceleratorConfig {
         let mut config = Self::default();
         if let Some(cpu) = env::flag("ACCELERATE_USE_CPU")? {
             config.cpu = cpu;
+        }
+        if let Some(debug) = env::flag("ACCELERATE_DEBUG_MODE")? {
+            config.debug = debug;
+        }
+        if let Some(value) = env::var("ACCELERATE_COLLECTIVE_TIMEOUT") {
+            config.collective_timeout_secs = value.parse().map_err(|_| {
+                Error::config(
+                    "ACCELERATE_COLLECTIVE_TIMEOUT",
+                    &value,
+                    "environment",
+                    "a number of seconds",
+                )
+            })?;
         }
         if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
             config.gradient_accumulation_steps = steps;
@@ -60,7 +81,20 @@ impl AcceleratorConfig {
                 "an integer >= 1",
             ));
         }
+        if !(self.collective_timeout_secs.is_finite() && self.collective_timeout_secs > 0.0) {
+            return Err(Error::config(
+                "collective_timeout_secs",
+                self.collective_timeout_secs.to_string(),
+                "configuration",
+                "a positive number of seconds",
+            ));
+        }
         Ok(())
+    }
+
+    /// The collective timeout as a duration.
+    pub fn collective_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.collective_timeout_secs)
     }
 }
 

@@ -105,6 +105,15 @@ pub enum Error {
         shapes: Vec<String>,
     },
 
+    /// A rank of an in-process launch panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// The panic message.
+        message: String,
+    },
+
     /// Bad input to a call that is not covered by a more specific variant.
     #[error("{0}")]
     InvalidArgument(String),

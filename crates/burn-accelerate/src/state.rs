@@ -61,6 +61,7 @@ pub struct ProcessState {
     backend: Option<Backend>,
     distributed_type: DistributedType,
     comm: Arc<dyn Communicator>,
+    debug: bool,
 }
 
 impl ProcessState {
@@ -80,7 +81,19 @@ impl ProcessState {
             device,
             backend,
             comm,
+            debug: false,
         }
+    }
+
+    /// Turns debug mode (shape checks before every collective) on or off.
+    pub fn with_debug(mut self, debug: bool) -> Self {
+        self.debug = debug;
+        self
+    }
+
+    /// Whether collectives check operations and shapes across ranks first.
+    pub fn debug(&self) -> bool {
+        self.debug
     }
 
     /// The global rank.

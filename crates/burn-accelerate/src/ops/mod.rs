@@ -1,0 +1,372 @@
+//! Tensor collectives: `gather`, `reduce`, `broadcast`, `pad_across_processes`, object gather and broadcast, and
+//! `split_between_processes`, built on the [`Communicator`](crate::comm::Communicator) of a rank.
+//!
+//! They work for float, int and bool tensors of any rank and dtype (f16 and bf16 included). With one process
+//! each returns its input. With debug mode on (`ACCELERATE_DEBUG_MODE=1`), every collective first exchanges the
+//! operation and the shapes, so a mismatch is an error on every rank, in Accelerate's format, instead of a hang.
+
+mod wire;
+
+use burn::tensor::kind::Basic;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::comm::{ReduceBuffer, ReduceOp};
+use crate::error::{Error, Result};
+use crate::state::ProcessState;
+use wire::{decode, encode, shape_str};
+
+const PREFIX: &str = "burn_accelerate::ops::";
+
+fn read<const D: usize, K: Basic>(
+    tensor: Tensor<D, K>,
+    operation: &'static str,
+) -> Result<TensorData> {
+    let device = tensor.device();
+    tensor.try_into_data().map_err(|e| Error::Execution {
+        operation,
+        device: format!("{device:?}"),
+        reason: e.to_string(),
+    })
+}
+
+fn to_tensor<const D: usize, K: Basic>(data: TensorData, device: &Device) -> Tensor<D, K> {
+    let dtype = data.dtype();
+    Tensor::from_data(data, (device, dtype))
+}
+
+fn data_error(operation: &str, e: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("{PREFIX}{operation}: {e}"))
+}
+
+/// Debug mode: every rank sends (operation, dtype, shape); a different operation or an incompatible shape is an
+/// error on every rank. `compare_from` is the first dimension that must agree (1 for `gather`, which accepts
+/// different first dimensions, 0 otherwise).
+fn verify(
+    state: &ProcessState,
+    operation: &str,
+    dtype: DType,
+    shape: &[usize],
+    compare_from: usize,
+) -> Result<()> {
+    if !state.debug() || state.num_processes() == 1 {
+        return Ok(());
+    }
+    let mine =
+        serde_json::to_vec(&(operation, dtype, shape)).map_err(|e| data_error(operation, e))?;
+    let all = state.comm().all_gather(mine)?;
+    let mut calls: Vec<(String, DType, Vec<usize>)> = Vec::with_capacity(all.len());
+    for (rank, bytes) in all.iter().enumerate() {
+        calls.push(serde_json::from_slice(bytes).map_err(|e| {
+            data_error(
+                operation,
+                format!("malformed debug message from rank {rank}: {e}"),
+            )
+        })?);
+    }
+    if calls.iter().any(|(op, _, _)| op != &calls[0].0) {
+        return Err(crate::comm::CommError::CollectiveMismatch {
+            seq: 0,
+            calls: calls
+                .iter()
+                .enumerate()
+                .map(|(r, (op, _, _))| format!("rank {r}: {PREFIX}{op}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+        .into());
+    }
+    let tail = |s: &[usize]| s.get(compare_from..).map(<[usize]>::to_vec);
+    let same = calls
+        .iter()
+        .all(|(_, dt, s)| *dt == calls[0].1 && tail(s) == tail(&calls[0].2));
+    if same {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch {
+            operation: format!("{PREFIX}{operation}"),
+            shapes: calls.iter().map(|(_, _, s)| shape_str(s)).collect(),
+        })
+    }
+}
+
+/// Concatenates every rank's tensor along dimension 0, in rank order. The first dimension may differ between
+/// ranks (the result has no padding); the other dimensions and the dtype must agree.
+pub fn gather<const D: usize, K: Basic>(
+    state: &ProcessState,
+    tensor: Tensor<D, K>,
+) -> Result<Tensor<D, K>> {
+    if state.num_processes() == 1 {
+        return Ok(tensor);
+    }
+    let device = tensor.device();
+    let data = read(tensor, "gather")?;
+    verify(state, "gather", data.dtype(), data.shape(), 1)?;
+    let all = state.comm().all_gather(encode(&data)?)?;
+    drop(data);
+    let parts: Vec<_> = all
+        .into_iter()
+        .enumerate()
+        .map(|(rank, m)| decode(m, rank))
+        .collect::<Result<_>>()?;
+    let first = &parts[0];
+    let compatible = parts
+        .iter()
+        .all(|p| p.dtype == first.dtype && p.shape.get(1..) == first.shape.get(1..));
+    if !compatible {
+        return Err(Error::ShapeMismatch {
+            operation: format!("{PREFIX}gather"),
+            shapes: parts.iter().map(|p| shape_str(&p.shape)).collect(),
+        });
+    }
+    let mut shape = first.shape.clone();
+    shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+    let dtype = first.dtype;
+    let bytes: Vec<u8> = parts.into_iter().flat_map(|p| p.bytes).collect();
+    Ok(to_tensor(
+        TensorData::from_bytes_vec(bytes, shape, dtype),
+        &device,
+    ))
+}
+
+/// Combines every rank's tensor element-wise with `op`; every rank gets the result, in the input's dtype.
+/// Half-precision floats are combined in f32; for bool tensors `Sum` and `Max` are a logical or, `Min` a
+/// logical and, and `Mean` is an error.
+pub fn reduce<const D: usize, K: Basic>(
+    state: &ProcessState,
+    tensor: Tensor<D, K>,
+    op: ReduceOp,
+) -> Result<Tensor<D, K>> {
+    let dtype = tensor.dtype();
+    if matches!(dtype, DType::Bool(_)) && op == ReduceOp::Mean {
+        return Err(Error::InvalidArgument(format!(
+            "{PREFIX}reduce: the mean of bool tensors is not defined; use ReduceOp::Max (any) or ReduceOp::Min (all)"
+        )));
+    }
+    if state.num_processes() == 1 {
+        return Ok(tensor);
+    }
+    let device = tensor.device();
+    let data = read(tensor, "reduce")?;
+    verify(state, "reduce", dtype, data.shape(), 0)?;
+    let shape = data.shape().to_vec();
+    let err = |e| data_error("reduce", e);
+    let buffer = match dtype {
+        DType::F64 => ReduceBuffer::F64(data.try_into_vec::<f64>().map_err(err)?),
+        DType::F32 | DType::Flex32 | DType::F16 | DType::BF16 => ReduceBuffer::F32(
+            data.try_cast_as::<f32>()
+                .map_err(err)?
+                .try_into_vec::<f32>()
+                .map_err(err)?,
+        ),
+        DType::Bool(_) => ReduceBuffer::I64(
+            data.try_into_vec::<bool>()
+                .map_err(err)?
+                .into_iter()
+                .map(i64::from)
+                .collect(),
+        ),
+        DType::QFloat(_) => {
+            return Err(Error::InvalidArgument(format!(
+                "{PREFIX}reduce: quantized tensors are not supported; dequantize first"
+            )));
+        }
+        _ => ReduceBuffer::I64(
+            data.try_cast_as::<i64>()
+                .map_err(err)?
+                .try_into_vec::<i64>()
+                .map_err(err)?,
+        ),
+    };
+    let op = if matches!(dtype, DType::Bool(_)) && op == ReduceOp::Sum {
+        ReduceOp::Max
+    } else {
+        op
+    };
+    let out = match state.comm().all_reduce(buffer, op)? {
+        ReduceBuffer::F64(v) => TensorData::new(v, shape),
+        ReduceBuffer::F32(v) => TensorData::new(v, shape),
+        ReduceBuffer::I64(v) if matches!(dtype, DType::Bool(_)) => {
+            TensorData::new(v.into_iter().map(|x| x != 0).collect::<Vec<bool>>(), shape)
+        }
+        ReduceBuffer::I64(v) => TensorData::new(v, shape),
+    };
+    let out = out.try_cast(dtype).map_err(err)?;
+    Ok(to_tensor(out, &device))
+}
+
+/// Returns rank `from`'s tensor on every rank (the other ranks' tensors only fix the rank and kind).
+pub fn broadcast<const D: usize, K: Basic>(
+    state: &ProcessState,
+    tensor: Tensor<D, K>,
+    from: usize,
+) -> Result<Tensor<D, K>> {
+    if from >= state.num_processes() {
+        return Err(crate::comm::CommError::InvalidRoot {
+            operation: "broadcast".into(),
+            root: from,
+            world_size: state.num_processes(),
+        }
+        .into());
+    }
+    if state.num_processes() == 1 {
+        return Ok(tensor);
+    }
+    let device = tensor.device();
+    let data = read(tensor, "broadcast")?;
+    verify(state, "broadcast", data.dtype(), data.shape(), 0)?;
+    let message = if state.process_index() == from {
+        encode(&data)?
+    } else {
+        Vec::new()
+    };
+    drop(data);
+    let root = decode(state.comm().broadcast(message, from)?, from)?;
+    Ok(to_tensor(root.into_data(), &device))
+}
+
+/// Pads `tensor` along `dim` with `pad_value` so that every rank's tensor has the largest size found across
+/// ranks (padding after the data, or before it with `pad_first`). Use it before [`gather`] when ranks hold
+/// batches of different lengths and an equal shape is needed (for instance to stack per-rank outputs).
+pub fn pad_across_processes<const D: usize, K: Basic>(
+    state: &ProcessState,
+    tensor: Tensor<D, K>,
+    dim: usize,
+    pad_value: f64,
+    pad_first: bool,
+) -> Result<Tensor<D, K>> {
+    if dim >= D {
+        return Err(Error::InvalidArgument(format!(
+            "{PREFIX}pad_across_processes: dim {dim} is out of range for a {D}-dimensional tensor"
+        )));
+    }
+    if state.num_processes() == 1 {
+        return Ok(tensor);
+    }
+    let dims = tensor.dims();
+    let dtype = tensor.dtype();
+    verify(state, "pad_across_processes", dtype, &dims, D)?;
+    let size = dims[dim] as u64;
+    let sizes = state.comm().all_gather(size.to_le_bytes().to_vec())?;
+    let mut max = 0u64;
+    for (rank, bytes) in sizes.iter().enumerate() {
+        let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
+            data_error(
+                "pad_across_processes",
+                format!("malformed size from rank {rank}"),
+            )
+        })?;
+        max = max.max(u64::from_le_bytes(bytes));
+    }
+    let max = max as usize;
+    if max == dims[dim] {
+        return Ok(tensor);
+    }
+    let mut pad_shape = dims.to_vec();
+    pad_shape[dim] = max - dims[dim];
+    let pad = if matches!(dtype, DType::Bool(_)) {
+        TensorData::full(pad_shape, pad_value != 0.0)
+    } else {
+        TensorData::full(pad_shape, pad_value)
+    };
+    let pad = pad
+        .try_cast(dtype)
+        .map_err(|e| data_error("pad_across_processes", e))?;
+    let pad: Tensor<D, K> = to_tensor(pad, &tensor.device());
+    let parts = if pad_first {
+        vec![pad, tensor]
+    } else {
+        vec![tensor, pad]
+    };
+    Ok(Tensor::cat(parts, dim))
+}
+
+/// Gathers one serializable value from every rank, in rank order.
+pub fn gather_object<T: Serialize + DeserializeOwned>(
+    state: &ProcessState,
+    value: &T,
+) -> Result<Vec<T>> {
+    let bytes = serde_json::to_vec(value).map_err(|e| data_error("gather_object", e))?;
+    let all = state.comm().all_gather(bytes)?;
+    all.iter()
+        .enumerate()
+        .map(|(rank, b)| {
+            serde_json::from_slice(b)
+                .map_err(|e| data_error("gather_object", format!("value of rank {rank}: {e}")))
+        })
+        .collect()
+}
+
+/// Returns rank `from`'s value on every rank (`value` is only read on rank `from`).
+pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+    state: &ProcessState,
+    value: &T,
+    from: usize,
+) -> Result<T> {
+    if from >= state.num_processes() {
+        return Err(crate::comm::CommError::InvalidRoot {
+            operation: "broadcast_object".into(),
+            root: from,
+            world_size: state.num_processes(),
+        }
+        .into());
+    }
+    let bytes = if state.process_index() == from {
+        serde_json::to_vec(value).map_err(|e| data_error("broadcast_object", e))?
+    } else {
+        Vec::new()
+    };
+    let root = state.comm().broadcast(bytes, from)?;
+    serde_json::from_slice(&root).map_err(|e| data_error("broadcast_object", e))
+}
+
+/// The part of `items` that rank `rank` of `world` handles: contiguous, the first `len % world` ranks taking
+/// one item more (Accelerate's `split_between_processes`). With `apply_padding`, shorter parts are completed
+/// with their last item so that every rank gets the same count.
+pub fn split_between_processes<T: Clone>(
+    items: &[T],
+    rank: usize,
+    world: usize,
+    apply_padding: bool,
+) -> Vec<T> {
+    let world = world.max(1);
+    let (per, extra) = (items.len() / world, items.len() % world);
+    let start = rank * per + rank.min(extra);
+    let end = (start + per + usize::from(rank < extra)).min(items.len());
+    let mut part = items.get(start..end).map(<[T]>::to_vec).unwrap_or_default();
+    if apply_padding
+        && extra > 0
+        && rank >= extra
+        && let Some(last) = part.last().cloned().or_else(|| items.last().cloned())
+    {
+        part.push(last);
+    }
+    part
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_matches_accelerate() {
+        let items: Vec<u32> = (0..10).collect();
+        let parts: Vec<Vec<u32>> = (0..3)
+            .map(|r| split_between_processes(&items, r, 3, false))
+            .collect();
+        assert_eq!(parts, vec![vec![0, 1, 2, 3], vec![4, 5, 6], vec![7, 8, 9]]);
+        let padded: Vec<Vec<u32>> = (0..3)
+            .map(|r| split_between_processes(&items, r, 3, true))
+            .collect();
+        assert_eq!(
+            padded,
+            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 6], vec![7, 8, 9, 9]]
+        );
+        assert_eq!(
+            split_between_processes(&items[..2], 3, 4, false),
+            Vec::<u32>::new()
+        );
+        assert_eq!(split_between_processes(&items[..2], 3, 4, true), vec![1]);
+    }
+}

@@ -1,0 +1,174 @@
+//! Collectives on 2, 3 and 4 in-process ranks (and 1, where each returns its input), plus the failure modes:
+//! shape mismatch in debug mode, a rank that skips a collective, a rank that panics.
+
+#[path = "support/collectives_suite.rs"]
+mod suite;
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::Tensor;
+use burn_accelerate::{Accelerator, Error, ReduceOp, launch};
+
+#[test]
+fn suite_on_1_2_3_4_ranks() {
+    for n in [1, 2, 3, 4] {
+        launch(n, |acc| suite::run_all(&acc)).unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+    }
+}
+
+#[test]
+fn suite_in_debug_mode() {
+    Accelerator::builder()
+        .debug(true)
+        .launch(3, |acc| suite::run_all(&acc))
+        .unwrap();
+}
+
+#[test]
+fn debug_mode_shape_mismatch_is_reported_on_every_rank() {
+    let errors = Accelerator::builder()
+        .debug(true)
+        .launch(3, |acc| {
+            let shape = if acc.process_index() == 0 {
+                [1, 5]
+            } else {
+                [1, 6]
+            };
+            let t = Tensor::<2>::zeros(shape, acc.device());
+            let errors = [
+                acc.reduce(t.clone(), ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string(),
+                acc.broadcast(t.clone(), 0).unwrap_err().to_string(),
+                acc.gather(t).unwrap_err().to_string(),
+            ];
+            Ok(errors)
+        })
+        .unwrap();
+    for rank_errors in errors {
+        assert_eq!(
+            rank_errors[0],
+            "Cannot apply desired operation due to shape mismatches. All shapes across devices must be valid.\n\n\
+             Operation: `burn_accelerate::ops::reduce`\nInput shapes:\n  - Process 0: [1, 5]\n  - Process 1: [1, 6]\n  \
+             - Process 2: [1, 6]"
+        );
+        assert!(rank_errors[1].contains("Operation: `burn_accelerate::ops::broadcast`"));
+        assert!(rank_errors[2].contains("Operation: `burn_accelerate::ops::gather`"));
+    }
+}
+
+#[test]
+fn gather_shape_mismatch_without_debug_mode_is_an_error_not_a_hang() {
+    let errors = launch(2, |acc| {
+        let t = Tensor::<2>::zeros([2, 3 + acc.process_index()], acc.device());
+        Ok(acc.gather(t).unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in errors {
+        assert!(
+            e.contains("Process 0: [2, 3]") && e.contains("Process 1: [2, 4]"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_skips_a_collective_is_named_in_a_timeout() {
+    let timeout = Duration::from_millis(500);
+    let results = Accelerator::builder()
+        .collective_timeout(timeout)
+        .launch(3, |acc| {
+            if acc.process_index() == 2 {
+                std::thread::sleep(timeout * 2);
+                return Ok(None);
+            }
+            let start = Instant::now();
+            let err = acc
+                .reduce(Tensor::<1>::ones([4], acc.device()), ReduceOp::Sum)
+                .unwrap_err();
+            Ok(Some((err, start.elapsed())))
+        })
+        .unwrap();
+    for (err, elapsed) in results.into_iter().flatten() {
+        let text = err.to_string();
+        assert!(text.contains("rank(s) [2] did not arrive"), "{text}");
+        assert!(text.contains("all_reduce"), "{text}");
+        assert!(
+            elapsed < timeout + Duration::from_millis(400),
+            "{elapsed:?}"
+        );
+    }
+}
+
+#[test]
+fn a_panicking_rank_does_not_hang_the_others() {
+    let start = Instant::now();
+    let err = Accelerator::builder()
+        .collective_timeout(Duration::from_secs(60))
+        .launch(3, |acc| {
+            if acc.process_index() == 1 {
+                panic!("rank one gives up");
+            }
+            acc.wait_for_everyone()?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    match err {
+        Error::RankPanicked { rank, message } => {
+            assert_eq!(rank, 1);
+            assert_eq!(message, "rank one gives up");
+        }
+        other => panic!("unexpected {other}"),
+    }
+}
+
+#[test]
+fn an_erroring_rank_is_the_reported_cause() {
+    let err = launch(2, |acc| {
+        if acc.process_index() == 0 {
+            return Err(Error::InvalidArgument("bad data on rank 0".into()));
+        }
+        acc.wait_for_everyone()
+    })
+    .unwrap_err();
+    assert_eq!(err.to_string(), "bad data on rank 0");
+}
+
+#[test]
+fn ranks_know_who_they_are() {
+    let facts = launch(4, |acc| {
+        Ok((
+            acc.process_index(),
+            acc.num_processes(),
+            acc.is_main_process(),
+            acc.is_last_process(),
+            acc.distributed_type().as_str(),
+        ))
+    })
+    .unwrap();
+    assert_eq!(facts[0], (0, 4, true, false, "MULTI_CPU"));
+    assert_eq!(facts[3], (3, 4, false, true, "MULTI_CPU"));
+    let order = std::sync::Mutex::new(Vec::new());
+    launch(3, |acc| {
+        acc.main_process_first(|| order.lock().unwrap().push(acc.process_index()))
+    })
+    .unwrap();
+    assert_eq!(order.lock().unwrap()[0], 0, "the main process runs first");
+}
+
+#[test]
+fn broadcast_from_an_invalid_rank_is_an_error() {
+    let errors = launch(2, |acc| {
+        Ok(acc
+            .broadcast(Tensor::<1>::ones([1], acc.device()), 5)
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    assert!(errors[0].contains("rank 5"), "{}", errors[0]);
+}

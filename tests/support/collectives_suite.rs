@@ -1,0 +1,231 @@
+//! The collective checks of Accelerate's `test_ops.py`, written against any rank count, so that the same
+//! suite runs on in-process ranks and under `mpirun`.
+
+#![allow(dead_code)]
+
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor};
+use burn_accelerate::{Accelerator, ReduceOp, Result};
+
+fn floats<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+fn check(cond: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(burn_accelerate::Error::InvalidArgument(what()))
+    }
+}
+
+/// gather: rank r holds `P*r+1 ..= P*r+P`; the result is `1 ..= P*P` on every rank.
+pub fn gather_values(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let mine: Vec<f32> = (0..p).map(|i| (p * r + i + 1) as f32).collect();
+    let out = acc.gather(Tensor::<1>::from_floats(mine.as_slice(), acc.device()))?;
+    let expected: Vec<f32> = (1..=p * p).map(|v| v as f32).collect();
+    let got = floats(out);
+    check(got == expected, || {
+        format!("gather: {got:?} != {expected:?}")
+    })
+}
+
+/// Uneven gather: rank r holds `r+1` rows of 2 columns filled with r; no padding in the result.
+pub fn gather_uneven(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let mine = Tensor::<2, Int>::full([r + 1, 2], r as i64, acc.device());
+    let out = acc.gather(mine)?;
+    let rows: usize = (1..=p).sum();
+    check(out.dims() == [rows, 2], || {
+        format!("uneven gather dims {:?}", out.dims())
+    })?;
+    let got: Vec<i64> = out
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .unwrap();
+    let expected: Vec<i64> = (0..p)
+        .flat_map(|q| std::iter::repeat_n(q as i64, 2 * (q + 1)))
+        .collect();
+    check(got == expected, || {
+        format!("uneven gather: {got:?} != {expected:?}")
+    })
+}
+
+/// gather_object: `[rank]` from everyone is `[0, 1, .., P-1]`; strings and structs travel too.
+pub fn gather_object(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let got = acc.gather_object(&r)?;
+    check(got == (0..p).collect::<Vec<_>>(), || {
+        format!("gather_object: {got:?}")
+    })?;
+    let names = acc.gather_object(&(format!("rank-{r}"), vec![r; r]))?;
+    check(names.len() == p && names[p - 1].1.len() == p - 1, || {
+        format!("gather_object: {names:?}")
+    })
+}
+
+/// reduce: rank r holds `arange(P) + 1 + P*r`; sum, mean, max, min as in `test_ops.py`.
+pub fn reduce_ops(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let mine: Vec<f32> = (0..p).map(|i| (i + 1 + p * r) as f32).collect();
+    let t = || Tensor::<1>::from_floats(mine.as_slice(), acc.device());
+    let column = |i: usize| (0..p).map(move |q| (i + 1 + p * q) as f32);
+    for (op, f) in [
+        (
+            ReduceOp::Sum,
+            (|c: Vec<f32>| c.iter().sum::<f32>()) as fn(Vec<f32>) -> f32,
+        ),
+        (ReduceOp::Mean, |c: Vec<f32>| {
+            c.iter().sum::<f32>() / c.len() as f32
+        }),
+        (ReduceOp::Max, |c: Vec<f32>| {
+            c.iter().cloned().fold(f32::MIN, f32::max)
+        }),
+        (ReduceOp::Min, |c: Vec<f32>| {
+            c.iter().cloned().fold(f32::MAX, f32::min)
+        }),
+    ] {
+        let got = floats(acc.reduce(t(), op)?);
+        let expected: Vec<f32> = (0..p).map(|i| f(column(i).collect())).collect();
+        check(got == expected, || {
+            format!("reduce {op}: {got:?} != {expected:?}")
+        })?;
+    }
+    // Integers keep their dtype.
+    let ints = acc.reduce(
+        Tensor::<1, Int>::from_data([r as i64, 1], acc.device()),
+        ReduceOp::Sum,
+    )?;
+    let got: Vec<i64> = ints
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .unwrap();
+    let expected = vec![(0..p as i64).sum::<i64>(), p as i64];
+    check(got == expected, || {
+        format!("int reduce: {got:?} != {expected:?}")
+    })
+}
+
+/// broadcast: everyone gets rank 0's `[1..P]`, then the last rank's value.
+pub fn broadcast(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let mine: Vec<f32> = if r == 0 {
+        (1..=p).map(|v| v as f32).collect()
+    } else {
+        vec![0.0; p]
+    };
+    let got = floats(acc.broadcast(Tensor::<1>::from_floats(mine.as_slice(), acc.device()), 0)?);
+    let expected: Vec<f32> = (1..=p).map(|v| v as f32).collect();
+    check(got == expected, || format!("broadcast: {got:?}"))?;
+    let last = acc.broadcast_object(&r, p - 1)?;
+    check(last == p - 1, || format!("broadcast_object: {last}"))
+}
+
+/// pad_across_processes: rank r has `r+2` rows of 10; all become `P+1` rows, data first (or last).
+pub fn pad(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    for pad_first in [false, true] {
+        let t = Tensor::<2>::ones([r + 2, 10], acc.device());
+        let out = acc.pad_across_processes(t, 0, 0.0, pad_first)?;
+        check(out.dims() == [p + 1, 10], || {
+            format!("pad dims {:?}", out.dims())
+        })?;
+        let rows: Vec<f32> = floats(out.sum_dim(1)).into_iter().collect();
+        let data = vec![10.0; r + 2];
+        let zeros = vec![0.0; p + 1 - (r + 2)];
+        let expected: Vec<f32> = if pad_first {
+            zeros.iter().chain(&data).cloned().collect()
+        } else {
+            data.iter().chain(&zeros).cloned().collect()
+        };
+        check(rows == expected, || {
+            format!("pad_first={pad_first}: {rows:?}")
+        })?;
+    }
+    // Bool tensors keep their dtype, padded with the pad value.
+    let b = Tensor::<1, Bool>::from_data(vec![true; r + 1].as_slice(), acc.device());
+    let out = acc.pad_across_processes(b, 0, 0.0, false)?;
+    let got: Vec<bool> = out.into_data().try_into_vec::<bool>().unwrap();
+    let mut expected = vec![true; r + 1];
+    expected.resize(p, false);
+    check(got == expected, || format!("bool pad: {got:?}"))
+}
+
+/// Triggers: off, then set by the main process only, seen by everyone once, then off again.
+pub fn triggers(acc: &Accelerator) -> Result<()> {
+    check(!acc.check_trigger()?, || {
+        "trigger set before any set_trigger".into()
+    })?;
+    if acc.is_main_process() {
+        acc.set_trigger();
+    }
+    check(acc.check_trigger()?, || "trigger not seen".into())?;
+    check(!acc.check_trigger()?, || "trigger not reset".into())
+}
+
+/// dtypes: bf16 and f16 gather and reduce keep their dtype; bool reduce is or/and.
+pub fn dtypes(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        if !acc.device().supports_dtype(dtype) {
+            continue;
+        }
+        let t = Tensor::<1>::from_floats([r as f32 + 0.5], acc.device()).cast(dtype);
+        let g = acc.gather(t.clone())?;
+        check(g.dtype() == DType::from(dtype), || {
+            format!("gather dtype {:?}", g.dtype())
+        })?;
+        let expected: Vec<f32> = (0..p).map(|q| q as f32 + 0.5).collect();
+        check(floats(g) == expected, || format!("{dtype:?} gather"))?;
+        let s = acc.reduce(t, ReduceOp::Sum)?;
+        check(s.dtype() == DType::from(dtype), || {
+            format!("reduce dtype {:?}", s.dtype())
+        })?;
+        let total: f32 = expected.iter().sum();
+        check(floats(s) == vec![total], || format!("{dtype:?} reduce"))?;
+    }
+    let b = Tensor::<1, Bool>::from_data([r == 0, true], acc.device());
+    let any: Vec<bool> = acc
+        .reduce(b.clone(), ReduceOp::Max)?
+        .into_data()
+        .try_into_vec()
+        .unwrap();
+    let all: Vec<bool> = acc
+        .reduce(b.clone(), ReduceOp::Min)?
+        .into_data()
+        .try_into_vec()
+        .unwrap();
+    check(any == vec![true, true], || format!("bool any: {any:?}"))?;
+    check(all == vec![p == 1, true], || format!("bool all: {all:?}"))?;
+    let gathered: Vec<bool> = acc.gather(b)?.into_data().try_into_vec().unwrap();
+    check(gathered.len() == 2 * p && gathered[0], || {
+        format!("bool gather: {gathered:?}")
+    })
+}
+
+/// split_between_processes: shares are contiguous and cover the input once.
+pub fn split(acc: &Accelerator) -> Result<()> {
+    let items: Vec<u32> = (0..11).collect();
+    let mine = acc.split_between_processes(&items, false);
+    let all: Vec<u32> = acc.gather_object(&mine)?.into_iter().flatten().collect();
+    check(all == items, || format!("split: {all:?}"))
+}
+
+/// Every check above, in one order on every rank.
+pub fn run_all(acc: &Accelerator) -> Result<()> {
+    gather_values(acc)?;
+    gather_uneven(acc)?;
+    gather_object(acc)?;
+    reduce_ops(acc)?;
+    broadcast(acc)?;
+    pad(acc)?;
+    triggers(acc)?;
+    dtypes(acc)?;
+    split(acc)?;
+    acc.wait_for_everyone()
+}
