@@ -14,7 +14,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend::{Backend, DeviceRequest, select_device};
-use crate::comm::{Communicator, ReduceOp, SingleProcess};
+use crate::comm::{Communicator, ReduceOp};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::error::{Error, Result};
@@ -105,8 +105,8 @@ impl AcceleratorBuilder {
     /// An invalid setting or environment variable, or a requested backend that is not compiled in.
     pub fn build(self) -> Result<Accelerator> {
         let config = self.resolve()?;
-        let comm: Arc<dyn Communicator> = Arc::new(SingleProcess::default());
-        self.build_rank(config, comm, 0)
+        let (comm, local_rank) = crate::launch::process_comm(&config)?;
+        self.build_rank(config, comm, local_rank)
     }
 
     /// Runs `f` on `num_processes` ranks, one thread each, every one with its own accelerator (Accelerate's

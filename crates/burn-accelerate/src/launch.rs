@@ -5,7 +5,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use crate::accelerator::{Accelerator, AcceleratorBuilder};
-use crate::comm::InProcessGroup;
+use crate::comm::{Communicator, InProcessGroup, SingleProcess};
+use crate::config::AcceleratorConfig;
 use crate::error::{Error, Result};
 
 /// Runs `f` on `num_processes` in-process ranks with the default settings; see
@@ -28,6 +29,29 @@ where
     F: Fn(Accelerator) -> Result<T> + Send + Sync,
 {
     Accelerator::builder().launch(num_processes, f)
+}
+
+/// The communicator of this process and its local rank: MPI when built with the `mpi` feature and started by
+/// an MPI launcher, else a single process.
+pub(crate) fn process_comm(config: &AcceleratorConfig) -> Result<(Arc<dyn Communicator>, usize)> {
+    #[cfg(feature = "mpi")]
+    if burn_accelerate_mpi::launched_by_mpi() {
+        use std::sync::OnceLock;
+        static MPI: OnceLock<Arc<burn_accelerate_mpi::MpiComm>> = OnceLock::new();
+        let comm = match MPI.get() {
+            Some(comm) => comm.clone(),
+            None => {
+                let comm = Arc::new(burn_accelerate_mpi::MpiComm::init(
+                    config.collective_timeout(),
+                )?);
+                MPI.get_or_init(|| comm).clone()
+            }
+        };
+        let local_rank = comm.local_rank();
+        return Ok((comm, local_rank));
+    }
+    let _ = config;
+    Ok((Arc::new(SingleProcess::default()), 0))
 }
 
 fn panic_message(payload: Box<dyn Any + Send>) -> String {

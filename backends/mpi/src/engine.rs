@@ -1,0 +1,442 @@
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use burn_accelerate_comm::{CommError, CommResult, Communicator, ReduceBuffer, ReduceOp};
+use mpi::Threading;
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
+use mpi::request::{Request, StaticScope};
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::traits::{CommunicatorCollectives, Root};
+
+const ENGINE: &str = "mpi";
+/// Tag of the messages ranks exchange after a timeout to find out who is missing.
+const DIAGNOSE_TAG: i32 = 0x0bac;
+
+/// One rank's MPI communicator (`MPI_COMM_WORLD`).
+pub struct MpiComm {
+    universe: Option<Universe>,
+    world: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    timeout: Duration,
+    seq: AtomicU64,
+    reduces: AtomicU64,
+    broken: AtomicBool,
+    /// MPI calls are serialised: the library is initialised with `Threading::Serialized`.
+    calls: Mutex<Spare>,
+}
+
+/// A receive buffer kept between all-reduces, so that a steady stream of equal-size reductions allocates
+/// nothing (the previous call's send buffer becomes the next call's receive buffer).
+#[derive(Default)]
+struct Spare {
+    f32: Vec<f32>,
+    f64: Vec<f64>,
+    i64: Vec<i64>,
+}
+
+// SAFETY: MPI is initialised with `Threading::Serialized` (or more) and every MPI call of this communicator
+// happens while holding `calls`, so at most one thread is inside MPI through it at a time.
+unsafe impl Send for MpiComm {}
+unsafe impl Sync for MpiComm {}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+fn engine_error(operation: &str, reason: impl Into<String>) -> CommError {
+    CommError::Engine {
+        engine: ENGINE,
+        operation: operation.into(),
+        reason: reason.into(),
+    }
+}
+
+impl MpiComm {
+    /// Initialises MPI and returns this process's communicator, whose collectives give up after `timeout`.
+    ///
+    /// # Errors
+    /// When MPI was already initialised in this process, or the library lacks serialised threading.
+    pub fn init(timeout: Duration) -> CommResult<Self> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| {
+                engine_error(
+                    "init",
+                    "MPI is already initialised in this process; create one MpiComm per process",
+                )
+            })?;
+        if threading < Threading::Serialized {
+            return Err(engine_error(
+                "init",
+                format!(
+                    "the MPI library offers {threading:?} threading; burn-accelerate needs Serialized"
+                ),
+            ));
+        }
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registers a plain `extern "C"` function without captured state.
+        AT_EXIT.call_once(|| unsafe {
+            libc::atexit(finish_at_exit);
+        });
+        let world = universe.world();
+        let rank = world.rank() as usize;
+        let size = world.size() as usize;
+        let local_rank = [
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "MV2_COMM_WORLD_LOCAL_RANK",
+        ]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse().ok())
+        .unwrap_or(rank);
+        Ok(Self {
+            universe: Some(universe),
+            world,
+            rank,
+            size,
+            local_rank,
+            timeout,
+            seq: AtomicU64::new(0),
+            reduces: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
+            calls: Mutex::new(Spare::default()),
+        })
+    }
+
+    /// This rank's index on its machine (from the launcher's environment).
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// The raw rsmpi communicator, for code that needs MPI calls of its own (the benchmarks compare against
+    /// it). Collectives called on it are not covered by the timeout.
+    pub fn raw(&self) -> &SimpleCommunicator {
+        &self.world
+    }
+
+    fn check_usable(&self, operation: &str) -> CommResult<()> {
+        if self.broken.load(Ordering::Relaxed) || BROKEN.load(Ordering::Relaxed) {
+            return Err(engine_error(
+                operation,
+                "an earlier collective timed out; the MPI communicator cannot be used any more",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Polls `request` until it completes or the timeout expires.
+    fn wait<D: ?Sized>(
+        &self,
+        operation: &str,
+        seq: u64,
+        mut request: Request<'static, D, StaticScope>,
+    ) -> CommResult<()> {
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let mut polls: u32 = 0;
+        loop {
+            match request.test() {
+                Ok(_) => return Ok(()),
+                Err(pending) => request = pending,
+            }
+            polls = polls.wrapping_add(1);
+            let now = Instant::now();
+            if now >= deadline {
+                // The operation can neither complete nor be cancelled: keep its buffers alive forever and
+                // make sure the process ends with MPI_Abort instead of hanging in MPI_Finalize.
+                std::mem::forget(request);
+                self.broken.store(true, Ordering::Relaxed);
+                BROKEN.store(true, Ordering::Relaxed);
+                let missing = self.diagnose(seq);
+                return Err(CommError::Timeout {
+                    operation: operation.into(),
+                    seq,
+                    rank: self.rank,
+                    missing,
+                    timeout: self.timeout,
+                });
+            }
+            // Spin while the operation is young (MPI progresses inside `test`), then back off.
+            let waited = now - start;
+            if waited > Duration::from_millis(50) {
+                std::thread::sleep(Duration::from_micros(200));
+            } else if polls.is_multiple_of(64) {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// After a timeout at `seq`: tells every other rank where this one is stuck and listens for their word for
+    /// a short while; ranks that stay silent (or are elsewhere) are reported missing.
+    fn diagnose(&self, seq: u64) -> Vec<usize> {
+        let me = self.rank as u64;
+        let message: &'static [u64] = Box::leak(vec![me, seq].into_boxed_slice());
+        for r in (0..self.size).filter(|r| *r != self.rank) {
+            let request = self
+                .world
+                .process_at_rank(r as i32)
+                .immediate_send_with_tag(StaticScope, message, DIAGNOSE_TAG);
+            std::mem::forget(request);
+        }
+        let mut stuck_here = vec![false; self.size];
+        stuck_here[self.rank] = true;
+        let grace = (self.timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(5));
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline && stuck_here.iter().any(|s| !s) {
+            while let Some(probe) = self
+                .world
+                .any_process()
+                .immediate_matched_probe_with_tag(DIAGNOSE_TAG)
+            {
+                let (words, _) = probe.matched_receive_vec::<u64>();
+                if let [rank, their_seq] = words[..]
+                    && their_seq == seq
+                    && (rank as usize) < self.size
+                {
+                    stuck_here[rank as usize] = true;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stuck_here
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !**s)
+            .map(|(r, _)| r)
+            .collect()
+    }
+
+    /// Runs an operation on heap buffers that MPI may keep using after a timeout: the buffers are leaked while
+    /// the request is in flight and reclaimed when it completes.
+    fn run<B: 'static, D: ?Sized + 'static>(
+        &self,
+        operation: &str,
+        buffers: B,
+        start: impl FnOnce(&SimpleCommunicator, &'static mut B) -> Request<'static, D, StaticScope>,
+    ) -> CommResult<B> {
+        self.check_usable(operation)?;
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let ptr: *mut B = Box::into_raw(Box::new(buffers));
+        // SAFETY: `ptr` comes from `Box::into_raw` and is only turned back into a box after the request that
+        // borrows it has completed; on a timeout it is never freed.
+        let request = start(&self.world, unsafe { &mut *ptr });
+        self.wait(operation, seq, request)?;
+        // SAFETY: the request completed, so MPI no longer touches the buffers, and the `&'static mut` handed to
+        // `start` is not used after this point.
+        Ok(*unsafe { Box::from_raw(ptr) })
+    }
+
+    fn reduce_typed<T>(
+        &self,
+        spare: &mut Vec<T>,
+        data: Vec<T>,
+        op: SystemOperation,
+    ) -> CommResult<Vec<T>>
+    where
+        T: mpi::datatype::Equivalence + Default + Clone + 'static,
+    {
+        let mut recv = std::mem::take(spare);
+        recv.resize(data.len(), T::default());
+        let (send, recv) = self.run("all_reduce", (data, recv), |world, (send, recv)| {
+            world.immediate_all_reduce_into(StaticScope, &send[..], &mut recv[..], op)
+        })?;
+        *spare = send;
+        Ok(recv)
+    }
+
+    /// Gathers one `u64` per rank.
+    fn gather_counts(&self, operation: &str, mine: u64) -> CommResult<Vec<u64>> {
+        let (_, counts) = self.run(
+            operation,
+            ([mine], vec![0u64; self.size]),
+            |world, (send, recv)| {
+                world.immediate_all_gather_into(StaticScope, &send[..], &mut recv[..])
+            },
+        )?;
+        Ok(counts)
+    }
+}
+
+/// Set once any collective of this process timed out: MPI cannot be finalized cleanly any more.
+static BROKEN: AtomicBool = AtomicBool::new(false);
+
+/// Ends MPI when the process exits: `MPI_Finalize`, or `MPI_Abort` after a timeout (finalizing would wait
+/// forever for the collective that never completed). A communicator kept in a `static` is never dropped, so
+/// this is what lets `mpirun` see a clean exit.
+extern "C" fn finish_at_exit() {
+    // SAFETY: plain MPI calls with valid out-pointers; MPI_Finalized may be called at any time.
+    unsafe {
+        let mut finalized: std::ffi::c_int = 0;
+        mpi::ffi::MPI_Finalized(&mut finalized);
+        if finalized != 0 {
+            return;
+        }
+        if BROKEN.load(Ordering::Relaxed) {
+            eprintln!("burn-accelerate: aborting the MPI job because a collective timed out");
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70);
+        } else {
+            mpi::ffi::MPI_Finalize();
+        }
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if self.broken.load(Ordering::Relaxed) {
+            eprintln!(
+                "burn-accelerate: rank {} aborts the MPI job because a collective timed out (finalizing would hang)",
+                self.rank
+            );
+            self.world.abort(70);
+        }
+        drop(self.universe.take());
+    }
+}
+
+impl Communicator for MpiComm {
+    fn engine(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        self.run("barrier", (), |world, _| world.immediate_barrier())
+            .map(|_| ())
+    }
+
+    fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> CommResult<ReduceBuffer> {
+        let system = match op {
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Min => SystemOperation::min(),
+        };
+        let n = self.size;
+        let mut spare = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let out = match data {
+            ReduceBuffer::F32(v) => {
+                let mut r = self.reduce_typed(&mut spare.f32, v, system)?;
+                if op == ReduceOp::Mean {
+                    r.iter_mut().for_each(|x| *x /= n as f32);
+                }
+                ReduceBuffer::F32(r)
+            }
+            ReduceBuffer::F64(v) => {
+                let mut r = self.reduce_typed(&mut spare.f64, v, system)?;
+                if op == ReduceOp::Mean {
+                    r.iter_mut().for_each(|x| *x /= n as f64);
+                }
+                ReduceBuffer::F64(r)
+            }
+            ReduceBuffer::I64(v) => {
+                let mut r = self.reduce_typed(&mut spare.i64, v, system)?;
+                if op == ReduceOp::Mean {
+                    r.iter_mut().for_each(|x| *x /= n as i64);
+                }
+                ReduceBuffer::I64(r)
+            }
+        };
+        self.reduces.fetch_add(1, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    fn all_gather(&self, data: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
+        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let counts = self.gather_counts("all_gather", data.len() as u64)?;
+        let total: u64 = counts.iter().sum();
+        if counts.iter().any(|c| *c > i32::MAX as u64) || total > i32::MAX as u64 {
+            return Err(engine_error(
+                "all_gather",
+                "more than 2 GiB gathered in one call; split the data",
+            ));
+        }
+        let counts: Vec<i32> = counts.iter().map(|c| *c as i32).collect();
+        let displs: Vec<i32> = counts
+            .iter()
+            .scan(0i32, |acc, c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        type Part = PartitionMut<'static, [u8], &'static [i32], &'static [i32]>;
+        let mut partition: *mut Part = std::ptr::null_mut();
+        let (_, recv, counts, _) = self.run(
+            "all_gather",
+            (data, vec![0u8; total as usize], counts, displs),
+            |world, (send, recv, counts, displs)| {
+                partition = Box::into_raw(Box::new(PartitionMut::new(
+                    &mut recv[..],
+                    &counts[..],
+                    &displs[..],
+                )));
+                // SAFETY: freed below only once the request has completed.
+                world.immediate_all_gather_varcount_into(StaticScope, &send[..], unsafe {
+                    &mut *partition
+                })
+            },
+        )?;
+        // SAFETY: the request completed; nothing refers to the partition any more.
+        drop(unsafe { Box::from_raw(partition) });
+        let mut out = Vec::with_capacity(self.size);
+        let mut offset = 0usize;
+        for c in counts {
+            out.push(recv[offset..offset + c as usize].to_vec());
+            offset += c as usize;
+        }
+        Ok(out)
+    }
+
+    fn broadcast(&self, data: Vec<u8>, root: usize) -> CommResult<Vec<u8>> {
+        if root >= self.size {
+            return Err(CommError::InvalidRoot {
+                operation: "broadcast".into(),
+                root,
+                world_size: self.size,
+            });
+        }
+        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let len = if self.rank == root {
+            data.len() as u64
+        } else {
+            0
+        };
+        let ([len], _) = self.run("broadcast", ([len], ()), |world, (len, _)| {
+            world
+                .process_at_rank(root as i32)
+                .immediate_broadcast_into(StaticScope, &mut len[..])
+        })?;
+        let buffer = if self.rank == root {
+            data
+        } else {
+            vec![0u8; len as usize]
+        };
+        self.run("broadcast", buffer, |world, buffer| {
+            world
+                .process_at_rank(root as i32)
+                .immediate_broadcast_into(StaticScope, &mut buffer[..])
+        })
+    }
+
+    fn all_reduce_count(&self) -> u64 {
+        self.reduces.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,33 @@
+//! # burn-accelerate-mpi
+//!
+//! The MPI engine of burn-accelerate, on [rsmpi](https://github.com/rsmpi/rsmpi): processes started by `mpirun`
+//! (on one machine, or on several with a hostfile) become the ranks of a run. It implements
+//! [`burn_accelerate_comm::Communicator`]; burn-accelerate uses it when built with its `mpi` feature and
+//! launched by `mpirun`.
+//!
+//! Every collective is started as an MPI non-blocking operation and polled until it completes or the timeout
+//! expires. On a timeout the waiting ranks tell each other which collective they are stuck in, so the error
+//! names the ranks that never arrived; the engine is then unusable, and dropping it aborts the MPI job rather
+//! than hanging in `MPI_Finalize`. A rank that dies makes `mpirun` end the job.
+//!
+//! Debian packages: `libopenmpi-dev openmpi-bin libclang-dev pkg-config`.
+
+#![warn(missing_docs)]
+
+mod engine;
+
+pub use engine::MpiComm;
+
+/// Whether this process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi`), read from the
+/// variables those launchers set.
+pub fn launched_by_mpi() -> bool {
+    [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MPI_LOCALNRANKS",
+        "MV2_COMM_WORLD_SIZE",
+    ]
+    .iter()
+    .any(|k| std::env::var_os(k).is_some())
+}
