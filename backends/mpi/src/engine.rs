@@ -13,6 +13,8 @@ use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
 
 const ENGINE: &str = "mpi";
+/// All-reduces of at least this many bytes use MPI's blocking call after an arrival check.
+const BLOCKING_MIN_BYTES: usize = 256 << 10;
 /// Tag of the messages ranks exchange after a timeout to find out who is missing.
 const DIAGNOSE_TAG: i32 = 0x0bac;
 
@@ -248,9 +250,19 @@ impl MpiComm {
     {
         let mut recv = std::mem::take(spare);
         recv.resize(data.len(), T::default());
-        let (send, recv) = self.run("all_reduce", (data, recv), |world, (send, recv)| {
-            world.immediate_all_reduce_into(StaticScope, &send[..], &mut recv[..], op)
-        })?;
+        let (send, recv) = if data.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
+            self.run("all_reduce", (data, recv), |world, (send, recv)| {
+                world.immediate_all_reduce_into(StaticScope, &send[..], &mut recv[..], op)
+            })?
+        } else {
+            // Large buffers: MPI's blocking all-reduce is markedly faster than its non-blocking one. A
+            // non-blocking barrier first proves, within the timeout, that every rank has arrived; the blocking
+            // call that follows cannot then wait for a missing rank.
+            self.run("all_reduce", (), |world, _| world.immediate_barrier())?;
+            let mut recv = recv;
+            self.world.all_reduce_into(&data[..], &mut recv[..], op);
+            (data, recv)
+        };
         *spare = send;
         Ok(recv)
     }

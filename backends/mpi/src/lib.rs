@@ -31,3 +31,6 @@ pub fn launched_by_mpi() -> bool {
     .iter()
     .any(|k| std::env::var_os(k).is_some())
 }
+
+/// The rsmpi crate this engine is built on, for programs that make MPI calls of their own.
+pub use mpi;

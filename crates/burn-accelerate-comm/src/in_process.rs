@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use super::Communicator;
@@ -30,12 +30,20 @@ enum Payload {
     Reduce(ReduceBuffer),
 }
 
+/// The payloads of a completed round, in rank order. Ranks read them concurrently; a rank may take its own
+/// payload back once no other rank reads it any more (after the next round of the same collective).
+type Shared = Arc<Vec<RwLock<Option<Payload>>>>;
+
+fn read(slot: &RwLock<Option<Payload>>) -> std::sync::RwLockReadGuard<'_, Option<Payload>> {
+    slot.read().unwrap_or_else(|p| p.into_inner())
+}
+
 #[derive(Debug)]
 struct Round {
     ops: Vec<Option<&'static str>>,
     payloads: Vec<Option<Payload>>,
     arrived: usize,
-    outcome: Option<std::result::Result<Arc<Vec<Payload>>, String>>,
+    outcome: Option<std::result::Result<Shared, String>>,
     taken: usize,
 }
 
@@ -128,7 +136,7 @@ impl InProcessComm {
     }
 
     /// Deposits `payload` for the next round and returns every rank's payload once all have arrived.
-    fn exchange(&self, op: &'static str, payload: Payload) -> Result<Arc<Vec<Payload>>> {
+    fn exchange(&self, op: &'static str, payload: Payload) -> Result<Shared> {
         let group = &*self.group;
         let n = group.size;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -159,7 +167,7 @@ impl InProcessComm {
                     round
                         .payloads
                         .iter_mut()
-                        .map(|p| p.take().unwrap_or(Payload::Unit))
+                        .map(|p| RwLock::new(Some(p.take().unwrap_or(Payload::Unit))))
                         .collect(),
                 ))
             } else {
@@ -252,32 +260,42 @@ impl Communicator for InProcessComm {
         let n = self.group.size;
         let len = data.len();
         let all = self.exchange("all_reduce", Payload::Reduce(data))?;
-        let inputs: Vec<&ReduceBuffer> = all
-            .iter()
-            .map(|p| match p {
-                Payload::Reduce(b) => b,
-                _ => unreachable!("the round checked that every rank called all_reduce"),
-            })
-            .collect();
-        check_compatible(&inputs)?;
+        let reduce = |range: std::ops::Range<usize>| -> Result<ReduceBuffer> {
+            let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
+            let inputs: Vec<&ReduceBuffer> = guards
+                .iter()
+                .map(|g| match g.as_ref() {
+                    Some(Payload::Reduce(b)) => b,
+                    _ => unreachable!("the round checked that every rank called all_reduce"),
+                })
+                .collect();
+            check_compatible(&inputs)?;
+            Ok(reduce_range(&inputs, range, op))
+        };
         let out = if len < SPLIT_REDUCE_MIN || n == 1 {
-            reduce_range(&inputs, 0..len, op)
+            reduce(0..len)?
         } else {
-            // Reduce-scatter then all-gather: rank r reduces slice r, then slices are exchanged.
+            // Reduce-scatter then all-gather: rank r reduces slice r, then the slices are exchanged and copied
+            // into this rank's own input buffer, which no other rank reads any more by then.
             let slice = |r: usize| (r * len / n)..((r + 1) * len / n);
-            let mine = reduce_range(&inputs, slice(self.rank), op);
-            drop(inputs);
-            drop(all);
+            let mine = reduce(slice(self.rank))?;
             let slices = self.exchange("all_reduce", Payload::Reduce(mine))?;
-            let mut out: Option<ReduceBuffer> = None;
-            for p in slices.iter() {
-                let Payload::Reduce(part) = p else {
+            let own = all[self.rank]
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            drop(all);
+            let Some(Payload::Reduce(mut out)) = own else {
+                unreachable!("this rank deposited a reduce buffer")
+            };
+            for (r, slot) in slices.iter().enumerate() {
+                let guard = read(slot);
+                let Some(Payload::Reduce(part)) = guard.as_ref() else {
                     unreachable!("the round checked the operation")
                 };
-                out.get_or_insert_with(|| part.empty_like(len))
-                    .extend_from(part);
+                out.copy_from(slice(r).start, part);
             }
-            out.expect("at least one rank")
+            out
         };
         self.reduces.fetch_add(1, Ordering::Relaxed);
         Ok(out)
@@ -287,8 +305,8 @@ impl Communicator for InProcessComm {
         let all = self.exchange("all_gather", Payload::Bytes(data))?;
         Ok(all
             .iter()
-            .map(|p| match p {
-                Payload::Bytes(b) => b.clone(),
+            .map(|slot| match read(slot).as_ref() {
+                Some(Payload::Bytes(b)) => b.clone(),
                 _ => unreachable!("the round checked the operation"),
             })
             .collect())
@@ -304,8 +322,8 @@ impl Communicator for InProcessComm {
         }
         let mine = if self.rank == root { data } else { Vec::new() };
         let all = self.exchange("broadcast", Payload::Bytes(mine))?;
-        match &all[root] {
-            Payload::Bytes(b) => Ok(b.clone()),
+        match read(&all[root]).as_ref() {
+            Some(Payload::Bytes(b)) => Ok(b.clone()),
             _ => unreachable!("the round checked the operation"),
         }
     }

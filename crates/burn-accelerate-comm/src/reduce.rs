@@ -64,21 +64,18 @@ impl ReduceBuffer {
         }
     }
 
-    /// An empty buffer of the same kind with room for `capacity` elements.
-    pub(crate) fn empty_like(&self, capacity: usize) -> Self {
-        match self {
-            ReduceBuffer::F32(_) => ReduceBuffer::F32(Vec::with_capacity(capacity)),
-            ReduceBuffer::F64(_) => ReduceBuffer::F64(Vec::with_capacity(capacity)),
-            ReduceBuffer::I64(_) => ReduceBuffer::I64(Vec::with_capacity(capacity)),
-        }
-    }
-
-    /// Appends `other`, of the same kind.
-    pub(crate) fn extend_from(&mut self, other: &ReduceBuffer) {
+    /// Overwrites the elements from `offset` on with `other`, of the same kind.
+    pub(crate) fn copy_from(&mut self, offset: usize, other: &ReduceBuffer) {
         match (self, other) {
-            (ReduceBuffer::F32(a), ReduceBuffer::F32(b)) => a.extend_from_slice(b),
-            (ReduceBuffer::F64(a), ReduceBuffer::F64(b)) => a.extend_from_slice(b),
-            (ReduceBuffer::I64(a), ReduceBuffer::I64(b)) => a.extend_from_slice(b),
+            (ReduceBuffer::F32(a), ReduceBuffer::F32(b)) => {
+                a[offset..offset + b.len()].copy_from_slice(b)
+            }
+            (ReduceBuffer::F64(a), ReduceBuffer::F64(b)) => {
+                a[offset..offset + b.len()].copy_from_slice(b)
+            }
+            (ReduceBuffer::I64(a), ReduceBuffer::I64(b)) => {
+                a[offset..offset + b.len()].copy_from_slice(b)
+            }
             (a, b) => unreachable!("kinds checked before: {} vs {}", a.kind(), b.kind()),
         }
     }

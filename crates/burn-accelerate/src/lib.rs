@@ -57,6 +57,10 @@ pub use placement::ToDevice;
 pub use state::{DistributedType, ProcessState};
 pub use step_state::GradientState;
 
+/// The MPI engine (feature `mpi`).
+#[cfg(feature = "mpi")]
+pub use burn_accelerate_mpi as mpi;
+
 /// The Burn version this crate is built against, re-exported so that macros and users share it.
 pub use burn;
 #[doc(hidden)]

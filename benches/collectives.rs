@@ -1,0 +1,182 @@
+//! All-reduce bandwidth, as ratios against a baseline measured in the same run.
+//!
+//! - In-process engine (2 ranks as threads) against a plain `memcpy` of the same size:
+//!   `cargo bench -p burn-accelerate --bench collectives`.
+//! - MPI engine against raw rsmpi `all_reduce_into` on the same buffers (feature `mpi`, under `mpirun`):
+//!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
+//!   `mpirun -np 2 <the printed bench binary> --bench`.
+//!
+//! Sizes run from 4 KiB to 64 MiB of f32. algbw = bytes / time; busbw = algbw * 2(n-1)/n.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use burn_accelerate::comm::{Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
+
+const SIZES: [usize; 6] = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20];
+const RATIO_SIZE: usize = 16 << 20;
+
+fn iterations(bytes: usize) -> usize {
+    ((1024usize << 20) / bytes).clamp(40, 400)
+}
+
+fn gbps(bytes: usize, time: Duration) -> f64 {
+    bytes as f64 / time.as_secs_f64() / 1e9
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn label(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{}MiB", bytes >> 20)
+    } else {
+        format!("{}KiB", bytes >> 10)
+    }
+}
+
+/// Time of one all-reduce on `n` in-process ranks (median over rounds), measured on rank 0.
+fn in_process(n: usize, bytes: usize) -> Duration {
+    let group = InProcessGroup::new(n, Duration::from_secs(120));
+    let iters = iterations(bytes);
+    let start_line = Arc::new(Barrier::new(n));
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let comm = group.comm(rank);
+            let start_line = start_line.clone();
+            std::thread::spawn(move || {
+                let mut buf = ReduceBuffer::F32(vec![0.0; bytes / 4]);
+                let mut times = Vec::with_capacity(iters);
+                for i in 0..iters + 2 {
+                    start_line.wait();
+                    let t = Instant::now();
+                    buf = comm.all_reduce(buf, ReduceOp::Sum).unwrap();
+                    if i >= 2 {
+                        times.push(t.elapsed());
+                    }
+                }
+                times
+            })
+        })
+        .collect();
+    let mut all: Vec<Vec<Duration>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    median(all.swap_remove(0))
+}
+
+fn memcpy(bytes: usize) -> Duration {
+    let src = vec![1.0f32; bytes / 4];
+    let mut dst = vec![0.0f32; bytes / 4];
+    let mut times = Vec::new();
+    for i in 0..iterations(bytes) + 2 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        if i >= 2 {
+            times.push(t.elapsed());
+        }
+    }
+    median(times)
+}
+
+fn in_process_report() {
+    let n = 2;
+    println!("engine=in-process ranks={n} (threads) baseline=memcpy");
+    let mut ratio_at = None;
+    for bytes in SIZES {
+        let t = in_process(n, bytes);
+        let m = memcpy(bytes);
+        let algbw = gbps(bytes, t);
+        let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
+        let copy = gbps(bytes, m);
+        println!(
+            "size={} time_us={:.1} algbw_GBps={algbw:.2} busbw_GBps={busbw:.2} memcpy_GBps={copy:.2} ratio={:.3}",
+            label(bytes),
+            t.as_secs_f64() * 1e6,
+            busbw / copy
+        );
+        if bytes == RATIO_SIZE {
+            ratio_at = Some(busbw / copy);
+        }
+    }
+    if let Some(r) = ratio_at {
+        println!("inprocess_busbw_vs_memcpy={r:.3}");
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_report() {
+    use burn_accelerate::mpi::MpiComm;
+    use burn_accelerate::mpi::mpi::collective::SystemOperation;
+    use burn_accelerate::mpi::mpi::traits::*;
+
+    let comm = MpiComm::init(Duration::from_secs(120)).expect("MPI");
+    let world = comm.raw();
+    let n = comm.world_size();
+    let main = comm.rank() == 0;
+    if main {
+        println!("engine=mpi ranks={n} baseline=raw rsmpi all_reduce_into");
+    }
+    for bytes in SIZES {
+        let elems = bytes / 4;
+        let iters = iterations(bytes);
+        let send = vec![1.0f32; elems];
+        let mut recv = vec![0.0f32; elems];
+        let mut ours = ReduceBuffer::F32(vec![1.0f32; elems]);
+        let (mut raw_t, mut our_t) = (Vec::new(), Vec::new());
+        for i in 0..iters + 2 {
+            // Alternate which goes first, so that drift in machine load and cache state falls on both.
+            let mut raw = Duration::ZERO;
+            let mut our = Duration::ZERO;
+            for turn in [i % 2, 1 - i % 2] {
+                world.barrier();
+                let t = Instant::now();
+                if turn == 0 {
+                    world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                    raw = t.elapsed();
+                } else {
+                    ours = comm.all_reduce(ours, ReduceOp::Sum).expect("all_reduce");
+                    our = t.elapsed();
+                }
+            }
+            if i >= 2 {
+                raw_t.push(raw);
+                our_t.push(our);
+            }
+        }
+        // Paired ratios (same iteration, back to back) cancel slow drift in machine load.
+        let mut ratios: Vec<f64> = raw_t
+            .iter()
+            .zip(&our_t)
+            .map(|(r, o)| r.as_secs_f64() / o.as_secs_f64())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let ratio = ratios[ratios.len() / 2];
+        let (raw, our) = (median(raw_t), median(our_t));
+        let bus = |t| gbps(bytes, t) * 2.0 * (n - 1) as f64 / n as f64;
+        if main {
+            println!(
+                "size={} ours_us={:.1} raw_us={:.1} ours_busbw_GBps={:.2} raw_busbw_GBps={:.2} ratio={:.3}",
+                label(bytes),
+                our.as_secs_f64() * 1e6,
+                raw.as_secs_f64() * 1e6,
+                bus(our),
+                bus(raw),
+                ratio
+            );
+            if bytes == RATIO_SIZE {
+                println!("mpi_allreduce_ratio={ratio:.3}");
+            }
+        }
+    }
+}
+
+fn main() {
+    #[cfg(feature = "mpi")]
+    if burn_accelerate::mpi::launched_by_mpi() {
+        mpi_report();
+        return;
+    }
+    in_process_report();
+}
