@@ -43,13 +43,13 @@ fn main() -> burn_accelerate::Result<()> {
 
     // Accelerated.
     let accelerator = Accelerator::new()?;
-    let mut acc_model = accelerator.prepare_model(raw_model.clone());
+    let mut acc_model = accelerator.prepare_model(raw_model.clone())?;
     let mut acc_optim = accelerator.prepare_optimizer(AdamConfig::new().init(), LR);
     let loader = accelerator.prepare_dataloader(
         DataLoaderBuilder::new(SampleBatcher)
             .batch_size(BATCH)
             .build(mlp::dataset(SAMPLES, 3)),
-    );
+    )?;
 
     let mut raw_epoch = || {
         let start = Instant::now();

@@ -86,9 +86,9 @@ fn main() -> burn_accelerate::Result<()> {
         .build(mlp::dataset(1024, args.seed + 1));
 
     // 3. Prepare.
-    let mut model = accelerator.prepare_model(model);
-    let train = accelerator.prepare_dataloader(train);
-    let eval = accelerator.prepare_dataloader(eval);
+    let mut model = accelerator.prepare_model(model)?;
+    let train = accelerator.prepare_dataloader(train)?;
+    let eval = accelerator.prepare_dataloader(eval)?;
     let mut optimizer = accelerator.prepare_optimizer(AdamConfig::new().init(), args.lr);
     let total_steps = args.epochs * train.len();
     let schedule = LinearLrSchedulerConfig::new(args.lr, args.lr / 10.0, total_steps.max(1))

@@ -69,17 +69,19 @@ fn raw_burn(initial: Mlp, device: &Device) -> Mlp {
 /// The same loop with the Quicktour's changes.
 fn accelerated(initial: Mlp) -> Mlp {
     let accelerator = Accelerator::new().unwrap();
-    let mut model = accelerator.prepare_model(initial);
+    let mut model = accelerator.prepare_model(initial).unwrap();
     let mut optimizer = accelerator.prepare_optimizer(AdamConfig::new().init(), LR);
     let schedule = LinearLrSchedulerConfig::new(LR, LR / 10.0, schedule_len())
         .init()
         .unwrap();
     let mut scheduler = accelerator.prepare_scheduler(schedule, &optimizer);
-    let loader = accelerator.prepare_dataloader(
-        DataLoaderBuilder::new(SampleBatcher)
-            .batch_size(BATCH)
-            .build(mlp::dataset(SAMPLES, 5)),
-    );
+    let loader = accelerator
+        .prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(BATCH)
+                .build(mlp::dataset(SAMPLES, 5)),
+        )
+        .unwrap();
     for _ in 0..EPOCHS {
         for batch in loader.iter() {
             let loss = model.loss(batch.unwrap());
@@ -111,7 +113,9 @@ fn accelerated_training_matches_raw_burn_loop() {
 #[test]
 fn global_norm_clipping_through_the_accelerator() {
     let accelerator = Accelerator::new().unwrap();
-    let model = accelerator.prepare_model(Mlp::new(accelerator.device()));
+    let model = accelerator
+        .prepare_model(Mlp::new(accelerator.device()))
+        .unwrap();
     let batch = SampleBatcher.batch(mlp::samples(32, 9), accelerator.device());
 
     // Reference: Burn's raw gradients and their global L2 norm.
@@ -192,11 +196,13 @@ fn backward_on_an_unprepared_model_is_an_error() {
 #[test]
 fn end_of_dataloader_is_reported_on_the_last_batch() {
     let accelerator = Accelerator::new().unwrap();
-    let loader = accelerator.prepare_dataloader(
-        DataLoaderBuilder::new(SampleBatcher)
-            .batch_size(4)
-            .build(mlp::dataset(10, 0)),
-    );
+    let loader = accelerator
+        .prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(4)
+                .build(mlp::dataset(10, 0)),
+        )
+        .unwrap();
     let flags: Vec<bool> = loader
         .iter()
         .map(|b| {
@@ -214,7 +220,7 @@ fn device_placement_off_leaves_the_model_alone() {
         .build()
         .unwrap();
     let plain = Device::default();
-    let model = accelerator.prepare_model(Mlp::new(&plain));
+    let model = accelerator.prepare_model(Mlp::new(&plain)).unwrap();
     let loss = model.loss(SampleBatcher.batch(mlp::samples(4, 1), &plain));
     assert!(
         !loss.is_tracked(),

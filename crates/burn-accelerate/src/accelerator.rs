@@ -15,8 +15,8 @@ use serde::de::DeserializeOwned;
 
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::comm::{Communicator, ReduceOp};
-use crate::config::AcceleratorConfig;
-use crate::data::{DataLoader, PreparedDataLoader};
+use crate::config::{AcceleratorConfig, LossNormalization};
+use crate::data::{DataLoader, PreparedDataLoader, ShardSpec};
 use crate::error::{Error, Result};
 use crate::grad::{self, NormType};
 use crate::ops;
@@ -37,6 +37,10 @@ pub struct AcceleratorBuilder {
     gradient_accumulation_steps: Option<usize>,
     debug: Option<bool>,
     collective_timeout: Option<Duration>,
+    even_batches: Option<bool>,
+    sync_each_batch: Option<bool>,
+    loss_normalization: Option<LossNormalization>,
+    bucket_size_mb: Option<f64>,
 }
 
 impl AcceleratorBuilder {
@@ -81,6 +85,32 @@ impl AcceleratorBuilder {
     /// Micro-batches per optimizer step (default 1).
     pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
         self.gradient_accumulation_steps = Some(steps);
+        self
+    }
+
+    /// Whether prepared dataloaders complete their last round by cycling samples from the start of the epoch, so
+    /// that every rank gets the same number of full batches (default `true`). With `false`, ranks may get
+    /// different numbers of batches, and collectives in the loop can then fail.
+    pub fn even_batches(mut self, on: bool) -> Self {
+        self.even_batches = Some(on);
+        self
+    }
+
+    /// All-reduce gradients after every micro-batch, not only on sync steps (default `false`).
+    pub fn sync_each_batch(mut self, on: bool) -> Self {
+        self.sync_each_batch = Some(on);
+        self
+    }
+
+    /// How accumulated gradients are normalised (default [`LossNormalization::ActualMicroBatches`]).
+    pub fn loss_normalization(mut self, normalization: LossNormalization) -> Self {
+        self.loss_normalization = Some(normalization);
+        self
+    }
+
+    /// Size of one gradient all-reduce bucket, in MiB (default 25).
+    pub fn bucket_size_mb(mut self, mib: f64) -> Self {
+        self.bucket_size_mb = Some(mib);
         self
     }
 
@@ -146,6 +176,18 @@ impl AcceleratorBuilder {
         if let Some(v) = self.debug {
             config.debug = v;
         }
+        if let Some(v) = self.even_batches {
+            config.even_batches = v;
+        }
+        if let Some(v) = self.sync_each_batch {
+            config.sync_each_batch = v;
+        }
+        if let Some(v) = self.loss_normalization {
+            config.loss_normalization = v;
+        }
+        if let Some(v) = self.bucket_size_mb {
+            config.bucket_size_mb = v;
+        }
         if let Some(v) = self.collective_timeout {
             config.collective_timeout_secs = v.as_secs_f64();
         }
@@ -183,7 +225,7 @@ impl AcceleratorBuilder {
 /// use burn_accelerate::Accelerator;
 ///
 /// let accelerator = Accelerator::new()?;
-/// let model: Linear = accelerator.prepare_model(LinearConfig::new(4, 1).init(accelerator.device()));
+/// let model: Linear = accelerator.prepare_model(LinearConfig::new(4, 1).init(accelerator.device()))?;
 /// let mut optimizer = accelerator.prepare_optimizer(SgdConfig::new().init(), 0.1);
 ///
 /// let x = Tensor::<2>::ones([8, 4], accelerator.device());
@@ -337,14 +379,20 @@ impl Accelerator {
 
     // ----- prepare -------------------------------------------------------------------------------------
 
-    /// Places `model` on the accelerator's device, ready for training (autodiff on; with device placement off,
-    /// the model is returned as is).
-    pub fn prepare_model<M: Module>(&self, model: M) -> M {
-        if self.config.device_placement {
+    /// Prepares `model` for training: with several ranks, every rank gets rank 0's weights (so ranks start
+    /// identical whatever their seeds); then the model is placed on the accelerator's device with autodiff on
+    /// (unless device placement is off).
+    pub fn prepare_model<M: Module>(&self, model: M) -> Result<M> {
+        let model = if self.num_processes() > 1 {
+            crate::grad::broadcast_params(&self.state, model)?
+        } else {
+            model
+        };
+        Ok(if self.config.device_placement {
             model.fork(self.device()).train()
         } else {
             model
-        }
+        })
     }
 
     /// Wraps a Burn optimizer (`AdamConfig::new().init()`, ...) with its learning rate.
@@ -370,11 +418,30 @@ impl Accelerator {
         AcceleratedScheduler::new(scheduler.into(), optimizer, self.step.clone(), rule)
     }
 
-    /// Prepares a dataloader: batches are built on the accelerator's device (unless device placement is off)
-    /// and the accelerator tracks the end of each epoch.
-    pub fn prepare_dataloader<I, O>(&self, loader: DataLoader<I, O>) -> PreparedDataLoader<I, O> {
+    /// Prepares a dataloader: each rank gets its shard of every epoch (batch `i` goes to rank `i % P`, or every
+    /// batch is split with `split_batches`), the shuffle seed is taken from rank 0 so that all ranks agree on
+    /// the order, batches are built on the accelerator's device (unless device placement is off), and the
+    /// accelerator tracks the end of each epoch.
+    ///
+    /// # Errors
+    /// With `split_batches`, a batch size that the number of ranks does not divide; a failed seed exchange.
+    pub fn prepare_dataloader<I, O>(
+        &self,
+        mut loader: DataLoader<I, O>,
+    ) -> Result<PreparedDataLoader<I, O>> {
+        if self.num_processes() > 1
+            && let Some(seed) = loader.shuffle
+        {
+            loader.shuffle = Some(self.broadcast_object(&seed, 0)?);
+        }
+        let spec = ShardSpec {
+            num_processes: self.num_processes(),
+            rank: self.process_index(),
+            split_batches: self.config.split_batches,
+            even_batches: self.config.even_batches,
+        };
         let device = self.config.device_placement.then(|| self.device().clone());
-        PreparedDataLoader::new(loader, device, self.step.clone())
+        PreparedDataLoader::new(loader, device, self.step.clone(), spec)
     }
 
     /// Moves a batch (any [`ToDevice`] value) to the accelerator's device.
@@ -388,6 +455,45 @@ impl Accelerator {
     /// between ranks (no padding is left in the result). See [`ops::gather`](crate::ops::gather).
     pub fn gather<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
         ops::gather(&self.state, tensor)
+    }
+
+    /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
+    /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
+    /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates.
+    pub fn gather_for_metrics<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+    ) -> Result<Tensor<D, K>> {
+        let gathered = self.gather(tensor)?;
+        match self.metrics_remainder() {
+            Some(keep) if keep < gathered.dims()[0] => Ok(gathered.narrow(0, 0, keep)),
+            _ => Ok(gathered),
+        }
+    }
+
+    /// [`gather_for_metrics`](Self::gather_for_metrics) for per-sample values that are not tensors (labels,
+    /// ids, strings): every rank's items, concatenated in rank order, without the repeated tail.
+    pub fn gather_for_metrics_objects<T: Serialize + DeserializeOwned>(
+        &self,
+        items: &[T],
+    ) -> Result<Vec<T>> {
+        let mut all: Vec<T> = ops::gather_object_as::<[T], Vec<T>>(&self.state, items)?
+            .into_iter()
+            .flatten()
+            .collect();
+        if let Some(keep) = self.metrics_remainder() {
+            all.truncate(keep);
+        }
+        Ok(all)
+    }
+
+    /// How many gathered samples to keep: the real samples of the last round, on the last batch only.
+    fn metrics_remainder(&self) -> Option<usize> {
+        let state = self.step.snapshot();
+        match (state.end_of_dataloader, state.remainder) {
+            (true, Some(r)) if r > 0 => Some(r),
+            _ => None,
+        }
     }
 
     /// Combines every rank's tensor with `op` (sum, mean, max, min); every rank gets the result.
@@ -474,9 +580,27 @@ impl Accelerator {
 
     // ----- gradients -----------------------------------------------------------------------------------
 
+    /// Marks the start of a micro-batch under gradient accumulation and returns whether it ends the window
+    /// (Accelerate's `with accelerator.accumulate(model):`). Call it once per batch, before `backward`. The
+    /// window ends every `gradient_accumulation_steps` batches and on the last batch of a prepared dataloader;
+    /// on other batches `backward` only accumulates locally (no communication) and the optimizer does nothing.
+    pub fn accumulate(&self) -> bool {
+        let mut state = self.step.lock();
+        if state.end_of_dataloader {
+            state.step = 0;
+            state.sync_gradients = true;
+        } else {
+            state.step += 1;
+            state.sync_gradients = state.step % state.num_steps == 0;
+        }
+        state.sync_gradients
+    }
+
     /// Computes the gradients of `loss` with respect to `model`'s trainable parameters and adds them to the
-    /// accelerator's gradient store, where the prepared optimizer finds them. With gradient accumulation the loss
-    /// is divided by the number of micro-batches.
+    /// accelerator's gradient store, where the prepared optimizer finds them. On a step that synchronises
+    /// gradients (every step without accumulation), the accumulated gradients are divided by the number of
+    /// micro-batches in the window (see [`LossNormalization`]) and, with several ranks, averaged across ranks
+    /// with bucketed all-reduces.
     ///
     /// # Errors
     /// When `loss` is not connected to an autodiff graph (the model was not prepared, or the loss was computed
@@ -490,12 +614,6 @@ impl Accelerator {
                     .into(),
             ));
         }
-        let steps = self.config.gradient_accumulation_steps;
-        let loss = if steps > 1 {
-            loss.div_scalar(steps as f32)
-        } else {
-            loss
-        };
         let mut grads = loss.backward();
         let mut state = self.step.lock();
         let before = state.buffer.len();
@@ -507,7 +625,39 @@ impl Accelerator {
                     .into(),
             ));
         }
-        Ok(())
+        state.window += 1;
+        let syncing = state.sync_gradients;
+        let world = self.num_processes();
+        if !syncing && !(self.config.sync_each_batch && world > 1) {
+            return Ok(());
+        }
+        let scale = if !syncing {
+            1.0
+        } else {
+            match self.config.loss_normalization {
+                LossNormalization::ActualMicroBatches => 1.0 / state.window as f32,
+                LossNormalization::Nominal => 1.0 / self.config.gradient_accumulation_steps as f32,
+            }
+        };
+        if syncing {
+            state.window = 0;
+        }
+        if world > 1 {
+            let params = grad::trainable_params(model);
+            let bucket = (self.config.bucket_size_mb * 1024.0 * 1024.0) as usize;
+            grad::all_reduce_mean(
+                self.state.comm().as_ref(),
+                &mut state.buffer,
+                &params,
+                scale,
+                bucket,
+            )
+        } else {
+            if scale != 1.0 {
+                state.buffer.scale_all(scale);
+            }
+            Ok(())
+        }
     }
 
     /// Clips the gradients of `model` so that their global L2 norm is at most `max_norm`; returns the norm

@@ -25,6 +25,15 @@ pub struct AcceleratorConfig {
     /// Check operations and shapes across ranks before every collective (default `false`;
     /// `ACCELERATE_DEBUG_MODE`).
     pub debug: bool,
+    /// Complete the last round of a prepared dataloader by cycling samples from the start of the epoch, so every
+    /// rank gets the same number of full batches (default `true`).
+    pub even_batches: bool,
+    /// All-reduce gradients after every micro-batch instead of only on sync steps (default `false`).
+    pub sync_each_batch: bool,
+    /// How accumulated gradients are normalised (default: by the micro-batches actually accumulated).
+    pub loss_normalization: LossNormalization,
+    /// Size of one gradient all-reduce bucket in MiB (default 25).
+    pub bucket_size_mb: f64,
     /// Seconds a collective waits for the other ranks before failing (default 300;
     /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
     pub collective_timeout_secs: f64,
@@ -39,6 +48,10 @@ impl Default for AcceleratorConfig {
             gradient_accumulation_steps: 1,
             cpu: false,
             debug: false,
+            even_batches: true,
+            sync_each_batch: false,
+            loss_normalization: LossNormalization::ActualMicroBatches,
+            bucket_size_mb: 25.0,
             collective_timeout_secs: 300.0,
         }
     }
@@ -81,6 +94,14 @@ impl AcceleratorConfig {
                 "an integer >= 1",
             ));
         }
+        if !(self.bucket_size_mb.is_finite() && self.bucket_size_mb > 0.0) {
+            return Err(Error::config(
+                "bucket_size_mb",
+                self.bucket_size_mb.to_string(),
+                "configuration",
+                "a positive number of MiB",
+            ));
+        }
         if !(self.collective_timeout_secs.is_finite() && self.collective_timeout_secs > 0.0) {
             return Err(Error::config(
                 "collective_timeout_secs",
@@ -96,6 +117,18 @@ impl AcceleratorConfig {
     pub fn collective_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.collective_timeout_secs)
     }
+}
+
+/// How gradients accumulated over several micro-batches are normalised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossNormalization {
+    /// Divide by the number of micro-batches actually accumulated in the window, so that a short last window
+    /// (at the end of the dataloader) is weighted like a full one. The default.
+    ActualMicroBatches,
+    /// Divide by `gradient_accumulation_steps` always, as Accelerate does: a short last window makes a smaller
+    /// update.
+    Nominal,
 }
 
 /// The folder Accelerate keeps its configuration in: `$HF_HOME/accelerate`, else

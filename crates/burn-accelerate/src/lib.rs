@@ -11,7 +11,7 @@
 //!
 //! let accelerator = Accelerator::new()?;                                   // 1. create it
 //! let model: Linear = LinearConfig::new(3, 1).init(&Default::default());
-//! let model = accelerator.prepare_model(model);                           // 2. prepare (no manual moves)
+//! let model = accelerator.prepare_model(model)?;                          // 2. prepare (no manual moves)
 //! let mut optimizer = accelerator.prepare_optimizer(AdamConfig::new().init(), 1e-2);
 //! for _ in 0..3 {
 //!     let x = Tensor::<2>::ones([4, 3], accelerator.device());

@@ -14,6 +14,8 @@ pub struct GradientState {
     pub end_of_dataloader: bool,
     /// The configured number of micro-batches per optimizer step.
     pub num_steps: usize,
+    /// Samples of the last round of the active dataloader that are not padding (`None` with `drop_last`).
+    pub remainder: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -24,6 +26,12 @@ pub(crate) struct StepState {
     pub num_steps: usize,
     /// Whether any prepared optimizer skipped its latest step (fp16 overflow).
     pub optimizer_step_was_skipped: bool,
+    /// Micro-batches counted by `accumulate` since the last sync (Accelerate's `step`).
+    pub step: usize,
+    /// `backward` calls since gradients were last synchronised.
+    pub window: usize,
+    /// See [`GradientState::remainder`].
+    pub remainder: Option<usize>,
 }
 
 /// A handle to the state of one rank, cloned into every prepared object of that rank.
@@ -38,6 +46,9 @@ impl SharedStep {
             end_of_dataloader: false,
             num_steps,
             optimizer_step_was_skipped: false,
+            step: 0,
+            window: 0,
+            remainder: None,
         })))
     }
 
@@ -55,6 +66,7 @@ impl SharedStep {
             sync_gradients: s.sync_gradients,
             end_of_dataloader: s.end_of_dataloader,
             num_steps: s.num_steps,
+            remainder: s.remainder,
         }
     }
 }

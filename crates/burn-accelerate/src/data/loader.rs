@@ -160,12 +160,36 @@ impl<I, O> DataLoader<I, O> {
 
     /// Iterates over one epoch, building batches on the loader's device, and moves on to the next epoch.
     pub fn iter(&self) -> DataLoaderIter<'_, I, O> {
-        let epoch = self.epoch.fetch_add(1, Ordering::Relaxed);
+        let epoch = self.next_epoch();
+        self.iter_batches(self.batch_indices(epoch), self.device.clone())
+    }
+
+    /// Claims the epoch to run next.
+    pub(crate) fn next_epoch(&self) -> usize {
+        self.epoch.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Iterates over the given batches of indices, built on `device`.
+    pub(crate) fn iter_batches(
+        &self,
+        batches: Vec<Vec<usize>>,
+        device: Device,
+    ) -> DataLoaderIter<'_, I, O> {
         DataLoaderIter {
             loader: self,
-            batches: self.batch_indices(epoch).into_iter(),
-            device: self.device.clone(),
+            batches: batches.into_iter(),
+            device,
         }
+    }
+
+    /// Whether a partial last batch is dropped.
+    pub fn drop_last(&self) -> bool {
+        self.drop_last
+    }
+
+    /// The shuffle seed, if the loader shuffles.
+    pub fn shuffle_seed(&self) -> Option<u64> {
+        self.shuffle
     }
 
     pub(crate) fn load(&self, indices: Vec<usize>, device: &Device) -> Result<O> {

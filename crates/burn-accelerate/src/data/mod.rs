@@ -27,6 +27,8 @@
 
 mod loader;
 mod prepared;
+mod shard;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
 pub use prepared::{PreparedDataLoader, PreparedIter};
+pub use shard::{ShardSpec, shard};

@@ -1,15 +1,18 @@
 use burn::tensor::Device;
 
 use super::loader::{DataLoader, DataLoaderIter};
+use super::shard::{ShardSpec, shard};
 use crate::error::Result;
 use crate::step_state::SharedStep;
 
-/// A [`DataLoader`] prepared by the [`Accelerator`](crate::Accelerator): batches are built on the accelerator's
-/// device (unless device placement is off) and the accelerator learns when an epoch ends.
+/// A [`DataLoader`] prepared by the [`Accelerator`](crate::Accelerator): each rank gets its shard of every epoch
+/// (Accelerate's batch dealing, `split_batches` and `even_batches` rules), batches are built on the accelerator's
+/// device (unless device placement is off), and the accelerator learns when an epoch ends.
 pub struct PreparedDataLoader<I, O> {
     loader: DataLoader<I, O>,
     device: Device,
     shared: SharedStep,
+    spec: ShardSpec,
 }
 
 impl<I, O> PreparedDataLoader<I, O> {
@@ -17,28 +20,54 @@ impl<I, O> PreparedDataLoader<I, O> {
         loader: DataLoader<I, O>,
         device: Option<Device>,
         shared: SharedStep,
-    ) -> Self {
+        spec: ShardSpec,
+    ) -> Result<Self> {
+        spec.validate(loader.batch_size())?;
         let device = device.unwrap_or_else(|| loader.device.clone());
-        Self {
+        Ok(Self {
             loader,
             device,
             shared,
-        }
+            spec,
+        })
+    }
+
+    /// This rank's batches of `epoch`, as item indices.
+    pub fn batch_indices(&self, epoch: usize) -> Vec<Vec<usize>> {
+        shard(
+            &self.loader.batch_indices(epoch),
+            self.loader.batch_size(),
+            self.loader.drop_last(),
+            self.spec,
+        )
     }
 
     /// Batches per epoch on this rank (read it after `prepare_dataloader`: it changes with the number of ranks).
     pub fn len(&self) -> usize {
-        self.loader.len()
+        self.batch_indices(self.epoch()).len()
     }
 
-    /// Whether an epoch yields no batch.
+    /// Whether an epoch yields no batch on this rank.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Items per batch on this rank.
     pub fn batch_size(&self) -> usize {
-        self.loader.batch_size()
+        if self.spec.split_batches {
+            self.loader.batch_size() / self.spec.num_processes
+        } else {
+            self.loader.batch_size()
+        }
+    }
+
+    /// Items per optimizer step over all ranks (without accumulation).
+    pub fn total_batch_size(&self) -> usize {
+        if self.spec.split_batches {
+            self.loader.batch_size()
+        } else {
+            self.loader.batch_size() * self.spec.num_processes
+        }
     }
 
     /// The epoch the next [`iter`](Self::iter) runs.
@@ -56,17 +85,30 @@ impl<I, O> PreparedDataLoader<I, O> {
         &self.device
     }
 
+    /// How the epoch is divided between ranks.
+    pub fn shard_spec(&self) -> ShardSpec {
+        self.spec
+    }
+
     /// The loader before preparation.
     pub fn inner(&self) -> &DataLoader<I, O> {
         &self.loader
     }
 
-    /// Iterates over one epoch. While it runs, `accelerator.gradient_state().end_of_dataloader` is true exactly
-    /// when the batch just yielded is the epoch's last.
+    /// Iterates over this rank's share of one epoch. While it runs, `accelerator.gradient_state()
+    /// .end_of_dataloader` is true exactly when the batch just yielded is the epoch's last, which is what
+    /// `gather_for_metrics` and gradient accumulation rely on.
     pub fn iter(&self) -> PreparedIter<'_, I, O> {
-        let mut inner = self.loader.iter();
-        inner.device = self.device.clone();
-        self.shared.lock().end_of_dataloader = inner.len() == 0;
+        let epoch = self.loader.next_epoch();
+        let inner = self
+            .loader
+            .iter_batches(self.batch_indices(epoch), self.device.clone());
+        {
+            let mut state = self.shared.lock();
+            state.end_of_dataloader = inner.len() == 0;
+            state.remainder = (!self.loader.drop_last())
+                .then(|| self.loader.num_items() % self.total_batch_size());
+        }
         PreparedIter {
             inner,
             shared: self.shared.clone(),

@@ -182,6 +182,32 @@ impl GradientBuffer {
             .collect()
     }
 
+    /// Stores `flat` as the gradient of `id`, keeping the shape recorded for it; `id` must already have a
+    /// gradient or be given by a module whose parameter has `flat.dims()[0]` elements.
+    pub(crate) fn set_flat(&mut self, id: ParamId, flat: Tensor<1>) {
+        match self.grads.get_mut(&id) {
+            Some(stored) => stored.value = GradValue::Flat(Box::new(flat)),
+            None => {
+                let shape = Shape::from(vec![flat.dims()[0]]);
+                self.grads.insert(
+                    id,
+                    StoredGrad {
+                        shape,
+                        value: GradValue::Flat(Box::new(flat)),
+                    },
+                );
+            }
+        }
+    }
+
+    /// Multiplies every stored gradient by `factor`.
+    pub(crate) fn scale_all(&mut self, factor: f32) {
+        for stored in self.grads.values_mut() {
+            let flat = stored.flat();
+            *flat = flat.clone().mul_scalar(factor);
+        }
+    }
+
     /// Removes the gradients of `module`'s parameters and returns them in Burn's optimizer format.
     pub fn take_for<M: Module>(&mut self, module: &M) -> GradientsParams {
         struct Take<'a> {
@@ -190,7 +216,12 @@ impl GradientBuffer {
         }
         impl ModuleVisitor for Take<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if let Some(stored) = self.buffer.grads.remove(&param.id) {
+                if let Some(mut stored) = self.buffer.grads.remove(&param.id) {
+                    // A gradient first seen through `set_flat` (a parameter unused on this rank) takes the
+                    // parameter's shape here.
+                    if stored.shape.num_dims() != D {
+                        stored.shape = param.shape();
+                    }
                     self.out.register::<D>(param.id, stored.into_shaped::<D>());
                 }
             }

@@ -7,7 +7,9 @@
 
 mod buffer;
 mod clip;
+mod sync;
 
 pub use buffer::GradientBuffer;
 pub(crate) use buffer::param_ids;
 pub use clip::{NormType, clip_grad_norm, clip_grad_value};
+pub(crate) use sync::{all_reduce_mean, broadcast_params, trainable_params};

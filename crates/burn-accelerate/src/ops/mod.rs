@@ -287,6 +287,14 @@ pub fn gather_object<T: Serialize + DeserializeOwned>(
     state: &ProcessState,
     value: &T,
 ) -> Result<Vec<T>> {
+    gather_object_as(state, value)
+}
+
+/// Gathers `value` from every rank, read back as `D` (e.g. a slice sent, a `Vec` received).
+pub fn gather_object_as<S: Serialize + ?Sized, D: DeserializeOwned>(
+    state: &ProcessState,
+    value: &S,
+) -> Result<Vec<D>> {
     let bytes = serde_json::to_vec(value).map_err(|e| data_error("gather_object", e))?;
     let all = state.comm().all_gather(bytes)?;
     all.iter()
