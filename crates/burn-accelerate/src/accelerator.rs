@@ -692,6 +692,11 @@ impl Accelerator {
         self.step.lock().buffer.get::<D>(param.id)
     }
 
+    /// Drops every stored gradient (the prepared optimizer does it after each step).
+    pub fn zero_grad(&self) {
+        self.step.lock().buffer.clear();
+    }
+
     /// Whether the current micro-batch synchronises gradients and steps the optimizer.
     pub fn sync_gradients(&self) -> bool {
         self.step.lock().sync_gradients

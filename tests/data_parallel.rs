@@ -1,0 +1,313 @@
+//! Data-parallel training on in-process ranks: the same model as one rank with the combined batch, gradient
+//! accumulation that communicates only on sync steps, and `gather_for_metrics` that sees every sample once.
+
+#[path = "../examples/support/mlp.rs"]
+mod mlp;
+
+use std::collections::BTreeMap;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor};
+use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::{Accelerator, AcceleratorBuilder};
+use mlp::{Mlp, SampleBatcher};
+
+fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
+    struct Collect(Vec<Vec<f32>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().into_data().try_to_vec::<f32>().unwrap());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
+}
+
+fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+/// The same initial weights for every run of a test.
+fn initial() -> Mlp {
+    let device = Device::default().autodiff();
+    device.seed(100);
+    let model = Mlp::new(&device);
+    weights(&model); // materialise the lazy parameters before the model is shared
+    model
+}
+
+/// Trains the quicktour MLP from `start` on `samples` items for `epochs`; returns the final weights of rank 0.
+fn train(
+    builder: AcceleratorBuilder,
+    ranks: usize,
+    batch_size: usize,
+    samples: usize,
+    epochs: usize,
+) -> Vec<Vec<f32>> {
+    let start = initial();
+    let out = builder
+        .launch(ranks, |acc| {
+            let mut model = acc.prepare_model(start.clone())?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 5e-3);
+            let loader = acc.prepare_dataloader(
+                DataLoaderBuilder::new(SampleBatcher)
+                    .batch_size(batch_size)
+                    .shuffle(7)
+                    .build(mlp::dataset(samples, 11)),
+            )?;
+            for _ in 0..epochs {
+                for batch in loader.iter() {
+                    acc.accumulate();
+                    let loss = model.loss(batch?);
+                    acc.backward(loss, &model)?;
+                    model = optimizer.step(model);
+                }
+            }
+            Ok(weights(&model))
+        })
+        .unwrap();
+    for other in &out[1..] {
+        assert_eq!(max_abs_diff(&out[0], other), 0.0, "ranks must hold identical weights");
+    }
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn prepare_model_gives_every_rank_the_weights_of_rank_0() {
+    let per_rank = Accelerator::builder()
+        .launch(3, |acc| {
+            // Different weights on every rank before preparation.
+            let model = Mlp::new(acc.device());
+            let own = weights(&model);
+            let prepared = weights(&acc.prepare_model(model)?);
+            Ok((own, prepared))
+        })
+        .unwrap();
+    let root = &per_rank[0].0;
+    assert!(max_abs_diff(root, &per_rank[1].0) > 0.0, "ranks started apart");
+    for (_, prepared) in &per_rank {
+        assert_eq!(max_abs_diff(root, prepared), 0.0);
+    }
+}
+
+#[test]
+fn p_ranks_match_one_rank_with_the_combined_batch() {
+    let (b, samples, epochs) = (4, 96, 2);
+    for p in [2, 4] {
+        let reference = train(Accelerator::builder(), 1, p * b, samples, epochs);
+        let ranks = train(Accelerator::builder(), p, b, samples, epochs);
+        let diff = max_abs_diff(&reference, &ranks);
+        assert!(diff <= 1e-5, "P={p}: max |w_P - w_1| = {diff}");
+
+        let split = train(Accelerator::builder().split_batches(true), p, p * b, samples, epochs);
+        let diff = max_abs_diff(&reference, &split);
+        assert!(diff <= 1e-5, "P={p} split_batches: {diff}");
+    }
+}
+
+#[test]
+fn accumulation_on_p_ranks_matches_one_big_batch() {
+    let (b, n, samples) = (4, 3, 96);
+    for p in [2, 4] {
+        let reference = train(Accelerator::builder(), 1, p * b * n, samples, 2);
+        let accumulated = train(Accelerator::builder().gradient_accumulation_steps(n), p, b, samples, 2);
+        let diff = max_abs_diff(&reference, &accumulated);
+        assert!(diff <= 1e-5, "P={p} N={n}: {diff}");
+    }
+}
+
+#[test]
+fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communicate() {
+    let (p, b, n) = (2, 3, 2);
+    let samples = mlp::samples(p * b * n * 2, 5);
+    let device = Device::default().autodiff();
+    device.seed(3);
+    let initial = Mlp::new(&device);
+    let init = initial.clone();
+    let data = samples.clone();
+    let per_rank = Accelerator::builder()
+        .gradient_accumulation_steps(n)
+        .launch(p, move |acc| {
+            let model = acc.prepare_model(init.clone())?;
+            let loader = acc.prepare_dataloader(
+                DataLoaderBuilder::new(SampleBatcher)
+                    .batch_size(b)
+                    .build(InMemDataset::new(data.clone())),
+            )?;
+            let mut log = Vec::new();
+            for batch in loader.iter() {
+                let before = acc.state().comm().all_reduce_count();
+                let sync = acc.accumulate();
+                acc.backward(model.loss(batch?), &model)?;
+                let communicated = acc.state().comm().all_reduce_count() - before;
+                let grad = acc.grad(&model_weight(&model)).map(|g| g.into_data().try_to_vec::<f32>().unwrap());
+                log.push((sync, communicated, grad));
+                if sync {
+                    acc.state(); // the optimizer would step here; drop the gradients instead
+                    acc.zero_grad();
+                }
+            }
+            Ok(log)
+        })
+        .unwrap();
+    let log = &per_rank[0];
+    assert_eq!(log.iter().map(|(s, _, _)| *s).collect::<Vec<_>>(), vec![false, true, false, true]);
+    for (sync, communicated, _) in log {
+        assert_eq!(*communicated > 0, *sync, "all-reduce only on sync steps ({communicated} calls)");
+    }
+    // Reference: the gradient of the first layer's weight over each window of p*b*n samples at once.
+    let window = p * b * n;
+    for (w, (_, _, grad)) in log.iter().filter(|(s, _, _)| *s).enumerate() {
+        let model = initial.clone();
+        let batch = SampleBatcher.batch(samples[w * window..(w + 1) * window].to_vec(), &device);
+        let grads = GradientsParams::from_grads(model.loss(batch).backward(), &model);
+        let expected = grads
+            .get::<2>(model_weight(&model).id)
+            .unwrap()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let got = grad.as_ref().unwrap();
+        let diff = expected.iter().zip(got).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(diff <= 1e-6, "window {w}: {diff}");
+    }
+    assert_eq!(per_rank[0].len(), per_rank[1].len());
+}
+
+fn model_weight(model: &Mlp) -> Param<Tensor<2>> {
+    struct First(Option<Param<Tensor<2>>>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() && D == 2 {
+                let t: Tensor<2> = param.val().reshape(param.val().shape());
+                self.0 = Some(Param::initialized(param.id, t));
+            }
+        }
+    }
+    let mut f = First(None);
+    model.visit(&mut f);
+    f.0.unwrap()
+}
+
+/// Items are their own index; the batch is the index tensor.
+#[derive(Clone)]
+struct Ids;
+impl Batcher<i64, Tensor<1, Int>> for Ids {
+    fn batch(&self, items: Vec<i64>, device: &Device) -> Tensor<1, Int> {
+        Tensor::from_data(items.as_slice(), device)
+    }
+}
+
+#[test]
+fn gather_for_metrics_sees_every_sample_once() {
+    for n in [82usize, 99, 512] {
+        for bs in 1..=8usize {
+            for p in [2usize, 3, 4] {
+                for (split, shuffle) in [(false, false), (false, true), (true, true)] {
+                    if split && bs % p != 0 {
+                        continue;
+                    }
+                    let per_rank = Accelerator::builder()
+                        .split_batches(split)
+                        .launch(p, |acc| {
+                            let mut builder = DataLoaderBuilder::new(Ids).batch_size(bs);
+                            if shuffle {
+                                builder = builder.shuffle(1);
+                            }
+                            let loader =
+                                acc.prepare_dataloader(builder.build(InMemDataset::new((0..n as i64).collect())))?;
+                            let mut seen = Vec::new();
+                            let mut objects = Vec::new();
+                            for batch in loader.iter() {
+                                let batch = batch?;
+                                let ids: Vec<i64> = batch.clone().into_data().convert::<i64>().try_into_vec().unwrap();
+                                seen.extend(
+                                    acc.gather_for_metrics(batch)?
+                                        .into_data()
+                                        .convert::<i64>()
+                                        .try_into_vec::<i64>()
+                                        .unwrap(),
+                                );
+                                objects.extend(acc.gather_for_metrics_objects(&ids)?);
+                            }
+                            Ok((seen, objects))
+                        })
+                        .unwrap();
+                    for (seen, objects) in per_rank {
+                        assert_eq!(seen, objects, "tensors and objects agree");
+                        assert_eq!(seen.len(), n, "n={n} bs={bs} P={p} split={split}: count");
+                        let counts = seen.iter().fold(BTreeMap::new(), |mut m, x| {
+                            *m.entry(*x).or_insert(0) += 1;
+                            m
+                        });
+                        assert!(
+                            counts.len() == n && counts.values().all(|c| *c == 1),
+                            "n={n} bs={bs} P={p} split={split}: every sample exactly once"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn drop_last_gathers_only_full_rounds() {
+    let per_rank = Accelerator::builder()
+        .launch(2, |acc| {
+            let loader = acc.prepare_dataloader(
+                DataLoaderBuilder::new(Ids)
+                    .batch_size(3)
+                    .drop_last(true)
+                    .build(InMemDataset::new((0..22).collect())),
+            )?;
+            let mut seen = 0;
+            for batch in loader.iter() {
+                seen += acc.gather_for_metrics(batch?)?.dims()[0];
+            }
+            Ok(seen)
+        })
+        .unwrap();
+    assert_eq!(per_rank, vec![18, 18]);
+}
+
+#[test]
+fn split_batches_rejects_an_indivisible_batch_size() {
+    let errors = Accelerator::builder()
+        .split_batches(true)
+        .launch(3, |acc| {
+            let loader = DataLoaderBuilder::new(Ids).batch_size(4).build(InMemDataset::new(vec![0i64; 8]));
+            Ok(acc.prepare_dataloader(loader).err().map(|e| e.to_string()))
+        })
+        .unwrap();
+    assert!(errors[0].as_ref().unwrap().contains("round multiple"), "{errors:?}");
+}
+
+#[test]
+fn a_short_last_window_is_normalised_by_its_real_length() {
+    // 7 micro-batches of 4 with accumulation 3: windows of 3, 3 and 1 micro-batches, the last one ended by the
+    // end of the dataloader. The reference takes batches of 12, 12 and 4.
+    let reference = train(Accelerator::builder(), 1, 12, 28, 1);
+    let actual = train(Accelerator::builder().gradient_accumulation_steps(3), 1, 4, 28, 1);
+    assert!(max_abs_diff(&reference, &actual) <= 1e-6);
+    let nominal = train(
+        Accelerator::builder()
+            .gradient_accumulation_steps(3)
+            .loss_normalization(burn_accelerate::config::LossNormalization::Nominal),
+        1,
+        4,
+        28,
+        1,
+    );
+    assert!(
+        max_abs_diff(&reference, &nominal) > 1e-4,
+        "Accelerate's nominal division under-weights the short window"
+    );
+}
