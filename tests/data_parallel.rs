@@ -19,7 +19,8 @@ fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
     struct Collect(Vec<Vec<f32>>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(param.val().into_data().try_to_vec::<f32>().unwrap());
+            self.0
+                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
         }
     }
     let mut c = Collect(Vec::new());
@@ -34,24 +35,23 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// The same initial weights for every run of a test.
+/// Initial weights, drawn once per test and shared by its runs (tests run in parallel threads and share the
+/// device's random generator, so each test draws once).
 fn initial() -> Mlp {
-    let device = Device::default().autodiff();
-    device.seed(100);
-    let model = Mlp::new(&device);
+    let model = Mlp::new(&Device::default().autodiff());
     weights(&model); // materialise the lazy parameters before the model is shared
     model
 }
 
 /// Trains the quicktour MLP from `start` on `samples` items for `epochs`; returns the final weights of rank 0.
 fn train(
+    start: &Mlp,
     builder: AcceleratorBuilder,
     ranks: usize,
     batch_size: usize,
     samples: usize,
     epochs: usize,
 ) -> Vec<Vec<f32>> {
-    let start = initial();
     let out = builder
         .launch(ranks, |acc| {
             let mut model = acc.prepare_model(start.clone())?;
@@ -74,7 +74,11 @@ fn train(
         })
         .unwrap();
     for other in &out[1..] {
-        assert_eq!(max_abs_diff(&out[0], other), 0.0, "ranks must hold identical weights");
+        assert_eq!(
+            max_abs_diff(&out[0], other),
+            0.0,
+            "ranks must hold identical weights"
+        );
     }
     out.into_iter().next().unwrap()
 }
@@ -91,7 +95,10 @@ fn prepare_model_gives_every_rank_the_weights_of_rank_0() {
         })
         .unwrap();
     let root = &per_rank[0].0;
-    assert!(max_abs_diff(root, &per_rank[1].0) > 0.0, "ranks started apart");
+    assert!(
+        max_abs_diff(root, &per_rank[1].0) > 0.0,
+        "ranks started apart"
+    );
     for (_, prepared) in &per_rank {
         assert_eq!(max_abs_diff(root, prepared), 0.0);
     }
@@ -99,14 +106,22 @@ fn prepare_model_gives_every_rank_the_weights_of_rank_0() {
 
 #[test]
 fn p_ranks_match_one_rank_with_the_combined_batch() {
+    let start = initial();
     let (b, samples, epochs) = (4, 96, 2);
     for p in [2, 4] {
-        let reference = train(Accelerator::builder(), 1, p * b, samples, epochs);
-        let ranks = train(Accelerator::builder(), p, b, samples, epochs);
+        let reference = train(&start, Accelerator::builder(), 1, p * b, samples, epochs);
+        let ranks = train(&start, Accelerator::builder(), p, b, samples, epochs);
         let diff = max_abs_diff(&reference, &ranks);
         assert!(diff <= 1e-5, "P={p}: max |w_P - w_1| = {diff}");
 
-        let split = train(Accelerator::builder().split_batches(true), p, p * b, samples, epochs);
+        let split = train(
+            &start,
+            Accelerator::builder().split_batches(true),
+            p,
+            p * b,
+            samples,
+            epochs,
+        );
         let diff = max_abs_diff(&reference, &split);
         assert!(diff <= 1e-5, "P={p} split_batches: {diff}");
     }
@@ -114,10 +129,18 @@ fn p_ranks_match_one_rank_with_the_combined_batch() {
 
 #[test]
 fn accumulation_on_p_ranks_matches_one_big_batch() {
+    let start = initial();
     let (b, n, samples) = (4, 3, 96);
     for p in [2, 4] {
-        let reference = train(Accelerator::builder(), 1, p * b * n, samples, 2);
-        let accumulated = train(Accelerator::builder().gradient_accumulation_steps(n), p, b, samples, 2);
+        let reference = train(&start, Accelerator::builder(), 1, p * b * n, samples, 2);
+        let accumulated = train(
+            &start,
+            Accelerator::builder().gradient_accumulation_steps(n),
+            p,
+            b,
+            samples,
+            2,
+        );
         let diff = max_abs_diff(&reference, &accumulated);
         assert!(diff <= 1e-5, "P={p} N={n}: {diff}");
     }
@@ -147,7 +170,9 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
                 let sync = acc.accumulate();
                 acc.backward(model.loss(batch?), &model)?;
                 let communicated = acc.state().comm().all_reduce_count() - before;
-                let grad = acc.grad(&model_weight(&model)).map(|g| g.into_data().try_to_vec::<f32>().unwrap());
+                let grad = acc
+                    .grad(&model_weight(&model))
+                    .map(|g| g.into_data().try_to_vec::<f32>().unwrap());
                 log.push((sync, communicated, grad));
                 if sync {
                     acc.state(); // the optimizer would step here; drop the gradients instead
@@ -158,9 +183,16 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
         })
         .unwrap();
     let log = &per_rank[0];
-    assert_eq!(log.iter().map(|(s, _, _)| *s).collect::<Vec<_>>(), vec![false, true, false, true]);
+    assert_eq!(
+        log.iter().map(|(s, _, _)| *s).collect::<Vec<_>>(),
+        vec![false, true, false, true]
+    );
     for (sync, communicated, _) in log {
-        assert_eq!(*communicated > 0, *sync, "all-reduce only on sync steps ({communicated} calls)");
+        assert_eq!(
+            *communicated > 0,
+            *sync,
+            "all-reduce only on sync steps ({communicated} calls)"
+        );
     }
     // Reference: the gradient of the first layer's weight over each window of p*b*n samples at once.
     let window = p * b * n;
@@ -175,7 +207,11 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
             .try_to_vec::<f32>()
             .unwrap();
         let got = grad.as_ref().unwrap();
-        let diff = expected.iter().zip(got).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        let diff = expected
+            .iter()
+            .zip(got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
         assert!(diff <= 1e-6, "window {w}: {diff}");
     }
     assert_eq!(per_rank[0].len(), per_rank[1].len());
@@ -221,13 +257,19 @@ fn gather_for_metrics_sees_every_sample_once() {
                             if shuffle {
                                 builder = builder.shuffle(1);
                             }
-                            let loader =
-                                acc.prepare_dataloader(builder.build(InMemDataset::new((0..n as i64).collect())))?;
+                            let loader = acc.prepare_dataloader(
+                                builder.build(InMemDataset::new((0..n as i64).collect())),
+                            )?;
                             let mut seen = Vec::new();
                             let mut objects = Vec::new();
                             for batch in loader.iter() {
                                 let batch = batch?;
-                                let ids: Vec<i64> = batch.clone().into_data().convert::<i64>().try_into_vec().unwrap();
+                                let ids: Vec<i64> = batch
+                                    .clone()
+                                    .into_data()
+                                    .convert::<i64>()
+                                    .try_into_vec()
+                                    .unwrap();
                                 seen.extend(
                                     acc.gather_for_metrics(batch)?
                                         .into_data()
@@ -283,21 +325,35 @@ fn split_batches_rejects_an_indivisible_batch_size() {
     let errors = Accelerator::builder()
         .split_batches(true)
         .launch(3, |acc| {
-            let loader = DataLoaderBuilder::new(Ids).batch_size(4).build(InMemDataset::new(vec![0i64; 8]));
+            let loader = DataLoaderBuilder::new(Ids)
+                .batch_size(4)
+                .build(InMemDataset::new(vec![0i64; 8]));
             Ok(acc.prepare_dataloader(loader).err().map(|e| e.to_string()))
         })
         .unwrap();
-    assert!(errors[0].as_ref().unwrap().contains("round multiple"), "{errors:?}");
+    assert!(
+        errors[0].as_ref().unwrap().contains("round multiple"),
+        "{errors:?}"
+    );
 }
 
 #[test]
 fn a_short_last_window_is_normalised_by_its_real_length() {
+    let start = initial();
     // 7 micro-batches of 4 with accumulation 3: windows of 3, 3 and 1 micro-batches, the last one ended by the
     // end of the dataloader. The reference takes batches of 12, 12 and 4.
-    let reference = train(Accelerator::builder(), 1, 12, 28, 1);
-    let actual = train(Accelerator::builder().gradient_accumulation_steps(3), 1, 4, 28, 1);
+    let reference = train(&start, Accelerator::builder(), 1, 12, 28, 1);
+    let actual = train(
+        &start,
+        Accelerator::builder().gradient_accumulation_steps(3),
+        1,
+        4,
+        28,
+        1,
+    );
     assert!(max_abs_diff(&reference, &actual) <= 1e-6);
     let nominal = train(
+        &start,
         Accelerator::builder()
             .gradient_accumulation_steps(3)
             .loss_normalization(burn_accelerate::config::LossNormalization::Nominal),
@@ -310,4 +366,38 @@ fn a_short_last_window_is_normalised_by_its_real_length() {
         max_abs_diff(&reference, &nominal) > 1e-4,
         "Accelerate's nominal division under-weights the short window"
     );
+}
+
+/// Runs a built example of this package and returns its `final_loss=` and `accuracy=` lines.
+fn example_result(name: &str, args: &[&str]) -> Vec<String> {
+    let exe = std::env::current_exe().unwrap();
+    let program = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    let out = std::process::Command::new(&program)
+        .args(args)
+        .output()
+        .expect("the example runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("final_loss=") || l.starts_with("accuracy="))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn data_parallel_example_gives_the_same_result_on_1_and_2_ranks() {
+    let one = example_result("data_parallel", &["--processes", "1"]);
+    assert_eq!(one.len(), 2, "{one:?}");
+    assert_eq!(example_result("data_parallel", &["--processes", "2"]), one);
 }

@@ -69,3 +69,59 @@ fn a_rank_that_skips_a_collective_is_named_under_mpirun() {
         "the job is aborted after a timeout rather than left hanging"
     );
 }
+
+#[test]
+fn data_parallel_example_under_mpirun_matches_one_process() {
+    let program = example("data_parallel");
+    let lines = |out: std::process::Output| -> Vec<String> {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("final_loss=") || l.starts_with("accuracy="))
+            .map(str::to_string)
+            .collect()
+    };
+    let one = lines(
+        Command::new(&program)
+            .args(["--processes", "1"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(one.len(), 2, "{one:?}");
+    let two = lines(mpirun(2, &program, &[]));
+    assert_eq!(
+        two, one,
+        "mpirun -np 2 prints the main process's result once"
+    );
+}
+
+#[test]
+fn hostfile_launch_works() {
+    let dir = std::env::temp_dir().join(format!("ba-hostfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hostfile = dir.join("hosts");
+    std::fs::write(&hostfile, "localhost slots=3\n").unwrap();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--hostfile"])
+        .arg(&hostfile)
+        .args(["-np", "3"])
+        .arg(example("mpi_collectives"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.matches("suite passed on rank").count(),
+        3,
+        "{stdout}"
+    );
+}

@@ -1,0 +1,132 @@
+//! Data-parallel training of a classifier, evaluated with `gather_for_metrics`.
+//!
+//! The global batch is fixed (`--global-batch`, default 64) and divided between the ranks, so every run sees
+//! the same data in the same order and ends with the same model, whatever the number of ranks:
+//!
+//! ```text
+//! cargo run --release --example data_parallel -- --processes 1   # one rank, batch 64
+//! cargo run --release --example data_parallel -- --processes 2   # two in-process ranks, batch 32 each
+//! mpirun -np 2 target/release/examples/data_parallel             # two processes (build with --features mpi)
+//! ```
+//!
+//! Each prints `final_loss=<x>` and `accuracy=<y>` computed over every evaluation sample exactly once.
+
+#[path = "support/classifier.rs"]
+mod classifier;
+
+use burn::data::dataset::InMemDataset;
+use burn::module::Module;
+use burn::optim::AdamConfig;
+use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
+use burn_accelerate::{Accelerator, Result};
+use clap::Parser;
+use classifier::{Batch, Classifier, Sample, SampleBatcher, blobs};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// In-process ranks (ignored under mpirun, where the launcher decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// Samples per optimizer step over all ranks.
+    #[arg(long, default_value_t = 64)]
+    global_batch: usize,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 3)]
+    epochs: usize,
+    /// Hidden width of the classifier.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Training samples.
+    #[arg(long, default_value_t = 4096)]
+    train_samples: usize,
+    /// Evaluation samples (not a multiple of the batch, on purpose).
+    #[arg(long, default_value_t = 1003)]
+    eval_samples: usize,
+}
+
+/// Mean loss and accuracy over every evaluation sample, each counted once across ranks.
+fn evaluate(
+    acc: &Accelerator,
+    model: &Classifier,
+    eval: &PreparedDataLoader<Sample, Batch>,
+) -> Result<(f64, f64)> {
+    let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+    let model = model.valid();
+    for batch in eval.iter() {
+        let batch = batch?;
+        let batch = Batch {
+            x: batch.x.inner(),
+            y: batch.y.inner(),
+        };
+        let losses = acc.gather_for_metrics(model.losses(&batch))?;
+        let predictions =
+            acc.gather_for_metrics(model.forward(batch.x.clone()).argmax(1).reshape([-1]))?;
+        let labels = acc.gather_for_metrics(batch.y)?;
+        count += labels.dims()[0];
+        correct += predictions.equal(labels).int().sum().into_scalar::<i64>() as usize;
+        loss_sum += losses.sum().into_scalar::<f32>() as f64;
+    }
+    Ok((loss_sum / count as f64, correct as f64 / count as f64))
+}
+
+fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)> {
+    let p = acc.num_processes();
+    if args.global_batch % p != 0 {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "--global-batch {} is not divisible by {p} ranks",
+            args.global_batch
+        )));
+    }
+    // prepare_model gives every rank rank 0's weights.
+    let mut model = acc.prepare_model(initial)?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let train = acc.prepare_dataloader(
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(args.global_batch / p)
+            .shuffle(5)
+            .build(InMemDataset::new(blobs(args.train_samples, 1))),
+    )?;
+    let eval = acc.prepare_dataloader(
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(args.global_batch / p)
+            .build(InMemDataset::new(blobs(args.eval_samples, 2))),
+    )?;
+    let (initial, _) = evaluate(&acc, &model, &eval)?;
+    acc.print(format!(
+        "processes={p} per_rank_batch={} initial_loss={initial:.5}",
+        args.global_batch / p
+    ));
+    for _ in 0..args.epochs {
+        for batch in train.iter() {
+            let batch = batch?;
+            let loss = model.losses(&batch).mean();
+            acc.backward(loss, &model)?;
+            model = optimizer.step(model);
+        }
+    }
+    evaluate(&acc, &model, &eval)
+}
+
+fn main() -> Result<()> {
+    burn_accelerate::logging::init(None);
+    let args = Args::parse();
+    #[cfg(feature = "mpi")]
+    let under_mpi = burn_accelerate::mpi::launched_by_mpi();
+    #[cfg(not(feature = "mpi"))]
+    let under_mpi = false;
+    // The same initial weights for every run. (In-process ranks share the device's random generator, so the
+    // model is drawn once here rather than by each rank.)
+    let initial = classifier::initial_model(args.hidden, 17);
+    let results = if under_mpi || args.processes <= 1 {
+        vec![run(Accelerator::new()?, &args, initial)?]
+    } else {
+        burn_accelerate::launch(args.processes, |acc| run(acc, &args, initial.clone()))?
+    };
+    let is_main = !under_mpi || Accelerator::new()?.is_main_process();
+    if is_main {
+        let (loss, accuracy) = results[0];
+        println!("final_loss={loss:.5}");
+        println!("accuracy={accuracy:.4}");
+    }
+    Ok(())
+}

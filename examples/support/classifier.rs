@@ -1,0 +1,105 @@
+//! The classifier and synthetic data of the data-parallel example, shared with its tests and benchmarks.
+
+#![allow(dead_code)]
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub const FEATURES: usize = 8;
+pub const CLASSES: usize = 4;
+
+#[derive(Module, Debug)]
+pub struct Classifier {
+    hidden: Linear,
+    out: Linear,
+    act: Relu,
+}
+
+impl Classifier {
+    pub fn new(hidden: usize, device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(FEATURES, hidden).init(device),
+            out: LinearConfig::new(hidden, CLASSES).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.out.forward(self.act.forward(self.hidden.forward(x)))
+    }
+
+    /// Cross-entropy of every sample.
+    pub fn losses(&self, batch: &Batch) -> Tensor<1> {
+        let n = batch.y.dims()[0];
+        let logp = log_softmax(self.forward(batch.x.clone()), 1);
+        logp.gather(1, batch.y.clone().reshape([n, 1]))
+            .reshape([n])
+            .neg()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Sample {
+    pub x: [f32; FEATURES],
+    pub y: i64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub x: Tensor<2>,
+    pub y: Tensor<1, Int>,
+}
+
+#[derive(Clone)]
+pub struct SampleBatcher;
+
+impl Batcher<Sample, Batch> for SampleBatcher {
+    fn batch(&self, items: Vec<Sample>, device: &Device) -> Batch {
+        let n = items.len();
+        let xs: Vec<f32> = items.iter().flat_map(|s| s.x).collect();
+        let ys: Vec<i64> = items.iter().map(|s| s.y).collect();
+        Batch {
+            x: Tensor::<1>::from_floats(xs.as_slice(), device).reshape([n, FEATURES]),
+            y: Tensor::from_data(ys.as_slice(), device),
+        }
+    }
+}
+
+/// Four overlapping Gaussian blobs.
+pub fn blobs(n: usize, seed: u64) -> Vec<Sample> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let y = rng.random_range(0..CLASSES);
+            let mut x = [0f32; FEATURES];
+            for (i, v) in x.iter_mut().enumerate() {
+                let center = if i % CLASSES == y { 1.5 } else { 0.0 };
+                *v = center + rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0);
+            }
+            Sample { x, y: y as i64 }
+        })
+        .collect()
+}
+
+/// Initialises every lazy parameter, so that clones share values instead of drawing them later.
+pub struct Materialize;
+
+impl ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let _ = param.val();
+    }
+}
+
+/// A classifier with weights drawn from `seed`, every parameter initialised.
+pub fn initial_model(hidden: usize, seed: u64) -> Classifier {
+    let device = Device::default();
+    device.seed(seed);
+    let model = Classifier::new(hidden, &device);
+    model.visit(&mut Materialize);
+    model
+}
