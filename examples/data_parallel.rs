@@ -71,7 +71,7 @@ fn evaluate(
 
 fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)> {
     let p = acc.num_processes();
-    if args.global_batch % p != 0 {
+    if !args.global_batch.is_multiple_of(p) {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
             "--global-batch {} is not divisible by {p} ranks",
             args.global_batch

@@ -591,7 +591,7 @@ impl Accelerator {
             state.sync_gradients = true;
         } else {
             state.step += 1;
-            state.sync_gradients = state.step % state.num_steps == 0;
+            state.sync_gradients = state.step.is_multiple_of(state.num_steps);
         }
         state.sync_gradients
     }
@@ -628,7 +628,8 @@ impl Accelerator {
         state.window += 1;
         let syncing = state.sync_gradients;
         let world = self.num_processes();
-        if !syncing && !(self.config.sync_each_batch && world > 1) {
+        let communicate_now = syncing || (self.config.sync_each_batch && world > 1);
+        if !communicate_now {
             return Ok(());
         }
         let scale = if !syncing {

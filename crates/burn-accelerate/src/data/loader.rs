@@ -193,13 +193,15 @@ impl<I, O> DataLoader<I, O> {
     }
 
     pub(crate) fn load(&self, indices: Vec<usize>, device: &Device) -> Result<O> {
-        let mut items = Vec::with_capacity(indices.len());
-        for index in indices {
-            items.push(self.dataset.get(index).map_err(|e| Error::Dataset {
-                index,
-                reason: e.to_string(),
-            })?);
-        }
+        let items = indices
+            .into_iter()
+            .map(|index| {
+                self.dataset.get(index).map_err(|e| Error::Dataset {
+                    index,
+                    reason: e.to_string(),
+                })
+            })
+            .collect::<Result<Vec<I>>>()?;
         Ok(self.batcher.batch(items, device))
     }
 }

@@ -35,7 +35,7 @@ impl<I, O> PreparedDataLoader<I, O> {
     /// This rank's batches of `epoch`, as item indices.
     pub fn batch_indices(&self, epoch: usize) -> Vec<Vec<usize>> {
         shard(
-            &self.loader.batch_indices(epoch),
+            self.loader.batch_indices(epoch),
             self.loader.batch_size(),
             self.loader.drop_last(),
             self.spec,

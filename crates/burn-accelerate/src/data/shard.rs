@@ -29,7 +29,7 @@ impl ShardSpec {
 
     /// Checks that `batch_size` can be split.
     pub fn validate(&self, batch_size: usize) -> Result<()> {
-        if self.split_batches && batch_size % self.num_processes != 0 {
+        if self.split_batches && !batch_size.is_multiple_of(self.num_processes) {
             return Err(Error::InvalidArgument(format!(
                 "split_batches: the batch size ({batch_size}) needs to be a round multiple of the number of \
                  processes ({}); change the batch size or turn split_batches off",
@@ -43,18 +43,18 @@ impl ShardSpec {
 /// This rank's batches, from the epoch's `batches` (made with `batch_size`, the last one partial unless
 /// `drop_last`).
 pub fn shard(
-    batches: &[Vec<usize>],
+    batches: Vec<Vec<usize>>,
     batch_size: usize,
     drop_last: bool,
     spec: ShardSpec,
 ) -> Vec<Vec<usize>> {
     if spec.num_processes <= 1 {
-        return batches.to_vec();
+        return batches;
     }
     if spec.split_batches {
-        split(batches, batch_size, drop_last, spec)
+        split(&batches, batch_size, drop_last, spec)
     } else {
-        deal(batches, batch_size, drop_last, spec)
+        deal(&batches, batch_size, drop_last, spec)
     }
 }
 
@@ -102,7 +102,7 @@ fn deal(
         idx += 1;
     }
     let mut cycle = 0;
-    while idx % p != 0 || !batch.is_empty() {
+    while !idx.is_multiple_of(p) || !batch.is_empty() {
         let end = cycle + batch_size - batch.len();
         batch.extend_from_slice(&initial[cycle..end]);
         if idx % p == r {
@@ -181,15 +181,15 @@ mod tests {
         expected: [&[&[usize]]; 2],
     ) {
         let b = batches(n, bs, drop_last);
-        for rank in 0..2 {
+        for (rank, expected) in expected.iter().enumerate() {
             let spec = ShardSpec {
                 num_processes: 2,
                 rank,
                 split_batches: split,
                 even_batches: even,
             };
-            let got = shard(&b, bs, drop_last, spec);
-            let want: Vec<Vec<usize>> = expected[rank].iter().map(|x| x.to_vec()).collect();
+            let got = shard(b.clone(), bs, drop_last, spec);
+            let want: Vec<Vec<usize>> = expected.iter().map(|x| x.to_vec()).collect();
             assert_eq!(
                 got, want,
                 "range({n}) bs={bs} drop_last={drop_last} split={split} even={even} rank={rank}"

@@ -1,4 +1,3 @@
-use std::any::Any;
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -8,76 +7,46 @@ use burn::tensor::{Gradients, Shape, Tensor};
 /// Highest tensor rank kept in its own shape; higher ranks are stored flat from the start.
 const MAX_SHAPED_RANK: usize = 8;
 
-/// One parameter's gradient: in its own shape as long as only the optimizer needs it (the common path, no
-/// copies), flattened once an operation over all gradients (clipping, reduction) touches it.
-enum GradValue {
-    /// A `Tensor<D>` with `D = shape.num_dims() <= MAX_SHAPED_RANK`.
-    Shaped(Box<dyn Any + Send>),
-    Flat(Box<Tensor<1>>),
-}
-
-struct StoredGrad {
-    shape: Shape,
-    value: GradValue,
-}
-
-impl StoredGrad {
-    fn into_shaped<const D: usize>(self) -> Tensor<D> {
-        match self.value {
-            GradValue::Shaped(any) => match any.downcast::<Tensor<D>>() {
-                Ok(t) => *t,
-                Err(any) => to_flat(any, &self.shape).reshape(self.shape),
-            },
-            GradValue::Flat(t) => (*t).reshape(self.shape),
-        }
-    }
-
-    fn flat(&mut self) -> &mut Tensor<1> {
-        if let GradValue::Shaped(_) = self.value {
-            let GradValue::Shaped(any) =
-                std::mem::replace(&mut self.value, GradValue::Shaped(Box::new(())))
-            else {
-                unreachable!("checked above")
-            };
-            self.value = GradValue::Flat(Box::new(to_flat(any, &self.shape)));
-        }
-        match &mut self.value {
-            GradValue::Flat(t) => t,
-            GradValue::Shaped(_) => unreachable!("flattened above"),
-        }
-    }
-}
-
-/// Flattens a type-erased `Tensor<D>` whose rank is `shape.num_dims()`.
-fn to_flat(any: Box<dyn Any + Send>, shape: &Shape) -> Tensor<1> {
-    let numel = shape.num_elements();
-    macro_rules! ranks {
-        ($any:ident; $($d:literal),*) => {
-            $(
-                let $any = match $any.downcast::<Tensor<$d>>() {
-                    Ok(t) => return t.reshape([numel]),
-                    Err(other) => other,
-                };
-            )*
-        };
-    }
-    ranks!(any; 1, 2, 3, 4, 5, 6, 7, 8);
-    let _ = any;
-    unreachable!("gradients of rank > {MAX_SHAPED_RANK} are stored flat")
-}
-
 /// The gradients accumulated since the last optimizer step, keyed by parameter id.
+///
+/// A gradient stays in Burn's own container, in its own shape, as long as only the optimizer needs it (the
+/// common path: the container is handed to the optimizer as is). An operation over all gradients (clipping,
+/// cross-rank averaging) flattens the gradients it touches.
 #[derive(Default)]
 pub struct GradientBuffer {
-    grads: HashMap<ParamId, StoredGrad>,
+    /// Gradients in their own shape.
+    shaped: GradientsParams,
+    /// Gradients that were flattened, with their shape.
+    flat: HashMap<ParamId, (Shape, Tensor<1>)>,
+    /// The rank of every stored gradient (no shape is kept on the common path: it would cost an allocation
+    /// per parameter and step).
+    shapes: HashMap<ParamId, usize>,
 }
 
 impl std::fmt::Debug for GradientBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GradientBuffer")
-            .field("params", &self.grads.len())
+            .field("params", &self.shapes.len())
+            .field("flattened", &self.flat.len())
             .finish()
     }
+}
+
+/// Moves the gradient of `id` (of rank `rank`) out of `shaped` and flattens it.
+fn take_flat(shaped: &mut GradientsParams, id: ParamId, rank: usize) -> Option<(Shape, Tensor<1>)> {
+    macro_rules! ranks {
+        ($($d:literal),*) => {
+            match rank {
+                $($d => shaped.remove::<$d>(id).map(|t| {
+                    let shape = t.shape();
+                    let numel = shape.num_elements();
+                    (shape, t.reshape([numel]))
+                }),)*
+                _ => None,
+            }
+        };
+    }
+    ranks!(1, 2, 3, 4, 5, 6, 7, 8)
 }
 
 impl GradientBuffer {
@@ -88,17 +57,17 @@ impl GradientBuffer {
 
     /// Number of parameters holding a gradient.
     pub fn len(&self) -> usize {
-        self.grads.len()
+        self.shapes.len()
     }
 
     /// Whether no gradient is stored.
     pub fn is_empty(&self) -> bool {
-        self.grads.is_empty()
+        self.shapes.is_empty()
     }
 
     /// Drops every stored gradient.
     pub fn clear(&mut self) {
-        self.grads.clear();
+        *self = Self::default();
     }
 
     /// Moves the gradients of `module`'s trainable parameters out of `grads` and adds them to the buffer.
@@ -125,51 +94,47 @@ impl GradientBuffer {
 
     /// Adds `grad` to the gradient stored for `id` (or stores it).
     pub fn add<const D: usize>(&mut self, id: ParamId, grad: Tensor<D>) {
-        match self.grads.remove(&id) {
-            None => {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.shapes.entry(id) {
+            slot.insert(D);
+            if D <= MAX_SHAPED_RANK {
+                self.shaped.register::<D>(id, grad);
+            } else {
                 let shape = grad.shape();
-                let value = if D <= MAX_SHAPED_RANK {
-                    GradValue::Shaped(Box::new(grad))
-                } else {
-                    GradValue::Flat(Box::new(grad.reshape([shape.num_elements()])))
-                };
-                self.grads.insert(id, StoredGrad { shape, value });
+                let numel = shape.num_elements();
+                self.flat.insert(id, (shape, grad.reshape([numel])));
             }
-            Some(mut stored) => {
-                stored.value = match stored.value {
-                    GradValue::Shaped(any) => match any.downcast::<Tensor<D>>() {
-                        Ok(t) => GradValue::Shaped(Box::new(*t + grad)),
-                        Err(any) => {
-                            let numel = stored.shape.num_elements();
-                            GradValue::Flat(Box::new(
-                                to_flat(any, &stored.shape) + grad.reshape([numel]),
-                            ))
-                        }
-                    },
-                    GradValue::Flat(t) => {
-                        let numel = stored.shape.num_elements();
-                        GradValue::Flat(Box::new(*t + grad.reshape([numel])))
-                    }
-                };
-                self.grads.insert(id, stored);
-            }
+            return;
+        }
+        if let Some((shape, flat)) = self.flat.remove(&id) {
+            let numel = shape.num_elements();
+            self.flat.insert(id, (shape, flat + grad.reshape([numel])));
+        } else if let Some(existing) = self.shaped.remove::<D>(id) {
+            self.shaped.register::<D>(id, existing + grad);
         }
     }
 
     /// The gradient stored for `id`, in its parameter's shape.
     pub fn get<const D: usize>(&self, id: ParamId) -> Option<Tensor<D>> {
-        let stored = self.grads.get(&id)?;
-        match &stored.value {
-            GradValue::Shaped(any) => any.downcast_ref::<Tensor<D>>().cloned(),
-            GradValue::Flat(t) => Some((**t).clone().reshape(stored.shape.clone())),
+        match self.flat.get(&id) {
+            Some((shape, flat)) => Some(flat.clone().reshape(shape.clone())),
+            None => self.shaped.get::<D>(id),
         }
+    }
+
+    /// The flat gradient of `id`, flattening it in the buffer if needed.
+    fn flat_mut(&mut self, id: ParamId) -> Option<&mut Tensor<1>> {
+        if !self.flat.contains_key(&id) {
+            let rank = *self.shapes.get(&id)?;
+            let entry = take_flat(&mut self.shaped, id, rank)?;
+            self.flat.insert(id, entry);
+        }
+        self.flat.get_mut(&id).map(|(_, t)| t)
     }
 
     /// Applies `f` to the flat gradient of every id in `ids` that has one.
     pub(crate) fn map_flat(&mut self, ids: &[ParamId], mut f: impl FnMut(Tensor<1>) -> Tensor<1>) {
         for id in ids {
-            if let Some(stored) = self.grads.get_mut(id) {
-                let flat = stored.flat();
+            if let Some(flat) = self.flat_mut(*id) {
                 *flat = f(flat.clone());
             }
         }
@@ -178,60 +143,83 @@ impl GradientBuffer {
     /// The flat gradients of the ids in `ids` that have one, in the order of `ids`.
     pub(crate) fn flat(&mut self, ids: &[ParamId]) -> Vec<Tensor<1>> {
         ids.iter()
-            .filter_map(|id| self.grads.get_mut(id).map(|g| g.flat().clone()))
+            .filter_map(|id| self.flat_mut(*id).map(|t| t.clone()))
             .collect()
     }
 
-    /// Stores `flat` as the gradient of `id`, keeping the shape recorded for it; `id` must already have a
-    /// gradient or be given by a module whose parameter has `flat.dims()[0]` elements.
+    /// Stores `flat` as the gradient of `id`. A parameter without a gradient so far (unused on this rank) gets
+    /// its shape when the optimizer takes it.
     pub(crate) fn set_flat(&mut self, id: ParamId, flat: Tensor<1>) {
-        match self.grads.get_mut(&id) {
-            Some(stored) => stored.value = GradValue::Flat(Box::new(flat)),
-            None => {
-                let shape = Shape::from(vec![flat.dims()[0]]);
-                self.grads.insert(
-                    id,
-                    StoredGrad {
-                        shape,
-                        value: GradValue::Flat(Box::new(flat)),
-                    },
-                );
-            }
-        }
+        let shape = match self.flat.remove(&id) {
+            Some((shape, _)) => shape,
+            None => match self.shapes.get(&id) {
+                Some(rank) => take_flat(&mut self.shaped, id, *rank)
+                    .map(|(shape, _)| shape)
+                    .unwrap_or_else(|| Shape::from(vec![flat.dims()[0]])),
+                None => {
+                    self.shapes.insert(id, 1);
+                    Shape::from(vec![flat.dims()[0]])
+                }
+            },
+        };
+        self.flat.insert(id, (shape, flat));
     }
 
     /// Multiplies every stored gradient by `factor`.
     pub(crate) fn scale_all(&mut self, factor: f32) {
-        for stored in self.grads.values_mut() {
-            let flat = stored.flat();
-            *flat = flat.clone().mul_scalar(factor);
-        }
+        let ids: Vec<ParamId> = self.shapes.keys().copied().collect();
+        self.map_flat(&ids, |g| g.mul_scalar(factor));
     }
 
-    /// Removes the gradients of `module`'s parameters and returns them in Burn's optimizer format.
+    /// Removes the gradients of `module`'s parameters and returns them in Burn's optimizer format. When every
+    /// stored gradient belongs to `module` (the usual case), the container is handed over without copying.
     pub fn take_for<M: Module>(&mut self, module: &M) -> GradientsParams {
-        struct Take<'a> {
+        struct Gather<'a> {
             buffer: &'a mut GradientBuffer,
-            out: GradientsParams,
+            ids: Vec<ParamId>,
         }
-        impl ModuleVisitor for Take<'_> {
+        impl ModuleVisitor for Gather<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if let Some(mut stored) = self.buffer.grads.remove(&param.id) {
-                    // A gradient first seen through `set_flat` (a parameter unused on this rank) takes the
-                    // parameter's shape here.
-                    if stored.shape.num_dims() != D {
-                        stored.shape = param.shape();
-                    }
-                    self.out.register::<D>(param.id, stored.into_shaped::<D>());
+                let id = param.id;
+                if !self.buffer.shapes.contains_key(&id) {
+                    return;
+                }
+                self.ids.push(id);
+                if let Some((shape, flat)) = self.buffer.flat.remove(&id) {
+                    // Back to the parameter's shape (a gradient first stored flat takes it from the parameter).
+                    let shape = if shape.num_dims() == D {
+                        shape
+                    } else {
+                        param.shape()
+                    };
+                    self.buffer.shaped.register::<D>(id, flat.reshape(shape));
                 }
             }
         }
-        let mut take = Take {
+        let mut gather = Gather {
             buffer: self,
-            out: GradientsParams::new(),
+            ids: Vec::new(),
         };
-        module.visit(&mut take);
-        take.out
+        module.visit(&mut gather);
+        let ids = gather.ids;
+        if ids.len() == self.shapes.len() {
+            self.shapes.clear();
+            return std::mem::take(&mut self.shaped);
+        }
+        struct Move<'a>(&'a mut GradientsParams, GradientsParams);
+        impl ModuleVisitor for Move<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some(g) = self.0.remove::<D>(param.id) {
+                    self.1.register::<D>(param.id, g);
+                }
+            }
+        }
+        for id in &ids {
+            self.shapes.remove(id);
+        }
+        let mut mover = Move(&mut self.shaped, GradientsParams::new());
+        module.visit(&mut mover);
+        mover.1
     }
 }
 
