@@ -105,6 +105,21 @@ pub enum Error {
         shapes: Vec<String>,
     },
 
+    /// The device cannot compute in the requested precision.
+    #[error(
+        "mixed_precision={precision} needs {dtype} arithmetic, which {device} does not support; use another \
+         precision (bf16 and fp16 both run on the flex CPU backend; ndarray has neither; Vulkan drivers often lack \
+         bf16) or another device"
+    )]
+    UnsupportedDtype {
+        /// The device.
+        device: String,
+        /// The dtype it lacks.
+        dtype: String,
+        /// The precision asked for.
+        precision: &'static str,
+    },
+
     /// A rank of an in-process launch panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

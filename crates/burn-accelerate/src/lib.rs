@@ -41,6 +41,7 @@ pub mod logging;
 pub mod ops;
 pub mod optim;
 pub mod placement;
+pub mod precision;
 pub mod state;
 mod step_state;
 pub mod sys;
@@ -54,6 +55,7 @@ pub use grad::NormType;
 pub use launch::launch;
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
 pub use placement::ToDevice;
+pub use precision::{CastFloats, LossScaler, MixedPrecision};
 pub use state::{DistributedType, ProcessState};
 pub use step_state::GradientState;
 

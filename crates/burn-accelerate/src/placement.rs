@@ -144,8 +144,8 @@ tuples!(
     (A, B, C, D, E, F, G, H)
 );
 
-/// Implements [`ToDevice`] for a struct by moving each named field (every field must implement `ToDevice`;
-/// fields not listed are left as they are).
+/// Implements [`ToDevice`] and [`CastFloats`](crate::CastFloats) for a struct by moving or casting each named
+/// field (every listed field must implement both; fields not listed are left as they are).
 ///
 /// ```
 /// use burn::tensor::{Device, Tensor};
@@ -170,6 +170,14 @@ macro_rules! impl_to_device {
                 value
             }
         }
+        impl $crate::CastFloats for $ty {
+            fn cast_floats(self, dtype: $crate::burn::tensor::FloatDType) -> Self {
+                #[allow(unused_mut)]
+                let mut value = self;
+                $(value.$field = $crate::CastFloats::cast_floats(value.$field, dtype);)*
+                value
+            }
+        }
     };
 }
 
@@ -186,6 +194,11 @@ mod tests {
     impl ToDevice for Probe {
         fn to_device(self, device: &Device) -> Self {
             self.0.lock().unwrap().push(device.clone());
+            self
+        }
+    }
+    impl crate::CastFloats for Probe {
+        fn cast_floats(self, _: burn::tensor::FloatDType) -> Self {
             self
         }
     }
