@@ -6,6 +6,9 @@
 //! 3. pass the model, optimizer, dataloader and scheduler through `prepare_*`;
 //! 4. replace `loss.backward()` with `accelerator.backward(loss, &model)`.
 //!
+//! and, for mixed precision, computes the loss inside `accelerator.autocast(...)` (Rust cannot patch a model's
+//! `forward`, so the autocast scope is explicit; with `--mixed-precision no` it is a plain call).
+//!
 //! Run: `cargo run --release --example quicktour` (add `-- --help` for the options).
 
 #[path = "support/mlp.rs"]
@@ -14,7 +17,7 @@ mod mlp;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::AdamConfig;
 use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
-use burn_accelerate::{Accelerator, Backend};
+use burn_accelerate::{Accelerator, Backend, MixedPrecision};
 use clap::Parser;
 use mlp::{Batch, Mlp, Sample, SampleBatcher};
 
@@ -42,6 +45,9 @@ struct Args {
     /// Run on the CPU even when an accelerator is available.
     #[arg(long)]
     cpu: bool,
+    /// Forward precision: no, fp16 or bf16 (default: ACCELERATE_MIXED_PRECISION, else no).
+    #[arg(long)]
+    mixed_precision: Option<MixedPrecision>,
 }
 
 fn mean_loss(
@@ -64,15 +70,19 @@ fn main() -> burn_accelerate::Result<()> {
 
     // 1. Create the accelerator: it picks the device and knows the ranks.
     let mut builder = Accelerator::builder().cpu(args.cpu);
+    if let Some(precision) = args.mixed_precision {
+        builder = builder.mixed_precision(precision);
+    }
     if let Some(backend) = args.backend {
         builder = builder.backend(backend);
     }
     let accelerator = builder.build()?;
     accelerator.set_seed(args.seed, false);
     accelerator.print(format!(
-        "device={:?} processes={}",
+        "device={:?} processes={} mixed_precision={}",
         accelerator.device(),
-        accelerator.num_processes()
+        accelerator.num_processes(),
+        accelerator.mixed_precision()
     ));
 
     // 2. Build everything without a device: the accelerator places it.
@@ -100,7 +110,7 @@ fn main() -> burn_accelerate::Result<()> {
     accelerator.print(format!("initial_loss={initial:.6}"));
     for epoch in 0..args.epochs {
         for batch in train.iter() {
-            let loss = model.loss(batch?);
+            let loss = accelerator.autocast(&model, batch?, |model, batch| model.loss(batch));
             // 4. Backward through the accelerator.
             accelerator.backward(loss, &model)?;
             model = optimizer.step(model);

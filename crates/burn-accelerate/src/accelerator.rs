@@ -22,6 +22,7 @@ use crate::grad::{self, NormType};
 use crate::ops;
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerRule};
 use crate::placement::ToDevice;
+use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
 use crate::state::{DistributedType, ProcessState};
 use crate::step_state::{GradientState, SharedStep};
 use crate::sys;
@@ -38,6 +39,8 @@ pub struct AcceleratorBuilder {
     debug: Option<bool>,
     collective_timeout: Option<Duration>,
     even_batches: Option<bool>,
+    mixed_precision: Option<MixedPrecision>,
+    loss_scaler: Option<LossScaler>,
     sync_each_batch: Option<bool>,
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
@@ -93,6 +96,19 @@ impl AcceleratorBuilder {
     /// different numbers of batches, and collectives in the loop can then fail.
     pub fn even_batches(mut self, on: bool) -> Self {
         self.even_batches = Some(on);
+        self
+    }
+
+    /// Precision of the forward pass inside [`Accelerator::autocast`] (default `no`;
+    /// `ACCELERATE_MIXED_PRECISION`). fp16 adds dynamic loss scaling.
+    pub fn mixed_precision(mut self, precision: MixedPrecision) -> Self {
+        self.mixed_precision = Some(precision);
+        self
+    }
+
+    /// The fp16 loss scaler's settings (torch's `GradScaler` defaults otherwise).
+    pub fn loss_scaler(mut self, scaler: LossScaler) -> Self {
+        self.loss_scaler = Some(scaler);
         self
     }
 
@@ -179,6 +195,12 @@ impl AcceleratorBuilder {
         if let Some(v) = self.even_batches {
             config.even_batches = v;
         }
+        if let Some(v) = self.mixed_precision {
+            config.mixed_precision = v;
+        }
+        if let Some(v) = self.loss_scaler.clone() {
+            config.loss_scaler = v;
+        }
         if let Some(v) = self.sync_each_batch {
             config.sync_each_batch = v;
         }
@@ -208,6 +230,9 @@ impl AcceleratorBuilder {
             ..self.device.clone()
         };
         let (device, backend) = select_device(&request, local_rank)?;
+        config
+            .mixed_precision
+            .check(&device, |dtype| device.supports_dtype(dtype))?;
         let state = ProcessState::new(comm, local_rank, device.autodiff(), backend)
             .with_debug(config.debug);
         Accelerator::from_parts(Arc::new(state), config)
@@ -279,7 +304,9 @@ impl Accelerator {
                 }
             });
         }
-        let step = SharedStep::new(config.gradient_accumulation_steps);
+        let scaler =
+            (config.mixed_precision == MixedPrecision::Fp16).then(|| config.loss_scaler.clone());
+        let step = SharedStep::new(config.gradient_accumulation_steps, scaler);
         Ok(Self {
             state,
             config,
@@ -449,6 +476,72 @@ impl Accelerator {
         value.to_device(self.device())
     }
 
+    // ----- precision -------------------------------------------------------------------------------------
+
+    /// The configured forward precision.
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        self.config.mixed_precision
+    }
+
+    /// Runs `f` under autocast: with mixed precision on, `f` gets a copy of `model` whose float parameters are
+    /// differentiable casts of the f32 originals and `inputs` with their float tensors cast, and its float
+    /// outputs are cast back to f32. Gradients reach the f32 parameters of `model` (the master weights). With
+    /// mixed precision off, `f(model, inputs)` runs unchanged.
+    ///
+    /// ```
+    /// use burn::nn::{Linear, LinearConfig};
+    /// use burn::tensor::{DType, Tensor};
+    /// use burn_accelerate::{Accelerator, MixedPrecision};
+    ///
+    /// let accelerator = Accelerator::builder().mixed_precision(MixedPrecision::Bf16).build()?;
+    /// let model: Linear = accelerator.prepare_model(LinearConfig::new(4, 2).init(accelerator.device()))?;
+    /// let x = Tensor::<2>::ones([3, 4], accelerator.device());
+    /// let y = accelerator.autocast(&model, x, |m, x| {
+    ///     assert_eq!(x.dtype(), DType::BF16); // computed in bf16
+    ///     m.forward(x)
+    /// });
+    /// assert_eq!(y.dtype(), DType::F32); // handed back in f32
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn autocast<M: Module, I: CastFloats, O: CastFloats>(
+        &self,
+        model: &M,
+        inputs: I,
+        f: impl FnOnce(&M, I) -> O,
+    ) -> O {
+        match self.config.mixed_precision.dtype() {
+            None => f(model, inputs),
+            Some(dtype) => {
+                let half = precision::cast_module(model, dtype);
+                f(&half, inputs.cast_floats(dtype)).cast_floats(burn::tensor::FloatDType::F32)
+            }
+        }
+    }
+
+    /// The current fp16 loss scale (`None` unless fp16 is on).
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.step.lock().scaler.as_ref().map(|s| s.scale)
+    }
+
+    /// The fp16 loss scaler's state (for checkpoints).
+    pub fn loss_scaler(&self) -> Option<LossScaler> {
+        self.step.lock().scaler.clone()
+    }
+
+    /// Restores the fp16 loss scaler's state (from a checkpoint).
+    pub fn set_loss_scaler(&self, scaler: LossScaler) -> Result<()> {
+        scaler.validate()?;
+        let mut state = self.step.lock();
+        if state.scaler.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "set_loss_scaler: this accelerator runs with mixed_precision={}, which has no loss scaler",
+                self.config.mixed_precision
+            )));
+        }
+        state.scaler = Some(scaler);
+        Ok(())
+    }
+
     // ----- collectives ----------------------------------------------------------------------------------
 
     /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ
@@ -614,6 +707,11 @@ impl Accelerator {
                     .into(),
             ));
         }
+        let loss_scale = self.step.lock().scaler.as_ref().map(|s| s.scale);
+        let loss = match loss_scale {
+            Some(scale) => loss.mul_scalar(scale as f32),
+            None => loss,
+        };
         let mut grads = loss.backward();
         let mut state = self.step.lock();
         let before = state.buffer.len();
@@ -632,7 +730,7 @@ impl Accelerator {
         if !communicate_now {
             return Ok(());
         }
-        let scale = if !syncing {
+        let mut scale = if !syncing {
             1.0
         } else {
             match self.config.loss_normalization {
@@ -642,6 +740,10 @@ impl Accelerator {
         };
         if syncing {
             state.window = 0;
+            // Undo the fp16 loss scaling on the sync step, before anything looks at the gradients.
+            if let Some(loss_scale) = loss_scale {
+                scale /= loss_scale as f32;
+            }
         }
         if world > 1 {
             let params = grad::trainable_params(model);
@@ -652,13 +754,20 @@ impl Accelerator {
                 &params,
                 scale,
                 bucket,
-            )
-        } else {
-            if scale != 1.0 {
-                state.buffer.scale_all(scale);
-            }
-            Ok(())
+            )?;
+        } else if scale != 1.0 {
+            state.buffer.scale_all(scale);
         }
+        if syncing && loss_scale.is_some() {
+            // An overflow on any rank reaches every rank through the averaged gradients, so all ranks agree.
+            let ids = grad::param_ids(model);
+            let found_inf = grad::has_non_finite(&mut state.buffer, &ids)?;
+            state.found_inf = found_inf;
+            if let Some(scaler) = state.scaler.as_mut() {
+                scaler.update(found_inf);
+            }
+        }
+        Ok(())
     }
 
     /// Clips the gradients of `model` so that their global L2 norm is at most `max_norm`; returns the norm

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::env;
 use crate::error::{Error, Result};
+use crate::precision::{LossScaler, MixedPrecision};
 
 /// Settings of an [`Accelerator`](crate::Accelerator), resolved from (highest first) builder calls,
 /// `ACCELERATE_*` environment variables and defaults.
@@ -22,6 +23,10 @@ pub struct AcceleratorConfig {
     pub gradient_accumulation_steps: usize,
     /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
     pub cpu: bool,
+    /// Precision of the forward pass (default `no`; `ACCELERATE_MIXED_PRECISION`).
+    pub mixed_precision: MixedPrecision,
+    /// Loss scaling for fp16 (torch's GradScaler defaults).
+    pub loss_scaler: LossScaler,
     /// Check operations and shapes across ranks before every collective (default `false`;
     /// `ACCELERATE_DEBUG_MODE`).
     pub debug: bool,
@@ -47,6 +52,8 @@ impl Default for AcceleratorConfig {
             split_batches: false,
             gradient_accumulation_steps: 1,
             cpu: false,
+            mixed_precision: MixedPrecision::No,
+            loss_scaler: LossScaler::default(),
             debug: false,
             even_batches: true,
             sync_each_batch: false,
@@ -63,6 +70,16 @@ impl AcceleratorConfig {
         let mut config = Self::default();
         if let Some(cpu) = env::flag("ACCELERATE_USE_CPU")? {
             config.cpu = cpu;
+        }
+        if let Some(value) = env::var("ACCELERATE_MIXED_PRECISION") {
+            config.mixed_precision = value.parse().map_err(|_| {
+                Error::config(
+                    "ACCELERATE_MIXED_PRECISION",
+                    &value,
+                    "environment",
+                    "one of no, fp16, bf16",
+                )
+            })?;
         }
         if let Some(debug) = env::flag("ACCELERATE_DEBUG_MODE")? {
             config.debug = debug;
@@ -94,6 +111,7 @@ impl AcceleratorConfig {
                 "an integer >= 1",
             ));
         }
+        self.loss_scaler.validate()?;
         if !(self.bucket_size_mb.is_finite() && self.bucket_size_mb > 0.0) {
             return Err(Error::config(
                 "bucket_size_mb",

@@ -64,8 +64,16 @@ impl AcceleratedOptimizer {
             if !state.sync_gradients {
                 return model;
             }
+            let grads = state.buffer.take_for(&model);
+            if state.found_inf {
+                // fp16 overflow somewhere (on any rank): every rank skips this step together.
+                state.optimizer_step_was_skipped = true;
+                self.skipped.store(true, Ordering::Relaxed);
+                log::debug!("optimizer step skipped: gradients overflowed in fp16");
+                return model;
+            }
             state.optimizer_step_was_skipped = false;
-            state.buffer.take_for(&model)
+            grads
         };
         self.skipped.store(false, Ordering::Relaxed);
         if grads.is_empty() {
@@ -202,7 +210,7 @@ mod tests {
 
     /// Accelerate's `test_scheduler.py` schedule: lr = 1 - n/10, a linear decay from 1 to 0 over 10 steps.
     fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
-        let shared = SharedStep::new(1);
+        let shared = SharedStep::new(1, None);
         let optimizer =
             AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone());
         let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
@@ -289,7 +297,7 @@ mod tests {
         use burn::tensor::{Device, Tensor};
         let device = Device::default().autodiff();
         let model = LinearConfig::new(2, 1).init(&device);
-        let shared = SharedStep::new(2);
+        let shared = SharedStep::new(2, None);
         let mut optimizer =
             AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone());
         let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();

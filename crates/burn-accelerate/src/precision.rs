@@ -53,7 +53,11 @@ impl MixedPrecision {
     }
 
     /// Checks that `device` can compute in this precision (`supports` answers for a dtype).
-    pub(crate) fn check(self, device: &Device, supports: impl Fn(FloatDType) -> bool) -> Result<()> {
+    pub(crate) fn check(
+        self,
+        device: &Device,
+        supports: impl Fn(FloatDType) -> bool,
+    ) -> Result<()> {
         match self.dtype() {
             Some(dtype) if !supports(dtype) => Err(Error::UnsupportedDtype {
                 device: format!("{device:?}"),
@@ -141,7 +145,9 @@ impl<T: CastFloats> CastFloats for Box<T> {
 
 impl<K: Ord, V: CastFloats> CastFloats for std::collections::BTreeMap<K, V> {
     fn cast_floats(self, dtype: FloatDType) -> Self {
-        self.into_iter().map(|(k, v)| (k, v.cast_floats(dtype))).collect()
+        self.into_iter()
+            .map(|(k, v)| (k, v.cast_floats(dtype)))
+            .collect()
     }
 }
 
@@ -149,7 +155,9 @@ impl<K: Eq + std::hash::Hash, V: CastFloats, S: std::hash::BuildHasher + Default
     for std::collections::HashMap<K, V, S>
 {
     fn cast_floats(self, dtype: FloatDType) -> Self {
-        self.into_iter().map(|(k, v)| (k, v.cast_floats(dtype))).collect()
+        self.into_iter()
+            .map(|(k, v)| (k, v.cast_floats(dtype)))
+            .collect()
     }
 }
 
@@ -304,7 +312,10 @@ mod tests {
 
     #[test]
     fn parse_precision() {
-        assert_eq!("BF16".parse::<MixedPrecision>().unwrap(), MixedPrecision::Bf16);
+        assert_eq!(
+            "BF16".parse::<MixedPrecision>().unwrap(),
+            MixedPrecision::Bf16
+        );
         assert_eq!("no".parse::<MixedPrecision>().unwrap(), MixedPrecision::No);
         let err = "fp8".parse::<MixedPrecision>().unwrap_err().to_string();
         assert!(err.contains("one of no, fp16, bf16"), "{err}");
@@ -335,16 +346,32 @@ mod tests {
         }
         // Accelerate's test_optimizer: good, NaN, NaN, good -> skipped F, T, T, F.
         let mut scaler = LossScaler::default();
-        let skipped: Vec<bool> = [false, true, true, false].into_iter().map(|f| scaler.update(f)).collect();
+        let skipped: Vec<bool> = [false, true, true, false]
+            .into_iter()
+            .map(|f| scaler.update(f))
+            .collect();
         assert_eq!(skipped, vec![false, true, true, false]);
-        assert!(LossScaler { backoff_factor: 2.0, ..LossScaler::default() }.validate().is_err());
+        assert!(
+            LossScaler {
+                backoff_factor: 2.0,
+                ..LossScaler::default()
+            }
+            .validate()
+            .is_err()
+        );
     }
 
     #[test]
     fn unsupported_dtype_is_an_error_naming_device_and_dtype() {
         let device = Device::default();
-        let err = MixedPrecision::Bf16.check(&device, |_| false).unwrap_err().to_string();
-        assert!(err.contains("BF16") && err.contains("bf16") && err.contains(&format!("{device:?}")), "{err}");
+        let err = MixedPrecision::Bf16
+            .check(&device, |_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("BF16") && err.contains("bf16") && err.contains(&format!("{device:?}")),
+            "{err}"
+        );
         assert!(MixedPrecision::No.check(&device, |_| false).is_ok());
     }
 }

@@ -32,6 +32,10 @@ pub(crate) struct StepState {
     pub window: usize,
     /// See [`GradientState::remainder`].
     pub remainder: Option<usize>,
+    /// The fp16 loss scaler, when fp16 is on.
+    pub scaler: Option<crate::precision::LossScaler>,
+    /// Whether the gradients of the current sync step hold an inf or NaN (on any rank).
+    pub found_inf: bool,
 }
 
 /// A handle to the state of one rank, cloned into every prepared object of that rank.
@@ -39,7 +43,7 @@ pub(crate) struct StepState {
 pub(crate) struct SharedStep(Arc<Mutex<StepState>>);
 
 impl SharedStep {
-    pub fn new(num_steps: usize) -> Self {
+    pub fn new(num_steps: usize, scaler: Option<crate::precision::LossScaler>) -> Self {
         Self(Arc::new(Mutex::new(StepState {
             buffer: GradientBuffer::new(),
             sync_gradients: true,
@@ -49,6 +53,8 @@ impl SharedStep {
             step: 0,
             window: 0,
             remainder: None,
+            scaler,
+            found_inf: false,
         })))
     }
 

@@ -90,6 +90,27 @@ pub fn clip_grad_norm(
     Ok(total)
 }
 
+/// Whether any gradient of `ids` holds an inf or a NaN (one read-back for all of them).
+pub(crate) fn has_non_finite(buffer: &mut GradientBuffer, ids: &[ParamId]) -> Result<bool> {
+    let grads = buffer.flat(ids);
+    let Some(first) = grads.first() else {
+        return Ok(false);
+    };
+    let device = first.device();
+    let flags: Vec<Tensor<1, burn::tensor::Bool>> = grads
+        .into_iter()
+        .flat_map(|g| [g.clone().is_nan().any(), g.is_inf().any()])
+        .collect();
+    Tensor::cat(flags, 0)
+        .any()
+        .try_into_scalar::<bool>()
+        .map_err(|e| Error::Execution {
+            operation: "overflow check",
+            device: format!("{device:?}"),
+            reason: e.to_string(),
+        })
+}
+
 /// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`.
 pub fn clip_grad_value(
     buffer: &mut GradientBuffer,

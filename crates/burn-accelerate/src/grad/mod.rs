@@ -11,5 +11,6 @@ mod sync;
 
 pub use buffer::GradientBuffer;
 pub(crate) use buffer::param_ids;
+pub(crate) use clip::has_non_finite;
 pub use clip::{NormType, clip_grad_norm, clip_grad_value};
 pub(crate) use sync::{all_reduce_mean, broadcast_params, trainable_params};

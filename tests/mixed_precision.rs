@@ -1,0 +1,256 @@
+//! Mixed precision on the flex backend: bf16 and fp16 training reach the f32 loss, gradients reach the f32
+//! master weights, fp16 overflow skips steps in torch's loss-scale sequence on every rank together, and the
+//! scheduler does not advance on skipped steps.
+
+#[path = "../examples/support/mlp.rs"]
+mod mlp;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamConfig, SgdConfig};
+use burn::tensor::{DType, Device, Tensor};
+use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::{Accelerator, LossScaler, MixedPrecision};
+use mlp::{Mlp, SampleBatcher};
+
+fn initial() -> Mlp {
+    let model = Mlp::new(&Device::default().autodiff());
+    struct Touch;
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    model.visit(&mut Touch);
+    model
+}
+
+/// Trains for a few epochs under `precision`; returns the f32 evaluation loss and the model.
+fn train(start: &Mlp, precision: MixedPrecision) -> (f64, Mlp, usize) {
+    let accelerator = Accelerator::builder()
+        .mixed_precision(precision)
+        .build()
+        .unwrap();
+    let mut model = accelerator.prepare_model(start.clone()).unwrap();
+    let mut optimizer = accelerator.prepare_optimizer(AdamConfig::new().init(), 3e-3);
+    let loader = accelerator
+        .prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(32)
+                .shuffle(1)
+                .build(mlp::dataset(2048, 4)),
+        )
+        .unwrap();
+    let mut skipped = 0;
+    for _ in 0..4 {
+        for batch in loader.iter() {
+            let loss = accelerator.autocast(&model, batch.unwrap(), |m, b| m.loss(b));
+            assert_eq!(
+                loss.dtype(),
+                DType::F32,
+                "autocast hands the loss back in f32"
+            );
+            accelerator.backward(loss, &model).unwrap();
+            model = optimizer.step(model);
+            skipped += usize::from(accelerator.optimizer_step_was_skipped());
+        }
+    }
+    let eval = SampleBatcher.batch(mlp::samples(1024, 99), accelerator.device());
+    let loss = model.loss(eval).into_scalar::<f32>() as f64;
+    (loss, model, skipped)
+}
+
+#[test]
+fn half_precision_training_reaches_the_f32_loss() {
+    let start = initial();
+    let (f32_loss, _, _) = train(&start, MixedPrecision::No);
+    let (bf16_loss, bf16_model, _) = train(&start, MixedPrecision::Bf16);
+    let (fp16_loss, _, fp16_skipped) = train(&start, MixedPrecision::Fp16);
+    println!(
+        "f32={f32_loss:.5} bf16={bf16_loss:.5} fp16={fp16_loss:.5} fp16_skipped={fp16_skipped}"
+    );
+    assert!(f32_loss < 0.05, "the model learns: {f32_loss}");
+    // Stated tolerance: within 25% of the f32 loss (bf16 keeps 8 bits of mantissa).
+    assert!(
+        (bf16_loss - f32_loss).abs() <= 0.25 * f32_loss,
+        "bf16 {bf16_loss} vs f32 {f32_loss}"
+    );
+    assert!(
+        (fp16_loss - f32_loss).abs() <= 0.25 * f32_loss,
+        "fp16 {fp16_loss} vs f32 {f32_loss}"
+    );
+    assert!(
+        fp16_skipped >= 1,
+        "65536 overflows f16 at the start, as with torch"
+    );
+    struct Dtypes(Vec<DType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().dtype());
+        }
+    }
+    let mut dtypes = Dtypes(Vec::new());
+    bf16_model.visit(&mut dtypes);
+    assert!(
+        dtypes.0.iter().all(|d| *d == DType::F32),
+        "master weights stay f32: {:?}",
+        dtypes.0
+    );
+}
+
+#[test]
+fn gradients_reach_the_f32_master_weights() {
+    let accelerator = Accelerator::builder()
+        .mixed_precision(MixedPrecision::Bf16)
+        .build()
+        .unwrap();
+    let model = accelerator.prepare_model(initial()).unwrap();
+    let batch = SampleBatcher.batch(mlp::samples(16, 1), accelerator.device());
+    let loss = accelerator.autocast(&model, batch, |m, b| {
+        assert_eq!(b.x.dtype(), DType::BF16, "inputs are cast");
+        m.loss(b)
+    });
+    accelerator.backward(loss, &model).unwrap();
+    struct Grads<'a>(&'a Accelerator, Vec<DType>);
+    impl ModuleVisitor for Grads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.1.push(
+                self.0
+                    .grad(param)
+                    .expect("every parameter has a gradient")
+                    .dtype(),
+            );
+        }
+    }
+    let mut grads = Grads(&accelerator, Vec::new());
+    model.visit(&mut grads);
+    assert_eq!(grads.1.len(), 4);
+    assert!(grads.1.iter().all(|d| *d == DType::F32), "{:?}", grads.1);
+}
+
+/// A loss that is finite or infinite on demand.
+fn scripted_loss(model: &Mlp, accelerator: &Accelerator, overflow: bool) -> Tensor<1> {
+    let batch = SampleBatcher.batch(mlp::samples(8, 2), accelerator.device());
+    let loss = accelerator.autocast(model, batch, |m, b| m.loss(b));
+    if overflow {
+        loss.mul_scalar(f32::INFINITY)
+    } else {
+        loss
+    }
+}
+
+#[test]
+fn loss_scale_sequence_and_scheduler_follow_skipped_steps() {
+    let accelerator = Accelerator::builder()
+        .mixed_precision(MixedPrecision::Fp16)
+        .loss_scaler(LossScaler {
+            scale: 1024.0,
+            growth_interval: 2,
+            ..LossScaler::default()
+        })
+        .build()
+        .unwrap();
+    let mut model = accelerator.prepare_model(initial()).unwrap();
+    let mut optimizer = accelerator.prepare_optimizer(SgdConfig::new().init(), 0.1);
+    let schedule = LinearLrSchedulerConfig::new(0.1, 0.01, 100).init().unwrap();
+    let mut scheduler = accelerator.prepare_scheduler(schedule, &optimizer);
+    // (overflow, skipped, scale after the step) -- torch GradScaler with growth_interval 2.
+    let script = [
+        (false, false, 1024.0),
+        (true, true, 512.0),
+        (false, false, 512.0),
+        (false, false, 1024.0),
+        (true, true, 512.0),
+        (true, true, 256.0),
+        (false, false, 256.0),
+    ];
+    let mut lr = scheduler.lr();
+    for (i, (overflow, skipped, scale)) in script.into_iter().enumerate() {
+        let before = model.clone();
+        let loss = scripted_loss(&model, &accelerator, overflow);
+        accelerator.backward(loss, &model).unwrap();
+        model = optimizer.step(model);
+        scheduler.step();
+        assert_eq!(
+            accelerator.optimizer_step_was_skipped(),
+            skipped,
+            "step {i}"
+        );
+        assert_eq!(optimizer.step_was_skipped(), skipped, "step {i}");
+        assert_eq!(accelerator.loss_scale(), Some(scale), "step {i}");
+        let unchanged = weights_equal(&before, &model);
+        assert_eq!(
+            unchanged, skipped,
+            "step {i}: weights change only on real steps"
+        );
+        if skipped {
+            assert_eq!(scheduler.lr(), lr, "step {i}: the scheduler waits");
+        } else {
+            assert!(scheduler.lr() < lr, "step {i}: the scheduler advances");
+        }
+        lr = scheduler.lr();
+    }
+}
+
+fn weights_equal(a: &Mlp, b: &Mlp) -> bool {
+    struct Collect(Vec<Vec<f32>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
+        }
+    }
+    let (mut x, mut y) = (Collect(Vec::new()), Collect(Vec::new()));
+    a.visit(&mut x);
+    b.visit(&mut y);
+    x.0 == y.0
+}
+
+#[test]
+fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
+    let start = initial();
+    let results = Accelerator::builder()
+        .mixed_precision(MixedPrecision::Fp16)
+        .loss_scaler(LossScaler::with_init_scale(256.0))
+        .launch(2, |acc| {
+            let mut model = acc.prepare_model(start.clone())?;
+            let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 0.1);
+            let mut log = Vec::new();
+            for step in 0..3 {
+                // Only rank 1 overflows, and only at step 1.
+                let overflow = acc.process_index() == 1 && step == 1;
+                let loss = scripted_loss(&model, &acc, overflow);
+                acc.backward(loss, &model)?;
+                model = optimizer.step(model);
+                log.push((acc.optimizer_step_was_skipped(), acc.loss_scale()));
+            }
+            Ok(log)
+        })
+        .unwrap();
+    let expected = vec![
+        (false, Some(256.0)),
+        (true, Some(128.0)),
+        (false, Some(128.0)),
+    ];
+    assert_eq!(results[0], expected);
+    assert_eq!(results[1], expected);
+}
+
+#[test]
+fn precision_from_the_environment_and_invalid_values() {
+    // Parsing only: the environment variable itself is covered by the config tests.
+    assert_eq!(
+        "fp16".parse::<MixedPrecision>().unwrap(),
+        MixedPrecision::Fp16
+    );
+    let err = Accelerator::builder()
+        .loss_scaler(LossScaler {
+            growth_factor: 0.5,
+            ..LossScaler::default()
+        })
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("growth_factor"), "{err}");
+}
