@@ -107,7 +107,14 @@ fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)>
     evaluate(&acc, &model, &eval)
 }
 
-fn main() -> Result<()> {
+fn main() {
+    if let Err(error) = run_example() {
+        eprintln!("error: {error}");
+        std::process::exit(1);
+    }
+}
+
+fn run_example() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
     #[cfg(feature = "mpi")]

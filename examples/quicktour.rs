@@ -64,7 +64,14 @@ fn mean_loss(
     Ok(total / count.max(1) as f64)
 }
 
-fn main() -> burn_accelerate::Result<()> {
+fn main() {
+    if let Err(error) = run_quicktour() {
+        eprintln!("error: {error}");
+        std::process::exit(1);
+    }
+}
+
+fn run_quicktour() -> burn_accelerate::Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
 

@@ -370,9 +370,11 @@ impl Accelerator {
     // ----- process control -----------------------------------------------------------------------------
 
     /// Prints `message` once per machine (on the local main process), like `accelerator.print`.
+    /// Output errors (a closed pipe) are ignored rather than panicking.
     pub fn print(&self, message: impl fmt::Display) {
         if self.is_local_main_process() {
-            println!("{message}");
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout().lock(), "{message}");
         }
     }
 

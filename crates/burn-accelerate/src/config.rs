@@ -1,6 +1,6 @@
 //! The accelerator's configuration and where Accelerate keeps its config file.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -65,9 +65,16 @@ impl Default for AcceleratorConfig {
 }
 
 impl AcceleratorConfig {
-    /// Defaults overridden by the `ACCELERATE_*` environment variables that are set.
+    /// Defaults, overridden by the config file (`ACCELERATE_CONFIG_FILE`, else Accelerate's
+    /// `default_config.yaml` when it exists), overridden by the `ACCELERATE_*` environment variables.
     pub fn from_env() -> Result<Self> {
         let mut config = Self::default();
+        let file = env::var("ACCELERATE_CONFIG_FILE")
+            .map(PathBuf::from)
+            .or_else(|| default_config_file().filter(|p| p.exists()));
+        if let Some(path) = file {
+            config.apply_file(&path)?;
+        }
         if let Some(cpu) = env::flag("ACCELERATE_USE_CPU")? {
             config.cpu = cpu;
         }
@@ -99,6 +106,77 @@ impl AcceleratorConfig {
         }
         config.validate()?;
         Ok(config)
+    }
+
+    /// Applies the keys of an Accelerate config file (YAML). Keys Accelerate writes but burn-accelerate does
+    /// not use are accepted; any other key is an error naming it.
+    pub fn apply_file(&mut self, path: &Path) -> Result<()> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            operation: "reading the config file",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.apply_yaml(&text, &path.display().to_string())
+    }
+
+    /// [`apply_file`](Self::apply_file) on the text of a file (`origin` names it in errors).
+    pub fn apply_yaml(&mut self, text: &str, origin: &str) -> Result<()> {
+        use serde_yaml_ng::Value;
+        let value: Value = serde_yaml_ng::from_str(text).map_err(|e| {
+            Error::config("config file", origin, origin, format!("valid YAML ({e})"))
+        })?;
+        let map = match value {
+            Value::Mapping(map) => map,
+            Value::Null => return Ok(()),
+            _ => {
+                return Err(Error::config(
+                    "config file",
+                    origin,
+                    origin,
+                    "a YAML mapping of keys to values",
+                ));
+            }
+        };
+        let text_of = |v: &Value| match v {
+            Value::String(s) => s.clone(),
+            Value::Bool(b) => if *b { "yes" } else { "no" }.to_string(),
+            Value::Number(n) => n.to_string(),
+            other => format!("{other:?}"),
+        };
+        for (key, value) in map {
+            let key = text_of(&key);
+            let raw = text_of(&value);
+            let bad = |expected: &str| Error::config(&key, &raw, origin, expected);
+            match key.as_str() {
+                "mixed_precision" => {
+                    self.mixed_precision = raw.parse().map_err(|_| bad("one of no, fp16, bf16"))?
+                }
+                "debug" => {
+                    self.debug = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?
+                }
+                "use_cpu" => {
+                    self.cpu = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?
+                }
+                "gradient_accumulation_steps" => {
+                    self.gradient_accumulation_steps =
+                        raw.parse().map_err(|_| bad("an integer >= 1"))?
+                }
+                k if ACCELERATE_KEYS.contains(&k) => {}
+                _ => {
+                    return Err(Error::config(
+                        &key,
+                        raw,
+                        origin,
+                        format!(
+                            "a known key: mixed_precision, debug, use_cpu, gradient_accumulation_steps, or one of \
+                             Accelerate's ({}); remove or correct it",
+                            ACCELERATE_KEYS.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks the values.
@@ -137,6 +215,33 @@ impl AcceleratorConfig {
     }
 }
 
+/// Keys of Accelerate's config file that are accepted without effect here (launcher and plug-in settings).
+const ACCELERATE_KEYS: &[&str] = &[
+    "compute_environment",
+    "deepspeed_config",
+    "distributed_type",
+    "downcast_bf16",
+    "dynamo_config",
+    "enable_cpu_affinity",
+    "fsdp_config",
+    "gpu_ids",
+    "ipex_config",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "main_training_function",
+    "megatron_lm_config",
+    "mpirun_config",
+    "num_machines",
+    "num_processes",
+    "rdzv_backend",
+    "same_network",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "use_mps_device",
+];
+
 /// How gradients accumulated over several micro-batches are normalised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -164,4 +269,60 @@ pub fn config_dir() -> Option<PathBuf> {
 /// The default config file, `default_config.yaml` in [`config_dir`], shared with Accelerate.
 pub fn default_config_file() -> Option<PathBuf> {
     config_dir().map(|d| d.join("default_config.yaml"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ACCELERATE_FILE: &str = "compute_environment: LOCAL_MACHINE
+debug: true
+distributed_type: 'NO'
+downcast_bf16: 'no'
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 1
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+";
+
+    #[test]
+    fn reads_accelerate_files() {
+        let mut config = AcceleratorConfig::default();
+        config
+            .apply_yaml(ACCELERATE_FILE, "default_config.yaml")
+            .unwrap();
+        assert_eq!(config.mixed_precision, MixedPrecision::Bf16);
+        assert!(config.debug && config.cpu);
+    }
+
+    #[test]
+    fn bad_keys_and_values_are_named() {
+        let mut config = AcceleratorConfig::default();
+        let err = config
+            .apply_yaml("mixed_precison: fp16\n", "my.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("mixed_precison") && err.contains("my.yaml"),
+            "{err}"
+        );
+        let err = config
+            .apply_yaml("mixed_precision: fp8\n", "my.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("one of no, fp16, bf16") && err.contains("fp8"),
+            "{err}"
+        );
+        assert!(config.apply_yaml("- a list\n", "my.yaml").is_err());
+        assert!(config.apply_yaml("", "empty.yaml").is_ok());
+    }
 }
