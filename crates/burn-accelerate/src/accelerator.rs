@@ -2,6 +2,7 @@
 //! focused module that owns the concern (process state, placement, gradients, optimizer, data, logging).
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
@@ -14,8 +15,12 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend::{Backend, DeviceRequest, select_device};
+use crate::checkpoint::{
+    Checkpointable, LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave,
+};
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{AcceleratorConfig, LossNormalization};
+use crate::data::prepared_cursor::LoaderCursor;
 use crate::data::{DataLoader, PreparedDataLoader, ShardSpec};
 use crate::error::{Error, Result};
 use crate::grad::{self, NormType};
@@ -44,6 +49,7 @@ pub struct AcceleratorBuilder {
     sync_each_batch: Option<bool>,
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
+    project: Option<ProjectConfiguration>,
 }
 
 impl AcceleratorBuilder {
@@ -121,6 +127,12 @@ impl AcceleratorBuilder {
     /// How accumulated gradients are normalised (default [`LossNormalization::ActualMicroBatches`]).
     pub fn loss_normalization(mut self, normalization: LossNormalization) -> Self {
         self.loss_normalization = Some(normalization);
+        self
+    }
+
+    /// Where `save_state` puts automatic checkpoints (Accelerate's `project_config`).
+    pub fn project_configuration(mut self, project: ProjectConfiguration) -> Self {
+        self.project = Some(project);
         self
     }
 
@@ -235,7 +247,9 @@ impl AcceleratorBuilder {
             .check(&device, |dtype| device.supports_dtype(dtype))?;
         let state = ProcessState::new(comm, local_rank, device.autodiff(), backend)
             .with_debug(config.debug);
-        Accelerator::from_parts(Arc::new(state), config)
+        let accelerator = Accelerator::from_parts(Arc::new(state), config)?;
+        *lock(&accelerator.project) = self.project.clone().unwrap_or_default();
+        Ok(accelerator)
     }
 }
 
@@ -265,6 +279,9 @@ pub struct Accelerator {
     config: AcceleratorConfig,
     step: SharedStep,
     trigger: std::sync::atomic::AtomicBool,
+    project: std::sync::Mutex<ProjectConfiguration>,
+    loaders: std::sync::Mutex<Vec<Arc<LoaderCursor>>>,
+    objects: std::sync::Mutex<Vec<RegisteredObject>>,
 }
 
 impl fmt::Debug for Accelerator {
@@ -312,6 +329,9 @@ impl Accelerator {
             config,
             step,
             trigger: std::sync::atomic::AtomicBool::new(false),
+            project: std::sync::Mutex::new(ProjectConfiguration::default()),
+            loaders: std::sync::Mutex::new(Vec::new()),
+            objects: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -470,7 +490,9 @@ impl Accelerator {
             even_batches: self.config.even_batches,
         };
         let device = self.config.device_placement.then(|| self.device().clone());
-        PreparedDataLoader::new(loader, device, self.step.clone(), spec)
+        let prepared = PreparedDataLoader::new(loader, device, self.step.clone(), spec)?;
+        lock(&self.loaders).push(prepared.cursor());
+        Ok(prepared)
     }
 
     /// Moves a batch (any [`ToDevice`] value) to the accelerator's device.
@@ -542,6 +564,225 @@ impl Accelerator {
         }
         state.scaler = Some(scaler);
         Ok(())
+    }
+
+    // ----- checkpoints -----------------------------------------------------------------------------------
+
+    /// Returns the plain Burn module of a prepared model. A prepared model *is* a plain Burn module (there is
+    /// no wrapper to strip), so this is the identity; it exists so that code ported from Accelerate reads the
+    /// same.
+    pub fn unwrap_model<M: Module>(&self, model: M) -> M {
+        model
+    }
+
+    /// Saves `model`'s weights into `dir` in Hugging Face's layout: `model.safetensors`, or shards no larger
+    /// than `max_shard_size` (`"10GB"`, `"500MB"`, `"1GiB"`) named `model-00001-of-0000N.safetensors` with
+    /// `model.safetensors.index.json`; files of an earlier save that this one does not use are removed. With
+    /// `safe_serialization` off, writes Burn's `model.bpk` instead (keeps parameter ids). Only the main process
+    /// writes; call it on every rank.
+    pub fn save_model<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        max_shard_size: &str,
+        safe_serialization: bool,
+    ) -> Result<Vec<PathBuf>> {
+        let dir = dir.as_ref();
+        let max = crate::checkpoint::parse_size(max_shard_size)?;
+        let mut written = Vec::new();
+        if self.is_main_process() {
+            if safe_serialization {
+                written = crate::checkpoint::weights::write_safetensors(model, dir, max)?;
+            } else {
+                std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+                    operation: "creating",
+                    path: dir.to_path_buf(),
+                    source,
+                })?;
+                let bytes = model.clone().into_record().into_bytes().map_err(|e| {
+                    Error::InvalidArgument(format!("save_model: cannot record the model: {e}"))
+                })?;
+                let path = dir.join("model.bpk");
+                crate::checkpoint::fs_write_atomic(&path, &bytes)?;
+                written.push(path);
+            }
+        }
+        self.wait_for_everyone()?;
+        Ok(written)
+    }
+
+    /// Loads weights saved by [`save_model`](Self::save_model) or by Hugging Face tools (a `.safetensors`
+    /// file, a folder, or an index) into `model`, matching parameters by path. Returns the model and what did
+    /// not match (Accelerate does not report missing keys); with `options.strict`, any mismatch is an error.
+    pub fn load_checkpoint_in_model<M: Module>(
+        &self,
+        model: M,
+        path: impl AsRef<Path>,
+        options: &LoadOptions,
+    ) -> Result<(M, LoadReport)> {
+        crate::checkpoint::weights::load_weights(model, path.as_ref(), options)
+    }
+
+    /// Registers a value to be saved by every `save_state` and restored by every `load_state`, under `name`
+    /// (Accelerate's `register_for_checkpointing`). Any serde type works.
+    pub fn register_for_checkpointing<T: Checkpointable + 'static>(
+        &self,
+        name: &str,
+        value: Arc<std::sync::Mutex<T>>,
+    ) -> Result<()> {
+        let mut objects = lock(&self.objects);
+        if objects.iter().any(|(n, _)| n == name) {
+            return Err(Error::InvalidArgument(format!(
+                "register_for_checkpointing: `{name}` is already registered; use one name per object"
+            )));
+        }
+        objects.push((name.to_string(), value));
+        Ok(())
+    }
+
+    /// The automatic-checkpoint settings.
+    pub fn project_configuration(&self) -> ProjectConfiguration {
+        lock(&self.project).clone()
+    }
+
+    /// Saves the training state into `dir`, or, with `None`, into the next automatic checkpoint
+    /// (`project_dir/checkpoints/checkpoint_{iteration}`, keeping at most `total_limit`). Along with `parts`
+    /// (models, optimizers, schedulers), it records the loss scaler, every prepared dataloader's position on
+    /// every rank, and the registered objects. The folder appears only once complete. Call it on every rank.
+    /// Returns the folder.
+    pub fn save_state(&self, dir: Option<&Path>, parts: &StateToSave) -> Result<PathBuf> {
+        let (dir, iteration, automatic) = {
+            let project = lock(&self.project);
+            match dir {
+                Some(d) => (d.to_path_buf(), project.iteration, false),
+                None => {
+                    let root = project
+                        .checkpoints_dir()
+                        .filter(|_| project.automatic_checkpoint_naming)
+                        .ok_or_else(|| {
+                            Error::InvalidArgument(
+                                "save_state(None) needs automatic checkpoint naming: set \
+                                 `AcceleratorBuilder::project_configuration(ProjectConfiguration::new(dir))`, \
+                                 or pass a folder"
+                                    .into(),
+                            )
+                        })?;
+                    (
+                        root.join(format!("checkpoint_{}", project.iteration)),
+                        project.iteration,
+                        true,
+                    )
+                }
+            }
+        };
+        if let Some(parent) = dir.parent()
+            && self.is_main_process()
+        {
+            std::fs::create_dir_all(parent).map_err(|source| Error::Io {
+                operation: "creating",
+                path: parent.to_path_buf(),
+                source,
+            })?;
+        }
+        let objects = lock(&self.objects)
+            .iter()
+            .map(|(name, value)| Ok((name.clone(), lock(value).state_dict()?)))
+            .collect::<Result<Vec<_>>>()?;
+        let positions = lock(&self.loaders).iter().map(|c| c.position()).collect();
+        let ctx = crate::checkpoint::state::SaveContext {
+            state: &self.state,
+            iteration,
+            scaler: self.loss_scaler(),
+            objects,
+            positions,
+        };
+        crate::checkpoint::state::save(&dir, parts, ctx)?;
+        if automatic {
+            let mut project = lock(&self.project);
+            project.iteration += 1;
+            if let Some(limit) = project.total_limit
+                && self.is_main_process()
+            {
+                let existing = project.checkpoints();
+                for (_, old) in existing.iter().take(existing.len().saturating_sub(limit)) {
+                    std::fs::remove_dir_all(old).map_err(|source| Error::Io {
+                        operation: "removing an old checkpoint",
+                        path: old.clone(),
+                        source,
+                    })?;
+                }
+            }
+        }
+        self.wait_for_everyone()?;
+        Ok(dir)
+    }
+
+    /// Loads a training state saved by [`save_state`](Self::save_state) from `dir`, or, with `None`, from the
+    /// latest automatic checkpoint. The loss scaler, the prepared dataloaders' positions (the next `iter`
+    /// resumes mid-epoch where the save happened), the registered objects and the automatic-naming iteration
+    /// (so the next save does not overwrite it) are restored here; restore models, optimizers and schedulers
+    /// from the returned [`LoadedState`], then call its `finish`.
+    pub fn load_state(&self, dir: Option<&Path>) -> Result<LoadedState> {
+        let dir = match dir {
+            Some(d) => d.to_path_buf(),
+            None => {
+                let project = lock(&self.project);
+                let (_, latest) = project.checkpoints().pop().ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "load_state(None): no complete checkpoint under {:?}",
+                        project.checkpoints_dir()
+                    ))
+                })?;
+                latest
+            }
+        };
+        let mut loaded = LoadedState::open(&dir, self.process_index(), self.num_processes())?;
+        let loaders = lock(&self.loaders);
+        if loaded.positions().len() != loaders.len() {
+            return Err(Error::Checkpoint {
+                path: loaded.dir().to_path_buf(),
+                reason: format!(
+                    "saved the positions of {} prepared dataloader(s), but {} are prepared now; prepare the same \
+                     dataloaders, in the same order, before load_state",
+                    loaded.positions().len(),
+                    loaders.len()
+                ),
+            });
+        }
+        for (cursor, position) in loaders.iter().zip(loaded.positions()) {
+            cursor.restore(*position);
+        }
+        drop(loaders);
+        {
+            let objects = lock(&self.objects);
+            for (name, value) in objects.iter() {
+                let state = loaded.take_object(name).ok_or_else(|| Error::Checkpoint {
+                    path: loaded.dir().to_path_buf(),
+                    reason: format!(
+                        "has no object `{name}`; it was registered after this checkpoint was saved"
+                    ),
+                })?;
+                lock(value).load_state_dict(state)?;
+            }
+            let left = loaded.remaining_objects();
+            if !left.is_empty() {
+                return Err(Error::Checkpoint {
+                    path: loaded.dir().to_path_buf(),
+                    reason: format!(
+                        "holds object(s) {left:?} that are not registered; register every object that was saved \
+                         (register_for_checkpointing) before load_state"
+                    ),
+                });
+            }
+        }
+        if let Some(scaler) = loaded.scaler() {
+            let mut state = self.step.lock();
+            if state.scaler.is_some() {
+                state.scaler = Some(scaler.clone());
+            }
+        }
+        lock(&self.project).iteration = loaded.iteration() + 1;
+        Ok(loaded)
     }
 
     // ----- collectives ----------------------------------------------------------------------------------
@@ -823,4 +1064,12 @@ impl Accelerator {
     pub fn optimizer_step_was_skipped(&self) -> bool {
         self.step.lock().optimizer_step_was_skipped
     }
+}
+
+/// An object registered for checkpointing, with its name.
+type RegisteredObject = (String, Arc<std::sync::Mutex<dyn Checkpointable>>);
+
+/// Locks a mutex, recovering from poisoning (the guarded values stay consistent between operations).
+fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -120,6 +120,15 @@ pub enum Error {
         precision: &'static str,
     },
 
+    /// A checkpoint file is missing, truncated, corrupt, or does not fit the model.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file or folder.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
     /// A rank of an in-process launch panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

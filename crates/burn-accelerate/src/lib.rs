@@ -30,6 +30,7 @@
 
 pub mod accelerator;
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod data;
@@ -48,6 +49,7 @@ pub mod sys;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use backend::Backend;
+pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
 pub use comm::ReduceOp;
 pub use config::AcceleratorConfig;
 pub use error::{Error, Result};

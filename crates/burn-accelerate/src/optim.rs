@@ -110,6 +110,12 @@ impl AcceleratedOptimizer {
         self.steps
     }
 
+    /// Restores a saved optimizer state (see [`LoadedState::optimizer`](crate::checkpoint::LoadedState)).
+    pub(crate) fn restore(&mut self, record: burn::optim::OptimizerRecord, steps: u64) {
+        self.inner = self.inner.clone().load_record(record);
+        self.steps = steps;
+    }
+
     /// The wrapped Burn optimizer.
     pub fn inner(&self) -> &ModuleOptimizer {
         &self.inner
@@ -137,6 +143,9 @@ pub(crate) struct SchedulerRule {
 /// `split_batches` is on. When it is off, every call advances it once.
 pub struct AcceleratedScheduler {
     inner: ModuleLrScheduler,
+    /// The scheduler as it was before it produced `last`: what a checkpoint saves, so that a restore
+    /// recomputes `last` exactly.
+    before_last: ModuleLrScheduler,
     lr: LrCell,
     skipped: Arc<AtomicBool>,
     shared: SharedStep,
@@ -153,9 +162,11 @@ impl AcceleratedScheduler {
     ) -> Self {
         // Burn's schedulers return the rate of the coming step; the first value is the initial rate, which a
         // torch scheduler sets on its optimizer when it is created.
+        let before_last = inner.clone();
         let last = inner.step();
         optimizer.lr.set(last.clone());
         Self {
+            before_last,
             inner,
             lr: optimizer.lr.clone(),
             skipped: optimizer.skipped.clone(),
@@ -181,8 +192,22 @@ impl AcceleratedScheduler {
             }
         };
         for _ in 0..times {
+            self.before_last = self.inner.clone();
             self.last = self.inner.step();
         }
+        self.lr.set(self.last.clone());
+    }
+
+    /// The state a checkpoint saves.
+    pub fn record(&self) -> burn::lr_scheduler::LrSchedulerRecord {
+        self.before_last.to_record()
+    }
+
+    /// Restores a saved state and hands the restored rate to the optimizer.
+    pub(crate) fn restore(&mut self, record: burn::lr_scheduler::LrSchedulerRecord) {
+        self.before_last = self.before_last.clone().load_record(record);
+        self.inner = self.before_last.clone();
+        self.last = self.inner.step();
         self.lr.set(self.last.clone());
     }
 

@@ -27,6 +27,10 @@
 
 mod loader;
 mod prepared;
+/// Dataloader positions for checkpoints.
+pub(crate) mod prepared_cursor {
+    pub(crate) use super::prepared::LoaderCursor;
+}
 mod shard;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};

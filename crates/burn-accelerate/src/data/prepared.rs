@@ -1,3 +1,6 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use burn::tensor::Device;
 
 use super::loader::{DataLoader, DataLoaderIter};
@@ -13,6 +16,50 @@ pub struct PreparedDataLoader<I, O> {
     device: Device,
     shared: SharedStep,
     spec: ShardSpec,
+    cursor: Arc<LoaderCursor>,
+}
+
+/// Where a prepared dataloader stands, shared with the accelerator so that `save_state` can record it and
+/// `load_state` can put it back.
+#[derive(Debug)]
+pub(crate) struct LoaderCursor {
+    /// The loader's "next epoch" counter.
+    epoch: Arc<AtomicUsize>,
+    /// 1 + the epoch being iterated (0 before the first `iter`).
+    in_epoch: AtomicUsize,
+    /// Batches yielded in that epoch (including skipped ones).
+    yielded: AtomicUsize,
+    /// Batches to skip at the start of the next `iter`.
+    skip: AtomicUsize,
+    /// Batches per epoch on this rank.
+    len: usize,
+}
+
+impl LoaderCursor {
+    /// The epoch of the next batch and how many batches of it were used.
+    pub(crate) fn position(&self) -> crate::checkpoint::state::DataPosition {
+        let in_epoch = self.in_epoch.load(Ordering::Relaxed);
+        let yielded = self.yielded.load(Ordering::Relaxed);
+        let (epoch, batch) = if in_epoch == 0 {
+            (
+                self.epoch.load(Ordering::Relaxed),
+                self.skip.load(Ordering::Relaxed),
+            )
+        } else if yielded >= self.len {
+            (in_epoch, 0)
+        } else {
+            (in_epoch - 1, yielded)
+        };
+        crate::checkpoint::state::DataPosition { epoch, batch }
+    }
+
+    /// Makes the next `iter` run `position.epoch`, starting after `position.batch` batches.
+    pub(crate) fn restore(&self, position: crate::checkpoint::state::DataPosition) {
+        self.epoch.store(position.epoch, Ordering::Relaxed);
+        self.skip.store(position.batch, Ordering::Relaxed);
+        self.in_epoch.store(0, Ordering::Relaxed);
+        self.yielded.store(0, Ordering::Relaxed);
+    }
 }
 
 impl<I, O> PreparedDataLoader<I, O> {
@@ -24,12 +71,37 @@ impl<I, O> PreparedDataLoader<I, O> {
     ) -> Result<Self> {
         spec.validate(loader.batch_size())?;
         let device = device.unwrap_or_else(|| loader.device.clone());
+        let len = shard(
+            loader.batch_indices(0),
+            loader.batch_size(),
+            loader.drop_last(),
+            spec,
+        )
+        .len();
+        let cursor = Arc::new(LoaderCursor {
+            epoch: loader.epoch.clone(),
+            in_epoch: AtomicUsize::new(0),
+            yielded: AtomicUsize::new(0),
+            skip: AtomicUsize::new(0),
+            len,
+        });
         Ok(Self {
             loader,
             device,
             shared,
             spec,
+            cursor,
         })
+    }
+
+    pub(crate) fn cursor(&self) -> Arc<LoaderCursor> {
+        self.cursor.clone()
+    }
+
+    /// Skips the first `n` batches of the next epoch on this rank (Accelerate's `skip_first_batches`), e.g. to
+    /// resume in the middle of an epoch by hand. `load_state` does this itself for prepared dataloaders.
+    pub fn skip_first_batches(&self, n: usize) {
+        self.cursor.skip.store(n, Ordering::Relaxed);
     }
 
     /// This rank's batches of `epoch`, as item indices.
@@ -100,9 +172,12 @@ impl<I, O> PreparedDataLoader<I, O> {
     /// `gather_for_metrics` and gradient accumulation rely on.
     pub fn iter(&self) -> PreparedIter<'_, I, O> {
         let epoch = self.loader.next_epoch();
-        let inner = self
-            .loader
-            .iter_batches(self.batch_indices(epoch), self.device.clone());
+        let skip = self.cursor.skip.swap(0, Ordering::Relaxed);
+        let mut batches = self.batch_indices(epoch);
+        batches.drain(..skip.min(batches.len()));
+        self.cursor.in_epoch.store(epoch + 1, Ordering::Relaxed);
+        self.cursor.yielded.store(skip, Ordering::Relaxed);
+        let inner = self.loader.iter_batches(batches, self.device.clone());
         {
             let mut state = self.shared.lock();
             state.end_of_dataloader = inner.len() == 0;
@@ -112,6 +187,7 @@ impl<I, O> PreparedDataLoader<I, O> {
         PreparedIter {
             inner,
             shared: self.shared.clone(),
+            cursor: self.cursor.clone(),
         }
     }
 }
@@ -120,6 +196,7 @@ impl<I, O> PreparedDataLoader<I, O> {
 pub struct PreparedIter<'a, I, O> {
     inner: DataLoaderIter<'a, I, O>,
     shared: SharedStep,
+    cursor: Arc<LoaderCursor>,
 }
 
 impl<I, O> Iterator for PreparedIter<'_, I, O> {
@@ -128,6 +205,7 @@ impl<I, O> Iterator for PreparedIter<'_, I, O> {
     fn next(&mut self) -> Option<Self::Item> {
         let batch = self.inner.next()?;
         self.shared.lock().end_of_dataloader = self.inner.len() == 0;
+        self.cursor.yielded.fetch_add(1, Ordering::Relaxed);
         Some(batch)
     }
 

@@ -1,0 +1,481 @@
+//! `save_state` / `load_state`: everything needed to continue a run exactly where it stopped.
+//!
+//! A checkpoint folder holds `checkpoint.json` (written last: a folder without it is not a checkpoint),
+//! `model.bpk`, `model_1.bpk`, ... (Burn records, which keep parameter ids so the optimizer state matches),
+//! `optimizer*.bpk`, `scheduler*.bpk`, `objects.json` (registered objects) and one `rank_<i>.json` per rank
+//! (data positions). The folder is written under a `.partial` name and renamed when complete.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::store::ModuleRecord;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::fs::{io, read, sync_dir, with_suffix, write_synced};
+use crate::error::{Error, Result};
+use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
+use crate::precision::LossScaler;
+
+/// The format tag of `checkpoint.json`.
+pub const FORMAT: &str = "burn-accelerate-state/1";
+const MANIFEST: &str = "checkpoint.json";
+
+/// Where automatic checkpoints go (Accelerate's `ProjectConfiguration`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProjectConfiguration {
+    /// The project folder.
+    pub project_dir: Option<PathBuf>,
+    /// Name checkpoints `project_dir/checkpoints/checkpoint_{iteration}` when `save_state` gets no folder.
+    pub automatic_checkpoint_naming: bool,
+    /// Keep at most this many automatic checkpoints (the oldest are removed).
+    pub total_limit: Option<usize>,
+    /// The number of the next automatic checkpoint. Unlike Accelerate, `load_state` restores it, so the next
+    /// save does not overwrite an existing checkpoint.
+    pub iteration: usize,
+}
+
+impl ProjectConfiguration {
+    /// Automatic naming under `project_dir`.
+    pub fn new(project_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            project_dir: Some(project_dir.into()),
+            automatic_checkpoint_naming: true,
+            total_limit: None,
+            iteration: 0,
+        }
+    }
+
+    /// Keeps at most `limit` automatic checkpoints.
+    pub fn total_limit(mut self, limit: usize) -> Self {
+        self.total_limit = Some(limit);
+        self
+    }
+
+    /// The folder of automatic checkpoints.
+    pub fn checkpoints_dir(&self) -> Option<PathBuf> {
+        self.project_dir.as_ref().map(|d| d.join("checkpoints"))
+    }
+
+    /// Complete automatic checkpoints, oldest first, as (iteration, folder).
+    pub fn checkpoints(&self) -> Vec<(usize, PathBuf)> {
+        let Some(dir) = self.checkpoints_dir() else {
+            return Vec::new();
+        };
+        let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                let i = name.strip_prefix("checkpoint_")?.parse().ok()?;
+                e.path().join(MANIFEST).exists().then(|| (i, e.path()))
+            })
+            .collect();
+        found.sort();
+        found
+    }
+}
+
+/// A value that can be saved in and restored from a checkpoint. Implemented for every serde type.
+pub trait Checkpointable: Send {
+    /// The value's state.
+    fn state_dict(&self) -> Result<serde_json::Value>;
+    /// Restores the value from `state`.
+    fn load_state_dict(&mut self, state: serde_json::Value) -> Result<()>;
+}
+
+impl<T: Serialize + DeserializeOwned + Send> Checkpointable for T {
+    fn state_dict(&self) -> Result<serde_json::Value> {
+        serde_json::to_value(self)
+            .map_err(|e| Error::InvalidArgument(format!("checkpoint object: {e}")))
+    }
+
+    fn load_state_dict(&mut self, state: serde_json::Value) -> Result<()> {
+        *self = serde_json::from_value(state).map_err(|e| {
+            Error::InvalidArgument(format!("checkpoint object does not match its type: {e}"))
+        })?;
+        Ok(())
+    }
+}
+
+/// The position of a prepared dataloader: the epoch of the next batch and how many batches of it were used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPosition {
+    /// The epoch the next batch belongs to.
+    pub epoch: usize,
+    /// Batches of that epoch already yielded on this rank.
+    pub batch: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    iteration: usize,
+    num_processes: usize,
+    models: usize,
+    optimizers: usize,
+    schedulers: usize,
+    objects: Vec<String>,
+    scaler: Option<LossScaler>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct RankState {
+    dataloaders: Vec<DataPosition>,
+    optimizer_steps: Vec<u64>,
+}
+
+/// What `save_state` writes, gathered from the training loop's objects (models and optimizers are owned by
+/// the loop, so they are passed in rather than registered).
+#[derive(Default)]
+pub struct StateToSave {
+    models: Vec<Vec<u8>>,
+    optimizers: Vec<(Vec<u8>, u64)>,
+    schedulers: Vec<Vec<u8>>,
+}
+
+fn record_error(what: &str) -> impl FnOnce(burn::store::RecordError) -> Error + '_ {
+    move |e| Error::InvalidArgument(format!("save_state: cannot record the {what}: {e}"))
+}
+
+impl StateToSave {
+    /// Nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a model (saved with its parameter ids, so its optimizer state matches on load).
+    pub fn model<M: Module>(mut self, model: &M) -> Result<Self> {
+        let bytes = model
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map_err(record_error("model"))?;
+        self.models.push(bytes.to_vec());
+        Ok(self)
+    }
+
+    /// Adds a prepared optimizer.
+    pub fn optimizer(mut self, optimizer: &AcceleratedOptimizer) -> Result<Self> {
+        let bytes = optimizer
+            .inner()
+            .to_record()
+            .into_bytes()
+            .map_err(record_error("optimizer"))?;
+        self.optimizers
+            .push((bytes.to_vec(), optimizer.num_steps()));
+        Ok(self)
+    }
+
+    /// Adds a prepared scheduler.
+    pub fn scheduler(mut self, scheduler: &AcceleratedScheduler) -> Result<Self> {
+        let bytes = scheduler
+            .record()
+            .into_bytes()
+            .map_err(record_error("scheduler"))?;
+        self.schedulers.push(bytes.to_vec());
+        Ok(self)
+    }
+}
+
+/// The parts of the state every rank contributes, besides `StateToSave`.
+pub(crate) struct SaveContext<'a> {
+    pub state: &'a crate::state::ProcessState,
+    pub iteration: usize,
+    pub scaler: Option<LossScaler>,
+    pub objects: Vec<(String, serde_json::Value)>,
+    pub positions: Vec<DataPosition>,
+}
+
+fn file(dir: &Path, stem: &str, i: usize, ext: &str) -> PathBuf {
+    if i == 0 {
+        dir.join(format!("{stem}.{ext}"))
+    } else {
+        dir.join(format!("{stem}_{i}.{ext}"))
+    }
+}
+
+/// Writes a checkpoint into `dir` atomically, with every rank taking part.
+pub(crate) fn save(dir: &Path, parts: &StateToSave, ctx: SaveContext<'_>) -> Result<()> {
+    let state = ctx.state;
+    let partial = with_suffix(dir, ".partial");
+    if state.is_main_process() {
+        if partial.exists() {
+            std::fs::remove_dir_all(&partial)
+                .map_err(io("removing an unfinished save", &partial))?;
+        }
+        std::fs::create_dir_all(&partial).map_err(io("creating", &partial))?;
+    }
+    state.wait_for_everyone()?;
+    let rank = RankState {
+        dataloaders: ctx.positions,
+        optimizer_steps: parts.optimizers.iter().map(|(_, s)| *s).collect(),
+    };
+    let rank_json = serde_json::to_vec_pretty(&rank).expect("plain data");
+    write_synced(
+        &partial.join(format!("rank_{}.json", state.process_index())),
+        &rank_json,
+    )?;
+    if state.is_main_process() {
+        for (i, bytes) in parts.models.iter().enumerate() {
+            write_synced(&file(&partial, "model", i, "bpk"), bytes)?;
+        }
+        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
+            write_synced(&file(&partial, "optimizer", i, "bpk"), bytes)?;
+        }
+        for (i, bytes) in parts.schedulers.iter().enumerate() {
+            write_synced(&file(&partial, "scheduler", i, "bpk"), bytes)?;
+        }
+        let objects: BTreeMap<String, serde_json::Value> = ctx.objects.iter().cloned().collect();
+        write_synced(
+            &partial.join("objects.json"),
+            &serde_json::to_vec_pretty(&objects).expect("JSON values"),
+        )?;
+    }
+    state.wait_for_everyone()?;
+    if state.is_main_process() {
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            iteration: ctx.iteration,
+            num_processes: state.num_processes(),
+            models: parts.models.len(),
+            optimizers: parts.optimizers.len(),
+            schedulers: parts.schedulers.len(),
+            objects: ctx.objects.iter().map(|(n, _)| n.clone()).collect(),
+            scaler: ctx.scaler,
+        };
+        write_synced(
+            &partial.join(MANIFEST),
+            &serde_json::to_vec_pretty(&manifest).expect("plain data"),
+        )?;
+        sync_dir(&partial)?;
+        // Replace: the old folder is moved aside before the new one takes its name, so that one complete
+        // checkpoint exists at every instant.
+        let old = with_suffix(dir, ".old");
+        if dir.exists() {
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
+            }
+            std::fs::rename(dir, &old).map_err(io("moving the previous checkpoint aside", dir))?;
+        }
+        std::fs::rename(&partial, dir).map_err(io("renaming the checkpoint into place", dir))?;
+        sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
+        }
+    }
+    state.wait_for_everyone()
+}
+
+/// A checkpoint read back by `load_state`: restore its parts into the training loop's objects, in the order
+/// they were saved, then call [`finish`](Self::finish) to check that nothing was left out.
+pub struct LoadedState {
+    dir: PathBuf,
+    manifest: Manifest,
+    rank: RankState,
+    objects: BTreeMap<String, serde_json::Value>,
+    next_model: usize,
+    next_optimizer: usize,
+    next_scheduler: usize,
+}
+
+fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Finds the folder to load: `dir` itself, or the previous checkpoint moved aside by a save interrupted
+/// between its two renames.
+fn resolve(dir: &Path) -> Result<PathBuf> {
+    if dir.join(MANIFEST).exists() {
+        return Ok(dir.to_path_buf());
+    }
+    let old = with_suffix(dir, ".old");
+    if old.join(MANIFEST).exists() {
+        log::warn!(
+            "{} is missing or incomplete; loading {}, the checkpoint a save was replacing when it stopped",
+            dir.display(),
+            old.display()
+        );
+        return Ok(old);
+    }
+    Err(corrupt(
+        dir,
+        format!("no {MANIFEST} here: not a checkpoint, or a save that did not finish"),
+    ))
+}
+
+impl LoadedState {
+    pub(crate) fn open(dir: &Path, rank: usize, num_processes: usize) -> Result<Self> {
+        let dir = resolve(dir)?;
+        let manifest_path = dir.join(MANIFEST);
+        let manifest: Manifest = serde_json::from_slice(&read(&manifest_path)?)
+            .map_err(|e| corrupt(&manifest_path, format!("unreadable: {e}")))?;
+        if manifest.format != FORMAT {
+            return Err(corrupt(
+                &manifest_path,
+                format!("format `{}`, expected `{FORMAT}`", manifest.format),
+            ));
+        }
+        if manifest.num_processes != num_processes {
+            return Err(corrupt(
+                &manifest_path,
+                format!(
+                    "saved by {} ranks, loaded by {num_processes}; resume with the same number of ranks",
+                    manifest.num_processes
+                ),
+            ));
+        }
+        let rank_path = dir.join(format!("rank_{rank}.json"));
+        let rank: RankState = serde_json::from_slice(&read(&rank_path)?)
+            .map_err(|e| corrupt(&rank_path, format!("unreadable: {e}")))?;
+        let objects_path = dir.join("objects.json");
+        let objects = serde_json::from_slice(&read(&objects_path)?)
+            .map_err(|e| corrupt(&objects_path, format!("unreadable: {e}")))?;
+        Ok(Self {
+            dir,
+            manifest,
+            rank,
+            objects,
+            next_model: 0,
+            next_optimizer: 0,
+            next_scheduler: 0,
+        })
+    }
+
+    /// The folder the state was read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The automatic-naming iteration the checkpoint was saved at.
+    pub fn iteration(&self) -> usize {
+        self.manifest.iteration
+    }
+
+    pub(crate) fn scaler(&self) -> Option<&LossScaler> {
+        self.manifest.scaler.as_ref()
+    }
+
+    pub(crate) fn positions(&self) -> &[DataPosition] {
+        &self.rank.dataloaders
+    }
+
+    pub(crate) fn take_object(&mut self, name: &str) -> Option<serde_json::Value> {
+        self.objects.remove(name)
+    }
+
+    pub(crate) fn remaining_objects(&self) -> Vec<String> {
+        self.objects.keys().cloned().collect()
+    }
+
+    /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
+    pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
+        let i = self.next_model;
+        if i >= self.manifest.models {
+            return Err(corrupt(
+                &self.dir,
+                format!(
+                    "holds {} model(s); asked for model #{}",
+                    self.manifest.models,
+                    i + 1
+                ),
+            ));
+        }
+        self.next_model += 1;
+        let path = file(&self.dir, "model", i, "bpk");
+        let bytes = read(&path)?;
+        let record =
+            ModuleRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(|e| {
+                corrupt(
+                    &path,
+                    format!("not a model record (truncated or corrupt?): {e}"),
+                )
+            })?;
+        model
+            .try_load_record(record)
+            .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))
+    }
+
+    /// Restores the next saved optimizer state into `optimizer`.
+    pub fn optimizer(&mut self, optimizer: &mut AcceleratedOptimizer) -> Result<()> {
+        let i = self.next_optimizer;
+        if i >= self.manifest.optimizers {
+            return Err(corrupt(
+                &self.dir,
+                format!(
+                    "holds {} optimizer(s); asked for optimizer #{}",
+                    self.manifest.optimizers,
+                    i + 1
+                ),
+            ));
+        }
+        self.next_optimizer += 1;
+        let path = file(&self.dir, "optimizer", i, "bpk");
+        let bytes = read(&path)?;
+        let record =
+            burn::optim::OptimizerRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+                .map_err(|e| {
+                    corrupt(
+                        &path,
+                        format!("not an optimizer record (truncated or corrupt?): {e}"),
+                    )
+                })?;
+        let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
+        optimizer.restore(record, steps);
+        Ok(())
+    }
+
+    /// Restores the next saved scheduler state into `scheduler` (and its optimizer's learning rate).
+    pub fn scheduler(&mut self, scheduler: &mut AcceleratedScheduler) -> Result<()> {
+        let i = self.next_scheduler;
+        if i >= self.manifest.schedulers {
+            return Err(corrupt(
+                &self.dir,
+                format!(
+                    "holds {} scheduler(s); asked for scheduler #{}",
+                    self.manifest.schedulers,
+                    i + 1
+                ),
+            ));
+        }
+        self.next_scheduler += 1;
+        let path = file(&self.dir, "scheduler", i, "bpk");
+        let bytes = read(&path)?;
+        let record = burn::lr_scheduler::LrSchedulerRecord::from_bytes(
+            burn::tensor::Bytes::from_bytes_vec(bytes),
+        )
+        .map_err(|e| {
+            corrupt(
+                &path,
+                format!("not a scheduler record (truncated or corrupt?): {e}"),
+            )
+        })?;
+        scheduler.restore(record);
+        Ok(())
+    }
+
+    /// Checks that every saved model, optimizer and scheduler was restored.
+    pub fn finish(self) -> Result<()> {
+        let left = [
+            ("model", self.manifest.models, self.next_model),
+            ("optimizer", self.manifest.optimizers, self.next_optimizer),
+            ("scheduler", self.manifest.schedulers, self.next_scheduler),
+        ];
+        for (what, saved, restored) in left {
+            if restored != saved {
+                return Err(corrupt(
+                    &self.dir,
+                    format!(
+                        "holds {saved} {what}(s) but {restored} were restored; restore them all, in order"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,508 @@
+//! Model weights in Hugging Face's safetensors layout: `model.safetensors`, or shards
+//! `model-00001-of-0000N.safetensors` with `model.safetensors.index.json`; and loading them back, strictly or
+//! partially, from a file, a folder or an index.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+
+use super::fs::{io, read, sync_dir, with_suffix};
+use crate::error::{Error, Result};
+
+/// Name of a single-file checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Name of the index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Parses a size such as `10GB` (decimal), `1GiB` (binary), `500MB`, `64KiB` or a plain number of bytes.
+pub fn parse_size(size: &str) -> Result<u64> {
+    let s = size.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number: u64 = number.parse().map_err(|_| bad_size(size))?;
+    let factor: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        _ => return Err(bad_size(size)),
+    };
+    number
+        .checked_mul(factor)
+        .filter(|n| *n > 0)
+        .ok_or_else(|| bad_size(size))
+}
+
+fn bad_size(size: &str) -> Error {
+    Error::config(
+        "max_shard_size",
+        size,
+        "save_model",
+        "a positive size such as 10GB, 500MB, 1GiB or a number of bytes",
+    )
+}
+
+fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+fn to_safetensors_dtype(dtype: DType) -> Option<Dtype> {
+    Some(match dtype {
+        DType::F64 => Dtype::F64,
+        DType::F32 | DType::Flex32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::I64 => Dtype::I64,
+        DType::I32 => Dtype::I32,
+        DType::I16 => Dtype::I16,
+        DType::I8 => Dtype::I8,
+        DType::U64 => Dtype::U64,
+        DType::U32 => Dtype::U32,
+        DType::U16 => Dtype::U16,
+        DType::U8 => Dtype::U8,
+        DType::Bool(_) => Dtype::BOOL,
+        DType::QFloat(_) => return None,
+    })
+}
+
+fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
+    Some(match dtype {
+        Dtype::F64 => DType::F64,
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::I64 => DType::I64,
+        Dtype::I32 => DType::I32,
+        Dtype::I16 => DType::I16,
+        Dtype::I8 => DType::I8,
+        Dtype::U64 => DType::U64,
+        Dtype::U32 => DType::U32,
+        Dtype::U16 => DType::U16,
+        Dtype::U8 => DType::U8,
+        Dtype::BOOL => DType::Bool(burn::tensor::BoolStore::Native),
+        _ => return None,
+    })
+}
+
+/// One named tensor read from a module.
+struct Named {
+    name: String,
+    data: TensorData,
+}
+
+/// Every parameter of `module` with its dotted path (`encoder.layers.0.weight`), in visiting order.
+fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
+    struct Collect {
+        out: Vec<Named>,
+        stack: Vec<String>,
+        error: Option<Error>,
+    }
+    impl Collect {
+        fn push<const D: usize, K: burn::tensor::kind::Basic>(&mut self, tensor: &Tensor<D, K>) {
+            if self.error.is_some() {
+                return;
+            }
+            match tensor.clone().try_into_data() {
+                Ok(data) => self.out.push(Named {
+                    name: self.stack.join("."),
+                    data,
+                }),
+                Err(e) => {
+                    self.error = Some(Error::Execution {
+                        operation: "save_model",
+                        device: format!("{:?}", tensor.device()),
+                        reason: e.to_string(),
+                    })
+                }
+            }
+        }
+    }
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.push(&param.val());
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            self.push(&param.val());
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            self.push(&param.val());
+        }
+    }
+    let mut collect = Collect {
+        out: Vec::new(),
+        stack: Vec::new(),
+        error: None,
+    };
+    module.visit(&mut collect);
+    match collect.error {
+        Some(e) => Err(e),
+        None => Ok(collect.out),
+    }
+}
+
+/// Writes `module`'s weights into `dir` in Hugging Face's safetensors layout, sharded greedily so that no shard
+/// exceeds `max_shard_size` (unless one tensor alone does). Files of an earlier save that the new one does not
+/// use are removed. Returns the files written.
+pub fn write_safetensors<M: Module>(
+    module: &M,
+    dir: &Path,
+    max_shard_size: u64,
+) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    let tensors = named_tensors(module)?;
+    if tensors.is_empty() {
+        return Err(Error::InvalidArgument(
+            "save_model: the model has no parameters to save".into(),
+        ));
+    }
+    let mut shards: Vec<Vec<&Named>> = vec![Vec::new()];
+    let mut current = 0u64;
+    for t in &tensors {
+        let size = t.data.as_bytes().len() as u64;
+        if current + size > max_shard_size && !shards.last().expect("one shard").is_empty() {
+            shards.push(Vec::new());
+            current = 0;
+        }
+        shards.last_mut().expect("one shard").push(t);
+        current += size;
+    }
+    let n = shards.len();
+    let name_of = |i: usize| {
+        if n == 1 {
+            SINGLE_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        }
+    };
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    let mut total_size = 0u64;
+    for (i, shard) in shards.iter().enumerate() {
+        let file = name_of(i);
+        let mut views = Vec::with_capacity(shard.len());
+        for t in shard {
+            let dtype = to_safetensors_dtype(t.data.dtype()).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "save_model: tensor `{}` is quantized; dequantize it first",
+                    t.name
+                ))
+            })?;
+            let view = TensorView::new(dtype, t.data.shape().to_vec(), t.data.as_bytes()).map_err(
+                |e| Error::InvalidArgument(format!("save_model: tensor `{}`: {e}", t.name)),
+            )?;
+            views.push((t.name.clone(), view));
+            weight_map.insert(t.name.clone(), file.clone());
+            total_size += t.data.as_bytes().len() as u64;
+        }
+        let mut metadata = HashMap::new();
+        metadata.insert("format".to_string(), "pt".to_string());
+        let path = dir.join(&file);
+        let tmp = with_suffix(&path, ".partial");
+        // Streamed to disk (no second copy of the weights in memory), then synced.
+        safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| {
+            Error::InvalidArgument(format!("save_model: writing {}: {e}", tmp.display()))
+        })?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io("syncing", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io("renaming into place", &path))?;
+        written.push(path);
+    }
+    let index_path = dir.join(INDEX_FILE);
+    if n > 1 {
+        let index = serde_json::json!({
+            "metadata": { "total_size": total_size },
+            "weight_map": weight_map,
+        });
+        let text = serde_json::to_vec_pretty(&index).expect("JSON of strings and numbers");
+        super::fs::write_atomic(&index_path, &text)?;
+        written.push(index_path.clone());
+    }
+    // Remove what an earlier save left that this one does not use.
+    for entry in std::fs::read_dir(dir)
+        .map_err(io("listing", dir))?
+        .flatten()
+    {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().to_string();
+        let ours = name == SINGLE_FILE
+            || name == INDEX_FILE
+            || (name.starts_with("model-")
+                && name.ends_with(".safetensors")
+                && name.contains("-of-"));
+        if ours && !written.contains(&path) {
+            std::fs::remove_file(&path).map_err(io("removing a stale shard", &path))?;
+        }
+    }
+    sync_dir(dir)?;
+    Ok(written)
+}
+
+/// What a partial load did not match.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Parameters of the model that the checkpoint does not have (they keep their values).
+    pub missing: Vec<String>,
+    /// Tensors of the checkpoint that the model does not have.
+    pub unexpected: Vec<String>,
+}
+
+/// How [`load_weights`] treats the checkpoint.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Fail unless the checkpoint and the model have exactly the same tensors (default `false`: load what
+    /// matches and report the rest).
+    pub strict: bool,
+    /// Cast every loaded tensor to this dtype (default: each parameter keeps its current dtype).
+    pub dtype: Option<DType>,
+}
+
+/// The tensors of a checkpoint: name -> (file, raw data).
+struct Source {
+    files: Vec<(PathBuf, Vec<u8>)>,
+    names: BTreeMap<String, usize>,
+}
+
+impl Source {
+    fn open(path: &Path) -> Result<Self> {
+        let files: Vec<PathBuf> = if path.is_dir() {
+            if path.join(INDEX_FILE).exists() {
+                return Self::from_index(&path.join(INDEX_FILE));
+            }
+            if path.join(SINGLE_FILE).exists() {
+                vec![path.join(SINGLE_FILE)]
+            } else {
+                return Err(corrupt(
+                    path,
+                    format!(
+                        "no {SINGLE_FILE} or {INDEX_FILE} in this folder; is it a saved model?"
+                    ),
+                ));
+            }
+        } else if path.extension().is_some_and(|e| e == "json") {
+            return Self::from_index(path);
+        } else {
+            vec![path.to_path_buf()]
+        };
+        Self::from_files(files)
+    }
+
+    fn from_index(index: &Path) -> Result<Self> {
+        let text = read(index)?;
+        let value: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| corrupt(index, format!("not a JSON index: {e}")))?;
+        let map = value
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| corrupt(index, "no `weight_map` object"))?;
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|v| v.as_str())
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        Self::from_files(files)
+    }
+
+    fn from_files(paths: Vec<PathBuf>) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut names = BTreeMap::new();
+        for path in paths {
+            let bytes = read(&path)?;
+            let tensors = SafeTensors::deserialize(&bytes).map_err(|e| {
+                corrupt(
+                    &path,
+                    format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+                )
+            })?;
+            for name in tensors.names() {
+                names.insert(name.to_string(), files.len());
+            }
+            files.push((path, bytes));
+        }
+        Ok(Self { files, names })
+    }
+
+    /// The tensor `name`, as data in its stored dtype.
+    fn tensor(&self, name: &str) -> Option<Result<(PathBuf, TensorData)>> {
+        let (path, bytes) = &self.files[*self.names.get(name)?];
+        let tensors = match SafeTensors::deserialize(bytes) {
+            Ok(t) => t,
+            Err(e) => return Some(Err(corrupt(path, e))),
+        };
+        Some(
+            tensors
+                .tensor(name)
+                .map_err(|e| corrupt(path, e))
+                .and_then(|view| {
+                    let dtype = from_safetensors_dtype(view.dtype()).ok_or_else(|| {
+                        corrupt(
+                            path,
+                            format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
+                        )
+                    })?;
+                    Ok((
+                        path.clone(),
+                        TensorData::from_bytes_vec(
+                            view.data().to_vec(),
+                            view.shape().to_vec(),
+                            dtype,
+                        ),
+                    ))
+                }),
+        )
+    }
+}
+
+/// Loads the weights at `path` (a `.safetensors` file, a folder written by [`write_safetensors`] or by
+/// Hugging Face tools, or an index file) into `module`, matching tensors by their dotted path. A tensor whose
+/// shape differs from the parameter's is an error naming both; with `strict`, missing or unexpected tensors
+/// are errors too, otherwise they are reported.
+pub fn load_weights<M: Module>(
+    module: M,
+    path: &Path,
+    options: &LoadOptions,
+) -> Result<(M, LoadReport)> {
+    let source = Source::open(path)?;
+    struct Apply<'a> {
+        source: &'a Source,
+        options: &'a LoadOptions,
+        stack: Vec<String>,
+        seen: Vec<String>,
+        missing: Vec<String>,
+        error: Option<Error>,
+    }
+    impl Apply<'_> {
+        fn load<const D: usize, K: burn::tensor::kind::Basic>(
+            &mut self,
+            tensor: Tensor<D, K>,
+        ) -> Tensor<D, K> {
+            let name = self.stack.join(".");
+            if self.error.is_some() {
+                return tensor;
+            }
+            let Some(found) = self.source.tensor(&name) else {
+                self.missing.push(name);
+                return tensor;
+            };
+            self.seen.push(name.clone());
+            let (file, data) = match found {
+                Ok(v) => v,
+                Err(e) => {
+                    self.error = Some(e);
+                    return tensor;
+                }
+            };
+            if data.shape().as_slice() != tensor.dims().as_slice() {
+                self.error = Some(corrupt(
+                    &file,
+                    format!(
+                        "tensor `{name}` has shape {:?}, but the model's parameter has shape {:?}",
+                        data.shape().as_slice(),
+                        tensor.dims()
+                    ),
+                ));
+                return tensor;
+            }
+            let dtype = self.options.dtype.unwrap_or(tensor.dtype());
+            let data = match data.try_cast(dtype) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.error = Some(corrupt(
+                        &file,
+                        format!("tensor `{name}` cannot be cast to {dtype:?}: {e}"),
+                    ));
+                    return tensor;
+                }
+            };
+            let device = tensor.device();
+            Tensor::from_data(data, (&device, dtype))
+        }
+    }
+    impl ModuleMapper for Apply<'_> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let requires_grad = param.is_require_grad();
+            param.map(|t| {
+                if !t.is_autodiff() {
+                    return self.load(t);
+                }
+                // Load the plain values, then make them the (tracked) parameter of the autodiff graph again.
+                let loaded = Tensor::from_inner(self.load(t.inner()));
+                if requires_grad {
+                    loaded.require_grad()
+                } else {
+                    loaded
+                }
+            })
+        }
+        fn map_int<const D: usize>(
+            &mut self,
+            param: Param<Tensor<D, Int>>,
+        ) -> Param<Tensor<D, Int>> {
+            param.map(|t| self.load(t))
+        }
+        fn map_bool<const D: usize>(
+            &mut self,
+            param: Param<Tensor<D, Bool>>,
+        ) -> Param<Tensor<D, Bool>> {
+            param.map(|t| self.load(t))
+        }
+    }
+    let mut apply = Apply {
+        source: &source,
+        options,
+        stack: Vec::new(),
+        seen: Vec::new(),
+        missing: Vec::new(),
+        error: None,
+    };
+    let module = module.map(&mut apply);
+    if let Some(e) = apply.error {
+        return Err(e);
+    }
+    let unexpected: Vec<String> = source
+        .names
+        .keys()
+        .filter(|n| !apply.seen.contains(n))
+        .cloned()
+        .collect();
+    let report = LoadReport {
+        missing: apply.missing,
+        unexpected,
+    };
+    if options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()) {
+        return Err(corrupt(
+            path,
+            format!(
+                "strict load: missing from the checkpoint {:?}; not in the model {:?}",
+                report.missing, report.unexpected
+            ),
+        ));
+    }
+    Ok((module, report))
+}

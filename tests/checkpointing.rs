@@ -1,0 +1,659 @@
+//! Checkpointing: exact resume on 1 and 2 ranks (mid-epoch, shuffled), Hugging Face sharded safetensors,
+//! crash safety under SIGKILL, and clear errors for bad checkpoints.
+
+#[path = "../examples/support/mlp.rs"]
+mod mlp;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::AdamConfig;
+use burn::tensor::{DType, Device, Tensor};
+use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
+use burn_accelerate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
+use burn_accelerate::{Accelerator, LoadOptions, Result, StateToSave};
+use mlp::{Batch, Mlp, Sample, SampleBatcher};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ba-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
+    struct Collect(Vec<Vec<f32>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
+}
+
+fn initial() -> Mlp {
+    let model = Mlp::new(&Device::default());
+    weights(&model);
+    model
+}
+
+struct Run {
+    model: Mlp,
+    optimizer: AcceleratedOptimizer,
+    scheduler: AcceleratedScheduler,
+    loader: PreparedDataLoader<Sample, Batch>,
+}
+
+fn setup(acc: &Accelerator, start: &Mlp) -> Result<Run> {
+    let model = acc.prepare_model(start.clone())?;
+    let optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let schedule = LinearLrSchedulerConfig::new(1e-2, 1e-3, 100)
+        .init()
+        .unwrap();
+    let scheduler = acc.prepare_scheduler(schedule, &optimizer);
+    let loader = acc.prepare_dataloader(
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(8)
+            .shuffle(5)
+            .build(mlp::dataset(100, 2)),
+    )?;
+    Ok(Run {
+        model,
+        optimizer,
+        scheduler,
+        loader,
+    })
+}
+
+/// `steps` optimizer steps, leaving the loader in the middle of an epoch when `steps` says so.
+fn train(acc: &Accelerator, run: &mut Run, steps: usize) -> Result<()> {
+    let mut done = 0;
+    while done < steps {
+        for batch in run.loader.iter() {
+            let loss = run.model.loss(batch?);
+            acc.backward(loss, &run.model)?;
+            run.model = run.optimizer.step(run.model.clone());
+            run.scheduler.step();
+            done += 1;
+            if done == steps {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Weights after a few more identical steps: equal only if the optimizer states (Adam's moments and step
+/// counts) are equal too. (The optimizer record's bytes are not compared: Burn serialises its entries in hash
+/// order.)
+fn optimizer_fingerprint(acc: &Accelerator, run: &Run) -> Result<Vec<Vec<f32>>> {
+    let mut model = run.model.clone();
+    let mut optimizer = acc.prepare_optimizer(run.optimizer.inner().clone(), 1e-2);
+    for seed in 0..3 {
+        let loss = model.loss(SampleBatcher.batch(mlp::samples(8, 100 + seed), acc.device()));
+        acc.backward(loss, &model)?;
+        model = optimizer.step(model);
+    }
+    Ok(weights(&model))
+}
+
+fn exact_resume(ranks: usize) {
+    let start = initial();
+    let dir = temp_dir(&format!("resume{ranks}"));
+    // 7 batches of 8 per epoch on one rank (100 samples): 10 steps stop mid-epoch.
+    let (n, total) = (10, 20);
+    let straight = Accelerator::builder()
+        .launch(ranks, |acc| {
+            let mut run = setup(&acc, &start)?;
+            train(&acc, &mut run, total)?;
+            Ok((
+                weights(&run.model),
+                optimizer_fingerprint(&acc, &run)?,
+                run.scheduler.lr(),
+            ))
+        })
+        .unwrap();
+    Accelerator::builder()
+        .launch(ranks, |acc| {
+            let mut run = setup(&acc, &start)?;
+            train(&acc, &mut run, n)?;
+            let parts = StateToSave::new()
+                .model(&run.model)?
+                .optimizer(&run.optimizer)?
+                .scheduler(&run.scheduler)?;
+            acc.save_state(Some(&dir), &parts)?;
+            Ok(())
+        })
+        .unwrap();
+    let resumed = Accelerator::builder()
+        .launch(ranks, |acc| {
+            // Fresh objects, different initial weights: everything must come from the checkpoint.
+            let mut run = setup(&acc, &initial())?;
+            let mut state = acc.load_state(Some(&dir))?;
+            run.model = state.model(run.model)?;
+            state.optimizer(&mut run.optimizer)?;
+            state.scheduler(&mut run.scheduler)?;
+            state.finish()?;
+            train(&acc, &mut run, total - n)?;
+            Ok((
+                weights(&run.model),
+                optimizer_fingerprint(&acc, &run)?,
+                run.scheduler.lr(),
+            ))
+        })
+        .unwrap();
+    for rank in 0..ranks {
+        assert_eq!(
+            straight[rank].0, resumed[rank].0,
+            "rank {rank}: weights bit for bit"
+        );
+        assert_eq!(
+            straight[rank].1, resumed[rank].1,
+            "rank {rank}: optimizer state bit for bit"
+        );
+        assert_eq!(
+            straight[rank].2, resumed[rank].2,
+            "rank {rank}: learning rate"
+        );
+    }
+}
+
+#[test]
+fn resume_mid_epoch_is_exact_on_one_rank() {
+    exact_resume(1);
+}
+
+#[test]
+fn resume_mid_epoch_is_exact_on_two_ranks() {
+    exact_resume(2);
+}
+
+#[test]
+fn automatic_naming_total_limit_and_iteration() {
+    let dir = temp_dir("auto");
+    let project = burn_accelerate::ProjectConfiguration::new(&dir).total_limit(2);
+    let acc = Accelerator::builder()
+        .project_configuration(project)
+        .build()
+        .unwrap();
+    let model = acc.prepare_model(initial()).unwrap();
+    let parts = StateToSave::new().model(&model).unwrap();
+    for i in 0..4 {
+        let saved = acc.save_state(None, &parts).unwrap();
+        assert_eq!(
+            saved,
+            dir.join("checkpoints").join(format!("checkpoint_{i}"))
+        );
+    }
+    let names: Vec<usize> = acc
+        .project_configuration()
+        .checkpoints()
+        .into_iter()
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(names, vec![2, 3], "the oldest are removed");
+    // A fresh accelerator resumes the numbering after the checkpoint it loads.
+    let project = burn_accelerate::ProjectConfiguration::new(&dir).total_limit(2);
+    let fresh = Accelerator::builder()
+        .project_configuration(project)
+        .build()
+        .unwrap();
+    let mut state = fresh.load_state(None).unwrap();
+    assert_eq!(state.iteration(), 3);
+    let _ = state.model(initial()).unwrap();
+    state.finish().unwrap();
+    assert_eq!(fresh.project_configuration().iteration, 4);
+    assert_eq!(
+        fresh.save_state(None, &parts).unwrap(),
+        dir.join("checkpoints").join("checkpoint_4"),
+        "no collision with an existing checkpoint"
+    );
+}
+
+#[test]
+fn registered_objects_round_trip_and_must_match() {
+    #[derive(serde::Serialize, serde::Deserialize, Default, Debug, PartialEq, Clone)]
+    struct Stats {
+        best: f64,
+        history: Vec<u32>,
+    }
+    let dir = temp_dir("objects");
+    let acc = Accelerator::new().unwrap();
+    let stats = Arc::new(Mutex::new(Stats {
+        best: 0.25,
+        history: vec![1, 2, 3],
+    }));
+    let extra = Arc::new(Mutex::new(7u64));
+    acc.register_for_checkpointing("stats", stats.clone())
+        .unwrap();
+    acc.register_for_checkpointing("extra", extra).unwrap();
+    assert!(
+        acc.register_for_checkpointing("stats", stats.clone())
+            .is_err()
+    );
+    acc.save_state(Some(&dir), &StateToSave::new()).unwrap();
+
+    let fresh = Accelerator::new().unwrap();
+    let restored = Arc::new(Mutex::new(Stats::default()));
+    fresh
+        .register_for_checkpointing("stats", restored.clone())
+        .unwrap();
+    let err = fresh.load_state(Some(&dir)).err().unwrap().to_string();
+    assert!(
+        err.contains("extra") && err.contains("not registered"),
+        "{err}"
+    );
+
+    let fresh = Accelerator::new().unwrap();
+    let restored = Arc::new(Mutex::new(Stats::default()));
+    let extra = Arc::new(Mutex::new(0u64));
+    fresh
+        .register_for_checkpointing("stats", restored.clone())
+        .unwrap();
+    fresh
+        .register_for_checkpointing("extra", extra.clone())
+        .unwrap();
+    fresh.load_state(Some(&dir)).unwrap().finish().unwrap();
+    assert_eq!(*restored.lock().unwrap(), *stats.lock().unwrap());
+    assert_eq!(*extra.lock().unwrap(), 7);
+}
+
+fn python_has_safetensors() -> bool {
+    Command::new("python3")
+        .args(["-c", "import safetensors.numpy, numpy"])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn sharded_safetensors_follow_hugging_face_conventions() {
+    let dir = temp_dir("shards");
+    let acc = Accelerator::new().unwrap();
+    let model = acc.prepare_model(initial()).unwrap();
+    // The MLP has 16x64 + 64 + 64x1 + 1 floats; 2 KB shards give several files.
+    let files = acc.save_model(&model, &dir, "2KB", true).unwrap();
+    let shards: Vec<&PathBuf> = files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    assert!(shards.len() >= 2, "{files:?}");
+    let n = shards.len();
+    for (i, f) in shards.iter().enumerate() {
+        assert_eq!(
+            f.file_name().unwrap().to_string_lossy(),
+            format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+        );
+    }
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let total: u64 = (16 * 64 + 64 + 64 + 1) * 4;
+    assert_eq!(index["metadata"]["total_size"], total);
+    let map = index["weight_map"].as_object().unwrap();
+    let mut names: Vec<&String> = map.keys().collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec!["input.bias", "input.weight", "output.bias", "output.weight"]
+    );
+
+    if python_has_safetensors() {
+        let script = format!(
+            r#"
+import json, os, numpy, safetensors.numpy as st
+d = {dir:?}
+index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+total = 0
+for name, file in index["weight_map"].items():
+    t = st.load_file(os.path.join(d, file))[name]
+    assert t.dtype == numpy.float32, t.dtype
+    total += t.nbytes
+assert total == index["metadata"]["total_size"], (total, index["metadata"])
+print("python ok")
+"#
+        );
+        let out = Command::new("python3")
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    } else {
+        eprintln!(
+            "python3 with safetensors and numpy not found: the Python cross-check is skipped"
+        );
+    }
+
+    // Round trip: identical outputs.
+    let (loaded, report) = acc
+        .load_checkpoint_in_model(
+            acc.prepare_model(Mlp::new(&Device::default())).unwrap(),
+            &dir,
+            &LoadOptions {
+                strict: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(report, Default::default());
+    let x = SampleBatcher.batch(mlp::samples(8, 1), acc.device());
+    assert_eq!(
+        model
+            .forward(x.x.clone())
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap(),
+        loaded.forward(x.x).into_data().try_to_vec::<f32>().unwrap()
+    );
+    // Loaded weights still train: they are the model's parameters, with gradients.
+    let loss = loaded.loss(SampleBatcher.batch(mlp::samples(8, 2), acc.device()));
+    acc.backward(loss, &loaded).unwrap();
+
+    // A second save with large shards removes the stale shards and index.
+    acc.save_model(&model, &dir, "10GB", true).unwrap();
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    left.sort();
+    assert_eq!(left, vec!["model.safetensors"]);
+
+    // dtype cast on load.
+    let (half, _) = acc
+        .load_checkpoint_in_model(
+            Mlp::new(&Device::default()),
+            dir.join("model.safetensors"),
+            &LoadOptions {
+                dtype: Some(DType::BF16),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    struct Dtypes(Vec<DType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().dtype());
+        }
+    }
+    let mut d = Dtypes(Vec::new());
+    half.visit(&mut d);
+    assert!(d.0.iter().all(|t| *t == DType::BF16));
+}
+
+#[test]
+fn bad_checkpoints_give_clear_errors() {
+    let dir = temp_dir("bad");
+    let acc = Accelerator::new().unwrap();
+    let model = acc.prepare_model(initial()).unwrap();
+    let options = LoadOptions::default();
+    let load = |path: &Path| {
+        acc.load_checkpoint_in_model(Mlp::new(&Device::default()), path, &options)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+
+    // Truncated file.
+    acc.save_model(&model, dir.join("single"), "10GB", true)
+        .unwrap();
+    let file = dir.join("single").join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load(&file);
+    assert!(
+        err.contains("model.safetensors") && err.contains("truncated or corrupt"),
+        "{err}"
+    );
+
+    // Flipped bytes in the header.
+    let mut flipped = bytes.clone();
+    for b in &mut flipped[8..40] {
+        *b ^= 0xff;
+    }
+    std::fs::write(&file, &flipped).unwrap();
+    assert!(
+        load(&file).contains("truncated or corrupt"),
+        "{}",
+        load(&file)
+    );
+
+    // Missing shard.
+    acc.save_model(&model, dir.join("sharded"), "2KB", true)
+        .unwrap();
+    std::fs::remove_file(dir.join("sharded").join("model-00001-of-00003.safetensors"))
+        .or_else(|_| {
+            std::fs::remove_file(dir.join("sharded").join("model-00001-of-00002.safetensors"))
+        })
+        .unwrap();
+    let err = load(&dir.join("sharded"));
+    assert!(
+        err.contains("model-00001-of") && err.contains("reading"),
+        "{err}"
+    );
+
+    // Wrong shapes: a wider model.
+    std::fs::write(&file, &bytes).unwrap();
+    #[derive(Module, Debug)]
+    struct Other {
+        input: burn::nn::Linear,
+    }
+    let other = Other {
+        input: burn::nn::LinearConfig::new(mlp::FEATURES, 8).init(&Device::default()),
+    };
+    let err = acc
+        .load_checkpoint_in_model(other, &file, &options)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("input.weight") && err.contains("shape") && err.contains("model.safetensors"),
+        "{err}"
+    );
+
+    // Unknown and missing keys: reported, or an error when strict.
+    #[derive(Module, Debug)]
+    struct Part {
+        output: burn::nn::Linear,
+        extra: burn::nn::Linear,
+    }
+    let part = Part {
+        output: burn::nn::LinearConfig::new(mlp::HIDDEN, 1).init(&Device::default()),
+        extra: burn::nn::LinearConfig::new(2, 2).init(&Device::default()),
+    };
+    let (_, report) = acc
+        .load_checkpoint_in_model(part.clone(), &file, &options)
+        .unwrap();
+    assert_eq!(report.missing, vec!["extra.weight", "extra.bias"]);
+    assert_eq!(report.unexpected, vec!["input.bias", "input.weight"]);
+    let strict = LoadOptions {
+        strict: true,
+        ..Default::default()
+    };
+    let err = acc
+        .load_checkpoint_in_model(part, &file, &strict)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("strict") && err.contains("extra.weight"),
+        "{err}"
+    );
+
+    // A folder that is not a checkpoint, and a state saved with a model the loader does not restore.
+    assert!(
+        acc.load_state(Some(&dir.join("single")))
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("checkpoint.json")
+    );
+    let state_dir = dir.join("state");
+    acc.save_state(Some(&state_dir), &StateToSave::new().model(&model).unwrap())
+        .unwrap();
+    let err = acc
+        .load_state(Some(&state_dir))
+        .unwrap()
+        .finish()
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("1 model(s) but 0 were restored"), "{err}");
+    // A corrupt model record.
+    std::fs::write(state_dir.join("model.bpk"), b"not a record").unwrap();
+    let err = acc
+        .load_state(Some(&state_dir))
+        .unwrap()
+        .model(initial())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.bpk") && err.contains("not a model record"),
+        "{err}"
+    );
+}
+
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name)
+}
+
+/// A small deterministic generator for kill delays.
+fn delays(n: usize, seed: u64, max_ms: u64) -> Vec<u64> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % max_ms
+        })
+        .collect()
+}
+
+fn kill_after(mut child: std::process::Child, ms: u64) {
+    std::thread::sleep(Duration::from_millis(ms));
+    let _ = child.kill(); // SIGKILL on Unix
+    let _ = child.wait();
+}
+
+#[test]
+fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
+    let program = example("checkpointing");
+    let dir = temp_dir("crash");
+    let mut killed_with_checkpoint = 0;
+    for (i, ms) in delays(25, 0x9e3779b97f4a7c15, 600).into_iter().enumerate() {
+        let run = dir.join(format!("run{i}"));
+        let child = Command::new(&program)
+            .args(["--project-dir"])
+            .arg(&run)
+            .args(["--save-every", "1", "--steps", "300"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        kill_after(child, 30 + ms);
+        let project = burn_accelerate::ProjectConfiguration::new(&run);
+        if project.checkpoints().is_empty() {
+            continue;
+        }
+        killed_with_checkpoint += 1;
+        // The latest complete checkpoint loads entirely.
+        let acc = Accelerator::builder()
+            .project_configuration(project)
+            .build()
+            .unwrap();
+        let mut setup_run = setup(&acc, &initial()).unwrap();
+        let progress = Arc::new(Mutex::new(serde_json::Value::Null));
+        acc.register_for_checkpointing("progress", progress)
+            .unwrap();
+        let mut state = acc
+            .load_state(None)
+            .unwrap_or_else(|e| panic!("run {i} after {ms} ms: {e}"));
+        setup_run.model = state.model(setup_run.model).unwrap();
+        state.optimizer(&mut setup_run.optimizer).unwrap();
+        state.scheduler(&mut setup_run.scheduler).unwrap();
+        state.finish().unwrap();
+    }
+    assert!(
+        killed_with_checkpoint >= 10,
+        "only {killed_with_checkpoint} kills landed after a checkpoint"
+    );
+}
+
+fn final_loss(out: std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("final_loss="))
+        .expect("a final_loss line")
+        .to_string()
+}
+
+#[test]
+fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
+    let program = example("checkpointing");
+    let dir = temp_dir("kill-resume");
+    let args = ["--save-every", "7", "--steps", "300"];
+    let reference = final_loss(
+        Command::new(&program)
+            .arg("--project-dir")
+            .arg(dir.join("reference"))
+            .args(args)
+            .output()
+            .unwrap(),
+    );
+    let mut resumed_runs = 0;
+    for (i, ms) in delays(6, 42, 500).into_iter().enumerate() {
+        let run = dir.join(format!("run{i}"));
+        let child = Command::new(&program)
+            .arg("--project-dir")
+            .arg(&run)
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        kill_after(child, 20 + ms);
+        if burn_accelerate::ProjectConfiguration::new(&run)
+            .checkpoints()
+            .is_empty()
+        {
+            continue;
+        }
+        let resumed = final_loss(
+            Command::new(&program)
+                .arg("--project-dir")
+                .arg(&run)
+                .args(args)
+                .arg("--resume")
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(resumed, reference, "run {i} killed after {ms} ms");
+        resumed_runs += 1;
+    }
+    assert!(
+        resumed_runs >= 3,
+        "only {resumed_runs} runs were killed after their first checkpoint"
+    );
+}
