@@ -657,3 +657,26 @@ fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
         "only {resumed_runs} runs were killed after their first checkpoint"
     );
 }
+
+#[test]
+fn the_loss_scaler_is_saved_and_restored() {
+    let dir = temp_dir("scaler");
+    let scaler = burn_accelerate::LossScaler {
+        scale: 512.0,
+        growth_tracker: 17,
+        ..Default::default()
+    };
+    let acc = Accelerator::builder()
+        .mixed_precision(burn_accelerate::MixedPrecision::Fp16)
+        .build()
+        .unwrap();
+    acc.set_loss_scaler(scaler.clone()).unwrap();
+    acc.save_state(Some(&dir), &StateToSave::new()).unwrap();
+    let fresh = Accelerator::builder()
+        .mixed_precision(burn_accelerate::MixedPrecision::Fp16)
+        .build()
+        .unwrap();
+    assert_eq!(fresh.loss_scale(), Some(65536.0));
+    fresh.load_state(Some(&dir)).unwrap().finish().unwrap();
+    assert_eq!(fresh.loss_scaler(), Some(scaler));
+}

@@ -254,3 +254,83 @@ fn precision_from_the_environment_and_invalid_values() {
         .to_string();
     assert!(err.contains("growth_factor"), "{err}");
 }
+
+/// Conv, Embedding, LayerNorm and attention under autocast: forward in the half dtype, f32 gradients on every
+/// parameter.
+#[derive(Module, Debug)]
+struct Zoo {
+    embedding: burn::nn::Embedding,
+    norm: burn::nn::LayerNorm,
+    attention: burn::nn::attention::MultiHeadAttention,
+    conv: burn::nn::conv::Conv1d,
+}
+
+impl Zoo {
+    fn new(device: &Device) -> Self {
+        Self {
+            embedding: burn::nn::EmbeddingConfig::new(10, 8).init(device),
+            norm: burn::nn::LayerNormConfig::new(8).init(device),
+            attention: burn::nn::attention::MultiHeadAttentionConfig::new(8, 2).init(device),
+            conv: burn::nn::conv::Conv1dConfig::new(8, 4, 3).init(device),
+        }
+    }
+
+    fn forward(&self, tokens: Tensor<2, burn::tensor::Int>) -> Tensor<3> {
+        let x = self.norm.forward(self.embedding.forward(tokens));
+        let x = self
+            .attention
+            .forward(burn::nn::attention::MhaInput::self_attn(x))
+            .context;
+        self.conv.forward(x.swap_dims(1, 2))
+    }
+}
+
+#[test]
+fn common_modules_work_under_autocast() {
+    for precision in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
+        let accelerator = Accelerator::builder()
+            .mixed_precision(precision)
+            .build()
+            .unwrap();
+        let model = accelerator
+            .prepare_model(Zoo::new(&Device::default()))
+            .unwrap();
+        let tokens = Tensor::<2, burn::tensor::Int>::from_data(
+            [[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]],
+            accelerator.device(),
+        );
+        let out = accelerator.autocast(&model, tokens, |m, t| {
+            let out = m.forward(t);
+            assert_eq!(
+                out.dtype(),
+                precision.dtype().unwrap().into(),
+                "{precision}: computed in half"
+            );
+            out
+        });
+        assert_eq!(out.dtype(), DType::F32);
+        let loss = out.powi_scalar(2).mean();
+        accelerator.backward(loss, &model).unwrap();
+        struct Grads<'a>(&'a Accelerator, usize, Vec<DType>);
+        impl ModuleVisitor for Grads<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.1 += 1;
+                if let Some(g) = self.0.grad(param) {
+                    self.2.push(g.dtype());
+                }
+            }
+        }
+        let mut grads = Grads(&accelerator, 0, Vec::new());
+        model.visit(&mut grads);
+        assert_eq!(
+            grads.2.len(),
+            grads.1,
+            "{precision}: every parameter got a gradient"
+        );
+        assert!(
+            grads.2.iter().all(|d| *d == DType::F32),
+            "{precision}: {:?}",
+            grads.2
+        );
+    }
+}

@@ -51,6 +51,20 @@ pub(crate) fn process_comm(config: &AcceleratorConfig) -> Result<(Arc<dyn Commun
         return Ok((comm, local_rank));
     }
     let _ = config;
+    let launched_world =
+        crate::env::first_usize(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"])
+            .ok()
+            .flatten()
+            .unwrap_or(1);
+    if launched_world > 1 && !cfg!(feature = "mpi") {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            log::warn!(
+                "started by an MPI launcher with {launched_world} processes, but burn-accelerate was built without \
+                 its `mpi` feature: every process runs alone. Rebuild with `--features burn-accelerate/mpi`."
+            )
+        });
+    }
     Ok((Arc::new(SingleProcess::default()), 0))
 }
 
