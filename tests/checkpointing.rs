@@ -1,8 +1,12 @@
 //! Checkpointing: exact resume on 1 and 2 ranks (mid-epoch, shuffled), Hugging Face sharded safetensors,
 //! crash safety under SIGKILL, and clear errors for bad checkpoints.
 
+#[path = "support/examples.rs"]
+mod examples;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
+
+use examples::example;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,26 +21,13 @@ use burn::tensor::{DType, Device, Tensor};
 use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
 use burn_accelerate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use burn_accelerate::{Accelerator, LoadOptions, Result, StateToSave};
-use mlp::{Batch, Mlp, Sample, SampleBatcher};
+use mlp::{Batch, Mlp, Sample, SampleBatcher, weights};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ba-ckpt-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
-    struct Collect(Vec<Vec<f32>>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0
-                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    model.visit(&mut c);
-    c.0
 }
 
 fn initial() -> Mlp {
@@ -524,16 +515,6 @@ fn bad_checkpoints_give_clear_errors() {
     );
 }
 
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name)
-}
-
 /// A small deterministic generator for kill delays.
 fn delays(n: usize, seed: u64, max_ms: u64) -> Vec<u64> {
     let mut x = seed;
@@ -597,17 +578,9 @@ fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
 }
 
 fn final_loss(out: std::process::Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with("final_loss="))
+    examples::result_lines(out, &["final_loss="])
+        .pop()
         .expect("a final_loss line")
-        .to_string()
 }
 
 #[test]

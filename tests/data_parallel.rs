@@ -1,6 +1,8 @@
 //! Data-parallel training on in-process ranks: the same model as one rank with the combined batch, gradient
 //! accumulation that communicates only on sync steps, and `gather_for_metrics` that sees every sample once.
 
+#[path = "support/examples.rs"]
+mod examples;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
 
@@ -13,20 +15,7 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::{Accelerator, AcceleratorBuilder};
-use mlp::{Mlp, SampleBatcher};
-
-fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
-    struct Collect(Vec<Vec<f32>>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0
-                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    model.visit(&mut c);
-    c.0
-}
+use mlp::{Mlp, SampleBatcher, weights};
 
 fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
@@ -370,29 +359,11 @@ fn a_short_last_window_is_normalised_by_its_real_length() {
 
 /// Runs a built example of this package and returns its `final_loss=` and `accuracy=` lines.
 fn example_result(name: &str, args: &[&str]) -> Vec<String> {
-    let exe = std::env::current_exe().unwrap();
-    let program = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    let out = std::process::Command::new(&program)
+    let out = std::process::Command::new(examples::example(name))
         .args(args)
         .output()
         .expect("the example runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .filter(|l| l.starts_with("final_loss=") || l.starts_with("accuracy="))
-        .map(str::to_string)
-        .collect()
+    examples::result_lines(out, &["final_loss=", "accuracy="])
 }
 
 #[test]

@@ -194,17 +194,7 @@ fn loss_scale_sequence_and_scheduler_follow_skipped_steps() {
 }
 
 fn weights_equal(a: &Mlp, b: &Mlp) -> bool {
-    struct Collect(Vec<Vec<f32>>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0
-                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
-        }
-    }
-    let (mut x, mut y) = (Collect(Vec::new()), Collect(Vec::new()));
-    a.visit(&mut x);
-    b.visit(&mut y);
-    x.0 == y.0
+    mlp::weights(a) == mlp::weights(b)
 }
 
 #[test]

@@ -3,11 +3,10 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    dir.join("examples").join(name)
-}
+#[path = "support/examples.rs"]
+mod examples;
+
+use examples::{example, result_lines};
 
 pub fn mpirun(np: usize, program: &PathBuf, args: &[&str]) -> std::process::Output {
     assert!(program.exists(), "{} is not built", program.display());
@@ -73,19 +72,7 @@ fn a_rank_that_skips_a_collective_is_named_under_mpirun() {
 #[test]
 fn data_parallel_example_under_mpirun_matches_one_process() {
     let program = example("data_parallel");
-    let lines = |out: std::process::Output| -> Vec<String> {
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .filter(|l| l.starts_with("final_loss=") || l.starts_with("accuracy="))
-            .map(str::to_string)
-            .collect()
-    };
+    let lines = |out| result_lines(out, &["final_loss=", "accuracy="]);
     let one = lines(
         Command::new(&program)
             .args(["--processes", "1"])

@@ -11,26 +11,12 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Tensor};
 use burn_accelerate::Accelerator;
 use burn_accelerate::data::DataLoaderBuilder;
-use mlp::{Mlp, SampleBatcher};
+use mlp::{Mlp, SampleBatcher, weights};
 
 const SAMPLES: usize = 200;
 const BATCH: usize = 16;
 const EPOCHS: usize = 3;
 const LR: f64 = 1e-2;
-
-/// Every float parameter of a module, flattened, in visiting order.
-fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
-    struct Collect(Vec<Vec<f32>>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0
-                .push(param.val().into_data().try_to_vec::<f32>().unwrap());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    model.visit(&mut c);
-    c.0
-}
 
 fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     assert_eq!(a.len(), b.len());

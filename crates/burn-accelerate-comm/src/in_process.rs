@@ -120,6 +120,16 @@ impl InProcessGroup {
     }
 }
 
+/// The error of a collective that cannot complete because `failed` (rank, what happened) failed.
+fn rank_failed(op: &str, seq: u64, failed: &(usize, String)) -> Error {
+    Error::RankFailed {
+        operation: op.into(),
+        seq,
+        failed_rank: failed.0,
+        reason: failed.1.clone(),
+    }
+}
+
 /// Rank `i`'s handle on an [`InProcessGroup`].
 #[derive(Debug)]
 pub struct InProcessComm {
@@ -142,13 +152,8 @@ impl InProcessComm {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let deadline = Instant::now() + group.timeout;
         let mut state = group.lock();
-        if let Some((failed_rank, reason)) = &state.failed {
-            return Err(Error::RankFailed {
-                operation: op.into(),
-                seq,
-                failed_rank: *failed_rank,
-                reason: reason.clone(),
-            });
+        if let Some(failed) = &state.failed {
+            return Err(rank_failed(op, seq, failed));
         }
         let round = state.rounds.entry(seq).or_insert_with(|| Round {
             ops: vec![None; n],
@@ -201,13 +206,8 @@ impl InProcessComm {
                 .filter(|(_, (_, op))| op.is_none())
                 .map(|(r, _)| r)
                 .collect();
-            if let Some((failed_rank, reason)) = &state.failed {
-                return Err(Error::RankFailed {
-                    operation: op.into(),
-                    seq,
-                    failed_rank: *failed_rank,
-                    reason: reason.clone(),
-                });
+            if let Some(failed) = &state.failed {
+                return Err(rank_failed(op, seq, failed));
             }
             if let Some((r, how)) = absent
                 .iter()

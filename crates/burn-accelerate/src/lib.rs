@@ -46,6 +46,7 @@ pub mod precision;
 pub mod state;
 mod step_state;
 pub mod sys;
+mod traverse;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use backend::Backend;

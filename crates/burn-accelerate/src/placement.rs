@@ -25,9 +25,6 @@
 //! assert_eq!(batch.ids, vec![7, 8]);
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
-use std::hash::Hash;
-
 use burn::tensor::{Device, Tensor, kind::Basic};
 
 /// A value that can be moved to a device. Non-tensor parts are left as they are.
@@ -49,100 +46,7 @@ impl<const D: usize, K: Basic> ToDevice for Tensor<D, K> {
     }
 }
 
-impl<T: ToDevice> ToDevice for Vec<T> {
-    fn to_device(self, device: &Device) -> Self {
-        self.into_iter().map(|v| v.to_device(device)).collect()
-    }
-}
-
-impl<T: ToDevice, const N: usize> ToDevice for [T; N] {
-    fn to_device(self, device: &Device) -> Self {
-        self.map(|v| v.to_device(device))
-    }
-}
-
-impl<T: ToDevice> ToDevice for Option<T> {
-    fn to_device(self, device: &Device) -> Self {
-        self.map(|v| v.to_device(device))
-    }
-}
-
-impl<T: ToDevice> ToDevice for Box<T> {
-    fn to_device(self, device: &Device) -> Self {
-        Box::new((*self).to_device(device))
-    }
-}
-
-impl<K: Eq + Hash, V: ToDevice, S: std::hash::BuildHasher + Default> ToDevice for HashMap<K, V, S> {
-    fn to_device(self, device: &Device) -> Self {
-        self.into_iter()
-            .map(|(k, v)| (k, v.to_device(device)))
-            .collect()
-    }
-}
-
-impl<K: Ord, V: ToDevice> ToDevice for BTreeMap<K, V> {
-    fn to_device(self, device: &Device) -> Self {
-        self.into_iter()
-            .map(|(k, v)| (k, v.to_device(device)))
-            .collect()
-    }
-}
-
-macro_rules! pass_through {
-    ($($t:ty),* $(,)?) => {
-        $(impl ToDevice for $t {
-            fn to_device(self, _device: &Device) -> Self {
-                self
-            }
-        })*
-    };
-}
-pass_through!(
-    (),
-    bool,
-    char,
-    u8,
-    u16,
-    u32,
-    u64,
-    u128,
-    usize,
-    i8,
-    i16,
-    i32,
-    i64,
-    i128,
-    isize,
-    f32,
-    f64,
-    String,
-    &'static str
-);
-
-macro_rules! tuples {
-    ($(($($name:ident),+)),+ $(,)?) => {
-        $(
-            #[allow(non_snake_case)]
-            impl<$($name: ToDevice),+> ToDevice for ($($name,)+) {
-                fn to_device(self, device: &Device) -> Self {
-                    let ($($name,)+) = self;
-                    ($($name.to_device(device),)+)
-                }
-            }
-        )+
-    };
-}
-tuples!(
-    (A),
-    (A, B),
-    (A, B, C),
-    (A, B, C, D),
-    (A, B, C, D, E),
-    (A, B, C, D, E, F),
-    (A, B, C, D, E, F, G),
-    (A, B, C, D, E, F, G, H)
-);
+crate::traverse::traverse_impls!(ToDevice, to_device, &Device);
 
 /// Implements [`ToDevice`] and [`CastFloats`](crate::CastFloats) for a struct by moving or casting each named
 /// field (every listed field must implement both; fields not listed are left as they are).
@@ -185,6 +89,7 @@ macro_rules! impl_to_device {
 mod tests {
     use super::*;
     use burn::tensor::{Bool, Int};
+    use std::collections::{BTreeMap, HashMap};
 
     use std::sync::{Arc, Mutex};
 
