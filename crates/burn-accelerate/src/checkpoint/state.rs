@@ -373,29 +373,41 @@ impl LoadedState {
         self.objects.keys().cloned().collect()
     }
 
-    /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
-    pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
-        let i = self.next_model;
-        if i >= self.manifest.models {
+    /// The bytes of the next saved part of `kind` (`model`, `optimizer`, `scheduler`), whose count and cursor
+    /// are `saved` and `next`; returns its index, file and bytes.
+    fn next_part(
+        dir: &Path,
+        kind: &str,
+        saved: usize,
+        next: &mut usize,
+    ) -> Result<(usize, PathBuf, burn::tensor::Bytes)> {
+        let i = *next;
+        if i >= saved {
             return Err(corrupt(
-                &self.dir,
-                format!(
-                    "holds {} model(s); asked for model #{}",
-                    self.manifest.models,
-                    i + 1
-                ),
+                dir,
+                format!("holds {saved} {kind}(s); asked for {kind} #{}", i + 1),
             ));
         }
-        self.next_model += 1;
-        let path = file(&self.dir, "model", i, "bpk");
-        let bytes = read(&path)?;
-        let record =
-            ModuleRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(|e| {
-                corrupt(
-                    &path,
-                    format!("not a model record (truncated or corrupt?): {e}"),
-                )
-            })?;
+        *next += 1;
+        let path = file(dir, kind, i, "bpk");
+        let bytes = burn::tensor::Bytes::from_bytes_vec(read(&path)?);
+        Ok((i, path, bytes))
+    }
+
+    /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
+    pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "model",
+            self.manifest.models,
+            &mut self.next_model,
+        )?;
+        let record = ModuleRecord::from_bytes(bytes).map_err(|e| {
+            corrupt(
+                &path,
+                format!("not a model record (truncated or corrupt?): {e}"),
+            )
+        })?;
         model
             .try_load_record(record)
             .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))
@@ -403,28 +415,18 @@ impl LoadedState {
 
     /// Restores the next saved optimizer state into `optimizer`.
     pub fn optimizer(&mut self, optimizer: &mut AcceleratedOptimizer) -> Result<()> {
-        let i = self.next_optimizer;
-        if i >= self.manifest.optimizers {
-            return Err(corrupt(
-                &self.dir,
-                format!(
-                    "holds {} optimizer(s); asked for optimizer #{}",
-                    self.manifest.optimizers,
-                    i + 1
-                ),
-            ));
-        }
-        self.next_optimizer += 1;
-        let path = file(&self.dir, "optimizer", i, "bpk");
-        let bytes = read(&path)?;
-        let record =
-            burn::optim::OptimizerRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
-                .map_err(|e| {
-                    corrupt(
-                        &path,
-                        format!("not an optimizer record (truncated or corrupt?): {e}"),
-                    )
-                })?;
+        let (i, path, bytes) = Self::next_part(
+            &self.dir,
+            "optimizer",
+            self.manifest.optimizers,
+            &mut self.next_optimizer,
+        )?;
+        let record = burn::optim::OptimizerRecord::from_bytes(bytes).map_err(|e| {
+            corrupt(
+                &path,
+                format!("not an optimizer record (truncated or corrupt?): {e}"),
+            )
+        })?;
         let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
         optimizer.restore(record, steps);
         Ok(())
@@ -432,24 +434,13 @@ impl LoadedState {
 
     /// Restores the next saved scheduler state into `scheduler` (and its optimizer's learning rate).
     pub fn scheduler(&mut self, scheduler: &mut AcceleratedScheduler) -> Result<()> {
-        let i = self.next_scheduler;
-        if i >= self.manifest.schedulers {
-            return Err(corrupt(
-                &self.dir,
-                format!(
-                    "holds {} scheduler(s); asked for scheduler #{}",
-                    self.manifest.schedulers,
-                    i + 1
-                ),
-            ));
-        }
-        self.next_scheduler += 1;
-        let path = file(&self.dir, "scheduler", i, "bpk");
-        let bytes = read(&path)?;
-        let record = burn::lr_scheduler::LrSchedulerRecord::from_bytes(
-            burn::tensor::Bytes::from_bytes_vec(bytes),
-        )
-        .map_err(|e| {
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "scheduler",
+            self.manifest.schedulers,
+            &mut self.next_scheduler,
+        )?;
+        let record = burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes).map_err(|e| {
             corrupt(
                 &path,
                 format!("not a scheduler record (truncated or corrupt?): {e}"),
