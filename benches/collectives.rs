@@ -4,7 +4,8 @@
 //!   `cargo bench -p burn-accelerate --bench collectives`.
 //! - MPI engine against raw rsmpi `all_reduce_into` on the same buffers (feature `mpi`, under `mpirun`):
 //!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
-//!   `mpirun -np 2 <the printed bench binary> --bench`.
+//!   `mpirun -np 2 <the printed bench binary> --bench` (`-x MPI_BENCH_SELF_CHECK=1` runs raw against raw, to
+//!   show the noise floor of the ratio on the machine).
 //!
 //! Sizes run from 4 KiB to 64 MiB of f32. algbw = bytes / time; busbw = algbw * 2(n-1)/n.
 
@@ -112,6 +113,8 @@ fn mpi_report() {
     use burn_accelerate::mpi::mpi::traits::*;
 
     let comm = MpiComm::init(Duration::from_secs(120)).expect("MPI");
+    // MPI_BENCH_SELF_CHECK=1 measures raw against raw, to show the noise floor of the ratio.
+    let self_check = std::env::var_os("MPI_BENCH_SELF_CHECK").is_some();
     let world = comm.raw();
     let n = comm.world_size();
     let main = comm.rank() == 0;
@@ -124,6 +127,7 @@ fn mpi_report() {
         let send = vec![1.0f32; elems];
         let mut recv = vec![0.0f32; elems];
         let mut ours = ReduceBuffer::F32(vec![1.0f32; elems]);
+        let mut recv2 = vec![0.0f32; elems];
         let (mut raw_t, mut our_t) = (Vec::new(), Vec::new());
         for i in 0..iters + 2 {
             // Alternate which goes first, so that drift in machine load and cache state falls on both.
@@ -135,6 +139,10 @@ fn mpi_report() {
                 if turn == 0 {
                     world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
                     raw = t.elapsed();
+                } else if self_check {
+                    // Noise floor: the "ours" side runs the raw call too.
+                    world.all_reduce_into(&send[..], &mut recv2[..], SystemOperation::sum());
+                    our = t.elapsed();
                 } else {
                     ours = comm.all_reduce(ours, ReduceOp::Sum).expect("all_reduce");
                     our = t.elapsed();
