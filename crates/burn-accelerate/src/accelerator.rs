@@ -188,7 +188,7 @@ impl AcceleratorBuilder {
 
     /// The configuration: builder values over environment variables over defaults.
     pub(crate) fn resolve(&self) -> Result<AcceleratorConfig> {
-        let mut config = AcceleratorConfig::from_env()?;
+        let mut config = AcceleratorConfig::from_file_and_env()?;
         if let Some(v) = self.device_placement {
             config.device_placement = v;
         }
@@ -594,17 +594,7 @@ impl Accelerator {
             if safe_serialization {
                 written = crate::checkpoint::weights::write_safetensors(model, dir, max)?;
             } else {
-                std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-                    operation: "creating",
-                    path: dir.to_path_buf(),
-                    source,
-                })?;
-                let bytes = model.clone().into_record().into_bytes().map_err(|e| {
-                    Error::InvalidArgument(format!("save_model: cannot record the model: {e}"))
-                })?;
-                let path = dir.join("model.bpk");
-                crate::checkpoint::fs_write_atomic(&path, &bytes)?;
-                written.push(path);
+                written.push(crate::checkpoint::weights::write_burnpack(model, dir)?);
             }
         }
         self.wait_for_everyone()?;

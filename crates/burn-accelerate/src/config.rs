@@ -67,7 +67,7 @@ impl Default for AcceleratorConfig {
 impl AcceleratorConfig {
     /// Defaults, overridden by the config file (`ACCELERATE_CONFIG_FILE`, else Accelerate's
     /// `default_config.yaml` when it exists), overridden by the `ACCELERATE_*` environment variables.
-    pub fn from_env() -> Result<Self> {
+    pub fn from_file_and_env() -> Result<Self> {
         let mut config = Self::default();
         let file = env::var("ACCELERATE_CONFIG_FILE")
             .map(PathBuf::from)

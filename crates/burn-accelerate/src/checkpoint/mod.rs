@@ -7,7 +7,6 @@
 //! naming the file and tensor.
 
 mod fs;
-pub(crate) use fs::write_atomic as fs_write_atomic;
 pub mod state;
 pub mod weights;
 

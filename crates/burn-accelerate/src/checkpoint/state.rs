@@ -148,12 +148,8 @@ impl StateToSave {
 
     /// Adds a model (saved with its parameter ids, so its optimizer state matches on load).
     pub fn model<M: Module>(mut self, model: &M) -> Result<Self> {
-        let bytes = model
-            .clone()
-            .into_record()
-            .into_bytes()
-            .map_err(record_error("model"))?;
-        self.models.push(bytes.to_vec());
+        self.models
+            .push(super::weights::record_bytes(model)?.to_vec());
         Ok(self)
     }
 

@@ -157,6 +157,23 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
     }
 }
 
+/// `module`'s Burn record (burnpack), which keeps parameter ids.
+pub(crate) fn record_bytes<M: Module>(module: &M) -> Result<burn::tensor::Bytes> {
+    module
+        .clone()
+        .into_record()
+        .into_bytes()
+        .map_err(|e| Error::InvalidArgument(format!("cannot record the model: {e}")))
+}
+
+/// Writes `module`'s Burn record to `dir/model.bpk` atomically; returns the file.
+pub fn write_burnpack<M: Module>(module: &M, dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    let path = dir.join("model.bpk");
+    super::fs::write_atomic(&path, &record_bytes(module)?)?;
+    Ok(path)
+}
+
 /// Writes `module`'s weights into `dir` in Hugging Face's safetensors layout, sharded greedily so that no shard
 /// exceeds `max_shard_size` (unless one tensor alone does). Files of an earlier save that the new one does not
 /// use are removed. Returns the files written.

@@ -116,7 +116,7 @@ impl<I, O> PreparedDataLoader<I, O> {
 
     /// Batches per epoch on this rank (read it after `prepare_dataloader`: it changes with the number of ranks).
     pub fn len(&self) -> usize {
-        self.batch_indices(self.epoch()).len()
+        self.cursor.len
     }
 
     /// Whether an epoch yields no batch on this rank.
