@@ -361,10 +361,14 @@ print("python ok")
     assert_eq!(left, vec!["model.safetensors"]);
 
     // Burn's own format keeps parameter ids.
-    let files = acc.save_model(&model, dir.join("burnpack"), "10GB", false).unwrap();
+    let files = acc
+        .save_model(&model, dir.join("burnpack"), "10GB", false)
+        .unwrap();
     assert_eq!(files, vec![dir.join("burnpack").join("model.bpk")]);
     let record = burn::store::ModuleRecord::load(&files[0]).unwrap();
-    let reloaded = Mlp::new(&Device::default()).try_load_record(record).unwrap();
+    let reloaded = Mlp::new(&Device::default())
+        .try_load_record(record)
+        .unwrap();
     assert_eq!(weights(&reloaded), weights(&model));
 
     // dtype cast on load.
