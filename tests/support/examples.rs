@@ -1,18 +1,75 @@
-//! Running this package's built examples from its tests.
+//! Running this package's examples from its tests.
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-use std::process::Output;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
-/// The path of a built example of this package (tests and examples share the profile's folder).
-pub fn example(name: &str) -> PathBuf {
+/// The backend and engine features this test binary was compiled with, which the examples it runs must share.
+fn enabled_features() -> Vec<&'static str> {
+    [
+        ("flex", cfg!(feature = "flex")),
+        ("ndarray", cfg!(feature = "ndarray")),
+        ("wgpu", cfg!(feature = "wgpu")),
+        ("vulkan", cfg!(feature = "vulkan")),
+        ("metal", cfg!(feature = "metal")),
+        ("webgpu", cfg!(feature = "webgpu")),
+        ("cuda", cfg!(feature = "cuda")),
+        ("rocm", cfg!(feature = "rocm")),
+        ("tch", cfg!(feature = "tch")),
+        ("mpi", cfg!(feature = "mpi")),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect()
+}
+
+/// The cargo profile arguments matching the folder this test binary was built into (`target/<profile>/deps`).
+fn profile_args() -> Vec<String> {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let dir = exe
+    let profile = exe
         .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>/deps");
-    dir.join("examples").join(name)
+        .and_then(Path::parent)
+        .and_then(Path::file_name)
+        .and_then(|p| p.to_str())
+        .expect("target/<profile>/deps")
+        .to_string();
+    match profile.as_str() {
+        "debug" => vec![],
+        "release" => vec!["--release".into()],
+        other => vec!["--profile".into(), other.into()],
+    }
+}
+
+/// Builds example `name` of this package with this test binary's profile and features, and returns the path
+/// of that exact build.
+///
+/// `cargo test --test <one>` does not build examples, and the examples folder holds whichever feature set
+/// was built last (say, `data_parallel` without `mpi` after a plain `cargo test`), so tests never rely on it:
+/// the build is asked for here (a no-op when fresh) and its executable path read from cargo's JSON messages.
+/// That path names the feature set's own build, so tests of different feature sets may run concurrently.
+pub fn example(name: &str) -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "--message-format=json"])
+        .args(["-p", env!("CARGO_PKG_NAME"), "--example", name])
+        .args(profile_args())
+        .args(["--no-default-features", "--features"])
+        .arg(enabled_features().join(","))
+        .output()
+        .expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "building example {name} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|msg| msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name)
+        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"))
 }
 
 /// The lines of a successful run's standard output that start with one of `prefixes`.
