@@ -539,32 +539,49 @@ fn delays(n: usize, seed: u64, max_ms: u64) -> Vec<u64> {
         .collect()
 }
 
-fn kill_after(mut child: std::process::Child, ms: u64) {
+/// Starts `command`, waits until its first checkpoint under `run` is complete, lets it go on for `ms` more,
+/// then SIGKILLs it. Returns whether it was still running when killed (rather than already finished).
+///
+/// Waiting for the first checkpoint instead of a fixed delay from the start keeps every kill meaningful on a
+/// machine of any speed.
+fn kill_after_first_checkpoint(command: &mut Command, run: &Path, ms: u64) -> bool {
+    let mut child = command.stdout(std::process::Stdio::null()).spawn().unwrap();
+    let project = burn_accelerate::ProjectConfiguration::new(run);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while project.checkpoints().is_empty() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before its first checkpoint");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint after 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     std::thread::sleep(Duration::from_millis(ms));
+    let running = child.try_wait().unwrap().is_none();
     let _ = child.kill(); // SIGKILL on Unix
     let _ = child.wait();
+    running
 }
 
 #[test]
 fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
     let program = example("checkpointing");
     let dir = temp_dir("crash");
-    let mut killed_with_checkpoint = 0;
-    for (i, ms) in delays(25, 0x9e3779b97f4a7c15, 600).into_iter().enumerate() {
+    let mut killed_while_saving = 0;
+    for (i, ms) in delays(25, 0x9e3779b97f4a7c15, 400).into_iter().enumerate() {
         let run = dir.join(format!("run{i}"));
-        let child = Command::new(&program)
+        // Saving after every step, the run spends nearly all its time in save_state.
+        let mut command = Command::new(&program);
+        command
             .args(["--project-dir"])
             .arg(&run)
-            .args(["--save-every", "1", "--steps", "300"])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        kill_after(child, 30 + ms);
-        let project = burn_accelerate::ProjectConfiguration::new(&run);
-        if project.checkpoints().is_empty() {
-            continue;
+            .args(["--save-every", "1", "--steps", "5000"]);
+        if kill_after_first_checkpoint(&mut command, &run, ms) {
+            killed_while_saving += 1;
         }
-        killed_with_checkpoint += 1;
+        let project = burn_accelerate::ProjectConfiguration::new(&run);
         // The latest complete checkpoint loads entirely.
         let acc = Accelerator::builder()
             .project_configuration(project)
@@ -583,8 +600,8 @@ fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
         state.finish().unwrap();
     }
     assert!(
-        killed_with_checkpoint >= 10,
-        "only {killed_with_checkpoint} kills landed after a checkpoint"
+        killed_while_saving >= 20,
+        "only {killed_while_saving} of 25 runs were still saving when killed"
     );
 }
 
@@ -598,7 +615,8 @@ fn final_loss(out: std::process::Output) -> String {
 fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
     let program = example("checkpointing");
     let dir = temp_dir("kill-resume");
-    let args = ["--save-every", "7", "--steps", "300"];
+    let args = ["--save-every", "7", "--steps", "3000"];
+    let start = std::time::Instant::now();
     let reference = final_loss(
         Command::new(&program)
             .arg("--project-dir")
@@ -607,22 +625,15 @@ fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
             .output()
             .unwrap(),
     );
-    let mut resumed_runs = 0;
-    for (i, ms) in delays(6, 42, 500).into_iter().enumerate() {
+    // Kill points spread over most of an uninterrupted run's length.
+    let span_ms = (start.elapsed().as_millis() as u64 * 4 / 5).max(1);
+    let mut killed_mid_run = 0;
+    for (i, ms) in delays(6, 42, span_ms).into_iter().enumerate() {
         let run = dir.join(format!("run{i}"));
-        let child = Command::new(&program)
-            .arg("--project-dir")
-            .arg(&run)
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        kill_after(child, 20 + ms);
-        if burn_accelerate::ProjectConfiguration::new(&run)
-            .checkpoints()
-            .is_empty()
-        {
-            continue;
+        let mut command = Command::new(&program);
+        command.arg("--project-dir").arg(&run).args(args);
+        if kill_after_first_checkpoint(&mut command, &run, ms) {
+            killed_mid_run += 1;
         }
         let resumed = final_loss(
             Command::new(&program)
@@ -633,12 +644,14 @@ fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
                 .output()
                 .unwrap(),
         );
-        assert_eq!(resumed, reference, "run {i} killed after {ms} ms");
-        resumed_runs += 1;
+        assert_eq!(
+            resumed, reference,
+            "run {i} killed {ms} ms after its first checkpoint"
+        );
     }
     assert!(
-        resumed_runs >= 3,
-        "only {resumed_runs} runs were killed after their first checkpoint"
+        killed_mid_run >= 3,
+        "only {killed_mid_run} of 6 runs were still training when killed"
     );
 }
 
