@@ -5,9 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The backend and engine features this test binary was compiled with, which the examples it runs must share.
+/// The features this test binary was compiled with, which the examples it runs must share (`default`
+/// included: cargo keys builds by the exact feature set, so leaving it out would build the library again).
 fn enabled_features() -> Vec<&'static str> {
     [
+        ("default", cfg!(feature = "default")),
         ("flex", cfg!(feature = "flex")),
         ("ndarray", cfg!(feature = "ndarray")),
         ("wgpu", cfg!(feature = "wgpu")),
