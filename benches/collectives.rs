@@ -9,8 +9,13 @@
 //!
 //! Sizes run from 4 KiB to 64 MiB of f32. algbw = bytes / time; busbw = algbw * 2(n-1)/n.
 
+#[path = "support/stats.rs"]
+mod stats;
+
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
+
+use stats::{median, paired_ratio};
 
 use burn_accelerate::comm::{Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
 
@@ -23,11 +28,6 @@ fn iterations(bytes: usize) -> usize {
 
 fn gbps(bytes: usize, time: Duration) -> f64 {
     bytes as f64 / time.as_secs_f64() / 1e9
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
 }
 
 fn label(bytes: usize) -> String {
@@ -154,13 +154,7 @@ fn mpi_report() {
             }
         }
         // Paired ratios (same iteration, back to back) cancel slow drift in machine load.
-        let mut ratios: Vec<f64> = raw_t
-            .iter()
-            .zip(&our_t)
-            .map(|(r, o)| r.as_secs_f64() / o.as_secs_f64())
-            .collect();
-        ratios.sort_by(f64::total_cmp);
-        let ratio = ratios[ratios.len() / 2];
+        let ratio = paired_ratio(&raw_t, &our_t);
         let (raw, our) = (median(raw_t), median(our_t));
         let bus = |t| gbps(bytes, t) * 2.0 * (n - 1) as f64 / n as f64;
         if main {
@@ -182,7 +176,7 @@ fn mpi_report() {
 
 fn main() {
     #[cfg(feature = "mpi")]
-    if burn_accelerate::mpi::launched_by_mpi() {
+    if burn_accelerate::cluster::launched_by_mpi() {
         mpi_report();
         return;
     }

@@ -7,10 +7,15 @@
 //!
 //! `cargo bench -p burn-accelerate --bench overhead` (set `OVERHEAD_ROUNDS` for more or fewer rounds).
 
+#[path = "support/stats.rs"]
+mod stats;
+
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
 
 use std::time::{Duration, Instant};
+
+use stats::{median, paired_ratio};
 
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::Device;
@@ -21,11 +26,6 @@ use mlp::{Mlp, SampleBatcher};
 const SAMPLES: usize = 2048;
 const BATCH: usize = 32;
 const LR: f64 = 1e-3;
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
 
 fn main() -> burn_accelerate::Result<()> {
     let rounds: usize = std::env::var("OVERHEAD_ROUNDS")
@@ -89,13 +89,7 @@ fn main() -> burn_accelerate::Result<()> {
         }
     }
     // The ratio of each round's pair (run back to back) cancels slow drift in machine load.
-    let mut ratios: Vec<f64> = acc
-        .iter()
-        .zip(&raw)
-        .map(|(a, r)| a.as_secs_f64() / r.as_secs_f64())
-        .collect();
-    ratios.sort_by(f64::total_cmp);
-    let ratio = ratios[ratios.len() / 2];
+    let ratio = paired_ratio(&acc, &raw);
     let (raw, acc) = (median(raw), median(acc));
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / steps_per_epoch as f64;
     println!("model=quicktour-mlp batch={BATCH} steps_per_epoch={steps_per_epoch} rounds={rounds}");

@@ -3,10 +3,13 @@
 
 #[path = "support/examples.rs"]
 mod examples;
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
 
 use examples::example;
+use fixtures::initial;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,12 +31,6 @@ fn temp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn initial() -> Mlp {
-    let model = Mlp::new(&Device::default());
-    weights(&model);
-    model
 }
 
 struct Run {

@@ -3,6 +3,8 @@
 
 #[path = "support/examples.rs"]
 mod examples;
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
 
@@ -15,22 +17,8 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::{Accelerator, AcceleratorBuilder};
+use fixtures::{initial, launch_counting, max_abs_diff};
 use mlp::{Mlp, SampleBatcher, weights};
-
-fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
-        .fold(0.0, f32::max)
-}
-
-/// Initial weights, drawn once per test and shared by its runs (tests run in parallel threads and share the
-/// device's random generator, so each test draws once).
-fn initial() -> Mlp {
-    let model = Mlp::new(&Device::default().autodiff());
-    weights(&model); // materialise the lazy parameters before the model is shared
-    model
-}
 
 /// Trains the quicktour MLP from `start` on `samples` items for `epochs`; returns the final weights of rank 0.
 fn train(
@@ -144,9 +132,10 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
     let initial = Mlp::new(&device);
     let init = initial.clone();
     let data = samples.clone();
-    let per_rank = Accelerator::builder()
-        .gradient_accumulation_steps(n)
-        .launch(p, move |acc| {
+    let per_rank = launch_counting(
+        Accelerator::builder().gradient_accumulation_steps(n),
+        p,
+        move |acc, all_reduces| {
             let model = acc.prepare_model(init.clone())?;
             let loader = acc.prepare_dataloader(
                 DataLoaderBuilder::new(SampleBatcher)
@@ -155,10 +144,10 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
             )?;
             let mut log = Vec::new();
             for batch in loader.iter() {
-                let before = acc.state().comm().all_reduce_count();
+                let before = all_reduces();
                 let sync = acc.accumulate();
                 acc.backward(model.loss(batch?), &model)?;
-                let communicated = acc.state().comm().all_reduce_count() - before;
+                let communicated = all_reduces() - before;
                 let grad = acc
                     .grad(&model_weight(&model))
                     .map(|g| g.into_data().try_to_vec::<f32>().unwrap());
@@ -169,8 +158,9 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
                 }
             }
             Ok(log)
-        })
-        .unwrap();
+        },
+    )
+    .unwrap();
     let log = &per_rank[0];
     assert_eq!(
         log.iter().map(|(s, _, _)| *s).collect::<Vec<_>>(),

@@ -2,6 +2,8 @@
 //! master weights, fp16 overflow skips steps in torch's loss-scale sequence on every rank together, and the
 //! scheduler does not advance on skipped steps.
 
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
 
@@ -12,19 +14,8 @@ use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::{DType, Device, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::{Accelerator, LossScaler, MixedPrecision};
+use fixtures::initial;
 use mlp::{Mlp, SampleBatcher};
-
-fn initial() -> Mlp {
-    let model = Mlp::new(&Device::default().autodiff());
-    struct Touch;
-    impl ModuleVisitor for Touch {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let _ = param.val();
-        }
-    }
-    model.visit(&mut Touch);
-    model
-}
 
 /// Trains for a few epochs under `precision`; returns the f32 evaluation loss and the model.
 fn train(start: &Mlp, precision: MixedPrecision) -> (f64, Mlp, usize) {

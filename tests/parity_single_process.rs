@@ -1,6 +1,8 @@
 //! A training run through the Accelerator (one process, default backend) ends with the same weights as the
 //! hand-written Burn loop on the same seed and data.
 
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
 
@@ -11,23 +13,13 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Tensor};
 use burn_accelerate::Accelerator;
 use burn_accelerate::data::DataLoaderBuilder;
+use fixtures::max_abs_diff;
 use mlp::{Mlp, SampleBatcher, weights};
 
 const SAMPLES: usize = 200;
 const BATCH: usize = 16;
 const EPOCHS: usize = 3;
 const LR: f64 = 1e-2;
-
-fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| {
-            assert_eq!(x.len(), y.len());
-            x.iter().zip(y).map(|(p, q)| (p - q).abs())
-        })
-        .fold(0.0, f32::max)
-}
 
 fn schedule_len() -> usize {
     EPOCHS * SAMPLES.div_ceil(BATCH)

@@ -24,10 +24,8 @@ pub struct MpiComm {
     world: SimpleCommunicator,
     rank: usize,
     size: usize,
-    local_rank: usize,
     timeout: Duration,
     seq: AtomicU64,
-    reduces: AtomicU64,
     broken: AtomicBool,
     /// MPI calls are serialised: the library is initialised with `Threading::Serialized`.
     calls: Mutex<Spare>,
@@ -94,31 +92,16 @@ impl MpiComm {
         let world = universe.world();
         let rank = world.rank() as usize;
         let size = world.size() as usize;
-        let local_rank = [
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "MPI_LOCALRANKID",
-            "MV2_COMM_WORLD_LOCAL_RANK",
-        ]
-        .iter()
-        .find_map(|k| std::env::var(k).ok()?.parse().ok())
-        .unwrap_or(rank);
         Ok(Self {
             universe: Some(universe),
             world,
             rank,
             size,
-            local_rank,
             timeout,
             seq: AtomicU64::new(0),
-            reduces: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             calls: Mutex::new(Spare::default()),
         })
-    }
-
-    /// This rank's index on its machine (from the launcher's environment).
-    pub fn local_rank(&self) -> usize {
-        self.local_rank
     }
 
     /// The raw rsmpi communicator, for code that needs MPI calls of its own (the benchmarks compare against
@@ -343,30 +326,20 @@ impl Communicator for MpiComm {
         };
         let n = self.size;
         let mut spare = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        let out = match data {
+        let mut out = match data {
             ReduceBuffer::F32(v) => {
-                let mut r = self.reduce_typed(&mut spare.f32, v, system)?;
-                if op == ReduceOp::Mean {
-                    r.iter_mut().for_each(|x| *x /= n as f32);
-                }
-                ReduceBuffer::F32(r)
+                ReduceBuffer::F32(self.reduce_typed(&mut spare.f32, v, system)?)
             }
             ReduceBuffer::F64(v) => {
-                let mut r = self.reduce_typed(&mut spare.f64, v, system)?;
-                if op == ReduceOp::Mean {
-                    r.iter_mut().for_each(|x| *x /= n as f64);
-                }
-                ReduceBuffer::F64(r)
+                ReduceBuffer::F64(self.reduce_typed(&mut spare.f64, v, system)?)
             }
             ReduceBuffer::I64(v) => {
-                let mut r = self.reduce_typed(&mut spare.i64, v, system)?;
-                if op == ReduceOp::Mean {
-                    r.iter_mut().for_each(|x| *x /= n as i64);
-                }
-                ReduceBuffer::I64(r)
+                ReduceBuffer::I64(self.reduce_typed(&mut spare.i64, v, system)?)
             }
         };
-        self.reduces.fetch_add(1, Ordering::Relaxed);
+        if op == ReduceOp::Mean {
+            out.divide_by_ranks(n);
+        }
         Ok(out)
     }
 
@@ -446,9 +419,5 @@ impl Communicator for MpiComm {
                 .process_at_rank(root as i32)
                 .immediate_broadcast_into(StaticScope, &mut buffer[..])
         })
-    }
-
-    fn all_reduce_count(&self) -> u64 {
-        self.reduces.load(Ordering::Relaxed)
     }
 }

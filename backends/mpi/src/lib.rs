@@ -3,7 +3,7 @@
 //! The MPI engine of burn-accelerate, on [rsmpi](https://github.com/rsmpi/rsmpi): processes started by `mpirun`
 //! (on one machine, or on several with a hostfile) become the ranks of a run. It implements
 //! [`burn_accelerate_comm::Communicator`]; burn-accelerate uses it when built with its `mpi` feature and
-//! launched by `mpirun`.
+//! launched by `mpirun` (its `cluster` module tells from the launcher's environment).
 //!
 //! Every collective is started as an MPI non-blocking operation and polled until it completes or the timeout
 //! expires. On a timeout the waiting ranks tell each other which collective they are stuck in, so the error
@@ -17,20 +17,6 @@
 mod engine;
 
 pub use engine::MpiComm;
-
-/// Whether this process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi`), read from the
-/// variables those launchers set.
-pub fn launched_by_mpi() -> bool {
-    [
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-        "PMIX_RANK",
-        "MPI_LOCALNRANKS",
-        "MV2_COMM_WORLD_SIZE",
-    ]
-    .iter()
-    .any(|k| std::env::var_os(k).is_some())
-}
 
 /// The rsmpi crate this engine is built on, for programs that make MPI calls of their own.
 pub use mpi;

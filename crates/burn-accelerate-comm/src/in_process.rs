@@ -90,7 +90,6 @@ impl InProcessGroup {
             group: self.clone(),
             rank,
             seq: AtomicU64::new(0),
-            reduces: AtomicU64::new(0),
         }
     }
 
@@ -136,7 +135,6 @@ pub struct InProcessComm {
     group: Arc<InProcessGroup>,
     rank: usize,
     seq: AtomicU64,
-    reduces: AtomicU64,
 }
 
 impl InProcessComm {
@@ -297,7 +295,6 @@ impl Communicator for InProcessComm {
             }
             out
         };
-        self.reduces.fetch_add(1, Ordering::Relaxed);
         Ok(out)
     }
 
@@ -326,10 +323,6 @@ impl Communicator for InProcessComm {
             Some(Payload::Bytes(b)) => Ok(b.clone()),
             _ => unreachable!("the round checked the operation"),
         }
-    }
-
-    fn all_reduce_count(&self) -> u64 {
-        self.reduces.load(Ordering::Relaxed)
     }
 }
 

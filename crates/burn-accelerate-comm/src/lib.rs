@@ -47,17 +47,11 @@ pub trait Communicator: Send + Sync + Debug {
 
     /// Returns `root`'s bytes on every rank (`data` is ignored on the other ranks).
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
-
-    /// How many all-reduce calls this communicator has completed (to verify, for instance, that gradient
-    /// accumulation communicates only on sync steps).
-    fn all_reduce_count(&self) -> u64;
 }
 
 /// The communicator of a run with one process and one device: every collective returns its input.
 #[derive(Debug, Default)]
-pub struct SingleProcess {
-    reduces: std::sync::atomic::AtomicU64,
-}
+pub struct SingleProcess;
 
 impl Communicator for SingleProcess {
     fn engine(&self) -> &'static str {
@@ -77,8 +71,6 @@ impl Communicator for SingleProcess {
     }
 
     fn all_reduce(&self, data: ReduceBuffer, _op: ReduceOp) -> Result<ReduceBuffer> {
-        self.reduces
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(data)
     }
 
@@ -88,9 +80,5 @@ impl Communicator for SingleProcess {
 
     fn broadcast(&self, data: Vec<u8>, _root: usize) -> Result<Vec<u8>> {
         Ok(data)
-    }
-
-    fn all_reduce_count(&self) -> u64 {
-        self.reduces.load(std::sync::atomic::Ordering::Relaxed)
     }
 }

@@ -55,6 +55,16 @@ impl ReduceBuffer {
         self.len() == 0
     }
 
+    /// Turns a sum over `ranks` ranks into the mean ([`ReduceOp::Mean`]; integers round toward zero). Every
+    /// engine finishes a `Mean` reduction with this one function, so all engines agree bit for bit.
+    pub fn divide_by_ranks(&mut self, ranks: usize) {
+        match self {
+            ReduceBuffer::F32(v) => v.iter_mut().for_each(|x| *x /= ranks as f32),
+            ReduceBuffer::F64(v) => v.iter_mut().for_each(|x| *x /= ranks as f64),
+            ReduceBuffer::I64(v) => v.iter_mut().for_each(|x| *x /= ranks as i64),
+        }
+    }
+
     /// The element kind's name.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -113,7 +123,7 @@ pub fn reduce_range(
 ) -> ReduceBuffer {
     let n = inputs.len();
     macro_rules! reduce {
-        ($variant:ident, $t:ty, $mean:expr, $is_nan:expr) => {{
+        ($variant:ident, $t:ty, $is_nan:expr) => {{
             let is_nan: fn($t) -> bool = $is_nan;
             let slices: Vec<&[$t]> = inputs
                 .iter()
@@ -140,17 +150,17 @@ pub fn reduce_range(
                     }),
                 }
             }
+            let mut out = ReduceBuffer::$variant(out);
             if op == ReduceOp::Mean {
-                let mean: fn($t, usize) -> $t = $mean;
-                out.iter_mut().for_each(|a| *a = mean(*a, n));
+                out.divide_by_ranks(n);
             }
-            ReduceBuffer::$variant(out)
+            out
         }};
     }
     match inputs[0] {
-        ReduceBuffer::F32(_) => reduce!(F32, f32, |a, n| a / n as f32, f32::is_nan),
-        ReduceBuffer::F64(_) => reduce!(F64, f64, |a, n| a / n as f64, f64::is_nan),
-        ReduceBuffer::I64(_) => reduce!(I64, i64, |a, n| a / n as i64, |_| false),
+        ReduceBuffer::F32(_) => reduce!(F32, f32, f32::is_nan),
+        ReduceBuffer::F64(_) => reduce!(F64, f64, f64::is_nan),
+        ReduceBuffer::I64(_) => reduce!(I64, i64, |_| false),
     }
 }
 

@@ -55,8 +55,6 @@ pub(crate) fn first_usize(keys: &[&str]) -> Result<Option<usize>> {
     Ok(None)
 }
 
-/// Environment variables that carry the global rank, in the order they are read.
-pub(crate) const RANK_VARS: &[&str] = &["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"];
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,10 +4,35 @@ use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use crate::accelerator::{Accelerator, AcceleratorBuilder};
-use crate::comm::{Communicator, InProcessGroup, SingleProcess};
-use crate::config::AcceleratorConfig;
+use crate::accelerator::Accelerator;
+use crate::builder::AcceleratorBuilder;
+use crate::cluster::InProcess;
+use crate::comm::InProcessGroup;
 use crate::error::{Error, Result};
+
+impl AcceleratorBuilder {
+    /// Runs `f` on `num_processes` ranks, one thread each, every one with its own accelerator (Accelerate's
+    /// `notebook_launcher`/`debug_launcher`). Rank `i` gets device `i` when the backend has several devices,
+    /// else the backend's device. Returns every rank's result in rank order, or the error that caused the
+    /// failure (a panic, or the first rank's own error rather than the errors it caused on the others).
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let ranks = Accelerator::builder().launch(3, |acc| Ok(acc.process_index()))?;
+    /// assert_eq!(ranks, vec![0, 1, 2]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// `num_processes` is 0, a setting is invalid, a rank thread cannot be started, or a rank fails.
+    pub fn launch<T, F>(self, num_processes: usize, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(Accelerator) -> Result<T> + Send + Sync,
+    {
+        run(self, num_processes, f)
+    }
+}
 
 /// Runs `f` on `num_processes` in-process ranks with the default settings; see
 /// [`AcceleratorBuilder::launch`].
@@ -31,43 +56,6 @@ where
     Accelerator::builder().launch(num_processes, f)
 }
 
-/// The communicator of this process and its local rank: MPI when built with the `mpi` feature and started by
-/// an MPI launcher, else a single process.
-pub(crate) fn process_comm(config: &AcceleratorConfig) -> Result<(Arc<dyn Communicator>, usize)> {
-    #[cfg(feature = "mpi")]
-    if burn_accelerate_mpi::launched_by_mpi() {
-        use std::sync::OnceLock;
-        static MPI: OnceLock<Arc<burn_accelerate_mpi::MpiComm>> = OnceLock::new();
-        let comm = match MPI.get() {
-            Some(comm) => comm.clone(),
-            None => {
-                let comm = Arc::new(burn_accelerate_mpi::MpiComm::init(
-                    config.collective_timeout(),
-                )?);
-                MPI.get_or_init(|| comm).clone()
-            }
-        };
-        let local_rank = comm.local_rank();
-        return Ok((comm, local_rank));
-    }
-    let _ = config;
-    let launched_world =
-        crate::env::first_usize(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"])
-            .ok()
-            .flatten()
-            .unwrap_or(1);
-    if launched_world > 1 && !cfg!(feature = "mpi") {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
-            log::warn!(
-                "started by an MPI launcher with {launched_world} processes, but burn-accelerate was built without \
-                 its `mpi` feature: every process runs alone. Rebuild with `--features burn-accelerate/mpi`."
-            )
-        });
-    }
-    Ok((Arc::new(SingleProcess::default()), 0))
-}
-
 fn panic_message(payload: Box<dyn Any + Send>) -> String {
     payload
         .downcast_ref::<&str>()
@@ -86,7 +74,7 @@ fn root_cause_rank(error: &Error) -> u8 {
     }
 }
 
-pub(crate) fn run<T, F>(builder: AcceleratorBuilder, num_processes: usize, f: F) -> Result<Vec<T>>
+fn run<T, F>(builder: AcceleratorBuilder, num_processes: usize, f: F) -> Result<Vec<T>>
 where
     T: Send,
     F: Fn(Accelerator) -> Result<T> + Send + Sync,
@@ -106,8 +94,8 @@ where
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
-                            let comm = Arc::new(group.comm(rank));
-                            f(builder.build_rank(config.clone(), comm, rank)?)
+                            let cluster = InProcess::new(Arc::new(group.comm(rank)));
+                            f(builder.build_rank(config.clone(), &cluster)?)
                         }));
                         match outcome {
                             Ok(Ok(value)) => {
@@ -125,14 +113,21 @@ where
                             }
                         }
                     })
-                    .expect("spawning a rank thread")
+                    .map_err(|e| {
+                        // The ranks already running would wait for this one: release them now.
+                        group.fail(rank, format!("could not start its thread: {e}"));
+                        Error::RankPanicked {
+                            rank,
+                            message: format!("could not start the rank's thread: {e}"),
+                        }
+                    })
             })
             .collect();
         handles
             .into_iter()
             .enumerate()
             .map(|(rank, h)| {
-                h.join().unwrap_or_else(|payload| {
+                h?.join().unwrap_or_else(|payload| {
                     Err(Error::RankPanicked {
                         rank,
                         message: panic_message(payload),

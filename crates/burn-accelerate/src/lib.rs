@@ -25,12 +25,48 @@
 //!
 //! The backend is a cargo feature (`flex` by default; `ndarray`, `wgpu`, `vulkan`, `metal`, `webgpu`, `cuda`,
 //! `rocm`, `tch`); see [`Backend`].
+//!
+//! ## How a step flows
+//!
+//! The [`Accelerator`] is a facade; every call forwards to one of the parts below. Follow a tensor in order:
+//!
+//! 1. **Who am I** — [`AcceleratorBuilder::build`] resolves the [`AcceleratorConfig`] (builder, then
+//!    `ACCELERATE_*` variables, then the config file, then defaults); [`cluster::detect`] tells how the process
+//!    was started (single, in-process threads from [`launch`], MPI) and hands over its
+//!    [`Communicator`](comm::Communicator); [`backend`] picks the device of the local rank; [`ProcessState`]
+//!    holds rank, device and communicator. The accelerator then composes a step pipeline, a checkpointer and a
+//!    trigger for that rank.
+//! 2. **`prepare_model`** — the gradient-sync seam (`grad::sync`) gives every rank rank 0's weights, then
+//!    [`placement`] forks the model onto the device with autodiff on.
+//! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0, deals this rank its shard of every
+//!    epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
+//!    [`data::DataPosition`]. Each `iter()` and each batch tell the step state where the epoch stands.
+//! 4. **`accumulate`** — the step state (`grad::step_state`, a small state machine) decides whether this
+//!    micro-batch ends the accumulation window (every `gradient_accumulation_steps`, or the epoch's last batch).
+//! 5. **`autocast`** — [`precision`] casts the model's parameters and the inputs to f16/bf16 through
+//!    differentiable casts and the outputs back to f32; the f32 parameters stay the master weights.
+//! 6. **`backward(loss, &model)`** — the step pipeline (`grad::step`) runs, in order: the precision scales the
+//!    loss (fp16), Burn back-propagates, the model's gradients are collected into the gradient buffer, the step
+//!    state says whether the window ends; if it does, the gradients are normalised by the micro-batches the
+//!    window had, unscaled, averaged across ranks by the gradient-sync seam (bucketed host all-reduce through
+//!    [`ops`], the one path to the communicator, so debug mode checks it), and the precision returns its verdict
+//!    (skip on an fp16 overflow on any rank).
+//! 7. **`clip_grad_norm`** — the global norm over the buffer's gradients, torch's formula.
+//! 8. **`optimizer.step(model)`** — [`AcceleratedOptimizer`] takes the step state's verdict: *accumulate* keeps
+//!    the gradients, *skip* drops them, *step* hands them to Burn's optimizer.
+//! 9. **`scheduler.step()`** — [`AcceleratedScheduler`] advances only after a real optimizer step (the same
+//!    skip record), `num_processes` times unless batches are split.
+//! 10. **`save_state` / `load_state`** — the checkpointer ([`checkpoint`]) writes the models, optimizers and
+//!     schedulers the loop passes in, the loss scaler, every dataloader's position and the registered objects,
+//!     atomically; loading puts the dataloaders back mid-epoch.
 
 #![warn(missing_docs)]
 
 pub mod accelerator;
 pub mod backend;
+mod builder;
 pub mod checkpoint;
+pub mod cluster;
 pub mod comm;
 pub mod config;
 pub mod data;
@@ -44,23 +80,22 @@ pub mod optim;
 pub mod placement;
 pub mod precision;
 pub mod state;
-mod step_state;
 pub mod sys;
 mod traverse;
 
-pub use accelerator::{Accelerator, AcceleratorBuilder};
+pub use accelerator::Accelerator;
 pub use backend::Backend;
+pub use builder::AcceleratorBuilder;
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
 pub use comm::ReduceOp;
 pub use config::AcceleratorConfig;
 pub use error::{Error, Result};
-pub use grad::NormType;
+pub use grad::{GradientState, NormType};
 pub use launch::launch;
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
 pub use placement::ToDevice;
 pub use precision::{CastFloats, LossScaler, MixedPrecision};
 pub use state::{DistributedType, ProcessState};
-pub use step_state::GradientState;
 
 /// The MPI engine (feature `mpi`).
 #[cfg(feature = "mpi")]

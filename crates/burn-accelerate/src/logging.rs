@@ -318,9 +318,6 @@ mod tests {
         fn broadcast(&self, data: Vec<u8>, _: usize) -> crate::comm::CommResult<Vec<u8>> {
             Ok(data)
         }
-        fn all_reduce_count(&self) -> u64 {
-            0
-        }
     }
 
     fn as_rank(rank: usize, world: usize) {

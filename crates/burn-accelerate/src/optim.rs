@@ -6,7 +6,6 @@
 //! when the optimizer really stepped, and `num_processes` times per step unless batches are split, so a schedule
 //! written for single-process batches ends at the same point on any number of ranks.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
@@ -14,7 +13,7 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 
-use crate::step_state::SharedStep;
+use crate::grad::step_state::{SharedStep, Verdict};
 
 /// The learning rate an optimizer uses, shared with the scheduler that drives it.
 #[derive(Clone)]
@@ -38,7 +37,6 @@ pub struct AcceleratedOptimizer {
     inner: ModuleOptimizer,
     lr: LrCell,
     shared: SharedStep,
-    skipped: Arc<AtomicBool>,
     steps: u64,
 }
 
@@ -48,7 +46,6 @@ impl AcceleratedOptimizer {
             inner,
             lr: LrCell(Arc::new(Mutex::new(lr))),
             shared,
-            skipped: Arc::new(AtomicBool::new(false)),
             steps: 0,
         }
     }
@@ -60,22 +57,18 @@ impl AcceleratedOptimizer {
     /// `torch.optim.Optimizer.step` with no `.grad`.
     pub fn step<M: Module>(&mut self, model: M) -> M {
         let grads = {
-            let mut state = self.shared.lock();
-            if !state.sync_gradients {
-                return model;
+            let mut core = self.shared.lock();
+            match core.state.take_verdict() {
+                Verdict::Accumulate => return model,
+                Verdict::Skip => {
+                    // fp16 overflow somewhere (on any rank): every rank drops these gradients together.
+                    core.grads.take_for(&model);
+                    log::debug!("optimizer step skipped: gradients overflowed in fp16");
+                    return model;
+                }
+                Verdict::Step => core.grads.take_for(&model),
             }
-            let grads = state.buffer.take_for(&model);
-            if state.found_inf {
-                // fp16 overflow somewhere (on any rank): every rank skips this step together.
-                state.optimizer_step_was_skipped = true;
-                self.skipped.store(true, Ordering::Relaxed);
-                log::debug!("optimizer step skipped: gradients overflowed in fp16");
-                return model;
-            }
-            state.optimizer_step_was_skipped = false;
-            grads
         };
-        self.skipped.store(false, Ordering::Relaxed);
         if grads.is_empty() {
             log::debug!("optimizer step without gradients: the model is unchanged");
             return model;
@@ -87,7 +80,7 @@ impl AcceleratedOptimizer {
     /// Drops every stored gradient (Burn's optimizer consumes them at each step, so this is only needed to
     /// discard gradients on purpose).
     pub fn zero_grad(&mut self) {
-        self.shared.lock().buffer.clear();
+        self.shared.lock().grads.clear();
     }
 
     /// The learning rate the next step uses (the base rate when there are parameter groups).
@@ -102,7 +95,7 @@ impl AcceleratedOptimizer {
 
     /// Whether the latest synchronising step was skipped (fp16 overflow).
     pub fn step_was_skipped(&self) -> bool {
-        self.skipped.load(Ordering::Relaxed)
+        self.shared.lock().state.last_step_skipped()
     }
 
     /// How many times the optimizer really updated the model.
@@ -147,7 +140,6 @@ pub struct AcceleratedScheduler {
     /// recomputes `last` exactly.
     before_last: ModuleLrScheduler,
     lr: LrCell,
-    skipped: Arc<AtomicBool>,
     shared: SharedStep,
     rule: SchedulerRule,
     last: ModuleLearningRate,
@@ -169,7 +161,6 @@ impl AcceleratedScheduler {
             before_last,
             inner,
             lr: optimizer.lr.clone(),
-            skipped: optimizer.skipped.clone(),
             shared,
             rule,
             last,
@@ -181,8 +172,8 @@ impl AcceleratedScheduler {
         let times = if !self.rule.step_with_optimizer {
             1
         } else {
-            let state = self.shared.lock();
-            if !state.sync_gradients || self.skipped.load(Ordering::Relaxed) {
+            let core = self.shared.lock();
+            if !core.state.sync_gradients() || core.state.last_step_skipped() {
                 return;
             }
             if self.rule.split_batches {
@@ -234,8 +225,9 @@ mod tests {
     use burn::optim::SgdConfig;
 
     /// Accelerate's `test_scheduler.py` schedule: lr = 1 - n/10, a linear decay from 1 to 0 over 10 steps.
+    /// The step state accumulates over 2 micro-batches, so that tests can drive accumulation steps.
     fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
-        let shared = SharedStep::new(1, None);
+        let shared = SharedStep::new(2);
         let optimizer =
             AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone());
         let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
@@ -283,7 +275,10 @@ mod tests {
     #[test]
     fn not_stepping_with_optimizer_steps_every_call() {
         let (shared, _, mut scheduler) = setup(rule(4, false, false));
-        shared.lock().sync_gradients = false;
+        assert!(
+            !shared.lock().state.begin_micro_batch(),
+            "an accumulation step"
+        );
         scheduler.step();
         scheduler.step();
         assert!(close(scheduler.lr(), 0.8));
@@ -292,14 +287,20 @@ mod tests {
     #[test]
     fn no_step_on_accumulation_or_skipped_steps() {
         let (shared, optimizer, mut scheduler) = setup(rule(2, false, true));
-        shared.lock().sync_gradients = false;
+        assert!(!shared.lock().state.begin_micro_batch());
         scheduler.step();
         assert!(close(scheduler.lr(), 1.0), "accumulation step");
-        shared.lock().sync_gradients = true;
-        optimizer.skipped.store(true, Ordering::Relaxed);
+        let verdict = |overflow: bool| {
+            let state = &mut shared.lock().state;
+            state.record_overflow(overflow);
+            state.take_verdict()
+        };
+        assert!(shared.lock().state.begin_micro_batch());
+        assert_eq!(verdict(true), Verdict::Skip);
+        assert!(optimizer.step_was_skipped());
         scheduler.step();
         assert!(close(scheduler.lr(), 1.0), "skipped optimizer step");
-        optimizer.skipped.store(false, Ordering::Relaxed);
+        assert_eq!(verdict(false), Verdict::Step);
         scheduler.step();
         assert!(close(scheduler.lr(), 0.8));
     }
@@ -322,25 +323,25 @@ mod tests {
         use burn::tensor::{Device, Tensor};
         let device = Device::default().autodiff();
         let model = LinearConfig::new(2, 1).init(&device);
-        let shared = SharedStep::new(2, None);
+        let shared = SharedStep::new(2);
         let mut optimizer =
             AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone());
         let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();
         let mut grads = loss.backward();
-        shared.lock().buffer.collect(&model, &mut grads);
-        shared.lock().sync_gradients = false;
+        shared.lock().grads.collect(&model, &mut grads);
+        assert!(!shared.lock().state.begin_micro_batch());
         let before = model.weight.val().into_data();
         let model = optimizer.step(model);
         assert_eq!(model.weight.val().into_data(), before);
         assert_eq!(
-            shared.lock().buffer.len(),
+            shared.lock().grads.len(),
             2,
             "gradients are kept for the sync step"
         );
-        shared.lock().sync_gradients = true;
+        assert!(shared.lock().state.begin_micro_batch());
         let model = optimizer.step(model);
         assert_ne!(model.weight.val().into_data(), before);
-        assert!(shared.lock().buffer.is_empty());
+        assert!(shared.lock().grads.is_empty());
         assert_eq!(optimizer.num_steps(), 1);
     }
 }

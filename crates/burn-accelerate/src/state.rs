@@ -9,7 +9,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 use crate::comm::Communicator;
-use crate::env;
 use crate::error::Result;
 
 /// The kind of run, with Accelerate's names so config files are shared between both tools.
@@ -165,7 +164,7 @@ pub fn current() -> Option<Arc<ProcessState>> {
 pub fn current_rank() -> usize {
     current()
         .map(|s| s.process_index())
-        .or_else(|| env::first_usize(env::RANK_VARS).ok().flatten())
+        .or_else(|| crate::cluster::LauncherVars::read_lenient().rank)
         .unwrap_or(0)
 }
 

@@ -6,9 +6,11 @@
 //! a save leaves the previous checkpoint whole; loading a truncated, corrupt or mismatched checkpoint is an error
 //! naming the file and tensor.
 
+mod checkpointer;
 mod fs;
 pub mod state;
 pub mod weights;
 
+pub(crate) use checkpointer::Checkpointer;
 pub use state::{Checkpointable, LoadedState, ProjectConfiguration, StateToSave};
 pub use weights::{LoadOptions, LoadReport, parse_size};

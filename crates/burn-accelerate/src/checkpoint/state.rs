@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::fs::{io, read, sync_dir, with_suffix, write_synced};
+pub use crate::data::DataPosition;
 use crate::error::{Error, Result};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use crate::precision::LossScaler;
@@ -98,15 +99,6 @@ impl<T: Serialize + DeserializeOwned + Send> Checkpointable for T {
         })?;
         Ok(())
     }
-}
-
-/// The position of a prepared dataloader: the epoch of the next batch and how many batches of it were used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DataPosition {
-    /// The epoch the next batch belongs to.
-    pub epoch: usize,
-    /// Batches of that epoch already yielded on this rank.
-    pub batch: usize,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

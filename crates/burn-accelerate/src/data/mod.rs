@@ -26,13 +26,12 @@
 //! ```
 
 mod loader;
+mod position;
 mod prepared;
-/// Dataloader positions for checkpoints.
-pub(crate) mod prepared_cursor {
-    pub(crate) use super::prepared::LoaderCursor;
-}
 mod shard;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
+pub use position::DataPosition;
+pub(crate) use position::LoaderCursor;
 pub use prepared::{PreparedDataLoader, PreparedIter};
 pub use shard::{ShardSpec, shard};

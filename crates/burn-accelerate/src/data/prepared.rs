@@ -4,9 +4,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use burn::tensor::Device;
 
 use super::loader::{DataLoader, DataLoaderIter};
+use super::position::LoaderCursor;
 use super::shard::{ShardSpec, shard};
+use crate::config::AcceleratorConfig;
 use crate::error::Result;
-use crate::step_state::SharedStep;
+use crate::grad::step_state::SharedStep;
+use crate::state::ProcessState;
 
 /// A [`DataLoader`] prepared by the [`Accelerator`](crate::Accelerator): each rank gets its shard of every epoch
 /// (Accelerate's batch dealing, `split_batches` and `even_batches` rules), batches are built on the accelerator's
@@ -19,51 +22,31 @@ pub struct PreparedDataLoader<I, O> {
     cursor: Arc<LoaderCursor>,
 }
 
-/// Where a prepared dataloader stands, shared with the accelerator so that `save_state` can record it and
-/// `load_state` can put it back.
-#[derive(Debug)]
-pub(crate) struct LoaderCursor {
-    /// The loader's "next epoch" counter.
-    epoch: Arc<AtomicUsize>,
-    /// 1 + the epoch being iterated (0 before the first `iter`).
-    in_epoch: AtomicUsize,
-    /// Batches yielded in that epoch (including skipped ones).
-    yielded: AtomicUsize,
-    /// Batches to skip at the start of the next `iter`.
-    skip: AtomicUsize,
-    /// Batches per epoch on this rank.
-    len: usize,
-}
-
-impl LoaderCursor {
-    /// The epoch of the next batch and how many batches of it were used.
-    pub(crate) fn position(&self) -> crate::checkpoint::state::DataPosition {
-        let in_epoch = self.in_epoch.load(Ordering::Relaxed);
-        let yielded = self.yielded.load(Ordering::Relaxed);
-        let (epoch, batch) = if in_epoch == 0 {
-            (
-                self.epoch.load(Ordering::Relaxed),
-                self.skip.load(Ordering::Relaxed),
-            )
-        } else if yielded >= self.len {
-            (in_epoch, 0)
-        } else {
-            (in_epoch - 1, yielded)
-        };
-        crate::checkpoint::state::DataPosition { epoch, batch }
-    }
-
-    /// Makes the next `iter` run `position.epoch`, starting after `position.batch` batches.
-    pub(crate) fn restore(&self, position: crate::checkpoint::state::DataPosition) {
-        self.epoch.store(position.epoch, Ordering::Relaxed);
-        self.skip.store(position.batch, Ordering::Relaxed);
-        self.in_epoch.store(0, Ordering::Relaxed);
-        self.yielded.store(0, Ordering::Relaxed);
-    }
-}
-
 impl<I, O> PreparedDataLoader<I, O> {
-    pub(crate) fn new(
+    /// Prepares `loader` for a rank (see [`Accelerator::prepare_dataloader`](crate::Accelerator)): the shuffle
+    /// seed comes from rank 0, the shard from the rank and the config.
+    pub(crate) fn prepare(
+        mut loader: DataLoader<I, O>,
+        state: &ProcessState,
+        config: &AcceleratorConfig,
+        shared: SharedStep,
+    ) -> Result<Self> {
+        if state.num_processes() > 1
+            && let Some(seed) = loader.shuffle
+        {
+            loader.shuffle = Some(crate::ops::broadcast_object(state, &seed, 0)?);
+        }
+        let spec = ShardSpec {
+            num_processes: state.num_processes(),
+            rank: state.process_index(),
+            split_batches: config.split_batches,
+            even_batches: config.even_batches,
+        };
+        let device = config.device_placement.then(|| state.device().clone());
+        Self::new(loader, device, shared, spec)
+    }
+
+    fn new(
         loader: DataLoader<I, O>,
         device: Option<Device>,
         shared: SharedStep,
@@ -178,12 +161,9 @@ impl<I, O> PreparedDataLoader<I, O> {
         self.cursor.in_epoch.store(epoch + 1, Ordering::Relaxed);
         self.cursor.yielded.store(skip, Ordering::Relaxed);
         let inner = self.loader.iter_batches(batches, self.device.clone());
-        {
-            let mut state = self.shared.lock();
-            state.end_of_dataloader = inner.len() == 0;
-            state.remainder = (!self.loader.drop_last())
-                .then(|| self.loader.num_items() % self.total_batch_size());
-        }
+        let remainder =
+            (!self.loader.drop_last()).then(|| self.loader.num_items() % self.total_batch_size());
+        self.shared.lock().state.begin_epoch(inner.len(), remainder);
         PreparedIter {
             inner,
             shared: self.shared.clone(),
@@ -204,7 +184,10 @@ impl<I, O> Iterator for PreparedIter<'_, I, O> {
 
     fn next(&mut self) -> Option<Self::Item> {
         let batch = self.inner.next()?;
-        self.shared.lock().end_of_dataloader = self.inner.len() == 0;
+        self.shared
+            .lock()
+            .state
+            .batch_yielded(self.inner.len() == 0);
         self.cursor.yielded.fetch_add(1, Ordering::Relaxed);
         Some(batch)
     }

@@ -13,20 +13,20 @@ const MAX_SHAPED_RANK: usize = 8;
 /// common path: the container is handed to the optimizer as is). An operation over all gradients (clipping,
 /// cross-rank averaging) flattens the gradients it touches.
 #[derive(Default)]
-pub struct GradientBuffer {
+pub(crate) struct GradientBuffer {
     /// Gradients in their own shape.
     shaped: GradientsParams,
     /// Gradients that were flattened, with their shape.
     flat: HashMap<ParamId, (Shape, Tensor<1>)>,
-    /// The rank of every stored gradient (no shape is kept on the common path: it would cost an allocation
+    /// The number of dimensions of every stored gradient, by parameter (no shape is kept on the common path: it would cost an allocation
     /// per parameter and step).
-    shapes: HashMap<ParamId, usize>,
+    tensor_ranks: HashMap<ParamId, usize>,
 }
 
 impl std::fmt::Debug for GradientBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GradientBuffer")
-            .field("params", &self.shapes.len())
+            .field("params", &self.tensor_ranks.len())
             .field("flattened", &self.flat.len())
             .finish()
     }
@@ -51,27 +51,27 @@ fn take_flat(shaped: &mut GradientsParams, id: ParamId, rank: usize) -> Option<(
 
 impl GradientBuffer {
     /// An empty buffer.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Number of parameters holding a gradient.
-    pub fn len(&self) -> usize {
-        self.shapes.len()
+    pub(crate) fn len(&self) -> usize {
+        self.tensor_ranks.len()
     }
 
     /// Whether no gradient is stored.
-    pub fn is_empty(&self) -> bool {
-        self.shapes.is_empty()
+    pub(crate) fn is_empty(&self) -> bool {
+        self.tensor_ranks.is_empty()
     }
 
     /// Drops every stored gradient.
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         *self = Self::default();
     }
 
     /// Moves the gradients of `module`'s trainable parameters out of `grads` and adds them to the buffer.
-    pub fn collect<M: Module>(&mut self, module: &M, grads: &mut Gradients) {
+    pub(crate) fn collect<M: Module>(&mut self, module: &M, grads: &mut Gradients) {
         struct Collect<'a> {
             grads: &'a mut Gradients,
             buffer: &'a mut GradientBuffer,
@@ -93,8 +93,8 @@ impl GradientBuffer {
     }
 
     /// Adds `grad` to the gradient stored for `id` (or stores it).
-    pub fn add<const D: usize>(&mut self, id: ParamId, grad: Tensor<D>) {
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.shapes.entry(id) {
+    pub(crate) fn add<const D: usize>(&mut self, id: ParamId, grad: Tensor<D>) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.tensor_ranks.entry(id) {
             slot.insert(D);
             if D <= MAX_SHAPED_RANK {
                 self.shaped.register::<D>(id, grad);
@@ -114,7 +114,7 @@ impl GradientBuffer {
     }
 
     /// The gradient stored for `id`, in its parameter's shape.
-    pub fn get<const D: usize>(&self, id: ParamId) -> Option<Tensor<D>> {
+    pub(crate) fn get<const D: usize>(&self, id: ParamId) -> Option<Tensor<D>> {
         match self.flat.get(&id) {
             Some((shape, flat)) => Some(flat.clone().reshape(shape.clone())),
             None => self.shaped.get::<D>(id),
@@ -124,7 +124,7 @@ impl GradientBuffer {
     /// The flat gradient of `id`, flattening it in the buffer if needed.
     fn flat_mut(&mut self, id: ParamId) -> Option<&mut Tensor<1>> {
         if !self.flat.contains_key(&id) {
-            let rank = *self.shapes.get(&id)?;
+            let rank = *self.tensor_ranks.get(&id)?;
             let entry = take_flat(&mut self.shaped, id, rank)?;
             self.flat.insert(id, entry);
         }
@@ -152,12 +152,12 @@ impl GradientBuffer {
     pub(crate) fn set_flat(&mut self, id: ParamId, flat: Tensor<1>) {
         let shape = match self.flat.remove(&id) {
             Some((shape, _)) => shape,
-            None => match self.shapes.get(&id) {
+            None => match self.tensor_ranks.get(&id) {
                 Some(rank) => take_flat(&mut self.shaped, id, *rank)
                     .map(|(shape, _)| shape)
                     .unwrap_or_else(|| Shape::from(vec![flat.dims()[0]])),
                 None => {
-                    self.shapes.insert(id, 1);
+                    self.tensor_ranks.insert(id, 1);
                     Shape::from(vec![flat.dims()[0]])
                 }
             },
@@ -167,13 +167,13 @@ impl GradientBuffer {
 
     /// Multiplies every stored gradient by `factor`.
     pub(crate) fn scale_all(&mut self, factor: f32) {
-        let ids: Vec<ParamId> = self.shapes.keys().copied().collect();
+        let ids: Vec<ParamId> = self.tensor_ranks.keys().copied().collect();
         self.map_flat(&ids, |g| g.mul_scalar(factor));
     }
 
     /// Removes the gradients of `module`'s parameters and returns them in Burn's optimizer format. When every
     /// stored gradient belongs to `module` (the usual case), the container is handed over without copying.
-    pub fn take_for<M: Module>(&mut self, module: &M) -> GradientsParams {
+    pub(crate) fn take_for<M: Module>(&mut self, module: &M) -> GradientsParams {
         struct Gather<'a> {
             buffer: &'a mut GradientBuffer,
             ids: Vec<ParamId>,
@@ -181,7 +181,7 @@ impl GradientBuffer {
         impl ModuleVisitor for Gather<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let id = param.id;
-                if !self.buffer.shapes.contains_key(&id) {
+                if !self.buffer.tensor_ranks.contains_key(&id) {
                     return;
                 }
                 self.ids.push(id);
@@ -202,8 +202,8 @@ impl GradientBuffer {
         };
         module.visit(&mut gather);
         let ids = gather.ids;
-        if ids.len() == self.shapes.len() {
-            self.shapes.clear();
+        if ids.len() == self.tensor_ranks.len() {
+            self.tensor_ranks.clear();
             return std::mem::take(&mut self.shaped);
         }
         struct Move<'a>(&'a mut GradientsParams, GradientsParams);
@@ -215,7 +215,7 @@ impl GradientBuffer {
             }
         }
         for id in &ids {
-            self.shapes.remove(id);
+            self.tensor_ranks.remove(id);
         }
         let mut mover = Move(&mut self.shaped, GradientsParams::new());
         module.visit(&mut mover);

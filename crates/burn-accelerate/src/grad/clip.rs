@@ -39,7 +39,7 @@ impl NormType {
 /// Follows torch: `coef = max_norm / (total + 1e-6)`; when `coef < 1` every gradient is multiplied by it. A
 /// non-finite total (an overflow) is returned as is and, like torch, scales the gradients by `coef` (zero for
 /// an infinite norm, NaN for a NaN one), so check the returned value when that matters.
-pub fn clip_grad_norm(
+pub(crate) fn clip_grad_norm(
     buffer: &mut GradientBuffer,
     ids: &[ParamId],
     max_norm: f64,
@@ -112,7 +112,7 @@ pub(crate) fn has_non_finite(buffer: &mut GradientBuffer, ids: &[ParamId]) -> Re
 }
 
 /// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`.
-pub fn clip_grad_value(
+pub(crate) fn clip_grad_value(
     buffer: &mut GradientBuffer,
     ids: &[ParamId],
     clip_value: f64,

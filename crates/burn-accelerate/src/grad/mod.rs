@@ -1,16 +1,17 @@
-//! Gradients owned by the accelerator: collection from `backward`, accumulation, clipping, and hand-off to the
-//! optimizer.
+//! Gradients owned by the accelerator, from `backward` to the optimizer step.
 //!
 //! Burn returns gradients as values, so the accelerator keeps them between `backward` and the optimizer step, in
-//! a [`GradientBuffer`] keyed by parameter id. Each gradient is stored flat (`Tensor<1>`) with its shape, so that
-//! norms, clipping and (with several ranks) bucketed all-reduce treat every parameter alike.
+//! a gradient buffer keyed by parameter id. The [`step`](self::step) pipeline moves them through loss scaling,
+//! collection, normalisation, cross-rank averaging ([`sync`](self::sync)), unscaling and the step verdict;
+//! clipping works on the same buffer.
 
 mod buffer;
 mod clip;
-mod sync;
+pub(crate) mod step;
+pub(crate) mod step_state;
+pub(crate) mod sync;
 
-pub use buffer::GradientBuffer;
-pub(crate) use buffer::param_ids;
-pub(crate) use clip::has_non_finite;
-pub use clip::{NormType, clip_grad_norm, clip_grad_value};
-pub(crate) use sync::{all_reduce_mean, broadcast_params, trainable_params};
+pub(crate) use buffer::{GradientBuffer, param_ids};
+pub use clip::NormType;
+pub(crate) use clip::{clip_grad_norm, clip_grad_value, has_non_finite};
+pub use step_state::GradientState;

@@ -1,57 +1,110 @@
-//! Averaging gradients across ranks: bucketed all-reduce of the gradient store through the communicator.
+//! The gradient-sync seam: how gradients cross ranks, and how every rank starts from rank 0's weights.
+//!
+//! [`GradientSync`] has one implementation per case: [`NoSync`] for a single rank, and [`HostAllReduce`],
+//! which averages gradients in buckets through [`ops::all_reduce_host`](crate::ops) over the rank's
+//! communicator (so debug mode checks gradient all-reduces like any other collective). This is where a
+//! device-side all-reduce plugs in — Burn's in-process CUDA collective, or NCCL — as a third implementation
+//! that averages the flat gradients on the device instead of copying them to the host; the step pipeline
+//! ([`super::step`]) and the training strategies built on it do not change.
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use std::fmt;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorData};
 
 use super::GradientBuffer;
-use crate::comm::{Communicator, ReduceBuffer, ReduceOp};
+use crate::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
+use crate::ops;
+use crate::state::ProcessState;
 
-/// `(id, number of elements)` of every float parameter of `module` that requires a gradient, in visiting order
-/// (the same on every rank for the same model).
-pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
-    struct Params(Vec<(ParamId, usize)>);
-    impl ModuleVisitor for Params {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.is_require_grad() {
-                self.0.push((param.id, param.shape().num_elements()));
-            }
-        }
-    }
-    let mut params = Params(Vec::new());
-    module.visit(&mut params);
-    params.0
+/// How a rank's gradients are averaged with the other ranks', and how initial weights are shared.
+pub(crate) trait GradientSync: Send + Sync + fmt::Debug {
+    /// A short name for messages.
+    fn name(&self) -> &'static str;
+
+    /// Whether other ranks take part (a single rank never communicates).
+    fn is_distributed(&self) -> bool;
+
+    /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
+    /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank
+    /// contributes zeros.
+    fn average(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()>;
+
+    /// Returns rank 0's value of one flattened parameter on every rank.
+    fn broadcast_from_root(&self, flat: Tensor<1>) -> Result<Tensor<1>>;
 }
 
-/// Replaces every stored gradient of `params` with its mean over the ranks of `comm`, times `scale`, moving at
-/// most `bucket_bytes` per all-reduce. A parameter without a gradient on this rank contributes zeros (and gets
-/// the averaged gradient of the others).
-pub(crate) fn all_reduce_mean(
-    comm: &dyn Communicator,
-    buffer: &mut GradientBuffer,
-    params: &[(ParamId, usize)],
-    scale: f32,
-    bucket_bytes: usize,
-) -> Result<()> {
-    let Some(template) = params.iter().find_map(|(id, _)| buffer.flat(&[*id]).pop()) else {
-        return Ok(());
-    };
-    let device = template.device();
-    let dtype = template.dtype();
-    let max_elems = (bucket_bytes / 4).max(1);
-    let mut start = 0;
-    while start < params.len() {
-        let mut end = start;
-        let mut elems = 0;
-        while end < params.len() && (end == start || elems + params[end].1 <= max_elems) {
-            elems += params[end].1;
-            end += 1;
+/// The implementation for a rank's state: [`NoSync`] with one rank, else [`HostAllReduce`] with buckets of at
+/// most `bucket_bytes`.
+pub(crate) fn for_rank(state: &Arc<ProcessState>, bucket_bytes: usize) -> Box<dyn GradientSync> {
+    if state.num_processes() > 1 {
+        Box::new(HostAllReduce {
+            state: state.clone(),
+            bucket_bytes,
+        })
+    } else {
+        Box::new(NoSync)
+    }
+}
+
+/// A single rank: averaging is only the scaling.
+#[derive(Debug)]
+pub(crate) struct NoSync;
+
+impl GradientSync for NoSync {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
+    fn is_distributed(&self) -> bool {
+        false
+    }
+
+    fn average(
+        &self,
+        grads: &mut GradientBuffer,
+        _: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()> {
+        if scale != 1.0 {
+            grads.scale_all(scale);
         }
-        let bucket = &params[start..end];
+        Ok(())
+    }
+
+    fn broadcast_from_root(&self, flat: Tensor<1>) -> Result<Tensor<1>> {
+        Ok(flat)
+    }
+}
+
+/// Bucketed all-reduce of host copies of the gradients through the rank's communicator.
+#[derive(Debug)]
+pub(crate) struct HostAllReduce {
+    state: Arc<ProcessState>,
+    bucket_bytes: usize,
+}
+
+impl HostAllReduce {
+    /// All-reduces one bucket: concatenates its gradients, averages them on the host, scales and splits them.
+    fn average_bucket(
+        &self,
+        grads: &mut GradientBuffer,
+        bucket: &[(ParamId, usize)],
+        scale: f32,
+        like: &Tensor<1>,
+    ) -> Result<()> {
+        let (device, dtype) = (like.device(), like.dtype());
         let parts: Vec<Tensor<1>> = bucket
             .iter()
             .map(|(id, n)| {
-                buffer
+                grads
                     .flat(&[*id])
                     .pop()
                     .unwrap_or_else(|| Tensor::zeros([*n], (&device, dtype)))
@@ -71,41 +124,109 @@ pub(crate) fn all_reduce_mean(
                 .and_then(|d| d.try_into_vec::<f32>()),
         }
         .map_err(|e| Error::InvalidArgument(format!("gradient all-reduce: {e}")))?;
-        let mut reduced = match comm.all_reduce(ReduceBuffer::F32(host), ReduceOp::Mean)? {
-            ReduceBuffer::F32(v) => v,
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "gradient all-reduce: the engine returned {} values",
-                    other.kind()
-                )));
-            }
+        let len = host.len();
+        let reduced = ops::all_reduce_host(
+            &self.state,
+            "gradient_all_reduce",
+            (DType::F32, &[len]),
+            ReduceBuffer::F32(host),
+            ReduceOp::Mean,
+        )?;
+        let ReduceBuffer::F32(mut reduced) = reduced else {
+            return Err(Error::InvalidArgument(format!(
+                "gradient all-reduce: the engine returned {} values",
+                reduced.kind()
+            )));
         };
         if scale != 1.0 {
             reduced.iter_mut().for_each(|x| *x *= scale);
         }
-        let n = reduced.len();
-        let data = TensorData::new(reduced, [n])
+        let data = TensorData::new(reduced, [len])
             .try_cast(dtype)
             .map_err(|e| Error::InvalidArgument(format!("gradient all-reduce: {e}")))?;
         let all = Tensor::<1>::from_data(data, (&device, dtype));
         let sizes: Vec<usize> = bucket.iter().map(|(_, n)| *n).collect();
         for ((id, _), grad) in bucket.iter().zip(all.split_with_sizes(sizes, 0)) {
-            buffer.set_flat(*id, grad);
+            grads.set_flat(*id, grad);
         }
-        start = end;
+        Ok(())
     }
-    Ok(())
+}
+
+impl GradientSync for HostAllReduce {
+    fn name(&self) -> &'static str {
+        "host all-reduce"
+    }
+
+    fn is_distributed(&self) -> bool {
+        true
+    }
+
+    fn average(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()> {
+        let Some(like) = params.iter().find_map(|(id, _)| grads.flat(&[*id]).pop()) else {
+            return Ok(());
+        };
+        for bucket in buckets(params, (self.bucket_bytes / 4).max(1)) {
+            self.average_bucket(grads, bucket, scale, &like)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast_from_root(&self, flat: Tensor<1>) -> Result<Tensor<1>> {
+        ops::broadcast(&self.state, flat, 0)
+    }
+}
+
+/// Consecutive groups of `params` holding at most `max_elems` elements each (a larger parameter alone).
+fn buckets(
+    params: &[(ParamId, usize)],
+    max_elems: usize,
+) -> impl Iterator<Item = &[(ParamId, usize)]> {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= params.len() {
+            return None;
+        }
+        let (mut end, mut elems) = (start, 0);
+        while end < params.len() && (end == start || elems + params[end].1 <= max_elems) {
+            elems += params[end].1;
+            end += 1;
+        }
+        let bucket = &params[start..end];
+        start = end;
+        Some(bucket)
+    })
+}
+
+/// `(id, number of elements)` of every float parameter of `module` that requires a gradient, in visiting order
+/// (the same on every rank for the same model).
+pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
+    struct Params(Vec<(ParamId, usize)>);
+    impl ModuleVisitor for Params {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.is_require_grad() {
+                self.0.push((param.id, param.shape().num_elements()));
+            }
+        }
+    }
+    let mut params = Params(Vec::new());
+    module.visit(&mut params);
+    params.0
 }
 
 /// Returns `module` with every float parameter replaced by rank 0's value (Accelerate's DDP wrapping does the
-/// same), keeping ids and gradient settings.
-pub(crate) fn broadcast_params<M: Module>(
-    state: &crate::state::ProcessState,
-    module: M,
-) -> Result<M> {
-    use burn::module::ModuleMapper;
+/// same), keeping ids and gradient settings. A single rank gets its module back untouched.
+pub(crate) fn broadcast_module<M: Module>(sync: &dyn GradientSync, module: M) -> Result<M> {
+    if !sync.is_distributed() {
+        return Ok(module);
+    }
     struct FromRoot<'a> {
-        state: &'a crate::state::ProcessState,
+        sync: &'a dyn GradientSync,
         error: Option<Error>,
     }
     impl ModuleMapper for FromRoot<'_> {
@@ -115,9 +236,11 @@ pub(crate) fn broadcast_params<M: Module>(
             }
             param.map(|tensor| {
                 let device = tensor.device();
+                let shape = tensor.shape();
                 let fallback = tensor.clone();
-                match crate::ops::broadcast(self.state, tensor.inner(), 0) {
-                    Ok(root) => Tensor::from_inner(root).to_device(&device),
+                let flat = tensor.inner().reshape([shape.num_elements()]);
+                match self.sync.broadcast_from_root(flat) {
+                    Ok(root) => Tensor::from_inner(root.reshape(shape)).to_device(&device),
                     Err(e) => {
                         self.error = Some(e);
                         fallback
@@ -126,10 +249,25 @@ pub(crate) fn broadcast_params<M: Module>(
             })
         }
     }
-    let mut mapper = FromRoot { state, error: None };
+    let mut mapper = FromRoot { sync, error: None };
     let module = module.map(&mut mapper);
     match mapper.error {
         Some(e) => Err(e),
         None => Ok(module),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_respect_the_size_and_keep_large_parameters_whole() {
+        let ids: Vec<ParamId> = (0..4).map(|_| ParamId::new()).collect();
+        let params = vec![(ids[0], 3), (ids[1], 3), (ids[2], 10), (ids[3], 1)];
+        let sizes: Vec<Vec<usize>> = buckets(&params, 6)
+            .map(|b| b.iter().map(|(_, n)| *n).collect())
+            .collect();
+        assert_eq!(sizes, vec![vec![3, 3], vec![10], vec![1]]);
     }
 }

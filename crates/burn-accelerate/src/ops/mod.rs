@@ -5,6 +5,7 @@
 //! each returns its input. With debug mode on (`ACCELERATE_DEBUG_MODE=1`), every collective first exchanges the
 //! operation and the shapes, so a mismatch is an error on every rank, in Accelerate's format, instead of a hang.
 
+mod trigger;
 mod wire;
 
 use burn::tensor::kind::Basic;
@@ -15,6 +16,7 @@ use serde::de::DeserializeOwned;
 use crate::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
 use crate::state::ProcessState;
+pub(crate) use trigger::Trigger;
 use wire::{decode, encode, shape_str};
 
 const PREFIX: &str = "burn_accelerate::ops::";
@@ -91,6 +93,20 @@ fn verify(
     }
 }
 
+/// The one way host buffers reach the communicator's all-reduce — for [`reduce`], gradient sync and triggers
+/// alike: in debug mode, ranks first compare `operation` and `(dtype, shape)` of what they reduce, so a rank
+/// reducing something else is an error on every rank rather than a hang or wrong data.
+pub(crate) fn all_reduce_host(
+    state: &ProcessState,
+    operation: &str,
+    (dtype, shape): (DType, &[usize]),
+    buffer: ReduceBuffer,
+    op: ReduceOp,
+) -> Result<ReduceBuffer> {
+    verify(state, operation, dtype, shape, 0)?;
+    Ok(state.comm().all_reduce(buffer, op)?)
+}
+
 /// Concatenates every rank's tensor along dimension 0, in rank order. The first dimension may differ between
 /// ranks (the result has no padding); the other dimensions and the dtype must agree.
 pub fn gather<const D: usize, K: Basic>(
@@ -149,7 +165,6 @@ pub fn reduce<const D: usize, K: Basic>(
     }
     let device = tensor.device();
     let data = read(tensor, "reduce")?;
-    verify(state, "reduce", dtype, data.shape(), 0)?;
     let shape = data.shape().to_vec();
     let err = |e| data_error("reduce", e);
     let buffer = match dtype {
@@ -184,7 +199,7 @@ pub fn reduce<const D: usize, K: Basic>(
     } else {
         op
     };
-    let out = match state.comm().all_reduce(buffer, op)? {
+    let out = match all_reduce_host(state, "reduce", (dtype, &shape), buffer, op)? {
         ReduceBuffer::F64(v) => TensorData::new(v, shape),
         ReduceBuffer::F32(v) => TensorData::new(v, shape),
         ReduceBuffer::I64(v) if matches!(dtype, DType::Bool(_)) => {

@@ -1,0 +1,260 @@
+//! [`AcceleratorBuilder`]: the settings of an [`Accelerator`], resolved from builder calls over `ACCELERATE_*`
+//! environment variables over the config file over defaults, and the rank it runs as.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::Device;
+
+use crate::accelerator::Accelerator;
+use crate::backend::{Backend, DeviceRequest, select_device};
+use crate::checkpoint::ProjectConfiguration;
+use crate::cluster::{self, ClusterEnvironment};
+use crate::config::{AcceleratorConfig, LossNormalization};
+use crate::error::Result;
+use crate::precision::{LossScaler, MixedPrecision};
+use crate::state::ProcessState;
+
+/// Builds an [`Accelerator`]. Every setting not given here comes from the `ACCELERATE_*` environment variables,
+/// else from the defaults of [`AcceleratorConfig`].
+#[derive(Default, Clone)]
+pub struct AcceleratorBuilder {
+    device: DeviceRequest,
+    device_placement: Option<bool>,
+    step_scheduler_with_optimizer: Option<bool>,
+    split_batches: Option<bool>,
+    gradient_accumulation_steps: Option<usize>,
+    debug: Option<bool>,
+    collective_timeout: Option<Duration>,
+    even_batches: Option<bool>,
+    mixed_precision: Option<MixedPrecision>,
+    loss_scaler: Option<LossScaler>,
+    sync_each_batch: Option<bool>,
+    loss_normalization: Option<LossNormalization>,
+    bucket_size_mb: Option<f64>,
+    project: Option<ProjectConfiguration>,
+}
+
+impl AcceleratorBuilder {
+    /// Runs on this device (autodiff is switched on for it).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device.device = Some(device);
+        self
+    }
+
+    /// Runs on this backend's device for the local rank.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.device.backend = Some(backend);
+        self
+    }
+
+    /// Forces a CPU backend (like `ACCELERATE_USE_CPU=1`).
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.device.cpu = cpu;
+        self
+    }
+
+    /// Whether models and batches are placed on the accelerator's device (default `true`). With `false`, place
+    /// them yourself on [`Accelerator::device`].
+    pub fn device_placement(mut self, on: bool) -> Self {
+        self.device_placement = Some(on);
+        self
+    }
+
+    /// Whether prepared schedulers follow the optimizer (default `true`); with `false` each
+    /// `scheduler.step()` advances the schedule once, whatever the optimizer did.
+    pub fn step_scheduler_with_optimizer(mut self, on: bool) -> Self {
+        self.step_scheduler_with_optimizer = Some(on);
+        self
+    }
+
+    /// Split each batch between ranks instead of giving every rank a batch of its own (default `false`).
+    pub fn split_batches(mut self, on: bool) -> Self {
+        self.split_batches = Some(on);
+        self
+    }
+
+    /// Micro-batches per optimizer step (default 1).
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.gradient_accumulation_steps = Some(steps);
+        self
+    }
+
+    /// Whether prepared dataloaders complete their last round by cycling samples from the start of the epoch, so
+    /// that every rank gets the same number of full batches (default `true`). With `false`, ranks may get
+    /// different numbers of batches, and collectives in the loop can then fail.
+    pub fn even_batches(mut self, on: bool) -> Self {
+        self.even_batches = Some(on);
+        self
+    }
+
+    /// Precision of the forward pass inside [`Accelerator::autocast`] (default `no`;
+    /// `ACCELERATE_MIXED_PRECISION`). fp16 adds dynamic loss scaling.
+    pub fn mixed_precision(mut self, precision: MixedPrecision) -> Self {
+        self.mixed_precision = Some(precision);
+        self
+    }
+
+    /// The fp16 loss scaler's settings (torch's `GradScaler` defaults otherwise).
+    pub fn loss_scaler(mut self, scaler: LossScaler) -> Self {
+        self.loss_scaler = Some(scaler);
+        self
+    }
+
+    /// All-reduce gradients after every micro-batch, not only on sync steps (default `false`).
+    pub fn sync_each_batch(mut self, on: bool) -> Self {
+        self.sync_each_batch = Some(on);
+        self
+    }
+
+    /// How accumulated gradients are normalised (default [`LossNormalization::ActualMicroBatches`]).
+    pub fn loss_normalization(mut self, normalization: LossNormalization) -> Self {
+        self.loss_normalization = Some(normalization);
+        self
+    }
+
+    /// Where `save_state` puts automatic checkpoints (Accelerate's `project_config`).
+    pub fn project_configuration(mut self, project: ProjectConfiguration) -> Self {
+        self.project = Some(project);
+        self
+    }
+
+    /// Size of one gradient all-reduce bucket, in MiB (default 25).
+    pub fn bucket_size_mb(mut self, mib: f64) -> Self {
+        self.bucket_size_mb = Some(mib);
+        self
+    }
+
+    /// Debug mode: before every collective, ranks compare the operation and tensor shapes, so that a mismatch
+    /// is an error on every rank instead of a hang (like `ACCELERATE_DEBUG_MODE=1`). Costs one small exchange per
+    /// collective.
+    pub fn debug(mut self, on: bool) -> Self {
+        self.debug = Some(on);
+        self
+    }
+
+    /// How long a collective waits for the other ranks before failing with an error that names the missing
+    /// ranks (default 300 s; `ACCELERATE_COLLECTIVE_TIMEOUT=<seconds>`).
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.collective_timeout = Some(timeout);
+        self
+    }
+
+    /// Resolves the configuration, finds how this process was started ([`cluster::detect`]: a single process,
+    /// or an MPI job with the `mpi` feature), picks the device and creates the accelerator.
+    ///
+    /// # Errors
+    /// An invalid setting or environment variable, or a requested backend that is not compiled in.
+    pub fn build(self) -> Result<Accelerator> {
+        let config = self.resolve()?;
+        let cluster = cluster::detect(&config)?;
+        self.build_rank(config, cluster.as_ref())
+    }
+
+    /// Creates the accelerator of the rank that `cluster` describes: the seam for running on a communicator of
+    /// your own (an engine this crate does not ship, or a test double that wraps one).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use burn_accelerate::Accelerator;
+    /// use burn_accelerate::cluster::InProcess;
+    /// use burn_accelerate::comm::InProcessGroup;
+    ///
+    /// let group = InProcessGroup::new(1, std::time::Duration::from_secs(5));
+    /// let accelerator = Accelerator::builder().build_in(&InProcess::new(Arc::new(group.comm(0))))?;
+    /// assert_eq!(accelerator.num_processes(), 1);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`build`](Self::build).
+    pub fn build_in(&self, cluster: &dyn ClusterEnvironment) -> Result<Accelerator> {
+        let config = self.resolve()?;
+        self.build_rank(config, cluster)
+    }
+
+    /// The configuration: builder values over environment variables over defaults.
+    pub(crate) fn resolve(&self) -> Result<AcceleratorConfig> {
+        let mut config = AcceleratorConfig::from_file_and_env()?;
+        if let Some(v) = self.device_placement {
+            config.device_placement = v;
+        }
+        if let Some(v) = self.step_scheduler_with_optimizer {
+            config.step_scheduler_with_optimizer = v;
+        }
+        if let Some(v) = self.split_batches {
+            config.split_batches = v;
+        }
+        if let Some(v) = self.gradient_accumulation_steps {
+            config.gradient_accumulation_steps = v;
+        }
+        if let Some(v) = self.debug {
+            config.debug = v;
+        }
+        if let Some(v) = self.even_batches {
+            config.even_batches = v;
+        }
+        if let Some(v) = self.mixed_precision {
+            config.mixed_precision = v;
+        }
+        if let Some(v) = self.loss_scaler.clone() {
+            config.loss_scaler = v;
+        }
+        if let Some(v) = self.sync_each_batch {
+            config.sync_each_batch = v;
+        }
+        if let Some(v) = self.loss_normalization {
+            config.loss_normalization = v;
+        }
+        if let Some(v) = self.bucket_size_mb {
+            config.bucket_size_mb = v;
+        }
+        if let Some(v) = self.collective_timeout {
+            config.collective_timeout_secs = v.as_secs_f64();
+        }
+        config.cpu |= self.device.cpu;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The accelerator of the rank `cluster` describes.
+    pub(crate) fn build_rank(
+        &self,
+        config: AcceleratorConfig,
+        cluster: &dyn ClusterEnvironment,
+    ) -> Result<Accelerator> {
+        let request = DeviceRequest {
+            cpu: config.cpu,
+            ..self.device.clone()
+        };
+        let local_rank = cluster.local_rank();
+        let (device, backend) = select_device(&request, local_rank)?;
+        config
+            .mixed_precision
+            .check(&device, |dtype| device.supports_dtype(dtype))?;
+        let state = ProcessState::new(
+            cluster.communicator(),
+            local_rank,
+            device.autodiff(),
+            backend,
+        )
+        .with_debug(config.debug);
+        Accelerator::from_parts(
+            Arc::new(state),
+            config,
+            self.project.clone().unwrap_or_default(),
+        )
+    }
+}
+
+impl Accelerator {
+    /// An accelerator with every setting from the environment or the defaults.
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// A builder to choose the device and settings.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+}

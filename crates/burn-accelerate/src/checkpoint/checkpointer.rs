@@ -1,0 +1,214 @@
+//! The checkpointer of one rank: where automatic checkpoints go, which objects and dataloader positions a
+//! checkpoint holds besides the models, optimizers and schedulers the loop passes in, and `save_state` /
+//! `load_state` themselves.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::state::{LoadedState, ProjectConfiguration, SaveContext, StateToSave};
+use super::{Checkpointable, state};
+use crate::data::LoaderCursor;
+use crate::error::{Error, Result};
+use crate::precision::LossScaler;
+use crate::state::ProcessState;
+
+/// An object registered for checkpointing, with its name.
+type RegisteredObject = (String, Arc<Mutex<dyn Checkpointable>>);
+
+/// Locks a mutex, recovering from poisoning (the guarded values stay consistent between operations).
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Project configuration, registered objects and prepared dataloaders of one rank.
+#[derive(Default)]
+pub(crate) struct Checkpointer {
+    project: Mutex<ProjectConfiguration>,
+    objects: Mutex<Vec<RegisteredObject>>,
+    loaders: Mutex<Vec<Arc<LoaderCursor>>>,
+}
+
+impl Checkpointer {
+    /// A checkpointer for `project`.
+    pub fn new(project: ProjectConfiguration) -> Self {
+        Self {
+            project: Mutex::new(project),
+            ..Self::default()
+        }
+    }
+
+    /// The automatic-checkpoint settings.
+    pub fn project(&self) -> ProjectConfiguration {
+        lock(&self.project).clone()
+    }
+
+    /// Records a prepared dataloader, whose position every checkpoint saves.
+    pub fn track_loader(&self, cursor: Arc<LoaderCursor>) {
+        lock(&self.loaders).push(cursor);
+    }
+
+    /// Registers `value` under `name` (one name per object).
+    pub fn register(&self, name: &str, value: Arc<Mutex<dyn Checkpointable>>) -> Result<()> {
+        let mut objects = lock(&self.objects);
+        if objects.iter().any(|(n, _)| n == name) {
+            return Err(Error::InvalidArgument(format!(
+                "register_for_checkpointing: `{name}` is already registered; use one name per object"
+            )));
+        }
+        objects.push((name.to_string(), value));
+        Ok(())
+    }
+
+    /// The folder a save goes to, its iteration, and whether it is an automatic checkpoint.
+    fn target(&self, dir: Option<&Path>) -> Result<(PathBuf, usize, bool)> {
+        let project = lock(&self.project);
+        match dir {
+            Some(d) => Ok((d.to_path_buf(), project.iteration, false)),
+            None => {
+                let root = project
+                    .checkpoints_dir()
+                    .filter(|_| project.automatic_checkpoint_naming)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(
+                            "save_state(None) needs automatic checkpoint naming: set \
+                             `AcceleratorBuilder::project_configuration(ProjectConfiguration::new(dir))`, \
+                             or pass a folder"
+                                .into(),
+                        )
+                    })?;
+                let iteration = project.iteration;
+                Ok((
+                    root.join(format!("checkpoint_{iteration}")),
+                    iteration,
+                    true,
+                ))
+            }
+        }
+    }
+
+    /// Saves `parts`, the loss `scaler`, the registered objects and every loader's position into `dir` (or the
+    /// next automatic checkpoint), with every rank taking part; returns the folder.
+    pub fn save_state(
+        &self,
+        rank: &ProcessState,
+        dir: Option<&Path>,
+        parts: &StateToSave,
+        scaler: Option<LossScaler>,
+    ) -> Result<PathBuf> {
+        let (dir, iteration, automatic) = self.target(dir)?;
+        if let Some(parent) = dir.parent()
+            && rank.is_main_process()
+        {
+            std::fs::create_dir_all(parent).map_err(|source| Error::Io {
+                operation: "creating",
+                path: parent.to_path_buf(),
+                source,
+            })?;
+        }
+        let objects = lock(&self.objects)
+            .iter()
+            .map(|(name, value)| Ok((name.clone(), lock(value).state_dict()?)))
+            .collect::<Result<Vec<_>>>()?;
+        let positions = lock(&self.loaders).iter().map(|c| c.position()).collect();
+        let ctx = SaveContext {
+            state: rank,
+            iteration,
+            scaler,
+            objects,
+            positions,
+        };
+        state::save(&dir, parts, ctx)?;
+        if automatic {
+            self.advance_and_prune(rank.is_main_process())?;
+        }
+        rank.wait_for_everyone()?;
+        Ok(dir)
+    }
+
+    /// Moves automatic naming to the next iteration and removes the checkpoints beyond `total_limit` (on the
+    /// main process).
+    fn advance_and_prune(&self, main: bool) -> Result<()> {
+        let mut project = lock(&self.project);
+        project.iteration += 1;
+        if let Some(limit) = project.total_limit
+            && main
+        {
+            let existing = project.checkpoints();
+            for (_, old) in existing.iter().take(existing.len().saturating_sub(limit)) {
+                std::fs::remove_dir_all(old).map_err(|source| Error::Io {
+                    operation: "removing an old checkpoint",
+                    path: old.clone(),
+                    source,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens `dir` (or the latest automatic checkpoint), puts every prepared dataloader back at its saved
+    /// position, restores the registered objects and the automatic-naming iteration. The caller restores the
+    /// loss scaler ([`LoadedState::scaler`]) and the loop's models, optimizers and schedulers.
+    pub fn load_state(&self, rank: &ProcessState, dir: Option<&Path>) -> Result<LoadedState> {
+        let dir = match dir {
+            Some(d) => d.to_path_buf(),
+            None => {
+                let project = lock(&self.project);
+                let (_, latest) = project.checkpoints().pop().ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "load_state(None): no complete checkpoint under {:?}",
+                        project.checkpoints_dir()
+                    ))
+                })?;
+                latest
+            }
+        };
+        let mut loaded = LoadedState::open(&dir, rank.process_index(), rank.num_processes())?;
+        self.restore_positions(&loaded)?;
+        self.restore_objects(&mut loaded)?;
+        lock(&self.project).iteration = loaded.iteration() + 1;
+        Ok(loaded)
+    }
+
+    fn restore_positions(&self, loaded: &LoadedState) -> Result<()> {
+        let loaders = lock(&self.loaders);
+        if loaded.positions().len() != loaders.len() {
+            return Err(Error::Checkpoint {
+                path: loaded.dir().to_path_buf(),
+                reason: format!(
+                    "saved the positions of {} prepared dataloader(s), but {} are prepared now; prepare the same \
+                     dataloaders, in the same order, before load_state",
+                    loaded.positions().len(),
+                    loaders.len()
+                ),
+            });
+        }
+        for (cursor, position) in loaders.iter().zip(loaded.positions()) {
+            cursor.restore(*position);
+        }
+        Ok(())
+    }
+
+    fn restore_objects(&self, loaded: &mut LoadedState) -> Result<()> {
+        let objects = lock(&self.objects);
+        for (name, value) in objects.iter() {
+            let state = loaded.take_object(name).ok_or_else(|| Error::Checkpoint {
+                path: loaded.dir().to_path_buf(),
+                reason: format!(
+                    "has no object `{name}`; it was registered after this checkpoint was saved"
+                ),
+            })?;
+            lock(value).load_state_dict(state)?;
+        }
+        let left = loaded.remaining_objects();
+        if !left.is_empty() {
+            return Err(Error::Checkpoint {
+                path: loaded.dir().to_path_buf(),
+                reason: format!(
+                    "holds object(s) {left:?} that are not registered; register every object that was saved \
+                     (register_for_checkpointing) before load_state"
+                ),
+            });
+        }
+        Ok(())
+    }
+}

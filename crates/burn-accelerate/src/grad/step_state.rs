@@ -1,0 +1,265 @@
+//! The state of one training step, shared by a rank's accelerator, prepared optimizers, schedulers and
+//! dataloaders: Accelerate's `GradientState`, as a small state machine with named transitions, and the
+//! gradients accumulated so far.
+//!
+//! ```text
+//!             begin_micro_batch ──> record_backward ──> (sync step) record_overflow ──> take_verdict
+//! dataloader: begin_epoch ──> batch_yielded ... (end_of_dataloader closes the window early)
+//! ```
+//!
+//! [`Verdict`] is the one source of truth for what the optimizer does with the current micro-batch, and
+//! `last_step_skipped` the one record of whether the latest optimizer step was skipped, read by the optimizer,
+//! the scheduler and the accelerator alike.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::GradientBuffer;
+
+/// A snapshot of the gradient-synchronisation state of the current step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GradientState {
+    /// Whether this micro-batch ends an accumulation window: gradients are synchronised and the optimizer steps.
+    pub sync_gradients: bool,
+    /// Whether the batch just yielded by a prepared dataloader was its last one for this epoch.
+    pub end_of_dataloader: bool,
+    /// The configured number of micro-batches per optimizer step.
+    pub num_steps: usize,
+    /// Samples of the last round of the active dataloader that are not padding (`None` with `drop_last`).
+    pub remainder: Option<usize>,
+}
+
+impl GradientState {
+    /// How many gathered samples `gather_for_metrics` keeps: the real samples of the last round, on the last
+    /// batch of an epoch only.
+    pub(crate) fn samples_to_keep(&self) -> Option<usize> {
+        match (self.end_of_dataloader, self.remainder) {
+            (true, Some(r)) if r > 0 => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// What the optimizer does with the current micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Inside an accumulation window: keep the gradients, leave the model as it is.
+    Accumulate,
+    /// The window ends: apply the gradients.
+    Step,
+    /// The window ends with an overflow (fp16) on some rank: drop the gradients on every rank.
+    Skip,
+}
+
+/// How the gradients of a `backward` are treated, decided by [`StepState::record_backward`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BackwardPlan {
+    /// Keep accumulating locally, no communication.
+    Local,
+    /// Average across ranks without ending the window (`sync_each_batch`).
+    SyncOnly,
+    /// End the window: normalise over `micro_batches` (the `backward` calls of the window), sync, verdict.
+    EndWindow { micro_batches: usize },
+}
+
+/// Accumulation window, end-of-epoch tracking and step verdict of one rank.
+#[derive(Debug)]
+pub(crate) struct StepState {
+    num_steps: usize,
+    /// Micro-batches counted by `begin_micro_batch` since the last sync (Accelerate's `step`).
+    counted: usize,
+    /// `backward` calls since gradients were last synchronised.
+    backward_calls: usize,
+    sync_gradients: bool,
+    end_of_dataloader: bool,
+    remainder: Option<usize>,
+    /// Whether the gradients of the current window overflowed (on any rank).
+    overflow: bool,
+    /// Whether the latest optimizer step was skipped.
+    last_step_skipped: bool,
+}
+
+impl StepState {
+    fn new(num_steps: usize) -> Self {
+        Self {
+            num_steps,
+            counted: 0,
+            backward_calls: 0,
+            sync_gradients: true,
+            end_of_dataloader: false,
+            remainder: None,
+            overflow: false,
+            last_step_skipped: false,
+        }
+    }
+
+    /// A micro-batch starts (Accelerate's `accumulate`): decides whether it ends the window, which it does every
+    /// `num_steps` micro-batches and on the last batch of a dataloader. Returns that decision.
+    pub fn begin_micro_batch(&mut self) -> bool {
+        if self.end_of_dataloader {
+            self.counted = 0;
+            self.sync_gradients = true;
+        } else {
+            self.counted += 1;
+            self.sync_gradients = self.counted.is_multiple_of(self.num_steps);
+        }
+        self.sync_gradients
+    }
+
+    /// A prepared dataloader starts an epoch of `batches` batches on this rank, whose last round holds
+    /// `remainder` real samples.
+    pub fn begin_epoch(&mut self, batches: usize, remainder: Option<usize>) {
+        self.end_of_dataloader = batches == 0;
+        self.remainder = remainder;
+    }
+
+    /// A prepared dataloader yielded a batch (`last`: the epoch's last).
+    pub fn batch_yielded(&mut self, last: bool) {
+        self.end_of_dataloader = last;
+    }
+
+    /// A `backward` added gradients; `sync_each_batch`: average across ranks even inside the window.
+    pub fn record_backward(&mut self, sync_each_batch: bool) -> BackwardPlan {
+        self.backward_calls += 1;
+        if self.sync_gradients {
+            let micro_batches = std::mem::take(&mut self.backward_calls);
+            BackwardPlan::EndWindow { micro_batches }
+        } else if sync_each_batch {
+            BackwardPlan::SyncOnly
+        } else {
+            BackwardPlan::Local
+        }
+    }
+
+    /// The overflow check of the window's end: `true` makes every optimizer skip this step.
+    pub fn record_overflow(&mut self, overflow: bool) {
+        self.overflow = overflow;
+    }
+
+    /// What the optimizer does now.
+    pub fn verdict(&self) -> Verdict {
+        match (self.sync_gradients, self.overflow) {
+            (false, _) => Verdict::Accumulate,
+            (true, true) => Verdict::Skip,
+            (true, false) => Verdict::Step,
+        }
+    }
+
+    /// The optimizer acts on the verdict: records whether the step was skipped (unchanged on accumulation).
+    pub fn take_verdict(&mut self) -> Verdict {
+        let verdict = self.verdict();
+        if verdict != Verdict::Accumulate {
+            self.last_step_skipped = verdict == Verdict::Skip;
+        }
+        verdict
+    }
+
+    /// Whether the latest optimizer step was skipped (fp16 overflow).
+    pub fn last_step_skipped(&self) -> bool {
+        self.last_step_skipped
+    }
+
+    /// Whether the current micro-batch ends the window.
+    pub fn sync_gradients(&self) -> bool {
+        self.sync_gradients
+    }
+
+    /// The public snapshot.
+    pub fn snapshot(&self) -> GradientState {
+        GradientState {
+            sync_gradients: self.sync_gradients,
+            end_of_dataloader: self.end_of_dataloader,
+            num_steps: self.num_steps,
+            remainder: self.remainder,
+        }
+    }
+}
+
+/// The step state and gradients of one rank, behind one lock.
+#[derive(Debug)]
+pub(crate) struct StepCore {
+    /// The window and verdict.
+    pub state: StepState,
+    /// The gradients accumulated since the last optimizer step.
+    pub grads: GradientBuffer,
+}
+
+/// A handle to the step of one rank, cloned into every prepared object of that rank.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedStep(Arc<Mutex<StepCore>>);
+
+impl SharedStep {
+    pub fn new(num_steps: usize) -> Self {
+        Self(Arc::new(Mutex::new(StepCore {
+            state: StepState::new(num_steps),
+            grads: GradientBuffer::new(),
+        })))
+    }
+
+    /// Locks the step. A rank's objects are used from one thread, so the lock is never contended; a poisoned
+    /// lock (a panic while holding it) is recovered, since the state stays consistent between operations.
+    pub fn lock(&self) -> MutexGuard<'_, StepCore> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn snapshot(&self) -> GradientState {
+        self.lock().state.snapshot()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_of_three_with_an_epoch_ending_early() {
+        let mut s = StepState::new(3);
+        s.begin_epoch(5, Some(1));
+        let mut decisions = Vec::new();
+        for batch in 0..5 {
+            s.batch_yielded(batch == 4);
+            decisions.push(s.begin_micro_batch());
+            let plan = s.record_backward(false);
+            assert_eq!(
+                matches!(plan, BackwardPlan::EndWindow { .. }),
+                decisions[batch]
+            );
+        }
+        // Windows: 3 micro-batches, then 2 cut short by the end of the dataloader.
+        assert_eq!(decisions, vec![false, false, true, false, true]);
+    }
+
+    #[test]
+    fn end_window_counts_the_backward_calls_it_had() {
+        let mut s = StepState::new(4);
+        s.begin_micro_batch();
+        assert_eq!(s.record_backward(false), BackwardPlan::Local);
+        s.begin_micro_batch();
+        assert_eq!(s.record_backward(true), BackwardPlan::SyncOnly);
+        s.batch_yielded(true);
+        s.begin_micro_batch();
+        assert_eq!(
+            s.record_backward(false),
+            BackwardPlan::EndWindow { micro_batches: 3 }
+        );
+    }
+
+    #[test]
+    fn one_record_of_skipped_steps() {
+        let mut s = StepState::new(2);
+        s.begin_micro_batch();
+        assert_eq!(s.take_verdict(), Verdict::Accumulate);
+        s.begin_micro_batch();
+        s.record_overflow(true);
+        assert_eq!(s.take_verdict(), Verdict::Skip);
+        assert!(s.last_step_skipped());
+        s.begin_micro_batch();
+        assert_eq!(s.take_verdict(), Verdict::Accumulate);
+        assert!(s.last_step_skipped(), "kept through the next window");
+        s.begin_micro_batch();
+        s.record_overflow(false);
+        assert_eq!(s.take_verdict(), Verdict::Step);
+        assert!(!s.last_step_skipped());
+    }
+}
