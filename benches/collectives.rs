@@ -15,7 +15,7 @@ mod stats;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use stats::{median, paired_ratio};
+use stats::median;
 
 use burn_accelerate::comm::{Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
 
@@ -154,7 +154,7 @@ fn mpi_report() {
             }
         }
         // Paired ratios (same iteration, back to back) cancel slow drift in machine load.
-        let ratio = paired_ratio(&raw_t, &our_t);
+        let ratio = stats::paired_ratio(&raw_t, &our_t);
         let (raw, our) = (median(raw_t), median(our_t));
         let bus = |t| gbps(bytes, t) * 2.0 * (n - 1) as f64 / n as f64;
         if main {

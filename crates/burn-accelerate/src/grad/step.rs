@@ -153,7 +153,10 @@ mod tests {
     /// A test double of the sync seam: records each call's scale, and halves nothing (a world of one that
     /// claims to be distributed, as a device all-reduce on one GPU would be).
     #[derive(Debug, Default)]
-    struct Recording(Arc<Mutex<Vec<(usize, f32)>>>);
+    struct Recording(Calls);
+
+    /// Each call's number of parameters and scale.
+    type Calls = Arc<Mutex<Vec<(usize, f32)>>>;
 
     impl GradientSync for Recording {
         fn name(&self) -> &'static str {
@@ -178,7 +181,7 @@ mod tests {
         }
     }
 
-    fn pipeline(config: AcceleratorConfig) -> (StepPipeline, Arc<Mutex<Vec<(usize, f32)>>>) {
+    fn pipeline(config: AcceleratorConfig) -> (StepPipeline, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let sync = Box::new(Recording(calls.clone()));
         (StepPipeline::new(&config, sync), calls)
