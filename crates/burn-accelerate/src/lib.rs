@@ -75,6 +75,7 @@ pub mod error;
 pub mod grad;
 mod launch;
 pub mod logging;
+pub mod memory;
 pub mod ops;
 pub mod optim;
 pub mod placement;

@@ -65,6 +65,11 @@ impl GradientBuffer {
         self.tensor_ranks.is_empty()
     }
 
+    /// The ids of every stored gradient.
+    pub(crate) fn ids(&self) -> Vec<ParamId> {
+        self.tensor_ranks.keys().copied().collect()
+    }
+
     /// Drops every stored gradient.
     pub(crate) fn clear(&mut self) {
         *self = Self::default();
@@ -167,7 +172,7 @@ impl GradientBuffer {
 
     /// Multiplies every stored gradient by `factor`.
     pub(crate) fn scale_all(&mut self, factor: f32) {
-        let ids: Vec<ParamId> = self.tensor_ranks.keys().copied().collect();
+        let ids = self.ids();
         self.map_flat(&ids, |g| g.mul_scalar(factor));
     }
 

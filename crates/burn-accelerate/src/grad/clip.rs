@@ -111,6 +111,27 @@ pub(crate) fn has_non_finite(buffer: &mut GradientBuffer, ids: &[ParamId]) -> Re
         })
 }
 
+/// Reads one flag computed from `loss` and every gradient of `ids`, which makes the device finish them all and
+/// report a failure (an out-of-memory one, typically) as an error instead of at the optimizer step.
+pub(crate) fn check_executed<const D: usize>(
+    buffer: &mut GradientBuffer,
+    ids: &[ParamId],
+    loss: Tensor<D>,
+) -> Result<()> {
+    let device = loss.device();
+    let mut flags: Vec<Tensor<1, burn::tensor::Bool>> = vec![loss.is_nan().any()];
+    flags.extend(buffer.flat(ids).into_iter().map(|g| g.is_nan().any()));
+    Tensor::cat(flags, 0)
+        .any()
+        .try_into_scalar::<bool>()
+        .map(|_| ())
+        .map_err(|e| Error::Execution {
+            operation: "check_step",
+            device: format!("{device:?}"),
+            reason: e.to_string(),
+        })
+}
+
 /// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`.
 pub(crate) fn clip_grad_value(
     buffer: &mut GradientBuffer,

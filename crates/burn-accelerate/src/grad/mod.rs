@@ -13,5 +13,5 @@ pub(crate) mod sync;
 
 pub(crate) use buffer::{GradientBuffer, param_ids};
 pub use clip::NormType;
-pub(crate) use clip::{clip_grad_norm, clip_grad_value, has_non_finite};
+pub(crate) use clip::{check_executed, clip_grad_norm, clip_grad_value, has_non_finite};
 pub use step_state::GradientState;

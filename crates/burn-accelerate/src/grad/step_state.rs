@@ -105,6 +105,14 @@ impl StepState {
         self.sync_gradients
     }
 
+    /// Forgets the current accumulation window (after `free_memory`, before a retry with another batch size).
+    pub fn reset_window(&mut self) {
+        self.counted = 0;
+        self.backward_calls = 0;
+        self.sync_gradients = true;
+        self.overflow = false;
+    }
+
     /// A prepared dataloader starts an epoch of `batches` batches on this rank, whose last round holds
     /// `remainder` real samples.
     pub fn begin_epoch(&mut self, batches: usize, remainder: Option<usize>) {
