@@ -7,6 +7,8 @@ mod examples;
 mod fixtures;
 #[path = "../examples/support/mlp.rs"]
 mod mlp;
+#[path = "support/python.rs"]
+mod python;
 
 use examples::example;
 use fixtures::initial;
@@ -254,13 +256,6 @@ fn registered_objects_round_trip_and_must_match() {
     assert_eq!(*extra.lock().unwrap(), 7);
 }
 
-fn python_has_safetensors() -> bool {
-    Command::new("python3")
-        .args(["-c", "import safetensors.numpy, numpy"])
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn sharded_safetensors_follow_hugging_face_conventions() {
     let dir = temp_dir("shards");
@@ -293,7 +288,7 @@ fn sharded_safetensors_follow_hugging_face_conventions() {
         vec!["input.bias", "input.weight", "output.bias", "output.weight"]
     );
 
-    if python_has_safetensors() {
+    if let Some(python) = python::python_with(&["numpy", "safetensors.numpy"]) {
         let script = format!(
             r#"
 import json, os, numpy, safetensors.numpy as st
@@ -308,18 +303,11 @@ assert total == index["metadata"]["total_size"], (total, index["metadata"])
 print("python ok")
 "#
         );
-        let out = Command::new("python3")
-            .args(["-c", &script])
-            .output()
-            .unwrap();
+        let out = Command::new(python).args(["-c", &script]).output().unwrap();
         assert!(
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
-        );
-    } else {
-        eprintln!(
-            "python3 with safetensors and numpy not found: the Python cross-check is skipped"
         );
     }
 

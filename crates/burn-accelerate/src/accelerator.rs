@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 
 use crate::checkpoint::{
     Checkpointable, Checkpointer, LoadOptions, LoadReport, LoadedState, ProjectConfiguration,
-    StateToSave,
+    SaveOptions, StateToSave,
 };
 use crate::comm::ReduceOp;
 use crate::config::AcceleratorConfig;
@@ -370,9 +370,11 @@ impl Accelerator {
 
     /// Saves `model`'s weights into `dir` in Hugging Face's layout: `model.safetensors`, or shards no larger
     /// than `max_shard_size` (`"10GB"`, `"500MB"`, `"1GiB"`) named `model-00001-of-0000N.safetensors` with
-    /// `model.safetensors.index.json`; files of an earlier save that this one does not use are removed. With
-    /// `safe_serialization` off, writes Burn's `model.bpk` instead (keeps parameter ids). Only the main process
-    /// writes; call it on every rank.
+    /// `model.safetensors.index.json`; files of an earlier save that this one does not use are removed. Tensors
+    /// are in PyTorch's layout, so the file loads into the matching `torch.nn` module (see
+    /// [`WeightLayout`](crate::checkpoint::WeightLayout); [`save_model_with`](Self::save_model_with) chooses).
+    /// With `safe_serialization` off, writes Burn's `model.bpk` instead (keeps parameter ids). Only the main
+    /// process writes; call it on every rank.
     pub fn save_model<M: Module>(
         &self,
         model: &M,
@@ -380,12 +382,52 @@ impl Accelerator {
         max_shard_size: &str,
         safe_serialization: bool,
     ) -> Result<Vec<PathBuf>> {
+        let options = SaveOptions {
+            max_shard_size: max_shard_size.to_string(),
+            safe_serialization,
+            ..SaveOptions::default()
+        };
+        self.save_model_with(model, dir, &options)
+    }
+
+    /// [`save_model`](Self::save_model) with every option: the tensor layout (PyTorch's or Burn's) and key
+    /// remapping.
+    ///
+    /// ```
+    /// use burn::nn::{Linear, LinearConfig};
+    /// use burn_accelerate::Accelerator;
+    /// use burn_accelerate::checkpoint::{KeyRemap, SaveOptions, WeightLayout};
+    ///
+    /// let accelerator = Accelerator::new()?;
+    /// let model: Linear = LinearConfig::new(3, 2).init(accelerator.device());
+    /// let dir = std::env::temp_dir().join(format!("doc-save-{}", std::process::id()));
+    /// let options = SaveOptions {
+    ///     layout: WeightLayout::PyTorch,                  // weight: [2, 3], as torch.nn.Linear(3, 2) has it
+    ///     remap: KeyRemap::new().rule("^", "model.")?,    // keys `model.weight`, `model.bias`
+    ///     ..SaveOptions::default()
+    /// };
+    /// accelerator.save_model_with(&model, &dir, &options)?;
+    /// # std::fs::remove_dir_all(&dir).ok();
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn save_model_with<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        options: &SaveOptions,
+    ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
-        let max = crate::checkpoint::parse_size(max_shard_size)?;
+        let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
         let mut written = Vec::new();
         if self.is_main_process() {
-            if safe_serialization {
-                written = crate::checkpoint::weights::write_safetensors(model, dir, max)?;
+            if options.safe_serialization {
+                written = crate::checkpoint::weights::write_safetensors(
+                    model,
+                    dir,
+                    max,
+                    options.layout,
+                    &options.remap,
+                )?;
             } else {
                 written.push(crate::checkpoint::weights::write_burnpack(model, dir)?);
             }
@@ -395,8 +437,11 @@ impl Accelerator {
     }
 
     /// Loads weights saved by [`save_model`](Self::save_model) or by Hugging Face tools (a `.safetensors`
-    /// file, a folder, or an index) into `model`, matching parameters by path. Returns the model and what did
-    /// not match (Accelerate does not report missing keys); with `options.strict`, any mismatch is an error.
+    /// file, a folder, or an index) into `model`, matching parameters by path. The layout is the one the file
+    /// records, else PyTorch's (what PyTorch and Hugging Face tools write); `options.layout` overrides it and
+    /// `options.remap` renames the checkpoint's keys first (e.g. strip `model.`). Returns the model and what was
+    /// renamed or did not match (Accelerate does not report missing keys); with `options.strict`, any mismatch
+    /// is an error.
     pub fn load_checkpoint_in_model<M: Module>(
         &self,
         model: M,

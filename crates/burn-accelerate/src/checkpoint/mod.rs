@@ -8,9 +8,11 @@
 
 mod checkpointer;
 mod fs;
+pub mod layout;
 pub mod state;
 pub mod weights;
 
 pub(crate) use checkpointer::Checkpointer;
+pub use layout::{KeyRemap, WeightLayout};
 pub use state::{Checkpointable, LoadedState, ProjectConfiguration, StateToSave};
-pub use weights::{LoadOptions, LoadReport, parse_size};
+pub use weights::{LoadOptions, LoadReport, SaveOptions, parse_size};

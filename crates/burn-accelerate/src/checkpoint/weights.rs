@@ -10,6 +10,7 @@ use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use super::fs::{io, read, sync_dir, with_suffix};
+use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
 use crate::error::{Error, Result};
 
 /// Name of a single-file checkpoint.
@@ -99,6 +100,8 @@ fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
 struct Named {
     name: String,
     data: TensorData,
+    /// The module types around it, outermost first (`Struct:Net`, `Struct:Linear`).
+    containers: Vec<String>,
 }
 
 /// Every parameter of `module` with its dotted path (`encoder.layers.0.weight`), in visiting order.
@@ -106,6 +109,7 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
     struct Collect {
         out: Vec<Named>,
         stack: Vec<String>,
+        containers: Vec<String>,
         error: Option<Error>,
     }
     impl Collect {
@@ -117,6 +121,7 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
                 Ok(data) => self.out.push(Named {
                     name: self.stack.join("."),
                     data,
+                    containers: self.containers.clone(),
                 }),
                 Err(e) => {
                     self.error = Some(Error::Execution {
@@ -129,11 +134,13 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
         }
     }
     impl ModuleVisitor for Collect {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
             self.stack.push(name.to_string());
+            self.containers.push(container_type.to_string());
         }
         fn exit_module(&mut self, _name: &str, _container_type: &str) {
             self.stack.pop();
+            self.containers.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             self.push(&param.val());
@@ -148,6 +155,7 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
     let mut collect = Collect {
         out: Vec::new(),
         stack: Vec::new(),
+        containers: Vec::new(),
         error: None,
     };
     module.visit(&mut collect);
@@ -174,16 +182,34 @@ pub fn write_burnpack<M: Module>(module: &M, dir: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Writes `module`'s weights into `dir` in Hugging Face's safetensors layout, sharded greedily so that no shard
-/// exceeds `max_shard_size` (unless one tensor alone does). Files of an earlier save that the new one does not
-/// use are removed. Returns the files written.
+/// Writes `module`'s weights into `dir` in Hugging Face's safetensors layout, in `layout` with keys renamed by
+/// `remap`, sharded greedily so that no shard exceeds `max_shard_size` (unless one tensor alone does). Files of
+/// an earlier save that the new one does not use are removed. Returns the files written.
 pub fn write_safetensors<M: Module>(
     module: &M,
     dir: &Path,
     max_shard_size: u64,
+    layout: WeightLayout,
+    remap: &KeyRemap,
 ) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
-    let tensors = named_tensors(module)?;
+    let mut tensors = Vec::new();
+    let mut keys = std::collections::HashSet::new();
+    for t in named_tensors(module)? {
+        let (key, data) = layout.stored(t.name.clone(), t.data, &t.containers)?;
+        let key = remap.apply(&key).unwrap_or(key);
+        if !keys.insert(key.clone()) {
+            return Err(Error::InvalidArgument(format!(
+                "save_model: two tensors would be saved as `{key}` (the last is `{}`); change the key remapping",
+                t.name
+            )));
+        }
+        tensors.push(Named {
+            name: key,
+            data,
+            containers: t.containers,
+        });
+    }
     if tensors.is_empty() {
         return Err(Error::InvalidArgument(
             "save_model: the model has no parameters to save".into(),
@@ -230,6 +256,7 @@ pub fn write_safetensors<M: Module>(
         }
         let mut metadata = HashMap::new();
         metadata.insert("format".to_string(), "pt".to_string());
+        metadata.insert(LAYOUT_KEY.to_string(), layout.tag().to_string());
         let path = dir.join(&file);
         let tmp = with_suffix(&path, ".partial");
         // Streamed to disk (no second copy of the weights in memory), then synced.
@@ -272,13 +299,15 @@ pub fn write_safetensors<M: Module>(
     Ok(written)
 }
 
-/// What a partial load did not match.
+/// What a load renamed and did not match.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadReport {
     /// Parameters of the model that the checkpoint does not have (they keep their values).
     pub missing: Vec<String>,
-    /// Tensors of the checkpoint that the model does not have.
+    /// Tensors of the checkpoint that the model does not have (their keys after remapping).
     pub unexpected: Vec<String>,
+    /// Checkpoint keys that the key remapping renamed, as (stored key, key used).
+    pub remapped: Vec<(String, String)>,
 }
 
 /// How [`load_weights`] treats the checkpoint.
@@ -289,19 +318,52 @@ pub struct LoadOptions {
     pub strict: bool,
     /// Cast every loaded tensor to this dtype (default: each parameter keeps its current dtype).
     pub dtype: Option<DType>,
+    /// The layout of the checkpoint (default `None`: the layout the file records, else PyTorch's, which is what
+    /// PyTorch and Hugging Face tools write).
+    pub layout: Option<WeightLayout>,
+    /// Renames the checkpoint's keys before they are matched to the model's parameters (e.g. strip `model.`).
+    pub remap: KeyRemap,
 }
 
-/// The tensors of a checkpoint: name -> (file, raw data).
+/// How [`save_model_with`](crate::Accelerator::save_model_with) writes weights.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    /// The largest shard, `"10GB"`, `"500MB"`, `"1GiB"` (default `"10GB"`).
+    pub max_shard_size: String,
+    /// safetensors (default `true`), or Burn's own `model.bpk` (keeps parameter ids; layout and remapping do
+    /// not apply).
+    pub safe_serialization: bool,
+    /// The tensor layout (default PyTorch's; see [`WeightLayout`]).
+    pub layout: WeightLayout,
+    /// Renames keys as they are written (e.g. add a `model.` prefix a consumer expects).
+    pub remap: KeyRemap,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        Self {
+            max_shard_size: "10GB".into(),
+            safe_serialization: true,
+            layout: WeightLayout::default(),
+            remap: KeyRemap::default(),
+        }
+    }
+}
+
+/// The tensors of a checkpoint: key (after remapping) -> (file, stored key).
 struct Source {
     files: Vec<(PathBuf, Vec<u8>)>,
-    names: BTreeMap<String, usize>,
+    names: BTreeMap<String, (usize, String)>,
+    /// The layout the files record, if any.
+    layout: Option<WeightLayout>,
+    remapped: Vec<(String, String)>,
 }
 
 impl Source {
-    fn open(path: &Path) -> Result<Self> {
+    fn open(path: &Path, remap: &KeyRemap) -> Result<Self> {
         let files: Vec<PathBuf> = if path.is_dir() {
             if path.join(INDEX_FILE).exists() {
-                return Self::from_index(&path.join(INDEX_FILE));
+                return Self::from_index(&path.join(INDEX_FILE), remap);
             }
             if path.join(SINGLE_FILE).exists() {
                 vec![path.join(SINGLE_FILE)]
@@ -314,14 +376,14 @@ impl Source {
                 ));
             }
         } else if path.extension().is_some_and(|e| e == "json") {
-            return Self::from_index(path);
+            return Self::from_index(path, remap);
         } else {
             vec![path.to_path_buf()]
         };
-        Self::from_files(files)
+        Self::from_files(files, remap)
     }
 
-    fn from_index(index: &Path) -> Result<Self> {
+    fn from_index(index: &Path, remap: &KeyRemap) -> Result<Self> {
         let text = read(index)?;
         let value: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| corrupt(index, format!("not a JSON index: {e}")))?;
@@ -337,14 +399,35 @@ impl Source {
             .collect();
         files.sort();
         files.dedup();
-        Self::from_files(files)
+        Self::from_files(files, remap)
     }
 
-    fn from_files(paths: Vec<PathBuf>) -> Result<Self> {
+    fn from_files(paths: Vec<PathBuf>, remap: &KeyRemap) -> Result<Self> {
         let mut files = Vec::with_capacity(paths.len());
         let mut names = BTreeMap::new();
+        let mut layout = None;
+        let mut remapped = Vec::new();
         for path in paths {
             let bytes = read(&path)?;
+            let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| {
+                corrupt(
+                    &path,
+                    format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+                )
+            })?;
+            let tag = metadata
+                .metadata()
+                .as_ref()
+                .and_then(|m| m.get(LAYOUT_KEY).cloned());
+            if let Some(tag) = tag {
+                let recorded = WeightLayout::from_tag(&tag).ok_or_else(|| {
+                    corrupt(
+                        &path,
+                        format!("records the unknown layout `{tag}` under {LAYOUT_KEY}"),
+                    )
+                })?;
+                layout = Some(recorded);
+            }
             let tensors = SafeTensors::deserialize(&bytes).map_err(|e| {
                 corrupt(
                     &path,
@@ -352,16 +435,39 @@ impl Source {
                 )
             })?;
             for name in tensors.names() {
-                names.insert(name.to_string(), files.len());
+                let key = match remap.apply(name) {
+                    Some(new) => {
+                        remapped.push((name.to_string(), new.clone()));
+                        new
+                    }
+                    None => name.to_string(),
+                };
+                if let Some((_, other)) = names.insert(key.clone(), (files.len(), name.to_string()))
+                {
+                    return Err(corrupt(
+                        &path,
+                        format!(
+                            "the key remapping gives `{other}` and `{name}` the same key `{key}`"
+                        ),
+                    ));
+                }
             }
             files.push((path, bytes));
         }
-        Ok(Self { files, names })
+        remapped.sort();
+        Ok(Self {
+            files,
+            names,
+            layout,
+            remapped,
+        })
     }
 
-    /// The tensor `name`, as data in its stored dtype.
-    fn tensor(&self, name: &str) -> Option<Result<(PathBuf, TensorData)>> {
-        let (path, bytes) = &self.files[*self.names.get(name)?];
+    /// The tensor stored under `key` (after remapping), as data in its stored dtype.
+    fn tensor(&self, key: &str) -> Option<Result<(PathBuf, TensorData)>> {
+        let (index, name) = self.names.get(key)?;
+        let name = name.as_str();
+        let (path, bytes) = &self.files[*index];
         let tensors = match SafeTensors::deserialize(bytes) {
             Ok(t) => t,
             Err(e) => return Some(Err(corrupt(path, e))),
@@ -399,11 +505,14 @@ pub fn load_weights<M: Module>(
     path: &Path,
     options: &LoadOptions,
 ) -> Result<(M, LoadReport)> {
-    let source = Source::open(path)?;
+    let source = Source::open(path, &options.remap)?;
+    let layout = options.layout.or(source.layout).unwrap_or_default();
     struct Apply<'a> {
         source: &'a Source,
         options: &'a LoadOptions,
+        layout: WeightLayout,
         stack: Vec<String>,
+        containers: Vec<String>,
         seen: Vec<String>,
         missing: Vec<String>,
         error: Option<Error>,
@@ -417,11 +526,14 @@ pub fn load_weights<M: Module>(
             if self.error.is_some() {
                 return tensor;
             }
-            let Some(found) = self.source.tensor(&name) else {
-                self.missing.push(name);
+            let (key, stored_shape) =
+                self.layout
+                    .file_key(&name, tensor.dtype(), &tensor.dims(), &self.containers);
+            let Some(found) = self.source.tensor(&key) else {
+                self.missing.push(key);
                 return tensor;
             };
-            self.seen.push(name.clone());
+            self.seen.push(key.clone());
             let (file, data) = match found {
                 Ok(v) => v,
                 Err(e) => {
@@ -429,17 +541,27 @@ pub fn load_weights<M: Module>(
                     return tensor;
                 }
             };
-            if data.shape().as_slice() != tensor.dims().as_slice() {
+            if data.shape().as_slice() != stored_shape.as_slice() {
                 self.error = Some(corrupt(
                     &file,
                     format!(
-                        "tensor `{name}` has shape {:?}, but the model's parameter has shape {:?}",
+                        "tensor `{key}` has shape {:?}, but the model's parameter `{name}` has shape {:?} ({:?} in \
+                         the checkpoint's {} layout); load with the layout the file was written in",
                         data.shape().as_slice(),
-                        tensor.dims()
+                        tensor.dims(),
+                        stored_shape,
+                        self.layout.tag()
                     ),
                 ));
                 return tensor;
             }
+            let data = match self.layout.restored(&name, data, &self.containers) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.error = Some(corrupt(&file, format!("tensor `{key}`: {e}")));
+                    return tensor;
+                }
+            };
             let dtype = self.options.dtype.unwrap_or(tensor.dtype());
             let data = match data.try_cast(dtype) {
                 Ok(d) => d,
@@ -456,11 +578,13 @@ pub fn load_weights<M: Module>(
         }
     }
     impl ModuleMapper for Apply<'_> {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
             self.stack.push(name.to_string());
+            self.containers.push(container_type.to_string());
         }
         fn exit_module(&mut self, _name: &str, _container_type: &str) {
             self.stack.pop();
+            self.containers.pop();
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let requires_grad = param.is_require_grad();
@@ -493,7 +617,9 @@ pub fn load_weights<M: Module>(
     let mut apply = Apply {
         source: &source,
         options,
+        layout,
         stack: Vec::new(),
+        containers: Vec::new(),
         seen: Vec::new(),
         missing: Vec::new(),
         error: None,
@@ -511,6 +637,7 @@ pub fn load_weights<M: Module>(
     let report = LoadReport {
         missing: apply.missing,
         unexpected,
+        remapped: source.remapped.clone(),
     };
     if options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()) {
         return Err(corrupt(
