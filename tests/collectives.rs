@@ -174,3 +174,31 @@ fn broadcast_from_an_invalid_rank_is_an_error() {
     .unwrap();
     assert!(errors[0].contains("rank 5"), "{}", errors[0]);
 }
+
+#[test]
+fn debug_mode_checks_gradient_all_reduces_too() {
+    // Rank 0 averages its 4 gradients while rank 1 reduces a tensor of 4 floats: the engine alone cannot tell
+    // them apart (same kind, same length); debug mode names both operations on both ranks.
+    use burn::nn::{Linear, LinearConfig};
+    let errors = Accelerator::builder()
+        .debug(true)
+        .launch(2, |acc| {
+            let model: Linear = acc.prepare_model(LinearConfig::new(3, 1).init(acc.device()))?;
+            let err = if acc.process_index() == 0 {
+                let loss = model.forward(Tensor::<2>::ones([2, 3], acc.device())).sum();
+                acc.backward(loss, &model).unwrap_err()
+            } else {
+                acc.reduce(Tensor::<1>::zeros([4], acc.device()), ReduceOp::Sum)
+                    .unwrap_err()
+            };
+            Ok(err.to_string())
+        })
+        .unwrap();
+    for error in errors {
+        assert!(
+            error.contains("rank 0: burn_accelerate::ops::gradient_all_reduce")
+                && error.contains("rank 1: burn_accelerate::ops::reduce"),
+            "{error}"
+        );
+    }
+}
