@@ -2,30 +2,29 @@
 //! focused part that owns the concern — the rank's [`ProcessState`], the [`StepPipeline`] (precision, gradient
 //! sync, step state), the checkpointer, the dataloader preparation in [`data`](crate::data), placement and
 //! the collectives in [`ops`](crate::ops). See the crate documentation's "How a step flows".
+//!
+//! Its methods are grouped by concern: identity, preparation, precision and gradients here; collectives,
+//! checkpoints and memory in the files beside this one.
+
+mod checkpointing;
+mod collectives;
+mod memory;
 
 use std::fmt;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
 
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
-use burn::tensor::kind::Basic;
 use burn::tensor::{Device, Tensor};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 
-use crate::checkpoint::{
-    Checkpointable, Checkpointer, LoadOptions, LoadReport, LoadedState, ProjectConfiguration,
-    SaveOptions, StateToSave,
-};
-use crate::comm::ReduceOp;
+use crate::checkpoint::{Checkpointer, ProjectConfiguration};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::error::Result;
 use crate::grad::step::StepPipeline;
 use crate::grad::{self, GradientState, NormType};
-use crate::ops::{self, Trigger};
+use crate::ops::Trigger;
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerRule};
 use crate::placement::ToDevice;
 use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
@@ -310,290 +309,6 @@ impl Accelerator {
     /// Restores the fp16 loss scaler's state (from a checkpoint).
     pub fn set_loss_scaler(&self, scaler: LossScaler) -> Result<()> {
         self.pipeline.precision().set_scaler(scaler)
-    }
-
-    // ----- memory ----------------------------------------------------------------------------------------
-
-    /// Drops the stored gradients, forgets the current accumulation window and returns the device's cached
-    /// memory (Accelerate's `free_memory`). Call it at the start of each attempt of a batch-size search, after
-    /// dropping the previous attempt's model, optimizer and dataloader.
-    pub fn free_memory(&self) {
-        {
-            let mut core = self.pipeline.shared().lock();
-            core.grads.clear();
-            core.state.reset_window();
-        }
-        crate::memory::release_memory(self.device());
-    }
-
-    /// Forces the device to finish computing `loss` and the stored gradients, and reports a failure there — on
-    /// GPU backends an out-of-memory failure surfaces only when a result is read — before the optimizer step,
-    /// so that a failed step never reaches the parameters. Costs one small read; call it between `backward`
-    /// and `optimizer.step` inside a batch-size search.
-    ///
-    /// # Errors
-    /// [`Error::Execution`](crate::Error::Execution) with the backend's message (check it with
-    /// [`OutOfMemory::is_out_of_memory`](crate::memory::OutOfMemory)).
-    pub fn check_step<const D: usize>(&self, loss: &Tensor<D>) -> Result<()> {
-        let mut core = self.pipeline.shared().lock();
-        let ids = core.grads.ids();
-        grad::check_executed(&mut core.grads, &ids, loss.clone())
-    }
-
-    /// Runs `f` with a batch size from `starting_batch_size` down, shrinking it by 10% after each out-of-memory
-    /// failure until `f` succeeds (Accelerate's `find_executable_batch_size`). With several ranks every rank tries
-    /// the same sizes: an out-of-memory failure on any rank shrinks the batch for all. Every retry is logged.
-    /// Use [`BatchSizeFinder`](crate::memory::BatchSizeFinder) for halving or a floor.
-    ///
-    /// # Errors
-    /// `f`'s own error when it is not an out-of-memory failure; an error listing every size tried when even
-    /// a batch of 1 runs out of memory. A collective: every rank calls it.
-    pub fn find_executable_batch_size<T, E>(
-        &self,
-        starting_batch_size: usize,
-        f: impl FnMut(usize) -> std::result::Result<T, E>,
-    ) -> std::result::Result<T, crate::memory::BatchSizeError<E>>
-    where
-        E: crate::memory::OutOfMemory + fmt::Display + From<crate::Error>,
-    {
-        crate::memory::BatchSizeFinder::new(starting_batch_size).run_on(self, f)
-    }
-
-    // ----- checkpoints -----------------------------------------------------------------------------------
-
-    /// Returns the plain Burn module of a prepared model. A prepared model *is* a plain Burn module (there is
-    /// no wrapper to strip), so this is the identity; it exists so that code ported from Accelerate reads the
-    /// same.
-    pub fn unwrap_model<M: Module>(&self, model: M) -> M {
-        model
-    }
-
-    /// Saves `model`'s weights into `dir` in Hugging Face's layout: `model.safetensors`, or shards no larger
-    /// than `max_shard_size` (`"10GB"`, `"500MB"`, `"1GiB"`) named `model-00001-of-0000N.safetensors` with
-    /// `model.safetensors.index.json`; files of an earlier save that this one does not use are removed. Tensors
-    /// are in PyTorch's layout, so the file loads into the matching `torch.nn` module (see
-    /// [`WeightLayout`](crate::checkpoint::WeightLayout); [`save_model_with`](Self::save_model_with) chooses).
-    /// With `safe_serialization` off, writes Burn's `model.bpk` instead (keeps parameter ids). Only the main
-    /// process writes; call it on every rank.
-    pub fn save_model<M: Module>(
-        &self,
-        model: &M,
-        dir: impl AsRef<Path>,
-        max_shard_size: &str,
-        safe_serialization: bool,
-    ) -> Result<Vec<PathBuf>> {
-        let options = SaveOptions {
-            max_shard_size: max_shard_size.to_string(),
-            safe_serialization,
-            ..SaveOptions::default()
-        };
-        self.save_model_with(model, dir, &options)
-    }
-
-    /// [`save_model`](Self::save_model) with every option: the tensor layout (PyTorch's or Burn's) and key
-    /// remapping.
-    ///
-    /// ```
-    /// use burn::nn::{Linear, LinearConfig};
-    /// use burn_accelerate::Accelerator;
-    /// use burn_accelerate::checkpoint::{KeyRemap, SaveOptions, WeightLayout};
-    ///
-    /// let accelerator = Accelerator::new()?;
-    /// let model: Linear = LinearConfig::new(3, 2).init(accelerator.device());
-    /// let dir = std::env::temp_dir().join(format!("doc-save-{}", std::process::id()));
-    /// let options = SaveOptions {
-    ///     layout: WeightLayout::PyTorch,                  // weight: [2, 3], as torch.nn.Linear(3, 2) has it
-    ///     remap: KeyRemap::new().rule("^", "model.")?,    // keys `model.weight`, `model.bias`
-    ///     ..SaveOptions::default()
-    /// };
-    /// accelerator.save_model_with(&model, &dir, &options)?;
-    /// # std::fs::remove_dir_all(&dir).ok();
-    /// # Ok::<(), burn_accelerate::Error>(())
-    /// ```
-    pub fn save_model_with<M: Module>(
-        &self,
-        model: &M,
-        dir: impl AsRef<Path>,
-        options: &SaveOptions,
-    ) -> Result<Vec<PathBuf>> {
-        let dir = dir.as_ref();
-        let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
-        let mut written = Vec::new();
-        if self.is_main_process() {
-            if options.safe_serialization {
-                written = crate::checkpoint::weights::write_safetensors(
-                    model,
-                    dir,
-                    max,
-                    options.layout,
-                    &options.remap,
-                )?;
-            } else {
-                written.push(crate::checkpoint::weights::write_burnpack(model, dir)?);
-            }
-        }
-        self.wait_for_everyone()?;
-        Ok(written)
-    }
-
-    /// Loads weights saved by [`save_model`](Self::save_model) or by Hugging Face tools (a `.safetensors`
-    /// file, a folder, or an index) into `model`, matching parameters by path. The layout is the one the file
-    /// records, else PyTorch's (what PyTorch and Hugging Face tools write); `options.layout` overrides it and
-    /// `options.remap` renames the checkpoint's keys first (e.g. strip `model.`). Returns the model and what was
-    /// renamed or did not match (Accelerate does not report missing keys); with `options.strict`, any mismatch
-    /// is an error.
-    pub fn load_checkpoint_in_model<M: Module>(
-        &self,
-        model: M,
-        path: impl AsRef<Path>,
-        options: &LoadOptions,
-    ) -> Result<(M, LoadReport)> {
-        crate::checkpoint::weights::load_weights(model, path.as_ref(), options)
-    }
-
-    /// Registers a value to be saved by every `save_state` and restored by every `load_state`, under `name`
-    /// (Accelerate's `register_for_checkpointing`). Any serde type works.
-    pub fn register_for_checkpointing<T: Checkpointable + 'static>(
-        &self,
-        name: &str,
-        value: Arc<std::sync::Mutex<T>>,
-    ) -> Result<()> {
-        self.checkpointer.register(name, value)
-    }
-
-    /// The automatic-checkpoint settings.
-    pub fn project_configuration(&self) -> ProjectConfiguration {
-        self.checkpointer.project()
-    }
-
-    /// Saves the training state into `dir`, or, with `None`, into the next automatic checkpoint
-    /// (`project_dir/checkpoints/checkpoint_{iteration}`, keeping at most `total_limit`). Along with `parts`
-    /// (models, optimizers, schedulers), it records the loss scaler, every prepared dataloader's position on
-    /// every rank, and the registered objects. The folder appears only once complete. Call it on every rank.
-    /// Returns the folder.
-    pub fn save_state(&self, dir: Option<&Path>, parts: &StateToSave) -> Result<PathBuf> {
-        let scaler = self.loss_scaler();
-        self.checkpointer
-            .save_state(&self.state, dir, parts, scaler)
-    }
-
-    /// Loads a training state saved by [`save_state`](Self::save_state) from `dir`, or, with `None`, from the
-    /// latest automatic checkpoint. The loss scaler, the prepared dataloaders' positions (the next `iter`
-    /// resumes mid-epoch where the save happened), the registered objects and the automatic-naming iteration
-    /// (so the next save does not overwrite it) are restored here; restore models, optimizers and schedulers
-    /// from the returned [`LoadedState`], then call its `finish`.
-    pub fn load_state(&self, dir: Option<&Path>) -> Result<LoadedState> {
-        let loaded = self.checkpointer.load_state(&self.state, dir)?;
-        if let Some(scaler) = loaded.scaler() {
-            self.pipeline.precision().restore_scaler(scaler);
-        }
-        Ok(loaded)
-    }
-
-    // ----- collectives ----------------------------------------------------------------------------------
-
-    /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ
-    /// between ranks (no padding is left in the result). See [`ops::gather`](crate::ops::gather).
-    pub fn gather<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
-        ops::gather(&self.state, tensor)
-    }
-
-    /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
-    /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
-    /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates.
-    pub fn gather_for_metrics<const D: usize, K: Basic>(
-        &self,
-        tensor: Tensor<D, K>,
-    ) -> Result<Tensor<D, K>> {
-        let gathered = self.gather(tensor)?;
-        match self.gradient_state().samples_to_keep() {
-            Some(keep) if keep < gathered.dims()[0] => Ok(gathered.narrow(0, 0, keep)),
-            _ => Ok(gathered),
-        }
-    }
-
-    /// [`gather_for_metrics`](Self::gather_for_metrics) for per-sample values that are not tensors (labels,
-    /// ids, strings): every rank's items, concatenated in rank order, without the repeated tail.
-    pub fn gather_for_metrics_objects<T: Serialize + DeserializeOwned>(
-        &self,
-        items: &[T],
-    ) -> Result<Vec<T>> {
-        let mut all: Vec<T> = ops::gather_object_as::<[T], Vec<T>>(&self.state, items)?
-            .into_iter()
-            .flatten()
-            .collect();
-        if let Some(keep) = self.gradient_state().samples_to_keep() {
-            all.truncate(keep);
-        }
-        Ok(all)
-    }
-
-    /// Combines every rank's tensor with `op` (sum, mean, max, min); every rank gets the result.
-    pub fn reduce<const D: usize, K: Basic>(
-        &self,
-        tensor: Tensor<D, K>,
-        op: ReduceOp,
-    ) -> Result<Tensor<D, K>> {
-        ops::reduce(&self.state, tensor, op)
-    }
-
-    /// Returns rank `from`'s tensor on every rank.
-    pub fn broadcast<const D: usize, K: Basic>(
-        &self,
-        tensor: Tensor<D, K>,
-        from: usize,
-    ) -> Result<Tensor<D, K>> {
-        ops::broadcast(&self.state, tensor, from)
-    }
-
-    /// Pads `tensor` along `dim` with `pad_value` to the largest size across ranks (after the data, or before
-    /// it with `pad_first`).
-    pub fn pad_across_processes<const D: usize, K: Basic>(
-        &self,
-        tensor: Tensor<D, K>,
-        dim: usize,
-        pad_value: f64,
-        pad_first: bool,
-    ) -> Result<Tensor<D, K>> {
-        ops::pad_across_processes(&self.state, tensor, dim, pad_value, pad_first)
-    }
-
-    /// Gathers one serializable value per rank, in rank order (unlike Accelerate, a single process also gets a
-    /// one-element `Vec`, and lists are not flattened).
-    pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
-        ops::gather_object(&self.state, value)
-    }
-
-    /// Returns rank `from`'s value on every rank.
-    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
-        &self,
-        value: &T,
-        from: usize,
-    ) -> Result<T> {
-        ops::broadcast_object(&self.state, value, from)
-    }
-
-    /// This rank's share of `items` (contiguous; the first `len % num_processes` ranks get one more). With
-    /// `apply_padding`, every rank gets the same count (shorter shares repeat their last item).
-    pub fn split_between_processes<T: Clone>(&self, items: &[T], apply_padding: bool) -> Vec<T> {
-        ops::split_between_processes(
-            items,
-            self.process_index(),
-            self.num_processes(),
-            apply_padding,
-        )
-    }
-
-    /// Raises this rank's trigger (e.g. an early-stopping condition); [`check_trigger`](Self::check_trigger)
-    /// reports it on every rank.
-    pub fn set_trigger(&self) {
-        self.trigger.raise();
-    }
-
-    /// Whether any rank raised its trigger since the last check that fired; resets the triggers when it
-    /// fires. A collective: every rank must call it at the same point.
-    pub fn check_trigger(&self) -> Result<bool> {
-        self.trigger.check(&self.state)
     }
 
     // ----- gradients -----------------------------------------------------------------------------------

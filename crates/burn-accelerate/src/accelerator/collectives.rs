@@ -1,0 +1,117 @@
+//! The [`Accelerator`]'s collectives, each forwarded to [`ops`](crate::ops) with this rank's state.
+
+use burn::tensor::Tensor;
+use burn::tensor::kind::Basic;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::Accelerator;
+use crate::comm::ReduceOp;
+use crate::error::Result;
+use crate::ops;
+
+impl Accelerator {
+    /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ
+    /// between ranks (no padding is left in the result). See [`ops::gather`](crate::ops::gather).
+    pub fn gather<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
+        ops::gather(&self.state, tensor)
+    }
+
+    /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
+    /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
+    /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates.
+    pub fn gather_for_metrics<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+    ) -> Result<Tensor<D, K>> {
+        let gathered = self.gather(tensor)?;
+        match self.gradient_state().samples_to_keep() {
+            Some(keep) if keep < gathered.dims()[0] => Ok(gathered.narrow(0, 0, keep)),
+            _ => Ok(gathered),
+        }
+    }
+
+    /// [`gather_for_metrics`](Self::gather_for_metrics) for per-sample values that are not tensors (labels,
+    /// ids, strings): every rank's items, concatenated in rank order, without the repeated tail.
+    pub fn gather_for_metrics_objects<T: Serialize + DeserializeOwned>(
+        &self,
+        items: &[T],
+    ) -> Result<Vec<T>> {
+        let mut all: Vec<T> = ops::gather_object_as::<[T], Vec<T>>(&self.state, items)?
+            .into_iter()
+            .flatten()
+            .collect();
+        if let Some(keep) = self.gradient_state().samples_to_keep() {
+            all.truncate(keep);
+        }
+        Ok(all)
+    }
+
+    /// Combines every rank's tensor with `op` (sum, mean, max, min); every rank gets the result.
+    pub fn reduce<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        op: ReduceOp,
+    ) -> Result<Tensor<D, K>> {
+        ops::reduce(&self.state, tensor, op)
+    }
+
+    /// Returns rank `from`'s tensor on every rank.
+    pub fn broadcast<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        from: usize,
+    ) -> Result<Tensor<D, K>> {
+        ops::broadcast(&self.state, tensor, from)
+    }
+
+    /// Pads `tensor` along `dim` with `pad_value` to the largest size across ranks (after the data, or before
+    /// it with `pad_first`).
+    pub fn pad_across_processes<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        dim: usize,
+        pad_value: f64,
+        pad_first: bool,
+    ) -> Result<Tensor<D, K>> {
+        ops::pad_across_processes(&self.state, tensor, dim, pad_value, pad_first)
+    }
+
+    /// Gathers one serializable value per rank, in rank order (unlike Accelerate, a single process also gets a
+    /// one-element `Vec`, and lists are not flattened).
+    pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        ops::gather_object(&self.state, value)
+    }
+
+    /// Returns rank `from`'s value on every rank.
+    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: &T,
+        from: usize,
+    ) -> Result<T> {
+        ops::broadcast_object(&self.state, value, from)
+    }
+
+    /// This rank's share of `items` (contiguous; the first `len % num_processes` ranks get one more). With
+    /// `apply_padding`, every rank gets the same count (shorter shares repeat their last item).
+    pub fn split_between_processes<T: Clone>(&self, items: &[T], apply_padding: bool) -> Vec<T> {
+        ops::split_between_processes(
+            items,
+            self.process_index(),
+            self.num_processes(),
+            apply_padding,
+        )
+    }
+
+    /// Raises this rank's trigger (e.g. an early-stopping condition); [`check_trigger`](Self::check_trigger)
+    /// reports it on every rank.
+    pub fn set_trigger(&self) {
+        self.trigger.raise();
+    }
+
+    /// Whether any rank raised its trigger since the last check that fired; resets the triggers when it
+    /// fires. A collective: every rank must call it at the same point.
+    pub fn check_trigger(&self) -> Result<bool> {
+        self.trigger.check(&self.state)
+    }
+}
