@@ -8,6 +8,7 @@ use burn::tensor::Tensor;
 use super::Accelerator;
 use crate::error::Result;
 use crate::grad;
+use crate::memory::{BatchSizeError, BatchSizeFinder, OutOfMemory};
 
 impl Accelerator {
     /// Drops the stored gradients, forgets the current accumulation window and returns the device's cached
@@ -39,7 +40,6 @@ impl Accelerator {
     /// Runs `f` with a batch size from `starting_batch_size` down, shrinking it by 10% after each out-of-memory
     /// failure until `f` succeeds (Accelerate's `find_executable_batch_size`). With several ranks every rank tries
     /// the same sizes: an out-of-memory failure on any rank shrinks the batch for all. Every retry is logged.
-    /// Use [`BatchSizeFinder`](crate::memory::BatchSizeFinder) for halving or a floor.
     ///
     /// # Errors
     /// `f`'s own error when it is not an out-of-memory failure; an error listing every size tried when even
@@ -48,10 +48,43 @@ impl Accelerator {
         &self,
         starting_batch_size: usize,
         f: impl FnMut(usize) -> std::result::Result<T, E>,
-    ) -> std::result::Result<T, crate::memory::BatchSizeError<E>>
+    ) -> std::result::Result<T, BatchSizeError<E>>
     where
-        E: crate::memory::OutOfMemory + fmt::Display + From<crate::Error>,
+        E: OutOfMemory + fmt::Display + From<crate::Error>,
     {
-        crate::memory::BatchSizeFinder::new(starting_batch_size).run_on(self, f)
+        self.find_executable_batch_size_with(BatchSizeFinder::new(starting_batch_size), f)
+    }
+
+    /// [`find_executable_batch_size`](Self::find_executable_batch_size) with another search: halving, a floor.
+    /// Between attempts the accelerator frees its gradients and the device's cached memory; after each attempt
+    /// the ranks agree (with Accelerate, ranks may settle on different sizes and then hang in their
+    /// collectives).
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// use burn_accelerate::memory::{BatchSizeFinder, Shrink};
+    ///
+    /// let accelerator = Accelerator::new()?;
+    /// let search = BatchSizeFinder::new(128).shrink(Shrink::Halve).floor(8);
+    /// let fitted = accelerator.find_executable_batch_size_with(search, |batch_size| {
+    ///     Ok::<_, burn_accelerate::Error>(batch_size)
+    /// })?;
+    /// assert_eq!(fitted, 128);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`find_executable_batch_size`](Self::find_executable_batch_size); a rank whose peer failed otherwise
+    /// gets [`BatchSizeError::FailedOnOtherRank`]; a failed agreement (a timeout, a dead rank) is
+    /// [`BatchSizeError::Failed`] with the accelerator's error converted to `E`.
+    pub fn find_executable_batch_size_with<T, E>(
+        &self,
+        search: BatchSizeFinder,
+        f: impl FnMut(usize) -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, BatchSizeError<E>>
+    where
+        E: OutOfMemory + fmt::Display + From<crate::Error>,
+    {
+        search.run_across(self.state(), || self.free_memory(), f)
     }
 }

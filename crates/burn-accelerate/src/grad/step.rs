@@ -24,7 +24,7 @@ use burn::tensor::{Gradients, Tensor};
 
 use super::step_state::{BackwardPlan, SharedStep};
 use super::sync::{GradientSync, broadcast_module, trainable_params};
-use super::{GradientBuffer, param_ids};
+use super::{GradientBuffer, has_non_finite, param_ids};
 use crate::config::{AcceleratorConfig, LossNormalization};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
@@ -115,7 +115,8 @@ impl StepPipeline {
         let scale = precision.unscaled(self.normalisation(micro_batches));
         self.average(&mut core.grads, model, scale)?;
         if precision.loss_scale().is_some() {
-            let overflow = precision.verdict(&mut core.grads, &param_ids(model))?;
+            let grads = &mut core.grads;
+            let overflow = precision.verdict(|| has_non_finite(grads, &param_ids(model)))?;
             core.state.record_overflow(overflow);
         }
         Ok(())

@@ -7,9 +7,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use burn::tensor::DType;
 
 use super::OutOfMemory;
-use crate::accelerator::Accelerator;
 use crate::comm::{ReduceBuffer, ReduceOp};
 use crate::ops;
+use crate::state::ProcessState;
 
 /// How the batch size shrinks after an out-of-memory failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -137,17 +137,14 @@ impl BatchSizeFinder {
         self.search(|batch_size| attempt(&mut f, batch_size), || {})
     }
 
-    /// Runs `f` on every rank of `accelerator` in lockstep: after each attempt the ranks agree, so an
-    /// out-of-memory failure on any rank shrinks the batch for all, and every rank tries the same sizes (with
-    /// Accelerate, ranks may settle on different sizes and then hang in their collectives). Between attempts
-    /// the accelerator frees its gradients and the device's cached memory. A collective: every rank calls it.
-    ///
-    /// # Errors
-    /// As [`run`](Self::run); a rank whose peer failed otherwise gets [`BatchSizeError::FailedOnOtherRank`]; a
-    /// failed agreement (a timeout, a dead rank) is [`BatchSizeError::Failed`] with our error converted to `E`.
-    pub fn run_on<T, E: OutOfMemory + fmt::Display + From<crate::Error>>(
+    /// Runs `f` on every rank of `state` in lockstep (see
+    /// [`Accelerator::find_executable_batch_size_with`](crate::Accelerator::find_executable_batch_size_with)):
+    /// after each attempt the ranks agree, so an out-of-memory failure on any rank shrinks the batch for all;
+    /// `free` runs between attempts.
+    pub(crate) fn run_across<T, E: OutOfMemory + fmt::Display + From<crate::Error>>(
         &self,
-        accelerator: &Accelerator,
+        state: &ProcessState,
+        free: impl FnMut(),
         mut f: impl FnMut(usize) -> Result<T, E>,
     ) -> Result<T, BatchSizeError<E>> {
         let agree = |batch_size: usize, mine: Attempt<T, E>| -> Attempt<T, E> {
@@ -158,7 +155,7 @@ impl BatchSizeFinder {
                 Attempt::Failed(_) | Attempt::FailedOnOtherRank => 2,
             };
             let worst = match ops::all_reduce_host(
-                accelerator.state(),
+                state,
                 "find_executable_batch_size",
                 (DType::I64, &[1]),
                 ReduceBuffer::I64(vec![code]),
@@ -179,7 +176,7 @@ impl BatchSizeFinder {
         };
         self.search(
             |batch_size| agree(batch_size, attempt(&mut f, batch_size)),
-            || accelerator.free_memory(),
+            free,
         )
     }
 

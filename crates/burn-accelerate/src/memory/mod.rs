@@ -31,9 +31,10 @@ pub use oom::{OutOfMemory, is_out_of_memory_message};
 
 /// Runs `f(batch_size)` from `starting_batch_size`, and after each out-of-memory failure (a returned error
 /// that [`OutOfMemory`] recognises, or a panic whose message reports one) retries with 90% of the size, down
-/// to 1. Returns `f`'s first success. Other errors end the search unchanged. For halving, a floor, or several
-/// ranks agreeing on every size, use [`BatchSizeFinder`] (or
-/// [`Accelerator::find_executable_batch_size`](crate::Accelerator::find_executable_batch_size)).
+/// to 1. Returns `f`'s first success. Other errors end the search unchanged. For halving or a floor use
+/// [`BatchSizeFinder`]; with several ranks, use
+/// [`Accelerator::find_executable_batch_size`](crate::Accelerator::find_executable_batch_size) (or its `_with`
+/// form), which makes every rank try the same sizes.
 ///
 /// ```
 /// use burn_accelerate::memory::find_executable_batch_size;

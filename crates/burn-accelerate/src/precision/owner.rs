@@ -2,12 +2,10 @@
 //! step-or-skip verdict that follows from it (Lightning Fabric's precision plugins are the model: scale the
 //! loss, unscale the gradients, decide whether the step is taken, and hand over the state to save).
 
-use burn::module::ParamId;
 use burn::tensor::Tensor;
 
 use super::{LossScaler, MixedPrecision};
 use crate::error::{Error, Result};
-use crate::grad::{GradientBuffer, has_non_finite};
 
 /// Precision of one rank: `no` and `bf16` leave the loss and gradients alone; `fp16` scales the loss up before
 /// `backward`, divides the gradients back down on the window's last micro-batch, and skips the step (shrinking
@@ -43,14 +41,15 @@ impl Precision {
         }
     }
 
-    /// Decides, after the window's gradients were averaged and unscaled, whether the step is skipped: with fp16,
-    /// an inf or NaN in any gradient of `ids` (an overflow on any rank reaches every rank through the averaged
-    /// gradients, so all ranks agree) skips it and updates the scale; otherwise the step is taken.
-    pub fn verdict(&mut self, grads: &mut GradientBuffer, ids: &[ParamId]) -> Result<bool> {
+    /// Decides, after the window's gradients were averaged and unscaled, whether the step is skipped. With fp16,
+    /// `overflowed` is asked whether any gradient holds an inf or NaN (an overflow on any rank reaches every rank
+    /// through the averaged gradients, so all ranks agree); an overflow skips the step and the scale follows
+    /// torch's rules. Without a scaler nothing is checked and the step is taken.
+    pub fn verdict(&mut self, overflowed: impl FnOnce() -> Result<bool>) -> Result<bool> {
         let Some(scaler) = self.scaler.as_mut() else {
             return Ok(false);
         };
-        let overflow = has_non_finite(grads, ids)?;
+        let overflow = overflowed()?;
         scaler.update(overflow);
         Ok(overflow)
     }
@@ -102,18 +101,14 @@ mod tests {
         assert_eq!(loss.into_scalar::<f32>(), 4.0);
         assert_eq!(fp16.unscaled(0.5), 0.0625);
 
-        let mut grads = GradientBuffer::new();
-        let id = ParamId::new();
-        grads.add(id, Tensor::<1>::from_floats([1.0, f32::INFINITY], &device));
-        assert!(fp16.verdict(&mut grads, &[id]).unwrap(), "overflow skips");
+        assert!(fp16.verdict(|| Ok(true)).unwrap(), "overflow skips");
         assert_eq!(fp16.loss_scale(), Some(4.0), "the scale backs off");
+        assert!(!fp16.verdict(|| Ok(false)).unwrap());
 
         let mut bf16 = Precision::new(MixedPrecision::Bf16, LossScaler::default());
         assert_eq!(bf16.unscaled(0.5), 0.5);
-        assert!(
-            !bf16.verdict(&mut grads, &[id]).unwrap(),
-            "no scaler, no skip"
-        );
+        let never = || -> Result<bool> { panic!("no scaler: nothing to check") };
+        assert!(!bf16.verdict(never).unwrap(), "no scaler, no skip");
         assert!(bf16.set_scaler(LossScaler::default()).is_err());
     }
 }
