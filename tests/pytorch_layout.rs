@@ -306,3 +306,61 @@ fn key_remapping_on_save_and_load_is_reported() {
     assert!(err.contains("layout"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn half_precision_weights_keep_their_dtype_in_pytorch_layout_and_cast_on_load() {
+    use burn::tensor::DType;
+    use safetensors::Dtype;
+    let acc = Accelerator::new().unwrap();
+    let net = Net::new(acc.device());
+    let f32_dir = temp_dir("half-src");
+    acc.save_model(&net, &f32_dir, "10GB", true).unwrap();
+    for (dtype, stored) in [(DType::F16, Dtype::F16), (DType::BF16, Dtype::BF16)] {
+        // A half-precision copy of the model (loaded with a cast), saved sharded in PyTorch's layout.
+        let cast = LoadOptions {
+            dtype: Some(dtype),
+            ..LoadOptions::default()
+        };
+        let (half, _) = acc
+            .load_checkpoint_in_model(Net::new(acc.device()), &f32_dir, &cast)
+            .unwrap();
+        assert_eq!(half.fc1.weight.val().dtype(), dtype);
+        let dir = temp_dir(&format!("half-{dtype:?}"));
+        acc.save_model(&half, &dir, "1KB", true).unwrap();
+        let index: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(dir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let shard = index["weight_map"]["fc1.weight"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let bytes = std::fs::read(dir.join(shard)).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let view = file.tensor("fc1.weight").unwrap();
+        assert_eq!(
+            (view.dtype(), view.shape()),
+            (stored, &[16usize, 24][..]),
+            "{dtype:?}"
+        );
+        // Back to f32 with a cast: within the half type's rounding of the original.
+        let to_f32 = LoadOptions {
+            dtype: Some(DType::F32),
+            strict: true,
+            ..LoadOptions::default()
+        };
+        let (back, _) = acc
+            .load_checkpoint_in_model(Net::new(acc.device()), &dir, &to_f32)
+            .unwrap();
+        assert_eq!(back.fc1.weight.val().dtype(), DType::F32);
+        let (a, b) = (values(back.fc1.weight.val()), values(net.fc1.weight.val()));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| ((x - y) / y.abs().max(1e-3)).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-2, "{dtype:?}: relative error {worst}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    std::fs::remove_dir_all(&f32_dir).ok();
+}

@@ -13,6 +13,7 @@ pub fn python_with(modules: &[&str]) -> Option<String> {
     let imports = format!("import {}", modules.join(", "));
     let ok = Command::new(&python)
         .args(["-c", &imports])
+        .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if ok {
