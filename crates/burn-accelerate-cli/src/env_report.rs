@@ -14,6 +14,9 @@ pub struct EnvReport {
     kernel_warning: Option<String>,
     config_file: Option<PathBuf>,
     variables: Vec<(String, String)>,
+    /// The resolved settings with their sources, or why they cannot be read; and why a run would refuse them.
+    settings: Result<Vec<(&'static str, String, config::Source)>, String>,
+    refused: Option<String>,
 }
 
 impl EnvReport {
@@ -39,14 +42,23 @@ impl EnvReport {
             })
             .collect();
         variables.sort();
+        let resolved = config::AcceleratorConfig::read_file_and_env();
+        let refused = resolved
+            .as_ref()
+            .ok()
+            .and_then(|c| c.validate().err())
+            .map(|e| e.to_string());
+        let settings = resolved.map(|c| c.settings()).map_err(|e| e.to_string());
         Self {
             version: env!("CARGO_PKG_VERSION"),
             backends,
             os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
             kernel_warning: kernel.as_deref().and_then(sys::kernel_warning),
             kernel,
-            config_file: config::default_config_file(),
+            config_file: config::config_file().or_else(config::default_config_file),
             variables,
+            settings,
+            refused,
         }
     }
 }
@@ -81,6 +93,18 @@ impl fmt::Display for EnvReport {
                 f,
                 "- Config file: unknown (no HF_HOME, XDG_CACHE_HOME or HOME)"
             )?,
+        }
+        match &self.settings {
+            Ok(settings) => {
+                writeln!(f, "- Settings:")?;
+                for (key, value, source) in settings {
+                    writeln!(f, "  - {key} = {value} ({source})")?;
+                }
+            }
+            Err(e) => writeln!(f, "- Settings: unreadable: {e}")?,
+        }
+        if let Some(refused) = &self.refused {
+            writeln!(f, "- A run refuses these settings: {refused}")?;
         }
         if self.variables.is_empty() {
             writeln!(f, "- Environment: no ACCELERATE_*/BURN_DEVICE variable set")?;

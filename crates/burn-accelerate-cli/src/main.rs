@@ -1,5 +1,6 @@
 //! The `burn-accelerate` command.
 
+mod config_command;
 mod env_report;
 mod estimate;
 
@@ -11,6 +12,9 @@ use clap::{Parser, Subcommand};
 #[derive(Parser, Debug)]
 #[command(name = "burn-accelerate", version, about)]
 struct Cli {
+    /// The config file to read (Accelerate's format, `.yaml` or `.json`) instead of the default one.
+    #[arg(long = "config-file", visible_alias = "config_file", global = true)]
+    config_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -20,6 +24,11 @@ enum Command {
     /// Print the version, compiled backends, devices found, platform and config file path (paste it into bug
     /// reports).
     Env,
+    /// Write or show the config file shared with Hugging Face Accelerate.
+    Config {
+        #[command(subcommand)]
+        action: config_command::Action,
+    },
     /// Print the parameters of a safetensors checkpoint (a file, a folder or an index) per dtype, and the memory
     /// training it with Adam needs in f32, bf16 and fp16.
     EstimateMemory {
@@ -33,8 +42,19 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    if let Some(path) = &cli.config_file {
+        // SAFETY: set before any thread is started; every part of this process reads the file through it.
+        unsafe { std::env::set_var("ACCELERATE_CONFIG_FILE", path) };
+    }
+    burn_accelerate::logging::init(None);
     match cli.command {
         Command::Env => print!("{}", env_report::EnvReport::collect()),
+        Command::Config { action } => {
+            if let Err(error) = config_command::run(action, cli.config_file.as_deref()) {
+                eprintln!("error: {error}");
+                std::process::exit(1);
+            }
+        }
         Command::EstimateMemory { path, json } => match estimate::report(&path, json) {
             Ok(report) => print!("{report}"),
             Err(error) => {

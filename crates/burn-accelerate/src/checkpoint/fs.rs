@@ -23,12 +23,20 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     file.sync_all().map_err(io("syncing", path))
 }
 
+/// The folder `path` is in (`.` for a bare file name, whose `parent()` is empty).
+pub(crate) fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file in the same folder, synced, then renamed.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = with_suffix(path, ".partial");
     write_synced(&tmp, bytes)?;
     fs::rename(&tmp, path).map_err(io("renaming into place", path))?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    sync_dir(parent_dir(path))
 }
 
 /// Syncs a folder, so that renames inside it survive a crash.

@@ -7,7 +7,7 @@
 //! naming the file and tensor.
 
 mod checkpointer;
-mod fs;
+pub(crate) mod fs;
 pub mod layout;
 pub mod state;
 pub mod weights;

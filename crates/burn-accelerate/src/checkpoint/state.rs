@@ -249,7 +249,7 @@ pub(crate) fn save(dir: &Path, parts: &StateToSave, ctx: SaveContext<'_>) -> Res
             std::fs::rename(dir, &old).map_err(io("moving the previous checkpoint aside", dir))?;
         }
         std::fs::rename(&partial, dir).map_err(io("renaming the checkpoint into place", dir))?;
-        sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+        sync_dir(super::fs::parent_dir(dir))?;
         if old.exists() {
             std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
         }

@@ -1,0 +1,281 @@
+//! `burn-accelerate config` and config files driven through the real binary: where the file lives, round trips,
+//! Accelerate's sample configs (fp8, FSDP, TPU, SageMaker, MPI, legacy keys, unknown keys), precedence.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ba-cli-config-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The binary with a clean environment for config lookup (`vars` added).
+fn cli(vars: &[(&str, &Path)]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"));
+    for var in [
+        "HF_HOME",
+        "XDG_CACHE_HOME",
+        "ACCELERATE_CONFIG_FILE",
+        "ACCELERATE_MIXED_PRECISION",
+    ] {
+        command.env_remove(var);
+    }
+    for (k, v) in vars {
+        command.env(k, v);
+    }
+    command
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn sample(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/configs")
+        .join(name)
+}
+
+#[test]
+fn default_config_goes_where_accelerate_keeps_it() {
+    let root = temp_dir("location");
+    let cases: [(&str, PathBuf); 3] = [
+        ("HF_HOME", root.join("hf").join("accelerate")),
+        (
+            "XDG_CACHE_HOME",
+            root.join("xdg").join("huggingface").join("accelerate"),
+        ),
+        (
+            "HOME",
+            root.join("home")
+                .join(".cache")
+                .join("huggingface")
+                .join("accelerate"),
+        ),
+    ];
+    for (var, expected_dir) in cases {
+        let base = root.join(match var {
+            "HF_HOME" => "hf",
+            "XDG_CACHE_HOME" => "xdg",
+            _ => "home",
+        });
+        let out = cli(&[(var, &base), ("HOME", &root.join("home"))])
+            .args(["config", "default"])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{var}: {stderr}");
+        let file = expected_dir.join("default_config.yaml");
+        assert!(
+            stdout.contains(&file.display().to_string()),
+            "{var}: {stdout}"
+        );
+        assert!(file.is_file(), "{var}: {}", file.display());
+        std::fs::remove_file(&file).unwrap();
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn config_default_round_trips_and_keeps_an_existing_file() {
+    let dir = temp_dir("round");
+    let hf = dir.join("hf");
+    let ok = cli(&[("HF_HOME", &hf)])
+        .args(["config", "default", "--mixed-precision", "bf16"])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let file = hf.join("accelerate/default_config.yaml");
+    let written = std::fs::read_to_string(&file).unwrap();
+    // Quoted as PyYAML needs: unquoted NO / no read as booleans there.
+    assert!(
+        written.contains("distributed_type: 'NO'") && written.contains("downcast_bf16: 'no'"),
+        "{written}"
+    );
+    let out = cli(&[("HF_HOME", &hf)])
+        .args(["config", "show"])
+        .output()
+        .unwrap();
+    let (stdout, _) = text(&out);
+    assert!(
+        stdout.contains(&format!(
+            "mixed_precision = bf16 (config file {})",
+            file.display()
+        )),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("refuses"), "{stdout}");
+
+    let again = cli(&[("HF_HOME", &hf)])
+        .args(["config", "default"])
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(text(&again).1.contains("--force"), "{:?}", text(&again));
+    let forced = cli(&[("HF_HOME", &hf)])
+        .args(["config", "default", "--force"])
+        .status()
+        .unwrap();
+    assert!(forced.success());
+    assert!(
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .contains("mixed_precision: 'no'")
+    );
+
+    // JSON where the name says so, read back as JSON; underscore spellings of the flags work too.
+    let json = dir.join("cfg.json");
+    let ok = cli(&[])
+        .args(["config", "default", "--config_file"])
+        .arg(&json)
+        .args(["--mixed_precision", "fp16"])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(value["mixed_precision"], "fp16");
+    assert_eq!(value["distributed_type"], "NO");
+    let out = cli(&[])
+        .arg("--config-file")
+        .arg(&json)
+        .arg("env")
+        .output()
+        .unwrap();
+    assert!(
+        text(&out).0.contains("mixed_precision = fp16 (config file"),
+        "{:?}",
+        text(&out)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn accelerates_sample_configs_load_or_give_the_stated_error() {
+    let env = |name: &str| {
+        let out = cli(&[])
+            .arg("--config-file")
+            .arg(sample(name))
+            .arg("env")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name}: {:?}", text(&out));
+        text(&out)
+    };
+    let (stdout, stderr) = env("single.yaml");
+    assert!(
+        stdout.contains("mixed_precision = bf16 (config file")
+            && stdout.contains("cpu = true (config file"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("refuses"), "{stdout}");
+    assert!(
+        stderr.contains("ignoring Accelerate settings") && stderr.contains("command_file"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("tpu_name") && !stderr.contains("rdzv_backend"),
+        "defaults are not noise: {stderr}"
+    );
+
+    let (stdout, _) = env("fp8.yaml");
+    assert!(
+        stdout.contains("A run refuses these settings") && stdout.contains("\"fp8\""),
+        "{stdout}"
+    );
+    let (stdout, _) = env("fsdp.yaml");
+    assert!(
+        stdout.contains("\"FSDP\"") && stdout.contains("NO, MULTI_CPU or MULTI_GPU"),
+        "{stdout}"
+    );
+    let (stdout, _) = env("sagemaker.yaml");
+    assert!(stdout.contains("AMAZON_SAGEMAKER"), "{stdout}");
+    let (stdout, _) = env("mpi_multicpu.yaml");
+    assert!(!stdout.contains("refuses"), "{stdout}");
+    let (stdout, _) = env("legacy_0_11.yaml");
+    assert!(
+        stdout.contains("mixed_precision = fp16 (config file"),
+        "old `fp16: true`: {stdout}"
+    );
+    let (stdout, _) = env("invalid_keys.yaml");
+    assert!(
+        stdout.contains("unreadable")
+            && stdout.contains("invalid_key")
+            && stdout.contains("another_invalid_key"),
+        "{stdout}"
+    );
+    let out = cli(&[])
+        .arg("--config-file")
+        .arg(sample("mpi_multicpu.yaml"))
+        .args(["config", "show"])
+        .output()
+        .unwrap();
+    assert!(
+        text(&out).0.contains(
+            "launch: distributed_type=MULTI_CPU num_processes=8 num_machines=2 machine_rank=0"
+        ),
+        "{:?}",
+        text(&out)
+    );
+}
+
+#[test]
+fn the_environment_overrides_the_file_and_lifts_an_fp8_refusal() {
+    let out = cli(&[])
+        .env("ACCELERATE_MIXED_PRECISION", "bf16")
+        .arg("--config-file")
+        .arg(sample("fp8.yaml"))
+        .arg("env")
+        .output()
+        .unwrap();
+    let (stdout, _) = text(&out);
+    assert!(
+        stdout.contains("mixed_precision = bf16 (environment ACCELERATE_MIXED_PRECISION)"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("refuses"), "{stdout}");
+}
+
+/// With `BURN_ACCELERATE_PYTHON` (CI sets it), PyYAML reads the file back as Accelerate does.
+#[test]
+fn pyyaml_reads_the_written_file_as_accelerate_does() {
+    let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_yaml = Command::new(&python)
+        .args(["-c", "import yaml"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_yaml {
+        assert_ne!(
+            std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
+            Ok("1"),
+            "{python} cannot import yaml"
+        );
+        eprintln!("no PyYAML: skipped");
+        return;
+    }
+    let dir = temp_dir("pyyaml");
+    let file = dir.join("default_config.yaml");
+    assert!(
+        cli(&[])
+            .args(["config", "default", "--config-file"])
+            .arg(&file)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let script = "import sys, yaml\nc = yaml.safe_load(open(sys.argv[1]))\nassert c['distributed_type'] == 'NO', c\n\
+                  assert c['downcast_bf16'] == 'no', c\nassert c['mixed_precision'] == 'no', c\nprint('pyyaml ok')";
+    let out = Command::new(&python)
+        .args(["-c", script])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(text(&out).0.contains("pyyaml ok"), "{:?}", text(&out));
+    std::fs::remove_dir_all(&dir).ok();
+}

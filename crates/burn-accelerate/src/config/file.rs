@@ -1,0 +1,368 @@
+//! Accelerate's config file (`default_config.yaml`, or any `.yaml`/`.json` given with `--config-file`), read so
+//! that one file serves both tools.
+//!
+//! Every key Accelerate 1.x writes is accepted. The keys that mean something here are used; the others
+//! (DeepSpeed, FSDP, TPU, dynamo, SageMaker, … settings) are ignored with one warning naming them. Only keys
+//! Accelerate itself does not know are an error. Values this crate cannot honour (`mixed_precision: fp8`,
+//! `distributed_type: FSDP`, a SageMaker `compute_environment`) are an error only where they would take
+//! effect: when an accelerator or a launch would use them, and only if nothing overrides them.
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::Path;
+use std::sync::Mutex;
+
+use serde_yaml_ng::Value;
+
+use super::{AcceleratorConfig, Source};
+use crate::env;
+use crate::error::{Error, Result};
+use crate::precision::MixedPrecision;
+
+/// Keys of Accelerate's config files that burn-accelerate does not use (accepted with a warning): its
+/// `ClusterConfig` and `SageMakerConfig` fields and the legacy keys its loader converts.
+const IGNORED_KEYS: &[&str] = &[
+    "additional_args",
+    "base_job_name",
+    "command",
+    "command_file",
+    "commands",
+    "deepspeed_config",
+    "downcast_bf16",
+    "dynamo_backend",
+    "dynamo_config",
+    "ec2_instance_type",
+    "enable_cpu_affinity",
+    "fp8_config",
+    "fsdp_config",
+    "gpu_ids",
+    "iam_role_name",
+    "image_uri",
+    "ipex_config",
+    "main_training_function",
+    "megatron_lm_config",
+    "mpirun_config",
+    "parallelism_config",
+    "profile",
+    "py_version",
+    "pytorch_version",
+    "rdzv_backend",
+    "region",
+    "sagemaker_inputs_file",
+    "sagemaker_metrics_file",
+    "same_network",
+    "tp_config",
+    "tpu_env",
+    "tpu_name",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "tpu_vm",
+    "tpu_zone",
+    "transformers_version",
+    "use_mps_device",
+];
+
+/// Values of ignored keys that Accelerate writes by default and that ask for nothing (no warning for them).
+const ACCELERATE_DEFAULTS: &[(&str, &str)] = &[
+    ("gpu_ids", "all"),
+    ("main_training_function", "main"),
+    ("rdzv_backend", "static"),
+    ("same_network", "yes"),
+    ("region", "us-east-1"),
+];
+
+/// Keys used here (by the accelerator, or by `burn-accelerate launch`).
+const USED_KEYS: &[&str] = &[
+    "compute_environment",
+    "debug",
+    "distributed_type",
+    "fp16",
+    "gradient_accumulation_steps",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "mixed_precision",
+    "num_machines",
+    "num_processes",
+    "use_cpu",
+];
+
+/// Distributed types this crate runs (Accelerate's names).
+const SUPPORTED_DISTRIBUTED: &[&str] = &["NO", "MULTI_CPU", "MULTI_GPU"];
+
+/// A value read from a config file that this crate cannot honour: an error where it would take effect.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnsupportedValue {
+    /// The key (`mixed_precision`, `distributed_type`, `compute_environment`).
+    pub key: &'static str,
+    /// The value as written.
+    pub value: String,
+    /// The file.
+    pub origin: String,
+    /// What is supported instead.
+    pub why: &'static str,
+}
+
+impl UnsupportedValue {
+    /// The error a run gets while the value is in effect.
+    pub fn error(&self) -> Error {
+        Error::config(
+            self.key,
+            &self.value,
+            &self.origin,
+            format!(
+                "a value burn-accelerate can honour: {}; change it (`burn-accelerate config`), override it (for \
+                 mixed_precision: ACCELERATE_MIXED_PRECISION or the builder), or pass another --config-file",
+                self.why
+            ),
+        )
+    }
+}
+
+/// Warns once per process about the ignored keys of a file.
+fn warn_ignored(origin: &str, keys: &BTreeSet<String>) {
+    static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    if keys.is_empty() {
+        return;
+    }
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    if warned
+        .get_or_insert_with(HashSet::new)
+        .insert(origin.to_string())
+    {
+        let list: Vec<&str> = keys.iter().map(String::as_str).collect();
+        log::warn!(
+            "config file {origin}: ignoring Accelerate settings that burn-accelerate does not use: {}",
+            list.join(", ")
+        );
+    }
+}
+
+/// The text of a scalar value (`true` -> `yes`), as Accelerate's own loader reads it.
+fn text_of(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Bool(b) => if *b { "yes" } else { "no" }.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::Null => String::new(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Parses the text of a config file; `.json` files are read as JSON, everything else as YAML.
+pub(crate) fn parse(text: &str, origin: &str) -> Result<Vec<(String, Value)>> {
+    let value: Value = if origin.ends_with(".json") {
+        let json: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+            Error::config("config file", origin, origin, format!("valid JSON ({e})"))
+        })?;
+        serde_yaml_ng::to_value(json).map_err(|e| {
+            Error::config("config file", origin, origin, format!("plain JSON ({e})"))
+        })?
+    } else {
+        serde_yaml_ng::from_str(text).map_err(|e| {
+            Error::config("config file", origin, origin, format!("valid YAML ({e})"))
+        })?
+    };
+    match value {
+        Value::Mapping(map) => Ok(map.into_iter().map(|(k, v)| (text_of(&k), v)).collect()),
+        Value::Null => Ok(Vec::new()),
+        _ => Err(Error::config(
+            "config file",
+            origin,
+            origin,
+            "a mapping of keys to values",
+        )),
+    }
+}
+
+/// Applies the entries of a config file to `config`.
+pub(crate) fn apply(
+    config: &mut AcceleratorConfig,
+    entries: Vec<(String, Value)>,
+    origin: &str,
+) -> Result<()> {
+    let source = Source::File(origin.to_string());
+    let mut ignored = BTreeSet::new();
+    let mut unknown = Vec::new();
+    let mut legacy_fp16 = false;
+    let mut has_mixed_precision = false;
+    for (key, value) in entries {
+        let raw = text_of(&value);
+        let bad = |expected: &str| Error::config(&key, &raw, origin, expected);
+        let number = |expected: &str| -> Result<Option<usize>> {
+            if raw.is_empty() {
+                Ok(None)
+            } else {
+                raw.parse().map(Some).map_err(|_| bad(expected))
+            }
+        };
+        match key.as_str() {
+            "mixed_precision" => {
+                has_mixed_precision = true;
+                if raw.eq_ignore_ascii_case("fp8") {
+                    config.unsupported.push(UnsupportedValue {
+                        key: "mixed_precision",
+                        value: raw.clone(),
+                        origin: origin.to_string(),
+                        why: "no, fp16 or bf16 (Burn has no fp8 kernels)",
+                    });
+                } else {
+                    config.mixed_precision =
+                        raw.parse().map_err(|_| bad("one of no, fp16, bf16"))?;
+                }
+                config.set_source("mixed_precision", source.clone());
+            }
+            "fp16" => {
+                legacy_fp16 = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?
+            }
+            "debug" => {
+                config.debug = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
+                config.set_source("debug", source.clone());
+            }
+            "use_cpu" => {
+                config.cpu = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
+                config.set_source("cpu", source.clone());
+            }
+            "gradient_accumulation_steps" => {
+                config.gradient_accumulation_steps =
+                    raw.parse().map_err(|_| bad("an integer >= 1"))?;
+                config.set_source("gradient_accumulation_steps", source.clone());
+            }
+            "distributed_type" => {
+                let kind = raw.to_ascii_uppercase();
+                if !SUPPORTED_DISTRIBUTED.contains(&kind.as_str()) {
+                    config.unsupported.push(UnsupportedValue {
+                        key: "distributed_type",
+                        value: raw.clone(),
+                        origin: origin.to_string(),
+                        why: "NO, MULTI_CPU or MULTI_GPU (data parallelism; no FSDP, DeepSpeed, Megatron-LM or TPU)",
+                    });
+                }
+                config.launch.distributed_type = Some(kind);
+            }
+            "compute_environment" => {
+                if !raw.eq_ignore_ascii_case("LOCAL_MACHINE") {
+                    config.unsupported.push(UnsupportedValue {
+                        key: "compute_environment",
+                        value: raw.clone(),
+                        origin: origin.to_string(),
+                        why: "LOCAL_MACHINE (burn-accelerate does not launch on Amazon SageMaker)",
+                    });
+                }
+            }
+            "num_processes" => config.launch.num_processes = number("a number of processes")?,
+            "num_machines" => config.launch.num_machines = number("a number of machines")?,
+            "machine_rank" => config.launch.machine_rank = number("this machine's rank")?,
+            "main_process_port" => {
+                config.launch.main_process_port = number("a port number")?.map(|p| p as u16)
+            }
+            "main_process_ip" => {
+                config.launch.main_process_ip = (!raw.is_empty()).then(|| raw.clone())
+            }
+            k if IGNORED_KEYS.contains(&k) => {
+                // A key Accelerate writes with an empty or default value means nothing either way.
+                let empty = matches!(&value, Value::Null)
+                    || matches!(&value, Value::Mapping(m) if m.is_empty())
+                    || matches!(&value, Value::Sequence(s) if s.is_empty())
+                    || matches!(&value, Value::Bool(false))
+                    || raw == "no"
+                    || ACCELERATE_DEFAULTS.contains(&(k, raw.as_str()));
+                if !empty {
+                    ignored.insert(key.clone());
+                }
+            }
+            _ => unknown.push(key),
+        }
+    }
+    if !unknown.is_empty() {
+        return Err(Error::config(
+            unknown.join(", "),
+            "",
+            origin,
+            format!(
+                "a key Accelerate knows ({}); remove or correct it",
+                USED_KEYS
+                    .iter()
+                    .chain(IGNORED_KEYS)
+                    .copied()
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    if legacy_fp16 && !has_mixed_precision {
+        // Accelerate's loader turns the old `fp16: true` into `mixed_precision: fp16`.
+        config.mixed_precision = MixedPrecision::Fp16;
+        config.set_source("mixed_precision", source);
+    }
+    warn_ignored(origin, &ignored);
+    Ok(())
+}
+
+/// Reads and applies the file at `path`.
+pub(crate) fn apply_path(config: &mut AcceleratorConfig, path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        operation: "reading the config file",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let origin = path.display().to_string();
+    apply(config, parse(&text, &origin)?, &origin)
+}
+
+/// A scalar as YAML that PyYAML (YAML 1.1) and YAML 1.2 readers both read back as the same string: words YAML
+/// 1.1 takes for booleans or null (`NO`, `no`, `on`, …) and numbers are quoted, as `yaml.safe_dump` does.
+fn yaml_scalar(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => {
+            let lower = s.to_ascii_lowercase();
+            let ambiguous = matches!(
+                lower.as_str(),
+                "y" | "yes" | "n" | "no" | "true" | "false" | "on" | "off" | "null" | "~" | ""
+            ) || s.parse::<f64>().is_ok()
+                || s.contains([':', '#', '\'', '"', '[', ']', '{', '}', ',']);
+            if ambiguous {
+                format!("'{}'", s.replace('\'', "''"))
+            } else {
+                s.clone()
+            }
+        }
+        serde_json::Value::Array(items) if items.is_empty() => "[]".into(),
+        other => other.to_string(),
+    }
+}
+
+/// `entries` as a YAML mapping that Python Accelerate reads back unchanged.
+pub(crate) fn to_yaml(entries: &[(&'static str, serde_json::Value)]) -> String {
+    entries
+        .iter()
+        .map(|(k, v)| format!("{k}: {}\n", yaml_scalar(v)))
+        .collect()
+}
+
+/// The settings a launch reads from a file, as Accelerate's `config default` writes them.
+pub(crate) fn default_entries(
+    mixed_precision: MixedPrecision,
+    use_cpu: bool,
+) -> Vec<(&'static str, serde_json::Value)> {
+    use serde_json::json;
+    vec![
+        ("compute_environment", json!("LOCAL_MACHINE")),
+        ("debug", json!(false)),
+        ("distributed_type", json!("NO")),
+        ("downcast_bf16", json!("no")),
+        ("enable_cpu_affinity", json!(false)),
+        ("machine_rank", json!(0)),
+        ("main_training_function", json!("main")),
+        ("mixed_precision", json!(mixed_precision.as_str())),
+        ("num_machines", json!(1)),
+        ("num_processes", json!(1)),
+        ("rdzv_backend", json!("static")),
+        ("same_network", json!(true)),
+        ("tpu_env", json!([])),
+        ("tpu_use_cluster", json!(false)),
+        ("tpu_use_sudo", json!(false)),
+        ("use_cpu", json!(use_cpu)),
+    ]
+}

@@ -1,0 +1,504 @@
+//! The accelerator's configuration, where each setting came from, and where Accelerate keeps its config file.
+
+mod file;
+
+pub use file::UnsupportedValue;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::env;
+use crate::error::{Error, Result};
+use crate::precision::{LossScaler, MixedPrecision};
+
+/// Settings of an [`Accelerator`](crate::Accelerator), resolved from (highest first) builder calls,
+/// `ACCELERATE_*` environment variables and defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AcceleratorConfig {
+    /// Place models and batches on the accelerator's device (default `true`).
+    pub device_placement: bool,
+    /// Advance prepared schedulers with the optimizer, Accelerate's rule (default `true`).
+    pub step_scheduler_with_optimizer: bool,
+    /// Split each batch between ranks instead of giving each rank its own batch (default `false`).
+    pub split_batches: bool,
+    /// Micro-batches per optimizer step (default 1; `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
+    pub gradient_accumulation_steps: usize,
+    /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
+    pub cpu: bool,
+    /// Precision of the forward pass (default `no`; `ACCELERATE_MIXED_PRECISION`).
+    pub mixed_precision: MixedPrecision,
+    /// Loss scaling for fp16 (torch's GradScaler defaults).
+    pub loss_scaler: LossScaler,
+    /// Check operations and shapes across ranks before every collective (default `false`;
+    /// `ACCELERATE_DEBUG_MODE`).
+    pub debug: bool,
+    /// Complete the last round of a prepared dataloader by cycling samples from the start of the epoch, so every
+    /// rank gets the same number of full batches (default `true`).
+    pub even_batches: bool,
+    /// All-reduce gradients after every micro-batch instead of only on sync steps (default `false`).
+    pub sync_each_batch: bool,
+    /// How accumulated gradients are normalised (default: by the micro-batches actually accumulated).
+    pub loss_normalization: LossNormalization,
+    /// Size of one gradient all-reduce bucket in MiB (default 25).
+    pub bucket_size_mb: f64,
+    /// Seconds a collective waits for the other ranks before failing (default 300;
+    /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
+    pub collective_timeout_secs: f64,
+    /// What the config file says about launching (read by `burn-accelerate launch`).
+    pub launch: LaunchSettings,
+    /// Where each setting that did not keep its default came from (see [`source`](Self::source)).
+    #[serde(skip)]
+    pub sources: BTreeMap<String, Source>,
+    /// Values of the config file this crate cannot honour; [`validate`](Self::validate) refuses those still in
+    /// effect.
+    #[serde(skip)]
+    pub unsupported: Vec<UnsupportedValue>,
+}
+
+/// The launch settings of a config file (Accelerate's keys of the same names).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LaunchSettings {
+    /// `distributed_type`: `NO`, `MULTI_CPU`, `MULTI_GPU`.
+    pub distributed_type: Option<String>,
+    /// `num_processes`: processes in all.
+    pub num_processes: Option<usize>,
+    /// `num_machines`.
+    pub num_machines: Option<usize>,
+    /// `machine_rank`: this machine's index.
+    pub machine_rank: Option<usize>,
+    /// `main_process_ip`.
+    pub main_process_ip: Option<String>,
+    /// `main_process_port`.
+    pub main_process_port: Option<u16>,
+}
+
+/// Where a resolved setting came from, highest precedence first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum Source {
+    /// An [`AcceleratorBuilder`](crate::AcceleratorBuilder) call (or a command-line flag).
+    Builder,
+    /// An environment variable, named.
+    Env(String),
+    /// The config file, named.
+    File(String),
+    /// The default.
+    Default,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Builder => f.write_str("builder"),
+            Source::Env(var) => write!(f, "environment {var}"),
+            Source::File(path) => write!(f, "config file {path}"),
+            Source::Default => f.write_str("default"),
+        }
+    }
+}
+
+impl Default for AcceleratorConfig {
+    fn default() -> Self {
+        Self {
+            device_placement: true,
+            step_scheduler_with_optimizer: true,
+            split_batches: false,
+            gradient_accumulation_steps: 1,
+            cpu: false,
+            mixed_precision: MixedPrecision::No,
+            loss_scaler: LossScaler::default(),
+            debug: false,
+            even_batches: true,
+            sync_each_batch: false,
+            loss_normalization: LossNormalization::ActualMicroBatches,
+            bucket_size_mb: 25.0,
+            collective_timeout_secs: 300.0,
+            launch: LaunchSettings::default(),
+            sources: BTreeMap::new(),
+            unsupported: Vec::new(),
+        }
+    }
+}
+
+impl AcceleratorConfig {
+    /// Defaults, overridden by the config file ([`config_file`]: `ACCELERATE_CONFIG_FILE`, else Accelerate's
+    /// `default_config.yaml` when it exists), overridden by the `ACCELERATE_*` environment variables; checked.
+    ///
+    /// # Errors
+    /// A malformed file or variable, an unknown key, or a value this crate cannot honour that nothing overrides.
+    pub fn from_file_and_env() -> Result<Self> {
+        let config = Self::read_file_and_env()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// [`from_file_and_env`](Self::from_file_and_env) without the final check, to show what a file and the
+    /// environment say (`burn-accelerate env`, `config show`) even when a run would refuse it.
+    pub fn read_file_and_env() -> Result<Self> {
+        let mut config = Self::default();
+        if let Some(path) = config_file() {
+            config.apply_file(&path)?;
+        }
+        let env_source = |var: &str| Source::Env(var.to_string());
+        if let Some(cpu) = env::flag("ACCELERATE_USE_CPU")? {
+            config.cpu = cpu;
+            config.set_source("cpu", env_source("ACCELERATE_USE_CPU"));
+        }
+        if let Some(value) = env::var("ACCELERATE_MIXED_PRECISION") {
+            config.mixed_precision = value.parse().map_err(|_| {
+                Error::config(
+                    "ACCELERATE_MIXED_PRECISION",
+                    &value,
+                    "environment",
+                    "one of no, fp16, bf16",
+                )
+            })?;
+            config.set_source("mixed_precision", env_source("ACCELERATE_MIXED_PRECISION"));
+        }
+        if let Some(debug) = env::flag("ACCELERATE_DEBUG_MODE")? {
+            config.debug = debug;
+            config.set_source("debug", env_source("ACCELERATE_DEBUG_MODE"));
+        }
+        if let Some(value) = env::var("ACCELERATE_COLLECTIVE_TIMEOUT") {
+            config.collective_timeout_secs = value.parse().map_err(|_| {
+                Error::config(
+                    "ACCELERATE_COLLECTIVE_TIMEOUT",
+                    &value,
+                    "environment",
+                    "a number of seconds",
+                )
+            })?;
+            config.set_source(
+                "collective_timeout_secs",
+                env_source("ACCELERATE_COLLECTIVE_TIMEOUT"),
+            );
+        }
+        if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
+            config.gradient_accumulation_steps = steps;
+            config.set_source(
+                "gradient_accumulation_steps",
+                env_source("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+            );
+        }
+        Ok(config)
+    }
+
+    /// Applies the keys of an Accelerate config file (`.yaml`, or `.json` read as JSON); see the rules in the
+    /// module documentation of the file reader: Accelerate's keys are accepted (used or ignored with a warning),
+    /// other keys are an error naming them.
+    pub fn apply_file(&mut self, path: &Path) -> Result<()> {
+        file::apply_path(self, path)
+    }
+
+    /// Where `key` (a field name) got its value.
+    pub fn source(&self, key: &str) -> Source {
+        self.sources.get(key).cloned().unwrap_or(Source::Default)
+    }
+
+    /// Records where `key` got its value.
+    pub(crate) fn set_source(&mut self, key: &str, source: Source) {
+        self.sources.insert(key.to_string(), source);
+    }
+
+    /// The settings a run uses, each with its value and where it came from (what `burn-accelerate env` prints).
+    pub fn settings(&self) -> Vec<(&'static str, String, Source)> {
+        let entries: [(&'static str, String); 7] = [
+            ("mixed_precision", self.mixed_precision.to_string()),
+            ("cpu", self.cpu.to_string()),
+            ("debug", self.debug.to_string()),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps.to_string(),
+            ),
+            (
+                "collective_timeout_secs",
+                self.collective_timeout_secs.to_string(),
+            ),
+            ("split_batches", self.split_batches.to_string()),
+            ("even_batches", self.even_batches.to_string()),
+        ];
+        entries
+            .into_iter()
+            .map(|(key, value)| (key, value, self.source(key)))
+            .collect()
+    }
+
+    /// [`apply_file`](Self::apply_file) on the text of a file (`origin` names it in errors, and a name ending
+    /// in `.json` is read as JSON).
+    pub fn apply_yaml(&mut self, text: &str, origin: &str) -> Result<()> {
+        file::apply(self, file::parse(text, origin)?, origin)
+    }
+
+    /// Checks the values, and that no value of the config file this crate cannot honour is still in effect.
+    pub fn validate(&self) -> Result<()> {
+        for unsupported in &self.unsupported {
+            let overridden = unsupported.key == "mixed_precision"
+                && !matches!(self.source("mixed_precision"), Source::File(_));
+            if !overridden {
+                return Err(unsupported.error());
+            }
+        }
+        if self.gradient_accumulation_steps == 0 {
+            return Err(Error::config(
+                "gradient_accumulation_steps",
+                "0",
+                "configuration",
+                "an integer >= 1",
+            ));
+        }
+        self.loss_scaler.validate()?;
+        if !(self.bucket_size_mb.is_finite() && self.bucket_size_mb > 0.0) {
+            return Err(Error::config(
+                "bucket_size_mb",
+                self.bucket_size_mb.to_string(),
+                "configuration",
+                "a positive number of MiB",
+            ));
+        }
+        if !(self.collective_timeout_secs.is_finite() && self.collective_timeout_secs > 0.0) {
+            return Err(Error::config(
+                "collective_timeout_secs",
+                self.collective_timeout_secs.to_string(),
+                "configuration",
+                "a positive number of seconds",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The collective timeout as a duration.
+    pub fn collective_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.collective_timeout_secs)
+    }
+}
+
+/// How gradients accumulated over several micro-batches are normalised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossNormalization {
+    /// Divide by the number of micro-batches actually accumulated in the window, so that a short last window
+    /// (at the end of the dataloader) is weighted like a full one. The default.
+    ActualMicroBatches,
+    /// Divide by `gradient_accumulation_steps` always, as Accelerate does: a short last window makes a smaller
+    /// update.
+    Nominal,
+}
+
+/// The folder Accelerate keeps its configuration in: `$HF_HOME/accelerate`, else
+/// `$XDG_CACHE_HOME/huggingface/accelerate`, else `~/.cache/huggingface/accelerate`.
+pub fn config_dir() -> Option<PathBuf> {
+    if let Some(hf_home) = env::var("HF_HOME") {
+        return Some(PathBuf::from(hf_home).join("accelerate"));
+    }
+    let cache = env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(cache.join("huggingface").join("accelerate"))
+}
+
+/// The default config file, `default_config.yaml` in [`config_dir`], shared with Accelerate.
+pub fn default_config_file() -> Option<PathBuf> {
+    config_dir().map(|d| d.join("default_config.yaml"))
+}
+
+/// The config file a run reads: `ACCELERATE_CONFIG_FILE` (what `--config-file` sets), else the
+/// [`default_config_file`] when it exists.
+pub fn config_file() -> Option<PathBuf> {
+    env::var("ACCELERATE_CONFIG_FILE")
+        .map(PathBuf::from)
+        .or_else(|| default_config_file().filter(|p| p.exists()))
+}
+
+/// Writes the config file Accelerate's `accelerate config default` writes (one process on this machine), to
+/// `path` (YAML, or JSON for a `.json` name). An existing file is kept unless `force`.
+///
+/// # Errors
+/// The file exists (without `force`), or cannot be written.
+pub fn write_default_config(
+    path: &Path,
+    mixed_precision: MixedPrecision,
+    use_cpu: bool,
+    force: bool,
+) -> Result<()> {
+    if path.exists() && !force {
+        return Err(Error::InvalidArgument(format!(
+            "a configuration already exists at {}; pass --force to overwrite it, or --config-file to write \
+             another",
+            path.display()
+        )));
+    }
+    let entries = file::default_entries(mixed_precision, use_cpu);
+    let text = if path.extension().is_some_and(|e| e == "json") {
+        let map: serde_json::Map<String, serde_json::Value> = entries
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        serde_json::to_string_pretty(&map)
+            .map(|t| t + "\n")
+            .map_err(|e| Error::InvalidArgument(format!("writing the config: {e}")))?
+    } else {
+        file::to_yaml(&entries)
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+            operation: "creating",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    crate::checkpoint::fs::write_atomic(path, text.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ACCELERATE_FILE: &str = "compute_environment: LOCAL_MACHINE
+debug: true
+distributed_type: 'NO'
+downcast_bf16: 'no'
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 1
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+";
+
+    #[test]
+    fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_in_effect() {
+        // The shapes of Accelerate's own sample configs: fp8, FSDP, TPU commands, SageMaker, MPI, legacy keys.
+        let fp8 = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nfp8_config:\n  backend: TE\n  \
+                   fp8_format: E4M3\nmixed_precision: fp8\nnum_processes: 2\ntp_config: {}\nparallelism_config: {}\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(fp8, "fp8.yaml").unwrap();
+        assert_eq!(config.launch.num_processes, Some(2));
+        assert!(config.validate().is_err(), "fp8 in effect");
+        config.mixed_precision = MixedPrecision::Bf16;
+        config.set_source(
+            "mixed_precision",
+            Source::Env("ACCELERATE_MIXED_PRECISION".into()),
+        );
+        config
+            .validate()
+            .expect("overridden: fp8 no longer takes effect");
+
+        let fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\nmixed_precision: 'no'\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(fsdp, "fsdp.yaml").unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("FSDP") && err.contains("NO, MULTI_CPU or MULTI_GPU"),
+            "{err}"
+        );
+
+        let tpu = "distributed_type: 'NO'\ntpu_name: test-tpu\ntpu_zone: us-central1-a\ncommand_file: run.sh\n\
+                   commands: [echo hi]\ncommand: null\ntpu_vm: []\ndowncast_bf16: 'no'\ndynamo_backend: 'NO'\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(tpu, "tpu.yaml").unwrap();
+        config
+            .validate()
+            .expect("TPU keys without a TPU run have no effect");
+
+        let sagemaker = "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: 'NO'\nec2_instance_type: ml.p3.2xlarge\n\
+                         iam_role_name: role\nregion: us-east-1\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(sagemaker, "sm.yaml").unwrap();
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("SageMaker")
+        );
+
+        let legacy =
+            "fp16: true\ndistributed_type: MULTI_CPU\nmpirun_config:\n  mpirun_hostfile: hosts\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(legacy, "old.yaml").unwrap();
+        assert_eq!(
+            config.mixed_precision,
+            MixedPrecision::Fp16,
+            "Accelerate's legacy fp16 key"
+        );
+        assert_eq!(
+            config.source("mixed_precision"),
+            Source::File("old.yaml".into())
+        );
+    }
+
+    #[test]
+    fn json_files_are_read_as_json_and_unknown_keys_are_named() {
+        let mut config = AcceleratorConfig::default();
+        config
+            .apply_yaml(
+                r#"{"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "bf16",
+                    "num_processes": 1, "use_cpu": true, "dynamo_config": {}}"#,
+                "cfg.json",
+            )
+            .unwrap();
+        assert_eq!(config.mixed_precision, MixedPrecision::Bf16);
+        assert!(config.cpu);
+        assert!(
+            config
+                .apply_yaml("{not json", "cfg.json")
+                .unwrap_err()
+                .to_string()
+                .contains("JSON")
+        );
+        let err = config
+            .apply_yaml(
+                "mixed_precision: 'no'\nmy_own_key: 1\nanother: 2\n",
+                "x.yaml",
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("my_own_key") && err.contains("another") && err.contains("x.yaml"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn reads_accelerate_files() {
+        let mut config = AcceleratorConfig::default();
+        config
+            .apply_yaml(ACCELERATE_FILE, "default_config.yaml")
+            .unwrap();
+        assert_eq!(config.mixed_precision, MixedPrecision::Bf16);
+        assert!(config.debug && config.cpu);
+    }
+
+    #[test]
+    fn bad_keys_and_values_are_named() {
+        let mut config = AcceleratorConfig::default();
+        let err = config
+            .apply_yaml("mixed_precison: fp16\n", "my.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("mixed_precison") && err.contains("my.yaml"),
+            "{err}"
+        );
+        // fp8 is accepted in the file and refused where it takes effect, naming the value and the file.
+        let mut fp8 = AcceleratorConfig::default();
+        fp8.apply_yaml("mixed_precision: fp8\n", "my.yaml").unwrap();
+        let err = fp8.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("no, fp16 or bf16") && err.contains("fp8") && err.contains("my.yaml"),
+            "{err}"
+        );
+        assert!(config.apply_yaml("- a list\n", "my.yaml").is_err());
+        assert!(config.apply_yaml("", "empty.yaml").is_ok());
+    }
+}
