@@ -42,6 +42,9 @@ struct Args {
     /// Evaluation samples (not a multiple of the batch, on purpose).
     #[arg(long, default_value_t = 1003)]
     eval_samples: usize,
+    /// Make this rank fail with an error at the start of training (to see how a run ends when a rank fails).
+    #[arg(long)]
+    fail_rank: Option<usize>,
 }
 
 /// Mean loss and accuracy over every evaluation sample, each counted once across ranks.
@@ -75,6 +78,12 @@ fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)>
         return Err(burn_accelerate::Error::InvalidArgument(format!(
             "--global-batch {} is not divisible by {p} ranks",
             args.global_batch
+        )));
+    }
+    if args.fail_rank == Some(acc.process_index()) {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "rank {} fails on purpose (--fail-rank)",
+            acc.process_index()
         )));
     }
     // prepare_model gives every rank rank 0's weights.

@@ -1,4 +1,5 @@
-//! The collectives suite under `mpirun -np 2` and `-np 3` (feature `mpi`; needs Open MPI's `mpirun`).
+//! The collectives suite under `mpirun -np 2` and `-np 3`, and `burn-accelerate launch` / `test` across
+//! processes (feature `mpi`; needs Open MPI's `mpirun`).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -6,7 +7,7 @@ use std::process::Command;
 #[path = "support/examples.rs"]
 mod examples;
 
-use examples::{example, result_lines};
+use examples::{cli, example, result_lines};
 
 pub fn mpirun(np: usize, program: &PathBuf, args: &[&str]) -> std::process::Output {
     assert!(program.exists(), "{} is not built", program.display());
@@ -109,6 +110,66 @@ fn hostfile_launch_works() {
     assert_eq!(
         stdout.matches("suite passed on rank").count(),
         3,
+        "{stdout}"
+    );
+}
+
+#[test]
+fn launch_of_two_processes_matches_two_in_process_ranks() {
+    let program = example("data_parallel");
+    let lines = |out| result_lines(out, &["final_loss=", "accuracy="]);
+    let in_process = lines(
+        Command::new(&program)
+            .args(["--processes", "2"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(in_process.len(), 2, "{in_process:?}");
+    let launched = lines(
+        Command::new(cli())
+            .args(["launch", "--num-processes", "2"])
+            .arg(&program)
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(launched, in_process);
+}
+
+#[test]
+fn a_rank_that_fails_stops_the_launch_within_seconds_and_is_named() {
+    let (program, launcher) = (example("data_parallel"), cli());
+    let start = std::time::Instant::now();
+    let out = Command::new(launcher)
+        .args(["launch", "--num-processes", "3"])
+        .arg(&program)
+        .args(["--fail-rank", "1"])
+        .output()
+        .unwrap();
+    let elapsed = start.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("rank 1 exited with status 1"), "{stderr}");
+    // The others wait in a collective whose timeout is 300 s: they are stopped, not left to time out.
+    assert!(elapsed < 5.0, "launch took {elapsed:.1} s");
+}
+
+#[test]
+fn the_test_command_succeeds_across_processes() {
+    let out = Command::new(cli())
+        .args(["test", "--num-processes", "2"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout
+            .matches("Test is a success! You are ready for your distributed training!")
+            .count(),
+        1,
         "{stdout}"
     );
 }

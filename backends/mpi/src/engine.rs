@@ -84,13 +84,11 @@ impl MpiComm {
                 ),
             ));
         }
-        static AT_EXIT: std::sync::Once = std::sync::Once::new();
-        // SAFETY: registers a plain `extern "C"` function without captured state.
-        AT_EXIT.call_once(|| unsafe {
-            libc::atexit(finish_at_exit);
-        });
         let world = universe.world();
         let rank = world.rank() as usize;
+        RANK.store(rank, Ordering::Relaxed);
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        AT_EXIT.call_once(register_exit_handler);
         let size = world.size() as usize;
         Ok(Self {
             universe: Some(universe),
@@ -266,10 +264,43 @@ impl MpiComm {
 /// Set once any collective of this process timed out: MPI cannot be finalized cleanly any more.
 static BROKEN: AtomicBool = AtomicBool::new(false);
 
-/// Ends MPI when the process exits: `MPI_Finalize`, or `MPI_Abort` after a timeout (finalizing would wait
-/// forever for the collective that never completed). A communicator kept in a `static` is never dropped, so
-/// this is what lets `mpirun` see a clean exit.
-extern "C" fn finish_at_exit() {
+/// This process's rank, for the exit handler.
+static RANK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+use burn_accelerate_comm::STATUS_DIR_VAR;
+
+/// Registers [`finish_at_exit`]: with glibc through `on_exit`, which hands the handler the exit status, so that an
+/// unsuccessful exit aborts the job instead of waiting in `MPI_Finalize` for ranks that wait for this one.
+fn register_exit_handler() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn on_exit(
+                function: extern "C" fn(std::ffi::c_int, *mut std::ffi::c_void),
+                arg: *mut std::ffi::c_void,
+            ) -> std::ffi::c_int;
+        }
+        extern "C" fn with_status(status: std::ffi::c_int, _: *mut std::ffi::c_void) {
+            finish_at_exit(status);
+        }
+        // SAFETY: registers a plain `extern "C"` function without captured state.
+        unsafe { on_exit(with_status, std::ptr::null_mut()) };
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        extern "C" fn without_status() {
+            finish_at_exit(0);
+        }
+        // SAFETY: as above; the exit status is not known here, so only timeouts abort.
+        unsafe { libc::atexit(without_status) };
+    }
+}
+
+/// Ends MPI when the process exits. `MPI_Finalize` waits for every rank, so it is called only on a successful
+/// exit; after a timeout, or when the process exits with a non-zero status (an error returned from `main`, a
+/// `process::exit(1)`), `MPI_Abort` ends the whole job at once instead of leaving the other ranks waiting for
+/// this one. A communicator kept in a `static` is never dropped, so this is what lets `mpirun` see the exit.
+fn finish_at_exit(status: std::ffi::c_int) {
     // SAFETY: plain MPI calls with valid out-pointers; MPI_Finalized may be called at any time.
     unsafe {
         let mut finalized: std::ffi::c_int = 0;
@@ -277,12 +308,32 @@ extern "C" fn finish_at_exit() {
         if finalized != 0 {
             return;
         }
+        let rank = RANK.load(Ordering::Relaxed);
         if BROKEN.load(Ordering::Relaxed) {
-            eprintln!("burn-accelerate: aborting the MPI job because a collective timed out");
+            eprintln!(
+                "burn-accelerate: rank {rank} aborts the MPI job because a collective timed out"
+            );
+            record_status(rank, 70);
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70);
+        } else if status != 0 {
+            eprintln!(
+                "burn-accelerate: rank {rank} exits with status {status}; aborting the MPI job"
+            );
+            record_status(rank, status);
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, status);
         } else {
             mpi::ffi::MPI_Finalize();
         }
+    }
+}
+
+/// Leaves `rank_<rank>.status` in the folder [`STATUS_DIR_VAR`] names, if any (best effort: the job is ending).
+fn record_status(rank: usize, status: std::ffi::c_int) {
+    if let Some(dir) = std::env::var_os(STATUS_DIR_VAR) {
+        let _ = std::fs::write(
+            std::path::Path::new(&dir).join(format!("rank_{rank}.status")),
+            status.to_string(),
+        );
     }
 }
 

@@ -8,7 +8,9 @@
 //! Every collective is started as an MPI non-blocking operation and polled until it completes or the timeout
 //! expires. On a timeout the waiting ranks tell each other which collective they are stuck in, so the error
 //! names the ranks that never arrived; the engine is then unusable, and dropping it aborts the MPI job rather
-//! than hanging in `MPI_Finalize`. A rank that dies makes `mpirun` end the job.
+//! than hanging in `MPI_Finalize`. A rank that exits with a non-zero status (an error returned from `main`)
+//! aborts the job too (with glibc, whose `on_exit` tells the status), and a rank that dies makes `mpirun` end
+//! the job.
 //!
 //! Debian packages: `libopenmpi-dev openmpi-bin libclang-dev pkg-config`.
 

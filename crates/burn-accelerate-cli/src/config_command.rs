@@ -6,7 +6,7 @@ use burn_accelerate::config::{self, AcceleratorConfig};
 use burn_accelerate::{Backend, MixedPrecision};
 use clap::Subcommand;
 
-/// What `config` does.
+/// What `config` does (without one: the questionnaire).
 #[derive(Subcommand, Debug)]
 pub enum Action {
     /// Write the file `accelerate config default` writes: one process on this machine.
@@ -34,23 +34,31 @@ fn cpu_only() -> bool {
         .all(|b| burn_accelerate::backend::enumerate(b).is_empty())
 }
 
-/// Runs `action`; `file` is `--config-file`, else the default location.
-pub fn run(action: Action, file: Option<&Path>) -> burn_accelerate::Result<()> {
+/// The file to write: `--config-file`, else the default location.
+fn target(file: Option<&Path>) -> burn_accelerate::Result<PathBuf> {
+    match file {
+        Some(p) => Ok(p.to_path_buf()),
+        None => config::default_config_file().ok_or_else(|| {
+            burn_accelerate::Error::InvalidArgument(
+                "no default location for the config file: set HF_HOME, XDG_CACHE_HOME or HOME, or pass \
+                 --config-file"
+                    .into(),
+            )
+        }),
+    }
+}
+
+/// Runs `action` (the questionnaire when `None`); `file` is `--config-file`, else the default location.
+pub fn run(action: Option<Action>, file: Option<&Path>) -> burn_accelerate::Result<()> {
+    let Some(action) = action else {
+        return crate::questionnaire::run(&target(file)?);
+    };
     match action {
         Action::Default {
             mixed_precision,
             force,
         } => {
-            let path: PathBuf = match file {
-                Some(p) => p.to_path_buf(),
-                None => config::default_config_file().ok_or_else(|| {
-                    burn_accelerate::Error::InvalidArgument(
-                        "no default location for the config file: set HF_HOME, XDG_CACHE_HOME or HOME, or pass \
-                         --config-file"
-                            .into(),
-                    )
-                })?,
-            };
+            let path = target(file)?;
             config::write_default_config(&path, mixed_precision, cpu_only(), force)?;
             println!("burn-accelerate configuration saved at {}", path.display());
         }

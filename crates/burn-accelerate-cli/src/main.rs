@@ -3,6 +3,9 @@
 mod config_command;
 mod env_report;
 mod estimate;
+mod launch;
+mod questionnaire;
+mod selftest;
 
 use std::path::PathBuf;
 
@@ -24,11 +27,21 @@ enum Command {
     /// Print the version, compiled backends, devices found, platform and config file path (paste it into bug
     /// reports).
     Env,
-    /// Write or show the config file shared with Hugging Face Accelerate.
+    /// Answer a few questions and write the config file shared with Hugging Face Accelerate (or `default`,
+    /// `show`).
     Config {
         #[command(subcommand)]
-        action: config_command::Action,
+        action: Option<config_command::Action>,
     },
+    /// Run a program on one process, or on several through mpirun (`--num-processes`, `--hostfile`), with the
+    /// settings of the command line over the environment over the config file.
+    Launch(launch::LaunchArgs),
+    /// Check that distributed training works here: collectives, data sharding and a short parity training
+    /// across `--num-processes` processes (through mpirun when built with the `mpi` feature).
+    Test(selftest::TestArgs),
+    /// The check `test` runs on every rank (started by `test` itself).
+    #[command(hide = true)]
+    TestWorker,
     /// Print the parameters of a safetensors checkpoint (a file, a folder or an index) per dtype, and the memory
     /// training it with Adam needs in f32, bf16 and fp16.
     EstimateMemory {
@@ -55,6 +68,21 @@ fn main() {
                 std::process::exit(1);
             }
         }
+        Command::Launch(args) => match launch::run(&args) {
+            Ok(code) => std::process::exit(code),
+            Err(error) => {
+                eprintln!("error: {error}");
+                std::process::exit(error.1);
+            }
+        },
+        Command::Test(args) => match selftest::run(&args) {
+            Ok(code) => std::process::exit(code),
+            Err(error) => {
+                eprintln!("error: {error}");
+                std::process::exit(error.1);
+            }
+        },
+        Command::TestWorker => std::process::exit(selftest::run_worker()),
         Command::EstimateMemory { path, json } => match estimate::report(&path, json) {
             Ok(report) => print!("{report}"),
             Err(error) => {

@@ -279,3 +279,94 @@ fn pyyaml_reads_the_written_file_as_accelerate_does() {
     assert!(text(&out).0.contains("pyyaml ok"), "{:?}", text(&out));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The questionnaire answered with arrow keys in a pseudo-terminal (util-linux `script` provides it).
+#[test]
+fn the_questionnaire_answered_in_a_terminal_writes_the_expected_file() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("no `script` (util-linux): the terminal questionnaire test is skipped");
+        return;
+    }
+    let dir = temp_dir("pty");
+    let file = dir.join("answers.yaml");
+    let command = format!(
+        "{} config --config-file {}",
+        env!("CARGO_BIN_EXE_burn-accelerate"),
+        file.display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // multi-GPU (two downs), 1 machine (default), 3 processes, CPU only: no, checks: no, bf16 (two downs).
+    let keys = [
+        "", "\x1b[B", "\x1b[B", "\r", "\r", "3", "\r", "\r", "\r", "\x1b[B", "\x1b[B", "\r",
+    ];
+    for key in keys {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        use std::io::Write;
+        stdin.write_all(key.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let written = std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("no file ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    for line in [
+        "distributed_type: MULTI_GPU",
+        "num_processes: 3",
+        "num_machines: 1",
+        "use_cpu: false",
+        "debug: false",
+        "mixed_precision: bf16",
+    ] {
+        assert!(written.contains(line), "{line} missing from:\n{written}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The same questions over a pipe take numbered or named answers, one per line.
+#[test]
+fn the_questionnaire_answered_over_a_pipe_writes_the_expected_file() {
+    let dir = temp_dir("pipe");
+    let file = dir.join("answers.json");
+    let mut child = cli(&[])
+        .args(["config", "--config-file"])
+        .arg(&file)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        // multi-CPU, 2 machines, rank 0, ip, port, 8 processes, checks: yes, fp16
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"multi-CPU\n2\n\n10.0.0.1\n\n8\nyes\nfp16\n")
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(value["distributed_type"], "MULTI_CPU");
+    assert_eq!(value["num_machines"], 2);
+    assert_eq!(value["main_process_ip"], "10.0.0.1");
+    assert_eq!(value["main_process_port"], 29500);
+    assert_eq!(value["num_processes"], 8);
+    assert_eq!(value["use_cpu"], true);
+    assert_eq!(value["debug"], true);
+    assert_eq!(value["mixed_precision"], "fp16");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -23,6 +23,11 @@ pub use reduce::{ReduceBuffer, ReduceOp};
 
 type Result<T> = CommResult<T>;
 
+/// The variable naming a folder where each rank of a multi-process run that exits unsuccessfully leaves
+/// `rank_<i>.status` (its exit status), so that the launcher (`burn-accelerate launch`) can name the rank that
+/// failed. Engines that start their own processes' exit handling honour it.
+pub const STATUS_DIR_VAR: &str = "BURN_ACCELERATE_STATUS_DIR";
+
 /// How ranks talk to each other. Each rank owns one communicator and calls it from its own thread; every rank
 /// must call the same collectives in the same order.
 pub trait Communicator: Send + Sync + Debug {

@@ -341,28 +341,34 @@ pub(crate) fn to_yaml(entries: &[(&'static str, serde_json::Value)]) -> String {
         .collect()
 }
 
-/// The settings a launch reads from a file, as Accelerate's `config default` writes them.
-pub(crate) fn default_entries(
-    mixed_precision: MixedPrecision,
-    use_cpu: bool,
-) -> Vec<(&'static str, serde_json::Value)> {
+/// The entries of a config file for `answers`, with Accelerate's keys, values and order.
+pub(crate) fn entries(answers: &super::ConfigAnswers) -> Vec<(&'static str, serde_json::Value)> {
     use serde_json::json;
-    vec![
+    let mut entries = vec![
         ("compute_environment", json!("LOCAL_MACHINE")),
-        ("debug", json!(false)),
-        ("distributed_type", json!("NO")),
+        ("debug", json!(answers.debug)),
+        ("distributed_type", json!(answers.distributed_type)),
         ("downcast_bf16", json!("no")),
         ("enable_cpu_affinity", json!(false)),
-        ("machine_rank", json!(0)),
+        ("machine_rank", json!(answers.machine_rank)),
+    ];
+    if let Some(ip) = &answers.main_process_ip {
+        entries.push(("main_process_ip", json!(ip)));
+    }
+    if let Some(port) = answers.main_process_port {
+        entries.push(("main_process_port", json!(port)));
+    }
+    entries.extend([
         ("main_training_function", json!("main")),
-        ("mixed_precision", json!(mixed_precision.as_str())),
-        ("num_machines", json!(1)),
-        ("num_processes", json!(1)),
+        ("mixed_precision", json!(answers.mixed_precision.as_str())),
+        ("num_machines", json!(answers.num_machines)),
+        ("num_processes", json!(answers.num_processes)),
         ("rdzv_backend", json!("static")),
         ("same_network", json!(true)),
         ("tpu_env", json!([])),
         ("tpu_use_cluster", json!(false)),
         ("tpu_use_sudo", json!(false)),
-        ("use_cpu", json!(use_cpu)),
-    ]
+        ("use_cpu", json!(answers.use_cpu)),
+    ]);
+    entries
 }

@@ -313,17 +313,51 @@ pub fn config_file() -> Option<PathBuf> {
         .or_else(|| default_config_file().filter(|p| p.exists()))
 }
 
-/// Writes the config file Accelerate's `accelerate config default` writes (one process on this machine), to
-/// `path` (YAML, or JSON for a `.json` name). An existing file is kept unless `force`.
+/// What a config file says, as `burn-accelerate config` asks it (Accelerate's keys of the same names).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigAnswers {
+    /// `NO`, `MULTI_CPU` or `MULTI_GPU`.
+    pub distributed_type: String,
+    /// Processes in all.
+    pub num_processes: usize,
+    /// Machines taking part.
+    pub num_machines: usize,
+    /// This machine's rank.
+    pub machine_rank: usize,
+    /// Address of machine 0 (several machines).
+    pub main_process_ip: Option<String>,
+    /// Port of machine 0 (several machines).
+    pub main_process_port: Option<u16>,
+    /// Run on the CPU.
+    pub use_cpu: bool,
+    /// Check collectives across ranks.
+    pub debug: bool,
+    /// Forward precision.
+    pub mixed_precision: MixedPrecision,
+}
+
+impl Default for ConfigAnswers {
+    fn default() -> Self {
+        Self {
+            distributed_type: "NO".into(),
+            num_processes: 1,
+            num_machines: 1,
+            machine_rank: 0,
+            main_process_ip: None,
+            main_process_port: None,
+            use_cpu: false,
+            debug: false,
+            mixed_precision: MixedPrecision::No,
+        }
+    }
+}
+
+/// Writes a config file for `answers` to `path` in Accelerate's format (YAML quoted as PyYAML needs, or JSON
+/// for a `.json` name), so that Python Accelerate reads it too. An existing file is kept unless `force`.
 ///
 /// # Errors
 /// The file exists (without `force`), or cannot be written.
-pub fn write_default_config(
-    path: &Path,
-    mixed_precision: MixedPrecision,
-    use_cpu: bool,
-    force: bool,
-) -> Result<()> {
+pub fn write_config(path: &Path, answers: &ConfigAnswers, force: bool) -> Result<()> {
     if path.exists() && !force {
         return Err(Error::InvalidArgument(format!(
             "a configuration already exists at {}; pass --force to overwrite it, or --config-file to write \
@@ -331,7 +365,7 @@ pub fn write_default_config(
             path.display()
         )));
     }
-    let entries = file::default_entries(mixed_precision, use_cpu);
+    let entries = file::entries(answers);
     let text = if path.extension().is_some_and(|e| e == "json") {
         let map: serde_json::Map<String, serde_json::Value> = entries
             .into_iter()
@@ -351,6 +385,25 @@ pub fn write_default_config(
         })?;
     }
     crate::checkpoint::fs::write_atomic(path, text.as_bytes())
+}
+
+/// Writes the file Accelerate's `accelerate config default` writes (one process on this machine); see
+/// [`write_config`].
+///
+/// # Errors
+/// As [`write_config`].
+pub fn write_default_config(
+    path: &Path,
+    mixed_precision: MixedPrecision,
+    use_cpu: bool,
+    force: bool,
+) -> Result<()> {
+    let answers = ConfigAnswers {
+        use_cpu,
+        mixed_precision,
+        ..ConfigAnswers::default()
+    };
+    write_config(path, &answers, force)
 }
 
 #[cfg(test)]

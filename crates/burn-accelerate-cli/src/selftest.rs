@@ -1,0 +1,299 @@
+//! `burn-accelerate test`: checks that this machine (and the machines of a hostfile) can run distributed
+//! training: collectives, Accelerate's data sharding, and a short training whose result must equal one process
+//! with the combined batch. Prints Accelerate's success line, or what failed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::{Accelerator, ReduceOp, Result};
+use clap::Args;
+
+use crate::launch::{LaunchArgs, LaunchError};
+
+/// Accelerate's line for a working setup.
+pub const SUCCESS: &str = "Test is a success! You are ready for your distributed training!";
+
+/// What `test` takes.
+#[derive(Args, Debug, Clone)]
+pub struct TestArgs {
+    /// Processes to test with (default: the config file's num_processes, else 1).
+    #[arg(long = "num-processes", visible_alias = "num_processes")]
+    pub num_processes: Option<usize>,
+    /// mpirun's hostfile: every machine is checked for reachability first.
+    #[arg(long)]
+    pub hostfile: Option<PathBuf>,
+}
+
+/// The checks one rank runs; every rank learns whether all passed.
+pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
+    let mut failures = Vec::new();
+    let (rank, world) = (acc.process_index(), acc.num_processes());
+    let device = acc.device().clone();
+    // Collectives.
+    let sum = acc
+        .reduce(
+            Tensor::<1>::from_floats([rank as f32 + 1.0], &device),
+            ReduceOp::Sum,
+        )?
+        .into_scalar::<f32>();
+    if sum != (world * (world + 1) / 2) as f32 {
+        failures.push(format!("reduce: rank {rank} got {sum}"));
+    }
+    let gathered = acc.gather_object(&rank)?;
+    if gathered != (0..world).collect::<Vec<_>>() {
+        failures.push(format!("gather_object: rank {rank} got {gathered:?}"));
+    }
+    let root = acc
+        .broadcast(
+            Tensor::<1>::from_floats([rank as f32 * 10.0 + 7.0], &device),
+            0,
+        )?
+        .into_scalar::<f32>();
+    if root != 7.0 {
+        failures.push(format!("broadcast: rank {rank} got {root}"));
+    }
+    // Data sharding: every sample seen exactly once over the ranks, with batches dealt as Accelerate does.
+    let n = 4 * world + 3;
+    let loader = acc.prepare_dataloader(
+        DataLoaderBuilder::new(Ids)
+            .batch_size(2)
+            .shuffle(5)
+            .build(InMemDataset::new((0..n as i64).collect())),
+    )?;
+    let mut seen = Vec::new();
+    for batch in loader.iter() {
+        let ids: Vec<i64> = acc.gather_for_metrics_objects(&batch?)?;
+        seen.extend(ids);
+    }
+    seen.sort();
+    if seen != (0..n as i64).collect::<Vec<_>>() {
+        failures.push(format!("data sharding: rank {rank} saw {seen:?} of 0..{n}"));
+    }
+    // A short training equals one process with the combined batch.
+    let (got, want) = parity(&acc)?;
+    let diff = if got.len() != want.len() || got.is_empty() {
+        f32::NAN
+    } else {
+        got.iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, |m, d| {
+                if m.is_nan() || d.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(d)
+                }
+            })
+    };
+    // A NaN difference, or weights of different lengths, fail too.
+    if diff.is_nan() || diff > 1e-5 {
+        failures.push(format!(
+            "training parity: rank {rank} differs from one process by {diff}"
+        ));
+    }
+    let failed = acc.reduce(
+        Tensor::<1>::from_floats([failures.len() as f32], &device),
+        ReduceOp::Sum,
+    )?;
+    if failed.into_scalar::<f32>() > 0.0 && failures.is_empty() {
+        failures.push(format!("rank {rank} passed, another rank did not"));
+    }
+    Ok(failures)
+}
+
+/// Batches of sample ids.
+#[derive(Clone)]
+struct Ids;
+
+impl Batcher<i64, Vec<i64>> for Ids {
+    fn batch(&self, items: Vec<i64>, _: &Device) -> Vec<i64> {
+        items
+    }
+}
+
+/// Weights after 3 SGD steps through the accelerator (4 samples per rank per step), and the same from one
+/// process with the combined batch.
+fn parity(acc: &Accelerator) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (rank, world) = (acc.process_index(), acc.num_processes());
+    let device = acc.device().clone();
+    let sample = |i: usize| -> (Vec<f32>, f32) {
+        let x = vec![(i % 7) as f32 / 7.0, (i % 5) as f32 / 5.0, 1.0];
+        let y = 0.5 * x[0] - 2.0 * x[1] + 0.25;
+        (x, y)
+    };
+    let batch = |ids: Vec<usize>, device: &Device| -> (Tensor<2>, Tensor<2>) {
+        let (xs, ys): (Vec<Vec<f32>>, Vec<f32>) = ids.iter().map(|&i| sample(i)).unzip();
+        let n = ids.len();
+        let x = Tensor::from_data(TensorData::new(xs.concat(), [n, 3]), device);
+        let y = Tensor::from_data(TensorData::new(ys, [n, 1]), device);
+        (x, y)
+    };
+    let weights = |model: &Linear| {
+        model
+            .weight
+            .val()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap_or_default()
+    };
+    let start: Linear = LinearConfig::new(3, 1).with_bias(false).init(&device);
+    let start = acc.prepare_model(start)?; // rank 0's weights everywhere
+    // Reference: one process, batches of 4 * world, plain Burn.
+    let mut reference = start.clone();
+    let mut sgd = SgdConfig::new().init();
+    for step in 0..3 {
+        let (x, y) = batch(
+            (step * 4 * world..(step + 1) * 4 * world).collect(),
+            &device,
+        );
+        let loss = (reference.forward(x) - y).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = sgd.step(0.1, reference, grads);
+    }
+    // Through the accelerator: this rank's 4 samples of each step.
+    let mut model = start;
+    let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 0.1);
+    for step in 0..3 {
+        let first = step * 4 * world + rank * 4;
+        let (x, y) = batch((first..first + 4).collect(), &device);
+        let loss = (model.forward(x) - y).powi_scalar(2).mean();
+        acc.backward(loss, &model)?;
+        model = optimizer.step(model);
+    }
+    Ok((weights(&model), weights(&reference)))
+}
+
+/// The hosts of a hostfile (`host slots=N` lines; `#` comments).
+fn hosts(hostfile: &Path) -> std::result::Result<Vec<String>, LaunchError> {
+    let text = std::fs::read_to_string(hostfile).map_err(|e| {
+        LaunchError(
+            format!("reading the hostfile {}: {e}", hostfile.display()),
+            2,
+        )
+    })?;
+    Ok(text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .collect())
+}
+
+/// The Troubleshoot guide's first step: can mpirun start a process on every host? Returns the unreachable ones.
+fn unreachable_hosts(hostfile: &Path) -> std::result::Result<Vec<String>, LaunchError> {
+    let mut unreachable = Vec::new();
+    for host in hosts(hostfile)? {
+        let mut child = Command::new("mpirun")
+            .args(["-np", "1", "--host", &host, "hostname"])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| LaunchError(format!("cannot run mpirun: {e}"), 2))?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let ok = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status.success(),
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                _ => {
+                    let _ = child.kill();
+                    break false;
+                }
+            }
+        };
+        if !ok {
+            unreachable.push(host);
+        }
+    }
+    Ok(unreachable)
+}
+
+/// Runs the test; returns the exit code.
+pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
+    let configured = burn_accelerate::config::AcceleratorConfig::read_file_and_env()
+        .map_err(|e| LaunchError(e.to_string(), 2))?
+        .launch
+        .num_processes;
+    let n = args.num_processes.or(configured).unwrap_or(1).max(1);
+    if let Some(hostfile) = &args.hostfile {
+        let unreachable = unreachable_hosts(hostfile)?;
+        if !unreachable.is_empty() {
+            eprintln!(
+                "Test failed: mpirun cannot start a process on {}; check that each is reachable by ssh without a \
+                 password and has the same MPI installed",
+                unreachable.join(", ")
+            );
+            return Ok(1);
+        }
+    }
+    let distributed = n > 1 || args.hostfile.is_some();
+    if distributed && cfg!(feature = "mpi") {
+        let exe = std::env::current_exe().map_err(|e| LaunchError(e.to_string(), 2))?;
+        let launch = LaunchArgs {
+            num_processes: Some(n),
+            num_machines: None,
+            machine_rank: None,
+            main_process_ip: None,
+            main_process_port: None,
+            hostfile: args.hostfile.clone(),
+            mixed_precision: None,
+            gradient_accumulation_steps: None,
+            debug: false,
+            cpu: false,
+            program: vec![exe.into_os_string(), "test-worker".into()],
+        };
+        return crate::launch::run(&launch);
+    }
+    if distributed {
+        println!(
+            "(this burn-accelerate was built without its `mpi` feature: testing {n} in-process ranks)"
+        );
+    }
+    let failures = burn_accelerate::launch(n, worker)
+        .map_err(|e| LaunchError(format!("Test failed: {e}"), 1))?;
+    Ok(report(&failures[0]))
+}
+
+/// Prints the outcome of one rank's checks (the main rank's, which includes whether all passed).
+pub fn report(failures: &[String]) -> i32 {
+    if failures.is_empty() {
+        println!("{SUCCESS}");
+        0
+    } else {
+        eprintln!("Test failed:");
+        for failure in failures {
+            eprintln!("  - {failure}");
+        }
+        1
+    }
+}
+
+/// The hidden worker that `test` starts on every rank under mpirun.
+pub fn run_worker() -> i32 {
+    match Accelerator::new().and_then(|acc| {
+        let main = acc.is_main_process();
+        worker(acc).map(|f| (main, f))
+    }) {
+        Ok((main, failures)) => {
+            if main || !failures.is_empty() {
+                report(&failures)
+            } else {
+                0
+            }
+        }
+        Err(e) => {
+            eprintln!("Test failed: {e}");
+            1
+        }
+    }
+}

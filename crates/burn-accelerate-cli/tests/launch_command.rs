@@ -1,0 +1,156 @@
+//! `burn-accelerate launch` without MPI: settings reach the program with command line > environment > config
+//! file > default, printed once with their sources; several processes of a program built without MPI are
+//! refused before anything starts.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn launch() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"));
+    for var in [
+        "HF_HOME",
+        "ACCELERATE_CONFIG_FILE",
+        "ACCELERATE_MIXED_PRECISION",
+        "ACCELERATE_DEBUG_MODE",
+    ] {
+        command.env_remove(var);
+    }
+    command.env("HF_HOME", std::env::temp_dir().join("ba-launch-no-config"));
+    command.arg("launch");
+    command
+}
+
+fn config_file() -> PathBuf {
+    let file = std::env::temp_dir().join(format!("ba-launch-{}.yaml", std::process::id()));
+    std::fs::write(
+        &file,
+        "distributed_type: 'NO'\nmixed_precision: bf16\ndebug: true\nnum_processes: 1\n",
+    )
+    .unwrap();
+    file
+}
+
+/// Runs `env` under launch and returns (its ACCELERATE_* variables, launch's settings line).
+fn run(command: &mut Command) -> (Vec<String>, String) {
+    let out = command.arg("env").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let vars = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("ACCELERATE_"))
+        .map(str::to_string)
+        .collect();
+    let settings = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .find(|l| l.starts_with("burn-accelerate launch:"))
+        .unwrap_or_default()
+        .to_string();
+    (vars, settings)
+}
+
+#[test]
+fn command_line_over_environment_over_config_file_over_default() {
+    let file = config_file();
+    // The file alone.
+    let (vars, settings) = run(launch().arg("--config-file").arg(&file));
+    assert!(
+        vars.contains(&"ACCELERATE_MIXED_PRECISION=bf16".to_string()),
+        "{vars:?}"
+    );
+    assert!(
+        settings.contains(&format!(
+            "mixed_precision=bf16 (config file {})",
+            file.display()
+        )),
+        "{settings}"
+    );
+    assert!(settings.contains("debug=true (config file"), "{settings}");
+    assert!(
+        settings.contains("gradient_accumulation_steps=1 (default)"),
+        "{settings}"
+    );
+    // The environment over the file.
+    let (vars, settings) = run(launch()
+        .env("ACCELERATE_MIXED_PRECISION", "fp16")
+        .arg("--config_file")
+        .arg(&file));
+    assert!(
+        vars.contains(&"ACCELERATE_MIXED_PRECISION=fp16".to_string()),
+        "{vars:?}"
+    );
+    assert!(
+        settings.contains("mixed_precision=fp16 (environment ACCELERATE_MIXED_PRECISION)"),
+        "{settings}"
+    );
+    // The command line over both (both spellings of the flags).
+    let (vars, settings) = run(launch()
+        .env("ACCELERATE_MIXED_PRECISION", "fp16")
+        .arg("--config-file")
+        .arg(&file)
+        .args([
+            "--mixed_precision",
+            "no",
+            "--gradient-accumulation-steps",
+            "4",
+            "--cpu",
+        ]));
+    assert!(
+        vars.contains(&"ACCELERATE_MIXED_PRECISION=no".to_string()),
+        "{vars:?}"
+    );
+    assert!(
+        vars.contains(&"ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4".to_string()),
+        "{vars:?}"
+    );
+    assert!(
+        vars.contains(&"ACCELERATE_USE_CPU=true".to_string()),
+        "{vars:?}"
+    );
+    assert!(
+        settings.contains("mixed_precision=no (command line)"),
+        "{settings}"
+    );
+    assert!(
+        settings.contains("num_processes=1 (config file"),
+        "{settings}"
+    );
+    std::fs::remove_file(&file).ok();
+}
+
+#[test]
+fn several_processes_of_a_program_without_mpi_are_refused_before_starting() {
+    let out = launch()
+        .args(["--num-processes", "2", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("built without burn-accelerate's `mpi` feature"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--features burn-accelerate/mpi"),
+        "{stderr}"
+    );
+    // Several machines need a hostfile; launch runs on machine 0 only.
+    let out = launch()
+        .args(["--num-machines", "2", "--num-processes", "4", "true"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--hostfile"));
+    let out = launch()
+        .args(["--machine-rank", "1", "true"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("machine 0 only"));
+}
+
+#[test]
+fn one_process_passes_the_programs_exit_status_through() {
+    let out = launch().args(["sh", "-c", "exit 3"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+}
