@@ -303,9 +303,28 @@ fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchE
     }
     command.envs(env.iter().map(|(k, v)| (*k, v)));
     command.arg(program).args(args);
-    let status = command
-        .status()
+    command.stderr(std::process::Stdio::piped());
+    let mut child = command
+        .spawn()
         .map_err(|e| fail(format!("cannot start mpirun: {e}")))?;
+    // mpirun's messages pass through unchanged; its report of a rank that died is kept to name it.
+    let stderr = child.stderr.take().expect("piped");
+    let watcher = std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let mut died = None;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(|l| l.ok())
+        {
+            let _ = writeln!(std::io::stderr(), "{line}");
+            died = died.or_else(|| rank_death(&line));
+        }
+        died
+    });
+    let status = child
+        .wait()
+        .map_err(|e| fail(format!("waiting for mpirun: {e}")))?;
+    let died = watcher.join().ok().flatten();
     let failed = failed_ranks(&status_dir);
     let _ = std::fs::remove_dir_all(&status_dir);
     if status.success() {
@@ -313,10 +332,16 @@ fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchE
     }
     let code = exit_code(status);
     if failed.is_empty() {
-        eprintln!(
-            "burn-accelerate launch: the job failed (mpirun exit status {code}); no rank reported its own failure, \
-             so one was probably killed (out of memory, a signal): see mpirun's message above"
-        );
+        match died {
+            Some((rank, how)) => eprintln!(
+                "burn-accelerate launch: rank {rank} {how} (killed: out of memory, or a signal); the other ranks \
+                 were stopped"
+            ),
+            None => eprintln!(
+                "burn-accelerate launch: the job failed (mpirun exit status {code}); no rank reported its own \
+                 failure: see mpirun's message above"
+            ),
+        }
         return Ok(code);
     }
     let names: Vec<String> = failed
@@ -332,6 +357,15 @@ fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchE
         .map(|(_, s)| *s)
         .filter(|s| *s != 0)
         .unwrap_or(code))
+}
+
+/// The rank and the manner of death in Open MPI's report `... process rank 1 with PID 42 on node n exited on
+/// signal 9 (Killed).`
+fn rank_death(line: &str) -> Option<(usize, String)> {
+    let rest = line.split("process rank ").nth(1)?;
+    let rank = rest.split_whitespace().next()?.parse().ok()?;
+    let how = rest.split(" exited ").nth(1)?.trim_end_matches('.');
+    Some((rank, format!("exited {how}")))
 }
 
 /// The ranks that left a status file, with their status, in rank order.
@@ -383,5 +417,19 @@ fn is_root() -> bool {
     #[cfg(not(unix))]
     {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn open_mpis_report_of_a_dead_rank_is_read() {
+        let line =
+            "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).";
+        assert_eq!(
+            super::rank_death(line),
+            Some((1, "exited on signal 9 (Killed)".to_string()))
+        );
+        assert_eq!(super::rank_death("Primary job  terminated normally"), None);
     }
 }
