@@ -43,6 +43,32 @@ fn profile_args() -> Vec<String> {
     }
 }
 
+/// Builds `target` (`--example <name>` of this package, or `--bin <name>` of `package`) with this test binary's
+/// profile and features, and returns the path of that exact build, read from cargo's JSON messages.
+fn build(package: &str, kind: &str, name: &str) -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "--message-format=json"])
+        .args(["-p", package, kind, name])
+        .args(profile_args())
+        .args(["--no-default-features", "--features"])
+        .arg(enabled_features().join(","))
+        .output()
+        .expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "building {name} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|msg| msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name)
+        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reported no executable for {name}"))
+}
+
 /// Builds example `name` of this package with this test binary's profile and features, and returns the path
 /// of that exact build.
 ///
@@ -51,55 +77,13 @@ fn profile_args() -> Vec<String> {
 /// the build is asked for here (a no-op when fresh) and its executable path read from cargo's JSON messages.
 /// That path names the feature set's own build, so tests of different feature sets may run concurrently.
 pub fn example(name: &str) -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "--quiet", "--message-format=json"])
-        .args(["-p", env!("CARGO_PKG_NAME"), "--example", name])
-        .args(profile_args())
-        .args(["--no-default-features", "--features"])
-        .arg(enabled_features().join(","))
-        .output()
-        .expect("cargo runs");
-    assert!(
-        out.status.success(),
-        "building example {name} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|msg| msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name)
-        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
-        .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"))
+    build(env!("CARGO_PKG_NAME"), "--example", name)
 }
 
 /// Builds the `burn-accelerate` command (package `burn-accelerate-cli`, whose features have the same names) with
 /// this test binary's profile and features, and returns the path of that build.
 pub fn cli() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "--quiet", "--message-format=json"])
-        .args(["-p", "burn-accelerate-cli", "--bin", "burn-accelerate"])
-        .args(profile_args())
-        .args(["--no-default-features", "--features"])
-        .arg(enabled_features().join(","))
-        .output()
-        .expect("cargo runs");
-    assert!(
-        out.status.success(),
-        "building burn-accelerate failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|msg| {
-            msg["reason"] == "compiler-artifact" && msg["target"]["name"] == "burn-accelerate"
-        })
-        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
-        .unwrap_or_else(|| panic!("cargo reported no executable for burn-accelerate"))
+    build("burn-accelerate-cli", "--bin", "burn-accelerate")
 }
 
 /// The lines of a successful run's standard output that start with one of `prefixes`.
