@@ -176,52 +176,30 @@ impl AcceleratorBuilder {
     /// The configuration: builder values over environment variables over defaults.
     pub(crate) fn resolve(&self) -> Result<AcceleratorConfig> {
         let mut config = AcceleratorConfig::read_file_and_env()?;
-        if let Some(v) = self.device_placement {
-            config.device_placement = v;
-            config.set_source("device_placement", Source::Builder);
+        // Each builder value replaces the resolved one, and the field's name is recorded as coming from here.
+        macro_rules! override_with_builder {
+            ($($field:ident),* $(,)?) => {$(
+                if let Some(v) = self.$field.clone() {
+                    config.$field = v;
+                    config.set_source(stringify!($field), Source::Builder);
+                }
+            )*};
         }
-        if let Some(v) = self.step_scheduler_with_optimizer {
-            config.step_scheduler_with_optimizer = v;
-            config.set_source("step_scheduler_with_optimizer", Source::Builder);
-        }
-        if let Some(v) = self.split_batches {
-            config.split_batches = v;
-            config.set_source("split_batches", Source::Builder);
-        }
-        if let Some(v) = self.gradient_accumulation_steps {
-            config.gradient_accumulation_steps = v;
-            config.set_source("gradient_accumulation_steps", Source::Builder);
-        }
-        if let Some(v) = self.debug {
-            config.debug = v;
-            config.set_source("debug", Source::Builder);
-        }
-        if let Some(v) = self.even_batches {
-            config.even_batches = v;
-            config.set_source("even_batches", Source::Builder);
-        }
-        if let Some(v) = self.mixed_precision {
-            config.mixed_precision = v;
-            config.set_source("mixed_precision", Source::Builder);
-        }
-        if let Some(v) = self.loss_scaler.clone() {
-            config.loss_scaler = v;
-            config.set_source("loss_scaler", Source::Builder);
-        }
-        if let Some(v) = self.sync_each_batch {
-            config.sync_each_batch = v;
-            config.set_source("sync_each_batch", Source::Builder);
-        }
-        if let Some(v) = self.loss_normalization {
-            config.loss_normalization = v;
-            config.set_source("loss_normalization", Source::Builder);
-        }
-        if let Some(v) = self.bucket_size_mb {
-            config.bucket_size_mb = v;
-            config.set_source("bucket_size_mb", Source::Builder);
-        }
-        if let Some(v) = self.collective_timeout {
-            config.collective_timeout_secs = v.as_secs_f64();
+        override_with_builder!(
+            device_placement,
+            step_scheduler_with_optimizer,
+            split_batches,
+            gradient_accumulation_steps,
+            debug,
+            even_batches,
+            mixed_precision,
+            loss_scaler,
+            sync_each_batch,
+            loss_normalization,
+            bucket_size_mb,
+        );
+        if let Some(timeout) = self.collective_timeout {
+            config.collective_timeout_secs = timeout.as_secs_f64();
             config.set_source("collective_timeout_secs", Source::Builder);
         }
         if self.device.cpu {
