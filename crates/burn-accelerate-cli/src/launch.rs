@@ -296,10 +296,7 @@ fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchE
         for (key, _) in &env {
             command.arg("-x").arg(key);
         }
-        if is_root() {
-            command.env("OMPI_ALLOW_RUN_AS_ROOT", "1");
-            command.env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-        }
+        allow_root(&mut command);
     }
     command.envs(env.iter().map(|(k, v)| (*k, v)));
     command.arg(program).args(args);
@@ -402,6 +399,14 @@ fn exit_code(status: ExitStatus) -> i32 {
         }
     }
     status.code().unwrap_or(1)
+}
+
+/// Lets Open MPI's `mpirun` start ranks when this process runs as root (it refuses otherwise, as in containers).
+pub(crate) fn allow_root(command: &mut Command) {
+    if is_root() {
+        command.env("OMPI_ALLOW_RUN_AS_ROOT", "1");
+        command.env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
 }
 
 fn is_root() -> bool {

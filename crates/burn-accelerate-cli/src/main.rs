@@ -68,20 +68,8 @@ fn main() {
                 std::process::exit(1);
             }
         }
-        Command::Launch(args) => match launch::run(&args) {
-            Ok(code) => std::process::exit(code),
-            Err(error) => {
-                eprintln!("error: {error}");
-                std::process::exit(error.1);
-            }
-        },
-        Command::Test(args) => match selftest::run(&args) {
-            Ok(code) => std::process::exit(code),
-            Err(error) => {
-                eprintln!("error: {error}");
-                std::process::exit(error.1);
-            }
-        },
+        Command::Launch(args) => exit_with(launch::run(&args)),
+        Command::Test(args) => exit_with(selftest::run(&args)),
         Command::TestWorker => std::process::exit(selftest::run_worker()),
         Command::EstimateMemory { path, json } => match estimate::report(&path, json) {
             Ok(report) => print!("{report}"),
@@ -90,5 +78,16 @@ fn main() {
                 std::process::exit(1);
             }
         },
+    }
+}
+
+/// Ends the process with a command's exit code, or prints its error and ends with the error's code.
+fn exit_with(outcome: Result<i32, launch::LaunchError>) -> ! {
+    match outcome {
+        Ok(code) => std::process::exit(code),
+        Err(error) => {
+            eprintln!("error: {error}");
+            std::process::exit(error.1);
+        }
     }
 }

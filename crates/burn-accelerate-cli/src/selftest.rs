@@ -190,10 +190,10 @@ fn hosts(hostfile: &Path) -> std::result::Result<Vec<String>, LaunchError> {
 fn unreachable_hosts(hostfile: &Path) -> std::result::Result<Vec<String>, LaunchError> {
     let mut unreachable = Vec::new();
     for host in hosts(hostfile)? {
-        let mut child = Command::new("mpirun")
-            .args(["-np", "1", "--host", &host, "hostname"])
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        let mut probe = Command::new("mpirun");
+        probe.args(["-np", "1", "--host", &host, "hostname"]);
+        crate::launch::allow_root(&mut probe);
+        let mut child = probe
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
