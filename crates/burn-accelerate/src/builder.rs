@@ -14,6 +14,7 @@ use crate::config::{AcceleratorConfig, LossNormalization, Source};
 use crate::error::Result;
 use crate::precision::{LossScaler, MixedPrecision};
 use crate::state::ProcessState;
+use crate::tracking::{LogWith, Tracker, TrackerInit};
 
 /// Builds an [`Accelerator`]. Every setting not given here comes from the `ACCELERATE_*` environment variables,
 /// else from the defaults of [`AcceleratorConfig`].
@@ -33,6 +34,7 @@ pub struct AcceleratorBuilder {
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
     project: Option<ProjectConfiguration>,
+    log_with: Vec<LogWith>,
 }
 
 impl AcceleratorBuilder {
@@ -117,6 +119,23 @@ impl AcceleratorBuilder {
     pub fn project_configuration(mut self, project: ProjectConfiguration) -> Self {
         self.project = Some(project);
         self
+    }
+
+    /// Adds experiment trackers (Accelerate's `log_with`); call it again to add more. They start with
+    /// [`Accelerator::init_trackers`] and write under the project configuration's `project_dir`. See
+    /// [`tracking`](crate::tracking).
+    pub fn log_with(mut self, trackers: LogWith) -> Self {
+        self.log_with.push(trackers);
+        self
+    }
+
+    /// Adds a tracker of your own, made by `factory` when the trackers start (on the main process only,
+    /// unless the tracker's [`Tracker::main_process_only`] is `false`).
+    pub fn log_with_tracker<F>(self, factory: F) -> Self
+    where
+        F: Fn(&TrackerInit) -> Result<Box<dyn Tracker>> + Send + Sync + 'static,
+    {
+        self.log_with(LogWith::Custom(Arc::new(factory)))
     }
 
     /// Size of one gradient all-reduce bucket, in MiB (default 25).
@@ -236,6 +255,7 @@ impl AcceleratorBuilder {
             Arc::new(state),
             config,
             self.project.clone().unwrap_or_default(),
+            self.log_with.clone(),
         )
     }
 }

@@ -138,6 +138,15 @@ pub enum Error {
         message: String,
     },
 
+    /// An experiment tracker failed, or a tracker's file could not be read back.
+    #[error("tracker {tracker}: {reason}")]
+    Tracker {
+        /// The tracker's name (`"tensorboard"`, or a custom tracker's).
+        tracker: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// Bad input to a call that is not covered by a more specific variant.
     #[error("{0}")]
     InvalidArgument(String),

@@ -72,6 +72,7 @@ pub mod config;
 pub mod data;
 pub mod env;
 pub mod error;
+pub mod gatherable;
 pub mod grad;
 mod launch;
 pub mod logging;
@@ -80,8 +81,10 @@ pub mod ops;
 pub mod optim;
 pub mod placement;
 pub mod precision;
+pub mod progress;
 pub mod state;
 pub mod sys;
+pub mod tracking;
 mod traverse;
 
 pub use accelerator::Accelerator;
@@ -91,6 +94,7 @@ pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration,
 pub use comm::ReduceOp;
 pub use config::AcceleratorConfig;
 pub use error::{Error, Result};
+pub use gatherable::Gatherable;
 pub use grad::{GradientState, NormType};
 pub use launch::launch;
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};

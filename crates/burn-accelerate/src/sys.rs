@@ -7,6 +7,26 @@ pub fn kernel_release() -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// This machine's host name (Linux's `/proc/sys/kernel/hostname`, else `$HOSTNAME`, else `localhost`), with
+/// anything but letters, digits, `-` and `_` replaced, so it can go into a file name.
+pub fn hostname() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
 /// Parses the `major.minor.patch` head of a kernel release such as `5.4.0-150-generic`.
 pub fn parse_kernel_version(release: &str) -> Option<(u32, u32, u32)> {
     let head = release

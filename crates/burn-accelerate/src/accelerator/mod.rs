@@ -9,9 +9,10 @@
 mod checkpointing;
 mod collectives;
 mod memory;
+mod tracking;
 
 use std::fmt;
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Mutex, Once};
 
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
@@ -30,6 +31,7 @@ use crate::placement::ToDevice;
 use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
 use crate::state::{DistributedType, ProcessState};
 use crate::sys;
+use crate::tracking::{LogWith, Trackers};
 
 /// The entry point of burn-accelerate: prepare your model, optimizer, scheduler and dataloaders with it, call
 /// [`backward`](Self::backward) instead of `loss.backward()`, and the same loop runs on any device and, with the
@@ -58,6 +60,7 @@ pub struct Accelerator {
     pipeline: StepPipeline,
     checkpointer: Checkpointer,
     trigger: Trigger,
+    trackers: Mutex<Trackers>,
 }
 
 impl fmt::Debug for Accelerator {
@@ -78,6 +81,7 @@ impl Accelerator {
         state: Arc<ProcessState>,
         config: AcceleratorConfig,
         project: ProjectConfiguration,
+        log_with: Vec<LogWith>,
     ) -> Result<Self> {
         state.install_for_thread();
         if state.is_main_process() {
@@ -100,6 +104,7 @@ impl Accelerator {
             sync.name()
         );
         Ok(Self {
+            trackers: Mutex::new(Trackers::new(log_with, project.project_dir.as_deref())),
             pipeline: StepPipeline::new(&config, sync),
             checkpointer: Checkpointer::new(project),
             trigger: Trigger::default(),

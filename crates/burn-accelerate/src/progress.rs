@@ -1,0 +1,53 @@
+//! Progress bars ([indicatif]) drawn by the local main process only, and only on a terminal.
+//!
+//! [`Accelerator::progress_bar`](crate::Accelerator::progress_bar) returns an [`indicatif::ProgressBar`] with a
+//! bar, position, throughput and time left; on every other rank, and when standard error is not a terminal
+//! (a log file, CI, a pipe), it is hidden, so a loop calls `inc` unconditionally and logs stay clean.
+//!
+//! ```
+//! let accelerator = burn_accelerate::Accelerator::new()?;
+//! let bar = accelerator.progress_bar(100, "samples");
+//! for _ in 0..10 {
+//!     bar.inc(10); // after each batch of 10 samples
+//! }
+//! bar.finish_and_clear();
+//! # Ok::<(), burn_accelerate::Error>(())
+//! ```
+
+use std::io::IsTerminal;
+
+pub use indicatif;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// A bar of `len` steps counting `unit` (shown with the throughput, as `<n> <unit>/s`), drawn on standard
+/// error when `visible` and standard error is a terminal, hidden otherwise.
+pub fn bar(len: u64, unit: &str, visible: bool) -> ProgressBar {
+    if !visible || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let template = format!(
+        "{{msg}} [{{elapsed_precise}}] [{{wide_bar}}] {{pos}}/{{len}} {unit} ({{per_sec}}, eta {{eta}})"
+    );
+    let style = ProgressStyle::with_template(&template)
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr()).with_style(style)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bar_for_another_rank_is_hidden() {
+        assert!(bar(10, "steps", false).is_hidden());
+    }
+
+    #[test]
+    fn a_bar_is_hidden_when_standard_error_is_not_a_terminal() {
+        // Test harnesses capture standard error; when they do not (a terminal), there is nothing to check.
+        if !std::io::stderr().is_terminal() {
+            assert!(bar(10, "steps", true).is_hidden());
+        }
+    }
+}
