@@ -33,6 +33,21 @@ fn main_process_only_and_in_order_across_ranks() {
             acc_info!(logger, "main only from {}", acc.process_index());
             acc_info!(logger, in_order = true, "ordered {}", acc.process_index());
             acc_info!(logger, main_process_only = false, "everyone");
+            // Accelerate's spelling: both options, in either order.
+            acc_info!(
+                logger,
+                main_process_only = false,
+                in_order = true,
+                "both {}",
+                acc.process_index()
+            );
+            acc_info!(
+                logger,
+                in_order = true,
+                main_process_only = false,
+                "both {}",
+                acc.process_index()
+            );
             Ok(())
         })
         .unwrap();
@@ -50,5 +65,11 @@ fn main_process_only_and_in_order_across_ranks() {
             ]
         );
         assert_eq!(lines.iter().filter(|l| l.ends_with("everyone")).count(), 4);
+        let both: Vec<&String> = lines.iter().filter(|l| l.contains("both")).collect();
+        let expected: Vec<String> = (0..4)
+            .chain(0..4)
+            .map(|r| format!("[RANK {r}] both {r}"))
+            .collect();
+        assert_eq!(both, expected.iter().collect::<Vec<_>>());
     }
 }

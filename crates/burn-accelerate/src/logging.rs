@@ -14,6 +14,7 @@
 //! acc_info!(logger, "epoch {} done", 3);                          // main process only
 //! acc_info!(logger, main_process_only = false, "on every rank");  // every rank
 //! acc_info!(logger, in_order = true, "every rank, in rank order");
+//! acc_info!(logger, main_process_only = false, in_order = true, "the same, as Accelerate spells it");
 //! ```
 //!
 //! With `in_order`, every rank must reach the call with the same level enabled: it takes one barrier per rank.
@@ -163,9 +164,22 @@ impl MultiProcessLogger {
 }
 
 /// Logs through a [`MultiProcessLogger`] at a given level: `acc_log!(logger, Level::Info, "x={}", x)`, with the
-/// optional `main_process_only = bool` or `in_order = bool` after the level.
+/// optional `main_process_only = bool` and/or `in_order = bool` after the level (in either order, as Accelerate
+/// takes them; `in_order = true` logs on every rank whatever `main_process_only` says, where Accelerate would
+/// hang with `main_process_only=True`).
 #[macro_export]
 macro_rules! acc_log {
+    ($logger:expr, $level:expr, main_process_only = $m:expr, in_order = $o:expr, $($arg:tt)+) => {
+        $logger.log(
+            $level,
+            $crate::logging::LogOptions { main_process_only: $m, in_order: $o },
+            (module_path!(), file!(), line!()),
+            format_args!($($arg)+),
+        )
+    };
+    ($logger:expr, $level:expr, in_order = $o:expr, main_process_only = $m:expr, $($arg:tt)+) => {
+        $crate::acc_log!($logger, $level, main_process_only = $m, in_order = $o, $($arg)+)
+    };
     ($logger:expr, $level:expr, main_process_only = $m:expr, $($arg:tt)+) => {
         $logger.log(
             $level,

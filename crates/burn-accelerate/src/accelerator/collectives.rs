@@ -8,6 +8,7 @@ use serde::de::DeserializeOwned;
 use super::Accelerator;
 use crate::comm::ReduceOp;
 use crate::error::Result;
+use crate::gatherable::Gatherable;
 use crate::ops;
 
 impl Accelerator {
@@ -19,8 +20,16 @@ impl Accelerator {
 
     /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
     /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
-    /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates.
-    pub fn gather_for_metrics<const D: usize, K: Basic>(
+    /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates: one tensor, or a tuple,
+    /// `Vec`, `Option` or struct of them ([`Gatherable`](crate::gatherable::Gatherable)), gathered in one call.
+    /// Tensors whose first dimension differs between ranks (dynamic padding) go through
+    /// [`pad_across_processes`](Self::pad_across_processes) along their other dimensions first.
+    pub fn gather_for_metrics<T: Gatherable>(&self, value: T) -> Result<T> {
+        value.gather_for_metrics(self)
+    }
+
+    /// One tensor of [`gather_for_metrics`](Self::gather_for_metrics).
+    pub(crate) fn gather_tensor_for_metrics<const D: usize, K: Basic>(
         &self,
         tensor: Tensor<D, K>,
     ) -> Result<Tensor<D, K>> {
