@@ -14,13 +14,10 @@
 #[path = "support/classifier.rs"]
 mod classifier;
 
-use burn::data::dataset::InMemDataset;
-use burn::module::Module;
 use burn::optim::AdamConfig;
-use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
 use burn_accelerate::{Accelerator, Result};
 use clap::Parser;
-use classifier::{Batch, Classifier, Sample, SampleBatcher, blobs};
+use classifier::Classifier;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -47,31 +44,6 @@ struct Args {
     fail_rank: Option<usize>,
 }
 
-/// Mean loss and accuracy over every evaluation sample, each counted once across ranks.
-fn evaluate(
-    acc: &Accelerator,
-    model: &Classifier,
-    eval: &PreparedDataLoader<Sample, Batch>,
-) -> Result<(f64, f64)> {
-    let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
-    let model = model.valid();
-    for batch in eval.iter() {
-        let batch = batch?;
-        let batch = Batch {
-            x: batch.x.inner(),
-            y: batch.y.inner(),
-        };
-        let losses = acc.gather_for_metrics(model.losses(&batch))?;
-        let predictions =
-            acc.gather_for_metrics(model.forward(batch.x.clone()).argmax(1).reshape([-1]))?;
-        let labels = acc.gather_for_metrics(batch.y)?;
-        count += labels.dims()[0];
-        correct += predictions.equal(labels).int().sum().into_scalar::<i64>() as usize;
-        loss_sum += losses.sum().into_scalar::<f32>() as f64;
-    }
-    Ok((loss_sum / count as f64, correct as f64 / count as f64))
-}
-
 fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)> {
     let p = acc.num_processes();
     if !args.global_batch.is_multiple_of(p) {
@@ -89,18 +61,13 @@ fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)>
     // prepare_model gives every rank rank 0's weights.
     let mut model = acc.prepare_model(initial)?;
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-    let train = acc.prepare_dataloader(
-        DataLoaderBuilder::new(SampleBatcher)
-            .batch_size(args.global_batch / p)
-            .shuffle(5)
-            .build(InMemDataset::new(blobs(args.train_samples, 1))),
+    let (train, eval) = classifier::prepared_loaders(
+        &acc,
+        args.global_batch / p,
+        args.train_samples,
+        args.eval_samples,
     )?;
-    let eval = acc.prepare_dataloader(
-        DataLoaderBuilder::new(SampleBatcher)
-            .batch_size(args.global_batch / p)
-            .build(InMemDataset::new(blobs(args.eval_samples, 2))),
-    )?;
-    let (initial, _) = evaluate(&acc, &model, &eval)?;
+    let (initial, _) = classifier::evaluate(&acc, &model, &eval)?;
     acc.print(format!(
         "processes={p} per_rank_batch={} initial_loss={initial:.5}",
         args.global_batch / p
@@ -113,7 +80,7 @@ fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)>
             model = optimizer.step(model);
         }
     }
-    evaluate(&acc, &model, &eval)
+    classifier::evaluate(&acc, &model, &eval)
 }
 
 fn main() {

@@ -3,10 +3,13 @@
 #![allow(dead_code)]
 
 use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
+use burn_accelerate::data::{DataLoaderBuilder, PreparedDataLoader};
+use burn_accelerate::{Accelerator, Result, impl_to_device};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -55,6 +58,8 @@ pub struct Batch {
     pub y: Tensor<1, Int>,
 }
 
+impl_to_device!(Batch { x, y });
+
 #[derive(Clone)]
 pub struct SampleBatcher;
 
@@ -102,4 +107,56 @@ pub fn initial_model(hidden: usize, seed: u64) -> Classifier {
     let model = Classifier::new(hidden, &device);
     model.visit(&mut Materialize);
     model
+}
+
+/// Prepared training (shuffled) and evaluation loaders of `batch` samples per rank over blobs drawn from seeds
+/// 1 and 2.
+pub fn prepared_loaders(
+    acc: &Accelerator,
+    batch: usize,
+    train_samples: usize,
+    eval_samples: usize,
+) -> Result<(
+    PreparedDataLoader<Sample, Batch>,
+    PreparedDataLoader<Sample, Batch>,
+)> {
+    let train = acc.prepare_dataloader(
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(batch)
+            .shuffle(5)
+            .build(InMemDataset::new(blobs(train_samples, 1))),
+    )?;
+    let eval = acc.prepare_dataloader(
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(batch)
+            .build(InMemDataset::new(blobs(eval_samples, 2))),
+    )?;
+    Ok((train, eval))
+}
+
+/// Mean loss and accuracy over every evaluation sample, each counted once across ranks.
+pub fn evaluate(
+    acc: &Accelerator,
+    model: &Classifier,
+    eval: &PreparedDataLoader<Sample, Batch>,
+) -> Result<(f64, f64)> {
+    let (mut loss_sum, mut correct, mut count) = (0.0f64, 0usize, 0usize);
+    let model = model.valid();
+    for batch in eval.iter() {
+        let batch = batch?;
+        let batch = Batch {
+            x: batch.x.inner(),
+            y: batch.y.inner(),
+        };
+        let predictions = model.forward(batch.x.clone()).argmax(1).reshape([-1]);
+        let (losses, predictions, labels) =
+            acc.gather_for_metrics((model.losses(&batch), predictions, batch.y))?;
+        count += labels.dims()[0];
+        correct += predictions.equal(labels).int().sum().into_scalar::<i64>() as usize;
+        loss_sum += losses.sum().into_scalar::<f32>() as f64;
+    }
+    Ok((
+        loss_sum / count.max(1) as f64,
+        correct as f64 / count.max(1) as f64,
+    ))
 }

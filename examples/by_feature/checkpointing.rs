@@ -10,7 +10,7 @@
 //! cargo run --release --example checkpointing -- --project-dir /tmp/run --resume
 //! ```
 
-#[path = "support/mlp.rs"]
+#[path = "../support/mlp.rs"]
 mod mlp;
 
 use std::path::PathBuf;

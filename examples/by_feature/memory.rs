@@ -10,7 +10,7 @@
 //! ```
 //! Prints `batch_size=<n>` and `final_loss=<x>`.
 
-#[path = "support/mlp.rs"]
+#[path = "../support/mlp.rs"]
 mod mlp;
 
 use burn::optim::AdamConfig;

@@ -1,0 +1,230 @@
+//! Every example, run briefly, reaches its stated metric (as Accelerate's `test_examples.py` runs its examples),
+//! and the ones that run on several ranks give the same result on one and two.
+
+#[path = "support/examples.rs"]
+mod examples;
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+/// The `key=value` lines an example printed (it must succeed).
+fn run(name: &str, args: &[&str]) -> BTreeMap<String, String> {
+    let out = Command::new(examples::example(name))
+        .args(args)
+        .env_remove("ACCELERATE_MIXED_PRECISION")
+        .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        .output()
+        .expect("the example starts");
+    examples::result_lines(out, &[""])
+        .into_iter()
+        .filter_map(|l| {
+            l.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect()
+}
+
+fn number(results: &BTreeMap<String, String>, key: &str) -> f64 {
+    let value = results
+        .get(key)
+        .unwrap_or_else(|| panic!("no {key}= in {results:?}"));
+    let value: f64 = value
+        .parse()
+        .unwrap_or_else(|e| panic!("{key}={value}: {e}"));
+    assert!(value.is_finite(), "{key}={value} is not finite");
+    value
+}
+
+#[test]
+fn quicktour_loss_falls() {
+    let r = run("quicktour", &["--epochs", "2", "--samples", "1024"]);
+    assert!(
+        number(&r, "final_loss") < 0.5 * number(&r, "initial_loss"),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn nlp_example_reaches_90_percent_with_the_same_accuracy_on_1_and_2_ranks() {
+    let one = run("nlp_example", &["--epochs", "3"]);
+    let two = run("nlp_example", &["--epochs", "3", "--processes", "2"]);
+    assert!(number(&one, "accuracy") >= 0.9, "{one:?}");
+    assert_eq!(one["accuracy"], two["accuracy"]);
+    assert!((number(&one, "final_loss") - number(&two, "final_loss")).abs() <= 1e-4);
+    // A misread review is shown as words, padding removed.
+    if let Some(review) = one.get("misread") {
+        assert!(!review.is_empty() && !review.contains("<unk>"), "{review}");
+    }
+}
+
+#[test]
+fn nlp_example_reads_a_data_file_and_names_a_bad_line() {
+    let dir = std::env::temp_dir().join(format!("nlp-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.tsv");
+    std::fs::write(&bad, "label\ttext\n1\tgood\nno tab here\n").unwrap();
+    let out = Command::new(examples::example("nlp_example"))
+        .arg("--data")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.tsv:3: expected `label<TAB>text`"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn cv_example_reaches_90_percent_with_the_same_result_on_1_and_2_ranks() {
+    let args = ["--epochs", "3"];
+    let one = run("cv_example", &args);
+    let two = run("cv_example", &[&args[..], &["--processes", "2"]].concat());
+    assert!(number(&one, "accuracy") >= 0.9, "{one:?}");
+    assert_eq!(one["accuracy"], two["accuracy"]);
+    assert!((number(&one, "final_loss") - number(&two, "final_loss")).abs() <= 1e-4);
+}
+
+#[test]
+fn gradient_accumulation_matches_the_larger_batch() {
+    let accumulated = run(
+        "gradient_accumulation",
+        &["--accumulation", "4", "--micro-batch", "16"],
+    );
+    let large = run(
+        "gradient_accumulation",
+        &["--accumulation", "1", "--micro-batch", "64"],
+    );
+    let two_ranks = run(
+        "gradient_accumulation",
+        &[
+            "--accumulation",
+            "2",
+            "--micro-batch",
+            "16",
+            "--processes",
+            "2",
+        ],
+    );
+    for r in [&large, &two_ranks] {
+        assert_eq!(r["optimizer_steps"], accumulated["optimizer_steps"]);
+        assert!((number(r, "final_loss") - number(&accumulated, "final_loss")).abs() <= 1e-4);
+    }
+    assert!(number(&accumulated, "accuracy") >= 0.85, "{accumulated:?}");
+}
+
+#[test]
+fn early_stopping_stops_every_rank_at_the_same_step() {
+    for processes in ["1", "2"] {
+        let r = run("early_stopping", &["--processes", processes]);
+        let stopped = number(&r, "stopped_at_step");
+        // 5 epochs of 4096 / 32 steps: stopping means well before the end.
+        assert!(stopped < 640.0, "{r:?}");
+        let every = format!(
+            "[{}]",
+            vec![r["stopped_at_step"].as_str(); processes.parse().unwrap()].join(", ")
+        );
+        assert_eq!(r["ranks_stopped_at"], every);
+    }
+    // A threshold no batch reaches: training runs to the end.
+    let r = run("early_stopping", &["--threshold", "0", "--epochs", "1"]);
+    assert_eq!(r["stopped_at_step"], "none");
+}
+
+#[test]
+fn mixed_precision_example_trains_in_bf16_and_fp16_like_f32() {
+    let f32_run = run(
+        "automatic_mixed_precision",
+        &["--mixed-precision", "no", "--epochs", "2"],
+    );
+    assert_eq!(f32_run["loss_scale"], "none");
+    for precision in ["bf16", "fp16"] {
+        let r = run(
+            "automatic_mixed_precision",
+            &["--mixed-precision", precision, "--epochs", "2"],
+        );
+        assert_eq!(r["mixed_precision"], precision);
+        let (low, full) = (number(&r, "final_loss"), number(&f32_run, "final_loss"));
+        assert!(
+            (low - full).abs() <= 0.1 * full,
+            "{precision}: {low} vs f32 {full}"
+        );
+        if precision == "fp16" {
+            assert!(number(&r, "loss_scale") >= 1.0, "{r:?}");
+        } else {
+            assert_eq!(r["loss_scale"], "none");
+        }
+    }
+}
+
+#[test]
+fn tracking_example_writes_every_tracker_on_the_main_rank_only() {
+    let dir = std::env::temp_dir().join(format!("tracking-example-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let r = run(
+        "tracking",
+        &[
+            "--project-dir",
+            dir.to_str().unwrap(),
+            "--processes",
+            "2",
+            "--epochs",
+            "1",
+        ],
+    );
+    let run_dir = dir.join("tracking_example");
+    assert_eq!(r["logging_dir"], run_dir.display().to_string());
+    let mut files: Vec<String> = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    // One event file: rank 1 started no tracker.
+    assert_eq!(files.len(), 5, "{files:?}");
+    assert!(files[1].starts_with("events.out.tfevents."), "{files:?}");
+    assert_eq!(
+        [&files[0], &files[2], &files[3], &files[4]],
+        ["config.json", "hparams.yml", "metrics.csv", "metrics.jsonl"]
+    );
+    let lines = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    // 4096 samples / (2 ranks × 32) = 64 steps, then one evaluation record.
+    assert_eq!(lines.lines().count(), 65);
+    let last: serde_json::Value = serde_json::from_str(lines.lines().last().unwrap()).unwrap();
+    assert_eq!(last["step"], 64);
+    assert!((last["values"]["accuracy"].as_f64().unwrap() - number(&r, "accuracy")).abs() < 1e-4);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn progress_bars_draw_on_a_terminal_only() {
+    // Not a terminal: nothing but the results.
+    let out = Command::new(examples::example("nlp_example"))
+        .args(["--epochs", "1"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("reviews ("));
+    // A terminal (util-linux `script` gives the example a pseudo-terminal), two ranks: one bar per epoch.
+    let program = examples::example("nlp_example");
+    let command = format!("{} --epochs 2 --processes 2", program.display());
+    let Ok(out) = Command::new("script")
+        .args(["-qefc", &command, "/dev/null"])
+        .output()
+    else {
+        eprintln!("no `script` command: the terminal check is skipped");
+        return;
+    };
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        screen.contains("/960 reviews ("),
+        "no progress bar drawn:\n{screen}"
+    );
+    assert!(screen.contains("epoch 1"), "{screen}");
+    assert!(screen.contains("accuracy="), "{screen}");
+}
