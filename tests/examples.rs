@@ -15,13 +15,17 @@ fn run(name: &str, args: &[&str]) -> BTreeMap<String, String> {
         .env_remove("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
         .output()
         .expect("the example starts");
-    examples::result_lines(out, &[""])
-        .into_iter()
+    let lines = examples::result_lines(out, &[""]);
+    let mut results: BTreeMap<String, String> = lines
+        .iter()
         .filter_map(|l| {
             l.split_once('=')
                 .map(|(k, v)| (k.to_string(), v.to_string()))
         })
-        .collect()
+        .collect();
+    // The whole output too, for lines that are not `key=value`.
+    results.insert("stdout".into(), lines.join("\n"));
+    results
 }
 
 fn number(results: &BTreeMap<String, String>, key: &str) -> f64 {
@@ -227,4 +231,55 @@ fn progress_bars_draw_on_a_terminal_only() {
     );
     assert!(screen.contains("epoch 1"), "{screen}");
     assert!(screen.contains("accuracy="), "{screen}");
+}
+
+#[test]
+fn memory_example_agrees_on_one_batch_size_across_ranks() {
+    let one = run(
+        "memory",
+        &["--start", "4096", "--fits-up-to", "1000", "--steps", "3"],
+    );
+    let two = run(
+        "memory",
+        &[
+            "--start",
+            "4096",
+            "--fits-up-to",
+            "1000",
+            "--steps",
+            "3",
+            "--processes",
+            "2",
+        ],
+    );
+    // 4096 shrinks by 0.9 to the first size at or below 1000 (Accelerate's rule), on every rank alike.
+    assert_eq!(one["batch_size"], "933");
+    assert_eq!(two["batch_size"], "933");
+    number(&two, "final_loss");
+}
+
+#[test]
+fn checkpointing_example_resumes_two_ranks_exactly() {
+    let dir = std::env::temp_dir().join(format!("checkpointing-ranks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let project = dir.to_str().unwrap();
+    let args = [
+        "--project-dir",
+        project,
+        "--steps",
+        "60",
+        "--processes",
+        "2",
+    ];
+    let uninterrupted = run("checkpointing", &args);
+    // Go back to the step-25 checkpoint (mid-epoch: 1000 samples / (2 × 32) = 16 steps an epoch) and resume.
+    std::fs::remove_dir_all(dir.join("checkpoints/checkpoint_1")).unwrap();
+    let resumed = run("checkpointing", &[&args[..], &["--resume"]].concat());
+    assert!(
+        resumed["stdout"].contains("checkpoint_0 at step 25"),
+        "{}",
+        resumed["stdout"]
+    );
+    assert_eq!(resumed["final_loss"], uninterrupted["final_loss"]);
+    std::fs::remove_dir_all(&dir).ok();
 }

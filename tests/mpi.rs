@@ -173,3 +173,52 @@ fn the_test_command_succeeds_across_processes() {
         "{stdout}"
     );
 }
+
+#[test]
+fn nlp_and_vision_examples_under_launch_match_in_process_ranks() {
+    for (name, args) in [
+        ("nlp_example", &["--epochs", "2"][..]),
+        ("cv_example", &["--epochs", "1"][..]),
+    ] {
+        let program = example(name);
+        let lines = |out| result_lines(out, &["final_loss=", "accuracy="]);
+        let in_process = lines(
+            Command::new(&program)
+                .args(args)
+                .args(["--processes", "2"])
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(in_process.len(), 2, "{name}: {in_process:?}");
+        let launched = lines(
+            Command::new(cli())
+                .args(["launch", "--num-processes", "2"])
+                .arg(&program)
+                .args(args)
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(launched, in_process, "{name}");
+    }
+}
+
+#[test]
+fn tracking_example_under_mpirun_writes_one_set_of_files() {
+    let dir = std::env::temp_dir().join(format!("ba-mpi-tracking-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let program = example("tracking");
+    let out = mpirun(
+        2,
+        &program,
+        &["--project-dir", dir.to_str().unwrap(), "--epochs", "1"],
+    );
+    let lines = result_lines(out, &["accuracy="]);
+    assert_eq!(lines.len(), 1, "the main process prints once: {lines:?}");
+    let files = std::fs::read_dir(dir.join("tracking_example"))
+        .unwrap()
+        .count();
+    assert_eq!(files, 5, "one tracker set, written by rank 0");
+    let jsonl = std::fs::read_to_string(dir.join("tracking_example/metrics.jsonl")).unwrap();
+    assert_eq!(jsonl.lines().count(), 65);
+    std::fs::remove_dir_all(&dir).ok();
+}

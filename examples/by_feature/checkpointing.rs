@@ -8,10 +8,16 @@
 //! ```text
 //! cargo run --release --example checkpointing -- --project-dir /tmp/run
 //! cargo run --release --example checkpointing -- --project-dir /tmp/run --resume
+//! cargo run --release --example checkpointing -- --project-dir /tmp/run2 --processes 2   # in-process ranks
 //! ```
+//!
+//! Every rank takes part in `save_state`/`load_state` (the main rank writes the shared files, each rank its own
+//! random and data position), so a multi-rank run resumes the same way.
 
 #[path = "../support/mlp.rs"]
 mod mlp;
+#[path = "../support/ranks.rs"]
+mod ranks;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -46,6 +52,9 @@ struct Args {
     /// Training examples (the epoch is 1000 / 32 = 32 batches, so saves fall mid-epoch).
     #[arg(long, default_value_t = 1000)]
     samples: usize,
+    /// In-process ranks (ignored under a launcher, which decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
 }
 
 /// Progress of the run, registered for checkpointing.
@@ -54,20 +63,15 @@ struct Progress {
     step: usize,
 }
 
-fn run(args: &Args) -> Result<f64> {
-    let accelerator = Accelerator::builder()
-        .project_configuration(
-            ProjectConfiguration::new(&args.project_dir).total_limit(args.total_limit),
-        )
-        .build()?;
+fn run(accelerator: Accelerator, args: &Args, initial: Mlp) -> Result<f64> {
     let progress = Arc::new(Mutex::new(Progress::default()));
     accelerator.register_for_checkpointing("progress", progress.clone())?;
 
-    let device = Device::default();
-    device.seed(7);
-    let mut model = accelerator.prepare_model(Mlp::new(&device))?;
+    let mut model = accelerator.prepare_model(initial)?;
     let mut optimizer = accelerator.prepare_optimizer(AdamConfig::new().init(), 3e-3);
-    let schedule = LinearLrSchedulerConfig::new(3e-3, 3e-4, args.steps)
+    // Without split batches the scheduler advances once per rank and step (Accelerate's rule).
+    let schedule_steps = args.steps * accelerator.num_processes();
+    let schedule = LinearLrSchedulerConfig::new(3e-3, 3e-4, schedule_steps)
         .init()
         .map_err(burn_accelerate::Error::InvalidArgument)?;
     let mut scheduler = accelerator.prepare_scheduler(schedule, &optimizer);
@@ -119,8 +123,17 @@ fn run(args: &Args) -> Result<f64> {
 
 fn main() {
     let args = Args::parse();
-    match run(&args) {
-        Ok(loss) => println!("final_loss={loss:.9}"),
+    let device = Device::default();
+    device.seed(7);
+    let initial = ranks::materialize(Mlp::new(&device));
+    let builder = Accelerator::builder().project_configuration(
+        ProjectConfiguration::new(&args.project_dir).total_limit(args.total_limit),
+    );
+    match ranks::run_ranks(builder, args.processes, |acc| {
+        run(acc, &args, initial.clone())
+    }) {
+        Ok(Some(loss)) => println!("final_loss={loss:.9}"),
+        Ok(None) => {}
         Err(error) => {
             eprintln!("error: {error}");
             std::process::exit(1);

@@ -7,11 +7,15 @@
 //! cargo run --release --example memory --no-default-features --features wgpu -- --start 16777216
 //! # CPU backends abort the process on a failed allocation, so the demo injects the failure above a size
 //! cargo run --release --example memory -- --start 4096 --fits-up-to 1000
+//! # several ranks agree on one size (the largest that fits on every rank)
+//! cargo run --release --example memory -- --start 4096 --fits-up-to 1000 --processes 2
 //! ```
 //! Prints `batch_size=<n>` and `final_loss=<x>`.
 
 #[path = "../support/mlp.rs"]
 mod mlp;
+#[path = "../support/ranks.rs"]
+mod ranks;
 
 use burn::optim::AdamConfig;
 use burn::tensor::{Distribution, Tensor};
@@ -31,6 +35,9 @@ struct Args {
     /// Optimizer steps to train once a size fits.
     #[arg(long, default_value_t = 30)]
     steps: usize,
+    /// In-process ranks (ignored under a launcher, which decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
 }
 
 /// Trains the quicktour MLP for `steps` steps on batches of `batch_size` synthetic samples built on the device;
@@ -78,17 +85,22 @@ fn train(accelerator: &Accelerator, batch_size: usize, args: &Args) -> Result<f3
 fn main() {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let run = || -> std::result::Result<(usize, f32), BatchSizeError<Error>> {
-        let accelerator = Accelerator::new().map_err(BatchSizeError::Failed)?;
-        accelerator.find_executable_batch_size(args.start, |batch_size| {
-            train(&accelerator, batch_size, &args).map(|loss| (batch_size, loss))
-        })
-    };
-    match run() {
-        Ok((batch_size, loss)) => {
+    let result = ranks::run_ranks(Accelerator::builder(), args.processes, |accelerator| {
+        accelerator
+            .find_executable_batch_size(args.start, |batch_size| {
+                train(&accelerator, batch_size, &args).map(|loss| (batch_size, loss))
+            })
+            .map_err(|e| match e {
+                BatchSizeError::Failed(error) => error,
+                other => Error::InvalidArgument(other.to_string()),
+            })
+    });
+    match result {
+        Ok(Some((batch_size, loss))) => {
             println!("batch_size={batch_size}");
             println!("final_loss={loss:.5}");
         }
+        Ok(None) => {}
         Err(error) => {
             eprintln!("error: {error}");
             std::process::exit(1);

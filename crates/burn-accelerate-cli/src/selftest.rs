@@ -36,6 +36,9 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
     let mut failures = Vec::new();
     let (rank, world) = (acc.process_index(), acc.num_processes());
     let device = acc.device().clone();
+    // Drawn by the local main rank on a terminal only.
+    let bar = acc.progress_bar(4, "checks");
+    bar.set_message("collectives");
     // Collectives.
     let sum = acc
         .reduce(
@@ -59,6 +62,8 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
     if root != 7.0 {
         failures.push(format!("broadcast: rank {rank} got {root}"));
     }
+    bar.inc(1);
+    bar.set_message("data sharding");
     // Data sharding: every sample seen exactly once over the ranks, with batches dealt as Accelerate does.
     let n = 4 * world + 3;
     let loader = acc.prepare_dataloader(
@@ -76,6 +81,8 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
     if seen != (0..n as i64).collect::<Vec<_>>() {
         failures.push(format!("data sharding: rank {rank} saw {seen:?} of 0..{n}"));
     }
+    bar.inc(1);
+    bar.set_message("training parity");
     // A short training equals one process with the combined batch.
     let (got, want) = parity(&acc)?;
     let diff = if got.len() != want.len() || got.is_empty() {
@@ -98,10 +105,14 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
             "training parity: rank {rank} differs from one process by {diff}"
         ));
     }
+    bar.inc(1);
+    bar.set_message("agreement");
     let failed = acc.reduce(
         Tensor::<1>::from_floats([failures.len() as f32], &device),
         ReduceOp::Sum,
     )?;
+    bar.inc(1);
+    bar.finish_and_clear();
     if failed.into_scalar::<f32>() > 0.0 && failures.is_empty() {
         failures.push(format!("rank {rank} passed, another rank did not"));
     }
