@@ -254,10 +254,7 @@ fn train(acc: Accelerator, args: &Args, initial: Cnn) -> Result<(f64, f64)> {
 }
 
 fn main() {
-    if let Err(error) = run() {
-        eprintln!("error: {error}");
-        std::process::exit(1);
-    }
+    ranks::exit_on_error(run());
 }
 
 fn run() -> Result<()> {

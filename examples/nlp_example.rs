@@ -237,7 +237,11 @@ fn evaluate(
 /// The reviews of `examples/data/reviews.tsv`, built into the example so that it runs from any folder.
 const REVIEWS: &str = include_str!("data/reviews.tsv");
 
-fn read_reviews(args: &Args) -> Result<(Vec<(i64, String)>, Vec<(i64, String)>)> {
+/// Labelled texts: `(label, text)`.
+type Rows = Vec<(i64, String)>;
+
+/// The training and held-out reviews.
+fn read_reviews(args: &Args) -> Result<(Rows, Rows)> {
     let (text, name) = match &args.data {
         Some(path) => (
             std::fs::read_to_string(path).map_err(|source| Error::Io {
@@ -317,10 +321,7 @@ fn train(
 }
 
 fn main() {
-    if let Err(error) = run() {
-        eprintln!("error: {error}");
-        std::process::exit(1);
-    }
+    ranks::exit_on_error(run());
 }
 
 fn run() -> Result<()> {

@@ -72,10 +72,7 @@ fn train(acc: Accelerator, args: &Args, initial: Classifier) -> Result<Outcome> 
 }
 
 fn main() {
-    if let Err(error) = run() {
-        eprintln!("error: {error}");
-        std::process::exit(1);
-    }
+    ranks::exit_on_error(run());
 }
 
 fn run() -> Result<()> {

@@ -45,3 +45,11 @@ pub fn materialize<M: Module>(model: M) -> M {
     model.visit(&mut Draw);
     model
 }
+
+/// Ends the example: on an error, prints it and exits with status 1.
+pub fn exit_on_error(result: Result<()>) {
+    if let Err(error) = result {
+        eprintln!("error: {error}");
+        std::process::exit(1);
+    }
+}
