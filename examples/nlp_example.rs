@@ -209,11 +209,14 @@ fn evaluate(
         correct += hits.clone().int().sum().into_scalar::<i64>() as usize;
         loss_sum += losses.sum().into_scalar::<f32>() as f64;
         if misread.is_none() {
-            let hits: Vec<bool> = hits
+            // Read as integers: backends store booleans differently (bytes, or 32-bit words on wgpu).
+            let hits: Vec<i64> = hits
+                .int()
                 .into_data()
-                .try_to_vec::<bool>()
+                .convert::<i64>()
+                .try_to_vec::<i64>()
                 .map_err(|e| Error::InvalidArgument(format!("reading predictions back: {e:?}")))?;
-            if let Some(row) = hits.iter().position(|hit| !hit) {
+            if let Some(row) = hits.iter().position(|&hit| hit == 0) {
                 let width = ids.dims()[1];
                 let row_ids = ids.narrow(0, row, 1).reshape([width]);
                 let row_ids: Vec<i64> = row_ids
