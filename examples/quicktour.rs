@@ -116,13 +116,17 @@ fn run_quicktour() -> burn_accelerate::Result<()> {
     let initial = mean_loss(&model, &eval)?;
     accelerator.print(format!("initial_loss={initial:.6}"));
     for epoch in 0..args.epochs {
+        // Drawn on a terminal by the main process only.
+        let bar = accelerator.progress_bar(train.len() as u64, "batches");
         for batch in train.iter() {
             let loss = accelerator.autocast(&model, batch?, |model, batch| model.loss(batch));
             // 4. Backward through the accelerator.
             accelerator.backward(loss, &model)?;
             model = optimizer.step(model);
             scheduler.step();
+            bar.inc(1);
         }
+        bar.finish_and_clear();
         let loss = mean_loss(&model, &eval)?;
         accelerator.print(format!(
             "epoch={epoch} eval_loss={loss:.6} lr={:.2e}",

@@ -126,7 +126,7 @@ impl MpiComm {
         mut request: Request<'static, D, StaticScope>,
     ) -> CommResult<()> {
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let deadline = burn_accelerate_comm::deadline_after(self.timeout);
         let mut polls: u32 = 0;
         loop {
             match request.test() {

@@ -33,7 +33,14 @@ impl EnvReport {
             })
             .collect();
         let kernel = sys::kernel_release();
-        let mut variables: Vec<(String, String)> = std::env::vars()
+        // `vars_os`: a variable whose name or value is not UTF-8 is shown lossily instead of aborting the report.
+        let mut variables: Vec<(String, String)> = std::env::vars_os()
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.to_string_lossy().into_owned(),
+                )
+            })
             .filter(|(k, _)| {
                 k.starts_with("ACCELERATE_")
                     || k == "BURN_DEVICE"

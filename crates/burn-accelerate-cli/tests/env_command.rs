@@ -43,3 +43,30 @@ fn unknown_subcommand_is_a_usage_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
 }
+
+#[cfg(unix)]
+#[test]
+fn env_survives_variables_that_are_not_utf8_and_huge_timeouts() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::env::temp_dir().join(format!("ba-env-utf8-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("HF_HOME", &dir)
+        .env("ACCELERATE_NOT_UTF8", OsStr::from_bytes(b"caf\xe9"))
+        .env(OsStr::from_bytes(b"ACCELERATE_\xffNAME"), "x")
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "1e20")
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("ACCELERATE_NOT_UTF8=caf\u{fffd}"), "{text}");
+    assert!(
+        text.contains("ACCELERATE_COLLECTIVE_TIMEOUT=1e20"),
+        "{text}"
+    );
+}

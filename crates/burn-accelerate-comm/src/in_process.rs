@@ -148,7 +148,7 @@ impl InProcessComm {
         let group = &*self.group;
         let n = group.size;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let deadline = Instant::now() + group.timeout;
+        let deadline = crate::deadline_after(group.timeout);
         let mut state = group.lock();
         if let Some(failed) = &state.failed {
             return Err(rank_failed(op, seq, failed));
@@ -345,6 +345,15 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_group_without_a_time_limit_still_exchanges() {
+        // Duration::MAX used to overflow the deadline computation.
+        let out = run(2, Duration::MAX, |c| {
+            c.all_gather(vec![c.rank() as u8]).unwrap()
+        });
+        assert_eq!(out, vec![vec![vec![0], vec![1]]; 2]);
     }
 
     #[test]

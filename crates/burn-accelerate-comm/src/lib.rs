@@ -87,3 +87,19 @@ impl Communicator for SingleProcess {
         Ok(data)
     }
 }
+
+/// The instant `timeout` from now, or the farthest instant that can be represented when `timeout` is too long
+/// to add (`Duration::MAX`): engines wait until then instead of overflowing.
+pub fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| {
+        // A year is below every platform's limit; halve until it fits.
+        let mut step = std::time::Duration::from_secs(365 * 24 * 3600);
+        loop {
+            if let Some(deadline) = now.checked_add(step) {
+                return deadline;
+            }
+            step /= 2;
+        }
+    })
+}

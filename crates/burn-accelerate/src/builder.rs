@@ -235,6 +235,14 @@ impl AcceleratorBuilder {
         config: AcceleratorConfig,
         cluster: &dyn ClusterEnvironment,
     ) -> Result<Accelerator> {
+        let project = self.project.clone().unwrap_or_default();
+        if project.total_limit == Some(0) {
+            return Err(crate::Error::InvalidArgument(
+                "ProjectConfiguration::total_limit(0) would delete every checkpoint, the one just written \
+                 included: keep at least 1, or leave the limit unset to keep them all"
+                    .into(),
+            ));
+        }
         let request = DeviceRequest {
             cpu: config.cpu,
             ..self.device.clone()
@@ -251,12 +259,7 @@ impl AcceleratorBuilder {
             backend,
         )
         .with_debug(config.debug);
-        Accelerator::from_parts(
-            Arc::new(state),
-            config,
-            self.project.clone().unwrap_or_default(),
-            self.log_with.clone(),
-        )
+        Accelerator::from_parts(Arc::new(state), config, project, self.log_with.clone())
     }
 }
 

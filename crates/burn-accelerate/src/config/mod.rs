@@ -270,11 +270,18 @@ impl AcceleratorConfig {
         Ok(())
     }
 
-    /// The collective timeout as a duration.
+    /// The collective timeout as a duration, at most [`MAX_COLLECTIVE_TIMEOUT`] (a longer one, up to
+    /// `Duration::MAX` or `ACCELERATE_COLLECTIVE_TIMEOUT=1e20`, means "as long as possible", not an overflow).
     pub fn collective_timeout(&self) -> std::time::Duration {
-        std::time::Duration::from_secs_f64(self.collective_timeout_secs)
+        std::time::Duration::try_from_secs_f64(self.collective_timeout_secs)
+            .unwrap_or(MAX_COLLECTIVE_TIMEOUT)
+            .min(MAX_COLLECTIVE_TIMEOUT)
     }
 }
+
+/// The longest collective timeout: 30 days. Longer requests are cut to it, so that deadlines never overflow.
+pub const MAX_COLLECTIVE_TIMEOUT: std::time::Duration =
+    std::time::Duration::from_secs(30 * 24 * 60 * 60);
 
 /// How gradients accumulated over several micro-batches are normalised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,57 @@
+//! Hostile or mistaken settings: each gives a clear error or works, never a panic, a hang or lost data.
+
+use std::time::Duration;
+
+use burn::tensor::Tensor;
+use burn_accelerate::config::MAX_COLLECTIVE_TIMEOUT;
+use burn_accelerate::{Accelerator, AcceleratorConfig, ProjectConfiguration, ReduceOp};
+
+#[test]
+fn an_unbounded_collective_timeout_is_capped_not_an_overflow() {
+    // Duration::MAX used to overflow the collective's deadline (a panic on every rank).
+    let sums = Accelerator::builder()
+        .collective_timeout(Duration::MAX)
+        .launch(2, |acc| {
+            assert_eq!(acc.config().collective_timeout(), MAX_COLLECTIVE_TIMEOUT);
+            let x = Tensor::<1>::from_floats([1.0], acc.device());
+            Ok(acc.reduce(x, ReduceOp::Sum)?.into_scalar::<f32>())
+        })
+        .unwrap();
+    assert_eq!(sums, vec![2.0, 2.0]);
+    // ACCELERATE_COLLECTIVE_TIMEOUT=1e20 (seconds) resolves to the same cap.
+    let config = AcceleratorConfig {
+        collective_timeout_secs: 1e20,
+        ..AcceleratorConfig::default()
+    };
+    config.validate().unwrap();
+    assert_eq!(config.collective_timeout(), MAX_COLLECTIVE_TIMEOUT);
+    let config = AcceleratorConfig {
+        collective_timeout_secs: 2.5,
+        ..AcceleratorConfig::default()
+    };
+    assert_eq!(config.collective_timeout(), Duration::from_millis(2500));
+}
+
+#[test]
+fn total_limit_zero_is_refused_before_anything_is_written_or_deleted() {
+    let dir = std::env::temp_dir().join(format!("faults-total-limit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = Accelerator::builder()
+        .project_configuration(ProjectConfiguration::new(&dir).total_limit(0))
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("total_limit(0) would delete every checkpoint"),
+        "{err}"
+    );
+    assert!(err.contains("keep at least 1"), "{err}");
+    assert!(!dir.exists());
+    // In-process ranks are refused the same way.
+    let err = Accelerator::builder()
+        .project_configuration(ProjectConfiguration::new(&dir).total_limit(0))
+        .launch(2, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("total_limit(0)"), "{err}");
+}
