@@ -55,3 +55,46 @@ fn total_limit_zero_is_refused_before_anything_is_written_or_deleted() {
         .to_string();
     assert!(err.contains("total_limit(0)"), "{err}");
 }
+
+#[test]
+fn an_index_naming_files_outside_its_folder_is_refused() {
+    use burn::nn::{Linear, LinearConfig};
+    use burn_accelerate::LoadOptions;
+
+    let dir = std::env::temp_dir().join(format!("faults-index-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let acc = Accelerator::new().unwrap();
+    let model: Linear = LinearConfig::new(64, 64).init(acc.device());
+    acc.save_model(&model, &dir, "4KB", true).unwrap();
+    let index_path = dir.join("model.safetensors.index.json");
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&index_path).unwrap()).unwrap();
+    let tensor = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .next()
+        .unwrap()
+        .clone();
+    for hostile in [
+        serde_json::json!("../model.safetensors"),
+        serde_json::json!("/etc/hostname"),
+        serde_json::json!("sub/model.safetensors"),
+        serde_json::json!(7),
+    ] {
+        let mut bad = index.clone();
+        bad["weight_map"][&tensor] = hostile.clone();
+        std::fs::write(&index_path, serde_json::to_vec(&bad).unwrap()).unwrap();
+        let fresh: Linear = LinearConfig::new(64, 64).init(acc.device());
+        let err = acc
+            .load_checkpoint_in_model(fresh, &dir, &LoadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("gives tensor {tensor:?} the file {hostile}"))
+                && err.contains("no `..`, not absolute"),
+            "{hostile}: {err}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -392,11 +392,25 @@ impl Source {
             .and_then(|m| m.as_object())
             .ok_or_else(|| corrupt(index, "no `weight_map` object"))?;
         let dir = index.parent().unwrap_or(Path::new("."));
-        let mut files: Vec<PathBuf> = map
-            .values()
-            .filter_map(|v| v.as_str())
-            .map(|f| dir.join(f))
-            .collect();
+        let mut files = Vec::with_capacity(map.len());
+        for (tensor, file) in map {
+            // Shards live beside the index: a path that leaves the folder (`..`, absolute) is refused.
+            let name = file.as_str().filter(|f| {
+                let mut parts = Path::new(f).components();
+                matches!(parts.next(), Some(std::path::Component::Normal(_)))
+                    && parts.next().is_none()
+            });
+            let name = name.ok_or_else(|| {
+                corrupt(
+                    index,
+                    format!(
+                        "`weight_map` gives tensor {tensor:?} the file {file}: expected the name of a shard in \
+                         the index's folder (no folders, no `..`, not absolute)"
+                    ),
+                )
+            })?;
+            files.push(dir.join(name));
+        }
         files.sort();
         files.dedup();
         Self::from_files(files, remap)
