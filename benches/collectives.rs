@@ -1,7 +1,13 @@
 //! All-reduce bandwidth, as ratios against a baseline measured in the same run.
 //!
 //! - In-process engine (2 ranks as threads) against a plain `memcpy` of the same size:
-//!   `cargo bench -p burn-accelerate --bench collectives`.
+//!   `cargo bench -p burn-accelerate --bench collectives`. Prints a table per size, the small-message latency
+//!   (`inproc_allreduce_4k_latency_us`), and `inproc_allreduce_memcpy_ratio` at 16 MiB: busbw over memcpy
+//!   bandwidth, the median of rounds that each time one all-reduce and one memcpy back to back, with the noise
+//!   floor (`noise_floor`: the same pairing of memcpy against memcpy). Then `sync_overhead_ratio`: the gradient
+//!   sync of a `backward` sync step (flatten, copy to the host, reduce, copy back, split) on 25 MB of gradients
+//!   in one bucket, over the communicator's raw all-reduce of the same bytes, with its own noise floor (raw
+//!   against raw).
 //! - MPI engine against raw rsmpi `all_reduce_into` on the same buffers (feature `mpi`, under `mpirun`):
 //!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
 //!   `mpirun -np 2 <the printed bench binary> --bench` (`-x MPI_BENCH_SELF_CHECK=1` runs raw against raw, to
@@ -15,8 +21,9 @@ mod stats;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use stats::median;
+use stats::{median, paired_ratio};
 
+use burn::tensor::Tensor;
 use burn_accelerate::comm::{Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
 
 const SIZES: [usize; 6] = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20];
@@ -81,10 +88,93 @@ fn memcpy(bytes: usize) -> Duration {
     median(times)
 }
 
+/// Rounds of (all-reduce on 2 ranks, then memcpy on rank 0) and of (memcpy, memcpy), each pair back to back;
+/// returns (busbw / memcpy bandwidth, memcpy / memcpy) as medians of the paired ratios.
+fn paired_in_process(bytes: usize, rounds: usize) -> (f64, f64) {
+    let n = 2;
+    let group = InProcessGroup::new(n, Duration::from_secs(120));
+    let line = Arc::new(Barrier::new(n));
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let comm = group.comm(rank);
+            let line = line.clone();
+            std::thread::spawn(move || {
+                let mut buf = ReduceBuffer::F32(vec![1.0; bytes / 4]);
+                let src = vec![1.0f32; bytes / 4];
+                let mut dst = vec![0.0f32; bytes / 4];
+                let mut copy = || {
+                    let t = Instant::now();
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    std::hint::black_box(&mut dst);
+                    t.elapsed()
+                };
+                let (mut reduce, mut first, mut second, mut third) =
+                    (vec![], vec![], vec![], vec![]);
+                for i in 0..rounds + 2 {
+                    line.wait();
+                    let t = Instant::now();
+                    buf = comm.all_reduce(buf, ReduceOp::Sum).unwrap();
+                    let r = t.elapsed();
+                    line.wait();
+                    if rank == 0 && i >= 2 {
+                        reduce.push(r);
+                        first.push(copy());
+                        second.push(copy());
+                        third.push(copy());
+                    }
+                }
+                (reduce, first, second, third)
+            })
+        })
+        .collect();
+    let mut all: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (reduce, first, second, third) = all.swap_remove(0);
+    let busbw_factor = 2.0 * (n - 1) as f64 / n as f64;
+    // busbw / memcpy bandwidth = (bytes * factor / t_reduce) / (bytes / t_copy) = factor * t_copy / t_reduce.
+    let ratio = busbw_factor * paired_ratio(&first, &reduce);
+    let floor = paired_ratio(&third, &second);
+    (ratio, floor)
+}
+
+/// (sync path / raw all-reduce, raw / raw) on 2 in-process ranks, `bytes` of f32 gradients in 4 tensors.
+fn sync_overhead(bytes: usize, rounds: usize) -> (f64, f64) {
+    let per_tensor = bytes / 4 / 4;
+    let results = burn_accelerate::launch(2, |acc| {
+        let grads: Vec<Tensor<1>> = (0..4)
+            .map(|i| Tensor::<1>::full([per_tensor], i as f32 + 0.5, acc.device()).inner())
+            .collect();
+        let mut host = ReduceBuffer::F32(vec![0.5; per_tensor * 4]);
+        let comm = acc.state().comm().clone();
+        let (mut sync, mut raw, mut raw_again) = (vec![], vec![], vec![]);
+        for i in 0..rounds + 2 {
+            acc.wait_for_everyone()?;
+            let t = Instant::now();
+            let out = acc.sync_flat_gradients_for_bench(grads.clone())?;
+            std::hint::black_box(out);
+            let s = t.elapsed();
+            acc.wait_for_everyone()?;
+            let t = Instant::now();
+            host = comm.all_reduce(host, ReduceOp::Mean)?;
+            let r = t.elapsed();
+            acc.wait_for_everyone()?;
+            let t = Instant::now();
+            host = comm.all_reduce(host, ReduceOp::Mean)?;
+            let r2 = t.elapsed();
+            if i >= 2 {
+                sync.push(s);
+                raw.push(r);
+                raw_again.push(r2);
+            }
+        }
+        Ok((paired_ratio(&sync, &raw), paired_ratio(&raw_again, &raw)))
+    })
+    .expect("the sync bench runs");
+    results[0]
+}
+
 fn in_process_report() {
     let n = 2;
     println!("engine=in-process ranks={n} (threads) baseline=memcpy");
-    let mut ratio_at = None;
     for bytes in SIZES {
         let t = in_process(n, bytes);
         let m = memcpy(bytes);
@@ -97,13 +187,23 @@ fn in_process_report() {
             t.as_secs_f64() * 1e6,
             busbw / copy
         );
-        if bytes == RATIO_SIZE {
-            ratio_at = Some(busbw / copy);
+        if bytes == 4 << 10 {
+            println!(
+                "inproc_allreduce_4k_latency_us={:.1}",
+                t.as_secs_f64() * 1e6
+            );
         }
     }
-    if let Some(r) = ratio_at {
-        println!("inprocess_busbw_vs_memcpy={r:.3}");
-    }
+    let (ratio, floor) = paired_in_process(RATIO_SIZE, 61);
+    let (sync, sync_floor) = sync_overhead(25_000_000, 31);
+    println!(
+        "sync_overhead_ratio={sync:.3} (25 MB of gradients in one bucket, 2 ranks, median of 31 paired rounds)"
+    );
+    println!("sync_noise_floor={sync_floor:.3} (raw all-reduce against raw all-reduce)");
+    println!(
+        "inproc_allreduce_memcpy_ratio={ratio:.3} (16 MiB, 2 ranks, median of 61 paired rounds)"
+    );
+    println!("noise_floor={floor:.3} (memcpy against memcpy, same pairing; 1.000 is no noise)");
 }
 
 #[cfg(feature = "mpi")]

@@ -6,12 +6,13 @@
 //! last. Waiting ranks wake up on completion, on the failure or exit of another rank, or at the timeout.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use super::Communicator;
-use super::reduce::{ReduceBuffer, ReduceOp, check_compatible, reduce_range};
+use super::reduce::{ReduceBuffer, ReduceOp, check_shapes, reduce_range};
 use crate::error::CommError as Error;
 
 type Result<T> = crate::CommResult<T>;
@@ -28,6 +29,107 @@ enum Payload {
     Unit,
     Bytes(Vec<u8>),
     Reduce(ReduceBuffer),
+    InPlace(Arc<InPlaceBuffer>),
+}
+
+/// A rank's all-reduce buffer, shared with the other ranks for an in-place reduce-scatter and all-gather.
+///
+/// The element pointer is taken once, from the owning `Vec`, before the buffer is shared; every rank then
+/// reads and writes through it only, following a protocol that keeps every element either read by any ranks
+/// or written by one, never both, between two rounds (see [`InProcessComm::all_reduce_in_place`]). The `Arc`
+/// keeps the memory alive even when a rank fails mid-way, so a slower rank never reads freed memory.
+struct InPlaceBuffer {
+    owner: std::cell::UnsafeCell<ReduceBuffer>,
+    data: RawElements,
+    len: usize,
+}
+
+/// The first element of a buffer, by kind.
+#[derive(Clone, Copy)]
+enum RawElements {
+    F32(*mut f32),
+    F64(*mut f64),
+    I64(*mut i64),
+}
+
+// SAFETY: the pointers are only dereferenced under the all-reduce protocol described above.
+unsafe impl Sync for InPlaceBuffer {}
+unsafe impl Send for InPlaceBuffer {}
+
+impl InPlaceBuffer {
+    fn new(mut buffer: ReduceBuffer) -> Self {
+        let len = buffer.len();
+        let data = match &mut buffer {
+            ReduceBuffer::F32(v) => RawElements::F32(v.as_mut_ptr()),
+            ReduceBuffer::F64(v) => RawElements::F64(v.as_mut_ptr()),
+            ReduceBuffer::I64(v) => RawElements::I64(v.as_mut_ptr()),
+        };
+        Self {
+            owner: std::cell::UnsafeCell::new(buffer),
+            data,
+            len,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.data {
+            RawElements::F32(_) => "f32",
+            RawElements::F64(_) => "f64",
+            RawElements::I64(_) => "i64",
+        }
+    }
+}
+
+impl fmt::Debug for InPlaceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "InPlaceBuffer({} x {})", self.len, self.kind())
+    }
+}
+
+/// Each rank's element kind and length in an all-reduce round, whichever path (whole or in place) its length
+/// sent it down, so that ranks disagreeing on the length get the same error on every rank.
+fn reduce_shapes(all: &Shared) -> Vec<(&'static str, usize)> {
+    all.iter()
+        .map(|slot| match read(slot).as_ref() {
+            Some(Payload::Reduce(b)) => (b.kind(), b.len()),
+            Some(Payload::InPlace(b)) => (b.kind(), b.len),
+            _ => unreachable!("the round checked that every rank called all_reduce"),
+        })
+        .collect()
+}
+
+/// Elements a slice is reduced in at a time, in a small scratch buffer that stays in cache.
+const CHUNK: usize = 4096;
+
+/// Reduces `range` of `inputs` (rank order) into the same range of `out`, chunk by chunk.
+///
+/// # Safety
+/// Every pointer addresses at least `range.end` elements; during the call no other thread writes `range` of
+/// any input, and no other thread reads or writes `range` of `out` (which may be one of the inputs).
+unsafe fn reduce_raw<T: Copy + Default>(
+    inputs: &[*mut T],
+    out: *mut T,
+    range: std::ops::Range<usize>,
+    combine: impl Fn(&mut [T], &[T]),
+    finish: impl Fn(&mut [T]),
+) {
+    let mut scratch = vec![T::default(); CHUNK.min(range.len())];
+    let mut start = range.start;
+    while start < range.end {
+        let k = CHUNK.min(range.end - start);
+        let acc = &mut scratch[..k];
+        // SAFETY: in bounds, and not written by anyone during the call (the caller's contract).
+        acc.copy_from_slice(unsafe { std::slice::from_raw_parts(inputs[0].add(start), k) });
+        for input in &inputs[1..] {
+            combine(acc, unsafe {
+                std::slice::from_raw_parts(input.add(start), k)
+            });
+        }
+        finish(acc);
+        // SAFETY: this thread alone accesses `out`'s range now; the reads above have ended.
+        unsafe { std::slice::from_raw_parts_mut(out.add(start), k) }.copy_from_slice(acc);
+        start += k;
+    }
 }
 
 /// The payloads of a completed round, in rank order. Ranks read them concurrently; a rank may take its own
@@ -237,6 +339,102 @@ impl InProcessComm {
     }
 }
 
+impl InProcessComm {
+    /// All-reduce of a large buffer without copies beyond the minimum: every rank shares its own buffer; rank
+    /// `r` reduces slice `r` of all buffers into slice `r` of its own (reduce-scatter), then copies every other
+    /// slice `q` from rank `q`'s buffer into its own (all-gather). Three rounds separate the phases:
+    ///
+    /// 1. *share*: every buffer is visible to every rank (kinds and lengths are checked here, identically on
+    ///    every rank);
+    /// 2. *reduced*: after the reduce-scatter, in which rank `r` reads slice `r` of every buffer and writes
+    ///    slice `r` of its own — no other rank touches that slice of that buffer;
+    /// 3. *gathered*: after the all-gather, in which rank `r` reads slice `q` of rank `q`'s buffer and writes
+    ///    slice `q` of its own — rank `q` only writes other slices of its own buffer, and reads slice `r` of
+    ///    rank `r`'s.
+    ///
+    /// After the third round no rank reads this rank's buffer any more, and it is returned. Nothing is
+    /// allocated, and each slice is reduced once, in rank order, so every rank gets bit-identical results.
+    fn all_reduce_in_place(&self, data: ReduceBuffer, op: ReduceOp) -> Result<ReduceBuffer> {
+        let n = self.group.size;
+        let own = Arc::new(InPlaceBuffer::new(data));
+        let all = self.exchange("all_reduce", Payload::InPlace(own.clone()))?;
+        check_shapes(&reduce_shapes(&all))?;
+        let buffers: Vec<Arc<InPlaceBuffer>> = all
+            .iter()
+            .map(|slot| match read(slot).as_ref() {
+                Some(Payload::InPlace(b)) => b.clone(),
+                _ => unreachable!("equal lengths take the same path on every rank"),
+            })
+            .collect();
+        drop(all);
+        let len = own.len;
+        let slice = |r: usize| (r * len / n)..((r + 1) * len / n);
+        let mean = op == ReduceOp::Mean;
+        macro_rules! kernel {
+            ($variant:ident, $t:ty, $is_nan:expr, $divide:expr) => {{
+                let is_nan: fn($t) -> bool = $is_nan;
+                let divide: fn(&mut [$t], usize) = $divide;
+                let raw = |b: &InPlaceBuffer| match b.data {
+                    RawElements::$variant(p) => p,
+                    _ => unreachable!("kinds checked above"),
+                };
+                let inputs: Vec<*mut $t> = buffers.iter().map(|b| raw(b)).collect();
+                let combine = |acc: &mut [$t], x: &[$t]| match op {
+                    ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
+                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| {
+                        if *b > *a || is_nan(*b) {
+                            *a = *b
+                        }
+                    }),
+                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| {
+                        if *b < *a || is_nan(*b) {
+                            *a = *b
+                        }
+                    }),
+                };
+                let finish = |acc: &mut [$t]| {
+                    if mean {
+                        divide(acc, n)
+                    }
+                };
+                // Reduce-scatter. SAFETY: in this phase rank r reads slice r of every buffer and writes slice r
+                // of its own; no other rank accesses slice r of any buffer.
+                unsafe { reduce_raw(&inputs, raw(&own), slice(self.rank), combine, finish) };
+                self.exchange("all_reduce", Payload::Unit)?;
+                // All-gather. SAFETY: rank r reads slice q of rank q's buffer (reduced, now only read) and
+                // writes slice q of its own, which no other rank reads in this phase.
+                for (q, input) in inputs.iter().enumerate() {
+                    if q != self.rank {
+                        let range = slice(q);
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                input.add(range.start),
+                                raw(&own).add(range.start),
+                                range.len(),
+                            )
+                        };
+                    }
+                }
+            }};
+        }
+        match own.data {
+            RawElements::F32(_) => kernel!(F32, f32, f32::is_nan, |v, n| v
+                .iter_mut()
+                .for_each(|x| *x /= n as f32)),
+            RawElements::F64(_) => kernel!(F64, f64, f64::is_nan, |v, n| v
+                .iter_mut()
+                .for_each(|x| *x /= n as f64)),
+            RawElements::I64(_) => kernel!(I64, i64, |_| false, |v, n| v
+                .iter_mut()
+                .for_each(|x| *x /= n as i64)),
+        }
+        self.exchange("all_reduce", Payload::Unit)?;
+        drop(buffers);
+        // SAFETY: after the third round no other rank reads this buffer.
+        Ok(unsafe { std::mem::replace(&mut *own.owner.get(), ReduceBuffer::F32(Vec::new())) })
+    }
+}
+
 impl Communicator for InProcessComm {
     fn engine(&self) -> &'static str {
         ENGINE
@@ -255,47 +453,20 @@ impl Communicator for InProcessComm {
     }
 
     fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> Result<ReduceBuffer> {
-        let n = self.group.size;
-        let len = data.len();
+        if data.len() >= SPLIT_REDUCE_MIN && self.group.size > 1 {
+            return self.all_reduce_in_place(data, op);
+        }
         let all = self.exchange("all_reduce", Payload::Reduce(data))?;
-        let reduce = |range: std::ops::Range<usize>| -> Result<ReduceBuffer> {
-            let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
-            let inputs: Vec<&ReduceBuffer> = guards
-                .iter()
-                .map(|g| match g.as_ref() {
-                    Some(Payload::Reduce(b)) => b,
-                    _ => unreachable!("the round checked that every rank called all_reduce"),
-                })
-                .collect();
-            check_compatible(&inputs)?;
-            Ok(reduce_range(&inputs, range, op))
-        };
-        let out = if len < SPLIT_REDUCE_MIN || n == 1 {
-            reduce(0..len)?
-        } else {
-            // Reduce-scatter then all-gather: rank r reduces slice r, then the slices are exchanged and copied
-            // into this rank's own input buffer, which no other rank reads any more by then.
-            let slice = |r: usize| (r * len / n)..((r + 1) * len / n);
-            let mine = reduce(slice(self.rank))?;
-            let slices = self.exchange("all_reduce", Payload::Reduce(mine))?;
-            let own = all[self.rank]
-                .write()
-                .unwrap_or_else(|p| p.into_inner())
-                .take();
-            drop(all);
-            let Some(Payload::Reduce(mut out)) = own else {
-                unreachable!("this rank deposited a reduce buffer")
-            };
-            for (r, slot) in slices.iter().enumerate() {
-                let guard = read(slot);
-                let Some(Payload::Reduce(part)) = guard.as_ref() else {
-                    unreachable!("the round checked the operation")
-                };
-                out.copy_from(slice(r).start, part);
-            }
-            out
-        };
-        Ok(out)
+        check_shapes(&reduce_shapes(&all))?;
+        let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
+        let inputs: Vec<&ReduceBuffer> = guards
+            .iter()
+            .map(|g| match g.as_ref() {
+                Some(Payload::Reduce(b)) => b,
+                _ => unreachable!("equal lengths take the same path on every rank"),
+            })
+            .collect();
+        Ok(reduce_range(&inputs, 0..inputs[0].len(), op))
     }
 
     fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
@@ -345,6 +516,59 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn large_all_reduces_match_the_reference_for_every_op_and_kind() {
+        // Values that make the order of a float sum matter, so a rank reducing in another order would show.
+        let value = |rank: usize, i: usize| {
+            ((rank * 7919 + i * 104_729) % 1000) as f64 * 1.37e-3 + 1e4 * (i % 3) as f64
+        };
+        for n in [2, 3, 5] {
+            let len = SPLIT_REDUCE_MIN * 2 + 7;
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                for kind in ["f32", "f64", "i64"] {
+                    let make = move |rank: usize| match kind {
+                        "f32" => {
+                            ReduceBuffer::F32((0..len).map(|i| value(rank, i) as f32).collect())
+                        }
+                        "f64" => ReduceBuffer::F64((0..len).map(|i| value(rank, i)).collect()),
+                        _ => ReduceBuffer::I64(
+                            (0..len).map(|i| value(rank, i) as i64 - 500).collect(),
+                        ),
+                    };
+                    let inputs: Vec<ReduceBuffer> = (0..n).map(make).collect();
+                    let refs: Vec<&ReduceBuffer> = inputs.iter().collect();
+                    let expected = reduce_range(&refs, 0..len, op);
+                    let out = run(n, Duration::from_secs(10), move |c| {
+                        c.all_reduce(make(c.rank()), op).unwrap()
+                    });
+                    for (rank, got) in out.iter().enumerate() {
+                        // Bit for bit (NaN-free inputs), on every rank.
+                        assert!(*got == expected, "n={n} {op} {kind}: rank {rank} differs");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_reduces_of_different_lengths_fail_on_every_rank() {
+        // Both lengths large, and one on each side of the in-place threshold.
+        for base in [SPLIT_REDUCE_MIN, SPLIT_REDUCE_MIN - 1] {
+            let out = run(3, Duration::from_secs(10), move |c| {
+                let len = base + if c.rank() == 1 { 1 } else { 0 };
+                c.all_reduce(ReduceBuffer::F32(vec![1.0; len]), ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string()
+            });
+            for message in out {
+                assert!(
+                    message.contains(&format!("rank 1: {} x f32", base + 1)),
+                    "{message}"
+                );
+            }
+        }
     }
 
     #[test]

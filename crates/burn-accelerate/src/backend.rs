@@ -125,10 +125,61 @@ impl Backend {
             Backend::Rocm => Ok(Device::rocm(index)),
             #[cfg(feature = "tch")]
             #[allow(deprecated)]
-            Backend::LibTorch => Ok(Device::libtorch()),
+            Backend::LibTorch => Ok(match libtorch_device(libtorch_cuda_devices(), index) {
+                LibTorchDevice::Cuda(i) => Device::libtorch_cuda(i),
+                LibTorchDevice::Cpu => Device::libtorch(),
+            }),
             #[allow(unreachable_patterns)]
             _ => Err(missing()),
         }
+    }
+}
+
+/// Where a LibTorch rank computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LibTorchDevice {
+    /// The host CPU.
+    Cpu,
+    /// The CUDA device with this index.
+    Cuda(usize),
+}
+
+/// The LibTorch device of local rank `local_rank` when LibTorch sees `cuda_devices` CUDA devices: CUDA device
+/// `local_rank % cuda_devices` when there is one (as Accelerate gives each local process its own GPU), else the
+/// CPU.
+///
+/// ```
+/// use burn_accelerate::backend::{LibTorchDevice, libtorch_device};
+/// assert_eq!(libtorch_device(0, 3), LibTorchDevice::Cpu);
+/// assert_eq!(libtorch_device(2, 3), LibTorchDevice::Cuda(1));
+/// ```
+pub fn libtorch_device(cuda_devices: usize, local_rank: usize) -> LibTorchDevice {
+    if cuda_devices == 0 {
+        LibTorchDevice::Cpu
+    } else {
+        LibTorchDevice::Cuda(local_rank % cuda_devices)
+    }
+}
+
+/// The CUDA devices LibTorch sees (0 with a CPU-only LibTorch).
+#[cfg(feature = "tch")]
+fn libtorch_cuda_devices() -> usize {
+    usize::try_from(tch::Cuda::device_count()).unwrap_or(0)
+}
+
+/// Whether ranks on `backend` and `device` compute on the host CPU: the CPU backends, and LibTorch on its CPU
+/// device (LibTorch may run on either).
+pub fn runs_on_cpu(backend: Option<Backend>, device: &Device) -> bool {
+    let _ = device;
+    match backend {
+        Some(b) if b.is_cpu() => true,
+        #[cfg(feature = "tch")]
+        #[allow(deprecated)]
+        Some(Backend::LibTorch) => {
+            let cpu = Device::libtorch();
+            device == &cpu || device == &cpu.clone().autodiff()
+        }
+        _ => false,
     }
 }
 
@@ -317,5 +368,53 @@ mod tests {
         };
         let (_, chosen) = select_device(&request, 0).unwrap();
         assert_eq!(chosen, Some(backend));
+    }
+
+    #[test]
+    fn libtorch_uses_one_cuda_device_per_local_rank_when_it_sees_cuda() {
+        assert_eq!(libtorch_device(0, 0), LibTorchDevice::Cpu);
+        assert_eq!(libtorch_device(0, 5), LibTorchDevice::Cpu);
+        assert_eq!(libtorch_device(1, 0), LibTorchDevice::Cuda(0));
+        assert_eq!(libtorch_device(4, 2), LibTorchDevice::Cuda(2));
+        // More local ranks than GPUs: they share them round-robin.
+        assert_eq!(libtorch_device(4, 6), LibTorchDevice::Cuda(2));
+    }
+
+    #[test]
+    fn cpu_ranks_are_multi_cpu_and_gpu_ranks_multi_gpu() {
+        use crate::state::DistributedType;
+        let device = Device::default();
+        for (backend, cpu) in [
+            (Some(Backend::Flex), true),
+            (Some(Backend::NdArray), true),
+            (Some(Backend::Wgpu), false),
+            (Some(Backend::Cuda), false),
+            (None, false),
+        ] {
+            assert_eq!(runs_on_cpu(backend, &device), cpu, "{backend:?}");
+            let expected = if cpu {
+                DistributedType::MultiCpu
+            } else {
+                DistributedType::MultiGpu
+            };
+            assert_eq!(DistributedType::for_device(2, cpu), expected);
+        }
+        assert_eq!(DistributedType::for_device(1, false), DistributedType::No);
+    }
+
+    /// LibTorch on its CPU counts as a CPU run (it reported MULTI_GPU before); on CUDA as a GPU run.
+    #[cfg(feature = "tch")]
+    #[test]
+    #[allow(deprecated)]
+    fn libtorch_on_the_cpu_is_multi_cpu() {
+        assert!(runs_on_cpu(Some(Backend::LibTorch), &Device::libtorch()));
+        assert!(runs_on_cpu(
+            Some(Backend::LibTorch),
+            &Device::libtorch().autodiff()
+        ));
+        assert!(!runs_on_cpu(
+            Some(Backend::LibTorch),
+            &Device::libtorch_cuda(0)
+        ));
     }
 }

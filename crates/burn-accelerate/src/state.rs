@@ -33,12 +33,18 @@ impl DistributedType {
         }
     }
 
-    /// The type of a run with `world_size` ranks on `backend`.
+    /// The type of a run with `world_size` ranks on `backend`, from the backend alone (a LibTorch run counts
+    /// as GPU; [`for_device`](Self::for_device) looks at the device).
     pub fn for_run(world_size: usize, backend: Option<Backend>) -> Self {
-        match (world_size, backend) {
+        Self::for_device(world_size, backend.is_some_and(Backend::is_cpu))
+    }
+
+    /// The type of a run with `world_size` ranks whose devices are CPUs (`on_cpu`) or accelerators.
+    pub fn for_device(world_size: usize, on_cpu: bool) -> Self {
+        match (world_size, on_cpu) {
             (0 | 1, _) => DistributedType::No,
-            (_, Some(b)) if b.is_cpu() => DistributedType::MultiCpu,
-            _ => DistributedType::MultiGpu,
+            (_, true) => DistributedType::MultiCpu,
+            (_, false) => DistributedType::MultiGpu,
         }
     }
 }
@@ -76,7 +82,10 @@ impl ProcessState {
             process_index: comm.rank(),
             local_process_index,
             num_processes,
-            distributed_type: DistributedType::for_run(num_processes, backend),
+            distributed_type: DistributedType::for_device(
+                num_processes,
+                crate::backend::runs_on_cpu(backend, &device),
+            ),
             device,
             backend,
             comm,
@@ -183,6 +192,10 @@ mod tests {
         );
         assert_eq!(
             DistributedType::for_run(2, Some(Backend::Flex)),
+            DistributedType::MultiCpu
+        );
+        assert_eq!(
+            DistributedType::for_device(2, true),
             DistributedType::MultiCpu
         );
         assert_eq!(

@@ -391,4 +391,11 @@ impl Accelerator {
     pub fn optimizer_step_was_skipped(&self) -> bool {
         self.pipeline.shared().lock().state.last_step_skipped()
     }
+
+    /// The gradient sync of a sync step, alone, on flat gradients: for the `sync_overhead` benchmark, which
+    /// compares it with the communicator's raw all-reduce. Not part of the API.
+    #[doc(hidden)]
+    pub fn sync_flat_gradients_for_bench(&self, grads: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
+        self.pipeline.sync_flat_for_bench(grads)
+    }
 }

@@ -56,6 +56,22 @@ impl StepPipeline {
         }
     }
 
+    /// Averages `grads` (flat gradients of parameters of their own) across ranks exactly as a sync step of
+    /// `backward` does, bucketing included, and returns them: the sync path alone, for the benchmarks.
+    pub fn sync_flat_for_bench(&self, grads: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
+        let mut buffer = super::buffer::GradientBuffer::new();
+        let params: Vec<(burn::module::ParamId, usize)> = grads
+            .iter()
+            .map(|g| (burn::module::ParamId::new(), g.dims()[0]))
+            .collect();
+        for ((id, _), grad) in params.iter().zip(grads) {
+            buffer.add(*id, grad);
+        }
+        self.sync.average(&mut buffer, &params, 1.0)?;
+        let ids: Vec<_> = params.iter().map(|(id, _)| *id).collect();
+        Ok(buffer.flat(&ids))
+    }
+
     /// The step state and gradients, shared with prepared optimizers, schedulers and dataloaders.
     pub fn shared(&self) -> &SharedStep {
         &self.shared

@@ -110,13 +110,17 @@ impl HostAllReduce {
                     .unwrap_or_else(|| Tensor::zeros([*n], (&device, dtype)))
             })
             .collect();
-        let data = Tensor::cat(parts, 0)
-            .try_into_data()
-            .map_err(|e| Error::Execution {
-                operation: "gradient all-reduce",
-                device: format!("{device:?}"),
-                reason: e.to_string(),
-            })?;
+        // A bucket of one gradient (a large parameter) needs no concatenation.
+        let flat = if parts.len() == 1 {
+            parts.into_iter().next().expect("one part")
+        } else {
+            Tensor::cat(parts, 0)
+        };
+        let data = flat.try_into_data().map_err(|e| Error::Execution {
+            operation: "gradient all-reduce",
+            device: format!("{device:?}"),
+            reason: e.to_string(),
+        })?;
         let host = match data.dtype() {
             DType::F32 => data.try_into_vec::<f32>(),
             _ => data
@@ -125,12 +129,19 @@ impl HostAllReduce {
         }
         .map_err(|e| Error::InvalidArgument(format!("gradient all-reduce: {e}")))?;
         let len = host.len();
+        // Unscaled: the engine's mean. Scaled: the engine's sum, then one pass multiplying by scale / ranks
+        // (instead of a division pass and a multiplication pass).
+        let op = if scale == 1.0 {
+            ReduceOp::Mean
+        } else {
+            ReduceOp::Sum
+        };
         let reduced = ops::all_reduce_host(
             &self.state,
             "gradient_all_reduce",
             (DType::F32, &[len]),
             ReduceBuffer::F32(host),
-            ReduceOp::Mean,
+            op,
         )?;
         let ReduceBuffer::F32(mut reduced) = reduced else {
             return Err(Error::InvalidArgument(format!(
@@ -139,7 +150,8 @@ impl HostAllReduce {
             )));
         };
         if scale != 1.0 {
-            reduced.iter_mut().for_each(|x| *x *= scale);
+            let factor = scale / self.state.num_processes() as f32;
+            reduced.iter_mut().for_each(|x| *x *= factor);
         }
         let data = TensorData::new(reduced, [len])
             .try_cast(dtype)
