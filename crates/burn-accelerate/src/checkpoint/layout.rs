@@ -62,11 +62,16 @@ impl WeightLayout {
         match self {
             WeightLayout::Burn => Ok((name, data)),
             WeightLayout::PyTorch => {
+                let transposes =
+                    adapter_transposes(&BurnToPyTorchAdapter, &name, &data, containers);
+                let (key, _) = self.file_key(&name, data.dtype(), &data.shape(), containers);
+                if transposes {
+                    return Ok((key, transpose_2d(&data)));
+                }
                 let adapted = BurnToPyTorchAdapter.adapt(
                     bridge::from_data(data, name, None),
                     ModuleContext::new(containers),
                 );
-                let key = adapted.name.clone();
                 let data = bridge::into_data(adapted).map_err(|e| {
                     Error::InvalidArgument(format!(
                         "save_model: converting `{key}` to PyTorch's layout: {e}"
@@ -111,6 +116,9 @@ impl WeightLayout {
         match self {
             WeightLayout::Burn => Ok(data),
             WeightLayout::PyTorch => {
+                if adapter_transposes(&PyTorchToBurnAdapter, name, &data, containers) {
+                    return Ok(transpose_2d(&data));
+                }
                 let adapted = PyTorchToBurnAdapter.adapt(
                     bridge::from_data(data, name.to_string(), None),
                     ModuleContext::new(containers),
@@ -119,6 +127,75 @@ impl WeightLayout {
             }
         }
     }
+}
+
+/// Whether `adapter` transposes the 2-D tensor `data` at `name`: it is asked about a 2 × 3 stand-in of the
+/// same name, dtype and place (its choice depends on those, not on the size), whose answer shows whether the
+/// elements moved. The real transposition is then done by [`transpose_2d`], which is much faster than the
+/// adapter's element-by-element copy on large matrices.
+fn adapter_transposes(
+    adapter: &impl ModuleAdapter,
+    name: &str,
+    data: &TensorData,
+    containers: &[String],
+) -> bool {
+    if data.shape().len() != 2 || !matches!(data.dtype().size(), 1 | 2 | 4 | 8) {
+        return false;
+    }
+    let size = data.dtype().size();
+    // Elements 0..6, each one `size` bytes wide with its index in the first byte.
+    let mut bytes = vec![0u8; 6 * size];
+    for i in 0..6 {
+        bytes[i * size] = i as u8;
+    }
+    let probe = TensorData::from_bytes_vec(bytes, vec![2, 3], data.dtype());
+    let adapted = adapter.adapt(
+        bridge::from_data(probe, name.to_string(), None),
+        ModuleContext::new(containers),
+    );
+    match bridge::into_data(adapted) {
+        Ok(out) => {
+            let firsts: Vec<u8> = out.as_bytes().chunks(size).map(|c| c[0]).collect();
+            out.shape().to_vec() == [3, 2] && firsts == [0, 3, 1, 4, 2, 5]
+        }
+        Err(_) => false,
+    }
+}
+
+/// The transpose of a 2-D tensor of 1-, 2-, 4- or 8-byte elements, copied in cache-sized tiles.
+pub(crate) fn transpose_2d(data: &TensorData) -> TensorData {
+    let (rows, cols) = (data.shape()[0], data.shape()[1]);
+    let size = data.dtype().size();
+    let src = data.as_bytes();
+    let mut dst = vec![0u8; src.len()];
+    macro_rules! tiles {
+        ($t:ty) => {{
+            const N: usize = std::mem::size_of::<$t>();
+            const TILE: usize = 32;
+            for r0 in (0..rows).step_by(TILE) {
+                for c0 in (0..cols).step_by(TILE) {
+                    for r in r0..(r0 + TILE).min(rows) {
+                        for c in c0..(c0 + TILE).min(cols) {
+                            let from = (r * cols + c) * N;
+                            let to = (c * rows + r) * N;
+                            let v = <$t>::from_ne_bytes(
+                                src[from..from + N].try_into().expect("N bytes"),
+                            );
+                            dst[to..to + N].copy_from_slice(&v.to_ne_bytes());
+                        }
+                    }
+                }
+            }
+        }};
+    }
+    match size {
+        1 => tiles!(u8),
+        2 => tiles!(u16),
+        4 => tiles!(u32),
+        8 => tiles!(u64),
+        other => unreachable!("checked by adapter_transposes: element size {other}"),
+    }
+    TensorData::from_bytes_vec(dst, vec![cols, rows], data.dtype())
 }
 
 /// Ordered key-renaming rules: each regex replaces every match in the key, in turn (burn-store's
@@ -189,4 +266,54 @@ fn escape(text: &str) -> String {
         out.push(c);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fast_transpose_matches_the_adapters_for_every_element_size() {
+        let containers = vec!["Struct:Net".to_string(), "Struct:Linear".to_string()];
+        for dtype in [
+            DType::U8,
+            DType::F16,
+            DType::BF16,
+            DType::F32,
+            DType::F64,
+            DType::I64,
+        ] {
+            let (rows, cols) = (37, 70);
+            let size = dtype.size();
+            let bytes: Vec<u8> = (0..rows * cols * size)
+                .map(|i| (i * 31 % 251) as u8)
+                .collect();
+            let data = TensorData::from_bytes_vec(bytes, vec![rows, cols], dtype);
+            assert!(adapter_transposes(
+                &BurnToPyTorchAdapter,
+                "layer.weight",
+                &data,
+                &containers
+            ));
+            let slow = bridge::into_data(BurnToPyTorchAdapter.adapt(
+                bridge::from_data(data.clone(), "layer.weight".into(), None),
+                ModuleContext::new(&containers),
+            ))
+            .unwrap();
+            let fast = transpose_2d(&data);
+            assert_eq!(fast.shape().to_vec(), vec![cols, rows]);
+            assert_eq!(fast.as_bytes(), slow.as_bytes(), "{dtype:?}");
+            // And back.
+            assert_eq!(transpose_2d(&fast).as_bytes(), data.as_bytes());
+        }
+        // A bias (1-D) and a non-Linear 2-D parameter are not transposed.
+        let embedding = vec!["Struct:Net".to_string(), "Struct:Embedding".to_string()];
+        let data = TensorData::from_bytes_vec(vec![0u8; 24], vec![2, 3], DType::F32);
+        assert!(!adapter_transposes(
+            &BurnToPyTorchAdapter,
+            "emb.weight",
+            &data,
+            &embedding
+        ));
+    }
 }

@@ -350,9 +350,46 @@ impl Default for SaveOptions {
     }
 }
 
+/// A checkpoint file's bytes, memory-mapped: each tensor is copied once, from the page cache straight into its
+/// tensor's data, without first reading the whole file into memory (a 1 GB checkpoint needs no extra 1 GB).
+///
+/// A mapped file must not shrink while it is read (the process would get `SIGBUS`); this crate's writers
+/// never change a file in place (they write a temporary file and rename it), so only an outside program
+/// truncating the file could. Files that cannot be mapped (empty, or a filesystem without mmap) are read.
+enum FileBytes {
+    Mapped(memmap2::Mmap),
+    Read(Vec<u8>),
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(map) => map,
+            FileBytes::Read(bytes) => bytes,
+        }
+    }
+}
+
+impl FileBytes {
+    fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(io("reading", path))?;
+        let len = file.metadata().map_err(io("reading", path))?.len();
+        if len == 0 {
+            return Ok(FileBytes::Read(Vec::new()));
+        }
+        // SAFETY: see the type's documentation; the map is read-only.
+        match unsafe { memmap2::Mmap::map(&file) } {
+            Ok(map) => Ok(FileBytes::Mapped(map)),
+            Err(_) => read(path).map(FileBytes::Read),
+        }
+    }
+}
+
 /// The tensors of a checkpoint: key (after remapping) -> (file, stored key).
 struct Source {
-    files: Vec<(PathBuf, Vec<u8>)>,
+    files: Vec<(PathBuf, FileBytes)>,
     names: BTreeMap<String, (usize, String)>,
     /// The layout the files record, if any.
     layout: Option<WeightLayout>,
@@ -422,7 +459,7 @@ impl Source {
         let mut layout = None;
         let mut remapped = Vec::new();
         for path in paths {
-            let bytes = read(&path)?;
+            let bytes = FileBytes::open(&path)?;
             let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| {
                 corrupt(
                     &path,
