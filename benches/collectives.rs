@@ -5,9 +5,9 @@
 //!   (`inproc_allreduce_4k_latency_us`), and `inproc_allreduce_memcpy_ratio` at 16 MiB: busbw over memcpy
 //!   bandwidth, the median of rounds that each time one all-reduce and one memcpy back to back, with the noise
 //!   floor (`noise_floor`: the same pairing of memcpy against memcpy). Then `sync_overhead_ratio`: the gradient
-//!   sync of a `backward` sync step (flatten, copy to the host, reduce, copy back, split) on 25 MB of gradients
-//!   in one bucket, over the communicator's raw all-reduce of the same bytes, with its own noise floor (raw
-//!   against raw).
+//!   sync of a `backward` sync step (to the host, reduce, back to the device; buckets for small gradients) on
+//!   25 MB of fresh gradients in 4 tensors, over the communicator's raw all-reduce of the same bytes in one
+//!   reused buffer, with its own noise floor (raw against raw).
 //! - MPI engine against raw rsmpi `all_reduce_into` on the same buffers (feature `mpi`, under `mpirun`):
 //!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
 //!   `mpirun -np 2 <the printed bench binary> --bench` (`-x MPI_BENCH_SELF_CHECK=1` runs raw against raw, to
@@ -140,16 +140,20 @@ fn paired_in_process(bytes: usize, rounds: usize) -> (f64, f64) {
 fn sync_overhead(bytes: usize, rounds: usize) -> (f64, f64) {
     let per_tensor = bytes / 4 / 4;
     let results = burn_accelerate::launch(2, |acc| {
-        let grads: Vec<Tensor<1>> = (0..4)
-            .map(|i| Tensor::<1>::full([per_tensor], i as f32 + 0.5, acc.device()).inner())
-            .collect();
+        // Fresh gradients each round, as backward hands them over (owned by the gradient store alone).
+        let grads = || -> Vec<Tensor<1>> {
+            (0..4)
+                .map(|i| Tensor::<1>::full([per_tensor], i as f32 + 0.5, acc.device()).inner())
+                .collect()
+        };
         let mut host = ReduceBuffer::F32(vec![0.5; per_tensor * 4]);
         let comm = acc.state().comm().clone();
         let (mut sync, mut raw, mut raw_again) = (vec![], vec![], vec![]);
         for i in 0..rounds + 2 {
+            let round = grads();
             acc.wait_for_everyone()?;
             let t = Instant::now();
-            let out = acc.sync_flat_gradients_for_bench(grads.clone())?;
+            let out = acc.sync_flat_gradients_for_bench(round)?;
             std::hint::black_box(out);
             let s = t.elapsed();
             acc.wait_for_everyone()?;

@@ -62,8 +62,12 @@ impl WeightLayout {
         match self {
             WeightLayout::Burn => Ok((name, data)),
             WeightLayout::PyTorch => {
-                let transposes =
-                    adapter_transposes(&BurnToPyTorchAdapter, &name, &data, containers);
+                let transposes = adapter_transposes(
+                    &BurnToPyTorchAdapter,
+                    &name,
+                    (data.dtype(), data.shape().as_slice()),
+                    containers,
+                );
                 let (key, _) = self.file_key(&name, data.dtype(), &data.shape(), containers);
                 if transposes {
                     return Ok((key, transpose_2d(&data)));
@@ -106,6 +110,30 @@ impl WeightLayout {
         }
     }
 
+    /// Stored bytes (`dtype`, `shape`, e.g. borrowed from a mapped file) of the parameter at `name` back in
+    /// Burn's layout, copied once: transposed straight from `bytes` when the layout transposes this parameter.
+    pub(crate) fn restored_from_bytes(
+        self,
+        name: &str,
+        (dtype, shape): (DType, &[usize]),
+        bytes: &[u8],
+        containers: &[String],
+    ) -> std::result::Result<TensorData, String> {
+        if self == WeightLayout::PyTorch
+            && adapter_transposes(&PyTorchToBurnAdapter, name, (dtype, shape), containers)
+        {
+            if bytes.len() != shape.iter().product::<usize>() * dtype.size() {
+                return Err(format!(
+                    "{} bytes for shape {shape:?} of {dtype:?}",
+                    bytes.len()
+                ));
+            }
+            return Ok(transpose_bytes(bytes, (shape[0], shape[1]), dtype));
+        }
+        let data = TensorData::from_bytes_vec(bytes.to_vec(), shape.to_vec(), dtype);
+        self.restored(name, data, containers)
+    }
+
     /// Stored data of the parameter at `name` (Burn's path) back in Burn's layout.
     pub(crate) fn restored(
         self,
@@ -116,7 +144,13 @@ impl WeightLayout {
         match self {
             WeightLayout::Burn => Ok(data),
             WeightLayout::PyTorch => {
-                if adapter_transposes(&PyTorchToBurnAdapter, name, &data, containers) {
+                let shape = data.shape().to_vec();
+                if adapter_transposes(
+                    &PyTorchToBurnAdapter,
+                    name,
+                    (data.dtype(), &shape),
+                    containers,
+                ) {
                     return Ok(transpose_2d(&data));
                 }
                 let adapted = PyTorchToBurnAdapter.adapt(
@@ -136,19 +170,19 @@ impl WeightLayout {
 fn adapter_transposes(
     adapter: &impl ModuleAdapter,
     name: &str,
-    data: &TensorData,
+    (dtype, shape): (DType, &[usize]),
     containers: &[String],
 ) -> bool {
-    if data.shape().len() != 2 || !matches!(data.dtype().size(), 1 | 2 | 4 | 8) {
+    if shape.len() != 2 || !matches!(dtype.size(), 1 | 2 | 4 | 8) {
         return false;
     }
-    let size = data.dtype().size();
+    let size = dtype.size();
     // Elements 0..6, each one `size` bytes wide with its index in the first byte.
     let mut bytes = vec![0u8; 6 * size];
     for i in 0..6 {
         bytes[i * size] = i as u8;
     }
-    let probe = TensorData::from_bytes_vec(bytes, vec![2, 3], data.dtype());
+    let probe = TensorData::from_bytes_vec(bytes, vec![2, 3], dtype);
     let adapted = adapter.adapt(
         bridge::from_data(probe, name.to_string(), None),
         ModuleContext::new(containers),
@@ -164,9 +198,18 @@ fn adapter_transposes(
 
 /// The transpose of a 2-D tensor of 1-, 2-, 4- or 8-byte elements, copied in cache-sized tiles.
 pub(crate) fn transpose_2d(data: &TensorData) -> TensorData {
-    let (rows, cols) = (data.shape()[0], data.shape()[1]);
-    let size = data.dtype().size();
-    let src = data.as_bytes();
+    let shape = data.shape();
+    transpose_bytes(data.as_bytes(), (shape[0], shape[1]), data.dtype())
+}
+
+/// [`transpose_2d`] of the row-major `rows × cols` elements of `dtype` in `src` (e.g. straight from a mapped
+/// file, without an intermediate copy).
+pub(crate) fn transpose_bytes(
+    src: &[u8],
+    (rows, cols): (usize, usize),
+    dtype: DType,
+) -> TensorData {
+    let size = dtype.size();
     let mut dst = vec![0u8; src.len()];
     macro_rules! tiles {
         ($t:ty) => {{
@@ -195,7 +238,7 @@ pub(crate) fn transpose_2d(data: &TensorData) -> TensorData {
         8 => tiles!(u64),
         other => unreachable!("checked by adapter_transposes: element size {other}"),
     }
-    TensorData::from_bytes_vec(dst, vec![cols, rows], data.dtype())
+    TensorData::from_bytes_vec(dst, vec![cols, rows], dtype)
 }
 
 /// Ordered key-renaming rules: each regex replaces every match in the key, in turn (burn-store's
@@ -292,7 +335,7 @@ mod tests {
             assert!(adapter_transposes(
                 &BurnToPyTorchAdapter,
                 "layer.weight",
-                &data,
+                (dtype, &[rows, cols]),
                 &containers
             ));
             let slow = bridge::into_data(BurnToPyTorchAdapter.adapt(
@@ -312,7 +355,7 @@ mod tests {
         assert!(!adapter_transposes(
             &BurnToPyTorchAdapter,
             "emb.weight",
-            &data,
+            (data.dtype(), &[2, 3]),
             &embedding
         ));
     }

@@ -387,6 +387,14 @@ impl FileBytes {
     }
 }
 
+/// One tensor of a checkpoint file, its bytes borrowed from the mapped file.
+struct StoredTensor<'a> {
+    file: &'a Path,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: &'a [u8],
+}
+
 /// The tensors of a checkpoint: key (after remapping) -> (file, stored key).
 struct Source {
     files: Vec<(PathBuf, FileBytes)>,
@@ -514,8 +522,9 @@ impl Source {
         })
     }
 
-    /// The tensor stored under `key` (after remapping), as data in its stored dtype.
-    fn tensor(&self, key: &str) -> Option<Result<(PathBuf, TensorData)>> {
+    /// The tensor stored under `key` (after remapping): its file, dtype, shape and bytes (borrowed from the
+    /// mapped file, not copied).
+    fn tensor(&self, key: &str) -> Option<Result<StoredTensor<'_>>> {
         let (index, name) = self.names.get(key)?;
         let name = name.as_str();
         let (path, bytes) = &self.files[*index];
@@ -534,14 +543,12 @@ impl Source {
                             format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
                         )
                     })?;
-                    Ok((
-                        path.clone(),
-                        TensorData::from_bytes_vec(
-                            view.data().to_vec(),
-                            view.shape().to_vec(),
-                            dtype,
-                        ),
-                    ))
+                    Ok(StoredTensor {
+                        file: path,
+                        dtype,
+                        shape: view.shape().to_vec(),
+                        bytes: view.data(),
+                    })
                 }),
         )
     }
@@ -585,20 +592,21 @@ pub fn load_weights<M: Module>(
                 return tensor;
             };
             self.seen.push(key.clone());
-            let (file, data) = match found {
+            let stored = match found {
                 Ok(v) => v,
                 Err(e) => {
                     self.error = Some(e);
                     return tensor;
                 }
             };
-            if data.shape().as_slice() != stored_shape.as_slice() {
+            let file = stored.file.to_path_buf();
+            if stored.shape.as_slice() != stored_shape.as_slice() {
                 self.error = Some(corrupt(
                     &file,
                     format!(
                         "tensor `{key}` has shape {:?}, but the model's parameter `{name}` has shape {:?} ({:?} in \
                          the checkpoint's {} layout); load with the layout the file was written in",
-                        data.shape().as_slice(),
+                        stored.shape,
                         tensor.dims(),
                         stored_shape,
                         self.layout.tag()
@@ -606,7 +614,12 @@ pub fn load_weights<M: Module>(
                 ));
                 return tensor;
             }
-            let data = match self.layout.restored(&name, data, &self.containers) {
+            let data = match self.layout.restored_from_bytes(
+                &name,
+                (stored.dtype, &stored.shape),
+                stored.bytes,
+                &self.containers,
+            ) {
                 Ok(d) => d,
                 Err(e) => {
                     self.error = Some(corrupt(&file, format!("tensor `{key}`: {e}")));

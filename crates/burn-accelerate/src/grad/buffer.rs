@@ -145,6 +145,23 @@ impl GradientBuffer {
         }
     }
 
+    /// Replaces the flat gradient of `id` with `f` of it, handing `f` the buffer's own tensor (not a clone), so
+    /// that reading it back to the host can move its data instead of copying it. Returns `Ok(false)` when `id`
+    /// has no gradient. When `f` fails, the gradient is gone (the step fails with that error).
+    pub(crate) fn replace_flat<E>(
+        &mut self,
+        id: ParamId,
+        f: impl FnOnce(Tensor<1>) -> std::result::Result<Tensor<1>, E>,
+    ) -> std::result::Result<bool, E> {
+        if self.flat_mut(id).is_none() {
+            return Ok(false);
+        }
+        let (shape, flat) = self.flat.remove(&id).expect("flattened above");
+        let new = f(flat)?;
+        self.flat.insert(id, (shape, new));
+        Ok(true)
+    }
+
     /// The flat gradients of the ids in `ids` that have one, in the order of `ids`.
     pub(crate) fn flat(&mut self, ids: &[ParamId]) -> Vec<Tensor<1>> {
         ids.iter()

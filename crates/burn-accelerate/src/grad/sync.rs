@@ -84,6 +84,10 @@ impl GradientSync for NoSync {
     }
 }
 
+/// Gradients with at least this many elements (1 MiB of f32) are all-reduced on their own: copying them into
+/// a bucket costs more than the extra collective saves.
+const ALONE_ELEMENTS: usize = 1 << 18;
+
 /// Bucketed all-reduce of host copies of the gradients through the rank's communicator.
 #[derive(Debug)]
 pub(crate) struct HostAllReduce {
@@ -110,12 +114,36 @@ impl HostAllReduce {
                     .unwrap_or_else(|| Tensor::zeros([*n], (&device, dtype)))
             })
             .collect();
-        // A bucket of one gradient (a large parameter) needs no concatenation.
-        let flat = if parts.len() == 1 {
-            parts.into_iter().next().expect("one part")
-        } else {
-            Tensor::cat(parts, 0)
-        };
+        let all = self.average_flat(Tensor::cat(parts, 0), scale)?;
+        let sizes: Vec<usize> = bucket.iter().map(|(_, n)| *n).collect();
+        for ((id, _), grad) in bucket.iter().zip(all.split_with_sizes(sizes, 0)) {
+            grads.set_flat(*id, grad);
+        }
+        Ok(())
+    }
+
+    /// All-reduces one large gradient on its own, without copying it into a bucket: the buffer's tensor is
+    /// moved to the host (no copy on CPU backends), reduced in place, and moved back.
+    fn average_alone(
+        &self,
+        grads: &mut GradientBuffer,
+        (id, n): (ParamId, usize),
+        scale: f32,
+        like: &Tensor<1>,
+    ) -> Result<()> {
+        let present = grads.replace_flat(id, |flat| self.average_flat(flat, scale))?;
+        if !present {
+            // This rank has no gradient for it (unused here): the others still reduce theirs, so take part
+            // with zeros.
+            let zeros = Tensor::zeros([n], (&like.device(), like.dtype()));
+            grads.set_flat(id, self.average_flat(zeros, scale)?);
+        }
+        Ok(())
+    }
+
+    /// Averages one flat gradient across ranks (scaled by `scale`) through the host.
+    fn average_flat(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
+        let (device, dtype) = (flat.device(), flat.dtype());
         let data = flat.try_into_data().map_err(|e| Error::Execution {
             operation: "gradient all-reduce",
             device: format!("{device:?}"),
@@ -156,12 +184,7 @@ impl HostAllReduce {
         let data = TensorData::new(reduced, [len])
             .try_cast(dtype)
             .map_err(|e| Error::InvalidArgument(format!("gradient all-reduce: {e}")))?;
-        let all = Tensor::<1>::from_data(data, (&device, dtype));
-        let sizes: Vec<usize> = bucket.iter().map(|(_, n)| *n).collect();
-        for ((id, _), grad) in bucket.iter().zip(all.split_with_sizes(sizes, 0)) {
-            grads.set_flat(*id, grad);
-        }
-        Ok(())
+        Ok(Tensor::<1>::from_data(data, (&device, dtype)))
     }
 }
 
@@ -183,7 +206,17 @@ impl GradientSync for HostAllReduce {
         let Some(like) = params.iter().find_map(|(id, _)| grads.flat(&[*id]).pop()) else {
             return Ok(());
         };
-        for bucket in buckets(params, (self.bucket_bytes / 4).max(1)) {
+        // Gradients of at least ALONE_ELEMENTS are reduced one by one, in place; the smaller ones are packed
+        // into buckets (in order, so every rank forms the same buckets and calls the same collectives).
+        let (mut small, bucket_elems) = (Vec::new(), (self.bucket_bytes / 4).max(1));
+        for &(id, n) in params {
+            if n >= ALONE_ELEMENTS.min(bucket_elems) {
+                self.average_alone(grads, (id, n), scale, &like)?;
+            } else {
+                small.push((id, n));
+            }
+        }
+        for bucket in buckets(&small, bucket_elems) {
             self.average_bucket(grads, bucket, scale, &like)?;
         }
         Ok(())
