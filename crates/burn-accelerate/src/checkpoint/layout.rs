@@ -68,7 +68,7 @@ impl WeightLayout {
                     (data.dtype(), data.shape().as_slice()),
                     containers,
                 );
-                let (key, _) = self.file_key(&name, data.dtype(), &data.shape(), containers);
+                let (key, _) = self.file_key(&name, data.dtype(), data.shape(), containers);
                 if transposes {
                     return Ok((key, transpose_2d(&data)));
                 }
