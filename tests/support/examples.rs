@@ -19,6 +19,8 @@ fn enabled_features() -> Vec<&'static str> {
         ("cuda", cfg!(feature = "cuda")),
         ("rocm", cfg!(feature = "rocm")),
         ("tch", cfg!(feature = "tch")),
+        ("fusion", cfg!(feature = "fusion")),
+        ("autotune", cfg!(feature = "autotune")),
         ("mpi", cfg!(feature = "mpi")),
     ]
     .into_iter()
