@@ -98,3 +98,35 @@ fn an_index_naming_files_outside_its_folder_is_refused() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[cfg(unix)]
+#[test]
+fn symbolic_links_planted_at_temporary_names_are_never_written_through() {
+    use burn::nn::{Linear, LinearConfig};
+    use burn_accelerate::LoadOptions;
+
+    let dir = std::env::temp_dir().join(format!("faults-symlink-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let victim = dir.join("victim.txt");
+    std::fs::write(&victim, b"keep me").unwrap();
+    let out = dir.join("model");
+    std::fs::create_dir_all(&out).unwrap();
+    // The old fixed temporary names, and the first unique ones this process would pick.
+    for name in ["model.safetensors", "model.safetensors.index.json"] {
+        let mut planted = vec![format!("{name}.partial")];
+        planted.extend((0..64).map(|n| format!("{name}.partial.{}.{n}", std::process::id())));
+        for link in planted {
+            std::os::unix::fs::symlink(&victim, out.join(link)).unwrap();
+        }
+    }
+    let acc = Accelerator::new().unwrap();
+    let model: Linear = LinearConfig::new(8, 8).init(acc.device());
+    acc.save_model(&model, &out, "10GB", true).unwrap();
+    acc.save_model(&model, &out, "200B", true).unwrap(); // sharded: also writes the index
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+    let fresh: Linear = LinearConfig::new(8, 8).init(acc.device());
+    acc.load_checkpoint_in_model(fresh, &out, &LoadOptions::default())
+        .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+}

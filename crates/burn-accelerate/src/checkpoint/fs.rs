@@ -31,11 +31,36 @@ pub(crate) fn parent_dir(path: &Path) -> &Path {
     }
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder, synced, then renamed.
+/// A new, empty temporary file beside `path`, created exclusively under a name no other writer uses
+/// (`<name>.partial.<pid>.<n>`): a file or symbolic link already there is never followed or overwritten, and
+/// two writers of the same file never share a temporary.
+pub(crate) fn create_temporary(path: &Path) -> Result<(PathBuf, File)> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tmp = with_suffix(path, &format!(".partial.{}.{n}", std::process::id()));
+        match File::options().write(true).create_new(true).open(&tmp) {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io("creating", &tmp)(e)),
+        }
+    }
+}
+
+/// Writes `bytes` to `path` atomically: an exclusively created temporary file in the same folder, synced, then
+/// renamed over `path`.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = with_suffix(path, ".partial");
-    write_synced(&tmp, bytes)?;
-    fs::rename(&tmp, path).map_err(io("renaming into place", path))?;
+    let (tmp, mut file) = create_temporary(path)?;
+    let written = file
+        .write_all(bytes)
+        .map_err(io("writing", &tmp))
+        .and_then(|()| file.sync_all().map_err(io("syncing", &tmp)))
+        .and_then(|()| fs::rename(&tmp, path).map_err(io("renaming into place", path)));
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written?;
     sync_dir(parent_dir(path))
 }
 

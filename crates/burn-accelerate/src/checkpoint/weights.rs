@@ -9,7 +9,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
-use super::fs::{io, read, sync_dir, with_suffix};
+use super::fs::{io, read, sync_dir};
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
 use crate::error::{Error, Result};
 
@@ -258,11 +258,16 @@ pub fn write_safetensors<M: Module>(
         metadata.insert("format".to_string(), "pt".to_string());
         metadata.insert(LAYOUT_KEY.to_string(), layout.tag().to_string());
         let path = dir.join(&file);
-        let tmp = with_suffix(&path, ".partial");
-        // Streamed to disk (no second copy of the weights in memory), then synced.
-        safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| {
-            Error::InvalidArgument(format!("save_model: writing {}: {e}", tmp.display()))
-        })?;
+        // An exclusively created temporary (never a pre-existing file or link), streamed to (no second copy of
+        // the weights in memory), then synced.
+        let (tmp, _) = super::fs::create_temporary(&path)?;
+        if let Err(e) = safetensors::serialize_to_file(views, Some(metadata), &tmp) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::InvalidArgument(format!(
+                "save_model: writing {}: {e}",
+                tmp.display()
+            )));
+        }
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .map_err(io("syncing", &tmp))?;
