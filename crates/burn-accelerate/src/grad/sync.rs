@@ -84,8 +84,7 @@ impl GradientSync for NoSync {
     }
 }
 
-/// Gradients with at least this many elements (1 MiB of f32) are all-reduced on their own: copying them into
-/// a bucket costs more than the extra collective saves.
+/// Gradients with at least this many elements (1 MiB of f32) are all-reduced on their own (see [`buckets`]).
 const ALONE_ELEMENTS: usize = 1 << 18;
 
 /// Bucketed all-reduce of host copies of the gradients through the rank's communicator.
@@ -96,7 +95,8 @@ pub(crate) struct HostAllReduce {
 }
 
 impl HostAllReduce {
-    /// All-reduces one bucket: concatenates its gradients, averages them on the host, scales and splits them.
+    /// All-reduces one bucket. A bucket of one gradient is moved to the host (no copy on CPU backends),
+    /// reduced in place and moved back; a larger one is concatenated, reduced and split.
     fn average_bucket(
         &self,
         grads: &mut GradientBuffer,
@@ -105,38 +105,22 @@ impl HostAllReduce {
         like: &Tensor<1>,
     ) -> Result<()> {
         let (device, dtype) = (like.device(), like.dtype());
+        // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
+        let zeros = |n: usize| Tensor::zeros([n], (&device, dtype));
+        if let [(id, n)] = bucket {
+            if !grads.replace_flat(*id, |flat| self.average_flat(flat, scale))? {
+                grads.set_flat(*id, self.average_flat(zeros(*n), scale)?);
+            }
+            return Ok(());
+        }
         let parts: Vec<Tensor<1>> = bucket
             .iter()
-            .map(|(id, n)| {
-                grads
-                    .flat(&[*id])
-                    .pop()
-                    .unwrap_or_else(|| Tensor::zeros([*n], (&device, dtype)))
-            })
+            .map(|(id, n)| grads.flat(&[*id]).pop().unwrap_or_else(|| zeros(*n)))
             .collect();
         let all = self.average_flat(Tensor::cat(parts, 0), scale)?;
         let sizes: Vec<usize> = bucket.iter().map(|(_, n)| *n).collect();
         for ((id, _), grad) in bucket.iter().zip(all.split_with_sizes(sizes, 0)) {
             grads.set_flat(*id, grad);
-        }
-        Ok(())
-    }
-
-    /// All-reduces one large gradient on its own, without copying it into a bucket: the buffer's tensor is
-    /// moved to the host (no copy on CPU backends), reduced in place, and moved back.
-    fn average_alone(
-        &self,
-        grads: &mut GradientBuffer,
-        (id, n): (ParamId, usize),
-        scale: f32,
-        like: &Tensor<1>,
-    ) -> Result<()> {
-        let present = grads.replace_flat(id, |flat| self.average_flat(flat, scale))?;
-        if !present {
-            // This rank has no gradient for it (unused here): the others still reduce theirs, so take part
-            // with zeros.
-            let zeros = Tensor::zeros([n], (&like.device(), like.dtype()));
-            grads.set_flat(id, self.average_flat(zeros, scale)?);
         }
         Ok(())
     }
@@ -206,17 +190,8 @@ impl GradientSync for HostAllReduce {
         let Some(like) = params.iter().find_map(|(id, _)| grads.flat(&[*id]).pop()) else {
             return Ok(());
         };
-        // Gradients of at least ALONE_ELEMENTS are reduced one by one, in place; the smaller ones are packed
-        // into buckets (in order, so every rank forms the same buckets and calls the same collectives).
-        let (mut small, bucket_elems) = (Vec::new(), (self.bucket_bytes / 4).max(1));
-        for &(id, n) in params {
-            if n >= ALONE_ELEMENTS.min(bucket_elems) {
-                self.average_alone(grads, (id, n), scale, &like)?;
-            } else {
-                small.push((id, n));
-            }
-        }
-        for bucket in buckets(&small, bucket_elems) {
+        let max_elems = (self.bucket_bytes / 4).max(1);
+        for bucket in buckets(params, max_elems, ALONE_ELEMENTS.min(max_elems)) {
             self.average_bucket(grads, bucket, scale, &like)?;
         }
         Ok(())
@@ -227,10 +202,13 @@ impl GradientSync for HostAllReduce {
     }
 }
 
-/// Consecutive groups of `params` holding at most `max_elems` elements each (a larger parameter alone).
+/// Consecutive groups of `params` holding at most `max_elems` elements each; a parameter of `alone_elems` or
+/// more is a group of its own (reduced without a copy into a bucket, which would cost more than the extra
+/// collective saves). Every rank forms the same groups, so they call the same collectives.
 fn buckets(
     params: &[(ParamId, usize)],
     max_elems: usize,
+    alone_elems: usize,
 ) -> impl Iterator<Item = &[(ParamId, usize)]> {
     let mut start = 0;
     std::iter::from_fn(move || {
@@ -238,7 +216,10 @@ fn buckets(
             return None;
         }
         let (mut end, mut elems) = (start, 0);
-        while end < params.len() && (end == start || elems + params[end].1 <= max_elems) {
+        let first_alone = params[start].1 >= alone_elems;
+        let joins =
+            |n: usize, elems: usize| !first_alone && n < alone_elems && elems + n <= max_elems;
+        while end < params.len() && (end == start || joins(params[end].1, elems)) {
             elems += params[end].1;
             end += 1;
         }
@@ -310,9 +291,18 @@ mod tests {
     fn buckets_respect_the_size_and_keep_large_parameters_whole() {
         let ids: Vec<ParamId> = (0..4).map(|_| ParamId::new()).collect();
         let params = vec![(ids[0], 3), (ids[1], 3), (ids[2], 10), (ids[3], 1)];
-        let sizes: Vec<Vec<usize>> = buckets(&params, 6)
+        let sizes: Vec<Vec<usize>> = buckets(&params, 6, 6)
             .map(|b| b.iter().map(|(_, n)| *n).collect())
             .collect();
         assert_eq!(sizes, vec![vec![3, 3], vec![10], vec![1]]);
+        // Parameters of `alone_elems` or more get a bucket of their own, even when they would fit.
+        let params = vec![(ids[0], 1), (ids[1], 4), (ids[2], 1), (ids[3], 1)];
+        let sizes: Vec<Vec<usize>> = buckets(&params, 100, 4)
+            .map(|b| b.iter().map(|(_, n)| *n).collect())
+            .collect();
+        assert_eq!(sizes, vec![vec![1], vec![4], vec![1, 1]]);
+        // Small ones still fill a bucket up to its size, past `alone_elems` in total.
+        let params = vec![(ids[0], 1), (ids[1], 1), (ids[2], 1), (ids[3], 1)];
+        assert_eq!(buckets(&params, 100, 2).count(), 1);
     }
 }
