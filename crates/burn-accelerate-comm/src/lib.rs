@@ -88,18 +88,11 @@ impl Communicator for SingleProcess {
     }
 }
 
-/// The instant `timeout` from now, or the farthest instant that can be represented when `timeout` is too long
-/// to add (`Duration::MAX`): engines wait until then instead of overflowing.
+/// The longest time any collective waits: 30 days. Longer timeouts (`Duration::MAX` included) are cut to it,
+/// so that deadlines never overflow.
+pub const MAX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 60 * 60);
+
+/// The instant `timeout` (at most [`MAX_TIMEOUT`]) from now: when an engine gives up waiting.
 pub fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
-    let now = std::time::Instant::now();
-    now.checked_add(timeout).unwrap_or_else(|| {
-        // A year is below every platform's limit; halve until it fits.
-        let mut step = std::time::Duration::from_secs(365 * 24 * 3600);
-        loop {
-            if let Some(deadline) = now.checked_add(step) {
-                return deadline;
-            }
-            step /= 2;
-        }
-    })
+    std::time::Instant::now() + timeout.min(MAX_TIMEOUT)
 }

@@ -280,8 +280,7 @@ impl AcceleratorConfig {
 }
 
 /// The longest collective timeout: 30 days. Longer requests are cut to it, so that deadlines never overflow.
-pub const MAX_COLLECTIVE_TIMEOUT: std::time::Duration =
-    std::time::Duration::from_secs(30 * 24 * 60 * 60);
+pub const MAX_COLLECTIVE_TIMEOUT: std::time::Duration = burn_accelerate_comm::MAX_TIMEOUT;
 
 /// How gradients accumulated over several micro-batches are normalised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
