@@ -400,10 +400,20 @@ struct StoredTensor<'a> {
     bytes: &'a [u8],
 }
 
-/// The tensors of a checkpoint: key (after remapping) -> (file, stored key).
+/// Where one tensor lies: its file, its key there, and what the file's header says of it (read once, when the
+/// file is opened, not again for every tensor).
+struct Entry {
+    file: usize,
+    stored_key: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: std::ops::Range<usize>,
+}
+
+/// The tensors of a checkpoint: key (after remapping) -> where it lies.
 struct Source {
     files: Vec<(PathBuf, FileBytes)>,
-    names: BTreeMap<String, (usize, String)>,
+    names: BTreeMap<String, Entry>,
     /// The layout the files record, if any.
     layout: Option<WeightLayout>,
     remapped: Vec<(String, String)>,
@@ -498,7 +508,16 @@ impl Source {
                     format!("not a valid safetensors file (truncated or corrupt?): {e}"),
                 )
             })?;
-            for name in tensors.names() {
+            for (name, view) in tensors.tensors() {
+                let name = name.as_str();
+                let start = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+                let entry = Entry {
+                    file: files.len(),
+                    stored_key: name.to_string(),
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    bytes: start..start + view.data().len(),
+                };
                 let key = match remap.apply(name) {
                     Some(new) => {
                         remapped.push((name.to_string(), new.clone()));
@@ -506,7 +525,9 @@ impl Source {
                     }
                     None => name.to_string(),
                 };
-                if let Some((_, other)) = names.insert(key.clone(), (files.len(), name.to_string()))
+                if let Some(Entry {
+                    stored_key: other, ..
+                }) = names.insert(key.clone(), entry)
                 {
                     return Err(corrupt(
                         &path,
@@ -530,30 +551,24 @@ impl Source {
     /// The tensor stored under `key` (after remapping): its file, dtype, shape and bytes (borrowed from the
     /// mapped file, not copied).
     fn tensor(&self, key: &str) -> Option<Result<StoredTensor<'_>>> {
-        let (index, name) = self.names.get(key)?;
-        let name = name.as_str();
-        let (path, bytes) = &self.files[*index];
-        let tensors = match SafeTensors::deserialize(bytes) {
-            Ok(t) => t,
-            Err(e) => return Some(Err(corrupt(path, e))),
-        };
+        let entry = self.names.get(key)?;
+        let (path, bytes) = &self.files[entry.file];
         Some(
-            tensors
-                .tensor(name)
-                .map_err(|e| corrupt(path, e))
-                .and_then(|view| {
-                    let dtype = from_safetensors_dtype(view.dtype()).ok_or_else(|| {
-                        corrupt(
-                            path,
-                            format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
-                        )
-                    })?;
-                    Ok(StoredTensor {
-                        file: path,
-                        dtype,
-                        shape: view.shape().to_vec(),
-                        bytes: view.data(),
-                    })
+            from_safetensors_dtype(entry.dtype)
+                .ok_or_else(|| {
+                    corrupt(
+                        path,
+                        format!(
+                            "tensor `{}` has unsupported dtype {:?}",
+                            entry.stored_key, entry.dtype
+                        ),
+                    )
+                })
+                .map(|dtype| StoredTensor {
+                    file: path,
+                    dtype,
+                    shape: entry.shape.clone(),
+                    bytes: &bytes[entry.bytes.clone()],
                 }),
         )
     }
