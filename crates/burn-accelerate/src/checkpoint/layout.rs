@@ -110,9 +110,10 @@ impl WeightLayout {
         }
     }
 
-    /// Stored bytes (`dtype`, `shape`, e.g. borrowed from a mapped file) of the parameter at `name` back in
-    /// Burn's layout, copied once: transposed straight from `bytes` when the layout transposes this parameter.
-    pub(crate) fn restored_from_bytes(
+    /// Stored bytes (`dtype`, `shape`, e.g. borrowed from a mapped file) of the parameter at `name` (Burn's
+    /// path) back in Burn's layout, copied once: transposed straight from `bytes` when the layout transposes
+    /// this parameter.
+    pub(crate) fn restored(
         self,
         name: &str,
         (dtype, shape): (DType, &[usize]),
@@ -131,28 +132,10 @@ impl WeightLayout {
             return Ok(transpose_bytes(bytes, (shape[0], shape[1]), dtype));
         }
         let data = TensorData::from_bytes_vec(bytes.to_vec(), shape.to_vec(), dtype);
-        self.restored(name, data, containers)
-    }
-
-    /// Stored data of the parameter at `name` (Burn's path) back in Burn's layout.
-    pub(crate) fn restored(
-        self,
-        name: &str,
-        data: TensorData,
-        containers: &[String],
-    ) -> std::result::Result<TensorData, String> {
         match self {
             WeightLayout::Burn => Ok(data),
+            // Not transposed: the adapter only renames (the data passes through).
             WeightLayout::PyTorch => {
-                let shape = data.shape().to_vec();
-                if adapter_transposes(
-                    &PyTorchToBurnAdapter,
-                    name,
-                    (data.dtype(), &shape),
-                    containers,
-                ) {
-                    return Ok(transpose_2d(&data));
-                }
                 let adapted = PyTorchToBurnAdapter.adapt(
                     bridge::from_data(data, name.to_string(), None),
                     ModuleContext::new(containers),

@@ -634,7 +634,7 @@ pub fn load_weights<M: Module>(
                 ));
                 return tensor;
             }
-            let data = match self.layout.restored_from_bytes(
+            let data = match self.layout.restored(
                 &name,
                 (stored.dtype, &stored.shape),
                 stored.bytes,
