@@ -2,7 +2,7 @@
 //!
 //! Every error says what went wrong, where, and how to fix it, so that it can be shown to a user as is.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The result type of every fallible burn-accelerate call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -166,5 +166,16 @@ impl Error {
             origin: origin.into(),
             expected: expected.into(),
         }
+    }
+}
+
+/// Wraps an operating-system error of `operation` ("reading", "writing", ...) on `path` as [`Error::Io`], for
+/// `map_err`.
+pub(crate) fn io(operation: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.to_path_buf();
+    move |source| Error::Io {
+        operation,
+        path,
+        source,
     }
 }

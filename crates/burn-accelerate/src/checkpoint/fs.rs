@@ -5,16 +5,8 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
-
-pub(crate) fn io(operation: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let path = path.to_path_buf();
-    move |source| Error::Io {
-        operation,
-        path,
-        source,
-    }
-}
+use crate::error::Result;
+pub(crate) use crate::error::io;
 
 /// Writes `bytes` to `path` and syncs it to disk.
 pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {

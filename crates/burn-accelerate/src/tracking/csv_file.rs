@@ -3,8 +3,8 @@
 use std::fs::{File, OpenOptions};
 use std::path::PathBuf;
 
-use super::{Record, Tracker, TrackerInit, io_error};
-use crate::error::{Error, Result};
+use super::{Record, Tracker, TrackerInit};
+use crate::error::{Error, Result, io};
 
 /// Writes `<logging_dir>/metrics.csv` with the columns `step,wall_time,name,value`, one row per value, so that
 /// values first logged late in a run never change the columns (pivot on `name` for one column per value). A
@@ -23,8 +23,8 @@ impl CsvTracker {
             .create(true)
             .append(true)
             .open(&path)
-            .map_err(io_error("opening", &path))?;
-        let empty = file.metadata().map_err(io_error("reading", &path))?.len() == 0;
+            .map_err(io("opening", &path))?;
+        let empty = file.metadata().map_err(io("reading", &path))?.len() == 0;
         let mut tracker = Self {
             writer: csv::Writer::from_writer(file),
             path,
@@ -71,10 +71,10 @@ impl Tracker for CsvTracker {
         for (name, value) in record.values {
             self.write_row([step.as_str(), time.as_str(), name, &value.to_string()])?;
         }
-        self.writer.flush().map_err(io_error("writing", &self.path))
+        self.writer.flush().map_err(io("writing", &self.path))
     }
 
     fn finish(&mut self) -> Result<()> {
-        self.writer.flush().map_err(io_error("writing", &self.path))
+        self.writer.flush().map_err(io("writing", &self.path))
     }
 }

@@ -4,8 +4,8 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
-use super::{Record, Tracker, TrackerInit, io_error};
-use crate::error::Result;
+use super::{Record, Tracker, TrackerInit};
+use crate::error::{Result, io};
 
 /// Writes `<logging_dir>/metrics.jsonl`: one line per [`log`](crate::Accelerator::log) call,
 /// `{"step": 3, "wall_time": 1700000000.5, "values": {"loss": 0.25}}`, and the configuration to `config.json`.
@@ -25,7 +25,7 @@ impl JsonLinesTracker {
             .create(true)
             .append(true)
             .open(&path)
-            .map_err(io_error("opening", &path))?;
+            .map_err(io("opening", &path))?;
         Ok(Self {
             path,
             file: BufWriter::new(file),
@@ -47,7 +47,7 @@ impl Tracker for JsonLinesTracker {
     fn store_init_configuration(&mut self, config: &serde_json::Value) -> Result<()> {
         let path = self.dir.join("config.json");
         let text = serde_json::to_string_pretty(config).unwrap_or_else(|_| "null".into());
-        std::fs::write(&path, text + "\n").map_err(io_error("writing", &path))
+        std::fs::write(&path, text + "\n").map_err(io("writing", &path))
     }
 
     fn log(&mut self, record: &Record<'_>) -> Result<()> {
@@ -63,10 +63,10 @@ impl Tracker for JsonLinesTracker {
         });
         writeln!(self.file, "{line}")
             .and_then(|()| self.file.flush())
-            .map_err(io_error("writing", &self.path))
+            .map_err(io("writing", &self.path))
     }
 
     fn finish(&mut self) -> Result<()> {
-        self.file.flush().map_err(io_error("writing", &self.path))
+        self.file.flush().map_err(io("writing", &self.path))
     }
 }

@@ -48,7 +48,7 @@ pub use csv_file::CsvTracker;
 pub use jsonl::JsonLinesTracker;
 pub use tensorboard::TensorBoardTracker;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, io};
 
 /// One logged value: a number or a text.
 #[derive(Debug, Clone, PartialEq)]
@@ -160,11 +160,7 @@ impl TrackerInit {
                  `.project_configuration(ProjectConfiguration::new(\"runs\"))`"
             ))
         })?;
-        std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
-            operation: "creating the logging folder",
-            path: dir.clone(),
-            source,
-        })?;
+        std::fs::create_dir_all(&dir).map_err(io("creating the logging folder", &dir))?;
         Ok(dir)
     }
 }
@@ -353,9 +349,7 @@ impl Trackers {
         }
         let record = Record {
             step,
-            wall_time: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
+            wall_time: now(),
             values: &values,
         };
         for tracker in &mut self.running {
@@ -391,17 +385,11 @@ pub(crate) fn config_json(config: &impl Serialize) -> Result<serde_json::Value> 
     })
 }
 
-/// An I/O error of tracker `name` on `path`.
-pub(crate) fn io_error(
-    operation: &'static str,
-    path: &Path,
-) -> impl FnOnce(std::io::Error) -> Error {
-    let path = path.to_path_buf();
-    move |source| Error::Io {
-        operation,
-        path,
-        source,
-    }
+/// Seconds since the Unix epoch (0 on a clock set before it).
+pub(crate) fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

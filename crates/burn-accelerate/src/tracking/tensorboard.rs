@@ -10,10 +10,9 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{Record, Tracker, TrackerInit, Value, io_error};
-use crate::error::{Error, Result};
+use super::{Record, Tracker, TrackerInit, Value, now};
+use crate::error::{Error, Result, io};
 
 /// Writes `<logging_dir>/events.out.tfevents.<time>.<host>.<pid>.<n>`: numbers as scalars (TensorBoard's
 /// Scalars tab), texts with the text plugin (Text tab, tag `<name>/text_summary` as PyTorch writes it). The
@@ -42,7 +41,7 @@ impl TensorBoardTracker {
             .write(true)
             .create_new(true)
             .open(&path)
-            .map_err(io_error("creating", &path))?;
+            .map_err(io("creating", &path))?;
         let mut tracker = Self {
             path,
             dir,
@@ -69,7 +68,7 @@ impl TensorBoardTracker {
             .and_then(|()| self.file.write_all(data))
             .and_then(|()| self.file.write_all(&masked_crc(data).to_le_bytes()))
             .and_then(|()| self.file.flush());
-        result.map_err(io_error("writing", &self.path))
+        result.map_err(io("writing", &self.path))
     }
 
     fn write_summary(
@@ -112,7 +111,7 @@ impl Tracker for TensorBoardTracker {
         let yaml = serde_yaml_ng::to_string(config).map_err(|e| {
             Error::InvalidArgument(format!("the configuration cannot be written as YAML: {e}"))
         })?;
-        std::fs::write(&path, &yaml).map_err(io_error("writing", &path))?;
+        std::fs::write(&path, &yaml).map_err(io("writing", &path))?;
         let table = config_table(config);
         self.write_summary(0, now(), &[("hparams".into(), Value::Text(table))])
     }
@@ -122,7 +121,7 @@ impl Tracker for TensorBoardTracker {
     }
 
     fn finish(&mut self) -> Result<()> {
-        self.file.flush().map_err(io_error("writing", &self.path))
+        self.file.flush().map_err(io("writing", &self.path))
     }
 }
 
@@ -138,12 +137,6 @@ fn config_table(config: &serde_json::Value) -> String {
         other => table.push_str(&format!("| config | {other} |\n")),
     }
     table
-}
-
-fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// TFRecord's masked CRC-32C.
@@ -291,7 +284,7 @@ pub struct Event {
 /// the file and the record's byte offset.
 pub fn read_events(path: impl AsRef<Path>) -> Result<Vec<Event>> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(io_error("reading", path))?;
+    let bytes = std::fs::read(path).map_err(io("reading", path))?;
     let bad = |offset: usize, reason: String| Error::Tracker {
         tracker: "tensorboard".into(),
         reason: format!(
