@@ -13,7 +13,8 @@ use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
 
 const ENGINE: &str = "mpi";
-/// All-reduces of at least this many bytes use MPI's blocking call after an arrival check.
+/// All-reduces of at least this many bytes use MPI's blocking call, once every rank's call header has shown that
+/// all of them are in this same all-reduce.
 const BLOCKING_MIN_BYTES: usize = 256 << 10;
 /// Tag of the messages ranks exchange after a timeout to find out who is missing.
 const DIAGNOSE_TAG: i32 = 0x0bac;
@@ -60,6 +61,106 @@ fn engine_error(operation: &str, reason: impl Into<String>) -> CommError {
         engine: ENGINE,
         operation: operation.into(),
         reason: reason.into(),
+    }
+}
+
+/// What a rank is about to do. Every collective starts with a fixed-size, timed all-gather of these headers, so
+/// headers always match each other in MPI's eyes whatever the ranks do next: ranks that called different
+/// collectives, or an all-reduce of different lengths, all get the same error at once instead of a hang, mixed data
+/// or a blocking call that waits for a rank doing something else. The headers also carry the all-gather lengths
+/// and the broadcast length, so those collectives need no exchange of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    Barrier,
+    AllReduce { kind: u64, op: u64, len: u64 },
+    AllGather { len: u64 },
+    Broadcast { root: u64, len: u64 },
+}
+
+const CALL_WORDS: usize = 4;
+const KINDS: [&str; 3] = ["f32", "f64", "i64"];
+const OPS: [&str; 3] = ["sum", "max", "min"];
+
+impl Call {
+    fn encode(self) -> [u64; CALL_WORDS] {
+        match self {
+            Call::Barrier => [1, 0, 0, 0],
+            Call::AllReduce { kind, op, len } => [2, kind, op, len],
+            Call::AllGather { len } => [3, 0, 0, len],
+            Call::Broadcast { root, len } => [4, root, 0, len],
+        }
+    }
+
+    fn decode(words: &[u64]) -> Option<Self> {
+        match *words {
+            [1, _, _, _] => Some(Call::Barrier),
+            [2, kind, op, len] if (kind as usize) < KINDS.len() && (op as usize) < OPS.len() => {
+                Some(Call::AllReduce { kind, op, len })
+            }
+            [3, _, _, len] => Some(Call::AllGather { len }),
+            [4, root, _, len] => Some(Call::Broadcast { root, len }),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Call::Barrier => "barrier",
+            Call::AllReduce { .. } => "all_reduce",
+            Call::AllGather { .. } => "all_gather",
+            Call::Broadcast { .. } => "broadcast",
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Call::Barrier => "barrier".into(),
+            Call::AllReduce { kind, op, len } => format!(
+                "all_reduce ({}) of {len} x {}",
+                OPS[op as usize], KINDS[kind as usize]
+            ),
+            Call::AllGather { len } => format!("all_gather of {len} bytes"),
+            Call::Broadcast { root, .. } => format!("broadcast from rank {root}"),
+        }
+    }
+
+    /// Whether two ranks' calls can be carried out together: the same collective, and for an all-reduce the same
+    /// element kind, operation and length, for a broadcast the same root (only the root's length counts).
+    fn compatible(self, other: Call) -> bool {
+        match (self, other) {
+            (Call::Broadcast { root: a, .. }, Call::Broadcast { root: b, .. }) => a == b,
+            (Call::AllGather { .. }, Call::AllGather { .. }) => true,
+            (a, b) => a == b,
+        }
+    }
+}
+
+/// The error every rank returns when the headers disagree (all ranks see the same headers, so all agree on it).
+fn disagreement(seq: u64, calls: &[Option<Call>]) -> CommError {
+    let described: Vec<String> = calls
+        .iter()
+        .enumerate()
+        .map(|(r, c)| match c {
+            Some(c) => format!("rank {r}: {}", c.describe()),
+            None => format!("rank {r}: an unreadable call header"),
+        })
+        .collect();
+    let same_collective = calls
+        .iter()
+        .all(|c| c.map(Call::name) == calls[0].map(Call::name));
+    match calls[0] {
+        Some(first) if same_collective => CommError::IncompatibleInputs {
+            operation: first.name().into(),
+            reason: format!(
+                "collective #{seq}: ranks passed incompatible inputs ({}); every rank must pass a buffer of the \
+                 same length and dtype (and name the same root)",
+                described.join(", ")
+            ),
+        },
+        _ => CommError::CollectiveMismatch {
+            seq,
+            calls: described.join(", "),
+        },
     }
 }
 
@@ -205,11 +306,11 @@ impl MpiComm {
     fn run<B: 'static, D: ?Sized + 'static>(
         &self,
         operation: &str,
+        seq: u64,
         buffers: B,
         start: impl FnOnce(&SimpleCommunicator, &'static mut B) -> Request<'static, D, StaticScope>,
     ) -> CommResult<B> {
         self.check_usable(operation)?;
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let ptr: *mut B = Box::into_raw(Box::new(buffers));
         // SAFETY: `ptr` comes from `Box::into_raw` and is only turned back into a box after the request that
         // borrows it has completed; on a timeout it is never freed.
@@ -220,44 +321,64 @@ impl MpiComm {
         Ok(*unsafe { Box::from_raw(ptr) })
     }
 
-    fn reduce_typed<T>(
-        &self,
-        spare: &mut Vec<T>,
-        data: Vec<T>,
-        op: SystemOperation,
-    ) -> CommResult<Vec<T>>
-    where
-        T: mpi::datatype::Equivalence + Default + Clone + 'static,
-    {
-        let mut recv = std::mem::take(spare);
-        recv.resize(data.len(), T::default());
-        let (send, recv) = if data.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
-            self.run("all_reduce", (data, recv), |world, (send, recv)| {
-                world.immediate_all_reduce_into(StaticScope, &send[..], &mut recv[..], op)
-            })?
-        } else {
-            // Large buffers: MPI's blocking all-reduce is markedly faster than its non-blocking one. A
-            // non-blocking barrier first proves, within the timeout, that every rank has arrived; the blocking
-            // call that follows cannot then wait for a missing rank.
-            self.run("all_reduce", (), |world, _| world.immediate_barrier())?;
-            let mut recv = recv;
-            self.world.all_reduce_into(&data[..], &mut recv[..], op);
-            (data, recv)
-        };
-        *spare = send;
-        Ok(recv)
-    }
-
-    /// Gathers one `u64` per rank.
-    fn gather_counts(&self, operation: &str, mine: u64) -> CommResult<Vec<u64>> {
-        let (_, counts) = self.run(
+    /// Starts collective number `seq` on this rank: exchanges call headers with every rank (timed) and returns
+    /// every rank's call, or the error all ranks return when they disagree.
+    fn agree(&self, call: Call) -> CommResult<(u64, Vec<Call>)> {
+        let operation = call.name();
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let (_, words) = self.run(
             operation,
-            ([mine], vec![0u64; self.size]),
+            seq,
+            (call.encode(), vec![0u64; CALL_WORDS * self.size]),
             |world, (send, recv)| {
                 world.immediate_all_gather_into(StaticScope, &send[..], &mut recv[..])
             },
         )?;
-        Ok(counts)
+        let calls: Vec<Option<Call>> = words.chunks(CALL_WORDS).map(Call::decode).collect();
+        if calls.iter().all(|c| c.is_some_and(|c| c.compatible(call))) {
+            Ok((seq, calls.into_iter().flatten().collect()))
+        } else {
+            Err(disagreement(seq, &calls))
+        }
+    }
+
+    fn reduce_typed<T>(
+        &self,
+        spare: &mut Vec<T>,
+        data: Vec<T>,
+        kind: u64,
+        op: ReduceOp,
+    ) -> CommResult<Vec<T>>
+    where
+        T: mpi::datatype::Equivalence + Default + Clone + 'static,
+    {
+        let (system, op_code) = match op {
+            ReduceOp::Sum | ReduceOp::Mean => (SystemOperation::sum(), 0),
+            ReduceOp::Max => (SystemOperation::max(), 1),
+            ReduceOp::Min => (SystemOperation::min(), 2),
+        };
+        let (seq, _) = self.agree(Call::AllReduce {
+            kind,
+            op: op_code,
+            len: data.len() as u64,
+        })?;
+        let mut recv = std::mem::take(spare);
+        recv.resize(data.len(), T::default());
+        let (send, recv) = if data.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
+            self.run("all_reduce", seq, (data, recv), |world, (send, recv)| {
+                world.immediate_all_reduce_into(StaticScope, &send[..], &mut recv[..], system)
+            })?
+        } else {
+            // Large buffers: MPI's blocking all-reduce is markedly faster than its non-blocking one. The headers
+            // just showed, within the timeout, that every rank is alive and in this very all-reduce with the same
+            // length, so the blocking call cannot wait for a rank that does something else; a rank that dies
+            // now ends the whole job through `mpirun`.
+            let mut recv = recv;
+            self.world.all_reduce_into(&data[..], &mut recv[..], system);
+            (data, recv)
+        };
+        *spare = send;
+        Ok(recv)
     }
 }
 
@@ -365,27 +486,22 @@ impl Communicator for MpiComm {
 
     fn barrier(&self) -> CommResult<()> {
         let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        self.run("barrier", (), |world, _| world.immediate_barrier())
-            .map(|_| ())
+        // The header exchange is itself a barrier: every rank has arrived once it completes.
+        self.agree(Call::Barrier).map(|_| ())
     }
 
     fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> CommResult<ReduceBuffer> {
-        let system = match op {
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Min => SystemOperation::min(),
-        };
         let n = self.size;
         let mut spare = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = match data {
             ReduceBuffer::F32(v) => {
-                ReduceBuffer::F32(self.reduce_typed(&mut spare.f32, v, system)?)
+                ReduceBuffer::F32(self.reduce_typed(&mut spare.f32, v, 0, op)?)
             }
             ReduceBuffer::F64(v) => {
-                ReduceBuffer::F64(self.reduce_typed(&mut spare.f64, v, system)?)
+                ReduceBuffer::F64(self.reduce_typed(&mut spare.f64, v, 1, op)?)
             }
             ReduceBuffer::I64(v) => {
-                ReduceBuffer::I64(self.reduce_typed(&mut spare.i64, v, system)?)
+                ReduceBuffer::I64(self.reduce_typed(&mut spare.i64, v, 2, op)?)
             }
         };
         if op == ReduceOp::Mean {
@@ -396,7 +512,16 @@ impl Communicator for MpiComm {
 
     fn all_gather(&self, data: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
         let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        let counts = self.gather_counts("all_gather", data.len() as u64)?;
+        let (seq, calls) = self.agree(Call::AllGather {
+            len: data.len() as u64,
+        })?;
+        let counts: Vec<u64> = calls
+            .iter()
+            .map(|c| match c {
+                Call::AllGather { len } => *len,
+                _ => 0,
+            })
+            .collect();
         let total: u64 = counts.iter().sum();
         if counts.iter().any(|c| *c > i32::MAX as u64) || total > i32::MAX as u64 {
             return Err(engine_error(
@@ -417,6 +542,7 @@ impl Communicator for MpiComm {
         let mut partition: *mut Part = std::ptr::null_mut();
         let (_, recv, counts, _) = self.run(
             "all_gather",
+            seq,
             (data, vec![0u8; total as usize], counts, displs),
             |world, (send, recv, counts, displs)| {
                 partition = Box::into_raw(Box::new(PartitionMut::new(
@@ -450,22 +576,23 @@ impl Communicator for MpiComm {
             });
         }
         let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        let len = if self.rank == root {
-            data.len() as u64
-        } else {
-            0
-        };
-        let ([len], _) = self.run("broadcast", ([len], ()), |world, (len, _)| {
-            world
-                .process_at_rank(root as i32)
-                .immediate_broadcast_into(StaticScope, &mut len[..])
+        let (seq, calls) = self.agree(Call::Broadcast {
+            root: root as u64,
+            len: if self.rank == root {
+                data.len() as u64
+            } else {
+                0
+            },
         })?;
         let buffer = if self.rank == root {
             data
         } else {
-            vec![0u8; len as usize]
+            match calls[root] {
+                Call::Broadcast { len, .. } => vec![0u8; len as usize],
+                _ => Vec::new(),
+            }
         };
-        self.run("broadcast", buffer, |world, buffer| {
+        self.run("broadcast", seq, buffer, |world, buffer| {
             world
                 .process_at_rank(root as i32)
                 .immediate_broadcast_into(StaticScope, &mut buffer[..])

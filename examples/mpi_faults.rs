@@ -1,0 +1,93 @@
+//! One rank misbehaves while the others all-reduce: the fault matrix of `tests/faults_mpi.rs`, for real processes.
+//!
+//! `mpirun -np 3 target/release/examples/mpi_faults --fault <kind> --bytes <n> [--timeout <secs>]`, after
+//! `cargo build --release --features mpi --example mpi_faults`. Rank 1 does `<kind>` where every other rank
+//! all-reduces `<n>` bytes of f32 (debug mode off):
+//!
+//! - `panic`: panics; `error`: returns an error (exit status 1); `sigkill`: is killed by SIGKILL;
+//! - `collective`: calls `barrier` instead; `length`: all-reduces one element more; `silent`: calls nothing.
+//!
+//! Each rank that gets an error prints `rank <r> got after <secs>s: <error>` and exits with status 1; the test
+//! checks the words and that the whole job ends within the collective timeout plus a small margin.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::Tensor;
+use burn_accelerate::{Accelerator, ReduceOp};
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn run(fault: &str, bytes: usize, timeout: Duration) -> Result<(), Box<dyn std::error::Error>> {
+    let accelerator = Accelerator::builder()
+        .collective_timeout(timeout)
+        .debug(false)
+        .build()?;
+    let len = (bytes / 4).max(1);
+    // One collective that every rank passes, so that the fault happens in the middle of a run.
+    accelerator.wait_for_everyone()?;
+    let rank = accelerator.process_index();
+    let start = Instant::now();
+    let result = if rank == 1 {
+        match fault {
+            "panic" => panic!("rank 1 panics on purpose"),
+            "error" => {
+                return Err("rank 1 returns an error on purpose".into());
+            }
+            "sigkill" => {
+                let pid = std::process::id().to_string();
+                std::process::Command::new("kill")
+                    .args(["-KILL", &pid])
+                    .status()?;
+                std::thread::sleep(Duration::from_secs(60));
+                unreachable!("SIGKILL ends the process");
+            }
+            "collective" => accelerator.wait_for_everyone(),
+            "length" => {
+                let x = Tensor::<1>::ones([len + 1], accelerator.device());
+                accelerator.reduce(x, ReduceOp::Sum).map(|_| ())
+            }
+            "silent" => {
+                std::thread::sleep(timeout * 3);
+                return Ok(());
+            }
+            other => {
+                return Err(format!(
+                    "unknown --fault {other}: use panic, error, sigkill, collective, length or silent"
+                )
+                .into());
+            }
+        }
+    } else {
+        let x = Tensor::<1>::ones([len], accelerator.device());
+        accelerator.reduce(x, ReduceOp::Sum).map(|_| ())
+    };
+    match result {
+        Ok(()) => println!("rank {rank} completed the all-reduce"),
+        Err(e) => {
+            println!(
+                "rank {rank} got after {:.1}s: {e}",
+                start.elapsed().as_secs_f64()
+            );
+            // Let the other ranks print theirs before this one's error exit aborts the job.
+            std::thread::sleep(Duration::from_millis(500));
+            std::process::exit(1);
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let fault = arg("--fault").unwrap_or_else(|| "panic".into());
+    let bytes: usize = arg("--bytes").and_then(|b| b.parse().ok()).unwrap_or(1024);
+    let timeout =
+        Duration::from_secs_f64(arg("--timeout").and_then(|t| t.parse().ok()).unwrap_or(5.0));
+    if let Err(e) = run(&fault, bytes, timeout) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

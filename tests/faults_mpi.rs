@@ -1,0 +1,177 @@
+//! The MPI fault matrix under `mpirun -np 3` (feature `mpi`): rank 1 panics, returns an error, is SIGKILLed, calls
+//! another collective, all-reduces another length or stays silent, while ranks 0 and 2 all-reduce a small
+//! (< 256 KiB, MPI's non-blocking call) or a large (≥ 256 KiB, MPI's blocking call) buffer with debug mode off.
+//! Every case must end the whole job, with an error naming rank 1 or the mismatch, within the collective timeout
+//! plus a small margin.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[path = "support/examples.rs"]
+mod examples;
+
+const TIMEOUT_SECS: f64 = 3.0;
+/// mpirun's start and teardown, the diagnosis after a timeout, and a loaded machine.
+const MARGIN_SECS: f64 = 4.0;
+const SIZES: [(&str, usize); 2] = [("small", 1 << 10), ("large", 1 << 20)];
+
+struct Run {
+    stdout: String,
+    stderr: String,
+    success: bool,
+    elapsed: Duration,
+}
+
+fn run(fault: &str, bytes: usize) -> Run {
+    let program = examples::example("mpi_faults");
+    let start = Instant::now();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "3"])
+        .arg(&program)
+        .args(["--fault", fault, "--bytes", &bytes.to_string()])
+        .args(["--timeout", &TIMEOUT_SECS.to_string()])
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env_remove("ACCELERATE_DEBUG_MODE")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("mpirun runs (install openmpi-bin)");
+    let run = Run {
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        success: out.status.success(),
+        elapsed: start.elapsed(),
+    };
+    assert!(
+        !run.success,
+        "{fault}/{bytes}: the job must fail\n{}\n{}",
+        run.stdout, run.stderr
+    );
+    let limit = TIMEOUT_SECS + MARGIN_SECS;
+    assert!(
+        run.elapsed.as_secs_f64() < limit,
+        "{fault}/{bytes}: the job took {:.1} s (limit {limit} s)\n{}\n{}",
+        run.elapsed.as_secs_f64(),
+        run.stdout,
+        run.stderr
+    );
+    run
+}
+
+/// The line rank `rank` printed about its error.
+fn error_line(run: &Run, rank: usize) -> &str {
+    run.stdout
+        .lines()
+        .find(|l| l.starts_with(&format!("rank {rank} got after")))
+        .unwrap_or_else(|| {
+            panic!(
+                "rank {rank} printed no error:\n{}\n{}",
+                run.stdout, run.stderr
+            )
+        })
+}
+
+#[test]
+fn a_rank_that_panics_or_returns_an_error_aborts_the_job_at_once() {
+    for (size, bytes) in SIZES {
+        for (fault, status) in [("panic", 101), ("error", 1)] {
+            let run = run(fault, bytes);
+            assert!(
+                run.stderr.contains(&format!(
+                    "rank 1 exits with status {status}; aborting the MPI job"
+                )),
+                "{fault}/{size}:\n{}",
+                run.stderr
+            );
+            // Not a timeout: the others are stopped as soon as rank 1 exits.
+            assert!(
+                run.elapsed.as_secs_f64() < TIMEOUT_SECS,
+                "{fault}/{size}: {:?}",
+                run.elapsed
+            );
+            assert!(!run.stdout.contains("timed out"), "{}", run.stdout);
+        }
+    }
+}
+
+#[test]
+fn a_rank_killed_by_sigkill_ends_the_job_and_is_named() {
+    for (size, bytes) in SIZES {
+        let run = run("sigkill", bytes);
+        assert!(
+            run.stderr.contains("process rank 1") && run.stderr.contains("signal 9"),
+            "{size}:\n{}",
+            run.stderr
+        );
+        assert!(
+            run.elapsed.as_secs_f64() < TIMEOUT_SECS,
+            "{size}: {:?}",
+            run.elapsed
+        );
+    }
+}
+
+#[test]
+fn a_rank_in_another_collective_gives_every_rank_the_same_error_at_once() {
+    for (size, bytes) in SIZES {
+        let run = run("collective", bytes);
+        let len = bytes / 4;
+        for rank in 0..3 {
+            let line = error_line(&run, rank);
+            assert!(
+                line.contains("ranks called different collectives"),
+                "{size}: {line}"
+            );
+            assert!(
+                line.contains(&format!(
+                    "rank 0: all_reduce (sum) of {len} x f32, rank 1: barrier, rank 2: all_reduce (sum) of {len} x f32"
+                )),
+                "{size}: {line}"
+            );
+        }
+        assert!(
+            run.elapsed.as_secs_f64() < TIMEOUT_SECS,
+            "{size}: not a timeout: {:?}",
+            run.elapsed
+        );
+    }
+}
+
+#[test]
+fn an_all_reduce_of_another_length_gives_every_rank_the_same_error_at_once() {
+    for (size, bytes) in SIZES {
+        let run = run("length", bytes);
+        let len = bytes / 4;
+        for rank in 0..3 {
+            let line = error_line(&run, rank);
+            assert!(line.contains("incompatible inputs"), "{size}: {line}");
+            assert!(
+                line.contains(&format!("rank 1: all_reduce (sum) of {} x f32", len + 1)),
+                "{size}: {line}"
+            );
+        }
+        assert!(
+            run.elapsed.as_secs_f64() < TIMEOUT_SECS,
+            "{size}: not a timeout: {:?}",
+            run.elapsed
+        );
+    }
+}
+
+#[test]
+fn a_silent_rank_is_named_after_the_timeout() {
+    for (size, bytes) in SIZES {
+        let run = run("silent", bytes);
+        for rank in [0, 2] {
+            let line = error_line(&run, rank);
+            assert!(
+                line.contains("timed out after 3s: rank(s) [1] did not arrive"),
+                "{size}: {line}"
+            );
+        }
+        assert!(
+            run.elapsed.as_secs_f64() >= TIMEOUT_SECS,
+            "{size}: {:?}",
+            run.elapsed
+        );
+    }
+}
