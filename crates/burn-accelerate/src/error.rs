@@ -129,6 +129,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// Another rank failed during an operation every rank takes part in (a save, a load), so this rank stops too,
+    /// at once rather than after the collective timeout.
+    #[error("{operation}: rank {rank} failed, so every rank stops: {message}")]
+    OtherRankFailed {
+        /// The operation (`save_state`, `save_model`, ...).
+        operation: &'static str,
+        /// The rank that failed (the lowest, when several did).
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
+
     /// A rank of an in-process launch panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

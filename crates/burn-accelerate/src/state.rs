@@ -153,6 +153,38 @@ impl ProcessState {
         }
     }
 
+    /// Ends a step of `operation` that every rank takes part in and in which any rank may fail (a save, a load):
+    /// every rank learns every rank's outcome in one collective, so a failure on one rank (often the main
+    /// process, which writes most files) stops all of them at once instead of leaving the others waiting for
+    /// it until the collective timeout. A rank that failed gets its own error back; the others get
+    /// [`Error::OtherRankFailed`] quoting it.
+    pub fn agree<T>(&self, operation: &'static str, local: Result<T>) -> Result<T> {
+        if self.num_processes == 1 {
+            return local;
+        }
+        let mine = match &local {
+            Ok(_) => Vec::new(),
+            Err(e) => {
+                let text = e.to_string();
+                if text.is_empty() {
+                    b"(no message)".to_vec()
+                } else {
+                    text.into_bytes()
+                }
+            }
+        };
+        let all = self.comm.all_gather(mine)?;
+        let value = local?;
+        match all.iter().position(|m| !m.is_empty()) {
+            None => Ok(value),
+            Some(rank) => Err(crate::Error::OtherRankFailed {
+                operation,
+                rank,
+                message: String::from_utf8_lossy(&all[rank]).into_owned(),
+            }),
+        }
+    }
+
     /// Makes this the state that logging on the current thread reports.
     pub(crate) fn install_for_thread(self: &Arc<Self>) {
         CURRENT.with(|c| *c.borrow_mut() = Some(self.clone()));

@@ -71,22 +71,31 @@ impl Accelerator {
     ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
         let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
-        let mut written = Vec::new();
-        if self.is_main_process() {
+        let write = || -> Result<Vec<PathBuf>> {
+            let parent = crate::checkpoint::fs::parent_dir(dir);
+            std::fs::create_dir_all(parent).map_err(crate::error::io("creating", parent))?;
+            let _lock = crate::checkpoint::fs::FolderLock::acquire(parent, dir)?;
             if options.safe_serialization {
-                written = crate::checkpoint::weights::write_safetensors(
+                crate::checkpoint::weights::write_safetensors(
                     model,
                     dir,
                     max,
                     options.layout,
                     &options.remap,
-                )?;
+                )
             } else {
-                written.push(crate::checkpoint::weights::write_burnpack(model, dir)?);
+                Ok(vec![crate::checkpoint::weights::write_burnpack(
+                    model, dir,
+                )?])
             }
-        }
-        self.wait_for_everyone()?;
-        Ok(written)
+        };
+        // The main process writes; every rank learns at once whether it worked.
+        let written = if self.is_main_process() {
+            write()
+        } else {
+            Ok(Vec::new())
+        };
+        self.state.agree("save_model", written)
     }
 
     /// Loads weights saved by [`save_model`](Self::save_model) or by Hugging Face tools (a `.safetensors`

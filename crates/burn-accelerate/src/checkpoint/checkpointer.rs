@@ -96,15 +96,6 @@ impl Checkpointer {
         scaler: Option<LossScaler>,
     ) -> Result<PathBuf> {
         let (dir, iteration, automatic) = self.target(dir)?;
-        if let Some(parent) = dir.parent()
-            && rank.is_main_process()
-        {
-            std::fs::create_dir_all(parent).map_err(|source| Error::Io {
-                operation: "creating",
-                path: parent.to_path_buf(),
-                source,
-            })?;
-        }
         let objects = lock(&self.objects)
             .iter()
             .map(|(name, value)| Ok((name.clone(), lock(value).state_dict()?)))
@@ -119,9 +110,9 @@ impl Checkpointer {
         };
         state::save(&dir, parts, ctx)?;
         if automatic {
-            self.advance_and_prune(rank.is_main_process())?;
+            let pruned = self.advance_and_prune(rank.is_main_process());
+            rank.agree("save_state", pruned)?;
         }
-        rank.wait_for_everyone()?;
         Ok(dir)
     }
 

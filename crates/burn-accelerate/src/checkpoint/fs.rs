@@ -82,3 +82,54 @@ pub(crate) fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
     fs::read(path).map_err(io("reading", path))
 }
+
+/// Name of the lock file a save holds in the folder its target lives in.
+pub(crate) const LOCK_FILE: &str = ".burn-accelerate.lock";
+
+/// How long a save waits for another save into the same folder to finish before giving up.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// An exclusive advisory lock (`flock`) on `<folder>/.burn-accelerate.lock`, held while a save writes into the
+/// folder, so that two writers (two runs sharing a project folder, two threads) never interleave their files or
+/// delete each other's unfinished work. The operating system drops it when the process ends, however it ends,
+/// so a killed save never leaves a stale lock behind.
+#[derive(Debug)]
+pub(crate) struct FolderLock {
+    _file: File,
+}
+
+impl FolderLock {
+    /// Locks `folder` for a save of `target`, waiting up to 10 s for another save to finish.
+    pub(crate) fn acquire(folder: &Path, target: &Path) -> Result<Self> {
+        let path = folder.join(LOCK_FILE);
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io("opening the lock file", &path))?;
+        let start = std::time::Instant::now();
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(Self { _file: file }),
+                Err(fs::TryLockError::WouldBlock) if start.elapsed() < LOCK_WAIT => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(fs::TryLockError::WouldBlock) => {
+                    return Err(crate::Error::Checkpoint {
+                        path: target.to_path_buf(),
+                        reason: format!(
+                            "another save has been writing into {} for over {} s (it holds {}); two runs or \
+                             threads must not save into the same folder: give each run its own project folder",
+                            folder.display(),
+                            LOCK_WAIT.as_secs(),
+                            path.display()
+                        ),
+                    });
+                }
+                Err(fs::TryLockError::Error(e)) => return Err(io("locking", &path)(e)),
+            }
+        }
+    }
+}

@@ -185,20 +185,58 @@ fn file(dir: &Path, stem: &str, i: usize, ext: &str) -> PathBuf {
     }
 }
 
-/// Writes a checkpoint into `dir` atomically, with every rank taking part.
+/// Writes a checkpoint into `dir` atomically, with every rank taking part. Each phase ends with every rank
+/// learning every rank's outcome, so a failure anywhere (a full disk on the main process, a read-only folder)
+/// stops all ranks at once with the same story, and the previous checkpoint is left as it was.
 pub(crate) fn save(dir: &Path, parts: &StateToSave, ctx: SaveContext<'_>) -> Result<()> {
     let state = ctx.state;
+    let main = state.is_main_process();
     let partial = with_suffix(dir, ".partial");
-    if state.is_main_process() {
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial)
-                .map_err(io("removing an unfinished save", &partial))?;
+    let lock = state.agree(
+        "save_state",
+        if main {
+            prepare(dir, &partial).map(Some)
+        } else {
+            Ok(None)
+        },
+    )?;
+    let written = write_parts(&partial, parts, &ctx);
+    state.agree("save_state", written)?;
+    let committed = if main {
+        commit(dir, &partial, parts, &ctx)
+    } else {
+        Ok(())
+    };
+    state.agree("save_state", committed)?;
+    drop(lock);
+    Ok(())
+}
+
+/// On the main process: locks the folder `dir` lives in, clears what an interrupted save left and creates the
+/// `.partial` folder the ranks write into.
+fn prepare(dir: &Path, partial: &Path) -> Result<super::fs::FolderLock> {
+    let parent = super::fs::parent_dir(dir);
+    std::fs::create_dir_all(parent).map_err(io("creating", parent))?;
+    let lock = super::fs::FolderLock::acquire(parent, dir)?;
+    // Under the lock, anything at the `.partial` name is what an interrupted save left (or a planted link,
+    // which is removed, never followed); the folder is then created exclusively.
+    if let Ok(meta) = std::fs::symlink_metadata(partial) {
+        if meta.is_dir() {
+            std::fs::remove_dir_all(partial)
+        } else {
+            std::fs::remove_file(partial)
         }
-        std::fs::create_dir_all(&partial).map_err(io("creating", &partial))?;
+        .map_err(io("removing an unfinished save", partial))?;
     }
-    state.wait_for_everyone()?;
+    std::fs::create_dir(partial).map_err(io("creating", partial))?;
+    Ok(lock)
+}
+
+/// Every rank writes its own file; the main process writes the models, optimizers, schedulers and objects.
+fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Result<()> {
+    let state = ctx.state;
     let rank = RankState {
-        dataloaders: ctx.positions,
+        dataloaders: ctx.positions.clone(),
         optimizer_steps: parts.optimizers.iter().map(|(_, s)| *s).collect(),
     };
     let rank_json = serde_json::to_vec_pretty(&rank).expect("plain data");
@@ -208,13 +246,13 @@ pub(crate) fn save(dir: &Path, parts: &StateToSave, ctx: SaveContext<'_>) -> Res
     )?;
     if state.is_main_process() {
         for (i, bytes) in parts.models.iter().enumerate() {
-            write_synced(&file(&partial, "model", i, "bpk"), bytes)?;
+            write_synced(&file(partial, "model", i, "bpk"), bytes)?;
         }
         for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
-            write_synced(&file(&partial, "optimizer", i, "bpk"), bytes)?;
+            write_synced(&file(partial, "optimizer", i, "bpk"), bytes)?;
         }
         for (i, bytes) in parts.schedulers.iter().enumerate() {
-            write_synced(&file(&partial, "scheduler", i, "bpk"), bytes)?;
+            write_synced(&file(partial, "scheduler", i, "bpk"), bytes)?;
         }
         let objects: BTreeMap<String, serde_json::Value> = ctx.objects.iter().cloned().collect();
         write_synced(
@@ -222,39 +260,42 @@ pub(crate) fn save(dir: &Path, parts: &StateToSave, ctx: SaveContext<'_>) -> Res
             &serde_json::to_vec_pretty(&objects).expect("JSON values"),
         )?;
     }
-    state.wait_for_everyone()?;
-    if state.is_main_process() {
-        let manifest = Manifest {
-            format: FORMAT.into(),
-            iteration: ctx.iteration,
-            num_processes: state.num_processes(),
-            models: parts.models.len(),
-            optimizers: parts.optimizers.len(),
-            schedulers: parts.schedulers.len(),
-            objects: ctx.objects.iter().map(|(n, _)| n.clone()).collect(),
-            scaler: ctx.scaler,
-        };
-        write_synced(
-            &partial.join(MANIFEST),
-            &serde_json::to_vec_pretty(&manifest).expect("plain data"),
-        )?;
-        sync_dir(&partial)?;
-        // Replace: the old folder is moved aside before the new one takes its name, so that one complete
-        // checkpoint exists at every instant.
-        let old = with_suffix(dir, ".old");
-        if dir.exists() {
-            if old.exists() {
-                std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
-            }
-            std::fs::rename(dir, &old).map_err(io("moving the previous checkpoint aside", dir))?;
-        }
-        std::fs::rename(&partial, dir).map_err(io("renaming the checkpoint into place", dir))?;
-        sync_dir(super::fs::parent_dir(dir))?;
+    Ok(())
+}
+
+/// On the main process: writes the manifest (what makes the folder a checkpoint) and puts the folder in place.
+fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Result<()> {
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        iteration: ctx.iteration,
+        num_processes: ctx.state.num_processes(),
+        models: parts.models.len(),
+        optimizers: parts.optimizers.len(),
+        schedulers: parts.schedulers.len(),
+        objects: ctx.objects.iter().map(|(n, _)| n.clone()).collect(),
+        scaler: ctx.scaler.clone(),
+    };
+    write_synced(
+        &partial.join(MANIFEST),
+        &serde_json::to_vec_pretty(&manifest).expect("plain data"),
+    )?;
+    sync_dir(partial)?;
+    // Replace: the old folder is moved aside before the new one takes its name, so that one complete
+    // checkpoint exists at every instant. (A `.old` left by a save that stopped between its two renames, with
+    // no `dir`, is the last complete checkpoint: it stays until the new one is in place.)
+    let old = with_suffix(dir, ".old");
+    if dir.exists() {
         if old.exists() {
             std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
         }
+        std::fs::rename(dir, &old).map_err(io("moving the previous checkpoint aside", dir))?;
     }
-    state.wait_for_everyone()
+    std::fs::rename(partial, dir).map_err(io("renaming the checkpoint into place", dir))?;
+    sync_dir(super::fs::parent_dir(dir))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
+    }
+    Ok(())
 }
 
 /// A checkpoint read back by `load_state`: restore its parts into the training loop's objects, in the order

@@ -192,6 +192,19 @@ pub fn write_safetensors<M: Module>(
     layout: WeightLayout,
     remap: &KeyRemap,
 ) -> Result<Vec<PathBuf>> {
+    write_safetensors_observed(module, dir, max_shard_size, layout, remap, &mut || {})
+}
+
+/// [`write_safetensors`], calling `after_step` after every change to what the folder's loader would see (the
+/// tests load the folder there, to show that no instant mixes two saves).
+fn write_safetensors_observed<M: Module>(
+    module: &M,
+    dir: &Path,
+    max_shard_size: u64,
+    layout: WeightLayout,
+    remap: &KeyRemap,
+    after_step: &mut dyn FnMut(),
+) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
     let mut tensors = Vec::new();
     let mut keys = std::collections::HashSet::new();
@@ -234,70 +247,171 @@ pub fn write_safetensors<M: Module>(
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         }
     };
-    let mut written = Vec::new();
+    let mut staged: Vec<(PathBuf, PathBuf)> = Vec::new();
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
-    for (i, shard) in shards.iter().enumerate() {
-        let file = name_of(i);
-        let mut views = Vec::with_capacity(shard.len());
-        for t in shard {
-            let dtype = to_safetensors_dtype(t.data.dtype()).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "save_model: tensor `{}` is quantized; dequantize it first",
-                    t.name
-                ))
+    let mut stage = || -> Result<()> {
+        for (i, shard) in shards.iter().enumerate() {
+            let file = name_of(i);
+            let mut views = Vec::with_capacity(shard.len());
+            for t in shard {
+                let dtype = to_safetensors_dtype(t.data.dtype()).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "save_model: tensor `{}` is quantized; dequantize it first",
+                        t.name
+                    ))
+                })?;
+                let view = TensorView::new(dtype, t.data.shape().to_vec(), t.data.as_bytes())
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!("save_model: tensor `{}`: {e}", t.name))
+                    })?;
+                views.push((t.name.clone(), view));
+                weight_map.insert(t.name.clone(), file.clone());
+                total_size += t.data.as_bytes().len() as u64;
+            }
+            let mut metadata = HashMap::new();
+            metadata.insert("format".to_string(), "pt".to_string());
+            metadata.insert(LAYOUT_KEY.to_string(), layout.tag().to_string());
+            let path = dir.join(&file);
+            // An exclusively created temporary (never a pre-existing file or link), streamed to (no second
+            // copy of the weights in memory), then synced.
+            let (tmp, _) = super::fs::create_temporary(&path)?;
+            staged.push((tmp.clone(), path));
+            safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| {
+                let reason = format!("writing {}: {e}", tmp.display());
+                match e {
+                    safetensors::SafeTensorError::IoError(source) => Error::Io {
+                        operation: "writing",
+                        path: tmp.clone(),
+                        source,
+                    },
+                    _ => Error::InvalidArgument(format!("save_model: {reason}")),
+                }
             })?;
-            let view = TensorView::new(dtype, t.data.shape().to_vec(), t.data.as_bytes()).map_err(
-                |e| Error::InvalidArgument(format!("save_model: tensor `{}`: {e}", t.name)),
-            )?;
-            views.push((t.name.clone(), view));
-            weight_map.insert(t.name.clone(), file.clone());
-            total_size += t.data.as_bytes().len() as u64;
+            std::fs::File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(io("syncing", &tmp))?;
         }
-        let mut metadata = HashMap::new();
-        metadata.insert("format".to_string(), "pt".to_string());
-        metadata.insert(LAYOUT_KEY.to_string(), layout.tag().to_string());
-        let path = dir.join(&file);
-        // An exclusively created temporary (never a pre-existing file or link), streamed to (no second copy of
-        // the weights in memory), then synced.
-        let (tmp, _) = super::fs::create_temporary(&path)?;
-        if let Err(e) = safetensors::serialize_to_file(views, Some(metadata), &tmp) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(Error::InvalidArgument(format!(
-                "save_model: writing {}: {e}",
-                tmp.display()
-            )));
+        Ok(())
+    };
+    if let Err(e) = stage() {
+        for (tmp, _) in &staged {
+            let _ = std::fs::remove_file(tmp);
         }
-        std::fs::File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .map_err(io("syncing", &tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io("renaming into place", &path))?;
-        written.push(path);
+        return Err(e);
     }
-    let index_path = dir.join(INDEX_FILE);
-    if n > 1 {
+    let index = (n > 1).then(|| {
         let index = serde_json::json!({
             "metadata": { "total_size": total_size },
             "weight_map": weight_map,
         });
-        let text = serde_json::to_vec_pretty(&index).expect("JSON of strings and numbers");
-        super::fs::write_atomic(&index_path, &text)?;
-        written.push(index_path.clone());
+        serde_json::to_vec_pretty(&index).expect("JSON of strings and numbers")
+    });
+    commit_weights(dir, staged, index, after_step)
+}
+
+/// Suffix of the second name a shard of the previous save gets when the new save reuses its name.
+const REPLACED: &str = ".replaced";
+
+/// Whether `name` is one of the files `save_model` writes into a folder (including its temporaries).
+fn is_weight_file(name: &str) -> bool {
+    let base = name.split(".partial.").next().unwrap_or(name);
+    let base = base.strip_suffix(REPLACED).unwrap_or(base);
+    base == SINGLE_FILE
+        || base == INDEX_FILE
+        || (base.starts_with("model-") && base.ends_with(".safetensors") && base.contains("-of-"))
+}
+
+/// Puts the staged files (temporary, final) of a new save in place so that the folder loads, at every instant,
+/// either the complete previous weights or the complete new ones; a crash never mixes them. The index, when
+/// there is one, is what the loader reads first, so it is the commit point:
+/// 1. shards of the live index that the new save will overwrite get a second name (a hard link) and the live
+///    index is rewritten to it: the previous weights stay loadable;
+/// 2. the new files are renamed into place (the live index names none of them);
+/// 3. commit: the new index replaces the live one, or, for a single-file save, the live index is removed;
+/// 4. files of the previous save that the new one does not use are removed.
+///
+/// The caller holds the folder's lock, so leftovers of an interrupted save are known to be stale.
+fn commit_weights(
+    dir: &Path,
+    staged: Vec<(PathBuf, PathBuf)>,
+    index: Option<Vec<u8>>,
+    after_step: &mut dyn FnMut(),
+) -> Result<Vec<PathBuf>> {
+    let index_path = dir.join(INDEX_FILE);
+    let new_names: std::collections::HashSet<String> = staged
+        .iter()
+        .filter_map(|(_, f)| f.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    if let Some(mut live) = std::fs::read(&index_path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+    {
+        let mut redirected = false;
+        if let Some(map) = live
+            .get_mut("weight_map")
+            .and_then(serde_json::Value::as_object_mut)
+        {
+            let mut aside_done = std::collections::HashSet::new();
+            for value in map.values_mut() {
+                let Some(name) = value.as_str().map(str::to_string) else {
+                    continue;
+                };
+                if !new_names.contains(&name) {
+                    continue;
+                }
+                let aside = format!("{name}{REPLACED}");
+                if aside_done.insert(name.clone()) {
+                    let (from, to) = (dir.join(&name), dir.join(&aside));
+                    let _ = std::fs::remove_file(&to);
+                    std::fs::hard_link(&from, &to)
+                        .or_else(|_| std::fs::copy(&from, &to).map(|_| ()))
+                        .map_err(io("keeping the previous shard as", &to))?;
+                    after_step();
+                }
+                *value = serde_json::Value::String(aside);
+                redirected = true;
+            }
+        }
+        if redirected {
+            super::fs::sync_dir(dir)?;
+            let text = serde_json::to_vec_pretty(&live).expect("JSON values");
+            super::fs::write_atomic(&index_path, &text)?;
+            after_step();
+        }
     }
-    // Remove what an earlier save left that this one does not use.
+    let mut written = Vec::new();
+    for (tmp, path) in &staged {
+        std::fs::rename(tmp, path).map_err(io("renaming into place", path))?;
+        written.push(path.clone());
+        after_step();
+    }
+    sync_dir(dir)?;
+    match index {
+        Some(text) => {
+            super::fs::write_atomic(&index_path, &text)?;
+            written.push(index_path);
+            after_step();
+        }
+        None => {
+            if index_path.exists() {
+                std::fs::remove_file(&index_path)
+                    .map_err(io("removing the previous index", &index_path))?;
+                sync_dir(dir)?;
+                after_step();
+            }
+        }
+    }
+    // Remove what earlier saves left that this one does not use (stale shards, second names, temporaries).
     for entry in std::fs::read_dir(dir)
         .map_err(io("listing", dir))?
         .flatten()
     {
         let path = entry.path();
         let name = entry.file_name().to_string_lossy().to_string();
-        let ours = name == SINGLE_FILE
-            || name == INDEX_FILE
-            || (name.starts_with("model-")
-                && name.ends_with(".safetensors")
-                && name.contains("-of-"));
-        if ours && !written.contains(&path) {
-            std::fs::remove_file(&path).map_err(io("removing a stale shard", &path))?;
+        if is_weight_file(&name) && !written.contains(&path) && path.is_file() {
+            std::fs::remove_file(&path).map_err(io("removing a stale file", &path))?;
+            after_step();
         }
     }
     sync_dir(dir)?;
@@ -733,4 +847,77 @@ pub fn load_weights<M: Module>(
         ));
     }
     Ok((module, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::{Initializer, Linear, LinearConfig};
+
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+        c: Linear,
+    }
+
+    fn net(value: f64) -> Net {
+        let device = Default::default();
+        let layer = || {
+            LinearConfig::new(32, 32)
+                .with_initializer(Initializer::Constant { value })
+                .init(&device)
+        };
+        Net {
+            a: layer(),
+            b: layer(),
+            c: layer(),
+        }
+    }
+
+    /// The one value every parameter loaded from `dir` has, or `None` when the weights of two saves are mixed
+    /// or the folder does not load.
+    fn loaded_value(dir: &Path) -> Option<f32> {
+        let options = LoadOptions {
+            strict: true,
+            ..LoadOptions::default()
+        };
+        let (model, _) = load_weights(net(0.0), dir, &options).ok()?;
+        let mut values = Vec::new();
+        for layer in [&model.a, &model.b, &model.c] {
+            values.extend(layer.weight.val().into_data().iter::<f32>());
+            values.extend(layer.bias.as_ref()?.val().into_data().iter::<f32>());
+        }
+        values.iter().all(|v| *v == values[0]).then(|| values[0])
+    }
+
+    #[test]
+    fn every_instant_of_a_replacement_loads_the_old_or_the_new_weights_whole() {
+        // One file (4.2 KB a layer, 12.7 KB in all), 3 shards of 4.2 KB, 2 shards (8.4 + 4.2 KB).
+        let shardings = [1 << 30, 5_000, 9_000];
+        for (before, after) in [(0, 0), (0, 1), (1, 1), (1, 2), (2, 2), (2, 0), (1, 0)] {
+            let dir = std::env::temp_dir()
+                .join(format!("ba-commit-{before}-{after}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let (layout, remap) = (WeightLayout::PyTorch, KeyRemap::new());
+            write_safetensors(&net(1.0), &dir, shardings[before], layout, &remap).unwrap();
+            let mut seen = Vec::new();
+            write_safetensors_observed(
+                &net(2.0),
+                &dir,
+                shardings[after],
+                layout,
+                &remap,
+                &mut || seen.push(loaded_value(&dir)),
+            )
+            .unwrap();
+            assert!(
+                seen.iter().all(|v| *v == Some(1.0) || *v == Some(2.0)),
+                "{before} -> {after}: {seen:?}"
+            );
+            assert_eq!(seen.last(), Some(&Some(2.0)), "{before} -> {after}");
+            assert_eq!(loaded_value(&dir), Some(2.0));
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
 }
