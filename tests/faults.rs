@@ -1,9 +1,16 @@
 //! Hostile or mistaken settings: each gives a clear error or works, never a panic, a hang or lost data.
 
+#[path = "../examples/support/mlp.rs"]
+mod mlp;
+
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Tensor;
+use burn_accelerate::StateToSave;
 use burn_accelerate::config::MAX_COLLECTIVE_TIMEOUT;
+use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::{Accelerator, AcceleratorConfig, ProjectConfiguration, ReduceOp};
 
 #[test]
@@ -129,4 +136,205 @@ fn symbolic_links_planted_at_temporary_names_are_never_written_through() {
     acc.load_checkpoint_in_model(fresh, &out, &LoadOptions::default())
         .unwrap();
     std::fs::remove_dir_all(&dir).ok();
+}
+
+fn state_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("faults-state-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A loop's objects: a model, an Adam optimizer after `steps` steps, and a prepared loader of `items` items in
+/// batches of `batch`, shuffled with `seed`, left mid-epoch; saved into `dir` when `save`.
+fn run_and_save(dir: &Path, items: usize, batch: usize, seed: u64) -> burn_accelerate::Result<()> {
+    // A fresh accelerator each time: it remembers every dataloader prepared on it.
+    let acc = &Accelerator::new()?;
+    let mut model = acc.prepare_model(mlp::Mlp::new(acc.device()))?;
+    // A typed optimizer (`build`, not `init`): the checkpoint records its kind.
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().build(), 1e-2);
+    let loader = acc.prepare_dataloader(
+        DataLoaderBuilder::new(mlp::SampleBatcher)
+            .batch_size(batch)
+            .shuffle(seed)
+            .build(mlp::dataset(items, 2)),
+    )?;
+    for batch in loader.iter().take(3) {
+        let loss = model.loss(batch?);
+        acc.backward(loss, &model)?;
+        model = optimizer.step(model);
+    }
+    let parts = StateToSave::new().model(&model)?.optimizer(&optimizer)?;
+    acc.save_state(Some(dir), &parts)?;
+    Ok(())
+}
+
+/// Loads `dir` into a fresh loop with the given loader settings and `optimizer`; returns the first error.
+fn load_into(
+    dir: &Path,
+    items: usize,
+    batch: usize,
+    seed: u64,
+    optimizer: burn::optim::ModuleOptimizer,
+) -> burn_accelerate::Result<()> {
+    let acc = &Accelerator::new()?;
+    let model = acc.prepare_model(mlp::Mlp::new(acc.device()))?;
+    let mut optimizer = acc.prepare_optimizer(optimizer, 1e-2);
+    let loader = acc.prepare_dataloader(
+        DataLoaderBuilder::new(mlp::SampleBatcher)
+            .batch_size(batch)
+            .shuffle(seed)
+            .build(mlp::dataset(items, 2)),
+    )?;
+    let mut state = acc.load_state(Some(dir))?;
+    let mut model = state.model(model)?;
+    state.optimizer(&mut optimizer)?;
+    state.finish()?;
+    // One more step: a restored state must also work, not only load.
+    let batch = loader.iter().next().expect("a batch")?;
+    let loss = model.loss(batch);
+    acc.backward(loss, &model)?;
+    model = optimizer.step(model);
+    let _ = model;
+    Ok(())
+}
+
+#[test]
+fn a_resume_with_another_dataset_batch_size_or_seed_is_refused_with_what_differs() {
+    let dir = state_dir("mismatch");
+    run_and_save(&dir, 100, 8, 5).unwrap();
+    let adam = || AdamConfig::new().init();
+    load_into(&dir, 100, 8, 5, adam()).unwrap();
+    for (items, batch, seed, expected) in [
+        (90, 8, 5, "dataset length 100 when saved, 90 now"),
+        (100, 16, 5, "batch size 8 when saved, 16 now"),
+        (100, 8, 6, "shuffle seed Some(5) when saved, Some(6) now"),
+    ] {
+        let err = load_into(&dir, items, batch, seed, adam())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("prepared dataloader #0 differs"), "{err}");
+        assert!(err.contains(expected), "{err}");
+    }
+}
+
+#[test]
+fn another_optimizer_kind_is_refused_not_silently_reset() {
+    let dir = state_dir("optimizer-kind");
+    let acc = Accelerator::new().unwrap();
+    run_and_save(&dir, 100, 8, 5).unwrap();
+    // A typed optimizer: the recorded kinds differ.
+    let model = acc.prepare_model(mlp::Mlp::new(acc.device())).unwrap();
+    let mut sgd = acc.prepare_optimizer(SgdConfig::new().build(), 1e-2);
+    let _loader = acc
+        .prepare_dataloader(
+            DataLoaderBuilder::new(mlp::SampleBatcher)
+                .batch_size(8)
+                .shuffle(5)
+                .build(mlp::dataset(100, 2)),
+        )
+        .unwrap();
+    let mut state = acc.load_state(Some(&dir)).unwrap();
+    state.model(model).unwrap();
+    let err = state.optimizer(&mut sgd).unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "holds the state of a `Adam` optimizer, but the prepared optimizer is a `Sgd`"
+        ),
+        "{err}"
+    );
+    // A type-erased optimizer (kind unknown): Burn would drop Adam's moments without a word; the count of
+    // restored state tensors gives it away.
+    let momentum = SgdConfig::new()
+        .with_momentum(Some(burn::optim::momentum::MomentumConfig::new()))
+        .init();
+    let err = load_into(&dir, 100, 8, 5, momentum)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("of which this optimizer could restore 0"),
+        "{err}"
+    );
+}
+
+/// Rewrites the JSON file `path` with `edit`.
+fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(path, serde_json::to_vec(&value).unwrap()).unwrap();
+}
+
+#[test]
+fn absurd_values_in_state_files_are_refused() {
+    let adam = || AdamConfig::new().init();
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: [(&str, &str, Edit, &str); 4] = [
+        (
+            "batch",
+            "rank_0.json",
+            Box::new(|v| v["dataloaders"][0]["batch"] = 1_000_000_000_000u64.into()),
+            "after batch 1000000000000, but an epoch has 13 batches here",
+        ),
+        (
+            "epoch",
+            "rank_0.json",
+            Box::new(|v| v["dataloaders"][0]["epoch"] = u64::MAX.into()),
+            "the file was edited or is corrupt",
+        ),
+        (
+            "iteration",
+            "checkpoint.json",
+            Box::new(|v| v["iteration"] = u64::MAX.into()),
+            "cannot be continued",
+        ),
+        (
+            "models",
+            "checkpoint.json",
+            Box::new(|v| v["models"] = u64::MAX.into()),
+            "restore them all, in order",
+        ),
+    ];
+    for (name, file, edit, expected) in cases {
+        let dir = state_dir(&format!("absurd-{name}"));
+        run_and_save(&dir, 100, 8, 5).unwrap();
+        edit_json(&dir.join(file), edit);
+        let err = load_into(&dir, 100, 8, 5, adam()).unwrap_err().to_string();
+        assert!(err.contains(expected), "{name}: {err}");
+    }
+}
+
+#[test]
+fn corrupt_records_give_errors_never_panics() {
+    let dir = state_dir("corrupt-records");
+    run_and_save(&dir, 100, 8, 5).unwrap();
+    let adam = || AdamConfig::new().init();
+    let mut cases = 0;
+    for file in ["optimizer.bpk", "model.bpk"] {
+        let path = dir.join(file);
+        let good = std::fs::read(&path).unwrap();
+        // Truncations at many points, and every byte of the record's metadata (names, shapes, dtypes, offsets,
+        // parameter ids: the first 2 KiB at most) flipped in turn.
+        let len = good.len();
+        let mut variants: Vec<Vec<u8>> = (1..24).map(|k| good[..len * k / 24].to_vec()).collect();
+        for k in 0..len.min(2048) {
+            let mut bad = good.clone();
+            bad[k] ^= 0xa5;
+            variants.push(bad);
+        }
+        for bad in variants {
+            std::fs::write(&path, &bad).unwrap();
+            let result = std::panic::catch_unwind(|| load_into(&dir, 100, 8, 5, adam()));
+            // A flipped byte inside a tensor's values still loads (the record has no checksum); anything
+            // else must be an error naming the file, and nothing may panic.
+            match result {
+                Err(_) => panic!("{file}: loading a corrupt record panicked"),
+                Ok(Err(e)) => assert!(e.to_string().contains(file), "{e}"),
+                Ok(Ok(())) => {}
+            }
+            cases += 1;
+        }
+        std::fs::write(&path, &good).unwrap();
+    }
+    load_into(&dir, 100, 8, 5, adam()).unwrap();
+    assert!(cases > 2000, "{cases}");
 }

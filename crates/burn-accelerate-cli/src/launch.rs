@@ -305,19 +305,34 @@ fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchE
         .spawn()
         .map_err(|e| fail(format!("cannot start mpirun: {e}")))?;
     // mpirun's messages pass through unchanged; its report of a rank that died is kept to name it.
-    let stderr = child.stderr.take().expect("piped");
-    let watcher = std::thread::spawn(move || {
-        use std::io::{BufRead, Write};
-        let mut died = None;
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(|l| l.ok())
-        {
-            let _ = writeln!(std::io::stderr(), "{line}");
-            died = died.or_else(|| rank_death(&line));
+    let Some(stderr) = child.stderr.take() else {
+        return Err(fail("mpirun's error stream was not captured"));
+    };
+    let watcher = std::thread::Builder::new()
+        .name("mpirun-stderr".into())
+        .spawn(move || {
+            use std::io::{BufRead, Write};
+            let mut died = None;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(|l| l.ok())
+            {
+                let _ = writeln!(std::io::stderr(), "{line}");
+                died = died.or_else(|| rank_death(&line));
+            }
+            died
+        });
+    let watcher = match watcher {
+        Ok(w) => w,
+        Err(e) => {
+            // mpirun is running with a pipe nobody reads: stop it rather than leave it blocked.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(fail(format!(
+                "cannot start a thread to read mpirun's messages: {e}"
+            )));
         }
-        died
-    });
+    };
     let status = child
         .wait()
         .map_err(|e| fail(format!("waiting for mpirun: {e}")))?;

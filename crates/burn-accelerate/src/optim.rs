@@ -38,16 +38,37 @@ pub struct AcceleratedOptimizer {
     lr: LrCell,
     shared: SharedStep,
     steps: u64,
+    kind: Option<String>,
+}
+
+/// The optimizer's kind from the type handed to `prepare_optimizer` (`Adam`, `Sgd`, ...), or `None` for an
+/// already type-erased `ModuleOptimizer`.
+pub(crate) fn optimizer_kind(type_name: &str) -> Option<String> {
+    let base = type_name.split('<').next().unwrap_or(type_name);
+    let kind = base.rsplit("::").next().unwrap_or(base);
+    (kind != "ModuleOptimizer" && !kind.is_empty()).then(|| kind.to_string())
 }
 
 impl AcceleratedOptimizer {
-    pub(crate) fn new(inner: ModuleOptimizer, lr: ModuleLearningRate, shared: SharedStep) -> Self {
+    pub(crate) fn new(
+        inner: ModuleOptimizer,
+        lr: ModuleLearningRate,
+        shared: SharedStep,
+        kind: Option<String>,
+    ) -> Self {
         Self {
             inner,
             lr: LrCell(Arc::new(Mutex::new(lr))),
             shared,
             steps: 0,
+            kind,
         }
+    }
+
+    /// The optimizer's kind (`Adam`, `Sgd`, ...), when `prepare_optimizer` was given a typed optimizer; a
+    /// checkpoint records it, and `load_state` refuses to restore one kind's state into another.
+    pub fn kind(&self) -> Option<&str> {
+        self.kind.as_deref()
     }
 
     /// Applies the accumulated gradients of `model` and returns the updated model; on a step that does not
@@ -104,9 +125,22 @@ impl AcceleratedOptimizer {
     }
 
     /// Restores a saved optimizer state (see [`LoadedState::optimizer`](crate::checkpoint::LoadedState)).
-    pub(crate) fn restore(&mut self, record: burn::optim::OptimizerRecord, steps: u64) {
-        self.inner = self.inner.clone().load_record(record);
+    /// Restores a saved optimizer state; returns how many state tensors the record held and how many this
+    /// optimizer took (Burn drops, without a word, the states it cannot rebuild: another optimizer's).
+    ///
+    /// # Panics
+    /// Burn's `load_record` panics on some malformed records; the caller catches that.
+    pub(crate) fn restore(
+        &mut self,
+        record: burn::optim::OptimizerRecord,
+        steps: u64,
+    ) -> (usize, usize) {
+        let held = record.len();
+        let inner = self.inner.clone().load_record(record);
+        let taken = inner.to_record().len();
+        self.inner = inner;
         self.steps = steps;
+        (held, taken)
     }
 
     /// The wrapped Burn optimizer.
@@ -229,7 +263,7 @@ mod tests {
     fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
         let shared = SharedStep::new(2);
         let optimizer =
-            AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone());
+            AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone(), None);
         let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
         let scheduler = AcceleratedScheduler::new(schedule, &optimizer, shared.clone(), rule);
         (shared, optimizer, scheduler)
@@ -325,7 +359,7 @@ mod tests {
         let model = LinearConfig::new(2, 1).init(&device);
         let shared = SharedStep::new(2);
         let mut optimizer =
-            AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone());
+            AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone(), None);
         let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();
         let mut grads = loss.backward();
         shared.lock().grads.collect(&model, &mut grads);

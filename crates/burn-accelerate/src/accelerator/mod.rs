@@ -225,7 +225,8 @@ impl Accelerator {
         learning_rate: impl Into<ModuleLearningRate>,
     ) -> AcceleratedOptimizer {
         let shared = self.pipeline.shared().clone();
-        AcceleratedOptimizer::new(optimizer.into(), learning_rate.into(), shared)
+        let kind = crate::optim::optimizer_kind(std::any::type_name_of_val(&optimizer));
+        AcceleratedOptimizer::new(optimizer.into(), learning_rate.into(), shared, kind)
     }
 
     /// Wraps a Burn scheduler and ties it to `optimizer`, whose learning rate it sets from now on.

@@ -101,12 +101,17 @@ impl Checkpointer {
             .map(|(name, value)| Ok((name.clone(), lock(value).state_dict()?)))
             .collect::<Result<Vec<_>>>()?;
         let positions = lock(&self.loaders).iter().map(|c| c.position()).collect();
+        let loaders = lock(&self.loaders)
+            .iter()
+            .map(|c| c.fingerprint().clone())
+            .collect();
         let ctx = SaveContext {
             state: rank,
             iteration,
             scaler,
             objects,
             positions,
+            loaders,
         };
         state::save(&dir, parts, ctx)?;
         if automatic {
@@ -153,10 +158,24 @@ impl Checkpointer {
                 latest
             }
         };
-        let mut loaded = LoadedState::open(&dir, rank.process_index(), rank.num_processes())?;
+        // Every rank learns whether every rank could restore its part, so that none trains on alone.
+        let restored = self.restore(rank, &dir);
+        rank.agree("load_state", restored)
+    }
+
+    /// Opens the checkpoint `dir` on this rank and restores the positions, objects and naming iteration.
+    fn restore(&self, rank: &ProcessState, dir: &Path) -> Result<LoadedState> {
+        let mut loaded = LoadedState::open(dir, rank.process_index(), rank.num_processes())?;
         self.restore_positions(&loaded)?;
         self.restore_objects(&mut loaded)?;
-        lock(&self.project).iteration = loaded.iteration() + 1;
+        let next = loaded.iteration().checked_add(1).ok_or_else(|| Error::Checkpoint {
+            path: loaded.dir().to_path_buf(),
+            reason: format!(
+                "records iteration {}, which cannot be continued; the file was edited or is corrupt",
+                loaded.iteration()
+            ),
+        })?;
+        lock(&self.project).iteration = next;
         Ok(loaded)
     }
 
@@ -172,6 +191,34 @@ impl Checkpointer {
                     loaders.len()
                 ),
             });
+        }
+        let saved = loaded.loader_fingerprints();
+        for (i, (cursor, position)) in loaders.iter().zip(loaded.positions()).enumerate() {
+            let now = cursor.fingerprint();
+            if let Some(saved) = saved.get(i) {
+                let differences = now.differences(saved);
+                if !differences.is_empty() {
+                    return Err(Error::Checkpoint {
+                        path: loaded.dir().to_path_buf(),
+                        reason: format!(
+                            "prepared dataloader #{i} differs from the one this checkpoint was saved with: {}; \
+                             resume with the same dataset, batch size, seed and drop_last (the saved position \
+                             would otherwise point into other data)",
+                            differences.join(", ")
+                        ),
+                    });
+                }
+            }
+            if position.batch > now.batches_per_epoch || position.epoch >= usize::MAX / 2 {
+                return Err(Error::Checkpoint {
+                    path: loaded.dir().to_path_buf(),
+                    reason: format!(
+                        "records dataloader #{i} at epoch {} after batch {}, but an epoch has {} batches here; \
+                         the file was edited or is corrupt",
+                        position.epoch, position.batch, now.batches_per_epoch
+                    ),
+                });
+            }
         }
         for (cursor, position) in loaders.iter().zip(loaded.positions()) {
             cursor.restore(*position);

@@ -111,12 +111,18 @@ struct Manifest {
     schedulers: usize,
     objects: Vec<String>,
     scaler: Option<LossScaler>,
+    /// Each optimizer's kind (`Adam`, ...), where known. Absent in older checkpoints.
+    #[serde(default)]
+    optimizer_kinds: Vec<Option<String>>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct RankState {
     dataloaders: Vec<DataPosition>,
     optimizer_steps: Vec<u64>,
+    /// This rank's prepared dataloaders. Absent in older checkpoints.
+    #[serde(default)]
+    loaders: Vec<crate::data::LoaderFingerprint>,
 }
 
 /// What `save_state` writes, gathered from the training loop's objects (models and optimizers are owned by
@@ -125,6 +131,7 @@ struct RankState {
 pub struct StateToSave {
     models: Vec<Vec<u8>>,
     optimizers: Vec<(Vec<u8>, u64)>,
+    optimizer_kinds: Vec<Option<String>>,
     schedulers: Vec<Vec<u8>>,
 }
 
@@ -154,6 +161,8 @@ impl StateToSave {
             .map_err(record_error("optimizer"))?;
         self.optimizers
             .push((bytes.to_vec(), optimizer.num_steps()));
+        self.optimizer_kinds
+            .push(optimizer.kind().map(str::to_string));
         Ok(self)
     }
 
@@ -175,6 +184,7 @@ pub(crate) struct SaveContext<'a> {
     pub scaler: Option<LossScaler>,
     pub objects: Vec<(String, serde_json::Value)>,
     pub positions: Vec<DataPosition>,
+    pub loaders: Vec<crate::data::LoaderFingerprint>,
 }
 
 fn file(dir: &Path, stem: &str, i: usize, ext: &str) -> PathBuf {
@@ -238,6 +248,7 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
     let rank = RankState {
         dataloaders: ctx.positions.clone(),
         optimizer_steps: parts.optimizers.iter().map(|(_, s)| *s).collect(),
+        loaders: ctx.loaders.clone(),
     };
     let rank_json = serde_json::to_vec_pretty(&rank).expect("plain data");
     write_synced(
@@ -274,6 +285,7 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
         schedulers: parts.schedulers.len(),
         objects: ctx.objects.iter().map(|(n, _)| n.clone()).collect(),
         scaler: ctx.scaler.clone(),
+        optimizer_kinds: parts.optimizer_kinds.clone(),
     };
     write_synced(
         &partial.join(MANIFEST),
@@ -315,6 +327,22 @@ fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
         path: path.to_path_buf(),
         reason: reason.to_string(),
     }
+}
+
+/// Runs a Burn call on the bytes of `path`: some malformed records make Burn panic (an `expect` on a field)
+/// rather than return an error; that panic becomes an error naming the file.
+fn guarded<T>(path: &Path, what: &str, call: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).map_err(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        corrupt(
+            path,
+            format!("Burn could not read this {what} record (corrupt, or from another program): {message}"),
+        )
+    })
 }
 
 /// Finds the folder to load: `dir` itself, or the previous checkpoint moved aside by a save interrupted
@@ -390,6 +418,11 @@ impl LoadedState {
         self.manifest.scaler.as_ref()
     }
 
+    /// The prepared dataloaders this rank had when saving (empty for older checkpoints).
+    pub(crate) fn loader_fingerprints(&self) -> &[crate::data::LoaderFingerprint] {
+        &self.rank.loaders
+    }
+
     pub(crate) fn positions(&self) -> &[DataPosition] {
         &self.rank.dataloaders
     }
@@ -431,18 +464,18 @@ impl LoadedState {
             self.manifest.models,
             &mut self.next_model,
         )?;
-        let record = ModuleRecord::from_bytes(bytes).map_err(|e| {
+        let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?.map_err(|e| {
             corrupt(
                 &path,
                 format!("not a model record (truncated or corrupt?): {e}"),
             )
         })?;
-        model
-            .try_load_record(record)
+        guarded(&path, "model", move || model.try_load_record(record))?
             .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))
     }
 
-    /// Restores the next saved optimizer state into `optimizer`.
+    /// Restores the next saved optimizer state into `optimizer`. A state saved from another kind of
+    /// optimizer, or for another model, is refused rather than dropped.
     pub fn optimizer(&mut self, optimizer: &mut AcceleratedOptimizer) -> Result<()> {
         let (i, path, bytes) = Self::next_part(
             &self.dir,
@@ -450,14 +483,38 @@ impl LoadedState {
             self.manifest.optimizers,
             &mut self.next_optimizer,
         )?;
-        let record = burn::optim::OptimizerRecord::from_bytes(bytes).map_err(|e| {
+        if let (Some(Some(saved)), Some(now)) =
+            (self.manifest.optimizer_kinds.get(i), optimizer.kind())
+            && saved != now
+        {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "holds the state of a `{saved}` optimizer, but the prepared optimizer is a `{now}`; resume \
+                     with the optimizer the run was saved with"
+                ),
+            ));
+        }
+        let record = guarded(&path, "optimizer", || {
+            burn::optim::OptimizerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| {
             corrupt(
                 &path,
                 format!("not an optimizer record (truncated or corrupt?): {e}"),
             )
         })?;
         let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
-        optimizer.restore(record, steps);
+        let (held, taken) = guarded(&path, "optimizer", || optimizer.restore(record, steps))?;
+        if taken != held {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "holds {held} optimizer state tensor(s), of which this optimizer could restore {taken}: it \
+                     was saved by another kind of optimizer or for another model"
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -469,14 +526,16 @@ impl LoadedState {
             self.manifest.schedulers,
             &mut self.next_scheduler,
         )?;
-        let record = burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes).map_err(|e| {
+        let record = guarded(&path, "scheduler", || {
+            burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| {
             corrupt(
                 &path,
                 format!("not a scheduler record (truncated or corrupt?): {e}"),
             )
         })?;
-        scheduler.restore(record);
-        Ok(())
+        guarded(&path, "scheduler", || scheduler.restore(record))
     }
 
     /// Checks that every saved model, optimizer and scheduler was restored.

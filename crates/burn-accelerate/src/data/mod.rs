@@ -31,7 +31,7 @@ mod prepared;
 mod shard;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
-pub use position::DataPosition;
 pub(crate) use position::LoaderCursor;
+pub use position::{DataPosition, LoaderFingerprint};
 pub use prepared::{PreparedDataLoader, PreparedIter};
 pub use shard::{ShardSpec, shard};

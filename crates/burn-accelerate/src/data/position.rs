@@ -15,6 +15,60 @@ pub struct DataPosition {
     pub batch: usize,
 }
 
+/// What a checkpoint records of a prepared dataloader besides its position, so that a resume with another
+/// dataset, batch size, seed or sharding is refused instead of silently continuing on other data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderFingerprint {
+    /// Items in the dataset.
+    pub num_items: usize,
+    /// The loader's batch size.
+    pub batch_size: usize,
+    /// The shuffle seed (`None`: not shuffled).
+    pub shuffle_seed: Option<u64>,
+    /// Whether the last incomplete batch is dropped.
+    pub drop_last: bool,
+    /// Batches per epoch on this rank, after sharding.
+    pub batches_per_epoch: usize,
+}
+
+impl LoaderFingerprint {
+    /// What differs from `other` (the saved one), in words; empty when they match.
+    pub(crate) fn differences(&self, saved: &Self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |what: &str, saved: String, now: String| {
+            if saved != now {
+                out.push(format!("{what} {saved} when saved, {now} now"));
+            }
+        };
+        check(
+            "dataset length",
+            saved.num_items.to_string(),
+            self.num_items.to_string(),
+        );
+        check(
+            "batch size",
+            saved.batch_size.to_string(),
+            self.batch_size.to_string(),
+        );
+        check(
+            "shuffle seed",
+            format!("{:?}", saved.shuffle_seed),
+            format!("{:?}", self.shuffle_seed),
+        );
+        check(
+            "drop_last",
+            saved.drop_last.to_string(),
+            self.drop_last.to_string(),
+        );
+        check(
+            "batches per epoch on this rank",
+            saved.batches_per_epoch.to_string(),
+            self.batches_per_epoch.to_string(),
+        );
+        out
+    }
+}
+
 /// Where a prepared dataloader stands, shared with the accelerator so that `save_state` can record it and
 /// `load_state` can put it back.
 #[derive(Debug)]
@@ -29,6 +83,8 @@ pub(crate) struct LoaderCursor {
     pub(super) skip: AtomicUsize,
     /// Batches per epoch on this rank.
     pub(super) len: usize,
+    /// The loader's dataset, batch size, seed and sharding.
+    pub(super) fingerprint: LoaderFingerprint,
 }
 
 impl LoaderCursor {
@@ -47,6 +103,11 @@ impl LoaderCursor {
             (in_epoch - 1, yielded)
         };
         DataPosition { epoch, batch }
+    }
+
+    /// The loader's dataset, batch size, seed and sharding.
+    pub(crate) fn fingerprint(&self) -> &LoaderFingerprint {
+        &self.fingerprint
     }
 
     /// Makes the next `iter` run `position.epoch`, starting after `position.batch` batches.

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use burn::tensor::Device;
 
 use super::loader::{DataLoader, DataLoaderIter};
-use super::position::LoaderCursor;
+use super::position::{LoaderCursor, LoaderFingerprint};
 use super::shard::{ShardSpec, shard};
 use crate::config::AcceleratorConfig;
 use crate::error::Result;
@@ -61,12 +61,20 @@ impl<I, O> PreparedDataLoader<I, O> {
             spec,
         )
         .len();
+        let fingerprint = LoaderFingerprint {
+            num_items: loader.num_items(),
+            batch_size: loader.batch_size(),
+            shuffle_seed: loader.shuffle_seed(),
+            drop_last: loader.drop_last(),
+            batches_per_epoch: len,
+        };
         let cursor = Arc::new(LoaderCursor {
             epoch: loader.epoch.clone(),
             in_epoch: AtomicUsize::new(0),
             yielded: AtomicUsize::new(0),
             skip: AtomicUsize::new(0),
             len,
+            fingerprint,
         });
         Ok(Self {
             loader,
