@@ -289,18 +289,22 @@ fn sharded_safetensors_follow_hugging_face_conventions() {
     );
 
     if let Some(python) = python::python_with(&["numpy", "safetensors.numpy"]) {
+        // Python's own safetensors reader: every name, shape and value, which must be Burn's weights in
+        // PyTorch's layout (Linear weights transposed to [out, in]).
         let script = format!(
             r#"
 import json, os, numpy, safetensors.numpy as st
 d = {dir:?}
 index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
 total = 0
+out = {{}}
 for name, file in index["weight_map"].items():
     t = st.load_file(os.path.join(d, file))[name]
     assert t.dtype == numpy.float32, t.dtype
     total += t.nbytes
+    out[name] = {{"shape": list(t.shape), "values": t.flatten().tolist()}}
 assert total == index["metadata"]["total_size"], (total, index["metadata"])
-print("python ok")
+print(json.dumps(out))
 "#
         );
         let out = Command::new(python).args(["-c", &script]).output().unwrap();
@@ -309,6 +313,35 @@ print("python ok")
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let burn = weights(&model);
+        let transpose = |v: &[f32], rows: usize, cols: usize| -> Vec<f32> {
+            assert_eq!(v.len(), rows * cols);
+            (0..cols)
+                .flat_map(|c| (0..rows).map(move |r| v[r * cols + c]))
+                .collect()
+        };
+        let expected: [(&str, Vec<u64>, Vec<f32>); 4] = [
+            ("input.weight", vec![64, 16], transpose(&burn[0], 16, 64)),
+            ("input.bias", vec![64], burn[1].clone()),
+            ("output.weight", vec![1, 64], transpose(&burn[2], 64, 1)),
+            ("output.bias", vec![1], burn[3].clone()),
+        ];
+        assert_eq!(seen.as_object().unwrap().len(), expected.len(), "{seen}");
+        for (name, shape, values) in expected {
+            let entry = &seen[name];
+            let got_shape: Vec<u64> = serde_json::from_value(entry["shape"].clone()).unwrap();
+            assert_eq!(got_shape, shape, "{name}");
+            let got: Vec<f32> = serde_json::from_value(entry["values"].clone()).unwrap();
+            assert_eq!(got.len(), values.len(), "{name}");
+            // Bit for bit: f32 values survive JSON as doubles.
+            assert!(
+                got.iter()
+                    .zip(&values)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: Python reads other values"
+            );
+        }
     }
 
     // Round trip: identical outputs.
@@ -566,22 +599,35 @@ fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
         if kill_after_first_checkpoint(&mut command, &run, ms) {
             killed_while_saving += 1;
         }
-        let project = burn_accelerate::ProjectConfiguration::new(&run);
-        // The latest complete checkpoint loads entirely.
+        // The latest complete checkpoint loads entirely, into the example's objects: its loader (1000 items
+        // in batches of 32, seed 11) is recorded in the checkpoint and checked by load_state.
         let acc = Accelerator::builder()
-            .project_configuration(project)
+            .project_configuration(burn_accelerate::ProjectConfiguration::new(&run))
             .build()
             .unwrap();
-        let mut setup_run = setup(&acc, &initial()).unwrap();
+        let model = acc.prepare_model(initial()).unwrap();
+        let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 3e-3);
+        let schedule = LinearLrSchedulerConfig::new(3e-3, 3e-4, 100)
+            .init()
+            .unwrap();
+        let mut scheduler = acc.prepare_scheduler(schedule, &optimizer);
+        let _loader = acc
+            .prepare_dataloader(
+                DataLoaderBuilder::new(SampleBatcher)
+                    .batch_size(32)
+                    .shuffle(11)
+                    .build(mlp::dataset(1000, 3)),
+            )
+            .unwrap();
         let progress = Arc::new(Mutex::new(serde_json::Value::Null));
         acc.register_for_checkpointing("progress", progress)
             .unwrap();
         let mut state = acc
             .load_state(None)
             .unwrap_or_else(|e| panic!("run {i} after {ms} ms: {e}"));
-        setup_run.model = state.model(setup_run.model).unwrap();
-        state.optimizer(&mut setup_run.optimizer).unwrap();
-        state.scheduler(&mut setup_run.scheduler).unwrap();
+        state.model(model).unwrap();
+        state.optimizer(&mut optimizer).unwrap();
+        state.scheduler(&mut scheduler).unwrap();
         state.finish().unwrap();
     }
     assert!(

@@ -315,3 +315,68 @@ fn common_modules_work_under_autocast() {
         );
     }
 }
+
+/// The change one plain-SGD step (lr 1) makes to every weight of `start`, under `precision` on `ranks`
+/// in-process ranks that share a batch of 32.
+fn sgd_step_delta(start: &Mlp, precision: MixedPrecision, ranks: usize) -> Vec<Vec<f32>> {
+    let before = mlp::weights(start);
+    let samples = mlp::samples(32, 7);
+    let after = Accelerator::builder()
+        .mixed_precision(precision)
+        .loss_scaler(LossScaler::with_init_scale(1024.0))
+        .launch(ranks, |acc| {
+            let model = acc.prepare_model(start.clone())?;
+            let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 1.0);
+            let share = 32 / acc.num_processes();
+            let mine = samples[acc.process_index() * share..][..share].to_vec();
+            let batch = SampleBatcher.batch(mine, acc.device());
+            let loss = acc.autocast(&model, batch, |m, b| m.loss(b));
+            acc.backward(loss, &model)?;
+            let model = optimizer.step(model);
+            assert!(
+                !acc.optimizer_step_was_skipped(),
+                "no overflow at scale 1024"
+            );
+            Ok(mlp::weights(&model))
+        })
+        .unwrap()
+        .remove(0);
+    assert_eq!(before.len(), after.len());
+    before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| {
+            assert_eq!(b.len(), a.len());
+            a.iter().zip(b).map(|(a, b)| a - b).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn fp16_gradients_are_unscaled_exactly_once_under_plain_sgd() {
+    // Adam divides each update by the gradient's own size, which hides a missing or doubled unscale; plain SGD
+    // moves every weight by lr × gradient, so the fp16 step must equal the f32 step (up to fp16 rounding), not
+    // 1024 times it or 1/1024 of it. On 2 ranks the unscale is fused into the gradient all-reduce.
+    let start = initial();
+    let reference = sgd_step_delta(&start, MixedPrecision::No, 1);
+    for ranks in [1, 2] {
+        let fp16 = sgd_step_delta(&start, MixedPrecision::Fp16, ranks);
+        assert_eq!(fp16.len(), reference.len());
+        for (i, (h, f)) in fp16.iter().zip(&reference).enumerate() {
+            let scale = f.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(scale > 1e-4, "tensor {i} moved: {scale}");
+            let worst = h
+                .iter()
+                .zip(f)
+                .map(|(h, f)| (h - f).abs())
+                .fold(
+                    0.0f32,
+                    |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+                );
+            assert!(
+                worst <= 2e-2 * scale,
+                "{ranks} rank(s), tensor {i}: fp16 step differs from f32 by {worst} (largest f32 change {scale})"
+            );
+        }
+    }
+}

@@ -140,7 +140,10 @@ fn global_norm_clipping_through_the_accelerator() {
     let mut clipped = Clipped(&accelerator, Vec::new());
     model.visit(&mut clipped);
     let coef = (max_norm / (manual + 1e-6)) as f32;
+    assert_eq!(reference.2.len(), clipped.1.len());
     for (raw, clip) in reference.2.iter().zip(&clipped.1) {
+        assert_eq!(raw.len(), clip.len());
+        // A NaN fails the comparison below.
         for (r, c) in raw.iter().zip(clip) {
             assert!(
                 (r * coef - c).abs() <= 1e-6 + 1e-5 * c.abs(),

@@ -94,18 +94,13 @@ pub fn samples(n: usize, seed: u64) -> Vec<Sample> {
         .collect()
 }
 
-/// Every float parameter of a module, flattened, in visiting order (to compare models in tests).
+/// Every float parameter of a module, flattened and converted to f32 (whatever its dtype: an f16 or bf16
+/// parameter is compared too, never skipped), in visiting order (to compare models in tests).
 pub fn weights<M: Module>(model: &M) -> Vec<Vec<f32>> {
     struct Collect(Vec<Vec<f32>>);
     impl burn::module::ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            self.0.push(
-                param
-                    .val()
-                    .into_data()
-                    .try_to_vec::<f32>()
-                    .unwrap_or_default(),
-            );
+            self.0.push(param.val().into_data().iter::<f32>().collect());
         }
     }
     let mut collect = Collect(Vec::new());
