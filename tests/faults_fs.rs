@@ -102,6 +102,9 @@ fn save_both(
     Ok(())
 }
 
+/// The most a child run may take (its saves take milliseconds; a hang would take forever).
+const CHILD_LIMIT: Duration = Duration::from_secs(60);
+
 /// What a child run printed: its `child:` lines.
 struct Child {
     lines: Vec<String>,
@@ -118,6 +121,7 @@ fn child(scenario: &str, dir: &Path, wrapper: &[&str]) -> Child {
         c.args(&wrapper[1..]).arg(&exe);
         c
     };
+    let start = Instant::now();
     let out = command
         .args([
             "--exact",
@@ -136,6 +140,12 @@ fn child(scenario: &str, dir: &Path, wrapper: &[&str]) -> Child {
         .lines()
         .filter_map(|l| l.strip_prefix("child: ").map(str::to_string))
         .collect();
+    // Failing saves fail at once: no waiting on a lock, a collective or a retry.
+    assert!(
+        start.elapsed() < CHILD_LIMIT,
+        "{scenario}: {:?}",
+        start.elapsed()
+    );
     Child {
         lines,
         status: out.status,
@@ -403,6 +413,7 @@ fn leftovers_of_interrupted_saves_are_cleared_and_never_loaded() {
 #[test]
 fn two_writers_at_once_take_turns_and_leave_one_whole_checkpoint() {
     let dir = temp_dir("two-writers");
+    let start = Instant::now();
     let writers: Vec<_> = [1.0, 2.0]
         .into_iter()
         .map(|value| {
@@ -419,6 +430,7 @@ fn two_writers_at_once_take_turns_and_leave_one_whole_checkpoint() {
     for w in writers {
         w.join().unwrap();
     }
+    assert!(start.elapsed() < CHILD_LIMIT, "{:?}", start.elapsed());
     let acc = Accelerator::new().unwrap();
     let state = loaded_state_value(&acc, &dir.join("state"));
     let model = loaded_model_value(&acc, &dir.join("model"));
