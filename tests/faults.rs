@@ -144,6 +144,21 @@ fn state_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A prepared loader of `items` items in batches of `batch`, shuffled with `seed`.
+fn prepared_loader(
+    acc: &Accelerator,
+    items: usize,
+    batch: usize,
+    seed: u64,
+) -> burn_accelerate::Result<burn_accelerate::data::PreparedDataLoader<mlp::Sample, mlp::Batch>> {
+    acc.prepare_dataloader(
+        DataLoaderBuilder::new(mlp::SampleBatcher)
+            .batch_size(batch)
+            .shuffle(seed)
+            .build(mlp::dataset(items, 2)),
+    )
+}
+
 /// A loop's objects: a model, an Adam optimizer after `steps` steps, and a prepared loader of `items` items in
 /// batches of `batch`, shuffled with `seed`, left mid-epoch; saved into `dir` when `save`.
 fn run_and_save(dir: &Path, items: usize, batch: usize, seed: u64) -> burn_accelerate::Result<()> {
@@ -152,12 +167,7 @@ fn run_and_save(dir: &Path, items: usize, batch: usize, seed: u64) -> burn_accel
     let mut model = acc.prepare_model(mlp::Mlp::new(acc.device()))?;
     // A typed optimizer (`build`, not `init`): the checkpoint records its kind.
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().build(), 1e-2);
-    let loader = acc.prepare_dataloader(
-        DataLoaderBuilder::new(mlp::SampleBatcher)
-            .batch_size(batch)
-            .shuffle(seed)
-            .build(mlp::dataset(items, 2)),
-    )?;
+    let loader = prepared_loader(acc, items, batch, seed)?;
     for batch in loader.iter().take(3) {
         let loss = model.loss(batch?);
         acc.backward(loss, &model)?;
@@ -179,12 +189,7 @@ fn load_into(
     let acc = &Accelerator::new()?;
     let model = acc.prepare_model(mlp::Mlp::new(acc.device()))?;
     let mut optimizer = acc.prepare_optimizer(optimizer, 1e-2);
-    let loader = acc.prepare_dataloader(
-        DataLoaderBuilder::new(mlp::SampleBatcher)
-            .batch_size(batch)
-            .shuffle(seed)
-            .build(mlp::dataset(items, 2)),
-    )?;
+    let loader = prepared_loader(acc, items, batch, seed)?;
     let mut state = acc.load_state(Some(dir))?;
     let mut model = state.model(model)?;
     state.optimizer(&mut optimizer)?;
@@ -225,14 +230,7 @@ fn another_optimizer_kind_is_refused_not_silently_reset() {
     // A typed optimizer: the recorded kinds differ.
     let model = acc.prepare_model(mlp::Mlp::new(acc.device())).unwrap();
     let mut sgd = acc.prepare_optimizer(SgdConfig::new().build(), 1e-2);
-    let _loader = acc
-        .prepare_dataloader(
-            DataLoaderBuilder::new(mlp::SampleBatcher)
-                .batch_size(8)
-                .shuffle(5)
-                .build(mlp::dataset(100, 2)),
-        )
-        .unwrap();
+    let _loader = prepared_loader(&acc, 100, 8, 5).unwrap();
     let mut state = acc.load_state(Some(&dir)).unwrap();
     state.model(model).unwrap();
     let err = state.optimizer(&mut sgd).unwrap_err().to_string();

@@ -111,8 +111,9 @@ struct Child {
     status: std::process::ExitStatus,
 }
 
-/// Runs `scenario` in a child (this test binary again), through `wrapper` (e.g. a shell that sets a limit).
-fn child(scenario: &str, dir: &Path, wrapper: &[&str]) -> Child {
+/// The command that runs `scenario` in a child (this test binary again), through `wrapper` (e.g. a shell that
+/// sets a limit) when it is not empty.
+fn child_command(scenario: &str, dir: &Path, wrapper: &[&str]) -> Command {
     let exe = std::env::current_exe().unwrap();
     let mut command = if wrapper.is_empty() {
         Command::new(&exe)
@@ -121,21 +122,24 @@ fn child(scenario: &str, dir: &Path, wrapper: &[&str]) -> Child {
         c.args(&wrapper[1..]).arg(&exe);
         c
     };
-    let start = Instant::now();
-    let out = command
-        .args([
-            "--exact",
-            "child_process_entry",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+    command
+        .args(["--exact", "child_process_entry", "--nocapture"])
+        .args(["--test-threads", "1"])
         .env("FAULTS_CHILD", scenario)
         .env("FAULTS_DIR", dir)
-        .env("HOME", std::env::temp_dir())
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
+        .env("HOME", std::env::temp_dir());
+    command
+}
+
+/// Runs `scenario` in a child through `wrapper`, in the working folder `cwd` when given; returns its `child:`
+/// lines, having checked that it took less than [`CHILD_LIMIT`].
+fn child_in(scenario: &str, dir: &Path, wrapper: &[&str], cwd: Option<&Path>) -> Child {
+    let mut command = child_command(scenario, dir, wrapper);
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
+    let start = Instant::now();
+    let out = command.stderr(Stdio::inherit()).output().unwrap();
     let lines = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.strip_prefix("child: ").map(str::to_string))
@@ -150,6 +154,11 @@ fn child(scenario: &str, dir: &Path, wrapper: &[&str]) -> Child {
         lines,
         status: out.status,
     }
+}
+
+/// [`child_in`] in this process's working folder.
+fn child(scenario: &str, dir: &Path, wrapper: &[&str]) -> Child {
+    child_in(scenario, dir, wrapper, None)
 }
 
 /// The child side: runs the scenario `FAULTS_CHILD` names and prints `child: ok` or `child: error: <message>`
@@ -327,30 +336,10 @@ fn an_unwritable_folder_gives_a_clear_error_and_keeps_the_previous_checkpoint() 
 #[test]
 fn bare_relative_paths_save_and_load() {
     let dir = temp_dir("relative");
-    let exe_dir = dir.clone();
-    let child = {
-        let exe = std::env::current_exe().unwrap();
-        let out = Command::new(exe)
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env("FAULTS_CHILD", "relative")
-            .env("FAULTS_DIR", &exe_dir)
-            .current_dir(&dir)
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let lines: Vec<&str> = child
-        .lines()
-        .filter_map(|l| l.strip_prefix("child: "))
-        .collect();
+    let child = child_in("relative", &dir, &[], Some(&dir));
+    assert!(child.status.success(), "{:?}", child.lines);
     assert_eq!(
-        lines,
+        child.lines,
         vec![
             "save_state ok",
             "save_model ok",
@@ -358,8 +347,7 @@ fn bare_relative_paths_save_and_load() {
             "save_model ok",
             "state 2",
             "model 2"
-        ],
-        "{child}"
+        ]
     );
     assert!(dir.join("ckpt").join("checkpoint.json").exists());
     assert!(!dir.join("ckpt.old").exists() && !dir.join("ckpt.partial").exists());
@@ -488,17 +476,7 @@ fn sigkill_while_save_model_replaces_a_folder_never_mixes_weights() {
         state ^= state >> 7;
         state ^= state << 17;
         let delay = Duration::from_millis(state % 300);
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new(exe)
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env("FAULTS_CHILD", "save_model_loop")
-            .env("FAULTS_DIR", &dir)
+        let mut child = child_command("save_model_loop", &dir, &[])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -110,23 +110,16 @@ fn a_rank_killed_by_sigkill_ends_the_job_and_is_named() {
     }
 }
 
-#[test]
-fn a_rank_in_another_collective_gives_every_rank_the_same_error_at_once() {
+/// Runs `fault` at both sizes and checks that every rank printed the same error, with `kind` and the line
+/// `expected(len)` gives for the all-reduce length, well before any timeout.
+fn every_rank_gets_the_same_error(fault: &str, kind: &str, expected: impl Fn(usize) -> String) {
     for (size, bytes) in SIZES {
-        let run = run("collective", bytes);
-        let len = bytes / 4;
+        let run = run(fault, bytes);
+        let want = expected(bytes / 4);
         for rank in 0..3 {
             let line = error_line(&run, rank);
-            assert!(
-                line.contains("ranks called different collectives"),
-                "{size}: {line}"
-            );
-            assert!(
-                line.contains(&format!(
-                    "rank 0: all_reduce (sum) of {len} x f32, rank 1: barrier, rank 2: all_reduce (sum) of {len} x f32"
-                )),
-                "{size}: {line}"
-            );
+            assert!(line.contains(kind), "{size}: {line}");
+            assert!(line.contains(&want), "{size}: {line}");
         }
         assert!(
             run.elapsed.as_secs_f64() < TIMEOUT_SECS,
@@ -137,24 +130,19 @@ fn a_rank_in_another_collective_gives_every_rank_the_same_error_at_once() {
 }
 
 #[test]
+fn a_rank_in_another_collective_gives_every_rank_the_same_error_at_once() {
+    every_rank_gets_the_same_error("collective", "ranks called different collectives", |len| {
+        format!(
+            "rank 0: all_reduce (sum) of {len} x f32, rank 1: barrier, rank 2: all_reduce (sum) of {len} x f32"
+        )
+    });
+}
+
+#[test]
 fn an_all_reduce_of_another_length_gives_every_rank_the_same_error_at_once() {
-    for (size, bytes) in SIZES {
-        let run = run("length", bytes);
-        let len = bytes / 4;
-        for rank in 0..3 {
-            let line = error_line(&run, rank);
-            assert!(line.contains("incompatible inputs"), "{size}: {line}");
-            assert!(
-                line.contains(&format!("rank 1: all_reduce (sum) of {} x f32", len + 1)),
-                "{size}: {line}"
-            );
-        }
-        assert!(
-            run.elapsed.as_secs_f64() < TIMEOUT_SECS,
-            "{size}: not a timeout: {:?}",
-            run.elapsed
-        );
-    }
+    every_rank_gets_the_same_error("length", "incompatible inputs", |len| {
+        format!("rank 1: all_reduce (sum) of {} x f32", len + 1)
+    });
 }
 
 #[test]
