@@ -68,6 +68,21 @@ pub fn gather_object(acc: &Accelerator) -> Result<()> {
     })
 }
 
+/// Empty payloads on every rank (what every rank sends when all of a save's steps succeed): nothing to move,
+/// which MPI's variable-count gather refuses unless the engine leaves it out.
+pub fn empty_payloads(acc: &Accelerator) -> Result<()> {
+    let p = acc.num_processes();
+    let gathered = acc.state().comm().all_gather(Vec::new())?;
+    check(gathered == vec![Vec::<u8>::new(); p], || {
+        format!("all_gather of nothing: {gathered:?}")
+    })?;
+    let sent = acc.state().comm().broadcast(Vec::new(), p - 1)?;
+    check(sent.is_empty(), || {
+        format!("broadcast of nothing: {sent:?}")
+    })?;
+    acc.state().agree("empty_payloads", Ok(()))
+}
+
 /// reduce: rank r holds `arange(P) + 1 + P*r`; sum, mean, max, min as in `test_ops.py`.
 pub fn reduce_ops(acc: &Accelerator) -> Result<()> {
     let (p, r) = (acc.num_processes(), acc.process_index());
@@ -221,6 +236,7 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
     gather_uneven(acc)?;
     gather_object(acc)?;
+    empty_payloads(acc)?;
     reduce_ops(acc)?;
     broadcast(acc)?;
     pad(acc)?;

@@ -22,6 +22,7 @@ fn enabled_features() -> Vec<&'static str> {
         ("fusion", cfg!(feature = "fusion")),
         ("autotune", cfg!(feature = "autotune")),
         ("mpi", cfg!(feature = "mpi")),
+        ("train", cfg!(feature = "train")),
     ]
     .into_iter()
     .filter_map(|(name, on)| on.then_some(name))
@@ -55,7 +56,14 @@ fn build(package: &str, kind: &str, name: &str) -> PathBuf {
         .args(["-p", package, kind, name])
         .args(profile_args())
         .args(["--no-default-features", "--features"])
-        .arg(enabled_features().join(","))
+        .arg(
+            enabled_features()
+                .into_iter()
+                // The command has no burn-train part.
+                .filter(|f| package == env!("CARGO_PKG_NAME") || *f != "train")
+                .collect::<Vec<_>>()
+                .join(","),
+        )
         .output()
         .expect("cargo runs");
     assert!(

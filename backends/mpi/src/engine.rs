@@ -523,6 +523,10 @@ impl Communicator for MpiComm {
             })
             .collect();
         let total: u64 = counts.iter().sum();
+        if total == 0 {
+            // Nothing to move (MPI refuses a zero-sized varcount gather with MPI_ERR_ARG).
+            return Ok(vec![Vec::new(); self.size]);
+        }
         if counts.iter().any(|c| *c > i32::MAX as u64) || total > i32::MAX as u64 {
             return Err(engine_error(
                 "all_gather",
@@ -592,6 +596,10 @@ impl Communicator for MpiComm {
                 _ => Vec::new(),
             }
         };
+        if buffer.is_empty() {
+            // Every rank knows from the headers that there is nothing to send.
+            return Ok(buffer);
+        }
         self.run("broadcast", seq, buffer, |world, buffer| {
             world
                 .process_at_rank(root as i32)

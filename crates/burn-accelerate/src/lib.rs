@@ -75,6 +75,8 @@ pub mod error;
 pub mod gatherable;
 pub mod grad;
 mod launch;
+#[cfg(feature = "train")]
+pub mod learner;
 pub mod logging;
 pub mod memory;
 pub mod ops;

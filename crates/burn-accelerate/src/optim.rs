@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 
-use crate::grad::step_state::{SharedStep, Verdict};
+use crate::grad::step_state::SharedStep;
 
 /// The learning rate an optimizer uses, shared with the scheduler that drives it.
 #[derive(Clone)]
@@ -77,18 +77,8 @@ impl AcceleratedOptimizer {
     /// A model without stored gradients (no `backward` since the last step) is returned unchanged, like
     /// `torch.optim.Optimizer.step` with no `.grad`.
     pub fn step<M: Module>(&mut self, model: M) -> M {
-        let grads = {
-            let mut core = self.shared.lock();
-            match core.state.take_verdict() {
-                Verdict::Accumulate => return model,
-                Verdict::Skip => {
-                    // fp16 overflow somewhere (on any rank): every rank drops these gradients together.
-                    core.grads.take_for(&model);
-                    log::debug!("optimizer step skipped: gradients overflowed in fp16");
-                    return model;
-                }
-                Verdict::Step => core.grads.take_for(&model),
-            }
+        let Some(grads) = self.shared.take_step(&model) else {
+            return model;
         };
         if grads.is_empty() {
             log::debug!("optimizer step without gradients: the model is unchanged");
@@ -255,6 +245,7 @@ impl AcceleratedScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grad::step_state::Verdict;
     use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
     use burn::optim::SgdConfig;
 

@@ -75,6 +75,44 @@ impl fmt::Debug for Accelerator {
     }
 }
 
+#[cfg(feature = "train")]
+impl Accelerator {
+    /// Makes a burn-train `SupervisedTraining` train through this accelerator: the
+    /// [`AcceleratedStrategy`](crate::learner::AcceleratedStrategy), and on every rank but the main process no
+    /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes).
+    /// Pass prepared dataloaders through [`LearnerLoader`](crate::learner::LearnerLoader).
+    ///
+    /// # Errors
+    /// When this accelerator already prepared a training.
+    pub fn prepare_training<M: burn_train::LearnerModel>(
+        self: &Arc<Self>,
+        training: burn_train::SupervisedTraining<M>,
+    ) -> Result<burn_train::SupervisedTraining<M>> {
+        self.prepare_training_with(training, |strategy| strategy)
+    }
+
+    /// [`prepare_training`](Self::prepare_training) with the strategy's options set by `configure` (gradient
+    /// clipping, saving every n steps, resuming, a step limit).
+    pub fn prepare_training_with<M: burn_train::LearnerModel>(
+        self: &Arc<Self>,
+        training: burn_train::SupervisedTraining<M>,
+        configure: impl FnOnce(
+            crate::learner::AcceleratedStrategy,
+        ) -> crate::learner::AcceleratedStrategy,
+    ) -> Result<burn_train::SupervisedTraining<M>> {
+        let strategy = configure(crate::learner::AcceleratedStrategy::new(self.clone())?);
+        let training = training
+            .with_training_strategy(burn_train::TrainingStrategy::Custom(Arc::new(strategy)));
+        if self.is_main_process() {
+            return Ok(training);
+        }
+        Ok(training
+            .with_application_logger(None)
+            .renderer(Box::new(burn_train::renderer::CliMetricsRenderer::new()))
+            .with_metric_logger(burn_train::logger::InMemoryMetricLogger::default()))
+    }
+}
+
 impl Accelerator {
     /// An accelerator for an already resolved rank.
     pub(crate) fn from_parts(
@@ -371,6 +409,30 @@ impl Accelerator {
         param: &burn::module::Param<Tensor<D>>,
     ) -> Option<Tensor<D>> {
         self.pipeline.shared().lock().grads.get::<D>(param.id)
+    }
+
+    /// Runs gradients computed outside [`backward`](Self::backward) through the step pipeline, as `backward`
+    /// does with its own: added to the accumulation window, and on a synchronising step normalised, averaged
+    /// across ranks, unscaled and checked for fp16 overflow on every rank. For loops that take gradients from
+    /// elsewhere, such as burn-train's `TrainStep` (the `learner` module does this); compute them from a loss
+    /// scaled by [`loss_scale`](Self::loss_scale) under fp16. Apply them with a prepared optimizer, or take them
+    /// with [`take_step_gradients`](Self::take_step_gradients).
+    pub fn process_gradients<M: Module>(
+        &self,
+        grads: &mut burn::optim::GradientsParams,
+        model: &M,
+    ) -> Result<()> {
+        self.pipeline.process_params(grads, model)
+    }
+
+    /// The gradients of `model` for an optimizer of your own, when the accumulation window just ended with a
+    /// step; `None` when it only accumulated, or when the step is skipped (fp16 overflow on some rank; the
+    /// gradients are dropped on every rank alike). A prepared optimizer's `step` does this itself.
+    pub fn take_step_gradients<M: Module>(
+        &self,
+        model: &M,
+    ) -> Option<burn::optim::GradientsParams> {
+        self.pipeline.shared().take_step(model)
     }
 
     /// Drops every stored gradient (the prepared optimizer does it after each step).

@@ -166,6 +166,22 @@ impl StateToSave {
         Ok(self)
     }
 
+    /// Adds a model, optimizer and scheduler given as Burn records (burn-train's Learner keeps its optimizer and
+    /// scheduler to itself and hands out records).
+    #[cfg(feature = "train")]
+    pub(crate) fn records(
+        mut self,
+        model: burn::tensor::Bytes,
+        optimizer: (burn::tensor::Bytes, u64, Option<String>),
+        scheduler: burn::tensor::Bytes,
+    ) -> Self {
+        self.models.push(model.to_vec());
+        self.optimizers.push((optimizer.0.to_vec(), optimizer.1));
+        self.optimizer_kinds.push(optimizer.2);
+        self.schedulers.push(scheduler.to_vec());
+        self
+    }
+
     /// Adds a prepared scheduler.
     pub fn scheduler(mut self, scheduler: &AcceleratedScheduler) -> Result<Self> {
         let bytes = scheduler
@@ -536,6 +552,47 @@ impl LoadedState {
             )
         })?;
         guarded(&path, "scheduler", || scheduler.restore(record))
+    }
+
+    /// The next model, optimizer (with its step count) and scheduler as Burn records, for burn-train's Learner.
+    #[cfg(feature = "train")]
+    pub(crate) fn records(
+        &mut self,
+    ) -> Result<(
+        ModuleRecord,
+        (burn::optim::OptimizerRecord, u64),
+        burn::lr_scheduler::LrSchedulerRecord,
+    )> {
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "model",
+            self.manifest.models,
+            &mut self.next_model,
+        )?;
+        let model = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?
+            .map_err(|e| corrupt(&path, format!("not a model record: {e}")))?;
+        let (i, path, bytes) = Self::next_part(
+            &self.dir,
+            "optimizer",
+            self.manifest.optimizers,
+            &mut self.next_optimizer,
+        )?;
+        let optimizer = guarded(&path, "optimizer", || {
+            burn::optim::OptimizerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| corrupt(&path, format!("not an optimizer record: {e}")))?;
+        let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "scheduler",
+            self.manifest.schedulers,
+            &mut self.next_scheduler,
+        )?;
+        let scheduler = guarded(&path, "scheduler", || {
+            burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| corrupt(&path, format!("not a scheduler record: {e}")))?;
+        Ok((model, (optimizer, steps), scheduler))
     }
 
     /// Checks that every saved model, optimizer and scheduler was restored.

@@ -97,6 +97,29 @@ impl GradientBuffer {
         });
     }
 
+    /// Moves the gradients of `module`'s trainable parameters out of `grads` (Burn's optimizer container, as
+    /// burn-train's `TrainStep` returns it) and adds them to the buffer.
+    pub(crate) fn collect_params<M: Module>(&mut self, module: &M, grads: &mut GradientsParams) {
+        struct Collect<'a> {
+            grads: &'a mut GradientsParams,
+            buffer: &'a mut GradientBuffer,
+        }
+        impl ModuleVisitor for Collect<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if !param.is_require_grad() {
+                    return;
+                }
+                if let Some(grad) = self.grads.remove::<D>(param.id) {
+                    self.buffer.add(param.id, grad);
+                }
+            }
+        }
+        module.visit(&mut Collect {
+            grads,
+            buffer: self,
+        });
+    }
+
     /// Adds `grad` to the gradient stored for `id` (or stores it).
     pub(crate) fn add<const D: usize>(&mut self, id: ParamId, grad: Tensor<D>) {
         if let std::collections::hash_map::Entry::Vacant(slot) = self.tensor_ranks.entry(id) {

@@ -109,9 +109,27 @@ impl StepPipeline {
     /// The pipeline after `backward`: collects `model`'s gradients from `grads`, then normalises, averages
     /// across ranks, unscales and decides the step as the accumulation window requires.
     pub fn process<M: Module>(&self, grads: &mut Gradients, model: &M) -> Result<()> {
+        self.process_with(model, |buffer| buffer.collect(model, grads))
+    }
+
+    /// [`process`](Self::process) for gradients already taken out of the graph (burn-train's `TrainStep`
+    /// returns them as `GradientsParams`).
+    pub fn process_params<M: Module>(
+        &self,
+        grads: &mut burn::optim::GradientsParams,
+        model: &M,
+    ) -> Result<()> {
+        self.process_with(model, |buffer| buffer.collect_params(model, grads))
+    }
+
+    fn process_with<M: Module>(
+        &self,
+        model: &M,
+        collect: impl FnOnce(&mut GradientBuffer),
+    ) -> Result<()> {
         let mut core = self.shared.lock();
         let before = core.grads.len();
-        core.grads.collect(model, grads);
+        collect(&mut core.grads);
         if before == 0 && core.grads.is_empty() {
             return Err(Error::InvalidArgument(
                 "backward: none of the model's parameters received a gradient; pass the model the loss was \

@@ -214,6 +214,25 @@ impl SharedStep {
     pub fn snapshot(&self) -> GradientState {
         self.lock().state.snapshot()
     }
+
+    /// The optimizer's side of a step: the gradients of `model` to apply when the window ended with a step,
+    /// `None` when it only accumulated, or when the step is skipped (fp16 overflow on some rank: the gradients
+    /// are dropped then, on every rank alike).
+    pub fn take_step<M: burn::module::Module>(
+        &self,
+        model: &M,
+    ) -> Option<burn::optim::GradientsParams> {
+        let mut core = self.lock();
+        match core.state.take_verdict() {
+            Verdict::Accumulate => None,
+            Verdict::Skip => {
+                core.grads.take_for(model);
+                log::debug!("optimizer step skipped: gradients overflowed in fp16");
+                None
+            }
+            Verdict::Step => Some(core.grads.take_for(model)),
+        }
+    }
 }
 
 #[cfg(test)]

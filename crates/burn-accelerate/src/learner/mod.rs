@@ -1,0 +1,35 @@
+//! burn-train's `Learner` through the Accelerator (feature `train`).
+//!
+//! A `SupervisedTraining` runs with a few changed lines on one or many ranks (in-process, `mpirun`,
+//! `burn-accelerate launch`), on any backend:
+//!
+//! ```ignore
+//! let accelerator = Arc::new(Accelerator::new()?);
+//! let train = LearnerLoader::train(accelerator.prepare_dataloader(train_loader)?);   // this rank's shard
+//! let valid = LearnerLoader::valid(accelerator.prepare_dataloader(valid_loader)?);
+//! let training = SupervisedTraining::new("runs", train, valid)
+//!     .metric_train_numeric(LossMetric::new())
+//!     .num_epochs(3);
+//! let training = accelerator.prepare_training(training)?;      // the strategy; quiet on other ranks
+//! let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
+//! ```
+//!
+//! Inside `TrainStep::step`, [`autocast`] runs the forward pass under the accelerator's mixed precision and
+//! [`backward`] applies the fp16 loss scale; both are plain calls otherwise.
+//!
+//! How it relates to burn-train's own checkpoints: burn-train saves the model, optimizer and scheduler at
+//! epoch ends and resumes at an epoch boundary (`SupervisedTraining::checkpoint(epoch)`); these still work
+//! (written by the main process only). [`AcceleratedStrategy::save_every`] saves the whole run with
+//! `save_state` (dataloader positions included) every n optimizer steps, and [`AcceleratedStrategy::resume`]
+//! continues from it in the middle of an epoch, bit for bit on the CPU.
+
+mod context;
+mod loader;
+mod records;
+mod strategy;
+
+/// The burn-train this module is built against (use it, or depend on the same version).
+pub use burn_train;
+pub use context::{autocast, backward};
+pub use loader::LearnerLoader;
+pub use strategy::AcceleratedStrategy;

@@ -1,0 +1,500 @@
+//! [`AcceleratedStrategy`]: burn-train's training strategy seam, filled by the accelerator's step pipeline.
+
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataset::DatasetError;
+use burn_train::checkpoint::CheckpointerError;
+use burn_train::metric::store::EventStoreClient;
+use burn_train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainingComponents, TrainingError, TrainingItem, ValidLoader,
+};
+use serde::{Deserialize, Serialize};
+
+use super::context;
+use super::records::{self, LearnerRecords};
+use crate::accelerator::Accelerator;
+use crate::checkpoint::StateToSave;
+use crate::comm::ReduceOp;
+use crate::error::{Error, Result};
+use crate::precision::MixedPrecision;
+
+/// Where a Learner run stands, saved with every checkpoint the strategy writes (registered as
+/// `burn_train_learner`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct LearnerProgress {
+    /// burn-train's epoch number (from 1) the next batch belongs to.
+    epoch: usize,
+    /// Optimizer steps taken.
+    steps: usize,
+}
+
+/// burn-train's training strategy, run by the [`Accelerator`]: a `SupervisedTraining` trains through the step
+/// pipeline on in-process ranks, under `mpirun` or `burn-accelerate launch`, on any backend.
+///
+/// - Gradients are averaged across ranks on synchronising steps only (gradient accumulation as the
+///   accelerator is configured, normalised by the micro-batches actually accumulated), unscaled and checked for
+///   fp16 overflow on every rank (a step skipped on one is skipped on all), clipped by their global norm when
+///   asked, and the scheduler steps once per optimizer step.
+/// - Every rank starts from rank 0's weights and reads its own shard (pass prepared dataloaders through
+///   [`LearnerLoader`](super::LearnerLoader)); only the main process renders, logs metrics, writes burn-train's
+///   checkpoints and decides early stopping (the decision reaches every rank).
+/// - [`save_every`](Self::save_every) saves the whole run with `save_state` (model, optimizer, scheduler,
+///   dataloader positions) every n optimizer steps; [`resume`](Self::resume) continues from the latest such
+///   checkpoint, in the middle of an epoch, bit for bit.
+///
+/// Build it with [`Accelerator::prepare_training`](crate::Accelerator::prepare_training), which also silences
+/// the other ranks' renderer and loggers.
+pub struct AcceleratedStrategy {
+    accelerator: Arc<Accelerator>,
+    progress: Arc<Mutex<LearnerProgress>>,
+    max_grad_norm: Option<f64>,
+    save_every: Option<usize>,
+    max_steps: Option<usize>,
+    resume: bool,
+}
+
+impl std::fmt::Debug for AcceleratedStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcceleratedStrategy")
+            .field("max_grad_norm", &self.max_grad_norm)
+            .field("save_every", &self.save_every)
+            .field("max_steps", &self.max_steps)
+            .field("resume", &self.resume)
+            .finish()
+    }
+}
+
+/// The name the strategy's progress is registered under.
+const PROGRESS: &str = "burn_train_learner";
+
+impl AcceleratedStrategy {
+    /// A strategy training through `accelerator` (one per accelerator: it registers its progress for
+    /// checkpointing).
+    ///
+    /// # Errors
+    /// When a strategy was already made for this accelerator.
+    pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
+        let progress = Arc::new(Mutex::new(LearnerProgress::default()));
+        accelerator
+            .register_for_checkpointing(PROGRESS, progress.clone())
+            .map_err(|_| {
+                Error::InvalidArgument(
+                    "AcceleratedStrategy::new: this accelerator already has a Learner strategy; make one per \
+                     accelerator"
+                        .into(),
+                )
+            })?;
+        Ok(Self {
+            accelerator,
+            progress,
+            max_grad_norm: None,
+            save_every: None,
+            max_steps: None,
+            resume: false,
+        })
+    }
+
+    /// Clips the averaged gradients to this global L2 norm before each optimizer step.
+    pub fn max_grad_norm(mut self, max_norm: f64) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// Saves the whole run (`save_state` into the project's automatic checkpoints) every `steps` optimizer
+    /// steps. Needs a project folder (`AcceleratorBuilder::project_configuration`).
+    pub fn save_every(mut self, steps: usize) -> Self {
+        self.save_every = (steps > 0).then_some(steps);
+        self
+    }
+
+    /// Stops after `steps` optimizer steps in all (counting those before a resume), saving first when
+    /// [`save_every`](Self::save_every) is set.
+    pub fn max_steps(mut self, steps: usize) -> Self {
+        self.max_steps = Some(steps);
+        self
+    }
+
+    /// Continues from the latest automatic checkpoint, if there is one: weights, optimizer, scheduler, the
+    /// dataloaders' positions (mid-epoch) and the epoch. burn-train's own `checkpoint(epoch)` resumes at epoch
+    /// boundaries from its own files; this replaces it.
+    pub fn resume(mut self, resume: bool) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    fn progress(&self) -> LearnerProgress {
+        *self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_progress(&self, progress: LearnerProgress) {
+        *self.progress.lock().unwrap_or_else(|p| p.into_inner()) = progress;
+    }
+}
+
+/// An error of ours, as burn-train's interrupter takes it.
+fn training_error(error: Error) -> TrainingError {
+    match error {
+        Error::Dataset { .. } => TrainingError::Dataset(DatasetError::new(error)),
+        other => TrainingError::Checkpoint(CheckpointerError::Unknown(format!(
+            "burn-accelerate: {other}"
+        ))),
+    }
+}
+
+impl AcceleratedStrategy {
+    /// Whether any rank wants to stop (an interruption or an error on any rank stops all of them together).
+    fn anyone_stops(&self, interrupter: &Interrupter, local: bool) -> bool {
+        let acc = &self.accelerator;
+        let local = local || interrupter.should_stop();
+        if acc.num_processes() == 1 {
+            return local;
+        }
+        let flag =
+            burn::tensor::Tensor::<1>::from_floats([f32::from(u8::from(local))], acc.device());
+        match acc.reduce(flag, ReduceOp::Max) {
+            Ok(t) => t.into_scalar::<f32>() > 0.0,
+            Err(e) => {
+                interrupter.fail(training_error(e));
+                true
+            }
+        }
+    }
+
+    /// Saves the run into the next automatic checkpoint; `next_epoch` is the epoch the next batch belongs to.
+    fn save<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        store: &EventStoreClient,
+        next_epoch: usize,
+    ) -> Result<()> {
+        let mut progress = self.progress();
+        progress.epoch = next_epoch;
+        self.set_progress(progress);
+        let records = records::records(learner, store).ok_or_else(|| {
+            Error::InvalidArgument("the Learner did not hand out its records".into())
+        })?;
+        let bytes = |r: std::result::Result<burn::tensor::Bytes, burn::store::RecordError>| {
+            r.map_err(|e| Error::InvalidArgument(format!("recording the Learner: {e}")))
+        };
+        let steps = self.progress().steps as u64;
+        let parts = StateToSave::new().records(
+            bytes(records.model.into_bytes())?,
+            (bytes(records.optimizer.into_bytes())?, steps, None),
+            bytes(records.scheduler.into_bytes())?,
+        );
+        self.accelerator.save_state(None, &parts).map(|_| ())
+    }
+
+    /// Restores the latest automatic checkpoint into `learner`, if there is one (the progress object, with the
+    /// epoch to continue, comes back with it).
+    fn restore<M: LearnerModel>(&self, learner: &mut Learner<M>) -> Result<()> {
+        let acc = &self.accelerator;
+        if acc.project_configuration().checkpoints().is_empty() {
+            return Ok(());
+        }
+        let mut state = acc.load_state(None)?;
+        let (model, (optimizer, _), scheduler) = state.records()?;
+        state.finish()?;
+        records::restore(
+            learner,
+            LearnerRecords {
+                model,
+                optimizer,
+                scheduler,
+            },
+        );
+        Ok(())
+    }
+
+    /// Checks burn-train's settings against the accelerator's, gives every rank rank 0's weights and resumes
+    /// when asked.
+    fn setup<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        grad_accumulation: Option<usize>,
+    ) -> Result<()> {
+        let acc = &self.accelerator;
+        if let Some(n) = grad_accumulation
+            && n != acc.config().gradient_accumulation_steps
+        {
+            return Err(Error::InvalidArgument(format!(
+                "SupervisedTraining::grads_accumulation({n}) differs from the accelerator's \
+                 gradient_accumulation_steps ({}); set it on the accelerator \
+                 (AcceleratorBuilder::gradient_accumulation_steps) and leave burn-train's unset",
+                acc.config().gradient_accumulation_steps
+            )));
+        }
+        let model = acc.prepare_model(learner.model())?;
+        learner.load_model(model.into_record());
+        if self.resume {
+            self.restore(learner)?;
+        }
+        Ok(())
+    }
+
+    /// One training epoch over this rank's shard; returns whether training must stop.
+    fn train_epoch<M: LearnerModel>(
+        &self,
+        epoch: usize,
+        learner: &mut Learner<M>,
+        loader: &TrainLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+        store: &EventStoreClient,
+    ) -> bool {
+        let acc = &self.accelerator;
+        let main = acc.is_main_process();
+        let precision = acc.config().mixed_precision;
+        super::loader::reset_prepared_flag();
+        let mut iterator = loader.iter();
+        if acc.num_processes() > 1 && !super::loader::prepared_flag() {
+            interrupter.fail(training_error(Error::InvalidArgument(
+                "AcceleratedStrategy: with several ranks the training dataloader must be a prepared one \
+                 (`LearnerLoader::train(accelerator.prepare_dataloader(loader)?)`), or every rank would \
+                 train on all the data"
+                    .into(),
+            )));
+            return self.anyone_stops(interrupter, true);
+        }
+        let mut iteration = 0;
+        loop {
+            let item = match iterator.next() {
+                None => return false,
+                Some(Ok(item)) => item,
+                Some(Err(e)) => {
+                    interrupter.fail(TrainingError::Dataset(e));
+                    return self.anyone_stops(interrupter, true);
+                }
+            };
+            iteration += 1;
+            let progress = iterator.progress();
+            acc.accumulate();
+            let output = {
+                let _context = context::enter(precision, acc.loss_scale());
+                let output = learner.train_step(item);
+                if precision == MixedPrecision::Fp16 && !context::loss_was_scaled() {
+                    interrupter.fail(training_error(Error::InvalidArgument(
+                        "fp16 through the Learner: the TrainStep must back-propagate with \
+                         `burn_accelerate::learner::backward(loss)` (which applies the loss scale), not \
+                         `loss.backward()`"
+                            .into(),
+                    )));
+                    return self.anyone_stops(interrupter, true);
+                }
+                output
+            };
+            let model = learner.model();
+            let mut grads = output.grads;
+            if let Err(e) = acc.process_gradients(&mut grads, &model) {
+                interrupter.fail(training_error(e));
+                return self.anyone_stops(interrupter, true);
+            }
+            let mut stop = false;
+            if acc.sync_gradients() {
+                if let Some(max_norm) = self.max_grad_norm
+                    && let Err(e) = acc.clip_grad_norm(&model, max_norm)
+                {
+                    interrupter.fail(training_error(e));
+                    return self.anyone_stops(interrupter, true);
+                }
+                if let Some(grads) = acc.take_step_gradients(&model) {
+                    learner.lr_step();
+                    learner.optimizer_step(grads);
+                    let mut progress = self.progress();
+                    progress.steps += 1;
+                    self.set_progress(progress);
+                    let reached = self.max_steps.is_some_and(|m| progress.steps >= m);
+                    let due = self
+                        .save_every
+                        .is_some_and(|n| progress.steps.is_multiple_of(n));
+                    if due || (reached && self.save_every.is_some()) {
+                        let next_epoch = if acc.gradient_state().end_of_dataloader {
+                            epoch + 1
+                        } else {
+                            epoch
+                        };
+                        if let Err(e) = self.save(learner, store, next_epoch) {
+                            interrupter.fail(training_error(e));
+                            return self.anyone_stops(interrupter, true);
+                        }
+                    }
+                    stop = reached;
+                }
+                stop = self.anyone_stops(interrupter, stop);
+            }
+            if main {
+                let item = TrainingItem::new(
+                    output.item,
+                    progress,
+                    Some(iteration),
+                    Some(learner.lr_current()),
+                );
+                interrupter
+                    .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+            }
+            if stop {
+                return true;
+            }
+        }
+    }
+
+    /// One validation epoch over this rank's shard (metrics: the main process's shard).
+    fn valid_epoch<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        loader: &ValidLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+    ) {
+        let main = self.accelerator.is_main_process();
+        let precision = self.accelerator.config().mixed_precision;
+        let model = learner.model().valid();
+        let mut iterator = loader.iter();
+        let mut iteration = 0;
+        while let Some(item) = iterator.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(e) => {
+                    interrupter.fail(TrainingError::Dataset(e));
+                    return;
+                }
+            };
+            iteration += 1;
+            let progress = iterator.progress();
+            let output = {
+                let _context = context::enter(precision, None);
+                InferenceStep::step(&model, item)
+            };
+            if main {
+                let item = TrainingItem::new(output, progress, Some(iteration), None);
+                interrupter
+                    .fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
+            }
+        }
+    }
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
+    fn train(
+        &self,
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        mut components: TrainingComponents<M>,
+    ) -> LearningResult<M> {
+        let main = self.accelerator.is_main_process();
+        let interrupter = components.interrupter.clone();
+        let starting_epoch = components.checkpoint.unwrap_or(0) + 1;
+        if main {
+            interrupter.fail_on_error(components.event_processor.process_train(
+                LearnerEvent::Start {
+                    total_epochs: components.num_epochs,
+                    starting_epoch,
+                    label: components.label.clone(),
+                },
+            ));
+        }
+        let summary = components.summary.clone();
+        let (model, mut processor) = self.fit(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        );
+        if main {
+            let summary = summary.and_then(|s| s.init().ok());
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::End(summary)));
+        }
+        let model = model.valid();
+        interrupter.fail_on_error(processor.flush());
+        LearningResult {
+            model,
+            renderer: processor.renderer(),
+            interrupted: interrupter.interruption(),
+            error: interrupter.error(),
+        }
+    }
+
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let TrainingComponents {
+            num_epochs,
+            mut checkpointer,
+            grad_accumulation,
+            interrupter,
+            mut early_stopping,
+            event_processor: mut processor,
+            event_store,
+            ..
+        } = components;
+        let acc = &self.accelerator;
+        let main = acc.is_main_process();
+        learner.fork(acc.device());
+        let setup = self.setup(&mut learner, grad_accumulation);
+        if let Err(e) = acc.state().agree("AcceleratedStrategy", setup) {
+            interrupter.fail(training_error(e));
+            return (learner.model(), processor);
+        }
+        let train_items = dataloader_train.num_items();
+        let valid_items = dataloader_valid.num_items();
+        let mut epoch = starting_epoch.max(self.progress().epoch);
+        while epoch <= num_epochs {
+            if main {
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: train_items,
+                }));
+            }
+            let stop = self.train_epoch(
+                epoch,
+                &mut learner,
+                &dataloader_train,
+                &mut processor,
+                &interrupter,
+                &event_store,
+            );
+            if main {
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+            }
+            if stop {
+                break;
+            }
+            if main {
+                interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: valid_items,
+                }));
+            }
+            self.valid_epoch(&learner, &dataloader_valid, &mut processor, &interrupter);
+            let mut stop = false;
+            if main {
+                interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
+                if checkpointer.is_some() || early_stopping.is_some() {
+                    interrupter.fail_on_error(processor.flush());
+                }
+                // burn-train's own epoch checkpoints and early stopping: the main process's metrics decide.
+                if let Some(checkpointer) = &mut checkpointer {
+                    checkpointer.checkpoint(&learner, epoch, &event_store);
+                }
+                if let Some(early_stopping) = &mut early_stopping {
+                    stop = early_stopping.should_stop(epoch, &event_store);
+                }
+            }
+            if self.anyone_stops(&interrupter, stop) {
+                break;
+            }
+            epoch += 1;
+        }
+        (learner.model(), processor)
+    }
+}

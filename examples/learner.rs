@@ -1,0 +1,138 @@
+//! burn-train's `Learner` trained through the Accelerator: the same `SupervisedTraining` on one rank, on
+//! `--processes N` in-process ranks, or under `mpirun` / `burn-accelerate launch`, with mixed precision,
+//! gradient accumulation, and saving / resuming in the middle of an epoch. Synthetic regression data.
+//!
+//! ```text
+//! cargo run --release --features train --example learner -- --processes 2 --mixed-precision bf16
+//! ```
+//!
+//! The changes to a plain burn-train program: the dataloaders are prepared (`LearnerLoader`), the
+//! `SupervisedTraining` goes through `accelerator.prepare_training_with`, and the `TrainStep` uses
+//! `learner::autocast` and `learner::backward`. The global batch (`--batch-size`) is split between the ranks,
+//! so every number of ranks trains the same model. Prints `final_loss=<x>` (the loss of the trained model on
+//! held-out data).
+
+#[path = "support/mlp.rs"]
+mod mlp;
+#[path = "support/mlp_train_step.rs"]
+mod mlp_train_step;
+#[path = "support/ranks.rs"]
+mod ranks;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::optim::AdamConfig;
+use burn::tensor::Device;
+use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::learner::LearnerLoader;
+use burn_accelerate::learner::burn_train::metric::LossMetric;
+use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
+use burn_accelerate::{Accelerator, MixedPrecision, ProjectConfiguration, Result};
+use clap::Parser;
+use mlp::{Mlp, SampleBatcher};
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// In-process ranks (ignored under a launcher, which decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// `no`, `bf16` or `fp16`.
+    #[arg(long, default_value = "no")]
+    mixed_precision: MixedPrecision,
+    /// Epochs.
+    #[arg(long, default_value_t = 2)]
+    epochs: usize,
+    /// The global batch, split between the ranks.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    gradient_accumulation_steps: usize,
+    /// Where automatic checkpoints go (with --save-every / --resume).
+    #[arg(long)]
+    project_dir: Option<PathBuf>,
+    /// Save the whole run every n optimizer steps.
+    #[arg(long)]
+    save_every: Option<usize>,
+    /// Stop after n optimizer steps.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Continue from the latest checkpoint in --project-dir.
+    #[arg(long)]
+    resume: bool,
+    /// Where burn-train writes its metrics (default: a folder in the temporary directory).
+    #[arg(long)]
+    artifact_dir: Option<PathBuf>,
+}
+
+fn train(accelerator: Accelerator, args: &Args, start: Mlp) -> Result<f64> {
+    let accelerator = Arc::new(accelerator);
+    let train = LearnerLoader::train(
+        accelerator.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(args.batch_size)
+                .shuffle(7)
+                .build(mlp::dataset(2048, 4)),
+        )?,
+    );
+    let valid = LearnerLoader::valid(
+        accelerator.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(256)
+                .build(mlp::dataset(512, 5)),
+        )?,
+    );
+    let artifacts = args.artifact_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("burn-accelerate-learner-{}", std::process::id()))
+    });
+    let training = SupervisedTraining::new(&artifacts, train, valid)
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(args.epochs)
+        .with_application_logger(None);
+    let training = accelerator.prepare_training_with(training, |strategy| {
+        let mut strategy = strategy.resume(args.resume);
+        if let Some(n) = args.save_every {
+            strategy = strategy.save_every(n);
+        }
+        if let Some(n) = args.max_steps {
+            strategy = strategy.max_steps(n);
+        }
+        strategy
+    })?;
+    let result = training.launch(Learner::new(start, AdamConfig::new().init(), 3e-3));
+    if let Some(error) = result.error {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "training failed: {error}"
+        )));
+    }
+    // Held-out loss of the trained model (the same data on every rank).
+    let device = accelerator.device().clone().inner();
+    let eval = SampleBatcher.batch(mlp::samples(1024, 99), &device);
+    Ok(result.model.loss(eval).into_scalar::<f32>() as f64)
+}
+
+fn main() {
+    let args = Args::parse();
+    let mut builder = Accelerator::builder()
+        .mixed_precision(args.mixed_precision)
+        .gradient_accumulation_steps(args.gradient_accumulation_steps)
+        .split_batches(true);
+    if let Some(dir) = &args.project_dir {
+        builder = builder.project_configuration(ProjectConfiguration::new(dir));
+    }
+    // The same initial weights for any number of ranks, and for a resumed run.
+    let device = Device::default();
+    device.seed(11);
+    let start = ranks::materialize(Mlp::new(&device.autodiff()));
+    let result = ranks::run_ranks(builder, args.processes, |accelerator| {
+        train(accelerator, &args, start.clone())
+    });
+    ranks::exit_on_error(result.map(|loss| {
+        if let Some(loss) = loss {
+            println!("final_loss={loss:.6}");
+        }
+    }));
+}

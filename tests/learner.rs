@@ -1,0 +1,301 @@
+//! burn-train's Learner through the Accelerator (feature `train`): two ranks train the model one rank trains
+//! with the doubled batch, bf16 and gradient accumulation go through the step pipeline, only rank 0 writes,
+//! and a run stopped in the middle of an epoch resumes to the uninterrupted weights.
+
+#[path = "support/examples.rs"]
+mod examples;
+#[path = "support/fixtures.rs"]
+mod fixtures;
+#[path = "../examples/support/mlp.rs"]
+mod mlp;
+#[path = "../examples/support/mlp_train_step.rs"]
+mod mlp_train_step;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use burn::optim::AdamConfig;
+use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::learner::LearnerLoader;
+use burn_accelerate::learner::burn_train::metric::LossMetric;
+use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
+use burn_accelerate::{Accelerator, MixedPrecision, ProjectConfiguration, Result};
+use fixtures::{initial, max_abs_diff};
+use mlp::{Mlp, SampleBatcher};
+
+/// One Learner run.
+#[derive(Clone)]
+struct Run {
+    ranks: usize,
+    /// Per rank.
+    batch: usize,
+    accumulation: usize,
+    precision: MixedPrecision,
+    epochs: usize,
+    project: Option<PathBuf>,
+    save_every: Option<usize>,
+    max_steps: Option<usize>,
+    resume: bool,
+    /// Each rank's burn-train folder, and whether burn-train's own epoch checkpoints are on.
+    artifacts: PathBuf,
+    checkpoints: bool,
+}
+
+impl Run {
+    fn new(name: &str) -> Self {
+        Self {
+            ranks: 1,
+            batch: 64,
+            accumulation: 1,
+            precision: MixedPrecision::No,
+            epochs: 2,
+            project: None,
+            save_every: None,
+            max_steps: None,
+            resume: false,
+            artifacts: temp_dir(name),
+            checkpoints: false,
+        }
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ba-learner-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// Rank `rank`'s burn-train folder.
+fn artifacts(run: &Run, rank: usize) -> PathBuf {
+    run.artifacts.join(format!("rank{rank}"))
+}
+
+/// Trains `start` as `run` says; returns rank 0's trained weights and held-out loss.
+fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
+    let mut builder = Accelerator::builder()
+        .mixed_precision(run.precision)
+        .gradient_accumulation_steps(run.accumulation);
+    if let Some(dir) = &run.project {
+        builder = builder.project_configuration(ProjectConfiguration::new(dir));
+    }
+    let results = builder
+        .launch(run.ranks, |acc| -> Result<(Vec<Vec<f32>>, f32)> {
+            let acc = Arc::new(acc);
+            let rank = acc.process_index();
+            let train = LearnerLoader::train(
+                acc.prepare_dataloader(
+                    DataLoaderBuilder::new(SampleBatcher)
+                        .batch_size(run.batch)
+                        .shuffle(7)
+                        .build(mlp::dataset(1024, 4)),
+                )?,
+            );
+            let valid = LearnerLoader::valid(
+                acc.prepare_dataloader(
+                    DataLoaderBuilder::new(SampleBatcher)
+                        .batch_size(128)
+                        .build(mlp::dataset(256, 5)),
+                )?,
+            );
+            let mut training = SupervisedTraining::new(artifacts(run, rank), train, valid)
+                .metric_train_numeric(LossMetric::new())
+                .metric_valid_numeric(LossMetric::new())
+                .num_epochs(run.epochs)
+                .with_application_logger(None);
+            if run.checkpoints {
+                training = training.with_default_checkpointers();
+            }
+            let training = acc.prepare_training_with(training, |mut s| {
+                s = s.resume(run.resume);
+                if let Some(n) = run.save_every {
+                    s = s.save_every(n);
+                }
+                if let Some(n) = run.max_steps {
+                    s = s.max_steps(n);
+                }
+                s
+            })?;
+            let result =
+                training.launch(Learner::new(start.clone(), AdamConfig::new().init(), 3e-3));
+            assert!(result.error.is_none(), "{:?}", result.error);
+            let device = acc.device().clone().inner();
+            let eval = burn::data::dataloader::batcher::Batcher::batch(
+                &SampleBatcher,
+                mlp::samples(512, 99),
+                &device,
+            );
+            let loss = result.model.loss(eval).into_scalar::<f32>();
+            Ok((mlp::weights(&result.model), loss))
+        })
+        .unwrap();
+    results.into_iter().next().unwrap()
+}
+
+#[test]
+fn two_ranks_train_the_model_one_rank_trains_with_the_doubled_batch() {
+    let start = initial();
+    let one = fit(
+        &Run {
+            batch: 64,
+            ..Run::new("one")
+        },
+        &start,
+    );
+    let two = fit(
+        &Run {
+            ranks: 2,
+            batch: 32,
+            ..Run::new("two")
+        },
+        &start,
+    );
+    let diff = max_abs_diff(&one.0, &two.0);
+    assert!(diff <= 1e-5, "2 ranks differ from 1 by {diff}");
+    assert!(one.1 < 0.3, "the model learns: {}", one.1);
+}
+
+#[test]
+fn accumulation_and_bf16_go_through_the_step_pipeline() {
+    let start = initial();
+    let reference = fit(&Run::new("reference"), &start);
+    // 4 micro-batches of 16 make the optimizer steps of one batch of 64 (gradients averaged over the window),
+    // and so do 4 micro-batches of 8 on each of 2 ranks.
+    let accumulated = fit(
+        &Run {
+            batch: 16,
+            accumulation: 4,
+            ..Run::new("accumulated")
+        },
+        &start,
+    );
+    let diff = max_abs_diff(&reference.0, &accumulated.0);
+    assert!(diff <= 1e-5, "4 x 16 differs from 1 x 64 by {diff}");
+    let accumulated_two = fit(
+        &Run {
+            ranks: 2,
+            batch: 8,
+            accumulation: 4,
+            ..Run::new("accumulated-two")
+        },
+        &start,
+    );
+    let diff = max_abs_diff(&reference.0, &accumulated_two.0);
+    assert!(diff <= 1e-5, "2 ranks x 4 x 8 differ from 1 x 64 by {diff}");
+    for ranks in [1, 2] {
+        let bf16 = fit(
+            &Run {
+                ranks,
+                batch: 64 / ranks,
+                precision: MixedPrecision::Bf16,
+                ..Run::new(&format!("bf16-{ranks}"))
+            },
+            &start,
+        );
+        assert!(
+            (bf16.1 - reference.1).abs() <= 0.1 * reference.1,
+            "bf16 on {ranks} rank(s): {} vs f32 {}",
+            bf16.1,
+            reference.1
+        );
+    }
+}
+
+/// The files under `dir` (empty when it does not exist).
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn only_rank_0_writes_metrics_and_checkpoints() {
+    let run = Run {
+        ranks: 2,
+        batch: 32,
+        epochs: 1,
+        checkpoints: true,
+        ..Run::new("writers")
+    };
+    fit(&run, &initial());
+    let main = files(&artifacts(&run, 0));
+    assert!(
+        main.iter()
+            .any(|f| f.to_string_lossy().contains("Loss.log")),
+        "{main:?}"
+    );
+    assert!(
+        main.iter()
+            .any(|f| f.to_string_lossy().contains("checkpoint")),
+        "{main:?}"
+    );
+    assert_eq!(files(&artifacts(&run, 1)), Vec::<PathBuf>::new());
+}
+
+#[test]
+fn a_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights() {
+    let start = initial();
+    let project = temp_dir("resume-project");
+    let base = Run {
+        ranks: 2,
+        batch: 32,
+        ..Run::new("resume")
+    };
+    let uninterrupted = fit(&base, &start);
+    // 16 steps an epoch: stop at step 21, in the middle of the second epoch, saving every 7 steps.
+    let stopped = Run {
+        project: Some(project.clone()),
+        save_every: Some(7),
+        max_steps: Some(21),
+        ..base.clone()
+    };
+    fit(&stopped, &start);
+    let checkpoints = ProjectConfiguration::new(&project).checkpoints();
+    assert_eq!(checkpoints.len(), 3, "{checkpoints:?}");
+    // Resumed from a fresh start value: everything comes from the checkpoint.
+    let resumed = fit(
+        &Run {
+            project: Some(project),
+            save_every: Some(7),
+            resume: true,
+            ..base.clone()
+        },
+        &initial(),
+    );
+    assert_eq!(
+        max_abs_diff(&uninterrupted.0, &resumed.0),
+        0.0,
+        "bit for bit on the CPU"
+    );
+}
+
+/// The example under `mpirun -np 2` prints what `--processes 2` and `--processes 1` print.
+#[cfg(feature = "mpi")]
+#[test]
+fn the_example_under_mpirun_matches_in_process_ranks() {
+    use std::process::Command;
+    let program = examples::example("learner");
+    let run =
+        |command: &mut Command| examples::result_lines(command.output().unwrap(), &["final_loss="]);
+    let one = run(Command::new(&program).args(["--processes", "1"]));
+    assert_eq!(one.len(), 1, "{one:?}");
+    let two = run(Command::new(&program).args(["--processes", "2"]));
+    let launched = run(Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(&program)
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1"));
+    assert_eq!(two, one);
+    assert_eq!(
+        launched, one,
+        "mpirun -np 2 prints the main process's final_loss once"
+    );
+}
