@@ -299,3 +299,64 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         "mpirun -np 2 prints the main process's final_loss once"
     );
 }
+
+/// A TrainStep that back-propagates with `loss.backward()`, missing the fp16 loss scale.
+#[derive(burn::module::Module, Debug)]
+struct Unscaled {
+    mlp: Mlp,
+}
+
+impl burn_accelerate::learner::burn_train::TrainStep for Unscaled {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(
+        &self,
+        batch: mlp::Batch,
+    ) -> burn_accelerate::learner::burn_train::TrainOutput<Self::Output> {
+        let item = mlp_train_step::regression(&self.mlp, batch);
+        burn_accelerate::learner::burn_train::TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl burn_accelerate::learner::burn_train::InferenceStep for Unscaled {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(&self, batch: mlp::Batch) -> Self::Output {
+        mlp_train_step::regression(&self.mlp, batch)
+    }
+}
+
+#[test]
+fn fp16_without_the_loss_scale_is_refused_not_trained_wrong() {
+    let acc = Arc::new(
+        Accelerator::builder()
+            .mixed_precision(MixedPrecision::Fp16)
+            .build()
+            .unwrap(),
+    );
+    let loader = |n, seed| {
+        acc.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(32)
+                .build(mlp::dataset(n, seed)),
+        )
+        .unwrap()
+    };
+    let training = SupervisedTraining::new(
+        temp_dir("unscaled"),
+        LearnerLoader::train(loader(128, 4)),
+        LearnerLoader::valid(loader(32, 5)),
+    )
+    .with_application_logger(None)
+    .renderer(Box::new(burn_accelerate::learner::QuietRenderer));
+    let training = acc.prepare_training(training).unwrap();
+    let model = Unscaled { mlp: initial() };
+    let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
+    let error = result.error.expect("an error").to_string();
+    assert!(
+        error.contains("burn_accelerate::learner::backward"),
+        "{error}"
+    );
+}

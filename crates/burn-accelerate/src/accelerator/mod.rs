@@ -108,7 +108,7 @@ impl Accelerator {
         }
         Ok(training
             .with_application_logger(None)
-            .renderer(Box::new(burn_train::renderer::CliMetricsRenderer::new()))
+            .renderer(Box::new(crate::learner::QuietRenderer))
             .with_metric_logger(burn_train::logger::InMemoryMetricLogger::default()))
     }
 }

@@ -25,6 +25,7 @@
 
 mod context;
 mod loader;
+mod quiet;
 mod records;
 mod strategy;
 
@@ -32,4 +33,5 @@ mod strategy;
 pub use burn_train;
 pub use context::{autocast, backward};
 pub use loader::LearnerLoader;
+pub use quiet::QuietRenderer;
 pub use strategy::AcceleratedStrategy;
