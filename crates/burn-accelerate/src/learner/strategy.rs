@@ -247,6 +247,10 @@ impl AcceleratedStrategy {
         let acc = &self.accelerator;
         let main = acc.is_main_process();
         let precision = acc.config().mixed_precision;
+        let passthrough = acc.num_processes() == 1
+            && acc.config().gradient_accumulation_steps == 1
+            && precision != MixedPrecision::Fp16
+            && self.max_grad_norm.is_none();
         super::loader::reset_prepared_flag();
         let mut iterator = loader.iter();
         if acc.num_processes() > 1 && !super::loader::prepared_flag() {
@@ -270,9 +274,16 @@ impl AcceleratedStrategy {
             };
             iteration += 1;
             let progress = iterator.progress();
-            acc.accumulate();
+            if !passthrough {
+                acc.accumulate();
+            }
             let output = {
-                let _context = context::enter(precision, acc.loss_scale());
+                let scale = if precision == MixedPrecision::Fp16 {
+                    acc.loss_scale()
+                } else {
+                    None
+                };
+                let _context = context::enter(precision, scale);
                 let output = learner.train_step(item);
                 if precision == MixedPrecision::Fp16 && !context::loss_was_scaled() {
                     interrupter.fail(training_error(Error::InvalidArgument(
@@ -285,43 +296,57 @@ impl AcceleratedStrategy {
                 }
                 output
             };
-            let model = learner.model();
             let mut grads = output.grads;
-            if let Err(e) = acc.process_gradients(&mut grads, &model) {
-                interrupter.fail(training_error(e));
-                return self.anyone_stops(interrupter, true);
-            }
-            let mut stop = false;
-            if acc.sync_gradients() {
-                if let Some(max_norm) = self.max_grad_norm
-                    && let Err(e) = acc.clip_grad_norm(&model, max_norm)
-                {
+            // Whether this batch ended an accumulation window (every rank is at the same point then), and the
+            // gradients to apply (`None` while accumulating, or after an fp16 overflow: skipped on every rank,
+            // and the scheduler waits).
+            let (synchronising, step) = if passthrough {
+                // One rank, a step per batch, nothing to scale or clip: the pipeline would hand these very
+                // gradients back.
+                (true, Some(grads))
+            } else {
+                let model = learner.model();
+                if let Err(e) = acc.process_gradients(&mut grads, &model) {
                     interrupter.fail(training_error(e));
                     return self.anyone_stops(interrupter, true);
                 }
-                if let Some(grads) = acc.take_step_gradients(&model) {
-                    learner.lr_step();
-                    learner.optimizer_step(grads);
-                    let mut progress = self.progress();
-                    progress.steps += 1;
-                    self.set_progress(progress);
-                    let reached = self.max_steps.is_some_and(|m| progress.steps >= m);
-                    let due = self
-                        .save_every
-                        .is_some_and(|n| progress.steps.is_multiple_of(n));
-                    if due || (reached && self.save_every.is_some()) {
-                        let next_epoch = if acc.gradient_state().end_of_dataloader {
-                            epoch + 1
-                        } else {
-                            epoch
-                        };
-                        if let Err(e) = self.save(learner, store, next_epoch) {
-                            interrupter.fail(training_error(e));
-                            return self.anyone_stops(interrupter, true);
-                        }
+                if !acc.sync_gradients() {
+                    (false, None)
+                } else {
+                    if let Some(max_norm) = self.max_grad_norm
+                        && let Err(e) = acc.clip_grad_norm(&model, max_norm)
+                    {
+                        interrupter.fail(training_error(e));
+                        return self.anyone_stops(interrupter, true);
                     }
-                    stop = reached;
+                    (true, acc.take_step_gradients(&model))
                 }
+            };
+            let mut stop = false;
+            if let Some(grads) = step {
+                learner.lr_step();
+                learner.optimizer_step(grads);
+                let mut progress = self.progress();
+                progress.steps += 1;
+                self.set_progress(progress);
+                let reached = self.max_steps.is_some_and(|m| progress.steps >= m);
+                let due = self
+                    .save_every
+                    .is_some_and(|n| progress.steps.is_multiple_of(n));
+                if due || (reached && self.save_every.is_some()) {
+                    let next_epoch = if acc.gradient_state().end_of_dataloader {
+                        epoch + 1
+                    } else {
+                        epoch
+                    };
+                    if let Err(e) = self.save(learner, store, next_epoch) {
+                        interrupter.fail(training_error(e));
+                        return self.anyone_stops(interrupter, true);
+                    }
+                }
+                stop = reached;
+            }
+            if synchronising {
                 stop = self.anyone_stops(interrupter, stop);
             }
             if main {
