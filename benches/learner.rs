@@ -33,6 +33,16 @@ use stats::{median, paired_ratio};
 const SAMPLES: usize = 16384;
 const BATCH: usize = 32;
 
+/// How long `training` takes to train `start` (Adam, learning rate 1e-3).
+fn timed_launch(training: SupervisedTraining<Mlp>, start: &Mlp) -> Duration {
+    let learner = Learner::new(start.clone(), AdamConfig::new().init(), 1e-3);
+    let t = Instant::now();
+    let result = training.launch(learner);
+    let elapsed = t.elapsed();
+    assert!(result.error.is_none(), "{:?}", result.error);
+    elapsed
+}
+
 fn plain_epoch(start: &Mlp, dir: &std::path::Path) -> Duration {
     let device = Device::default().autodiff();
     let loader = |n, seed| {
@@ -47,12 +57,7 @@ fn plain_epoch(start: &Mlp, dir: &std::path::Path) -> Duration {
         .num_epochs(1)
         .renderer(Box::new(QuietRenderer))
         .with_application_logger(None);
-    let learner = Learner::new(start.clone(), AdamConfig::new().init(), 1e-3);
-    let t = Instant::now();
-    let result = training.launch(learner);
-    let elapsed = t.elapsed();
-    assert!(result.error.is_none(), "{:?}", result.error);
-    elapsed
+    timed_launch(training, start)
 }
 
 /// burn-train's own strategy reading the Accelerator's dataloader: separates the strategy's cost from the
@@ -91,12 +96,7 @@ fn accelerated_epoch_with(start: &Mlp, dir: &std::path::Path, strategy: bool) ->
     } else {
         training
     };
-    let learner = Learner::new(start.clone(), AdamConfig::new().init(), 1e-3);
-    let t = Instant::now();
-    let result = training.launch(learner);
-    let elapsed = t.elapsed();
-    assert!(result.error.is_none(), "{:?}", result.error);
-    elapsed
+    timed_launch(training, start)
 }
 
 fn main() {

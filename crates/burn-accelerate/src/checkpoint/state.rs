@@ -474,18 +474,7 @@ impl LoadedState {
 
     /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
     pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
-        let (_, path, bytes) = Self::next_part(
-            &self.dir,
-            "model",
-            self.manifest.models,
-            &mut self.next_model,
-        )?;
-        let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?.map_err(|e| {
-            corrupt(
-                &path,
-                format!("not a model record (truncated or corrupt?): {e}"),
-            )
-        })?;
+        let (path, record) = self.next_model_record()?;
         guarded(&path, "model", move || model.try_load_record(record))?
             .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))
     }
@@ -511,16 +500,7 @@ impl LoadedState {
                 ),
             ));
         }
-        let record = guarded(&path, "optimizer", || {
-            burn::optim::OptimizerRecord::from_bytes(bytes)
-        })?
-        .map_err(|e| {
-            corrupt(
-                &path,
-                format!("not an optimizer record (truncated or corrupt?): {e}"),
-            )
-        })?;
-        let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
+        let (record, steps) = self.optimizer_record(i, &path, bytes)?;
         let (held, taken) = guarded(&path, "optimizer", || optimizer.restore(record, steps))?;
         if taken != held {
             return Err(corrupt(
@@ -536,6 +516,74 @@ impl LoadedState {
 
     /// Restores the next saved scheduler state into `scheduler` (and its optimizer's learning rate).
     pub fn scheduler(&mut self, scheduler: &mut AcceleratedScheduler) -> Result<()> {
+        let (path, record) = self.next_scheduler_record()?;
+        guarded(&path, "scheduler", || scheduler.restore(record))
+    }
+
+    /// The next model, optimizer (with its step count) and scheduler as Burn records, for burn-train's Learner.
+    #[cfg(feature = "train")]
+    pub(crate) fn records(
+        &mut self,
+    ) -> Result<(
+        ModuleRecord,
+        (burn::optim::OptimizerRecord, u64),
+        burn::lr_scheduler::LrSchedulerRecord,
+    )> {
+        let (_, model) = self.next_model_record()?;
+        let (i, path, bytes) = Self::next_part(
+            &self.dir,
+            "optimizer",
+            self.manifest.optimizers,
+            &mut self.next_optimizer,
+        )?;
+        let optimizer = self.optimizer_record(i, &path, bytes)?;
+        let (_, scheduler) = self.next_scheduler_record()?;
+        Ok((model, optimizer, scheduler))
+    }
+
+    /// The next saved model's record, and its file.
+    fn next_model_record(&mut self) -> Result<(PathBuf, ModuleRecord)> {
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "model",
+            self.manifest.models,
+            &mut self.next_model,
+        )?;
+        let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?.map_err(|e| {
+            corrupt(
+                &path,
+                format!("not a model record (truncated or corrupt?): {e}"),
+            )
+        })?;
+        Ok((path, record))
+    }
+
+    /// Optimizer `i`'s record read from `bytes` (of `path`), with its step count.
+    fn optimizer_record(
+        &self,
+        i: usize,
+        path: &Path,
+        bytes: burn::tensor::Bytes,
+    ) -> Result<(burn::optim::OptimizerRecord, u64)> {
+        let record = guarded(path, "optimizer", || {
+            burn::optim::OptimizerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| {
+            corrupt(
+                path,
+                format!("not an optimizer record (truncated or corrupt?): {e}"),
+            )
+        })?;
+        Ok((
+            record,
+            self.rank.optimizer_steps.get(i).copied().unwrap_or(0),
+        ))
+    }
+
+    /// The next saved scheduler's record, and its file.
+    fn next_scheduler_record(
+        &mut self,
+    ) -> Result<(PathBuf, burn::lr_scheduler::LrSchedulerRecord)> {
         let (_, path, bytes) = Self::next_part(
             &self.dir,
             "scheduler",
@@ -551,48 +599,7 @@ impl LoadedState {
                 format!("not a scheduler record (truncated or corrupt?): {e}"),
             )
         })?;
-        guarded(&path, "scheduler", || scheduler.restore(record))
-    }
-
-    /// The next model, optimizer (with its step count) and scheduler as Burn records, for burn-train's Learner.
-    #[cfg(feature = "train")]
-    pub(crate) fn records(
-        &mut self,
-    ) -> Result<(
-        ModuleRecord,
-        (burn::optim::OptimizerRecord, u64),
-        burn::lr_scheduler::LrSchedulerRecord,
-    )> {
-        let (_, path, bytes) = Self::next_part(
-            &self.dir,
-            "model",
-            self.manifest.models,
-            &mut self.next_model,
-        )?;
-        let model = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?
-            .map_err(|e| corrupt(&path, format!("not a model record: {e}")))?;
-        let (i, path, bytes) = Self::next_part(
-            &self.dir,
-            "optimizer",
-            self.manifest.optimizers,
-            &mut self.next_optimizer,
-        )?;
-        let optimizer = guarded(&path, "optimizer", || {
-            burn::optim::OptimizerRecord::from_bytes(bytes)
-        })?
-        .map_err(|e| corrupt(&path, format!("not an optimizer record: {e}")))?;
-        let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
-        let (_, path, bytes) = Self::next_part(
-            &self.dir,
-            "scheduler",
-            self.manifest.schedulers,
-            &mut self.next_scheduler,
-        )?;
-        let scheduler = guarded(&path, "scheduler", || {
-            burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes)
-        })?
-        .map_err(|e| corrupt(&path, format!("not a scheduler record: {e}")))?;
-        Ok((model, (optimizer, steps), scheduler))
+        Ok((path, record))
     }
 
     /// Checks that every saved model, optimizer and scheduler was restored.
