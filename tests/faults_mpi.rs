@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 #[path = "support/examples.rs"]
 mod examples;
 
-const TIMEOUT_SECS: f64 = 3.0;
+const TIMEOUT_SECS: f64 = 5.0;
 /// mpirun's start and teardown, the diagnosis after a timeout, and a loaded machine.
 const MARGIN_SECS: f64 = 4.0;
 const SIZES: [(&str, usize); 2] = [("small", 1 << 10), ("large", 1 << 20)];
@@ -152,7 +152,7 @@ fn a_silent_rank_is_named_after_the_timeout() {
         for rank in [0, 2] {
             let line = error_line(&run, rank);
             assert!(
-                line.contains("timed out after 3s: rank(s) [1] did not arrive"),
+                line.contains("timed out after 5s: rank(s) [1] did not arrive"),
                 "{size}: {line}"
             );
         }
