@@ -5,7 +5,9 @@
 //! all-reduces `<n>` bytes of f32 (debug mode off):
 //!
 //! - `panic`: panics; `error`: returns an error (exit status 1); `sigkill`: is killed by SIGKILL;
-//! - `collective`: calls `barrier` instead; `length`: all-reduces one element more; `silent`: calls nothing.
+//! - `collective`: calls `barrier` instead; `length`: all-reduces one element more; `silent`: calls nothing;
+//! - `save`: every rank saves a state whose folder the main process cannot create (a file is in the way), so
+//!   the failure happens on rank 0 and must reach the others at once.
 //!
 //! Each rank that gets an error prints `rank <r> got after <secs>s: <error>` and exits with status 1; the test
 //! checks the words and that the whole job ends within the collective timeout plus a small margin.
@@ -32,7 +34,26 @@ fn run(fault: &str, bytes: usize, timeout: Duration) -> Result<(), Box<dyn std::
     accelerator.wait_for_everyone()?;
     let rank = accelerator.process_index();
     let start = Instant::now();
-    let result = if rank == 1 {
+    let result = if fault == "save" {
+        let blocked =
+            std::env::temp_dir().join(format!("mpi-faults-blocked-{}", std::process::id()));
+        if rank == 0 {
+            std::fs::write(&blocked, b"a file, not a folder")?;
+        }
+        accelerator.wait_for_everyone()?;
+        // Every rank names rank 0's path (its pid): only the main process creates the folder.
+        let blocked = accelerator.broadcast_object(&blocked, 0)?;
+        let result = accelerator
+            .save_state(
+                Some(&blocked.join("ckpt")),
+                &burn_accelerate::StateToSave::new(),
+            )
+            .map(|_| ());
+        if rank == 0 {
+            let _ = std::fs::remove_file(&blocked);
+        }
+        result
+    } else if rank == 1 {
         match fault {
             "panic" => panic!("rank 1 panics on purpose"),
             "error" => {
@@ -57,7 +78,7 @@ fn run(fault: &str, bytes: usize, timeout: Duration) -> Result<(), Box<dyn std::
             }
             other => {
                 return Err(format!(
-                    "unknown --fault {other}: use panic, error, sigkill, collective, length or silent"
+                    "unknown --fault {other}: use panic, error, sigkill, collective, length, silent or save"
                 )
                 .into());
             }

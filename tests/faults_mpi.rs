@@ -2,7 +2,7 @@
 //! another collective, all-reduces another length or stays silent, while ranks 0 and 2 all-reduce a small
 //! (< 256 KiB, MPI's non-blocking call) or a large (≥ 256 KiB, MPI's blocking call) buffer with debug mode off.
 //! Every case must end the whole job, with an error naming rank 1 or the mismatch, within the collective timeout
-//! plus a small margin.
+//! plus a small margin. A save that fails on the main process (rank 0) must stop every rank at once.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -162,4 +162,23 @@ fn a_silent_rank_is_named_after_the_timeout() {
             run.elapsed
         );
     }
+}
+
+#[test]
+fn a_save_that_fails_on_the_main_process_stops_every_rank_at_once() {
+    let run = run("save", 1 << 10);
+    let line = error_line(&run, 0);
+    assert!(line.contains("mpi-faults-blocked"), "{line}");
+    for rank in [1, 2] {
+        let line = error_line(&run, rank);
+        assert!(
+            line.contains("save_state: rank 0 failed, so every rank stops"),
+            "{line}"
+        );
+    }
+    assert!(
+        run.elapsed.as_secs_f64() < TIMEOUT_SECS,
+        "not a timeout: {:?}",
+        run.elapsed
+    );
 }
