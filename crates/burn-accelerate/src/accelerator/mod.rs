@@ -422,7 +422,7 @@ impl Accelerator {
         grads: &mut burn::optim::GradientsParams,
         model: &M,
     ) -> Result<()> {
-        self.pipeline.process_params(grads, model)
+        self.pipeline.process(grads, model)
     }
 
     /// The gradients of `model` for an optimizer of your own, when the accumulation window just ended with a

@@ -32,6 +32,24 @@ impl std::fmt::Debug for GradientBuffer {
     }
 }
 
+/// Where the gradients of a backward pass can be taken from, parameter by parameter.
+pub(crate) trait GradSource {
+    /// Removes and returns the gradient of `param`, if there is one.
+    fn take<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<Tensor<D>>;
+}
+
+impl GradSource for Gradients {
+    fn take<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<Tensor<D>> {
+        param.val().grad_remove(self)
+    }
+}
+
+impl GradSource for GradientsParams {
+    fn take<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<Tensor<D>> {
+        self.remove::<D>(param.id)
+    }
+}
+
 /// Moves the gradient of `id` (of rank `rank`) out of `shaped` and flattens it.
 fn take_flat(shaped: &mut GradientsParams, id: ParamId, rank: usize) -> Option<(Shape, Tensor<1>)> {
     macro_rules! ranks {
@@ -75,41 +93,20 @@ impl GradientBuffer {
         *self = Self::default();
     }
 
-    /// Moves the gradients of `module`'s trainable parameters out of `grads` and adds them to the buffer.
-    pub(crate) fn collect<M: Module>(&mut self, module: &M, grads: &mut Gradients) {
-        struct Collect<'a> {
-            grads: &'a mut Gradients,
+    /// Moves the gradients of `module`'s trainable parameters out of `grads` (the autodiff graph's `Gradients`,
+    /// or Burn's optimizer container `GradientsParams`, as burn-train's `TrainStep` returns it) and adds them to
+    /// the buffer.
+    pub(crate) fn collect<M: Module, S: GradSource>(&mut self, module: &M, grads: &mut S) {
+        struct Collect<'a, S> {
+            grads: &'a mut S,
             buffer: &'a mut GradientBuffer,
         }
-        impl ModuleVisitor for Collect<'_> {
+        impl<S: GradSource> ModuleVisitor for Collect<'_, S> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 if !param.is_require_grad() {
                     return;
                 }
-                if let Some(grad) = param.val().grad_remove(self.grads) {
-                    self.buffer.add(param.id, grad);
-                }
-            }
-        }
-        module.visit(&mut Collect {
-            grads,
-            buffer: self,
-        });
-    }
-
-    /// Moves the gradients of `module`'s trainable parameters out of `grads` (Burn's optimizer container, as
-    /// burn-train's `TrainStep` returns it) and adds them to the buffer.
-    pub(crate) fn collect_params<M: Module>(&mut self, module: &M, grads: &mut GradientsParams) {
-        struct Collect<'a> {
-            grads: &'a mut GradientsParams,
-            buffer: &'a mut GradientBuffer,
-        }
-        impl ModuleVisitor for Collect<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if !param.is_require_grad() {
-                    return;
-                }
-                if let Some(grad) = self.grads.remove::<D>(param.id) {
+                if let Some(grad) = self.grads.take(param) {
                     self.buffer.add(param.id, grad);
                 }
             }

@@ -20,8 +20,9 @@
 use std::sync::{Mutex, MutexGuard};
 
 use burn::module::Module;
-use burn::tensor::{Gradients, Tensor};
+use burn::tensor::Tensor;
 
+use super::buffer::GradSource;
 use super::step_state::{BackwardPlan, SharedStep};
 use super::sync::{GradientSync, broadcast_module, trainable_params};
 use super::{GradientBuffer, has_non_finite, param_ids};
@@ -106,30 +107,13 @@ impl StepPipeline {
         self.process(&mut grads, model)
     }
 
-    /// The pipeline after `backward`: collects `model`'s gradients from `grads`, then normalises, averages
-    /// across ranks, unscales and decides the step as the accumulation window requires.
-    pub fn process<M: Module>(&self, grads: &mut Gradients, model: &M) -> Result<()> {
-        self.process_with(model, |buffer| buffer.collect(model, grads))
-    }
-
-    /// [`process`](Self::process) for gradients already taken out of the graph (burn-train's `TrainStep`
-    /// returns them as `GradientsParams`).
-    pub fn process_params<M: Module>(
-        &self,
-        grads: &mut burn::optim::GradientsParams,
-        model: &M,
-    ) -> Result<()> {
-        self.process_with(model, |buffer| buffer.collect_params(model, grads))
-    }
-
-    fn process_with<M: Module>(
-        &self,
-        model: &M,
-        collect: impl FnOnce(&mut GradientBuffer),
-    ) -> Result<()> {
+    /// The pipeline after `backward`: collects `model`'s gradients from `grads` (the graph's `Gradients`, or the
+    /// `GradientsParams` burn-train's `TrainStep` returns), then normalises, averages across ranks, unscales and
+    /// decides the step as the accumulation window requires.
+    pub fn process<M: Module, S: GradSource>(&self, grads: &mut S, model: &M) -> Result<()> {
         let mut core = self.shared.lock();
         let before = core.grads.len();
-        collect(&mut core.grads);
+        core.grads.collect(model, grads);
         if before == 0 && core.grads.is_empty() {
             return Err(Error::InvalidArgument(
                 "backward: none of the model's parameters received a gradient; pass the model the loss was \
