@@ -166,20 +166,28 @@ impl StateToSave {
         Ok(self)
     }
 
-    /// Adds a model, optimizer and scheduler given as Burn records (burn-train's Learner keeps its optimizer and
-    /// scheduler to itself and hands out records).
+    /// Adds a burn-train Learner's model, optimizer (after `steps` steps) and scheduler records (the Learner
+    /// keeps its optimizer and scheduler to itself and hands out records; their kind is not known).
     #[cfg(feature = "train")]
     pub(crate) fn records(
         mut self,
-        model: burn::tensor::Bytes,
-        optimizer: (burn::tensor::Bytes, u64, Option<String>),
-        scheduler: burn::tensor::Bytes,
-    ) -> Self {
+        records: crate::learner::LearnerRecords,
+        steps: u64,
+    ) -> Result<Self> {
+        let model = records.model.into_bytes().map_err(record_error("model"))?;
+        let optimizer = records
+            .optimizer
+            .into_bytes()
+            .map_err(record_error("optimizer"))?;
+        let scheduler = records
+            .scheduler
+            .into_bytes()
+            .map_err(record_error("scheduler"))?;
         self.models.push(model.to_vec());
-        self.optimizers.push((optimizer.0.to_vec(), optimizer.1));
-        self.optimizer_kinds.push(optimizer.2);
+        self.optimizers.push((optimizer.to_vec(), steps));
+        self.optimizer_kinds.push(None);
         self.schedulers.push(scheduler.to_vec());
-        self
+        Ok(self)
     }
 
     /// Adds a prepared scheduler.
@@ -482,12 +490,7 @@ impl LoadedState {
     /// Restores the next saved optimizer state into `optimizer`. A state saved from another kind of
     /// optimizer, or for another model, is refused rather than dropped.
     pub fn optimizer(&mut self, optimizer: &mut AcceleratedOptimizer) -> Result<()> {
-        let (i, path, bytes) = Self::next_part(
-            &self.dir,
-            "optimizer",
-            self.manifest.optimizers,
-            &mut self.next_optimizer,
-        )?;
+        let (i, path, record, steps) = self.next_optimizer_record()?;
         if let (Some(Some(saved)), Some(now)) =
             (self.manifest.optimizer_kinds.get(i), optimizer.kind())
             && saved != now
@@ -500,7 +503,6 @@ impl LoadedState {
                 ),
             ));
         }
-        let (record, steps) = self.optimizer_record(i, &path, bytes)?;
         let (held, taken) = guarded(&path, "optimizer", || optimizer.restore(record, steps))?;
         if taken != held {
             return Err(corrupt(
@@ -530,15 +532,9 @@ impl LoadedState {
         burn::lr_scheduler::LrSchedulerRecord,
     )> {
         let (_, model) = self.next_model_record()?;
-        let (i, path, bytes) = Self::next_part(
-            &self.dir,
-            "optimizer",
-            self.manifest.optimizers,
-            &mut self.next_optimizer,
-        )?;
-        let optimizer = self.optimizer_record(i, &path, bytes)?;
+        let (_, _, optimizer, steps) = self.next_optimizer_record()?;
         let (_, scheduler) = self.next_scheduler_record()?;
-        Ok((model, optimizer, scheduler))
+        Ok((model, (optimizer, steps), scheduler))
     }
 
     /// The next saved model's record, and its file.
@@ -558,26 +554,27 @@ impl LoadedState {
         Ok((path, record))
     }
 
-    /// Optimizer `i`'s record read from `bytes` (of `path`), with its step count.
-    fn optimizer_record(
-        &self,
-        i: usize,
-        path: &Path,
-        bytes: burn::tensor::Bytes,
-    ) -> Result<(burn::optim::OptimizerRecord, u64)> {
-        let record = guarded(path, "optimizer", || {
+    /// The next saved optimizer's index, file, record and step count.
+    fn next_optimizer_record(
+        &mut self,
+    ) -> Result<(usize, PathBuf, burn::optim::OptimizerRecord, u64)> {
+        let (i, path, bytes) = Self::next_part(
+            &self.dir,
+            "optimizer",
+            self.manifest.optimizers,
+            &mut self.next_optimizer,
+        )?;
+        let record = guarded(&path, "optimizer", || {
             burn::optim::OptimizerRecord::from_bytes(bytes)
         })?
         .map_err(|e| {
             corrupt(
-                path,
+                &path,
                 format!("not an optimizer record (truncated or corrupt?): {e}"),
             )
         })?;
-        Ok((
-            record,
-            self.rank.optimizer_steps.get(i).copied().unwrap_or(0),
-        ))
+        let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
+        Ok((i, path, record, steps))
     }
 
     /// The next saved scheduler's record, and its file.

@@ -277,16 +277,12 @@ fn write_safetensors_observed<M: Module>(
             // copy of the weights in memory), then synced.
             let (tmp, _) = super::fs::create_temporary(&path)?;
             staged.push((tmp.clone(), path));
-            safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| {
-                let reason = format!("writing {}: {e}", tmp.display());
-                match e {
-                    safetensors::SafeTensorError::IoError(source) => Error::Io {
-                        operation: "writing",
-                        path: tmp.clone(),
-                        source,
-                    },
-                    _ => Error::InvalidArgument(format!("save_model: {reason}")),
-                }
+            safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(source) => io("writing", &tmp)(source),
+                other => Error::InvalidArgument(format!(
+                    "save_model: writing {}: {other}",
+                    tmp.display()
+                )),
             })?;
             std::fs::File::open(&tmp)
                 .and_then(|f| f.sync_all())
@@ -374,7 +370,7 @@ fn commit_weights(
             }
         }
         if redirected {
-            super::fs::sync_dir(dir)?;
+            sync_dir(dir)?;
             let text = serde_json::to_vec_pretty(&live).expect("JSON values");
             super::fs::write_atomic(&index_path, &text)?;
             after_step();

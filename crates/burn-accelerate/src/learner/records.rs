@@ -56,46 +56,33 @@ pub(crate) struct LearnerRecords {
     pub scheduler: LrSchedulerRecord,
 }
 
-type Slots = (
-    Arc<Mutex<Option<ModuleRecord>>>,
-    Arc<Mutex<Option<OptimizerRecord>>>,
-    Arc<Mutex<Option<LrSchedulerRecord>>>,
-);
-
-fn checkpointer<M: LearnerModel>(slots: &Slots) -> LearningCheckpointer<M> {
-    LearningCheckpointer::new(
-        AsyncCheckpointer::new(Slot(slots.0.clone())),
-        AsyncCheckpointer::new(Slot(slots.1.clone())),
-        AsyncCheckpointer::new(Slot(slots.2.clone())),
-        Box::new(Always),
-    )
-}
-
 fn take<R>(slot: &Arc<Mutex<Option<R>>>) -> Option<R> {
     slot.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// The model, optimizer and scheduler records of `learner`.
+/// The model, optimizer and scheduler records of `learner`, taken through burn-train's own checkpointer (its
+/// fields are private); restoring needs no such detour (`Learner::load_model` / `load_optim` /
+/// `load_scheduler`).
 pub(crate) fn records<M: LearnerModel>(
     learner: &Learner<M>,
     store: &EventStoreClient,
 ) -> Option<LearnerRecords> {
-    let slots: Slots = Default::default();
+    let model = Arc::new(Mutex::new(None));
+    let optimizer = Arc::new(Mutex::new(None));
+    let scheduler = Arc::new(Mutex::new(None));
     {
-        let mut checkpointer = checkpointer::<M>(&slots);
+        let mut checkpointer = LearningCheckpointer::<M>::new(
+            AsyncCheckpointer::new(Slot(model.clone())),
+            AsyncCheckpointer::new(Slot(optimizer.clone())),
+            AsyncCheckpointer::new(Slot(scheduler.clone())),
+            Box::new(Always),
+        );
         checkpointer.checkpoint(learner, 0, store);
         // Dropping the checkpointer waits for its writer threads: the slots are filled after this.
     }
     Some(LearnerRecords {
-        model: take(&slots.0)?,
-        optimizer: take(&slots.1)?,
-        scheduler: take(&slots.2)?,
+        model: take(&model)?,
+        optimizer: take(&optimizer)?,
+        scheduler: take(&scheduler)?,
     })
-}
-
-/// Restores `records` into `learner`.
-pub(crate) fn restore<M: LearnerModel>(learner: &mut Learner<M>, records: LearnerRecords) {
-    learner.load_model(records.model);
-    learner.load_optim(records.optimizer);
-    learner.load_scheduler(records.scheduler);
 }

@@ -13,10 +13,10 @@ use burn_train::{
 use serde::{Deserialize, Serialize};
 
 use super::context;
-use super::records::{self, LearnerRecords};
+use super::records;
 use crate::accelerator::Accelerator;
 use crate::checkpoint::StateToSave;
-use crate::comm::ReduceOp;
+use crate::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
 
@@ -151,12 +151,16 @@ impl AcceleratedStrategy {
         if acc.num_processes() == 1 {
             return local;
         }
-        let flag =
-            burn::tensor::Tensor::<1>::from_floats([f32::from(u8::from(local))], acc.device());
-        match acc.reduce(flag, ReduceOp::Max) {
-            Ok(t) => t.into_scalar::<f32>() > 0.0,
+        // One flag per rank, straight through the communicator (no device tensor to build and read back).
+        match acc
+            .state()
+            .comm()
+            .all_reduce(ReduceBuffer::I64(vec![i64::from(local)]), ReduceOp::Max)
+        {
+            Ok(ReduceBuffer::I64(flag)) => flag.first().is_some_and(|f| *f > 0),
+            Ok(_) => true,
             Err(e) => {
-                interrupter.fail(training_error(e));
+                interrupter.fail(training_error(e.into()));
                 true
             }
         }
@@ -175,15 +179,7 @@ impl AcceleratedStrategy {
         let records = records::records(learner, store).ok_or_else(|| {
             Error::InvalidArgument("the Learner did not hand out its records".into())
         })?;
-        let bytes = |r: std::result::Result<burn::tensor::Bytes, burn::store::RecordError>| {
-            r.map_err(|e| Error::InvalidArgument(format!("recording the Learner: {e}")))
-        };
-        let steps = self.progress().steps as u64;
-        let parts = StateToSave::new().records(
-            bytes(records.model.into_bytes())?,
-            (bytes(records.optimizer.into_bytes())?, steps, None),
-            bytes(records.scheduler.into_bytes())?,
-        );
+        let parts = StateToSave::new().records(records, progress.steps as u64)?;
         self.accelerator.save_state(None, &parts).map(|_| ())
     }
 
@@ -197,14 +193,9 @@ impl AcceleratedStrategy {
         let mut state = acc.load_state(None)?;
         let (model, (optimizer, _), scheduler) = state.records()?;
         state.finish()?;
-        records::restore(
-            learner,
-            LearnerRecords {
-                model,
-                optimizer,
-                scheduler,
-            },
-        );
+        learner.load_model(model);
+        learner.load_optim(optimizer);
+        learner.load_scheduler(scheduler);
         Ok(())
     }
 
