@@ -173,7 +173,11 @@ impl ProcessState {
                 }
             }
         };
-        let all = self.comm.all_gather(mine)?;
+        // A rank that failed reports its own error even when the exchange fails too (its peers may be gone).
+        let all = match self.comm.all_gather(mine) {
+            Ok(all) => all,
+            Err(e) => return local.and(Err(e.into())),
+        };
         let value = local?;
         match all.iter().position(|m| !m.is_empty()) {
             None => Ok(value),
