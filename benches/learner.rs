@@ -103,7 +103,7 @@ fn main() {
     let rounds: usize = std::env::var("LEARNER_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(12);
+        .unwrap_or(40);
     let dir = std::env::temp_dir().join(format!("ba-bench-learner-{}", std::process::id()));
     let device = Device::default().autodiff();
     device.seed(0);
