@@ -14,7 +14,7 @@ mod mlp_train_step;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use burn::optim::AdamConfig;
+use burn::optim::{AdamConfig, SgdConfig};
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::learner::LearnerLoader;
 use burn_accelerate::learner::burn_train::metric::LossMetric;
@@ -115,8 +115,11 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
                 }
                 s
             })?;
+            // Plain SGD: weights move linearly with the gradients, so runs whose gradients differ only by float
+            // rounding (2 ranks against 1, 4 micro-batches against 1 batch) stay within 1e-5; Adam divides by the
+            // gradients' own size and turns rounding on near-zero gradients into steps of the learning rate.
             let result =
-                training.launch(Learner::new(start.clone(), AdamConfig::new().init(), 3e-3));
+                training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1));
             assert!(result.error.is_none(), "{:?}", result.error);
             let device = acc.device().clone().inner();
             let eval = burn::data::dataloader::batcher::Batcher::batch(

@@ -363,19 +363,20 @@ fn fp16_gradients_are_unscaled_exactly_once_under_plain_sgd() {
         let fp16 = sgd_step_delta(&start, MixedPrecision::Fp16, ranks);
         assert_eq!(fp16.len(), reference.len());
         for (i, (h, f)) in fp16.iter().zip(&reference).enumerate() {
-            let scale = f.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            assert!(scale > 1e-4, "tensor {i} moved: {scale}");
-            let worst = h
-                .iter()
-                .zip(f)
-                .map(|(h, f)| (h - f).abs())
-                .fold(
-                    0.0f32,
-                    |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
-                );
+            assert_eq!(h.len(), f.len());
+            // Whole-tensor measures: fp16 rounding moves a step by a few per cent (up to 6% seen over random
+            // starts, on the one-element output bias), while a missing or doubled unscale scales all of it by 1024
+            // or 1/1024. A NaN makes both measures NaN, which fails the checks.
+            let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+            let (fp16_norm, f32_norm) = (norm(h), norm(f));
+            assert!(f32_norm > 1e-4, "tensor {i} moved: {f32_norm}");
+            let diff: Vec<f32> = h.iter().zip(f).map(|(h, f)| h - f).collect();
+            let relative_error = norm(&diff) / f32_norm;
+            let ratio = fp16_norm / f32_norm;
             assert!(
-                worst <= 2e-2 * scale,
-                "{ranks} rank(s), tensor {i}: fp16 step differs from f32 by {worst} (largest f32 change {scale})"
+                (0.8..=1.25).contains(&ratio) && relative_error <= 0.25,
+                "{ranks} rank(s), tensor {i}: the fp16 step is {ratio} times the f32 step's size, with a relative \
+                 error of {relative_error}"
             );
         }
     }
