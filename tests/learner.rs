@@ -118,8 +118,7 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
             // Plain SGD: weights move linearly with the gradients, so runs whose gradients differ only by float
             // rounding (2 ranks against 1, 4 micro-batches against 1 batch) stay within 1e-5; Adam divides by the
             // gradients' own size and turns rounding on near-zero gradients into steps of the learning rate.
-            let result =
-                training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1));
+            let result = training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1));
             assert!(result.error.is_none(), "{:?}", result.error);
             let device = acc.device().clone().inner();
             let eval = burn::data::dataloader::batcher::Batcher::batch(
