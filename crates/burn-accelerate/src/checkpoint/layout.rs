@@ -86,6 +86,19 @@ impl WeightLayout {
         }
     }
 
+    /// Whether this layout stores the parameter at `name` (of `dtype` and `shape`, inside `containers`)
+    /// transposed; otherwise its data is stored as Burn holds it (at most its key changes).
+    pub(crate) fn transposes(
+        self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        containers: &[String],
+    ) -> bool {
+        self == WeightLayout::PyTorch
+            && adapter_transposes(&BurnToPyTorchAdapter, name, (dtype, shape), containers)
+    }
+
     /// The key and shape under which this layout stores a parameter of `shape` at `name` (no data is read).
     pub(crate) fn file_key(
         self,
@@ -192,36 +205,80 @@ pub(crate) fn transpose_bytes(
     (rows, cols): (usize, usize),
     dtype: DType,
 ) -> TensorData {
-    let size = dtype.size();
     let mut dst = vec![0u8; src.len()];
-    macro_rules! tiles {
-        ($t:ty) => {{
-            const N: usize = std::mem::size_of::<$t>();
-            const TILE: usize = 32;
-            for r0 in (0..rows).step_by(TILE) {
-                for c0 in (0..cols).step_by(TILE) {
-                    for r in r0..(r0 + TILE).min(rows) {
-                        for c in c0..(c0 + TILE).min(cols) {
-                            let from = (r * cols + c) * N;
-                            let to = (c * rows + r) * N;
-                            let v = <$t>::from_ne_bytes(
-                                src[from..from + N].try_into().expect("N bytes"),
-                            );
-                            dst[to..to + N].copy_from_slice(&v.to_ne_bytes());
+    let typed = match dtype.size() {
+        1 => transpose_as::<u8>(src, &mut dst, rows, cols),
+        2 => transpose_as::<u16>(src, &mut dst, rows, cols),
+        4 => transpose_as::<u32>(src, &mut dst, rows, cols),
+        8 => transpose_as::<u64>(src, &mut dst, rows, cols),
+        other => unreachable!("checked by adapter_transposes: element size {other}"),
+    };
+    if !typed {
+        transpose_unaligned(src, &mut dst, rows, cols, dtype.size());
+    }
+    TensorData::from_bytes_vec(dst, vec![cols, rows], dtype)
+}
+
+/// Transposes `src` into `dst` as elements of `T` (a plain integer type of the elements' width), if both are
+/// aligned for `T`; returns whether it did.
+fn transpose_as<T: Copy + Default>(src: &[u8], dst: &mut [u8], rows: usize, cols: usize) -> bool {
+    // SAFETY: `T` is an integer type, valid for every bit pattern; `align_to` only reinterprets the aligned
+    // middle of each slice, and the transposition is used only when there is nothing outside it.
+    let (src_head, src_elems, src_tail) = unsafe { src.align_to::<T>() };
+    let (dst_head, dst_elems, dst_tail) = unsafe { dst.align_to_mut::<T>() };
+    if !(src_head.is_empty() && src_tail.is_empty() && dst_head.is_empty() && dst_tail.is_empty()) {
+        return false;
+    }
+    transpose_elements(src_elems, dst_elems, rows, cols);
+    true
+}
+
+/// The transpose of the row-major `rows × cols` matrix `src`, into `dst`: in cache-sized tiles, each made of
+/// 8 × 8 blocks read as 8 contiguous rows and written as 8 contiguous rows (the compiler turns both into
+/// vector loads and stores), then the edges element by element.
+fn transpose_elements<T: Copy + Default>(src: &[T], dst: &mut [T], rows: usize, cols: usize) {
+    assert!(src.len() == rows * cols && dst.len() == rows * cols);
+    const B: usize = 8;
+    const TILE: usize = 64;
+    let (full_rows, full_cols) = (rows - rows % B, cols - cols % B);
+    for r0 in (0..full_rows).step_by(TILE) {
+        for c0 in (0..full_cols).step_by(TILE) {
+            for r in (r0..(r0 + TILE).min(full_rows)).step_by(B) {
+                for c in (c0..(c0 + TILE).min(full_cols)).step_by(B) {
+                    let mut block = [[T::default(); B]; B];
+                    for (i, line) in block.iter_mut().enumerate() {
+                        let start = (r + i) * cols + c;
+                        line.copy_from_slice(&src[start..start + B]);
+                    }
+                    for (j, column) in (c..c + B).enumerate() {
+                        let start = column * rows + r;
+                        let out = &mut dst[start..start + B];
+                        for (i, v) in out.iter_mut().enumerate() {
+                            *v = block[i][j];
                         }
                     }
                 }
             }
-        }};
+        }
     }
-    match size {
-        1 => tiles!(u8),
-        2 => tiles!(u16),
-        4 => tiles!(u32),
-        8 => tiles!(u64),
-        other => unreachable!("checked by adapter_transposes: element size {other}"),
+    // The last rows % B rows and cols % B columns.
+    for r in 0..rows {
+        let from = if r < full_rows { full_cols } else { 0 };
+        for c in from..cols {
+            dst[c * rows + r] = src[r * cols + c];
+        }
     }
-    TensorData::from_bytes_vec(dst, vec![cols, rows], dtype)
+}
+
+/// [`transpose_elements`] byte by byte, for buffers not aligned to the element size.
+fn transpose_unaligned(src: &[u8], dst: &mut [u8], rows: usize, cols: usize, size: usize) {
+    for r in 0..rows {
+        for c in 0..cols {
+            let from = (r * cols + c) * size;
+            let to = (c * rows + r) * size;
+            dst[to..to + size].copy_from_slice(&src[from..from + size]);
+        }
+    }
 }
 
 /// Ordered key-renaming rules: each regex replaces every match in the key, in turn (burn-store's
@@ -331,6 +388,19 @@ mod tests {
             assert_eq!(fast.as_bytes(), slow.as_bytes(), "{dtype:?}");
             // And back.
             assert_eq!(transpose_2d(&fast).as_bytes(), data.as_bytes());
+            // From bytes that are not aligned to the element size (a file whose tensors are not), the same.
+            let mut shifted = vec![0u8; data.as_bytes().len() + 1];
+            shifted[1..].copy_from_slice(data.as_bytes());
+            if size > 1 {
+                let shifted = &shifted[1..];
+                assert_ne!(shifted.as_ptr() as usize % size, 0);
+                let unaligned = transpose_bytes(shifted, (rows, cols), dtype);
+                assert_eq!(
+                    unaligned.as_bytes(),
+                    slow.as_bytes(),
+                    "{dtype:?}, unaligned"
+                );
+            }
         }
         // A bias (1-D) and a non-Linear 2-D parameter are not transposed.
         let embedding = vec!["Struct:Net".to_string(), "Struct:Embedding".to_string()];

@@ -10,6 +10,7 @@ mod checkpointer;
 pub(crate) mod fs;
 pub mod layout;
 pub mod state;
+mod stream;
 pub mod weights;
 
 pub(crate) use checkpointer::Checkpointer;

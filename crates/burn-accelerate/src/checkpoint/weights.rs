@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 
 use super::fs::{io, read, sync_dir};
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
+use super::stream::{BandReader, Content, TensorToWrite, band_reader};
 use crate::error::{Error, Result};
 
 /// Name of a single-file checkpoint.
@@ -58,25 +59,6 @@ fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-fn to_safetensors_dtype(dtype: DType) -> Option<Dtype> {
-    Some(match dtype {
-        DType::F64 => Dtype::F64,
-        DType::F32 | DType::Flex32 => Dtype::F32,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-        DType::I64 => Dtype::I64,
-        DType::I32 => Dtype::I32,
-        DType::I16 => Dtype::I16,
-        DType::I8 => Dtype::I8,
-        DType::U64 => Dtype::U64,
-        DType::U32 => Dtype::U32,
-        DType::U16 => Dtype::U16,
-        DType::U8 => Dtype::U8,
-        DType::Bool(_) => Dtype::BOOL,
-        DType::QFloat(_) => return None,
-    })
-}
-
 fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
     Some(match dtype {
         Dtype::F64 => DType::F64,
@@ -96,15 +78,26 @@ fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
     })
 }
 
-/// One named tensor read from a module.
+/// One named parameter of a module.
 struct Named {
     name: String,
-    data: TensorData,
+    tensor: Held,
     /// The module types around it, outermost first (`Struct:Net`, `Struct:Linear`).
     containers: Vec<String>,
 }
 
-/// Every parameter of `module` with its dotted path (`encoder.layers.0.weight`), in visiting order.
+/// A parameter's values: copied to the host, or left on its device to be read in bands when written.
+enum Held {
+    Host(TensorData),
+    Device {
+        dtype: DType,
+        shape: Vec<usize>,
+        read: BandReader,
+    },
+}
+
+/// Every parameter of `module` with its dotted path (`encoder.layers.0.weight`), in visiting order. Float
+/// parameters stay on their device (a save reads them band by band); others are copied to the host now.
 fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
     struct Collect {
         out: Vec<Named>,
@@ -118,11 +111,7 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
                 return;
             }
             match tensor.clone().try_into_data() {
-                Ok(data) => self.out.push(Named {
-                    name: self.stack.join("."),
-                    data,
-                    containers: self.containers.clone(),
-                }),
+                Ok(data) => self.push_held(Held::Host(data)),
                 Err(e) => {
                     self.error = Some(Error::Execution {
                         operation: "save_model",
@@ -131,6 +120,13 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
                     })
                 }
             }
+        }
+        fn push_held(&mut self, tensor: Held) {
+            self.out.push(Named {
+                name: self.stack.join("."),
+                tensor,
+                containers: self.containers.clone(),
+            });
         }
     }
     impl ModuleVisitor for Collect {
@@ -143,7 +139,26 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
             self.containers.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.push(&param.val());
+            let tensor = param.val();
+            // The plain values: reading bands must not add operations to an autodiff graph.
+            let tensor = if tensor.is_autodiff() {
+                tensor.inner()
+            } else {
+                tensor
+            };
+            match tensor.dtype() {
+                dtype @ (DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+                    if self.error.is_none() =>
+                {
+                    self.push_held(Held::Device {
+                        dtype,
+                        shape: tensor.dims().to_vec(),
+                        read: band_reader(tensor),
+                    })
+                }
+                // Quantized and other packed floats are copied whole (and refused by the writer if unsupported).
+                _ => self.push(&tensor),
+            }
         }
         fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
             self.push(&param.val());
@@ -206,32 +221,48 @@ fn write_safetensors_observed<M: Module>(
     after_step: &mut dyn FnMut(),
 ) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
-    let mut tensors = Vec::new();
+    let mut tensors: Vec<TensorToWrite> = Vec::new();
     let mut keys = std::collections::HashSet::new();
     for t in named_tensors(module)? {
-        let (key, data) = layout.stored(t.name.clone(), t.data, &t.containers)?;
-        let key = remap.apply(&key).unwrap_or(key);
+        let stored = match t.tensor {
+            Held::Host(data) => {
+                let (key, data) = layout.stored(t.name.clone(), data, &t.containers)?;
+                TensorToWrite {
+                    key,
+                    dtype: data.dtype(),
+                    shape: data.shape().to_vec(),
+                    content: Content::Host(data),
+                }
+            }
+            Held::Device { dtype, shape, read } => {
+                let transposed = layout.transposes(&t.name, dtype, &shape, &t.containers);
+                let (key, shape) = layout.file_key(&t.name, dtype, &shape, &t.containers);
+                TensorToWrite {
+                    key,
+                    dtype,
+                    shape,
+                    content: Content::Bands { read, transposed },
+                }
+            }
+        };
+        let key = remap.apply(&stored.key).unwrap_or(stored.key);
         if !keys.insert(key.clone()) {
             return Err(Error::InvalidArgument(format!(
                 "save_model: two tensors would be saved as `{key}` (the last is `{}`); change the key remapping",
                 t.name
             )));
         }
-        tensors.push(Named {
-            name: key,
-            data,
-            containers: t.containers,
-        });
+        tensors.push(TensorToWrite { key, ..stored });
     }
     if tensors.is_empty() {
         return Err(Error::InvalidArgument(
             "save_model: the model has no parameters to save".into(),
         ));
     }
-    let mut shards: Vec<Vec<&Named>> = vec![Vec::new()];
+    let mut shards: Vec<Vec<&TensorToWrite>> = vec![Vec::new()];
     let mut current = 0u64;
     for t in &tensors {
-        let size = t.data.as_bytes().len() as u64;
+        let size = t.byte_len() as u64;
         if current + size > max_shard_size && !shards.last().expect("one shard").is_empty() {
             shards.push(Vec::new());
             current = 0;
@@ -253,40 +284,19 @@ fn write_safetensors_observed<M: Module>(
     let mut stage = || -> Result<()> {
         for (i, shard) in shards.iter().enumerate() {
             let file = name_of(i);
-            let mut views = Vec::with_capacity(shard.len());
             for t in shard {
-                let dtype = to_safetensors_dtype(t.data.dtype()).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "save_model: tensor `{}` is quantized; dequantize it first",
-                        t.name
-                    ))
-                })?;
-                let view = TensorView::new(dtype, t.data.shape().to_vec(), t.data.as_bytes())
-                    .map_err(|e| {
-                        Error::InvalidArgument(format!("save_model: tensor `{}`: {e}", t.name))
-                    })?;
-                views.push((t.name.clone(), view));
-                weight_map.insert(t.name.clone(), file.clone());
-                total_size += t.data.as_bytes().len() as u64;
+                weight_map.insert(t.key.clone(), file.clone());
+                total_size += t.byte_len() as u64;
             }
             let mut metadata = HashMap::new();
             metadata.insert("format".to_string(), "pt".to_string());
             metadata.insert(LAYOUT_KEY.to_string(), layout.tag().to_string());
             let path = dir.join(&file);
-            // An exclusively created temporary (never a pre-existing file or link), streamed to (no second
-            // copy of the weights in memory), then synced.
-            let (tmp, _) = super::fs::create_temporary(&path)?;
+            // An exclusively created temporary (never a pre-existing file or link), streamed to band by band
+            // (no copy of the weights in memory), then synced.
+            let (tmp, handle) = super::fs::create_temporary(&path)?;
             staged.push((tmp.clone(), path));
-            safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| match e {
-                safetensors::SafeTensorError::IoError(source) => io("writing", &tmp)(source),
-                other => Error::InvalidArgument(format!(
-                    "save_model: writing {}: {other}",
-                    tmp.display()
-                )),
-            })?;
-            std::fs::File::open(&tmp)
-                .and_then(|f| f.sync_all())
-                .map_err(io("syncing", &tmp))?;
+            super::stream::write_file(handle, &tmp, shard, metadata)?;
         }
         Ok(())
     };
