@@ -102,11 +102,10 @@ impl HostAllReduce {
         grads: &mut GradientBuffer,
         bucket: &[(ParamId, usize)],
         scale: f32,
-        like: &Tensor<1>,
+        (device, dtype): (&burn::tensor::Device, DType),
     ) -> Result<()> {
-        let (device, dtype) = (like.device(), like.dtype());
         // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
-        let zeros = |n: usize| Tensor::zeros([n], (&device, dtype));
+        let zeros = |n: usize| Tensor::zeros([n], (device, dtype));
         if let [(id, n)] = bucket {
             if !grads.replace_flat(*id, |flat| self.average_flat(flat, scale))? {
                 grads.set_flat(*id, self.average_flat(zeros(*n), scale)?);
@@ -187,12 +186,19 @@ impl GradientSync for HostAllReduce {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
-        let Some(like) = params.iter().find_map(|(id, _)| grads.flat(&[*id]).pop()) else {
+        // Only the device and dtype of a gradient: a clone of it kept here would share its memory, and moving
+        // that gradient to the host would then copy it instead of taking it.
+        let Some((device, dtype)) = params.iter().find_map(|(id, _)| {
+            grads
+                .flat(&[*id])
+                .pop()
+                .map(|like| (like.device(), like.dtype()))
+        }) else {
             return Ok(());
         };
         let max_elems = (self.bucket_bytes / 4).max(1);
         for bucket in buckets(params, max_elems, ALONE_ELEMENTS.min(max_elems)) {
-            self.average_bucket(grads, bucket, scale, &like)?;
+            self.average_bucket(grads, bucket, scale, (&device, dtype))?;
         }
         Ok(())
     }
