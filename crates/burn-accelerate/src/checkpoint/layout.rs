@@ -62,14 +62,8 @@ impl WeightLayout {
         match self {
             WeightLayout::Burn => Ok((name, data)),
             WeightLayout::PyTorch => {
-                let transposes = adapter_transposes(
-                    &BurnToPyTorchAdapter,
-                    &name,
-                    (data.dtype(), data.shape().as_slice()),
-                    containers,
-                );
                 let (key, _) = self.file_key(&name, data.dtype(), data.shape(), containers);
-                if transposes {
+                if self.transposes(&name, data.dtype(), data.shape(), containers) {
                     return Ok((key, transpose_2d(&data)));
                 }
                 let adapted = BurnToPyTorchAdapter.adapt(

@@ -3,11 +3,12 @@
 //!
 //! A large parameter is read from its device in bands of about [`BAND_BYTES`] along its stored first
 //! dimension, each band already in the stored layout (a Linear weight saved in PyTorch's layout is read as
-//! bands of columns, transposed by the backend's own strided copy), and written before the next is read. So
-//! a save costs one copy of each band on top of the write itself, and the memory it needs is one band, not the
-//! model: on CPU backends fresh allocations of the model's size cost more than the writing (every new page is
-//! faulted in), and a 10 GB model no longer needs 10 GB free to be saved. The bytes are those the
-//! `safetensors` crate writes for the same tensors (same header, same order).
+//! bands of columns, transposed by the backend's own strided copy), and handed to a writer thread, which
+//! writes it while the next band is read. So a save costs one copy of each band on top of the write itself,
+//! and the memory it needs is a few bands (at most four), not the model: on CPU backends fresh allocations of
+//! the model's size cost more than the writing (every new page is faulted in), and a 10 GB model no longer
+//! needs 10 GB free to be saved. The bytes are those the `safetensors` crate writes for the same tensors (same
+//! header, same order).
 
 use std::collections::HashMap;
 use std::io::Write;

@@ -139,6 +139,9 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
             self.containers.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.error.is_some() {
+                return;
+            }
             let tensor = param.val();
             // The plain values: reading bands must not add operations to an autodiff graph.
             let tensor = if tensor.is_autodiff() {
@@ -147,9 +150,7 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
                 tensor
             };
             match tensor.dtype() {
-                dtype @ (DType::F64 | DType::F32 | DType::F16 | DType::BF16)
-                    if self.error.is_none() =>
-                {
+                dtype @ (DType::F64 | DType::F32 | DType::F16 | DType::BF16) => {
                     self.push_held(Held::Device {
                         dtype,
                         shape: tensor.dims().to_vec(),
