@@ -74,6 +74,7 @@ pub mod env;
 pub mod error;
 pub mod gatherable;
 pub mod grad;
+mod host_data;
 mod launch;
 #[cfg(feature = "train")]
 pub mod learner;

@@ -127,18 +127,19 @@ impl WeightLayout {
         bytes: &[u8],
         containers: &[String],
     ) -> std::result::Result<TensorData, String> {
+        if bytes.len() != shape.iter().product::<usize>() * dtype.size() {
+            return Err(format!(
+                "{} bytes for shape {shape:?} of {dtype:?}",
+                bytes.len()
+            ));
+        }
         if self == WeightLayout::PyTorch
             && adapter_transposes(&PyTorchToBurnAdapter, name, (dtype, shape), containers)
         {
-            if bytes.len() != shape.iter().product::<usize>() * dtype.size() {
-                return Err(format!(
-                    "{} bytes for shape {shape:?} of {dtype:?}",
-                    bytes.len()
-                ));
-            }
             return Ok(transpose_bytes(bytes, (shape[0], shape[1]), dtype));
         }
-        let data = TensorData::from_bytes_vec(bytes.to_vec(), shape.to_vec(), dtype);
+        let data =
+            crate::host_data::filled(shape.to_vec(), dtype, |dst| dst.copy_from_slice(bytes));
         match self {
             WeightLayout::Burn => Ok(data),
             // Not transposed: the adapter only renames (the data passes through).
@@ -199,23 +200,28 @@ pub(crate) fn transpose_bytes(
     (rows, cols): (usize, usize),
     dtype: DType,
 ) -> TensorData {
-    let mut dst = vec![0u8; src.len()];
-    let typed = match dtype.size() {
-        1 => transpose_as::<u8>(src, &mut dst, rows, cols),
-        2 => transpose_as::<u16>(src, &mut dst, rows, cols),
-        4 => transpose_as::<u32>(src, &mut dst, rows, cols),
-        8 => transpose_as::<u64>(src, &mut dst, rows, cols),
-        other => unreachable!("checked by adapter_transposes: element size {other}"),
-    };
-    if !typed {
-        transpose_unaligned(src, &mut dst, rows, cols, dtype.size());
-    }
-    TensorData::from_bytes_vec(dst, vec![cols, rows], dtype)
+    crate::host_data::filled(vec![cols, rows], dtype, |dst| {
+        let typed = match dtype.size() {
+            1 => transpose_as::<u8>(src, dst, rows, cols),
+            2 => transpose_as::<u16>(src, dst, rows, cols),
+            4 => transpose_as::<u32>(src, dst, rows, cols),
+            8 => transpose_as::<u64>(src, dst, rows, cols),
+            other => unreachable!("checked by adapter_transposes: element size {other}"),
+        };
+        if !typed {
+            transpose_unaligned(src, dst, rows, cols, dtype.size());
+        }
+    })
 }
 
 /// Transposes `src` into `dst` as elements of `T` (a plain integer type of the elements' width), if both are
 /// aligned for `T`; returns whether it did.
-fn transpose_as<T: Copy + Default>(src: &[u8], dst: &mut [u8], rows: usize, cols: usize) -> bool {
+fn transpose_as<T: Copy + Default + Send + Sync>(
+    src: &[u8],
+    dst: &mut [u8],
+    rows: usize,
+    cols: usize,
+) -> bool {
     // SAFETY: `T` is an integer type, valid for every bit pattern; `align_to` only reinterprets the aligned
     // middle of each slice, and the transposition is used only when there is nothing outside it.
     let (src_head, src_elems, src_tail) = unsafe { src.align_to::<T>() };
@@ -227,26 +233,74 @@ fn transpose_as<T: Copy + Default>(src: &[u8], dst: &mut [u8], rows: usize, cols
     true
 }
 
-/// The transpose of the row-major `rows × cols` matrix `src`, into `dst`: in cache-sized tiles, each made of
-/// 8 × 8 blocks read as 8 contiguous rows and written as 8 contiguous rows (the compiler turns both into
-/// vector loads and stores), then the edges element by element.
-fn transpose_elements<T: Copy + Default>(src: &[T], dst: &mut [T], rows: usize, cols: usize) {
+/// Matrices of at least this many bytes are transposed by several threads, each writing its own band of the
+/// output (below it, starting threads costs more than it saves).
+const PARALLEL_TRANSPOSE_BYTES: usize = 1 << 20;
+
+/// The 8 × 8 blocks [`transpose_columns`] moves at once.
+const BLOCK: usize = 8;
+
+/// The transpose of the row-major `rows × cols` matrix `src`, into `dst`. Large matrices are split into bands
+/// of output rows (source columns), one per core, transposed side by side; each thread also takes the page
+/// faults of its band of the fresh output.
+fn transpose_elements<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    dst: &mut [T],
+    rows: usize,
+    cols: usize,
+) {
     assert!(src.len() == rows * cols && dst.len() == rows * cols);
-    const B: usize = 8;
+    if src.is_empty() {
+        return;
+    }
+    let threads = if std::mem::size_of_val(src) >= PARALLEL_TRANSPOSE_BYTES {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+    } else {
+        1
+    };
+    let band = cols.div_ceil(threads).next_multiple_of(BLOCK);
+    if band >= cols {
+        return transpose_columns(src, dst, rows, cols, 0);
+    }
+    std::thread::scope(|scope| {
+        let mut bands = dst.chunks_mut(band * rows).enumerate().peekable();
+        while let Some((i, part)) = bands.next() {
+            if bands.peek().is_some() {
+                scope.spawn(move || transpose_columns(src, part, rows, cols, i * band));
+            } else {
+                transpose_columns(src, part, rows, cols, i * band);
+            }
+        }
+    });
+}
+
+/// Columns `first..` of the row-major `rows × cols` matrix `src`, transposed into `dst` (which holds as many
+/// whole output rows as it has room for; `first` is a multiple of [`BLOCK`]): in cache-sized tiles, each made
+/// of 8 × 8 blocks read as 8 contiguous rows and written as 8 contiguous rows (the compiler turns both into
+/// vector loads and stores), then the edges element by element.
+fn transpose_columns<T: Copy + Default>(
+    src: &[T],
+    dst: &mut [T],
+    rows: usize,
+    cols: usize,
+    first: usize,
+) {
     const TILE: usize = 64;
-    let (full_rows, full_cols) = (rows - rows % B, cols - cols % B);
+    let last = first + dst.len() / rows;
+    let full_rows = rows - rows % BLOCK;
+    let full_end = first + (last - first) / BLOCK * BLOCK;
     for r0 in (0..full_rows).step_by(TILE) {
-        for c0 in (0..full_cols).step_by(TILE) {
-            for r in (r0..(r0 + TILE).min(full_rows)).step_by(B) {
-                for c in (c0..(c0 + TILE).min(full_cols)).step_by(B) {
-                    let mut block = [[T::default(); B]; B];
+        for c0 in (first..full_end).step_by(TILE) {
+            for r in (r0..(r0 + TILE).min(full_rows)).step_by(BLOCK) {
+                for c in (c0..(c0 + TILE).min(full_end)).step_by(BLOCK) {
+                    let mut block = [[T::default(); BLOCK]; BLOCK];
                     for (i, line) in block.iter_mut().enumerate() {
                         let start = (r + i) * cols + c;
-                        line.copy_from_slice(&src[start..start + B]);
+                        line.copy_from_slice(&src[start..start + BLOCK]);
                     }
-                    for (j, column) in (c..c + B).enumerate() {
-                        let start = column * rows + r;
-                        let out = &mut dst[start..start + B];
+                    for (j, column) in (c..c + BLOCK).enumerate() {
+                        let start = (column - first) * rows + r;
+                        let out = &mut dst[start..start + BLOCK];
                         for (i, v) in out.iter_mut().enumerate() {
                             *v = block[i][j];
                         }
@@ -255,11 +309,11 @@ fn transpose_elements<T: Copy + Default>(src: &[T], dst: &mut [T], rows: usize, 
             }
         }
     }
-    // The last rows % B rows and cols % B columns.
+    // The last rows % BLOCK rows and the columns past the last whole block.
     for r in 0..rows {
-        let from = if r < full_rows { full_cols } else { 0 };
-        for c in from..cols {
-            dst[c * rows + r] = src[r * cols + c];
+        let from = if r < full_rows { full_end } else { first };
+        for c in from..last {
+            dst[(c - first) * rows + r] = src[r * cols + c];
         }
     }
 }
@@ -396,6 +450,28 @@ mod tests {
                 );
             }
         }
+        // Matrices large enough to be split between threads, of shapes that leave ragged edges and bands.
+        for (rows, cols) in [
+            (523, 611),
+            (1, 300_000),
+            (300_000, 1),
+            (1030, 257),
+            (8, 40_000),
+        ] {
+            let src: Vec<u32> = (0..rows * cols).map(|i| i as u32).collect();
+            let mut dst = vec![0u32; rows * cols];
+            transpose_elements(&src, &mut dst, rows, cols);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        dst[c * rows + r],
+                        src[r * cols + c],
+                        "{rows}x{cols} at ({r}, {c})"
+                    );
+                }
+            }
+        }
+        transpose_elements::<u32>(&[], &mut [], 0, 5);
         // A bias (1-D) and a non-Linear 2-D parameter are not transposed.
         let embedding = vec!["Struct:Net".to_string(), "Struct:Embedding".to_string()];
         let data = TensorData::from_bytes_vec(vec![0u8; 24], vec![2, 3], DType::F32);

@@ -139,11 +139,15 @@ pub fn gather<const D: usize, K: Basic>(
     let mut shape = first.shape.clone();
     shape[0] = parts.iter().map(|p| p.shape[0]).sum();
     let dtype = first.dtype;
-    let bytes: Vec<u8> = parts.into_iter().flat_map(|p| p.bytes).collect();
-    Ok(to_tensor(
-        TensorData::from_bytes_vec(bytes, shape, dtype),
-        &device,
-    ))
+    // Each part was checked against its shape when decoded, so together they fill the gathered shape.
+    let data = crate::host_data::filled(shape, dtype, |out| {
+        let mut at = 0;
+        for part in &parts {
+            out[at..at + part.bytes.len()].copy_from_slice(&part.bytes);
+            at += part.bytes.len();
+        }
+    });
+    Ok(to_tensor(data, &device))
 }
 
 /// Combines every rank's tensor element-wise with `op`; every rank gets the result, in the input's dtype.
