@@ -82,6 +82,11 @@ fn main() -> burn_accelerate::Result<()> {
         write.push(timed(|| {
             std::fs::write(&raw_path, &payload).expect("write")
         }));
+        // Not timed: the unsynced write's dirty pages would otherwise be written back during the next round's
+        // save, and slow it down.
+        std::fs::File::open(&raw_path)
+            .and_then(|f| f.sync_all())
+            .expect("sync");
         let target = fresh();
         load.push(timed(|| {
             let loaded = accelerator

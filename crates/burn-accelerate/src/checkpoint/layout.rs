@@ -200,27 +200,52 @@ pub(crate) fn transpose_bytes(
     (rows, cols): (usize, usize),
     dtype: DType,
 ) -> TensorData {
-    crate::host_data::filled(vec![cols, rows], dtype, |dst| {
+    transposed_columns(src, (rows, cols), dtype, 0..cols, Parallel::Yes)
+}
+
+/// Whether a large transpose may use every core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Parallel {
+    /// Split between as many threads as there are cores.
+    Yes,
+    /// On the calling thread only (e.g. when another thread already works beside it).
+    No,
+}
+
+/// The columns `columns` of the row-major `rows × cols` elements of `dtype` in `src`, as the rows of a
+/// `columns.len() × rows` tensor: one band of the transpose (a save writes a large transposed weight band by
+/// band).
+pub(crate) fn transposed_columns(
+    src: &[u8],
+    (rows, cols): (usize, usize),
+    dtype: DType,
+    columns: std::ops::Range<usize>,
+    parallel: Parallel,
+) -> TensorData {
+    assert!(src.len() == rows * cols * dtype.size() && columns.end <= cols);
+    let first = columns.start;
+    crate::host_data::filled(vec![columns.len(), rows], dtype, |dst| {
         let typed = match dtype.size() {
-            1 => transpose_as::<u8>(src, dst, rows, cols),
-            2 => transpose_as::<u16>(src, dst, rows, cols),
-            4 => transpose_as::<u32>(src, dst, rows, cols),
-            8 => transpose_as::<u64>(src, dst, rows, cols),
+            1 => transpose_as::<u8>(src, dst, (rows, cols), first, parallel),
+            2 => transpose_as::<u16>(src, dst, (rows, cols), first, parallel),
+            4 => transpose_as::<u32>(src, dst, (rows, cols), first, parallel),
+            8 => transpose_as::<u64>(src, dst, (rows, cols), first, parallel),
             other => unreachable!("checked by adapter_transposes: element size {other}"),
         };
         if !typed {
-            transpose_unaligned(src, dst, rows, cols, dtype.size());
+            transpose_unaligned(src, dst, (rows, cols), first, dtype.size());
         }
     })
 }
 
-/// Transposes `src` into `dst` as elements of `T` (a plain integer type of the elements' width), if both are
-/// aligned for `T`; returns whether it did.
+/// Transposes columns `first..` of `src` into `dst` as elements of `T` (a plain integer type of the elements'
+/// width), if both are aligned for `T`; returns whether it did.
 fn transpose_as<T: Copy + Default + Send + Sync>(
     src: &[u8],
     dst: &mut [u8],
-    rows: usize,
-    cols: usize,
+    (rows, cols): (usize, usize),
+    first: usize,
+    parallel: Parallel,
 ) -> bool {
     // SAFETY: `T` is an integer type, valid for every bit pattern; `align_to` only reinterprets the aligned
     // middle of each slice, and the transposition is used only when there is nothing outside it.
@@ -229,7 +254,7 @@ fn transpose_as<T: Copy + Default + Send + Sync>(
     if !(src_head.is_empty() && src_tail.is_empty() && dst_head.is_empty() && dst_tail.is_empty()) {
         return false;
     }
-    transpose_elements(src_elems, dst_elems, rows, cols);
+    transpose_elements(src_elems, dst_elems, (rows, cols), first, parallel);
     true
 }
 
@@ -240,49 +265,52 @@ const PARALLEL_TRANSPOSE_BYTES: usize = 1 << 20;
 /// The 8 × 8 blocks [`transpose_columns`] moves at once.
 const BLOCK: usize = 8;
 
-/// The transpose of the row-major `rows × cols` matrix `src`, into `dst`. Large matrices are split into bands
-/// of output rows (source columns), one per core, transposed side by side; each thread also takes the page
-/// faults of its band of the fresh output.
+/// Columns `first..` of the row-major `rows × cols` matrix `src`, transposed into `dst` (as many as it has
+/// room for). Large outputs are split, when `parallel` allows, into bands of output rows, one per core,
+/// transposed side by side; each thread also takes the page faults of its band of a fresh output.
 fn transpose_elements<T: Copy + Default + Send + Sync>(
     src: &[T],
     dst: &mut [T],
-    rows: usize,
-    cols: usize,
+    (rows, cols): (usize, usize),
+    first: usize,
+    parallel: Parallel,
 ) {
-    assert!(src.len() == rows * cols && dst.len() == rows * cols);
-    if src.is_empty() {
+    assert!(src.len() == rows * cols && dst.len() % rows.max(1) == 0);
+    if dst.is_empty() {
         return;
     }
-    let threads = if std::mem::size_of_val(src) >= PARALLEL_TRANSPOSE_BYTES {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
-    } else {
-        1
-    };
-    let band = cols.div_ceil(threads).next_multiple_of(BLOCK);
-    if band >= cols {
-        return transpose_columns(src, dst, rows, cols, 0);
+    let count = dst.len() / rows;
+    assert!(first + count <= cols);
+    let threads =
+        if parallel == Parallel::Yes && std::mem::size_of_val(dst) >= PARALLEL_TRANSPOSE_BYTES {
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+        } else {
+            1
+        };
+    let band = count.div_ceil(threads).next_multiple_of(BLOCK);
+    if band >= count {
+        return transpose_columns(src, dst, (rows, cols), first);
     }
     std::thread::scope(|scope| {
         let mut bands = dst.chunks_mut(band * rows).enumerate().peekable();
         while let Some((i, part)) = bands.next() {
+            let start = first + i * band;
             if bands.peek().is_some() {
-                scope.spawn(move || transpose_columns(src, part, rows, cols, i * band));
+                scope.spawn(move || transpose_columns(src, part, (rows, cols), start));
             } else {
-                transpose_columns(src, part, rows, cols, i * band);
+                transpose_columns(src, part, (rows, cols), start);
             }
         }
     });
 }
 
-/// Columns `first..` of the row-major `rows × cols` matrix `src`, transposed into `dst` (which holds as many
-/// whole output rows as it has room for; `first` is a multiple of [`BLOCK`]): in cache-sized tiles, each made
-/// of 8 × 8 blocks read as 8 contiguous rows and written as 8 contiguous rows (the compiler turns both into
-/// vector loads and stores), then the edges element by element.
+/// Columns `first..` of the row-major `rows × cols` matrix `src`, transposed into `dst` (as many as it has room
+/// for) on this thread: in cache-sized tiles, each made of 8 × 8 blocks read as 8 contiguous rows and written as
+/// 8 contiguous rows (the compiler turns both into vector loads and stores), then the edges element by element.
 fn transpose_columns<T: Copy + Default>(
     src: &[T],
     dst: &mut [T],
-    rows: usize,
-    cols: usize,
+    (rows, cols): (usize, usize),
     first: usize,
 ) {
     const TILE: usize = 64;
@@ -319,11 +347,18 @@ fn transpose_columns<T: Copy + Default>(
 }
 
 /// [`transpose_elements`] byte by byte, for buffers not aligned to the element size.
-fn transpose_unaligned(src: &[u8], dst: &mut [u8], rows: usize, cols: usize, size: usize) {
+fn transpose_unaligned(
+    src: &[u8],
+    dst: &mut [u8],
+    (rows, cols): (usize, usize),
+    first: usize,
+    size: usize,
+) {
+    let last = first + dst.len() / (rows * size).max(1);
     for r in 0..rows {
-        for c in 0..cols {
+        for c in first..last {
             let from = (r * cols + c) * size;
-            let to = (c * rows + r) * size;
+            let to = ((c - first) * rows + r) * size;
             dst[to..to + size].copy_from_slice(&src[from..from + size]);
         }
     }
@@ -460,7 +495,7 @@ mod tests {
         ] {
             let src: Vec<u32> = (0..rows * cols).map(|i| i as u32).collect();
             let mut dst = vec![0u32; rows * cols];
-            transpose_elements(&src, &mut dst, rows, cols);
+            transpose_elements(&src, &mut dst, (rows, cols), 0, Parallel::Yes);
             for r in 0..rows {
                 for c in 0..cols {
                     assert_eq!(
@@ -470,8 +505,45 @@ mod tests {
                     );
                 }
             }
+            // And bands of columns starting anywhere, aligned or not.
+            let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+            for columns in [
+                0..cols,
+                cols / 3..cols,
+                1..(cols / 2).max(1),
+                cols - 1..cols,
+            ] {
+                let band = transposed_columns(
+                    &bytes,
+                    (rows, cols),
+                    DType::U32,
+                    columns.clone(),
+                    Parallel::Yes,
+                );
+                assert_eq!(band.shape().to_vec(), vec![columns.len(), rows]);
+                let whole = &dst[columns.start * rows..columns.end * rows];
+                assert_eq!(
+                    band.as_slice::<u32>().unwrap(),
+                    whole,
+                    "{rows}x{cols}, columns {columns:?}"
+                );
+                let mut shifted = vec![0u8; bytes.len() + 1];
+                shifted[1..].copy_from_slice(&bytes);
+                let unaligned = transposed_columns(
+                    &shifted[1..],
+                    (rows, cols),
+                    DType::U32,
+                    columns.clone(),
+                    Parallel::No,
+                );
+                assert_eq!(
+                    unaligned.as_bytes(),
+                    band.as_bytes(),
+                    "{rows}x{cols}, columns {columns:?}, unaligned"
+                );
+            }
         }
-        transpose_elements::<u32>(&[], &mut [], 0, 5);
+        transpose_elements::<u32>(&[], &mut [], (0, 5), 0, Parallel::Yes);
         // A bias (1-D) and a non-Linear 2-D parameter are not transposed.
         let embedding = vec!["Struct:Net".to_string(), "Struct:Embedding".to_string()];
         let data = TensorData::from_bytes_vec(vec![0u8; 24], vec![2, 3], DType::F32);
