@@ -209,6 +209,7 @@ pub(crate) enum Parallel {
     /// Split between as many threads as there are cores.
     Yes,
     /// On the calling thread only (e.g. when another thread already works beside it).
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     No,
 }
 
@@ -275,7 +276,7 @@ fn transpose_elements<T: Copy + Default + Send + Sync>(
     first: usize,
     parallel: Parallel,
 ) {
-    assert!(src.len() == rows * cols && dst.len() % rows.max(1) == 0);
+    assert!(src.len() == rows * cols && dst.len().is_multiple_of(rows.max(1)));
     if dst.is_empty() {
         return;
     }

@@ -18,7 +18,7 @@ use std::io::Write;
 use std::ops::Range;
 use std::path::Path;
 
-use burn::tensor::{Bytes, DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 
 use super::fs::{io, start_writeback};
@@ -37,13 +37,15 @@ pub(crate) enum Band {
     /// Copied out of the tensor (read back from a device, or transposed).
     Copied(TensorData),
     /// Borrowed in place from the host memory of a CPU tensor: `memory[range]`, not copied.
-    Shared(std::sync::Arc<Bytes>, Range<usize>),
+    #[cfg(feature = "flex")]
+    Shared(std::sync::Arc<burn::tensor::Bytes>, Range<usize>),
 }
 
 impl Band {
     fn as_bytes(&self) -> &[u8] {
         match self {
             Band::Copied(data) => data.as_bytes(),
+            #[cfg(feature = "flex")]
             Band::Shared(memory, range) => &memory[range.clone()],
         }
     }
@@ -282,6 +284,7 @@ fn read_chunks<'a>(
                         })?;
                     let dtype = match &band {
                         Band::Copied(data) => data.dtype(),
+                        #[cfg(feature = "flex")]
                         Band::Shared(..) => t.dtype,
                     };
                     if dtype != t.dtype || band.as_bytes().len() != expected {
