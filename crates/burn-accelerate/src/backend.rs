@@ -70,12 +70,12 @@ impl Backend {
         match self {
             Backend::Flex => cfg!(feature = "flex"),
             Backend::NdArray => cfg!(feature = "ndarray"),
-            Backend::Wgpu => cfg!(feature = "wgpu"),
-            Backend::Vulkan => cfg!(feature = "vulkan"),
-            Backend::Metal => cfg!(feature = "metal"),
-            Backend::WebGpu => cfg!(feature = "webgpu"),
-            Backend::Cuda => cfg!(feature = "cuda"),
-            Backend::Rocm => cfg!(feature = "rocm"),
+            Backend::Wgpu => cfg!(feature = "wgpu-bare"),
+            Backend::Vulkan => cfg!(feature = "vulkan-bare"),
+            Backend::Metal => cfg!(feature = "metal-bare"),
+            Backend::WebGpu => cfg!(feature = "webgpu-bare"),
+            Backend::Cuda => cfg!(feature = "cuda-bare"),
+            Backend::Rocm => cfg!(feature = "rocm-bare"),
             Backend::LibTorch => cfg!(feature = "tch"),
         }
     }
@@ -111,17 +111,17 @@ impl Backend {
             #[cfg(feature = "ndarray")]
             #[allow(deprecated)]
             Backend::NdArray => Ok(Device::ndarray()),
-            #[cfg(feature = "wgpu")]
+            #[cfg(feature = "wgpu-bare")]
             Backend::Wgpu => Ok(Device::wgpu(wgpu_kind(index))),
-            #[cfg(feature = "vulkan")]
+            #[cfg(feature = "vulkan-bare")]
             Backend::Vulkan => Ok(Device::vulkan(wgpu_kind(index))),
-            #[cfg(feature = "metal")]
+            #[cfg(feature = "metal-bare")]
             Backend::Metal => Ok(Device::metal(wgpu_kind(index))),
-            #[cfg(feature = "webgpu")]
+            #[cfg(feature = "webgpu-bare")]
             Backend::WebGpu => Ok(Device::webgpu(wgpu_kind(index))),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-bare")]
             Backend::Cuda => Ok(Device::cuda(index)),
-            #[cfg(feature = "rocm")]
+            #[cfg(feature = "rocm-bare")]
             Backend::Rocm => Ok(Device::rocm(index)),
             #[cfg(feature = "tch")]
             #[allow(deprecated)]
@@ -185,10 +185,10 @@ pub fn runs_on_cpu(backend: Option<Backend>, device: &Device) -> bool {
 
 /// The wgpu adapter for local rank `index`: the default adapter for rank 0, the `index`-th discrete GPU otherwise.
 #[cfg(any(
-    feature = "wgpu",
-    feature = "vulkan",
-    feature = "metal",
-    feature = "webgpu"
+    feature = "wgpu-bare",
+    feature = "vulkan-bare",
+    feature = "metal-bare",
+    feature = "webgpu-bare"
 ))]
 fn wgpu_kind(index: usize) -> burn::tensor::DeviceKind {
     if index == 0 {
@@ -235,17 +235,17 @@ pub fn enumerate(backend: Backend) -> Vec<Device> {
         Backend::Flex => Some(DeviceType::Flex),
         #[cfg(feature = "ndarray")]
         Backend::NdArray => Some(DeviceType::NdArray),
-        #[cfg(feature = "wgpu")]
+        #[cfg(feature = "wgpu-bare")]
         Backend::Wgpu => Some(DeviceType::Wgpu),
-        #[cfg(feature = "vulkan")]
+        #[cfg(feature = "vulkan-bare")]
         Backend::Vulkan => Some(DeviceType::Vulkan),
-        #[cfg(feature = "metal")]
+        #[cfg(feature = "metal-bare")]
         Backend::Metal => Some(DeviceType::Metal),
-        #[cfg(feature = "webgpu")]
+        #[cfg(feature = "webgpu-bare")]
         Backend::WebGpu => Some(DeviceType::WebGpu),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-bare")]
         Backend::Cuda => Some(DeviceType::Cuda),
-        #[cfg(feature = "rocm")]
+        #[cfg(feature = "rocm-bare")]
         Backend::Rocm => Some(DeviceType::Rocm),
         #[cfg(feature = "tch")]
         Backend::LibTorch => Some(DeviceType::LibTorch),

@@ -24,7 +24,8 @@
 //! ```
 //!
 //! The backend is a cargo feature (`flex` by default; `ndarray`, `wgpu`, `vulkan`, `metal`, `webgpu`, `cuda`,
-//! `rocm`, `tch`); see [`Backend`].
+//! `rocm`, `tch`); see [`Backend`]. The GPU backends come with Burn's kernel fusion and autotuning, as Burn ships
+//! them; `wgpu-bare`, `cuda-bare`, … leave both off.
 //!
 //! ## How a step flows
 //!
