@@ -21,24 +21,23 @@ pub(crate) fn filled(shape: Vec<usize>, dtype: DType, fill: impl FnOnce(&mut [u8
         fill(bytemuck::cast_slice_mut(&mut values));
         Bytes::from_elems(values)
     }
-    let bytes = match (dtype, dtype.size()) {
+    let typed = match (dtype, dtype.size()) {
         // Quantized data packs its values and parameters; it keeps the generic path.
-        (DType::QFloat(_), _) => {
+        (DType::QFloat(_), _) => Err(fill),
+        (_, 1) => Ok(with::<u8>(elements, fill)),
+        (_, 2) => Ok(with::<u16>(elements, fill)),
+        (_, 4) => Ok(with::<u32>(elements, fill)),
+        (_, 8) => Ok(with::<u64>(elements, fill)),
+        _ => Err(fill),
+    };
+    match typed {
+        Ok(bytes) => TensorData::from_bytes(bytes, shape, dtype),
+        Err(fill) => {
             let mut bytes = vec![0u8; elements * dtype.size()];
             fill(&mut bytes);
-            return TensorData::from_bytes_vec(bytes, shape, dtype);
+            TensorData::from_bytes_vec(bytes, shape, dtype)
         }
-        (_, 1) => with::<u8>(elements, fill),
-        (_, 2) => with::<u16>(elements, fill),
-        (_, 4) => with::<u32>(elements, fill),
-        (_, 8) => with::<u64>(elements, fill),
-        (_, size) => {
-            let mut bytes = vec![0u8; elements * size];
-            fill(&mut bytes);
-            return TensorData::from_bytes_vec(bytes, shape, dtype);
-        }
-    };
-    TensorData::from_bytes(bytes, shape, dtype)
+    }
 }
 
 #[cfg(test)]
