@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use stats::{median, paired_ratio};
 
 use burn::tensor::Tensor;
-use burn_accelerate::comm::{Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
+use burn_accelerate::distributed::comm::{Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
 
 const SIZES: [usize; 6] = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20];
 const RATIO_SIZE: usize = 16 << 20;
@@ -147,13 +147,13 @@ fn sync_overhead(bytes: usize, rounds: usize) -> (f64, f64) {
                 .collect()
         };
         let mut host = ReduceBuffer::F32(vec![0.5; per_tensor * 4]);
-        let comm = acc.state().comm().clone();
+        let comm = acc.process_group().comm().clone();
         let (mut sync, mut raw, mut raw_again) = (vec![], vec![], vec![]);
         for i in 0..rounds + 2 {
             let round = grads();
             acc.wait_for_everyone()?;
             let t = Instant::now();
-            let out = acc.sync_flat_gradients_for_bench(round)?;
+            let out = burn_accelerate::accelerator::internals::sync_flat_gradients(&acc, round)?;
             std::hint::black_box(out);
             let s = t.elapsed();
             acc.wait_for_everyone()?;
@@ -280,7 +280,7 @@ fn mpi_report() {
 
 fn main() {
     #[cfg(feature = "mpi")]
-    if burn_accelerate::cluster::launched_by_mpi() {
+    if burn_accelerate::distributed::cluster::launched_by_mpi() {
         mpi_report();
         return;
     }

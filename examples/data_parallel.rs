@@ -94,7 +94,7 @@ fn run_example() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
     #[cfg(feature = "mpi")]
-    let under_mpi = burn_accelerate::cluster::launched_by_mpi();
+    let under_mpi = burn_accelerate::distributed::cluster::launched_by_mpi();
     #[cfg(not(feature = "mpi"))]
     let under_mpi = false;
     // The same initial weights for every run. (In-process ranks share the device's random generator, so the

@@ -153,7 +153,7 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
                     .map(|g| g.into_data().try_to_vec::<f32>().unwrap());
                 log.push((sync, communicated, grad));
                 if sync {
-                    acc.state(); // the optimizer would step here; drop the gradients instead
+                    acc.process_group(); // the optimizer would step here; drop the gradients instead
                     acc.zero_grad();
                 }
             }

@@ -19,7 +19,7 @@ fn environment_drives_the_device_choice() {
     set("ACCELERATE_USE_CPU", Some("yes"));
     let accelerator = Accelerator::new().expect("a CPU backend is compiled in");
     assert_eq!(
-        accelerator.state().backend().map(Backend::is_cpu),
+        accelerator.process_group().backend().map(Backend::is_cpu),
         Some(true)
     );
 
@@ -47,7 +47,7 @@ fn environment_drives_the_device_choice() {
     let present = Backend::compiled()[0];
     set("BURN_DEVICE", Some(present.feature()));
     let accelerator = Accelerator::new().unwrap();
-    assert_eq!(accelerator.state().backend(), Some(present));
+    assert_eq!(accelerator.process_group().backend(), Some(present));
 
     set("BURN_DEVICE", None);
     set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", Some("0"));

@@ -10,7 +10,7 @@ use burn_accelerate::{Accelerator, AcceleratorBuilder, Result};
 /// Whether an MPI launcher started this process (then it is one rank of the job).
 pub fn under_launcher() -> bool {
     #[cfg(feature = "mpi")]
-    return burn_accelerate::cluster::launched_by_mpi();
+    return burn_accelerate::distributed::cluster::launched_by_mpi();
     #[cfg(not(feature = "mpi"))]
     false
 }

@@ -72,15 +72,15 @@ pub fn gather_object(acc: &Accelerator) -> Result<()> {
 /// which MPI's variable-count gather refuses unless the engine leaves it out.
 pub fn empty_payloads(acc: &Accelerator) -> Result<()> {
     let p = acc.num_processes();
-    let gathered = acc.state().comm().all_gather(Vec::new())?;
+    let gathered = acc.process_group().comm().all_gather(Vec::new())?;
     check(gathered == vec![Vec::<u8>::new(); p], || {
         format!("all_gather of nothing: {gathered:?}")
     })?;
-    let sent = acc.state().comm().broadcast(Vec::new(), p - 1)?;
+    let sent = acc.process_group().comm().broadcast(Vec::new(), p - 1)?;
     check(sent.is_empty(), || {
         format!("broadcast of nothing: {sent:?}")
     })?;
-    acc.state().agree("empty_payloads", Ok(()))
+    acc.process_group().agree("empty_payloads", Ok(()))
 }
 
 /// reduce: rank r holds `arange(P) + 1 + P*r`; sum, mean, max, min as in `test_ops.py`.

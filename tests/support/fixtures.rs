@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use burn::tensor::Device;
-use burn_accelerate::cluster::InProcess;
-use burn_accelerate::comm::{CommResult, Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
+use burn_accelerate::distributed::cluster::InProcess;
+use burn_accelerate::distributed::comm::{CommResult, Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
 use burn_accelerate::{Accelerator, AcceleratorBuilder, Result};
 
 use crate::mlp::{Mlp, weights};

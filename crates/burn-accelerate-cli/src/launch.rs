@@ -285,7 +285,7 @@ fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchE
         }
         None => {}
     }
-    let status_var = burn_accelerate::comm::STATUS_DIR_VAR;
+    let status_var = burn_accelerate::distributed::comm::STATUS_DIR_VAR;
     let mut env: Vec<(&str, String)> = plan.env.clone();
     env.push((status_var, status_dir.display().to_string()));
     if let Some(file) = burn_accelerate::config::config_file() {

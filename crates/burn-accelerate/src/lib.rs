@@ -34,7 +34,7 @@
 //! 1. **Who am I** — [`AcceleratorBuilder::build`] resolves the [`AcceleratorConfig`] (builder, then
 //!    `ACCELERATE_*` variables, then the config file, then defaults); [`cluster::detect`] tells how the process
 //!    was started (single, in-process threads from [`launch`], MPI) and hands over its
-//!    [`Communicator`](comm::Communicator); [`backend`] picks the device of the local rank; [`ProcessState`]
+//!    [`Communicator`](comm::Communicator); [`backend`] picks the device of the local rank; [`ProcessGroup`]
 //!    holds rank, device and communicator. The accelerator then composes a step pipeline, a checkpointer and a
 //!    trigger for that rank.
 //! 2. **`prepare_model`** — the gradient-sync seam (`grad::sync`) gives every rank rank 0's weights, then
@@ -63,48 +63,36 @@
 
 #![warn(missing_docs)]
 
-pub mod accelerator;
-pub mod backend;
-mod builder;
-pub mod checkpoint;
-pub mod cluster;
-pub mod comm;
-pub mod config;
-pub mod data;
-pub mod env;
-pub mod error;
-pub mod gatherable;
-pub mod grad;
-mod host_data;
-mod launch;
+// The layers, lowest first; a module may use those above it in this list, never those below.
+mod error; // Error, Result
+mod host_data; // tensor data built in place
+mod traverse; // walking a module's parameters
+pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling
+pub mod backend; // compiled backends, device choice, moving values to a device, machine facts
+pub mod precision; // autocast, loss scaler, the precision policy
+pub mod tracking; // trackers and progress bars
+pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
+pub mod logging; // rank-aware logging
+pub(crate) mod grad; // gradient buffer, clipping, the step window
+pub mod data; // prepared dataloaders: sharding, positions
+pub mod optim; // the prepared optimizer and scheduler
+pub(crate) mod pipeline; // the step pipeline and its outcome
+pub mod checkpoint; // safetensors weights, training state, the checkpointer
+pub mod memory; // out-of-memory batch-size search, memory estimate
+pub mod accelerator; // the facade and its builder
 #[cfg(feature = "train")]
-pub mod learner;
-pub mod logging;
-pub mod memory;
-pub mod ops;
-pub mod optim;
-pub mod placement;
-pub mod precision;
-pub mod progress;
-pub mod state;
-pub mod sys;
-pub mod tracking;
-mod traverse;
+pub mod learner; // burn-train's Learner through the facade
 
-pub use accelerator::Accelerator;
-pub use backend::Backend;
-pub use builder::AcceleratorBuilder;
+pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
+pub use backend::{Backend, ToDevice};
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
-pub use comm::ReduceOp;
 pub use config::AcceleratorConfig;
+pub use distributed::comm::ReduceOp;
+pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};
-pub use gatherable::Gatherable;
 pub use grad::{GradientState, NormType};
-pub use launch::launch;
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
-pub use placement::ToDevice;
 pub use precision::{CastFloats, LossScaler, MixedPrecision};
-pub use state::{DistributedType, ProcessState};
 
 /// The MPI engine (feature `mpi`).
 #[cfg(feature = "mpi")]

@@ -25,7 +25,7 @@ use std::str::FromStr;
 
 use log::{Level, LevelFilter, Log, Metadata, Record};
 
-use crate::state;
+use crate::distributed;
 
 /// Where a message is emitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,8 +129,8 @@ impl MultiProcessLogger {
         if !self.is_enabled(level) {
             return;
         }
-        let current = state::current();
-        let rank = state::current_rank();
+        let current = distributed::current();
+        let rank = distributed::current_rank();
         let world = current.as_ref().map_or(1, |s| s.num_processes());
         let emit = || {
             let (module_path, file, line) = location;
@@ -264,8 +264,8 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex, OnceLock};
 
-    use crate::comm::Communicator;
-    use crate::state::ProcessState;
+    use crate::distributed::comm::Communicator;
+    use crate::distributed::ProcessGroup;
 
     #[derive(Default)]
     struct Capture(Mutex<Vec<(String, Level, String)>>);
@@ -313,7 +313,7 @@ mod tests {
         fn world_size(&self) -> usize {
             self.1
         }
-        fn barrier(&self) -> crate::comm::CommResult<()> {
+        fn barrier(&self) -> crate::distributed::comm::CommResult<()> {
             Ok(())
         }
         fn engine(&self) -> &'static str {
@@ -321,21 +321,21 @@ mod tests {
         }
         fn all_reduce(
             &self,
-            data: crate::comm::ReduceBuffer,
-            _: crate::comm::ReduceOp,
-        ) -> crate::comm::CommResult<crate::comm::ReduceBuffer> {
+            data: crate::distributed::comm::ReduceBuffer,
+            _: crate::distributed::comm::ReduceOp,
+        ) -> crate::distributed::comm::CommResult<crate::distributed::comm::ReduceBuffer> {
             Ok(data)
         }
-        fn all_gather(&self, data: Vec<u8>) -> crate::comm::CommResult<Vec<Vec<u8>>> {
+        fn all_gather(&self, data: Vec<u8>) -> crate::distributed::comm::CommResult<Vec<Vec<u8>>> {
             Ok(vec![data; self.1])
         }
-        fn broadcast(&self, data: Vec<u8>, _: usize) -> crate::comm::CommResult<Vec<u8>> {
+        fn broadcast(&self, data: Vec<u8>, _: usize) -> crate::distributed::comm::CommResult<Vec<u8>> {
             Ok(data)
         }
     }
 
     fn as_rank(rank: usize, world: usize) {
-        let state = Arc::new(ProcessState::new(
+        let state = Arc::new(ProcessGroup::new(
             Arc::new(FakeRank(rank, world)),
             rank,
             burn::tensor::Device::default(),

@@ -13,7 +13,10 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 
-use crate::grad::step_state::SharedStep;
+use crate::distributed::strategy::Strategy;
+use crate::error::Result;
+use crate::grad::window::SharedStep;
+use crate::pipeline::{StepOutcome, share_stepped};
 
 /// The learning rate an optimizer uses, shared with the scheduler that drives it.
 #[derive(Clone)]
@@ -37,6 +40,7 @@ pub struct AcceleratedOptimizer {
     inner: ModuleOptimizer,
     lr: LrCell,
     shared: SharedStep,
+    strategy: Arc<dyn Strategy>,
     steps: u64,
     kind: Option<String>,
 }
@@ -54,12 +58,14 @@ impl AcceleratedOptimizer {
         inner: ModuleOptimizer,
         lr: ModuleLearningRate,
         shared: SharedStep,
+        strategy: Arc<dyn Strategy>,
         kind: Option<String>,
     ) -> Self {
         Self {
             inner,
             lr: LrCell(Arc::new(Mutex::new(lr))),
             shared,
+            strategy,
             steps: 0,
             kind,
         }
@@ -76,20 +82,37 @@ impl AcceleratedOptimizer {
     ///
     /// A model without stored gradients (no `backward` since the last step) is returned unchanged, like
     /// `torch.optim.Optimizer.step` with no `.grad`.
+    ///
+    /// # Panics
+    /// Only under a strategy whose ranks step their own parameters and then exchange them, when that exchange
+    /// fails (a rank died, a timeout); [`try_step`](Self::try_step) returns that error instead. Data-parallel
+    /// and single-device runs exchange nothing after the step.
     pub fn step<M: Module>(&mut self, model: M) -> M {
-        let Some(grads) = self.shared.take_step(&model) else {
-            return model;
+        self.try_step(model)
+            .unwrap_or_else(|e| panic!("optimizer step: {e}; use `try_step` to handle this error"))
+    }
+
+    /// [`step`](Self::step), returning the error of a failed parameter exchange instead of panicking.
+    ///
+    /// # Errors
+    /// The exchange of stepped parameters between ranks failed (sharded strategies only).
+    pub fn try_step<M: Module>(&mut self, model: M) -> Result<M> {
+        let grads = match self.shared.take_outcome(&model) {
+            StepOutcome::Apply(grads) => grads,
+            StepOutcome::Accumulate | StepOutcome::Skip => return Ok(model),
         };
         if grads.is_empty() {
             log::debug!("optimizer step without gradients: the model is unchanged");
-            return model;
+            return Ok(model);
         }
         self.steps += 1;
-        self.inner.step(self.lr.get(), model, grads)
+        let model = self.inner.step(self.lr.get(), model, grads);
+        share_stepped(self.strategy.as_ref(), model)
     }
 
     /// Drops every stored gradient (Burn's optimizer consumes them at each step, so this is only needed to
-    /// discard gradients on purpose).
+    /// discard gradients on purpose). The same as [`Accelerator::zero_grad`](crate::Accelerator::zero_grad),
+    /// where Accelerate users expect it.
     pub fn zero_grad(&mut self) {
         self.shared.lock().grads.clear();
     }
@@ -245,7 +268,7 @@ impl AcceleratedScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grad::step_state::Verdict;
+    use crate::grad::window::Verdict;
     use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
     use burn::optim::SgdConfig;
 
@@ -254,7 +277,7 @@ mod tests {
     fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
         let shared = SharedStep::new(2);
         let optimizer =
-            AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone(), None);
+            AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone(), std::sync::Arc::new(crate::distributed::strategy::SingleDevice), None);
         let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
         let scheduler = AcceleratedScheduler::new(schedule, &optimizer, shared.clone(), rule);
         (shared, optimizer, scheduler)
@@ -350,7 +373,7 @@ mod tests {
         let model = LinearConfig::new(2, 1).init(&device);
         let shared = SharedStep::new(2);
         let mut optimizer =
-            AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone(), None);
+            AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone(), std::sync::Arc::new(crate::distributed::strategy::SingleDevice), None);
         let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();
         let mut grads = loss.backward();
         shared.lock().grads.collect(&model, &mut grads);

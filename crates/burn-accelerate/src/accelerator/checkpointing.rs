@@ -95,7 +95,7 @@ impl Accelerator {
         } else {
             Ok(Vec::new())
         };
-        self.state.agree("save_model", written)
+        self.group.agree("save_model", written)
     }
 
     /// Loads weights saved by [`save_model`](Self::save_model) or by Hugging Face tools (a `.safetensors`
@@ -135,8 +135,9 @@ impl Accelerator {
     /// Returns the folder.
     pub fn save_state(&self, dir: Option<&Path>, parts: &StateToSave) -> Result<PathBuf> {
         let scaler = self.loss_scaler();
+        let optimizer_state = self.pipeline.strategy().optimizer_state();
         self.checkpointer
-            .save_state(&self.state, dir, parts, scaler)
+            .save_state(&self.group, dir, parts, scaler, optimizer_state)
     }
 
     /// Loads a training state saved by [`save_state`](Self::save_state) from `dir`, or, with `None`, from the
@@ -145,7 +146,7 @@ impl Accelerator {
     /// (so the next save does not overwrite it) are restored here; restore models, optimizers and schedulers
     /// from the returned [`LoadedState`], then call its `finish`.
     pub fn load_state(&self, dir: Option<&Path>) -> Result<LoadedState> {
-        let loaded = self.checkpointer.load_state(&self.state, dir)?;
+        let loaded = self.checkpointer.load_state(&self.group, dir)?;
         if let Some(scaler) = loaded.scaler() {
             self.pipeline.precision().restore_scaler(scaler);
         }

@@ -1,4 +1,4 @@
-//! The [`Accelerator`]'s collectives, each forwarded to [`ops`](crate::ops) with this rank's state.
+//! The [`Accelerator`]'s collectives, each forwarded to [`ops`](crate::distributed::collectives) with this rank's state.
 
 use burn::tensor::Tensor;
 use burn::tensor::kind::Basic;
@@ -6,38 +6,27 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Accelerator;
-use crate::comm::ReduceOp;
+use crate::distributed::comm::ReduceOp;
 use crate::error::Result;
-use crate::gatherable::Gatherable;
-use crate::ops;
+use crate::distributed::{Gatherable, MetricsGather};
+use crate::distributed::collectives;
 
 impl Accelerator {
     /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ
-    /// between ranks (no padding is left in the result). See [`ops::gather`](crate::ops::gather).
+    /// between ranks (no padding is left in the result). See [`collectives::gather`](crate::distributed::collectives::gather).
     pub fn gather<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
-        ops::gather(&self.state, tensor)
+        collectives::gather(&self.group, tensor)
     }
 
     /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
     /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
     /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates: one tensor, or a tuple,
-    /// `Vec`, `Option` or struct of them ([`Gatherable`](crate::gatherable::Gatherable)), gathered in one call.
+    /// `Vec`, `Option` or struct of them ([`Gatherable`](crate::distributed::Gatherable)), gathered in one call.
     /// Tensors whose first dimension differs between ranks (dynamic padding) go through
     /// [`pad_across_processes`](Self::pad_across_processes) along their other dimensions first.
     pub fn gather_for_metrics<T: Gatherable>(&self, value: T) -> Result<T> {
-        value.gather_for_metrics(self)
-    }
-
-    /// One tensor of [`gather_for_metrics`](Self::gather_for_metrics).
-    pub(crate) fn gather_tensor_for_metrics<const D: usize, K: Basic>(
-        &self,
-        tensor: Tensor<D, K>,
-    ) -> Result<Tensor<D, K>> {
-        let gathered = self.gather(tensor)?;
-        match self.gradient_state().samples_to_keep() {
-            Some(keep) if keep < gathered.dims()[0] => Ok(gathered.narrow(0, 0, keep)),
-            _ => Ok(gathered),
-        }
+        let keep = self.gradient_state().samples_to_keep();
+        value.gather_for_metrics(&MetricsGather::new(&self.group, keep))
     }
 
     /// [`gather_for_metrics`](Self::gather_for_metrics) for per-sample values that are not tensors (labels,
@@ -46,7 +35,7 @@ impl Accelerator {
         &self,
         items: &[T],
     ) -> Result<Vec<T>> {
-        let mut all: Vec<T> = ops::gather_object_as::<[T], Vec<T>>(&self.state, items)?
+        let mut all: Vec<T> = collectives::gather_object_as::<[T], Vec<T>>(&self.group, items)?
             .into_iter()
             .flatten()
             .collect();
@@ -62,7 +51,7 @@ impl Accelerator {
         tensor: Tensor<D, K>,
         op: ReduceOp,
     ) -> Result<Tensor<D, K>> {
-        ops::reduce(&self.state, tensor, op)
+        collectives::reduce(&self.group, tensor, op)
     }
 
     /// Returns rank `from`'s tensor on every rank.
@@ -71,7 +60,7 @@ impl Accelerator {
         tensor: Tensor<D, K>,
         from: usize,
     ) -> Result<Tensor<D, K>> {
-        ops::broadcast(&self.state, tensor, from)
+        collectives::broadcast(&self.group, tensor, from)
     }
 
     /// Pads `tensor` along `dim` with `pad_value` to the largest size across ranks (after the data, or before
@@ -83,13 +72,13 @@ impl Accelerator {
         pad_value: f64,
         pad_first: bool,
     ) -> Result<Tensor<D, K>> {
-        ops::pad_across_processes(&self.state, tensor, dim, pad_value, pad_first)
+        collectives::pad_across_processes(&self.group, tensor, dim, pad_value, pad_first)
     }
 
     /// Gathers one serializable value per rank, in rank order (unlike Accelerate, a single process also gets a
     /// one-element `Vec`, and lists are not flattened).
     pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
-        ops::gather_object(&self.state, value)
+        collectives::gather_object(&self.group, value)
     }
 
     /// Returns rank `from`'s value on every rank.
@@ -98,13 +87,13 @@ impl Accelerator {
         value: &T,
         from: usize,
     ) -> Result<T> {
-        ops::broadcast_object(&self.state, value, from)
+        collectives::broadcast_object(&self.group, value, from)
     }
 
     /// This rank's share of `items` (contiguous; the first `len % num_processes` ranks get one more). With
     /// `apply_padding`, every rank gets the same count (shorter shares repeat their last item).
     pub fn split_between_processes<T: Clone>(&self, items: &[T], apply_padding: bool) -> Vec<T> {
-        ops::split_between_processes(
+        collectives::split_between_processes(
             items,
             self.process_index(),
             self.num_processes(),
@@ -121,6 +110,6 @@ impl Accelerator {
     /// Whether any rank raised its trigger since the last check that fired; resets the triggers when it
     /// fires. A collective: every rank must call it at the same point.
     pub fn check_trigger(&self) -> Result<bool> {
-        self.trigger.check(&self.state)
+        self.trigger.check(&self.group)
     }
 }

@@ -85,6 +85,6 @@ impl Accelerator {
     where
         E: OutOfMemory + fmt::Display + From<crate::Error>,
     {
-        search.run_across(self.state(), || self.free_memory(), f)
+        search.run_across(&self.group, || self.free_memory(), f)
     }
 }

@@ -1,11 +1,17 @@
-//! The [`Accelerator`]: the one object a training loop talks to. It is a facade: each call forwards to the
-//! focused part that owns the concern — the rank's [`ProcessState`], the [`StepPipeline`] (precision, gradient
-//! sync, step state), the checkpointer, the dataloader preparation in [`data`](crate::data), placement and
-//! the collectives in [`ops`](crate::ops). See the crate documentation's "How a step flows".
+//! The [`Accelerator`]: the one object a training loop talks to, and the [`AcceleratorBuilder`] that makes it.
+//! It is a facade: each call forwards to the focused part that owns the concern — the rank's
+//! [`ProcessGroup`] and the [`collectives`](crate::distributed::collectives), the step pipeline (precision,
+//! distribution strategy, step window), the checkpointer, the dataloader preparation in
+//! [`data`](crate::data) and placement. See the crate documentation's "How a step flows".
 //!
 //! Its methods are grouped by concern: identity, preparation, precision and gradients here; collectives,
 //! checkpoints and memory in the files beside this one.
 
+mod builder;
+
+pub use builder::{AcceleratorBuilder, launch};
+#[doc(hidden)]
+pub mod internals;
 mod checkpointing;
 mod collectives;
 mod memory;
@@ -22,15 +28,16 @@ use burn::tensor::{Device, Tensor};
 use crate::checkpoint::{Checkpointer, ProjectConfiguration};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
+use crate::distributed::collectives::Trigger;
+use crate::distributed::strategy::Strategy;
 use crate::error::Result;
-use crate::grad::step::StepPipeline;
 use crate::grad::{self, GradientState, NormType};
-use crate::ops::Trigger;
+use crate::pipeline::StepPipeline;
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerRule};
-use crate::placement::ToDevice;
+use crate::backend::ToDevice;
 use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
-use crate::state::{DistributedType, ProcessState};
-use crate::sys;
+use crate::distributed::{DistributedType, ProcessGroup};
+use crate::backend::sys;
 use crate::tracking::{LogWith, Trackers};
 
 /// The entry point of burn-accelerate: prepare your model, optimizer, scheduler and dataloaders with it, call
@@ -55,7 +62,7 @@ use crate::tracking::{LogWith, Trackers};
 /// # Ok::<(), burn_accelerate::Error>(())
 /// ```
 pub struct Accelerator {
-    state: Arc<ProcessState>,
+    group: Arc<ProcessGroup>,
     config: AcceleratorConfig,
     pipeline: StepPipeline,
     checkpointer: Checkpointer,
@@ -75,54 +82,17 @@ impl fmt::Debug for Accelerator {
     }
 }
 
-#[cfg(feature = "train")]
-impl Accelerator {
-    /// Makes a burn-train `SupervisedTraining` train through this accelerator: the
-    /// [`AcceleratedStrategy`](crate::learner::AcceleratedStrategy), and on every rank but the main process no
-    /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes).
-    /// Pass prepared dataloaders through [`LearnerLoader`](crate::learner::LearnerLoader).
-    ///
-    /// # Errors
-    /// When this accelerator already prepared a training.
-    pub fn prepare_training<M: burn_train::LearnerModel>(
-        self: &Arc<Self>,
-        training: burn_train::SupervisedTraining<M>,
-    ) -> Result<burn_train::SupervisedTraining<M>> {
-        self.prepare_training_with(training, |strategy| strategy)
-    }
-
-    /// [`prepare_training`](Self::prepare_training) with the strategy's options set by `configure` (gradient
-    /// clipping, saving every n steps, resuming, a step limit).
-    pub fn prepare_training_with<M: burn_train::LearnerModel>(
-        self: &Arc<Self>,
-        training: burn_train::SupervisedTraining<M>,
-        configure: impl FnOnce(
-            crate::learner::AcceleratedStrategy,
-        ) -> crate::learner::AcceleratedStrategy,
-    ) -> Result<burn_train::SupervisedTraining<M>> {
-        let strategy = configure(crate::learner::AcceleratedStrategy::new(self.clone())?);
-        let training = training
-            .with_training_strategy(burn_train::TrainingStrategy::Custom(Arc::new(strategy)));
-        if self.is_main_process() {
-            return Ok(training);
-        }
-        Ok(training
-            .with_application_logger(None)
-            .renderer(Box::new(crate::learner::QuietRenderer))
-            .with_metric_logger(burn_train::logger::InMemoryMetricLogger::default()))
-    }
-}
-
 impl Accelerator {
     /// An accelerator for an already resolved rank.
     pub(crate) fn from_parts(
-        state: Arc<ProcessState>,
+        group: Arc<ProcessGroup>,
         config: AcceleratorConfig,
         project: ProjectConfiguration,
         log_with: Vec<LogWith>,
+        strategy: Arc<dyn Strategy>,
     ) -> Result<Self> {
-        state.install_for_thread();
-        if state.is_main_process() {
+        group.install_for_thread();
+        if group.is_main_process() {
             static KERNEL_CHECK: Once = Once::new();
             KERNEL_CHECK.call_once(|| {
                 if let Some(warning) = sys::kernel_release()
@@ -133,20 +103,18 @@ impl Accelerator {
                 }
             });
         }
-        let bucket_bytes = (config.bucket_size_mb * 1024.0 * 1024.0) as usize;
-        let sync = grad::sync::for_rank(&state, bucket_bytes);
         log::debug!(
-            "rank {} of {}: gradients sync by {}",
-            state.process_index(),
-            state.num_processes(),
-            sync.name()
+            "rank {} of {}: training distributed by {}",
+            group.process_index(),
+            group.num_processes(),
+            strategy.name()
         );
         Ok(Self {
             trackers: Mutex::new(Trackers::new(log_with, project.project_dir.as_deref())),
-            pipeline: StepPipeline::new(&config, sync),
+            pipeline: StepPipeline::new(&config, strategy),
             checkpointer: Checkpointer::new(project),
             trigger: Trigger::default(),
-            state,
+            group,
             config,
         })
     }
@@ -155,7 +123,7 @@ impl Accelerator {
 
     /// The device of this rank, with autodiff on.
     pub fn device(&self) -> &Device {
-        self.state.device()
+        self.group.device()
     }
 
     /// The resolved settings.
@@ -163,44 +131,49 @@ impl Accelerator {
         &self.config
     }
 
-    /// This rank's identity.
-    pub fn state(&self) -> &ProcessState {
-        &self.state
+    /// This rank's process group: its identity, device and communicator.
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The step pipeline (for the Learner strategy and the benchmarks).
+    pub(crate) fn pipeline(&self) -> &StepPipeline {
+        &self.pipeline
     }
 
     /// The global rank.
     pub fn process_index(&self) -> usize {
-        self.state.process_index()
+        self.group.process_index()
     }
 
     /// The rank on this machine.
     pub fn local_process_index(&self) -> usize {
-        self.state.local_process_index()
+        self.group.local_process_index()
     }
 
     /// The number of ranks.
     pub fn num_processes(&self) -> usize {
-        self.state.num_processes()
+        self.group.num_processes()
     }
 
     /// The kind of run.
     pub fn distributed_type(&self) -> DistributedType {
-        self.state.distributed_type()
+        self.group.distributed_type()
     }
 
     /// Whether this is global rank 0.
     pub fn is_main_process(&self) -> bool {
-        self.state.is_main_process()
+        self.group.is_main_process()
     }
 
     /// Whether this is rank 0 on its machine.
     pub fn is_local_main_process(&self) -> bool {
-        self.state.is_local_main_process()
+        self.group.is_local_main_process()
     }
 
     /// Whether this is the last rank.
     pub fn is_last_process(&self) -> bool {
-        self.state.is_last_process()
+        self.group.is_last_process()
     }
 
     // ----- process control -----------------------------------------------------------------------------
@@ -216,7 +189,7 @@ impl Accelerator {
 
     /// Blocks until every rank reaches this call (immediate with one process).
     pub fn wait_for_everyone(&self) -> Result<()> {
-        self.state.wait_for_everyone()
+        self.group.wait_for_everyone()
     }
 
     /// Runs `f` on the main process first, then on the others (e.g. to download or preprocess once).
@@ -263,8 +236,15 @@ impl Accelerator {
         learning_rate: impl Into<ModuleLearningRate>,
     ) -> AcceleratedOptimizer {
         let shared = self.pipeline.shared().clone();
+        let strategy = self.pipeline.strategy().clone();
         let kind = crate::optim::optimizer_kind(std::any::type_name_of_val(&optimizer));
-        AcceleratedOptimizer::new(optimizer.into(), learning_rate.into(), shared, kind)
+        AcceleratedOptimizer::new(
+            optimizer.into(),
+            learning_rate.into(),
+            shared,
+            strategy,
+            kind,
+        )
     }
 
     /// Wraps a Burn scheduler and ties it to `optimizer`, whose learning rate it sets from now on.
@@ -294,7 +274,7 @@ impl Accelerator {
         loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>> {
         let shared = self.pipeline.shared().clone();
-        let prepared = PreparedDataLoader::prepare(loader, &self.state, &self.config, shared)?;
+        let prepared = PreparedDataLoader::prepare(loader, &self.group, &self.config, shared)?;
         self.checkpointer.track_loader(prepared.cursor());
         Ok(prepared)
     }
@@ -411,31 +391,8 @@ impl Accelerator {
         self.pipeline.shared().lock().grads.get::<D>(param.id)
     }
 
-    /// Runs gradients computed outside [`backward`](Self::backward) through the step pipeline, as `backward`
-    /// does with its own: added to the accumulation window, and on a synchronising step normalised, averaged
-    /// across ranks, unscaled and checked for fp16 overflow on every rank. For loops that take gradients from
-    /// elsewhere, such as burn-train's `TrainStep` (the `learner` module does this); compute them from a loss
-    /// scaled by [`loss_scale`](Self::loss_scale) under fp16. Apply them with a prepared optimizer, or take them
-    /// with [`take_step_gradients`](Self::take_step_gradients).
-    pub fn process_gradients<M: Module>(
-        &self,
-        grads: &mut burn::optim::GradientsParams,
-        model: &M,
-    ) -> Result<()> {
-        self.pipeline.process(grads, model)
-    }
-
-    /// The gradients of `model` for an optimizer of your own, when the accumulation window just ended with a
-    /// step; `None` when it only accumulated, or when the step is skipped (fp16 overflow on some rank; the
-    /// gradients are dropped on every rank alike). A prepared optimizer's `step` does this itself.
-    pub fn take_step_gradients<M: Module>(
-        &self,
-        model: &M,
-    ) -> Option<burn::optim::GradientsParams> {
-        self.pipeline.shared().take_step(model)
-    }
-
-    /// Drops every stored gradient (the prepared optimizer does it after each step).
+    /// Drops every stored gradient (the prepared optimizer does it after each step; the same as
+    /// [`AcceleratedOptimizer::zero_grad`], for loops that take gradients without a prepared optimizer).
     pub fn zero_grad(&self) {
         self.pipeline.shared().lock().grads.clear();
     }
@@ -453,12 +410,5 @@ impl Accelerator {
     /// Whether the latest optimizer step was skipped (fp16 overflow).
     pub fn optimizer_step_was_skipped(&self) -> bool {
         self.pipeline.shared().lock().state.last_step_skipped()
-    }
-
-    /// The gradient sync of a sync step, alone, on flat gradients: for the `sync_overhead` benchmark, which
-    /// compares it with the communicator's raw all-reduce. Not part of the API.
-    #[doc(hidden)]
-    pub fn sync_flat_gradients_for_bench(&self, grads: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
-        self.pipeline.sync_flat_for_bench(grads)
     }
 }

@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::state::{LoadedState, ProjectConfiguration, SaveContext, StateToSave};
 use super::{Checkpointable, state};
 use crate::data::LoaderCursor;
+use crate::distributed::strategy::StateScope;
 use crate::error::{Error, Result};
 use crate::precision::LossScaler;
-use crate::state::ProcessState;
+use crate::distributed::ProcessGroup;
 
 /// An object registered for checkpointing, with its name.
 type RegisteredObject = (String, Arc<Mutex<dyn Checkpointable>>);
@@ -90,10 +91,11 @@ impl Checkpointer {
     /// next automatic checkpoint), with every rank taking part; returns the folder.
     pub fn save_state(
         &self,
-        rank: &ProcessState,
+        rank: &ProcessGroup,
         dir: Option<&Path>,
         parts: &StateToSave,
         scaler: Option<LossScaler>,
+        optimizer_state: StateScope,
     ) -> Result<PathBuf> {
         let (dir, iteration, automatic) = self.target(dir)?;
         let objects = lock(&self.objects)
@@ -112,6 +114,7 @@ impl Checkpointer {
             objects,
             positions,
             loaders,
+            optimizer_state,
         };
         state::save(&dir, parts, ctx)?;
         if automatic {
@@ -144,7 +147,7 @@ impl Checkpointer {
     /// Opens `dir` (or the latest automatic checkpoint), puts every prepared dataloader back at its saved
     /// position, restores the registered objects and the automatic-naming iteration. The caller restores the
     /// loss scaler ([`LoadedState::scaler`]) and the loop's models, optimizers and schedulers.
-    pub fn load_state(&self, rank: &ProcessState, dir: Option<&Path>) -> Result<LoadedState> {
+    pub fn load_state(&self, rank: &ProcessGroup, dir: Option<&Path>) -> Result<LoadedState> {
         let dir = match dir {
             Some(d) => d.to_path_buf(),
             None => {
@@ -164,7 +167,7 @@ impl Checkpointer {
     }
 
     /// Opens the checkpoint `dir` on this rank and restores the positions, objects and naming iteration.
-    fn restore(&self, rank: &ProcessState, dir: &Path) -> Result<LoadedState> {
+    fn restore(&self, rank: &ProcessGroup, dir: &Path) -> Result<LoadedState> {
         let mut loaded = LoadedState::open(dir, rank.process_index(), rank.num_processes())?;
         self.restore_positions(&loaded)?;
         self.restore_objects(&mut loaded)?;

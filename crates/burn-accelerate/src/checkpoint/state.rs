@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::fs::{io, read, sync_dir, with_suffix, write_synced};
 pub use crate::data::DataPosition;
+use crate::distributed::strategy::StateScope;
 use crate::error::{Error, Result};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use crate::precision::LossScaler;
@@ -114,6 +115,10 @@ struct Manifest {
     /// Each optimizer's kind (`Adam`, ...), where known. Absent in older checkpoints.
     #[serde(default)]
     optimizer_kinds: Vec<Option<String>>,
+    /// Whether each rank saved its own slice of the optimizer state (a sharded strategy). Absent in older
+    /// checkpoints.
+    #[serde(default)]
+    optimizer_per_rank: bool,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -203,12 +208,23 @@ impl StateToSave {
 
 /// The parts of the state every rank contributes, besides `StateToSave`.
 pub(crate) struct SaveContext<'a> {
-    pub state: &'a crate::state::ProcessState,
+    pub state: &'a crate::distributed::ProcessGroup,
     pub iteration: usize,
     pub scaler: Option<LossScaler>,
     pub objects: Vec<(String, serde_json::Value)>,
     pub positions: Vec<DataPosition>,
     pub loaders: Vec<crate::data::LoaderFingerprint>,
+    /// Whether the optimizer state is one file from the main process or one slice per rank.
+    pub optimizer_state: StateScope,
+}
+
+/// The file stem of the optimizer states: one set for the run, or one per rank when each rank holds a slice.
+fn optimizer_stem(per_rank: bool, rank: usize) -> String {
+    if per_rank {
+        format!("optimizer_rank{rank}")
+    } else {
+        "optimizer".into()
+    }
 }
 
 fn file(dir: &Path, stem: &str, i: usize, ext: &str) -> PathBuf {
@@ -279,12 +295,16 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
         &partial.join(format!("rank_{}.json", state.process_index())),
         &rank_json,
     )?;
+    let per_rank = ctx.optimizer_state == StateScope::PerRank;
+    if per_rank || state.is_main_process() {
+        let stem = optimizer_stem(per_rank, state.process_index());
+        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
+            write_synced(&file(partial, &stem, i, "bpk"), bytes)?;
+        }
+    }
     if state.is_main_process() {
         for (i, bytes) in parts.models.iter().enumerate() {
             write_synced(&file(partial, "model", i, "bpk"), bytes)?;
-        }
-        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
-            write_synced(&file(partial, "optimizer", i, "bpk"), bytes)?;
         }
         for (i, bytes) in parts.schedulers.iter().enumerate() {
             write_synced(&file(partial, "scheduler", i, "bpk"), bytes)?;
@@ -310,6 +330,7 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
         objects: ctx.objects.iter().map(|(n, _)| n.clone()).collect(),
         scaler: ctx.scaler.clone(),
         optimizer_kinds: parts.optimizer_kinds.clone(),
+        optimizer_per_rank: ctx.optimizer_state == StateScope::PerRank,
     };
     write_synced(
         &partial.join(MANIFEST),
@@ -341,6 +362,7 @@ pub struct LoadedState {
     manifest: Manifest,
     rank: RankState,
     objects: BTreeMap<String, serde_json::Value>,
+    rank_index: usize,
     next_model: usize,
     next_optimizer: usize,
     next_scheduler: usize,
@@ -391,7 +413,7 @@ fn resolve(dir: &Path) -> Result<PathBuf> {
 }
 
 impl LoadedState {
-    pub(crate) fn open(dir: &Path, rank: usize, num_processes: usize) -> Result<Self> {
+    pub(crate) fn open(dir: &Path, rank_index: usize, num_processes: usize) -> Result<Self> {
         let dir = resolve(dir)?;
         let manifest_path = dir.join(MANIFEST);
         let manifest: Manifest = serde_json::from_slice(&read(&manifest_path)?)
@@ -411,7 +433,7 @@ impl LoadedState {
                 ),
             ));
         }
-        let rank_path = dir.join(format!("rank_{rank}.json"));
+        let rank_path = dir.join(format!("rank_{rank_index}.json"));
         let rank: RankState = serde_json::from_slice(&read(&rank_path)?)
             .map_err(|e| corrupt(&rank_path, format!("unreadable: {e}")))?;
         let objects_path = dir.join("objects.json");
@@ -422,6 +444,7 @@ impl LoadedState {
             manifest,
             rank,
             objects,
+            rank_index,
             next_model: 0,
             next_optimizer: 0,
             next_scheduler: 0,
@@ -558,9 +581,10 @@ impl LoadedState {
     fn next_optimizer_record(
         &mut self,
     ) -> Result<(usize, PathBuf, burn::optim::OptimizerRecord, u64)> {
+        let stem = optimizer_stem(self.manifest.optimizer_per_rank, self.rank_index);
         let (i, path, bytes) = Self::next_part(
             &self.dir,
-            "optimizer",
+            &stem,
             self.manifest.optimizers,
             &mut self.next_optimizer,
         )?;

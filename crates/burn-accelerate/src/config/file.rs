@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use serde_yaml_ng::Value;
 
 use super::{AcceleratorConfig, Source};
-use crate::env;
+use crate::config::env;
 use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
 

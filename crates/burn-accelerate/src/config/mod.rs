@@ -1,5 +1,6 @@
 //! The accelerator's configuration, where each setting came from, and where Accelerate keeps its config file.
 
+pub mod env;
 mod file;
 
 pub use file::UnsupportedValue;
@@ -10,7 +11,6 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::env;
 use crate::error::{Error, Result};
 use crate::precision::{LossScaler, MixedPrecision};
 

@@ -8,8 +8,8 @@ use super::position::{LoaderCursor, LoaderFingerprint};
 use super::shard::{ShardSpec, shard};
 use crate::config::AcceleratorConfig;
 use crate::error::Result;
-use crate::grad::step_state::SharedStep;
-use crate::state::ProcessState;
+use crate::grad::window::SharedStep;
+use crate::distributed::ProcessGroup;
 
 /// A [`DataLoader`] prepared by the [`Accelerator`](crate::Accelerator): each rank gets its shard of every epoch
 /// (Accelerate's batch dealing, `split_batches` and `even_batches` rules), batches are built on the accelerator's
@@ -27,14 +27,14 @@ impl<I, O> PreparedDataLoader<I, O> {
     /// seed comes from rank 0, the shard from the rank and the config.
     pub(crate) fn prepare(
         mut loader: DataLoader<I, O>,
-        state: &ProcessState,
+        state: &ProcessGroup,
         config: &AcceleratorConfig,
         shared: SharedStep,
     ) -> Result<Self> {
         if state.num_processes() > 1
             && let Some(seed) = loader.shuffle
         {
-            loader.shuffle = Some(crate::ops::broadcast_object(state, &seed, 0)?);
+            loader.shuffle = Some(crate::distributed::collectives::broadcast_object(state, &seed, 0)?);
         }
         let spec = ShardSpec {
             num_processes: state.num_processes(),

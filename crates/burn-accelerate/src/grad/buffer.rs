@@ -93,6 +93,15 @@ impl GradientBuffer {
         *self = Self::default();
     }
 
+    /// Drops the gradient of one parameter (a rank that does not step it, under a sharded strategy).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn remove(&mut self, id: ParamId) {
+        if let Some(rank) = self.tensor_ranks.remove(&id) {
+            self.flat.remove(&id);
+            let _ = take_flat(&mut self.shaped, id, rank);
+        }
+    }
+
     /// Moves the gradients of `module`'s trainable parameters out of `grads` (the autodiff graph's `Gradients`,
     /// or Burn's optimizer container `GradientsParams`, as burn-train's `TrainStep` returns it) and adds them to
     /// the buffer.

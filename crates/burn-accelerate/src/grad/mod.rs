@@ -7,11 +7,9 @@
 
 mod buffer;
 mod clip;
-pub(crate) mod step;
-pub(crate) mod step_state;
-pub(crate) mod sync;
+pub(crate) mod window;
 
-pub(crate) use buffer::{GradientBuffer, param_ids};
+pub(crate) use buffer::{GradSource, GradientBuffer, param_ids};
 pub use clip::NormType;
 pub(crate) use clip::{check_executed, clip_grad_norm, clip_grad_value, has_non_finite};
-pub use step_state::GradientState;
+pub use window::GradientState;

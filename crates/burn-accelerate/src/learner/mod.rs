@@ -36,3 +36,46 @@ pub use loader::LearnerLoader;
 pub use quiet::QuietRenderer;
 pub(crate) use records::LearnerRecords;
 pub use strategy::AcceleratedStrategy;
+
+use std::sync::Arc;
+
+use crate::accelerator::Accelerator;
+use crate::error::Result;
+
+impl Accelerator {
+    /// Makes a burn-train `SupervisedTraining` train through this accelerator: the
+    /// [`AcceleratedStrategy`](AcceleratedStrategy), and on every rank but the main process no
+    /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes).
+    /// Pass prepared dataloaders through [`LearnerLoader`](crate::learner::LearnerLoader).
+    ///
+    /// # Errors
+    /// When this accelerator already prepared a training.
+    pub fn prepare_training<M: burn_train::LearnerModel>(
+        self: &Arc<Self>,
+        training: burn_train::SupervisedTraining<M>,
+    ) -> Result<burn_train::SupervisedTraining<M>> {
+        self.prepare_training_with(training, |strategy| strategy)
+    }
+
+    /// [`prepare_training`](Self::prepare_training) with the strategy's options set by `configure` (gradient
+    /// clipping, saving every n steps, resuming, a step limit).
+    pub fn prepare_training_with<M: burn_train::LearnerModel>(
+        self: &Arc<Self>,
+        training: burn_train::SupervisedTraining<M>,
+        configure: impl FnOnce(
+            AcceleratedStrategy,
+        ) -> AcceleratedStrategy,
+    ) -> Result<burn_train::SupervisedTraining<M>> {
+        let strategy = configure(AcceleratedStrategy::new(self.clone())?);
+        let training = training
+            .with_training_strategy(burn_train::TrainingStrategy::Custom(Arc::new(strategy)));
+        if self.is_main_process() {
+            return Ok(training);
+        }
+        Ok(training
+            .with_application_logger(None)
+            .renderer(Box::new(QuietRenderer))
+            .with_metric_logger(burn_train::logger::InMemoryMetricLogger::default()))
+    }
+}
+

@@ -16,8 +16,9 @@ use super::context;
 use super::records;
 use crate::accelerator::Accelerator;
 use crate::checkpoint::StateToSave;
-use crate::comm::{ReduceBuffer, ReduceOp};
+use crate::distributed::collectives;
 use crate::error::{Error, Result};
+use crate::pipeline::StepOutcome;
 use crate::precision::MixedPrecision;
 
 /// Where a Learner run stands, saved with every checkpoint the strategy writes (registered as
@@ -151,16 +152,11 @@ impl AcceleratedStrategy {
         if acc.num_processes() == 1 {
             return local;
         }
-        // One flag per rank, straight through the communicator (no device tensor to build and read back).
-        match acc
-            .state()
-            .comm()
-            .all_reduce(ReduceBuffer::I64(vec![i64::from(local)]), ReduceOp::Max)
-        {
-            Ok(ReduceBuffer::I64(flag)) => flag.first().is_some_and(|f| *f > 0),
-            Ok(_) => true,
+        // One flag per rank through the collectives (no device tensor to build and read back).
+        match collectives::any_rank(acc.process_group(), "learner_stop", local) {
+            Ok(stop) => stop,
             Err(e) => {
-                interrupter.fail(training_error(e.into()));
+                interrupter.fail(training_error(e));
                 true
             }
         }
@@ -238,10 +234,7 @@ impl AcceleratedStrategy {
         let acc = &self.accelerator;
         let main = acc.is_main_process();
         let precision = acc.config().mixed_precision;
-        let passthrough = acc.num_processes() == 1
-            && acc.config().gradient_accumulation_steps == 1
-            && precision != MixedPrecision::Fp16
-            && self.max_grad_norm.is_none();
+        let pipeline = acc.pipeline();
         super::loader::reset_prepared_flag();
         let mut iterator = loader.iter();
         if acc.num_processes() > 1 && !super::loader::prepared_flag() {
@@ -265,9 +258,7 @@ impl AcceleratedStrategy {
             };
             iteration += 1;
             let progress = iterator.progress();
-            if !passthrough {
-                acc.accumulate();
-            }
+            acc.accumulate();
             let output = {
                 let scale = if precision == MixedPrecision::Fp16 {
                     acc.loss_scale()
@@ -287,36 +278,31 @@ impl AcceleratedStrategy {
                 }
                 output
             };
-            let mut grads = output.grads;
-            // Whether this batch ended an accumulation window (every rank is at the same point then), and the
-            // gradients to apply (`None` while accumulating, or after an fp16 overflow: skipped on every rank,
-            // and the scheduler waits).
-            let (synchronising, step) = if passthrough {
-                // One rank, a step per batch, nothing to scale or clip: the pipeline would hand these very
-                // gradients back.
-                (true, Some(grads))
-            } else {
-                let model = learner.model();
-                if let Err(e) = acc.process_gradients(&mut grads, &model) {
+            // The step pipeline's outcome: whether this batch ended an accumulation window (every rank is at the
+            // same point then), and the gradients to apply (none while accumulating, or after an fp16 overflow:
+            // skipped on every rank, and the scheduler waits).
+            let outcome = pipeline.finish(output.grads, || learner.model(), self.max_grad_norm);
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(e) => {
                     interrupter.fail(training_error(e));
                     return self.anyone_stops(interrupter, true);
                 }
-                if !acc.sync_gradients() {
-                    (false, None)
-                } else {
-                    if let Some(max_norm) = self.max_grad_norm
-                        && let Err(e) = acc.clip_grad_norm(&model, max_norm)
-                    {
-                        interrupter.fail(training_error(e));
-                        return self.anyone_stops(interrupter, true);
-                    }
-                    (true, acc.take_step_gradients(&model))
-                }
             };
+            let synchronising = outcome.ends_window();
             let mut stop = false;
-            if let Some(grads) = step {
+            if let StepOutcome::Apply(grads) = outcome {
                 learner.lr_step();
                 learner.optimizer_step(grads);
+                if pipeline.shares_stepped_parameters() {
+                    match pipeline.share_stepped(learner.model()) {
+                        Ok(model) => learner.load_model(model.into_record()),
+                        Err(e) => {
+                            interrupter.fail(training_error(e));
+                            return self.anyone_stops(interrupter, true);
+                        }
+                    }
+                }
                 let mut progress = self.progress();
                 progress.steps += 1;
                 self.set_progress(progress);
@@ -456,7 +442,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
         let main = acc.is_main_process();
         learner.fork(acc.device());
         let setup = self.setup(&mut learner, grad_accumulation);
-        if let Err(e) = acc.state().agree("AcceleratedStrategy", setup) {
+        if let Err(e) = acc.process_group().agree("AcceleratedStrategy", setup) {
             interrupter.fail(training_error(e));
             return (learner.model(), processor);
         }

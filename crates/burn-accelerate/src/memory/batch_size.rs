@@ -7,9 +7,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use burn::tensor::DType;
 
 use super::OutOfMemory;
-use crate::comm::{ReduceBuffer, ReduceOp};
-use crate::ops;
-use crate::state::ProcessState;
+use crate::distributed::comm::{ReduceBuffer, ReduceOp};
+use crate::distributed::collectives;
+use crate::distributed::ProcessGroup;
 
 /// How the batch size shrinks after an out-of-memory failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -143,7 +143,7 @@ impl BatchSizeFinder {
     /// `free` runs between attempts.
     pub(crate) fn run_across<T, E: OutOfMemory + fmt::Display + From<crate::Error>>(
         &self,
-        state: &ProcessState,
+        state: &ProcessGroup,
         free: impl FnMut(),
         mut f: impl FnMut(usize) -> Result<T, E>,
     ) -> Result<T, BatchSizeError<E>> {
@@ -154,7 +154,7 @@ impl BatchSizeFinder {
                 Attempt::OutOfMemory(_) => 1,
                 Attempt::Failed(_) | Attempt::FailedOnOtherRank => 2,
             };
-            let worst = match ops::all_reduce_host(
+            let worst = match collectives::all_reduce_host(
                 state,
                 "find_executable_batch_size",
                 (DType::I64, &[1]),

@@ -20,10 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-mod owner;
+mod policy;
 mod scaler;
 
-pub(crate) use owner::Precision;
+pub(crate) use policy::Precision;
 pub use scaler::LossScaler;
 
 /// The precision of the forward pass (Accelerate's `mixed_precision`).

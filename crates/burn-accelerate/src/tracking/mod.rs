@@ -34,6 +34,7 @@
 
 mod csv_file;
 mod jsonl;
+pub mod progress;
 pub mod tensorboard;
 
 use std::fmt;

@@ -29,7 +29,7 @@ impl TensorBoardTracker {
     pub fn new(init: &TrackerInit) -> Result<Self> {
         static FILES: AtomicU64 = AtomicU64::new(0);
         let dir = init.require_logging_dir("tensorboard")?;
-        let host = crate::sys::hostname();
+        let host = crate::backend::sys::hostname();
         let name = format!(
             "events.out.tfevents.{}.{host}.{}.{}",
             now().floor() as u64,

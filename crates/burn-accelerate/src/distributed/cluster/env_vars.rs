@@ -1,7 +1,7 @@
 //! The variables process launchers set (`mpirun`, `mpiexec`, `srun --mpi`, `torchrun`-style `RANK`): the only
 //! place where burn-accelerate reads them.
 
-use crate::env;
+use crate::config::env;
 use crate::error::Result;
 
 /// Variables that carry the global rank, in the order they are read.

@@ -2,11 +2,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::DType;
-
-use crate::comm::{ReduceBuffer, ReduceOp};
 use crate::error::Result;
-use crate::state::ProcessState;
+use crate::distributed::ProcessGroup;
 
 /// One rank's trigger.
 #[derive(Debug, Default)]
@@ -20,16 +17,8 @@ impl Trigger {
 
     /// Whether any rank raised its trigger since the last check that fired; lowers it when it fires. A
     /// collective: every rank calls it at the same point.
-    pub fn check(&self, state: &ProcessState) -> Result<bool> {
-        let mine = i64::from(self.0.load(Ordering::Relaxed));
-        let all = super::all_reduce_host(
-            state,
-            "check_trigger",
-            (DType::I64, &[1]),
-            ReduceBuffer::I64(vec![mine]),
-            ReduceOp::Max,
-        )?;
-        let fired = matches!(all, ReduceBuffer::I64(v) if v.first().copied().unwrap_or(0) > 0);
+    pub fn check(&self, state: &ProcessGroup) -> Result<bool> {
+        let fired = super::any_rank(state, "check_trigger", self.0.load(Ordering::Relaxed))?;
         if fired {
             self.0.store(false, Ordering::Relaxed);
         }

@@ -5,12 +5,17 @@
 //! device or backend from the builder, `ACCELERATE_USE_CPU` (forces a CPU backend), `BURN_DEVICE`, then Burn's
 //! own priority order (CUDA, Metal, ROCm, Vulkan, WebGPU, wgpu, LibTorch, Flex, NdArray).
 
+mod placement;
+pub mod sys;
+
+pub use placement::ToDevice;
+
 use std::fmt;
 use std::str::FromStr;
 
 use burn::tensor::Device;
 
-use crate::env;
+use crate::config::env;
 use crate::error::{Error, Result};
 
 /// A compute backend burn-accelerate can run on. Each one is a cargo feature of the same name.
@@ -382,7 +387,7 @@ mod tests {
 
     #[test]
     fn cpu_ranks_are_multi_cpu_and_gpu_ranks_multi_gpu() {
-        use crate::state::DistributedType;
+        use crate::distributed::DistributedType;
         let device = Device::default();
         for (backend, cpu) in [
             (Some(Backend::Flex), true),

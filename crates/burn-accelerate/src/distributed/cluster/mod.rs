@@ -9,15 +9,15 @@
 //! Pass your own environment to [`AcceleratorBuilder::build_in`](crate::AcceleratorBuilder::build_in) to run on
 //! a communicator of your own (a test double, or an engine this crate does not ship).
 
-pub mod launcher;
+pub mod env_vars;
 
 use std::sync::Arc;
 
-use crate::comm::{self, Communicator};
+use crate::distributed::comm::{self, Communicator};
 use crate::config::AcceleratorConfig;
 use crate::error::Result;
 
-pub use launcher::{LauncherVars, launched_by_mpi};
+pub use env_vars::{LauncherVars, launched_by_mpi};
 
 /// How the ranks of a run were started and how they talk.
 pub trait ClusterEnvironment: std::fmt::Debug {
@@ -65,7 +65,7 @@ pub struct InProcess {
 }
 
 impl InProcess {
-    /// The rank `comm` speaks for (usually an [`InProcessComm`](crate::comm::InProcessComm), possibly wrapped).
+    /// The rank `comm` speaks for (usually an [`InProcessComm`](crate::distributed::comm::InProcessComm), possibly wrapped).
     pub fn new(comm: Arc<dyn Communicator>) -> Self {
         Self { comm }
     }
@@ -155,7 +155,7 @@ pub fn detect(config: &AcceleratorConfig) -> Result<Box<dyn ClusterEnvironment>>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::InProcessGroup;
+    use crate::distributed::comm::InProcessGroup;
     use std::time::Duration;
 
     #[test]

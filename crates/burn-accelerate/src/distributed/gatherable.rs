@@ -32,33 +32,61 @@
 use burn::tensor::Tensor;
 use burn::tensor::kind::Basic;
 
-use crate::accelerator::Accelerator;
+use super::ProcessGroup;
+use super::collectives;
 use crate::error::Result;
 
-/// A value whose tensors [`Accelerator::gather_for_metrics`] gathers across ranks.
+/// One `gather_for_metrics` call: the rank's group, and how many gathered samples are real (on the last batch
+/// of an epoch, the samples that even batches repeated are dropped).
+#[derive(Debug, Clone, Copy)]
+pub struct MetricsGather<'a> {
+    group: &'a ProcessGroup,
+    keep: Option<usize>,
+}
+
+impl<'a> MetricsGather<'a> {
+    /// A gather over `group` that keeps the first `keep` gathered samples (`None`: all of them).
+    pub fn new(group: &'a ProcessGroup, keep: Option<usize>) -> Self {
+        Self { group, keep }
+    }
+
+    /// Gathers one per-sample tensor along dimension 0 and drops the repeated tail.
+    ///
+    /// # Errors
+    /// As [`collectives::gather`].
+    pub fn tensor<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
+        let gathered = collectives::gather(self.group, tensor)?;
+        match self.keep {
+            Some(keep) if keep < gathered.dims()[0] => Ok(gathered.narrow(0, 0, keep)),
+            _ => Ok(gathered),
+        }
+    }
+}
+
+/// A value whose tensors [`Accelerator::gather_for_metrics`](crate::Accelerator::gather_for_metrics) gathers
+/// across ranks.
 pub trait Gatherable: Sized {
-    /// Gathers every tensor in `self` for metrics (see
-    /// [`Accelerator::gather_for_metrics`](crate::Accelerator::gather_for_metrics)).
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self>;
+    /// Gathers every tensor in `self` for metrics, each through [`MetricsGather::tensor`].
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self>;
 }
 
 impl<const D: usize, K: Basic> Gatherable for Tensor<D, K> {
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
-        accelerator.gather_tensor_for_metrics(self)
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
+        gather.tensor(self)
     }
 }
 
 impl<T: Gatherable> Gatherable for Vec<T> {
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
         self.into_iter()
-            .map(|v| v.gather_for_metrics(accelerator))
+            .map(|v| v.gather_for_metrics(gather))
             .collect()
     }
 }
 
 impl<T: Gatherable, const N: usize> Gatherable for [T; N] {
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
-        let gathered: Vec<T> = Vec::from(self).gather_for_metrics(accelerator)?;
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
+        let gathered: Vec<T> = Vec::from(self).gather_for_metrics(gather)?;
         Ok(gathered
             .try_into()
             .unwrap_or_else(|_| unreachable!("gathering keeps the array's length")))
@@ -66,21 +94,21 @@ impl<T: Gatherable, const N: usize> Gatherable for [T; N] {
 }
 
 impl<T: Gatherable> Gatherable for Option<T> {
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
-        self.map(|v| v.gather_for_metrics(accelerator)).transpose()
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
+        self.map(|v| v.gather_for_metrics(gather)).transpose()
     }
 }
 
 impl<T: Gatherable> Gatherable for Box<T> {
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
-        Ok(Box::new((*self).gather_for_metrics(accelerator)?))
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
+        Ok(Box::new((*self).gather_for_metrics(gather)?))
     }
 }
 
 impl<K: Ord, V: Gatherable> Gatherable for std::collections::BTreeMap<K, V> {
-    fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
+    fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
         self.into_iter()
-            .map(|(k, v)| Ok((k, v.gather_for_metrics(accelerator)?)))
+            .map(|(k, v)| Ok((k, v.gather_for_metrics(gather)?)))
             .collect()
     }
 }
@@ -90,9 +118,9 @@ macro_rules! gatherable_tuples {
         $(
             #[allow(non_snake_case)]
             impl<$($name: Gatherable),+> Gatherable for ($($name,)+) {
-                fn gather_for_metrics(self, accelerator: &Accelerator) -> Result<Self> {
+                fn gather_for_metrics(self, gather: &MetricsGather<'_>) -> Result<Self> {
                     let ($($name,)+) = self;
-                    Ok(($($name.gather_for_metrics(accelerator)?,)+))
+                    Ok(($($name.gather_for_metrics(gather)?,)+))
                 }
             }
         )+
@@ -126,13 +154,13 @@ gatherable_tuples!(
 #[macro_export]
 macro_rules! impl_gatherable {
     ($ty:ident { $($field:ident),* $(,)? }) => {
-        impl $crate::gatherable::Gatherable for $ty {
+        impl $crate::distributed::Gatherable for $ty {
             fn gather_for_metrics(
                 self,
-                accelerator: &$crate::Accelerator,
+                gather: &$crate::distributed::MetricsGather<'_>,
             ) -> $crate::Result<Self> {
                 Ok($ty {
-                    $($field: $crate::gatherable::Gatherable::gather_for_metrics(self.$field, accelerator)?,)*
+                    $($field: $crate::distributed::Gatherable::gather_for_metrics(self.$field, gather)?,)*
                 })
             }
         }

@@ -1,32 +1,39 @@
-//! The step pipeline: what happens between a loss and the optimizer step, in one place.
+//! The step pipeline: what happens between a loss and the optimizer step, in one place, for every loop.
 //!
 //! ```text
-//! backward(loss, model):
-//!   precision.scale_loss ─> loss.backward ─> grads.collect ─> step_state.record_backward
+//! backward(loss, model) / finish(grads, model):
+//!   precision.scale_loss ─> loss.backward ─> grads.collect ─> window.record_backward
 //!     Local      : done (accumulate on this rank, no communication)
-//!     SyncOnly   : sync.average(scale 1)                         (sync_each_batch inside a window)
-//!     EndWindow  : normalise (1/micro-batches) ─> precision.unscaled ─> sync.average(scale)
-//!                  ─> precision.verdict (fp16 overflow on any rank?) ─> step_state.record_overflow
-//! optimizer.step(model): step_state.take_verdict ─> Step: apply grads | Skip: drop them | Accumulate: keep
+//!     SyncOnly   : strategy.reduce_gradients(scale 1)            (sync_each_batch inside a window)
+//!     EndWindow  : normalise (1/micro-batches) ─> precision.unscaled ─> strategy.reduce_gradients(scale)
+//!                  ─> precision.verdict (fp16 overflow on any rank?) ─> window.record_overflow
+//! take_outcome(model) ─> Accumulate (keep the gradients) | Apply(gradients) | Skip (drop them)
+//! after applying: strategy shares the stepped parameters (sharded strategies only)
 //! ```
 //!
-//! The pipeline composes three seams — [`Precision`], [`GradientSync`] and the [`StepState`] — and owns no
-//! policy of its own beyond the order above; a device-side all-reduce or a training strategy (burn-train's
-//! Learner) reuses it by supplying another [`GradientSync`] or by calling [`StepPipeline::process`] with
-//! gradients it computed itself.
-//!
-//! [`StepState`]: super::step_state::StepState
+//! The pipeline composes three seams — [`Precision`], the distribution [`Strategy`] and the step window
+//! ([`crate::grad::window`]) — and owns no policy of its own beyond the order above. Its [`StepOutcome`] is the
+//! one answer both consumers act on: the prepared optimizer ([`AcceleratedOptimizer`](crate::optim)) and
+//! burn-train's Learner strategy (`crate::learner`), which hands in gradients its `TrainStep` computed through
+//! [`StepPipeline::finish`]. A single device without accumulation, loss scaling or clipping is a case of
+//! `finish` that hands the gradients straight back.
 
 use std::sync::{Mutex, MutexGuard};
 
 use burn::module::Module;
 use burn::tensor::Tensor;
 
-use super::buffer::GradSource;
-use super::step_state::{BackwardPlan, SharedStep};
-use super::sync::{GradientSync, broadcast_module, trainable_params};
-use super::{GradientBuffer, has_non_finite, param_ids};
+use std::sync::Arc;
+
+use burn::optim::GradientsParams;
+
 use crate::config::{AcceleratorConfig, LossNormalization};
+use crate::distributed::strategy::{
+    StateScope, Strategy, broadcast_module, share_stepped_parameters, trainable_params,
+};
+use crate::grad::window::{BackwardPlan, SharedStep};
+pub(crate) use crate::grad::window::StepOutcome;
+use crate::grad::{GradSource, GradientBuffer, clip_grad_norm, has_non_finite, param_ids};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 
@@ -35,22 +42,22 @@ use crate::precision::Precision;
 pub(crate) struct StepPipeline {
     shared: SharedStep,
     precision: Mutex<Precision>,
-    sync: Box<dyn GradientSync>,
+    strategy: Arc<dyn Strategy>,
     normalization: LossNormalization,
     accumulation_steps: usize,
     sync_each_batch: bool,
 }
 
 impl StepPipeline {
-    /// The pipeline of a rank configured by `config`, averaging gradients through `sync`.
-    pub fn new(config: &AcceleratorConfig, sync: Box<dyn GradientSync>) -> Self {
+    /// The pipeline of a rank configured by `config`, distributed by `strategy`.
+    pub fn new(config: &AcceleratorConfig, strategy: Arc<dyn Strategy>) -> Self {
         Self {
             shared: SharedStep::new(config.gradient_accumulation_steps),
             precision: Mutex::new(Precision::new(
                 config.mixed_precision,
                 config.loss_scaler.clone(),
             )),
-            sync,
+            strategy,
             normalization: config.loss_normalization,
             accumulation_steps: config.gradient_accumulation_steps,
             sync_each_batch: config.sync_each_batch,
@@ -60,7 +67,7 @@ impl StepPipeline {
     /// Averages `grads` (flat gradients of parameters of their own) across ranks exactly as a sync step of
     /// `backward` does, bucketing included, and returns them: the sync path alone, for the benchmarks.
     pub fn sync_flat_for_bench(&self, grads: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
-        let mut buffer = super::buffer::GradientBuffer::new();
+        let mut buffer = GradientBuffer::new();
         let params: Vec<(burn::module::ParamId, usize)> = grads
             .iter()
             .map(|g| (burn::module::ParamId::new(), g.dims()[0]))
@@ -68,7 +75,7 @@ impl StepPipeline {
         for ((id, _), grad) in params.iter().zip(grads) {
             buffer.add(*id, grad);
         }
-        self.sync.average(&mut buffer, &params, 1.0)?;
+        self.strategy.reduce_gradients(&mut buffer, &params, 1.0)?;
         let ids: Vec<_> = params.iter().map(|(id, _)| *id).collect();
         Ok(buffer.flat(&ids))
     }
@@ -83,9 +90,60 @@ impl StepPipeline {
         self.precision.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The distribution strategy.
+    pub fn strategy(&self) -> &Arc<dyn Strategy> {
+        &self.strategy
+    }
+
     /// `module` with rank 0's weights on every rank (the first step of `prepare_model`).
     pub fn broadcast_initial<M: Module>(&self, module: M) -> Result<M> {
-        broadcast_module(self.sync.as_ref(), module)
+        broadcast_module(self.strategy.as_ref(), module)
+    }
+
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    /// Whether the ranks step only their own parameters, so that an optimizer step must be followed by
+    /// [`share_stepped`] (never for data parallelism or a single device).
+    pub fn shares_stepped_parameters(&self) -> bool {
+        self.strategy.optimizer_state() == StateScope::PerRank
+    }
+
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    /// After an optimizer applied [`StepOutcome::Apply`]'s gradients to `model`: see [`share_stepped`].
+    pub fn share_stepped<M: Module>(&self, model: M) -> Result<M> {
+        share_stepped(self.strategy.as_ref(), model)
+    }
+
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    /// The pipeline for gradients computed outside [`backward`](Self::backward) (burn-train's `TrainStep`): runs
+    /// them through [`process`](Self::process), clips them to `max_grad_norm` when the window ends, and returns
+    /// the outcome. Call [`begin_micro_batch`](Self::begin_micro_batch) first, as for `backward`. On a single
+    /// device without accumulation, loss scaling or clipping, the gradients are handed straight back: the
+    /// pipeline would return these very values.
+    /// `model` is asked for only when the gradients go through the pipeline.
+    pub fn finish<M: Module>(
+        &self,
+        mut grads: GradientsParams,
+        model: impl FnOnce() -> M,
+        max_grad_norm: Option<f64>,
+    ) -> Result<StepOutcome> {
+        let passthrough = !self.strategy.is_distributed()
+            && self.accumulation_steps == 1
+            && max_grad_norm.is_none()
+            && self.precision().loss_scale().is_none();
+        if passthrough {
+            let mut core = self.shared.lock();
+            core.state.record_backward(false);
+            return Ok(core.state.take_verdict().with(grads));
+        }
+        let model = model();
+        self.process(&mut grads, &model)?;
+        if let Some(max_norm) = max_grad_norm
+            && self.shared.lock().state.sync_gradients()
+        {
+            let ids = param_ids(&model);
+            clip_grad_norm(&mut self.shared.lock().grads, &ids, max_norm, Default::default())?;
+        }
+        Ok(self.shared.take_outcome(&model))
     }
 
     /// A micro-batch starts; returns whether it ends the accumulation window.
@@ -123,7 +181,7 @@ impl StepPipeline {
         }
         let plan = core
             .state
-            .record_backward(self.sync_each_batch && self.sync.is_distributed());
+            .record_backward(self.sync_each_batch && self.strategy.is_distributed());
         let micro_batches = match plan {
             BackwardPlan::Local => return Ok(()),
             BackwardPlan::SyncOnly => return self.average(&mut core.grads, model, 1.0),
@@ -149,19 +207,27 @@ impl StepPipeline {
     }
 
     fn average<M: Module>(&self, grads: &mut GradientBuffer, model: &M, scale: f32) -> Result<()> {
-        let params = if self.sync.is_distributed() {
+        let params = if self.strategy.is_distributed() {
             trainable_params(model)
         } else {
             Vec::new()
         };
-        self.sync.average(grads, &params, scale)
+        self.strategy.reduce_gradients(grads, &params, scale)
     }
+}
+
+/// After an optimizer applied [`StepOutcome::Apply`]'s gradients to `model`: under a strategy whose ranks step
+/// only their own parameters, every rank receives the others' stepped values; under a replicated strategy the
+/// model comes back as it is.
+pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, model: M) -> Result<M> {
+    if strategy.optimizer_state() == StateScope::Replicated {
+        return Ok(model);
+    }
+    share_stepped_parameters(strategy, model)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use burn::module::ParamId;
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::Device;
@@ -169,7 +235,7 @@ mod tests {
     use super::*;
     use crate::precision::{LossScaler, MixedPrecision};
 
-    /// A test double of the sync seam: records each call's scale, and halves nothing (a world of one that
+    /// A test double of the strategy seam: records each call's scale, and halves nothing (a world of one that
     /// claims to be distributed, as a device all-reduce on one GPU would be).
     #[derive(Debug, Default)]
     struct Recording(Calls);
@@ -177,14 +243,14 @@ mod tests {
     /// Each call's number of parameters and scale.
     type Calls = Arc<Mutex<Vec<(usize, f32)>>>;
 
-    impl GradientSync for Recording {
-        fn name(&self) -> &'static str {
-            "recording"
+    impl Strategy for Recording {
+        fn name(&self) -> String {
+            "recording".into()
         }
         fn is_distributed(&self) -> bool {
             true
         }
-        fn average(
+        fn reduce_gradients(
             &self,
             grads: &mut GradientBuffer,
             params: &[(ParamId, usize)],
@@ -195,15 +261,15 @@ mod tests {
             grads.map_flat(&ids, |g| g.mul_scalar(scale));
             Ok(())
         }
-        fn broadcast_from_root(&self, flat: Tensor<1>) -> Result<Tensor<1>> {
+        fn broadcast(&self, flat: Tensor<1>, _root: usize) -> Result<Tensor<1>> {
             Ok(flat)
         }
     }
 
     fn pipeline(config: AcceleratorConfig) -> (StepPipeline, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
-        let sync = Box::new(Recording(calls.clone()));
-        (StepPipeline::new(&config, sync), calls)
+        let strategy = Arc::new(Recording(calls.clone()));
+        (StepPipeline::new(&config, strategy), calls)
     }
 
     fn step(pipeline: &StepPipeline, model: &Linear) {

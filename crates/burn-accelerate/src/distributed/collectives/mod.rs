@@ -1,5 +1,5 @@
 //! Tensor collectives: `gather`, `reduce`, `broadcast`, `pad_across_processes`, object gather and broadcast, and
-//! `split_between_processes`, built on the [`Communicator`](crate::comm::Communicator) of a rank.
+//! `split_between_processes`, built on the [`Communicator`](crate::distributed::comm::Communicator) of a rank.
 //!
 //! They work for float, int and bool tensors of any rank and dtype (f16 and bf16 included). With one process
 //! each returns its input. With debug mode on (`ACCELERATE_DEBUG_MODE=1`), every collective first exchanges the
@@ -13,13 +13,13 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::comm::{ReduceBuffer, ReduceOp};
+use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
-use crate::state::ProcessState;
+use crate::distributed::ProcessGroup;
 pub(crate) use trigger::Trigger;
 use wire::{decode, encode, shape_str};
 
-const PREFIX: &str = "burn_accelerate::ops::";
+const PREFIX: &str = "burn_accelerate::distributed::collectives::";
 
 fn read<const D: usize, K: Basic>(
     tensor: Tensor<D, K>,
@@ -46,7 +46,7 @@ fn data_error(operation: &str, e: impl std::fmt::Display) -> Error {
 /// error on every rank. `compare_from` is the first dimension that must agree (1 for `gather`, which accepts
 /// different first dimensions, 0 otherwise).
 fn verify(
-    state: &ProcessState,
+    state: &ProcessGroup,
     operation: &str,
     dtype: DType,
     shape: &[usize],
@@ -68,7 +68,7 @@ fn verify(
         })?);
     }
     if calls.iter().any(|(op, _, _)| op != &calls[0].0) {
-        return Err(crate::comm::CommError::CollectiveMismatch {
+        return Err(crate::distributed::comm::CommError::CollectiveMismatch {
             seq: 0,
             calls: calls
                 .iter()
@@ -97,7 +97,7 @@ fn verify(
 /// alike: in debug mode, ranks first compare `operation` and `(dtype, shape)` of what they reduce, so a rank
 /// reducing something else is an error on every rank rather than a hang or wrong data.
 pub(crate) fn all_reduce_host(
-    state: &ProcessState,
+    state: &ProcessGroup,
     operation: &str,
     (dtype, shape): (DType, &[usize]),
     buffer: ReduceBuffer,
@@ -107,10 +107,76 @@ pub(crate) fn all_reduce_host(
     Ok(state.comm().all_reduce(buffer, op)?)
 }
 
+impl ProcessGroup {
+    /// Blocks until every rank arrives (no-op for one process).
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        if self.num_processes() == 1 {
+            return Ok(());
+        }
+        verify(self, "wait_for_everyone", DType::U8, &[0], 0)?;
+        Ok(self.comm().barrier()?)
+    }
+
+    /// Ends a step of `operation` that every rank takes part in and in which any rank may fail (a save, a load):
+    /// every rank learns every rank's outcome in one collective, so a failure on one rank (often the main
+    /// process, which writes most files) stops all of them at once instead of leaving the others waiting for
+    /// it until the collective timeout. A rank that failed gets its own error back; the others get
+    /// [`Error::OtherRankFailed`] quoting it.
+    pub fn agree<T>(&self, operation: &'static str, local: Result<T>) -> Result<T> {
+        if self.num_processes() == 1 {
+            return local;
+        }
+        if let Err(e) = verify(self, operation, DType::U8, &[0], 0) {
+            return local.and(Err(e));
+        }
+        let mine = match &local {
+            Ok(_) => Vec::new(),
+            Err(e) => {
+                let text = e.to_string();
+                if text.is_empty() {
+                    b"(no message)".to_vec()
+                } else {
+                    text.into_bytes()
+                }
+            }
+        };
+        // A rank that failed reports its own error even when the exchange fails too (its peers may be gone).
+        let all = match self.comm().all_gather(mine) {
+            Ok(all) => all,
+            Err(e) => return local.and(Err(e.into())),
+        };
+        let value = local?;
+        match all.iter().position(|m| !m.is_empty()) {
+            None => Ok(value),
+            Some(rank) => Err(Error::OtherRankFailed {
+                operation,
+                rank,
+                message: String::from_utf8_lossy(&all[rank]).into_owned(),
+            }),
+        }
+    }
+}
+
+/// Whether any rank passed `true` (an early-stopping flag, a stop request): one small all-reduce every rank
+/// calls at the same point.
+pub fn any_rank(group: &ProcessGroup, operation: &str, flag: bool) -> Result<bool> {
+    if group.num_processes() == 1 {
+        return Ok(flag);
+    }
+    let all = all_reduce_host(
+        group,
+        operation,
+        (DType::I64, &[1]),
+        ReduceBuffer::I64(vec![i64::from(flag)]),
+        ReduceOp::Max,
+    )?;
+    Ok(matches!(all, ReduceBuffer::I64(v) if v.first().copied().unwrap_or(0) > 0))
+}
+
 /// Concatenates every rank's tensor along dimension 0, in rank order. The first dimension may differ between
 /// ranks (the result has no padding); the other dimensions and the dtype must agree.
 pub fn gather<const D: usize, K: Basic>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     tensor: Tensor<D, K>,
 ) -> Result<Tensor<D, K>> {
     if state.num_processes() == 1 {
@@ -154,7 +220,7 @@ pub fn gather<const D: usize, K: Basic>(
 /// Half-precision floats are combined in f32; for bool tensors `Sum` and `Max` are a logical or, `Min` a
 /// logical and, and `Mean` is an error.
 pub fn reduce<const D: usize, K: Basic>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     tensor: Tensor<D, K>,
     op: ReduceOp,
 ) -> Result<Tensor<D, K>> {
@@ -217,12 +283,12 @@ pub fn reduce<const D: usize, K: Basic>(
 
 /// Returns rank `from`'s tensor on every rank (the other ranks' tensors only fix the rank and kind).
 pub fn broadcast<const D: usize, K: Basic>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     tensor: Tensor<D, K>,
     from: usize,
 ) -> Result<Tensor<D, K>> {
     if from >= state.num_processes() {
-        return Err(crate::comm::CommError::InvalidRoot {
+        return Err(crate::distributed::comm::CommError::InvalidRoot {
             operation: "broadcast".into(),
             root: from,
             world_size: state.num_processes(),
@@ -249,7 +315,7 @@ pub fn broadcast<const D: usize, K: Basic>(
 /// ranks (padding after the data, or before it with `pad_first`). Use it before [`gather`] when ranks hold
 /// batches of different lengths and an equal shape is needed (for instance to stack per-rank outputs).
 pub fn pad_across_processes<const D: usize, K: Basic>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     tensor: Tensor<D, K>,
     dim: usize,
     pad_value: f64,
@@ -303,7 +369,7 @@ pub fn pad_across_processes<const D: usize, K: Basic>(
 
 /// Gathers one serializable value from every rank, in rank order.
 pub fn gather_object<T: Serialize + DeserializeOwned>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     value: &T,
 ) -> Result<Vec<T>> {
     gather_object_as(state, value)
@@ -311,7 +377,7 @@ pub fn gather_object<T: Serialize + DeserializeOwned>(
 
 /// Gathers `value` from every rank, read back as `D` (e.g. a slice sent, a `Vec` received).
 pub fn gather_object_as<S: Serialize + ?Sized, D: DeserializeOwned>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     value: &S,
 ) -> Result<Vec<D>> {
     let bytes = serde_json::to_vec(value).map_err(|e| data_error("gather_object", e))?;
@@ -327,12 +393,12 @@ pub fn gather_object_as<S: Serialize + ?Sized, D: DeserializeOwned>(
 
 /// Returns rank `from`'s value on every rank (`value` is only read on rank `from`).
 pub fn broadcast_object<T: Serialize + DeserializeOwned>(
-    state: &ProcessState,
+    state: &ProcessGroup,
     value: &T,
     from: usize,
 ) -> Result<T> {
     if from >= state.num_processes() {
-        return Err(crate::comm::CommError::InvalidRoot {
+        return Err(crate::distributed::comm::CommError::InvalidRoot {
             operation: "broadcast_object".into(),
             root: from,
             world_size: state.num_processes(),

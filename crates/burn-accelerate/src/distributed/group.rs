@@ -8,8 +8,7 @@ use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
-use crate::comm::Communicator;
-use crate::error::Result;
+use crate::distributed::comm::Communicator;
 
 /// The kind of run, with Accelerate's names so config files are shared between both tools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -58,7 +57,7 @@ impl fmt::Display for DistributedType {
 /// The identity of one rank: what Accelerate keeps in `PartialState`, held per rank instead of per process so
 /// that several ranks can live in one process as threads.
 #[derive(Debug, Clone)]
-pub struct ProcessState {
+pub struct ProcessGroup {
     process_index: usize,
     local_process_index: usize,
     num_processes: usize,
@@ -69,7 +68,7 @@ pub struct ProcessState {
     debug: bool,
 }
 
-impl ProcessState {
+impl ProcessGroup {
     /// A state for `comm`'s rank on `device`. `local_process_index` is the rank on this machine.
     pub fn new(
         comm: Arc<dyn Communicator>,
@@ -144,51 +143,6 @@ impl ProcessState {
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.comm
     }
-    /// Blocks until every rank arrives (no-op for one process).
-    pub fn wait_for_everyone(&self) -> Result<()> {
-        if self.num_processes > 1 {
-            Ok(self.comm.barrier()?)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Ends a step of `operation` that every rank takes part in and in which any rank may fail (a save, a load):
-    /// every rank learns every rank's outcome in one collective, so a failure on one rank (often the main
-    /// process, which writes most files) stops all of them at once instead of leaving the others waiting for
-    /// it until the collective timeout. A rank that failed gets its own error back; the others get
-    /// [`Error::OtherRankFailed`] quoting it.
-    pub fn agree<T>(&self, operation: &'static str, local: Result<T>) -> Result<T> {
-        if self.num_processes == 1 {
-            return local;
-        }
-        let mine = match &local {
-            Ok(_) => Vec::new(),
-            Err(e) => {
-                let text = e.to_string();
-                if text.is_empty() {
-                    b"(no message)".to_vec()
-                } else {
-                    text.into_bytes()
-                }
-            }
-        };
-        // A rank that failed reports its own error even when the exchange fails too (its peers may be gone).
-        let all = match self.comm.all_gather(mine) {
-            Ok(all) => all,
-            Err(e) => return local.and(Err(e.into())),
-        };
-        let value = local?;
-        match all.iter().position(|m| !m.is_empty()) {
-            None => Ok(value),
-            Some(rank) => Err(crate::Error::OtherRankFailed {
-                operation,
-                rank,
-                message: String::from_utf8_lossy(&all[rank]).into_owned(),
-            }),
-        }
-    }
-
     /// Makes this the state that logging on the current thread reports.
     pub(crate) fn install_for_thread(self: &Arc<Self>) {
         CURRENT.with(|c| *c.borrow_mut() = Some(self.clone()));
@@ -196,11 +150,11 @@ impl ProcessState {
 }
 
 thread_local! {
-    static CURRENT: RefCell<Option<Arc<ProcessState>>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Option<Arc<ProcessGroup>>> = const { RefCell::new(None) };
 }
 
 /// The state of the rank running on this thread, if an [`Accelerator`](crate::Accelerator) was created on it.
-pub fn current() -> Option<Arc<ProcessState>> {
+pub fn current() -> Option<Arc<ProcessGroup>> {
     CURRENT.with(|c| c.borrow().clone())
 }
 
@@ -209,7 +163,7 @@ pub fn current() -> Option<Arc<ProcessState>> {
 pub fn current_rank() -> usize {
     current()
         .map(|s| s.process_index())
-        .or_else(|| crate::cluster::LauncherVars::read_lenient().rank)
+        .or_else(|| crate::distributed::cluster::LauncherVars::read_lenient().rank)
         .unwrap_or(0)
 }
 

@@ -9,11 +9,12 @@ use burn::tensor::Device;
 use crate::accelerator::Accelerator;
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::checkpoint::ProjectConfiguration;
-use crate::cluster::{self, ClusterEnvironment};
+use crate::distributed::cluster::{self, ClusterEnvironment};
 use crate::config::{AcceleratorConfig, LossNormalization, Source};
 use crate::error::Result;
 use crate::precision::{LossScaler, MixedPrecision};
-use crate::state::ProcessState;
+use crate::distributed::ProcessGroup;
+use crate::distributed::strategy::{self, Strategy};
 use crate::tracking::{LogWith, Tracker, TrackerInit};
 
 /// Builds an [`Accelerator`]. Every setting not given here comes from the `ACCELERATE_*` environment variables,
@@ -35,7 +36,12 @@ pub struct AcceleratorBuilder {
     bucket_size_mb: Option<f64>,
     project: Option<ProjectConfiguration>,
     log_with: Vec<LogWith>,
+    strategy: Option<StrategyFactory>,
 }
+
+/// Makes the distribution strategy of one rank (a test double, or a strategy chosen by a later setting).
+pub(crate) type StrategyFactory =
+    Arc<dyn Fn(&Arc<ProcessGroup>) -> Arc<dyn Strategy> + Send + Sync>;
 
 impl AcceleratorBuilder {
     /// Runs on this device (autodiff is switched on for it).
@@ -229,6 +235,40 @@ impl AcceleratorBuilder {
         Ok(config)
     }
 
+    /// Distributes training with the strategy `make` returns for each rank instead of the one chosen from the
+    /// settings.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn strategy(mut self, make: StrategyFactory) -> Self {
+        self.strategy = Some(make);
+        self
+    }
+
+    /// Runs `f` on `num_processes` ranks, one thread each, every one with its own accelerator (Accelerate's
+    /// `notebook_launcher`/`debug_launcher`). Rank `i` gets device `i` when the backend has several devices,
+    /// else the backend's device. Returns every rank's result in rank order, or the error that caused the
+    /// failure (a panic, or the first rank's own error rather than the errors it caused on the others).
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let ranks = Accelerator::builder().launch(3, |acc| Ok(acc.process_index()))?;
+    /// assert_eq!(ranks, vec![0, 1, 2]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// `num_processes` is 0, a setting is invalid, a rank thread cannot be started, or a rank fails.
+    pub fn launch<T, F>(self, num_processes: usize, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(Accelerator) -> Result<T> + Send + Sync,
+    {
+        let config = self.resolve()?;
+        let timeout = config.collective_timeout();
+        crate::distributed::launch_ranks(num_processes, timeout, |cluster| {
+            f(self.build_rank(config.clone(), cluster)?)
+        })
+    }
+
     /// The accelerator of the rank `cluster` describes.
     pub(crate) fn build_rank(
         &self,
@@ -252,14 +292,22 @@ impl AcceleratorBuilder {
         config
             .mixed_precision
             .check(&device, |dtype| device.supports_dtype(dtype))?;
-        let state = ProcessState::new(
+        let state = ProcessGroup::new(
             cluster.communicator(),
             local_rank,
             device.autodiff(),
             backend,
         )
         .with_debug(config.debug);
-        Accelerator::from_parts(Arc::new(state), config, project, self.log_with.clone())
+        let group = Arc::new(state);
+        let strategy = match &self.strategy {
+            Some(make) => make(&group),
+            None => strategy::for_group(
+                &group,
+                (config.bucket_size_mb * 1024.0 * 1024.0) as usize,
+            ),
+        };
+        Accelerator::from_parts(group, config, project, self.log_with.clone(), strategy)
     }
 }
 
@@ -273,4 +321,26 @@ impl Accelerator {
     pub fn builder() -> AcceleratorBuilder {
         AcceleratorBuilder::default()
     }
+}
+
+/// Runs `f` on `num_processes` in-process ranks with the default settings; see
+/// [`AcceleratorBuilder::launch`].
+///
+/// ```
+/// use burn_accelerate::{ReduceOp, launch};
+/// use burn::tensor::Tensor;
+///
+/// let sums = launch(2, |acc| {
+///     let x = Tensor::<1>::from_floats([acc.process_index() as f32 + 1.0], acc.device());
+///     Ok(acc.reduce(x, ReduceOp::Sum)?.into_scalar::<f32>())
+/// })?;
+/// assert_eq!(sums, vec![3.0, 3.0]);
+/// # Ok::<(), burn_accelerate::Error>(())
+/// ```
+pub fn launch<T, F>(num_processes: usize, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Accelerator) -> Result<T> + Send + Sync,
+{
+    Accelerator::builder().launch(num_processes, f)
 }

@@ -215,22 +215,50 @@ impl SharedStep {
         self.lock().state.snapshot()
     }
 
-    /// The optimizer's side of a step: the gradients of `model` to apply when the window ended with a step,
-    /// `None` when it only accumulated, or when the step is skipped (fp16 overflow on some rank: the gradients
-    /// are dropped then, on every rank alike).
-    pub fn take_step<M: burn::module::Module>(
-        &self,
-        model: &M,
-    ) -> Option<burn::optim::GradientsParams> {
+    /// The optimizer's side of a step: [`StepOutcome::Apply`] with the gradients of `model` when the window
+    /// ended with a step, [`StepOutcome::Accumulate`] when it only accumulated, [`StepOutcome::Skip`] when the
+    /// step is skipped (fp16 overflow on some rank: the gradients are dropped then, on every rank alike).
+    pub fn take_outcome<M: burn::module::Module>(&self, model: &M) -> StepOutcome {
         let mut core = self.lock();
-        match core.state.take_verdict() {
-            Verdict::Accumulate => None,
+        let verdict = core.state.take_verdict();
+        let grads = match verdict {
+            Verdict::Accumulate => return StepOutcome::Accumulate,
+            Verdict::Skip | Verdict::Step => core.grads.take_for(model),
+        };
+        verdict.with(grads)
+    }
+}
+
+/// What an optimizer does with the current micro-batch, with the gradients it applies: the one answer the
+/// prepared optimizer and burn-train's Learner both act on.
+#[derive(Debug)]
+pub(crate) enum StepOutcome {
+    /// Inside an accumulation window: the gradients stay in the window, the model is left as it is.
+    Accumulate,
+    /// The window ended: apply these gradients.
+    Apply(burn::optim::GradientsParams),
+    /// The window ended with an fp16 overflow on some rank: its gradients were dropped on every rank.
+    Skip,
+}
+
+impl StepOutcome {
+    /// Whether the window ended (a step was applied or skipped): every rank is at the same point then.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub fn ends_window(&self) -> bool {
+        !matches!(self, StepOutcome::Accumulate)
+    }
+}
+
+impl Verdict {
+    /// The outcome of this verdict for gradients `grads` (dropped unless the verdict is a step).
+    pub(crate) fn with(self, grads: burn::optim::GradientsParams) -> StepOutcome {
+        match self {
+            Verdict::Accumulate => StepOutcome::Accumulate,
             Verdict::Skip => {
-                core.grads.take_for(model);
                 log::debug!("optimizer step skipped: gradients overflowed in fp16");
-                None
+                StepOutcome::Skip
             }
-            Verdict::Step => Some(core.grads.take_for(model)),
+            Verdict::Step => StepOutcome::Apply(grads),
         }
     }
 }

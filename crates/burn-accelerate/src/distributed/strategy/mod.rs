@@ -1,0 +1,447 @@
+//! The distribution strategy: the one seam through which training is spread over ranks (Lightning Fabric's
+//! `Strategy`).
+//!
+//! A [`Strategy`] decides how gradients are reduced across ranks, how every rank starts from the same weights,
+//! which rank steps (and so holds the optimizer state of) which parameter, how the stepped parameters reach the
+//! other ranks, and whether a checkpoint's optimizer state is one file or one slice per rank. The step pipeline
+//! (`crate::pipeline`), the prepared optimizer, burn-train's Learner and the checkpointer only ask it; a new way
+//! to distribute training is one new implementation here:
+//!
+//! | strategy | gradients | who steps what | optimizer state |
+//! |---|---|---|---|
+//! | [`SingleDevice`] | scaled in place | this rank, everything | one file |
+//! | [`DataParallel`] over a [`GradientTransport`] | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
+//! | sharded (ZeRO-2, see the tests below for its shape) | reduce, keep the owned slice | each rank, its own parameters; then shared | one slice per rank |
+//!
+//! [`HostAllReduce`] is today's transport (host copies through the communicator); a device all-reduce (Burn's
+//! CUDA collective, NCCL) is another [`GradientTransport`], and the tests below run both shapes — another
+//! transport and a sharded strategy — end to end through test doubles.
+
+mod data_parallel;
+mod transport;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+
+pub(crate) use data_parallel::{DataParallel, SingleDevice};
+#[cfg(test)]
+use transport::GradientTransport;
+pub(crate) use transport::HostAllReduce;
+
+use crate::distributed::ProcessGroup;
+use crate::error::{Error, Result};
+use crate::grad::GradientBuffer;
+
+/// Which rank steps which parameter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Ownership {
+    /// Every rank steps every parameter (data parallelism, one device).
+    Replicated,
+    /// The owner rank of each parameter, in the order the parameters were given: only the owner keeps its
+    /// reduced gradient and optimizer state, and sends the stepped value to the others. (Made by the sharded
+    /// strategies; today only by the test double of one.)
+    #[cfg_attr(not(test), allow(dead_code))]
+    Owners(Vec<usize>),
+}
+
+/// Where a checkpoint's optimizer state comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StateScope {
+    /// Every rank holds the same state: the main process writes it, every rank reads it.
+    Replicated,
+    /// Each rank holds a slice: each writes and reads its own.
+    PerRank,
+}
+
+/// How training is distributed over the ranks of a process group.
+pub(crate) trait Strategy: Send + Sync + fmt::Debug {
+    /// What runs, for messages and the start-up line (`data parallel over host all-reduce`, ...).
+    fn name(&self) -> String;
+
+    /// Whether other ranks take part (a single rank never communicates).
+    fn is_distributed(&self) -> bool;
+
+    /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
+    /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank
+    /// contributes zeros. A strategy whose ranks own parameters keeps only the gradients this rank owns.
+    fn reduce_gradients(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()>;
+
+    /// Rank `root`'s value of one flattened parameter on every rank.
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>>;
+
+    /// Which rank steps each of `params` (the same on every rank, without communication).
+    fn ownership(&self, params: &[(ParamId, usize)]) -> Ownership {
+        let _ = params;
+        Ownership::Replicated
+    }
+
+    /// Whether a checkpoint holds one optimizer state or one slice per rank.
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::Replicated
+    }
+}
+
+/// The strategy of `group`'s rank: [`SingleDevice`] for one rank, else [`DataParallel`] over
+/// [`HostAllReduce`] with buckets of at most `bucket_bytes`.
+pub(crate) fn for_group(group: &Arc<ProcessGroup>, bucket_bytes: usize) -> Arc<dyn Strategy> {
+    if group.num_processes() > 1 {
+        Arc::new(DataParallel::new(
+            Box::new(HostAllReduce::new(group.clone())),
+            bucket_bytes,
+        ))
+    } else {
+        Arc::new(SingleDevice)
+    }
+}
+
+/// Owners for `params` balanced by size over `world` ranks: the largest parameter first, each to the rank
+/// holding the fewest elements so far (the lower rank on a tie). Deterministic from the sizes and order alone,
+/// so every rank computes the same owners without communicating.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn balanced_owners(params: &[(ParamId, usize)], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let mut order: Vec<usize> = (0..params.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(params[i].1), i));
+    let mut load = vec![0usize; world];
+    let mut owners = vec![0; params.len()];
+    for i in order {
+        let rank = (0..world).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        load[rank] += params[i].1;
+        owners[i] = rank;
+    }
+    owners
+}
+
+/// `(id, number of elements)` of every float parameter of `module` that requires a gradient, in visiting order
+/// (the same on every rank for the same model).
+pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
+    struct Params(Vec<(ParamId, usize)>);
+    impl ModuleVisitor for Params {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.is_require_grad() {
+                self.0.push((param.id, param.shape().num_elements()));
+            }
+        }
+    }
+    let mut params = Params(Vec::new());
+    module.visit(&mut params);
+    params.0
+}
+
+/// Returns `module` with every float parameter replaced by rank 0's value (Accelerate's DDP wrapping does the
+/// same), keeping ids and gradient settings. A single rank gets its module back untouched.
+pub(crate) fn broadcast_module<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    if !strategy.is_distributed() {
+        return Ok(module);
+    }
+    map_params(strategy, module, |_| Some(0))
+}
+
+/// Returns `module` with every float parameter that `owner_of` names an owner for replaced by that owner's
+/// value, keeping ids and gradient settings.
+fn map_params<M: Module>(
+    strategy: &dyn Strategy,
+    module: M,
+    owner_of: impl Fn(ParamId) -> Option<usize>,
+) -> Result<M> {
+    struct FromOwner<'a, F> {
+        strategy: &'a dyn Strategy,
+        owner_of: F,
+        error: Option<Error>,
+    }
+    impl<F: Fn(ParamId) -> Option<usize>> ModuleMapper for FromOwner<'_, F> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(owner) = (self.owner_of)(param.id) else {
+                return param;
+            };
+            if self.error.is_some() {
+                return param;
+            }
+            let require_grad = param.is_require_grad();
+            param.map(|tensor| {
+                let device = tensor.device();
+                let shape = tensor.shape();
+                let fallback = tensor.clone();
+                let flat = tensor.inner().reshape([shape.num_elements()]);
+                match self.strategy.broadcast(flat, owner) {
+                    // A new leaf of the autodiff graph, tracked again when the parameter trains.
+                    Ok(value) => {
+                        let value = Tensor::from_inner(value.reshape(shape)).to_device(&device);
+                        if require_grad {
+                            value.require_grad()
+                        } else {
+                            value
+                        }
+                    }
+                    Err(e) => {
+                        self.error = Some(e);
+                        fallback
+                    }
+                }
+            })
+        }
+    }
+    let mut mapper = FromOwner {
+        strategy,
+        owner_of,
+        error: None,
+    };
+    let module = module.map(&mut mapper);
+    match mapper.error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
+}
+
+/// After each rank stepped the parameters it owns: every parameter's owner sends its value to the other
+/// ranks. Nothing happens under a replicated strategy.
+pub(crate) fn share_stepped_parameters<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    let params = trainable_params(&module);
+    let Ownership::Owners(owners) = strategy.ownership(&params) else {
+        return Ok(module);
+    };
+    let owner: HashMap<ParamId, usize> = params.iter().map(|(id, _)| *id).zip(owners).collect();
+    map_params(strategy, module, |id| owner.get(&id).copied())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::AdamConfig;
+    use burn::tensor::Device;
+
+    use super::*;
+    use crate::accelerator::AcceleratorBuilder;
+    use crate::distributed::collectives;
+    use crate::distributed::comm::ReduceOp;
+    use crate::{Accelerator, StateToSave};
+
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+    }
+
+    /// Another gradient transport, in the shape of a device all-reduce: the flat buffer is averaged by a tensor
+    /// collective and scaled as a tensor (no host buffer of the transport's own), and its calls are counted.
+    #[derive(Debug)]
+    struct DeviceDouble {
+        group: Arc<ProcessGroup>,
+        calls: Arc<AtomicUsize>,
+    }
+
+    impl GradientTransport for DeviceDouble {
+        fn name(&self) -> &'static str {
+            "device double"
+        }
+        fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let sum = collectives::reduce(&self.group, flat, ReduceOp::Sum)?;
+            Ok(sum.mul_scalar(scale / self.group.num_processes() as f32))
+        }
+        fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+            collectives::broadcast(&self.group, flat, root)
+        }
+    }
+
+    /// A sharded strategy in ZeRO-2's shape: gradients reduced as data parallelism does, then each rank keeps
+    /// only the parameters it owns (balanced by size), steps them, and sends them to the others; each rank's
+    /// checkpoint holds its own optimizer slice.
+    #[derive(Debug)]
+    struct ShardedDouble {
+        inner: DataParallel,
+        group: Arc<ProcessGroup>,
+    }
+
+    impl Strategy for ShardedDouble {
+        fn name(&self) -> String {
+            "sharded double".into()
+        }
+        fn is_distributed(&self) -> bool {
+            true
+        }
+        fn reduce_gradients(
+            &self,
+            grads: &mut GradientBuffer,
+            params: &[(ParamId, usize)],
+            scale: f32,
+        ) -> Result<()> {
+            self.inner.reduce_gradients(grads, params, scale)?;
+            let owners = balanced_owners(params, self.group.num_processes());
+            for ((id, _), owner) in params.iter().zip(owners) {
+                if owner != self.group.process_index() {
+                    grads.remove(*id);
+                }
+            }
+            Ok(())
+        }
+        fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+            self.inner.broadcast(flat, root)
+        }
+        fn ownership(&self, params: &[(ParamId, usize)]) -> Ownership {
+            Ownership::Owners(balanced_owners(params, self.group.num_processes()))
+        }
+        fn optimizer_state(&self) -> StateScope {
+            StateScope::PerRank
+        }
+    }
+
+    fn weights(net: &Net) -> Vec<f32> {
+        [
+            net.a.weight.val().into_data(),
+            net.b.weight.val().into_data(),
+        ]
+        .into_iter()
+        .flat_map(|d| d.try_to_vec::<f32>().unwrap())
+        .collect()
+    }
+
+    /// Trains `Net` with Adam for `steps` steps on 2 ranks (each rank its own data) and returns each rank's
+    /// weights and the number of optimizer state records it holds.
+    fn train(builder: AcceleratorBuilder, steps: usize) -> Vec<(Vec<f32>, usize)> {
+        builder
+            .launch(2, move |acc: Accelerator| {
+                let device = acc.device().clone();
+                device.seed(7);
+                let net = Net {
+                    a: LinearConfig::new(4, 8).init(&device),
+                    b: LinearConfig::new(8, 2).init(&device),
+                };
+                let mut net = acc.prepare_model(net)?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let rank = acc.process_index() as f32;
+                for step in 0..steps {
+                    let values: Vec<f32> = (0..24)
+                        .map(|i| i as f32 * (0.05 * (rank + 1.0) + step as f32 * 0.01))
+                        .collect();
+                    let x = Tensor::<1>::from_floats(values.as_slice(), &device).reshape([6, 4]);
+                    let loss = net.b.forward(net.a.forward(x).tanh()).powi_scalar(2).mean();
+                    acc.backward(loss, &net)?;
+                    net = optimizer.try_step(net)?;
+                }
+                Ok((weights(&net), optimizer.inner().to_record().len()))
+            })
+            .unwrap()
+    }
+
+    fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1e-6))
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn another_gradient_transport_trains_the_same_model_as_the_host_all_reduce() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let device = AcceleratorBuilder::default().strategy(Arc::new(move |group| {
+            let transport = DeviceDouble {
+                group: group.clone(),
+                calls: counted.clone(),
+            };
+            Arc::new(DataParallel::new(Box::new(transport), 25 << 20))
+        }));
+        let host = train(AcceleratorBuilder::default(), 20);
+        let other = train(device, 20);
+        // One bucket per step on each of the 2 ranks (the initial broadcast is not an average).
+        assert_eq!(calls.load(Ordering::Relaxed), 2 * 20);
+        for ((h, _), (o, _)) in host.iter().zip(&other) {
+            let diff = max_relative_difference(h, o);
+            assert!(diff < 1e-5, "device double vs host all-reduce: {diff}");
+        }
+        assert_eq!(other[0].0, other[1].0, "ranks agree");
+    }
+
+    #[test]
+    fn a_sharded_strategy_steps_each_parameter_on_its_owner_and_matches_data_parallelism() {
+        let sharded = AcceleratorBuilder::default().strategy(Arc::new(|group| {
+            Arc::new(ShardedDouble {
+                inner: DataParallel::new(Box::new(HostAllReduce::new(group.clone())), 25 << 20),
+                group: group.clone(),
+            })
+        }));
+        let replicated = train(AcceleratorBuilder::default(), 20);
+        let shards = train(sharded, 20);
+        for rank in 0..2 {
+            assert_eq!(
+                shards[rank].0, replicated[rank].0,
+                "rank {rank}: the same reduction, so the same weights bit for bit"
+            );
+        }
+        // Four parameters (32, 16, 8 and 2 elements): rank 0 owns the largest, rank 1 the other three.
+        let per_param = replicated[0].1 / 4;
+        assert_eq!(replicated[0].1, replicated[1].1, "data parallelism: every rank holds all state");
+        assert_eq!(
+            (shards[0].1, shards[1].1),
+            (per_param, 3 * per_param),
+            "each rank holds its slice"
+        );
+    }
+
+    #[test]
+    fn a_sharded_strategy_saves_and_restores_each_ranks_optimizer_slice() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-sharded-state-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let sharded = AcceleratorBuilder::default().strategy(Arc::new(|group| {
+            Arc::new(ShardedDouble {
+                inner: DataParallel::new(Box::new(HostAllReduce::new(group.clone())), 25 << 20),
+                group: group.clone(),
+            })
+        }));
+        let target = dir.clone();
+        let restored = sharded
+            .launch(2, move |acc: Accelerator| {
+                let device = acc.device().clone();
+                let net = acc.prepare_model(Net {
+                    a: LinearConfig::new(4, 8).init(&device),
+                    b: LinearConfig::new(8, 2).init(&device),
+                })?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let x = Tensor::<2>::ones([3, 4], &device);
+                acc.backward(net.b.forward(net.a.forward(x)).sum(), &net)?;
+                let net = optimizer.try_step(net)?;
+                let parts = StateToSave::new().model(&net)?.optimizer(&optimizer)?;
+                acc.save_state(Some(&target), &parts)?;
+                let mut fresh = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let mut state = acc.load_state(Some(&target))?;
+                let _ = state.model(net)?;
+                state.optimizer(&mut fresh)?;
+                state.finish()?;
+                Ok(fresh.inner().to_record().len())
+            })
+            .unwrap();
+        assert!(dir.join("optimizer_rank0.bpk").is_file());
+        assert!(dir.join("optimizer_rank1.bpk").is_file());
+        assert!(!dir.join("optimizer.bpk").exists());
+        assert_eq!(restored[1], 3 * restored[0], "each rank read back its own slice");
+        assert!(restored[0] > 0);
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = Device::default();
+    }
+
+    #[test]
+    fn owners_are_balanced_by_size_and_deterministic() {
+        let ids: Vec<ParamId> = (0..5).map(|_| ParamId::new()).collect();
+        let params: Vec<(ParamId, usize)> = ids.iter().copied().zip([10, 40, 10, 20, 20]).collect();
+        assert_eq!(balanced_owners(&params, 2), vec![0, 0, 1, 1, 1]);
+        assert_eq!(balanced_owners(&params, 3), vec![1, 0, 2, 1, 2]);
+        assert_eq!(balanced_owners(&params, 1), vec![0; 5]);
+    }
+}
