@@ -3,7 +3,8 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use burn_accelerate::{Backend, backend, config, sys};
+use burn_accelerate::backend::{self, sys};
+use burn_accelerate::{Backend, config};
 
 /// The facts `burn-accelerate env` prints.
 pub struct EnvReport {

@@ -64,24 +64,24 @@
 #![warn(missing_docs)]
 
 // The layers, lowest first; a module may use those above it in this list, never those below.
-mod error; // Error, Result
-mod host_data; // tensor data built in place
-mod traverse; // walking a module's parameters
-pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling
+pub mod accelerator; // the facade and its builder
 pub mod backend; // compiled backends, device choice, moving values to a device, machine facts
-pub mod precision; // autocast, loss scaler, the precision policy
-pub mod tracking; // trackers and progress bars
-pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
-pub mod logging; // rank-aware logging
-pub(crate) mod grad; // gradient buffer, clipping, the step window
+pub mod checkpoint; // safetensors weights, training state, the checkpointer
+pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling
 pub mod data; // prepared dataloaders: sharding, positions
+pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
+mod error; // Error, Result
+pub(crate) mod grad; // gradient buffer, clipping, the step window
+mod host_data; // tensor data built in place
+#[cfg(feature = "train")]
+pub mod learner;
+pub mod logging; // rank-aware logging
+pub mod memory; // out-of-memory batch-size search, memory estimate
 pub mod optim; // the prepared optimizer and scheduler
 pub(crate) mod pipeline; // the step pipeline and its outcome
-pub mod checkpoint; // safetensors weights, training state, the checkpointer
-pub mod memory; // out-of-memory batch-size search, memory estimate
-pub mod accelerator; // the facade and its builder
-#[cfg(feature = "train")]
-pub mod learner; // burn-train's Learner through the facade
+pub mod precision; // autocast, loss scaler, the precision policy
+pub mod tracking; // trackers and progress bars
+mod traverse; // walking a module's parameters // burn-train's Learner through the facade
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};

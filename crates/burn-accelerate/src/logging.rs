@@ -264,8 +264,8 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex, OnceLock};
 
-    use crate::distributed::comm::Communicator;
     use crate::distributed::ProcessGroup;
+    use crate::distributed::comm::Communicator;
 
     #[derive(Default)]
     struct Capture(Mutex<Vec<(String, Level, String)>>);
@@ -329,7 +329,11 @@ mod tests {
         fn all_gather(&self, data: Vec<u8>) -> crate::distributed::comm::CommResult<Vec<Vec<u8>>> {
             Ok(vec![data; self.1])
         }
-        fn broadcast(&self, data: Vec<u8>, _: usize) -> crate::distributed::comm::CommResult<Vec<u8>> {
+        fn broadcast(
+            &self,
+            data: Vec<u8>,
+            _: usize,
+        ) -> crate::distributed::comm::CommResult<Vec<u8>> {
             Ok(data)
         }
     }

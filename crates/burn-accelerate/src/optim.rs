@@ -276,8 +276,13 @@ mod tests {
     /// The step state accumulates over 2 micro-batches, so that tests can drive accumulation steps.
     fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
         let shared = SharedStep::new(2);
-        let optimizer =
-            AcceleratedOptimizer::new(SgdConfig::new().init(), 123.0.into(), shared.clone(), std::sync::Arc::new(crate::distributed::strategy::SingleDevice), None);
+        let optimizer = AcceleratedOptimizer::new(
+            SgdConfig::new().init(),
+            123.0.into(),
+            shared.clone(),
+            std::sync::Arc::new(crate::distributed::strategy::SingleDevice),
+            None,
+        );
         let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
         let scheduler = AcceleratedScheduler::new(schedule, &optimizer, shared.clone(), rule);
         (shared, optimizer, scheduler)
@@ -372,8 +377,13 @@ mod tests {
         let device = Device::default().autodiff();
         let model = LinearConfig::new(2, 1).init(&device);
         let shared = SharedStep::new(2);
-        let mut optimizer =
-            AcceleratedOptimizer::new(SgdConfig::new().init(), 0.5.into(), shared.clone(), std::sync::Arc::new(crate::distributed::strategy::SingleDevice), None);
+        let mut optimizer = AcceleratedOptimizer::new(
+            SgdConfig::new().init(),
+            0.5.into(),
+            shared.clone(),
+            std::sync::Arc::new(crate::distributed::strategy::SingleDevice),
+            None,
+        );
         let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();
         let mut grads = loss.backward();
         shared.lock().grads.collect(&model, &mut grads);

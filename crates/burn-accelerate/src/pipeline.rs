@@ -31,10 +31,10 @@ use crate::config::{AcceleratorConfig, LossNormalization};
 use crate::distributed::strategy::{
     StateScope, Strategy, broadcast_module, share_stepped_parameters, trainable_params,
 };
-use crate::grad::window::{BackwardPlan, SharedStep};
-pub(crate) use crate::grad::window::StepOutcome;
-use crate::grad::{GradSource, GradientBuffer, clip_grad_norm, has_non_finite, param_ids};
 use crate::error::{Error, Result};
+pub(crate) use crate::grad::window::StepOutcome;
+use crate::grad::window::{BackwardPlan, SharedStep};
+use crate::grad::{GradSource, GradientBuffer, clip_grad_norm, has_non_finite, param_ids};
 use crate::precision::Precision;
 
 /// A rank's step pipeline.
@@ -141,7 +141,12 @@ impl StepPipeline {
             && self.shared.lock().state.sync_gradients()
         {
             let ids = param_ids(&model);
-            clip_grad_norm(&mut self.shared.lock().grads, &ids, max_norm, Default::default())?;
+            clip_grad_norm(
+                &mut self.shared.lock().grads,
+                &ids,
+                max_norm,
+                Default::default(),
+            )?;
         }
         Ok(self.shared.take_outcome(&model))
     }

@@ -9,12 +9,12 @@ use burn::tensor::Device;
 use crate::accelerator::Accelerator;
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::checkpoint::ProjectConfiguration;
-use crate::distributed::cluster::{self, ClusterEnvironment};
 use crate::config::{AcceleratorConfig, LossNormalization, Source};
+use crate::distributed::ProcessGroup;
+use crate::distributed::cluster::{self, ClusterEnvironment};
+use crate::distributed::strategy::{self, Strategy};
 use crate::error::Result;
 use crate::precision::{LossScaler, MixedPrecision};
-use crate::distributed::ProcessGroup;
-use crate::distributed::strategy::{self, Strategy};
 use crate::tracking::{LogWith, Tracker, TrackerInit};
 
 /// Builds an [`Accelerator`]. Every setting not given here comes from the `ACCELERATE_*` environment variables,
@@ -302,10 +302,7 @@ impl AcceleratorBuilder {
         let group = Arc::new(state);
         let strategy = match &self.strategy {
             Some(make) => make(&group),
-            None => strategy::for_group(
-                &group,
-                (config.bucket_size_mb * 1024.0 * 1024.0) as usize,
-            ),
+            None => strategy::for_group(&group, (config.bucket_size_mb * 1024.0 * 1024.0) as usize),
         };
         Accelerator::from_parts(group, config, project, self.log_with.clone(), strategy)
     }

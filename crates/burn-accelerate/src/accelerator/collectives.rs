@@ -6,10 +6,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Accelerator;
-use crate::distributed::comm::ReduceOp;
-use crate::error::Result;
-use crate::distributed::{Gatherable, MetricsGather};
 use crate::distributed::collectives;
+use crate::distributed::comm::ReduceOp;
+use crate::distributed::{Gatherable, MetricsGather};
+use crate::error::Result;
 
 impl Accelerator {
     /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ

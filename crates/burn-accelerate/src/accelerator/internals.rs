@@ -11,6 +11,9 @@ use crate::error::Result;
 ///
 /// # Errors
 /// As the strategy's reduction.
-pub fn sync_flat_gradients(accelerator: &Accelerator, grads: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
+pub fn sync_flat_gradients(
+    accelerator: &Accelerator,
+    grads: Vec<Tensor<1>>,
+) -> Result<Vec<Tensor<1>>> {
     accelerator.pipeline().sync_flat_for_bench(grads)
 }

@@ -10,10 +10,10 @@
 mod builder;
 
 pub use builder::{AcceleratorBuilder, launch};
-#[doc(hidden)]
-pub mod internals;
 mod checkpointing;
 mod collectives;
+#[doc(hidden)]
+pub mod internals;
 mod memory;
 mod tracking;
 
@@ -25,19 +25,19 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
 
+use crate::backend::ToDevice;
+use crate::backend::sys;
 use crate::checkpoint::{Checkpointer, ProjectConfiguration};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::distributed::collectives::Trigger;
 use crate::distributed::strategy::Strategy;
+use crate::distributed::{DistributedType, ProcessGroup};
 use crate::error::Result;
 use crate::grad::{self, GradientState, NormType};
-use crate::pipeline::StepPipeline;
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerRule};
-use crate::backend::ToDevice;
+use crate::pipeline::StepPipeline;
 use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
-use crate::distributed::{DistributedType, ProcessGroup};
-use crate::backend::sys;
 use crate::tracking::{LogWith, Trackers};
 
 /// The entry point of burn-accelerate: prepare your model, optimizer, scheduler and dataloaders with it, call

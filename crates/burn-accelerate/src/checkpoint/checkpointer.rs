@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::state::{LoadedState, ProjectConfiguration, SaveContext, StateToSave};
 use super::{Checkpointable, state};
 use crate::data::LoaderCursor;
+use crate::distributed::ProcessGroup;
 use crate::distributed::strategy::StateScope;
 use crate::error::{Error, Result};
 use crate::precision::LossScaler;
-use crate::distributed::ProcessGroup;
 
 /// An object registered for checkpointing, with its name.
 type RegisteredObject = (String, Arc<Mutex<dyn Checkpointable>>);

@@ -7,9 +7,9 @@ use super::loader::{DataLoader, DataLoaderIter};
 use super::position::{LoaderCursor, LoaderFingerprint};
 use super::shard::{ShardSpec, shard};
 use crate::config::AcceleratorConfig;
+use crate::distributed::ProcessGroup;
 use crate::error::Result;
 use crate::grad::window::SharedStep;
-use crate::distributed::ProcessGroup;
 
 /// A [`DataLoader`] prepared by the [`Accelerator`](crate::Accelerator): each rank gets its shard of every epoch
 /// (Accelerate's batch dealing, `split_batches` and `even_batches` rules), batches are built on the accelerator's
@@ -34,7 +34,9 @@ impl<I, O> PreparedDataLoader<I, O> {
         if state.num_processes() > 1
             && let Some(seed) = loader.shuffle
         {
-            loader.shuffle = Some(crate::distributed::collectives::broadcast_object(state, &seed, 0)?);
+            loader.shuffle = Some(crate::distributed::collectives::broadcast_object(
+                state, &seed, 0,
+            )?);
         }
         let spec = ShardSpec {
             num_processes: state.num_processes(),

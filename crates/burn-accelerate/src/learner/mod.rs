@@ -62,9 +62,7 @@ impl Accelerator {
     pub fn prepare_training_with<M: burn_train::LearnerModel>(
         self: &Arc<Self>,
         training: burn_train::SupervisedTraining<M>,
-        configure: impl FnOnce(
-            AcceleratedStrategy,
-        ) -> AcceleratedStrategy,
+        configure: impl FnOnce(AcceleratedStrategy) -> AcceleratedStrategy,
     ) -> Result<burn_train::SupervisedTraining<M>> {
         let strategy = configure(AcceleratedStrategy::new(self.clone())?);
         let training = training
@@ -78,4 +76,3 @@ impl Accelerator {
             .with_metric_logger(burn_train::logger::InMemoryMetricLogger::default()))
     }
 }
-

@@ -7,9 +7,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use burn::tensor::DType;
 
 use super::OutOfMemory;
-use crate::distributed::comm::{ReduceBuffer, ReduceOp};
-use crate::distributed::collectives;
 use crate::distributed::ProcessGroup;
+use crate::distributed::collectives;
+use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 
 /// How the batch size shrinks after an out-of-memory failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -13,8 +13,8 @@ pub mod env_vars;
 
 use std::sync::Arc;
 
-use crate::distributed::comm::{self, Communicator};
 use crate::config::AcceleratorConfig;
+use crate::distributed::comm::{self, Communicator};
 use crate::error::Result;
 
 pub use env_vars::{LauncherVars, launched_by_mpi};

@@ -13,9 +13,9 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::distributed::ProcessGroup;
 use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
-use crate::distributed::ProcessGroup;
 pub(crate) use trigger::Trigger;
 use wire::{decode, encode, shape_str};
 

@@ -2,8 +2,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::error::Result;
 use crate::distributed::ProcessGroup;
+use crate::error::Result;
 
 /// One rank's trigger.
 #[derive(Debug, Default)]

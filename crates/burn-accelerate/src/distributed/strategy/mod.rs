@@ -384,7 +384,10 @@ mod tests {
         }
         // Four parameters (32, 16, 8 and 2 elements): rank 0 owns the largest, rank 1 the other three.
         let per_param = replicated[0].1 / 4;
-        assert_eq!(replicated[0].1, replicated[1].1, "data parallelism: every rank holds all state");
+        assert_eq!(
+            replicated[0].1, replicated[1].1,
+            "data parallelism: every rank holds all state"
+        );
         assert_eq!(
             (shards[0].1, shards[1].1),
             (per_param, 3 * per_param),
@@ -430,7 +433,11 @@ mod tests {
         assert!(dir.join("optimizer_rank0.bpk").is_file());
         assert!(dir.join("optimizer_rank1.bpk").is_file());
         assert!(!dir.join("optimizer.bpk").exists());
-        assert_eq!(restored[1], 3 * restored[0], "each rank read back its own slice");
+        assert_eq!(
+            restored[1],
+            3 * restored[0],
+            "each rank read back its own slice"
+        );
         assert!(restored[0] > 0);
         let _ = std::fs::remove_dir_all(&dir);
         let _ = Device::default();

@@ -7,10 +7,10 @@
 //!
 //! `cargo bench -p burn-accelerate --bench overhead` (set `OVERHEAD_ROUNDS` for more or fewer rounds).
 
-#[path = "support/stats.rs"]
+#[path = "../tests/support/stats.rs"]
 mod stats;
 
-#[path = "../examples/support/mlp.rs"]
+#[path = "../../../examples/support/mlp.rs"]
 mod mlp;
 
 use std::time::{Duration, Instant};

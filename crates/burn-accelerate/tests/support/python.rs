@@ -31,7 +31,7 @@ pub fn python_with(modules: &[&str]) -> Option<String> {
 /// Runs `script` (a path under `tests/python/`) with `args`; panics with its output when it fails.
 pub fn run(python: &str, script: &str, args: &[&Path]) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/python")
+        .join("tests/python")
         .join(script);
     let out = Command::new(python).arg(&path).args(args).output().unwrap();
     assert!(

@@ -52,8 +52,14 @@ fn debug_mode_shape_mismatch_is_reported_on_every_rank() {
              Operation: `burn_accelerate::distributed::collectives::reduce`\nInput shapes:\n  - Process 0: [1, 5]\n  - Process 1: [1, 6]\n  \
              - Process 2: [1, 6]"
         );
-        assert!(rank_errors[1].contains("Operation: `burn_accelerate::distributed::collectives::broadcast`"));
-        assert!(rank_errors[2].contains("Operation: `burn_accelerate::distributed::collectives::gather`"));
+        assert!(
+            rank_errors[1]
+                .contains("Operation: `burn_accelerate::distributed::collectives::broadcast`")
+        );
+        assert!(
+            rank_errors[2]
+                .contains("Operation: `burn_accelerate::distributed::collectives::gather`")
+        );
     }
 }
 
@@ -196,7 +202,8 @@ fn debug_mode_checks_gradient_all_reduces_too() {
         .unwrap();
     for error in errors {
         assert!(
-            error.contains("rank 0: burn_accelerate::distributed::collectives::gradient_all_reduce")
+            error
+                .contains("rank 0: burn_accelerate::distributed::collectives::gradient_all_reduce")
                 && error.contains("rank 1: burn_accelerate::distributed::collectives::reduce"),
             "{error}"
         );

@@ -3,7 +3,7 @@
 //! Builds with `--no-default-features --features wgpu` measure the wgpu device the same way (bf16 is skipped
 //! where the device cannot compute it).
 
-#[path = "../examples/support/mlp.rs"]
+#[path = "../../../examples/support/mlp.rs"]
 mod mlp;
 
 use std::time::{Duration, Instant};

@@ -9,12 +9,12 @@
 //!
 //! `cargo bench -p burn-accelerate --features train --bench learner` (set `LEARNER_ROUNDS` for more rounds).
 
-#[path = "support/stats.rs"]
+#[path = "../tests/support/stats.rs"]
 mod stats;
 
-#[path = "../examples/support/mlp.rs"]
+#[path = "../../../examples/support/mlp.rs"]
 mod mlp;
-#[path = "../examples/support/mlp_train_step.rs"]
+#[path = "../../../examples/support/mlp_train_step.rs"]
 mod mlp_train_step;
 
 use std::sync::Arc;

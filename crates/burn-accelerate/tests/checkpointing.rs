@@ -5,7 +5,7 @@
 mod examples;
 #[path = "support/fixtures.rs"]
 mod fixtures;
-#[path = "../examples/support/mlp.rs"]
+#[path = "../../../examples/support/mlp.rs"]
 mod mlp;
 #[path = "support/python.rs"]
 mod python;

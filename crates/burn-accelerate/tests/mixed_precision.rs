@@ -4,7 +4,7 @@
 
 #[path = "support/fixtures.rs"]
 mod fixtures;
-#[path = "../examples/support/mlp.rs"]
+#[path = "../../../examples/support/mlp.rs"]
 mod mlp;
 
 use burn::data::dataloader::batcher::Batcher;

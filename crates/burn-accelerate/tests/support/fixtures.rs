@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use burn::tensor::Device;
 use burn_accelerate::distributed::cluster::InProcess;
-use burn_accelerate::distributed::comm::{CommResult, Communicator, InProcessGroup, ReduceBuffer, ReduceOp};
+use burn_accelerate::distributed::comm::{
+    CommResult, Communicator, InProcessGroup, ReduceBuffer, ReduceOp,
+};
 use burn_accelerate::{Accelerator, AcceleratorBuilder, Result};
 
 use crate::mlp::{Mlp, weights};

@@ -11,7 +11,7 @@
 //! - `load_read_ratio`: `load_checkpoint_in_model` into a model whose parameters are already initialised (so
 //!   Burn's lazy random initialisation is not counted) vs `std::fs::read` of the file.
 
-#[path = "support/stats.rs"]
+#[path = "../tests/support/stats.rs"]
 mod stats;
 
 use std::time::{Duration, Instant};

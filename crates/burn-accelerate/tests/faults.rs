@@ -1,6 +1,6 @@
 //! Hostile or mistaken settings: each gives a clear error or works, never a panic, a hang or lost data.
 
-#[path = "../examples/support/mlp.rs"]
+#[path = "../../../examples/support/mlp.rs"]
 mod mlp;
 
 use std::path::{Path, PathBuf};

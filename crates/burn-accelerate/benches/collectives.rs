@@ -15,7 +15,7 @@
 //!
 //! Sizes run from 4 KiB to 64 MiB of f32. algbw = bytes / time; busbw = algbw * 2(n-1)/n.
 
-#[path = "support/stats.rs"]
+#[path = "../tests/support/stats.rs"]
 mod stats;
 
 use std::sync::{Arc, Barrier};

@@ -8,7 +8,7 @@
 //!
 //! `cargo bench -p burn-accelerate --bench data_parallel` (`DP_HIDDEN`, `DP_BATCH`, `DP_STEPS` to change the size).
 
-#[path = "../examples/support/classifier.rs"]
+#[path = "../../../examples/support/classifier.rs"]
 mod classifier;
 
 use std::time::{Duration, Instant};
