@@ -63,14 +63,38 @@ if lib:
         root_names[name] = head
 
 
-def resolve(path):
-    """The longest module prefix of a `crate::` path."""
+# Names each module re-exports from its children (`pub use child::{X, Y};`), so that a path to `a::X`
+# reaches the child that defines X rather than `a`'s face.
+reexports = {}
+for module, path in files.items():
+    text = open(path, encoding="utf-8").read()
+    for head, names in re.findall(r"pub(?:\(crate\))? use ((?:self::)?[a-z_]+(?:::[a-z_]+)*)::\{([^}]*)\};", text):
+        for name in names.split(","):
+            name = name.strip().split(" ")[-1]
+            if name and name != "self":
+                reexports[(module, name)] = head.replace("self::", "")
+    for head, name in re.findall(r"pub(?:\(crate\))? use ((?:self::)?[a-z_]+(?:::[a-z_]+)*)::([A-Za-z_][A-Za-z0-9_]*);", text):
+        reexports[(module, name)] = head.replace("self::", "")
+
+
+def resolve(path, depth_left=8):
+    """The module that defines what a `crate::` path names."""
     parts = path.split("::")
     if parts[0] in root_names:
         parts = root_names[parts[0]].split("::") + parts
     for n in range(len(parts), 0, -1):
         candidate = "::".join(parts[:n])
         if candidate in modules:
+            if n < len(parts) and depth_left > 0:
+                head = reexports.get((candidate, parts[n]))
+                if head is not None:
+                    if head.startswith("crate::"):
+                        target = head[len("crate::"):]
+                    else:
+                        target = (candidate + "::" + head) if candidate else head
+                    found = resolve(target + "::" + "::".join(parts[n:]), depth_left - 1)
+                    if found:
+                        return found
             return candidate
     return None
 
@@ -103,11 +127,12 @@ for module, path in files.items():
     is_mod_file = path.endswith("mod.rs") or path.endswith("lib.rs")
     parent = module if is_mod_file else "::".join(module.split("::")[:-1])
     if is_mod_file and module:  # a module that names an item of a child it declares uses that child
+        body = re.sub(r"^\s*pub(?:\([a-z]+\))? use [^;]*;", "", text, flags=re.M)
         for child in re.findall(r"^\s*(?:pub(?:\([a-z]+\))? )?mod ([a-z_0-9]+);", text, re.M):
-            if re.search(r"(?<![:\w])(?:self::)?" + child + r"::", text):
+            if re.search(r"(?<![:\w])(?:self::)?" + child + r"::", body):
                 targets.append(module + "::" + child)
     for rel in super_path.findall(text):
-        base = "::".join(parent.split("::")[:-1]) if parent else ""
+        base = "::".join(module.split("::")[:-1])
         targets.append((base + "::" + rel) if base else rel)
     for target in targets:
         dest = resolve(target)

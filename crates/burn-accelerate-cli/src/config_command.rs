@@ -59,7 +59,7 @@ pub fn run(action: Option<Action>, file: Option<&Path>) -> burn_accelerate::Resu
             force,
         } => {
             let path = target(file)?;
-            config::write_default_config(&path, mixed_precision, cpu_only(), force)?;
+            crate::config_file::write_default_config(&path, mixed_precision, cpu_only(), force)?;
             println!("burn-accelerate configuration saved at {}", path.display());
         }
         Action::Show => {

@@ -1,6 +1,7 @@
 //! The `burn-accelerate` command.
 
 mod config_command;
+mod config_file;
 mod env_report;
 mod estimate;
 mod launch;

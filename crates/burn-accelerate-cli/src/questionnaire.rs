@@ -4,8 +4,8 @@
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::Path;
 
+use crate::config_file::{self, ConfigAnswers};
 use burn_accelerate::MixedPrecision;
-use burn_accelerate::config::{self, ConfigAnswers};
 
 /// Asks the questions, one way or the other.
 trait Ask {
@@ -187,7 +187,7 @@ pub fn run(path: &Path) -> burn_accelerate::Result<()> {
         })
     }
     .map_err(|e| burn_accelerate::Error::InvalidArgument(format!("config: {e}")))?;
-    config::write_config(path, &answers, true)?;
+    config_file::write_config(path, &answers, true)?;
     println!("burn-accelerate configuration saved at {}", path.display());
     Ok(())
 }

@@ -32,34 +32,53 @@
 //! The [`Accelerator`] is a facade; every call forwards to one of the parts below. Follow a tensor in order:
 //!
 //! 1. **Who am I** — [`AcceleratorBuilder::build`] resolves the [`AcceleratorConfig`] (builder, then
-//!    `ACCELERATE_*` variables, then the config file, then defaults); [`cluster::detect`] tells how the process
-//!    was started (single, in-process threads from [`launch`], MPI) and hands over its
-//!    [`Communicator`](comm::Communicator); [`backend`] picks the device of the local rank; [`ProcessGroup`]
-//!    holds rank, device and communicator. The accelerator then composes a step pipeline, a checkpointer and a
-//!    trigger for that rank.
-//! 2. **`prepare_model`** — the gradient-sync seam (`grad::sync`) gives every rank rank 0's weights, then
-//!    [`placement`] forks the model onto the device with autodiff on.
-//! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0, deals this rank its shard of every
-//!    epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
-//!    [`data::DataPosition`]. Each `iter()` and each batch tell the step state where the epoch stands.
-//! 4. **`accumulate`** — the step state (`grad::step_state`, a small state machine) decides whether this
+//!    `ACCELERATE_*` variables, then the config file, then defaults); [`distributed::cluster::detect`] tells how
+//!    the process was started (single, in-process threads from [`launch`], MPI) and hands over its
+//!    [`Communicator`](distributed::comm::Communicator); [`backend`] picks the device of the local rank; the
+//!    [`ProcessGroup`] holds rank, device and communicator. The builder then picks the rank's distribution
+//!    strategy (`distributed::strategy`: one device, or data parallelism over the host all-reduce), and the
+//!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
+//! 2. **`prepare_model`** — the strategy gives every rank rank 0's weights, then [`backend::ToDevice`]'s
+//!    placement forks the model onto the device with autodiff on.
+//! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0 (a collective), deals this rank its
+//!    shard of every epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
+//!    [`data::DataPosition`]. Each `iter()` and each batch tell the step window where the epoch stands.
+//! 4. **`accumulate`** — the step window (`grad::window`, a small state machine) decides whether this
 //!    micro-batch ends the accumulation window (every `gradient_accumulation_steps`, or the epoch's last batch).
 //! 5. **`autocast`** — [`precision`] casts the model's parameters and the inputs to f16/bf16 through
 //!    differentiable casts and the outputs back to f32; the f32 parameters stay the master weights.
-//! 6. **`backward(loss, &model)`** — the step pipeline (`grad::step`) runs, in order: the precision scales the
-//!    loss (fp16), Burn back-propagates, the model's gradients are collected into the gradient buffer, the step
-//!    state says whether the window ends; if it does, the gradients are normalised by the micro-batches the
-//!    window had, unscaled, averaged across ranks by the gradient-sync seam (bucketed host all-reduce through
-//!    [`ops`], the one path to the communicator, so debug mode checks it), and the precision returns its verdict
-//!    (skip on an fp16 overflow on any rank).
+//! 6. **`backward(loss, &model)`** — the step pipeline (`pipeline`) runs, in order: the precision scales the
+//!    loss (fp16), Burn back-propagates, the model's gradients are collected into the gradient buffer, the
+//!    window says whether it ends; if it does, the gradients are normalised by the micro-batches the window had,
+//!    unscaled, reduced across ranks by the strategy (bucketed, through a gradient transport — today the host
+//!    all-reduce of [`distributed::collectives`], the one path to the communicator, so debug mode checks it),
+//!    and the precision returns its verdict (skip on an fp16 overflow on any rank).
 //! 7. **`clip_grad_norm`** — the global norm over the buffer's gradients, torch's formula.
-//! 8. **`optimizer.step(model)`** — [`AcceleratedOptimizer`] takes the step state's verdict: *accumulate* keeps
-//!    the gradients, *skip* drops them, *step* hands them to Burn's optimizer.
+//! 8. **`optimizer.step(model)`** — [`AcceleratedOptimizer`] takes the pipeline's outcome: *accumulate* keeps
+//!    the gradients, *skip* drops them, *apply* hands them to Burn's optimizer (and, under a strategy whose
+//!    ranks step only their own parameters, shares the stepped values). burn-train's Learner
+//!    (`learner`, feature `train`) consumes the same outcome through the same pipeline.
 //! 9. **`scheduler.step()`** — [`AcceleratedScheduler`] advances only after a real optimizer step (the same
 //!    skip record), `num_processes` times unless batches are split.
-//! 10. **`save_state` / `load_state`** — the checkpointer ([`checkpoint`]) writes the models, optimizers and
-//!     schedulers the loop passes in, the loss scaler, every dataloader's position and the registered objects,
-//!     atomically; loading puts the dataloaders back mid-epoch.
+//! 10. **`save_state` / `load_state`** — the checkpointer ([`checkpoint`]) writes the models, optimizers (one
+//!     state, or each rank's slice, as the strategy says) and schedulers the loop passes in, the loss scaler,
+//!     every dataloader's position and the registered objects, atomically, every rank agreeing on the outcome;
+//!     loading puts the dataloaders back mid-epoch. Weights alone go through [`checkpoint::safetensors`].
+//!
+//! ## The layers
+//!
+//! Each module uses only modules listed before it (the list in this file's source is the same order):
+//!
+//! | layer | modules | may use |
+//! |---|---|---|
+//! | base | `error`, `config`, `backend`, `precision`, `tracking` | each other in this order |
+//! | distribution | [`distributed`] | the base |
+//! | step | [`logging`], `grad`, [`data`], [`optim`], `pipeline` | the base, `distributed`, each other in this order |
+//! | persistence and search | [`checkpoint`], [`memory`] | everything above |
+//! | facade | [`accelerator`] | everything above |
+//! | bridge | `learner` (feature `train`) | the facade and everything above |
+//!
+//! `scripts/module-graph.py` prints the import graph of the code (levels, two-way ties, long files).
 
 #![warn(missing_docs)]
 

@@ -182,8 +182,8 @@ impl AcceleratorBuilder {
     /// ```
     /// use std::sync::Arc;
     /// use burn_accelerate::Accelerator;
-    /// use burn_accelerate::cluster::InProcess;
-    /// use burn_accelerate::comm::InProcessGroup;
+    /// use burn_accelerate::distributed::cluster::InProcess;
+    /// use burn_accelerate::distributed::comm::InProcessGroup;
     ///
     /// let group = InProcessGroup::new(1, std::time::Duration::from_secs(5));
     /// let accelerator = Accelerator::builder().build_in(&InProcess::new(Arc::new(group.comm(0))))?;

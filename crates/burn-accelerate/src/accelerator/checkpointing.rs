@@ -76,7 +76,7 @@ impl Accelerator {
             std::fs::create_dir_all(parent).map_err(crate::error::io("creating", parent))?;
             let _lock = crate::checkpoint::fs::FolderLock::acquire(parent, dir)?;
             if options.safe_serialization {
-                crate::checkpoint::weights::write_safetensors(
+                crate::checkpoint::safetensors::write_safetensors(
                     model,
                     dir,
                     max,
@@ -84,7 +84,7 @@ impl Accelerator {
                     &options.remap,
                 )
             } else {
-                Ok(vec![crate::checkpoint::weights::write_burnpack(
+                Ok(vec![crate::checkpoint::safetensors::write_burnpack(
                     model, dir,
                 )?])
             }
@@ -110,7 +110,7 @@ impl Accelerator {
         path: impl AsRef<Path>,
         options: &LoadOptions,
     ) -> Result<(M, LoadReport)> {
-        crate::checkpoint::weights::load_weights(model, path.as_ref(), options)
+        crate::checkpoint::safetensors::load_weights(model, path.as_ref(), options)
     }
 
     /// Registers a value to be saved by every `save_state` and restored by every `load_state`, under `name`

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::state::{LoadedState, ProjectConfiguration, SaveContext, StateToSave};
-use super::{Checkpointable, state};
+use super::Checkpointable;
+use super::{LoadedState, ProjectConfiguration, SaveContext, StateToSave, save};
 use crate::data::LoaderCursor;
 use crate::distributed::ProcessGroup;
 use crate::distributed::strategy::StateScope;
@@ -116,7 +116,7 @@ impl Checkpointer {
             loaders,
             optimizer_state,
         };
-        state::save(&dir, parts, ctx)?;
+        save::save(&dir, parts, ctx)?;
         if automatic {
             let pruned = self.advance_and_prune(rank.is_main_process());
             rank.agree("save_state", pruned)?;

@@ -1,6 +1,12 @@
-//! Checkpoints: model weights in Hugging Face's safetensors layout ([`weights`]), and the full training state
-//! (models, optimizers, schedulers, loss scaler, data positions, custom objects) for exact resumption
-//! ([`state`]).
+//! Checkpoints, in two halves that do not know each other's insides:
+//!
+//! - the [`safetensors`] format — model weights in Hugging Face's layout, written atomically and streamed,
+//!   read back strictly or partially, one resolver for what a path names;
+//! - training state — [`save_state`](crate::Accelerator::save_state) and
+//!   [`load_state`](crate::Accelerator::load_state): models, optimizers (one state, or one slice per rank
+//!   under a sharded strategy), schedulers, loss scaler, data positions and custom objects for exact
+//!   resumption (`manifest`, `save`, `load`), the [`ProjectConfiguration`] of automatic checkpoints, and the
+//!   checkpointer that ties them to a rank.
 //!
 //! Every write goes to a temporary name that is renamed into place once complete and synced, so a crash during
 //! a save leaves the previous checkpoint whole; loading a truncated, corrupt or mismatched checkpoint is an error
@@ -8,12 +14,16 @@
 
 mod checkpointer;
 pub(crate) mod fs;
-pub mod layout;
-pub mod state;
-mod stream;
-pub mod weights;
+mod load;
+mod manifest;
+mod project;
+pub mod safetensors;
+mod save;
 
 pub(crate) use checkpointer::Checkpointer;
-pub use layout::{KeyRemap, WeightLayout};
-pub use state::{Checkpointable, LoadedState, ProjectConfiguration, StateToSave};
-pub use weights::{LoadOptions, LoadReport, SaveOptions, parse_size};
+pub use load::LoadedState;
+pub use manifest::FORMAT;
+pub use project::{Checkpointable, ProjectConfiguration};
+pub use safetensors::{KeyRemap, LoadOptions, LoadReport, SaveOptions, WeightLayout, parse_size};
+pub(crate) use save::SaveContext;
+pub use save::StateToSave;

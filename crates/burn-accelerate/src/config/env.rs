@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 /// naming `key`.
 ///
 /// ```
-/// use burn_accelerate::env::parse_bool;
+/// use burn_accelerate::config::env::parse_bool;
 /// assert!(parse_bool("ACCELERATE_USE_CPU", "Yes").unwrap());
 /// assert!(!parse_bool("ACCELERATE_USE_CPU", "off").unwrap());
 /// assert!(parse_bool("ACCELERATE_USE_CPU", "maybe").is_err());

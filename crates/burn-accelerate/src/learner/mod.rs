@@ -34,7 +34,6 @@ pub use burn_train;
 pub use context::{autocast, backward};
 pub use loader::LearnerLoader;
 pub use quiet::QuietRenderer;
-pub(crate) use records::LearnerRecords;
 pub use strategy::AcceleratedStrategy;
 
 use std::sync::Arc;

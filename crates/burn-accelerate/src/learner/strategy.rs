@@ -175,6 +175,7 @@ impl AcceleratedStrategy {
         let records = records::records(learner, store).ok_or_else(|| {
             Error::InvalidArgument("the Learner did not hand out its records".into())
         })?;
+        let records = (records.model, records.optimizer, records.scheduler);
         let parts = StateToSave::new().records(records, progress.steps as u64)?;
         self.accelerator.save_state(None, &parts).map(|_| ())
     }

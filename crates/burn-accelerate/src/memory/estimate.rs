@@ -63,21 +63,6 @@ pub struct ModelSize {
     pub largest: Option<(String, u64)>,
 }
 
-/// Bytes per element of a safetensors dtype name, and whether it is a float.
-fn dtype_size(dtype: &str) -> Option<(u64, bool)> {
-    Some(match dtype {
-        "F64" => (8, true),
-        "F32" => (4, true),
-        "F16" | "BF16" => (2, true),
-        "F8_E4M3" | "F8_E5M2" => (1, true),
-        "I64" | "U64" => (8, false),
-        "I32" | "U32" => (4, false),
-        "I16" | "U16" => (2, false),
-        "I8" | "U8" | "BOOL" => (1, false),
-        _ => return None,
-    })
-}
-
 #[derive(serde::Deserialize)]
 struct HeaderEntry {
     dtype: String,
@@ -94,7 +79,7 @@ impl ModelSize {
     /// # Errors
     /// A path that is none of those, an unreadable or malformed header (the error names the file).
     pub fn from_path(path: &Path) -> Result<Self> {
-        let files = files_of(path)?;
+        let files = crate::checkpoint::safetensors::weight_files(path)?;
         let mut size = ModelSize {
             files: files.clone(),
             per_dtype: BTreeMap::new(),
@@ -104,10 +89,11 @@ impl ModelSize {
         };
         for file in &files {
             for (name, entry) in read_header(file)? {
-                let (width, float) = dtype_size(&entry.dtype).ok_or_else(|| Error::Checkpoint {
-                    path: file.clone(),
-                    reason: format!("tensor `{name}` has the unknown dtype `{}`", entry.dtype),
-                })?;
+                let (width, float) = crate::checkpoint::safetensors::stored_width(&entry.dtype)
+                    .ok_or_else(|| Error::Checkpoint {
+                        path: file.clone(),
+                        reason: format!("tensor `{name}` has the unknown dtype `{}`", entry.dtype),
+                    })?;
                 let elements = entry
                     .shape
                     .iter()
@@ -159,82 +145,6 @@ impl ModelSize {
             total: weights + half_copy + gradients + optimizer,
         }
     }
-}
-
-/// The safetensors files behind `path`.
-fn files_of(path: &Path) -> Result<Vec<PathBuf>> {
-    let index_in = |dir: &Path| dir.join("model.safetensors.index.json");
-    if path.is_dir() {
-        let single = path.join("model.safetensors");
-        if single.is_file() {
-            return Ok(vec![single]);
-        }
-        if index_in(path).is_file() {
-            return files_of_index(&index_in(path));
-        }
-        let mut found: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|source| Error::Io {
-                operation: "listing",
-                path: path.to_path_buf(),
-                source,
-            })?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        found.sort();
-        if found.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "estimate-memory: {} holds no .safetensors file; pass a file, a folder written by save_model, \
-                 or its model.safetensors.index.json",
-                path.display()
-            )));
-        }
-        return Ok(found);
-    }
-    if path.to_string_lossy().ends_with(".index.json") {
-        return files_of_index(path);
-    }
-    Ok(vec![path.to_path_buf()])
-}
-
-/// The shard files an index names (only plain file names beside the index are accepted).
-fn files_of_index(index: &Path) -> Result<Vec<PathBuf>> {
-    #[derive(serde::Deserialize)]
-    struct Index {
-        weight_map: BTreeMap<String, String>,
-    }
-    let text = std::fs::read(index).map_err(|source| Error::Io {
-        operation: "reading",
-        path: index.to_path_buf(),
-        source,
-    })?;
-    let parsed: Index = serde_json::from_slice(&text).map_err(|e| Error::Checkpoint {
-        path: index.to_path_buf(),
-        reason: format!("not a safetensors index: {e}"),
-    })?;
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let mut files: Vec<String> = parsed.weight_map.into_values().collect();
-    files.sort();
-    files.dedup();
-    files
-        .into_iter()
-        .map(|name| {
-            let plain = Path::new(&name)
-                .file_name()
-                .is_some_and(|f| f == name.as_str());
-            if plain {
-                Ok(dir.join(name))
-            } else {
-                Err(Error::Checkpoint {
-                    path: index.to_path_buf(),
-                    reason: format!(
-                        "names the shard `{name}`, which is not a file beside the index"
-                    ),
-                })
-            }
-        })
-        .collect()
 }
 
 /// The tensors of one file's header (the `__metadata__` entry left out).

@@ -21,7 +21,7 @@ use std::path::Path;
 use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 
-use super::fs::{io, start_writeback};
+use crate::checkpoint::fs::{io, start_writeback};
 use crate::error::{Error, Result};
 
 /// Size of the bands a large tensor is read and written in: large enough that each read costs little more

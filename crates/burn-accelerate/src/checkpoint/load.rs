@@ -1,0 +1,304 @@
+//! `load_state`: a checkpoint folder read back, its parts restored into the training loop's objects in the
+//! order they were saved.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::store::ModuleRecord;
+
+use super::fs::{read, with_suffix};
+use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, optimizer_stem};
+use crate::data::DataPosition;
+use crate::error::{Error, Result};
+use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
+use crate::precision::LossScaler;
+
+/// A checkpoint read back by `load_state`: restore its parts into the training loop's objects, in the order
+/// they were saved, then call [`finish`](Self::finish) to check that nothing was left out.
+pub struct LoadedState {
+    dir: PathBuf,
+    manifest: Manifest,
+    rank: RankState,
+    objects: BTreeMap<String, serde_json::Value>,
+    rank_index: usize,
+    next_model: usize,
+    next_optimizer: usize,
+    next_scheduler: usize,
+}
+
+fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Runs a Burn call on the bytes of `path`: some malformed records make Burn panic (an `expect` on a field)
+/// rather than return an error; that panic becomes an error naming the file.
+fn guarded<T>(path: &Path, what: &str, call: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).map_err(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        corrupt(
+            path,
+            format!("Burn could not read this {what} record (corrupt, or from another program): {message}"),
+        )
+    })
+}
+
+/// Finds the folder to load: `dir` itself, or the previous checkpoint moved aside by a save interrupted
+/// between its two renames.
+fn resolve(dir: &Path) -> Result<PathBuf> {
+    if dir.join(MANIFEST).exists() {
+        return Ok(dir.to_path_buf());
+    }
+    let old = with_suffix(dir, ".old");
+    if old.join(MANIFEST).exists() {
+        log::warn!(
+            "{} is missing or incomplete; loading {}, the checkpoint a save was replacing when it stopped",
+            dir.display(),
+            old.display()
+        );
+        return Ok(old);
+    }
+    Err(corrupt(
+        dir,
+        format!("no {MANIFEST} here: not a checkpoint, or a save that did not finish"),
+    ))
+}
+
+impl LoadedState {
+    pub(crate) fn open(dir: &Path, rank_index: usize, num_processes: usize) -> Result<Self> {
+        let dir = resolve(dir)?;
+        let manifest_path = dir.join(MANIFEST);
+        let manifest: Manifest = serde_json::from_slice(&read(&manifest_path)?)
+            .map_err(|e| corrupt(&manifest_path, format!("unreadable: {e}")))?;
+        if manifest.format != FORMAT {
+            return Err(corrupt(
+                &manifest_path,
+                format!("format `{}`, expected `{FORMAT}`", manifest.format),
+            ));
+        }
+        if manifest.num_processes != num_processes {
+            return Err(corrupt(
+                &manifest_path,
+                format!(
+                    "saved by {} ranks, loaded by {num_processes}; resume with the same number of ranks",
+                    manifest.num_processes
+                ),
+            ));
+        }
+        let rank_path = dir.join(format!("rank_{rank_index}.json"));
+        let rank: RankState = serde_json::from_slice(&read(&rank_path)?)
+            .map_err(|e| corrupt(&rank_path, format!("unreadable: {e}")))?;
+        let objects_path = dir.join("objects.json");
+        let objects = serde_json::from_slice(&read(&objects_path)?)
+            .map_err(|e| corrupt(&objects_path, format!("unreadable: {e}")))?;
+        Ok(Self {
+            dir,
+            manifest,
+            rank,
+            objects,
+            rank_index,
+            next_model: 0,
+            next_optimizer: 0,
+            next_scheduler: 0,
+        })
+    }
+
+    /// The folder the state was read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The automatic-naming iteration the checkpoint was saved at.
+    pub fn iteration(&self) -> usize {
+        self.manifest.iteration
+    }
+
+    pub(crate) fn scaler(&self) -> Option<&LossScaler> {
+        self.manifest.scaler.as_ref()
+    }
+
+    /// The prepared dataloaders this rank had when saving (empty for older checkpoints).
+    pub(crate) fn loader_fingerprints(&self) -> &[crate::data::LoaderFingerprint] {
+        &self.rank.loaders
+    }
+
+    pub(crate) fn positions(&self) -> &[DataPosition] {
+        &self.rank.dataloaders
+    }
+
+    pub(crate) fn take_object(&mut self, name: &str) -> Option<serde_json::Value> {
+        self.objects.remove(name)
+    }
+
+    pub(crate) fn remaining_objects(&self) -> Vec<String> {
+        self.objects.keys().cloned().collect()
+    }
+
+    /// The bytes of the next saved part of `kind` (`model`, `optimizer`, `scheduler`), whose count and cursor
+    /// are `saved` and `next`; returns its index, file and bytes.
+    fn next_part(
+        dir: &Path,
+        kind: &str,
+        saved: usize,
+        next: &mut usize,
+    ) -> Result<(usize, PathBuf, burn::tensor::Bytes)> {
+        let i = *next;
+        if i >= saved {
+            return Err(corrupt(
+                dir,
+                format!("holds {saved} {kind}(s); asked for {kind} #{}", i + 1),
+            ));
+        }
+        *next += 1;
+        let path = file(dir, kind, i, "bpk");
+        let bytes = burn::tensor::Bytes::from_bytes_vec(read(&path)?);
+        Ok((i, path, bytes))
+    }
+
+    /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
+    pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
+        let (path, record) = self.next_model_record()?;
+        guarded(&path, "model", move || model.try_load_record(record))?
+            .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))
+    }
+
+    /// Restores the next saved optimizer state into `optimizer`. A state saved from another kind of
+    /// optimizer, or for another model, is refused rather than dropped.
+    pub fn optimizer(&mut self, optimizer: &mut AcceleratedOptimizer) -> Result<()> {
+        let (i, path, record, steps) = self.next_optimizer_record()?;
+        if let (Some(Some(saved)), Some(now)) =
+            (self.manifest.optimizer_kinds.get(i), optimizer.kind())
+            && saved != now
+        {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "holds the state of a `{saved}` optimizer, but the prepared optimizer is a `{now}`; resume \
+                     with the optimizer the run was saved with"
+                ),
+            ));
+        }
+        let (held, taken) = guarded(&path, "optimizer", || optimizer.restore(record, steps))?;
+        if taken != held {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "holds {held} optimizer state tensor(s), of which this optimizer could restore {taken}: it \
+                     was saved by another kind of optimizer or for another model"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Restores the next saved scheduler state into `scheduler` (and its optimizer's learning rate).
+    pub fn scheduler(&mut self, scheduler: &mut AcceleratedScheduler) -> Result<()> {
+        let (path, record) = self.next_scheduler_record()?;
+        guarded(&path, "scheduler", || scheduler.restore(record))
+    }
+
+    /// The next model, optimizer (with its step count) and scheduler as Burn records, for burn-train's Learner.
+    #[cfg(feature = "train")]
+    pub(crate) fn records(
+        &mut self,
+    ) -> Result<(
+        ModuleRecord,
+        (burn::optim::OptimizerRecord, u64),
+        burn::lr_scheduler::LrSchedulerRecord,
+    )> {
+        let (_, model) = self.next_model_record()?;
+        let (_, _, optimizer, steps) = self.next_optimizer_record()?;
+        let (_, scheduler) = self.next_scheduler_record()?;
+        Ok((model, (optimizer, steps), scheduler))
+    }
+
+    /// The next saved model's record, and its file.
+    fn next_model_record(&mut self) -> Result<(PathBuf, ModuleRecord)> {
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "model",
+            self.manifest.models,
+            &mut self.next_model,
+        )?;
+        let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?.map_err(|e| {
+            corrupt(
+                &path,
+                format!("not a model record (truncated or corrupt?): {e}"),
+            )
+        })?;
+        Ok((path, record))
+    }
+
+    /// The next saved optimizer's index, file, record and step count.
+    fn next_optimizer_record(
+        &mut self,
+    ) -> Result<(usize, PathBuf, burn::optim::OptimizerRecord, u64)> {
+        let stem = optimizer_stem(self.manifest.optimizer_per_rank, self.rank_index);
+        let (i, path, bytes) = Self::next_part(
+            &self.dir,
+            &stem,
+            self.manifest.optimizers,
+            &mut self.next_optimizer,
+        )?;
+        let record = guarded(&path, "optimizer", || {
+            burn::optim::OptimizerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| {
+            corrupt(
+                &path,
+                format!("not an optimizer record (truncated or corrupt?): {e}"),
+            )
+        })?;
+        let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
+        Ok((i, path, record, steps))
+    }
+
+    /// The next saved scheduler's record, and its file.
+    fn next_scheduler_record(
+        &mut self,
+    ) -> Result<(PathBuf, burn::lr_scheduler::LrSchedulerRecord)> {
+        let (_, path, bytes) = Self::next_part(
+            &self.dir,
+            "scheduler",
+            self.manifest.schedulers,
+            &mut self.next_scheduler,
+        )?;
+        let record = guarded(&path, "scheduler", || {
+            burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes)
+        })?
+        .map_err(|e| {
+            corrupt(
+                &path,
+                format!("not a scheduler record (truncated or corrupt?): {e}"),
+            )
+        })?;
+        Ok((path, record))
+    }
+
+    /// Checks that every saved model, optimizer and scheduler was restored.
+    pub fn finish(self) -> Result<()> {
+        let left = [
+            ("model", self.manifest.models, self.next_model),
+            ("optimizer", self.manifest.optimizers, self.next_optimizer),
+            ("scheduler", self.manifest.schedulers, self.next_scheduler),
+        ];
+        for (what, saved, restored) in left {
+            if restored != saved {
+                return Err(corrupt(
+                    &self.dir,
+                    format!(
+                        "holds {saved} {what}(s) but {restored} were restored; restore them all, in order"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

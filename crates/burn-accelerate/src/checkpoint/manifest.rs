@@ -1,0 +1,62 @@
+//! What a checkpoint folder holds: `checkpoint.json` (the manifest, written last: a folder without it is not a
+//! checkpoint), `model.bpk`, `model_1.bpk`, ... (Burn records, which keep parameter ids so the optimizer state
+//! matches), `optimizer*.bpk` (one set, or one per rank as `optimizer_rank<i>*.bpk` under a sharded strategy),
+//! `scheduler*.bpk`, `objects.json` (registered objects) and one `rank_<i>.json` per rank (data positions).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::DataPosition;
+use crate::precision::LossScaler;
+
+/// The format tag of `checkpoint.json`.
+pub const FORMAT: &str = "burn-accelerate-state/1";
+/// The manifest's file name.
+pub(crate) const MANIFEST: &str = "checkpoint.json";
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Manifest {
+    pub(crate) format: String,
+    pub(crate) iteration: usize,
+    pub(crate) num_processes: usize,
+    pub(crate) models: usize,
+    pub(crate) optimizers: usize,
+    pub(crate) schedulers: usize,
+    pub(crate) objects: Vec<String>,
+    pub(crate) scaler: Option<LossScaler>,
+    /// Each optimizer's kind (`Adam`, ...), where known. Absent in older checkpoints.
+    #[serde(default)]
+    pub(crate) optimizer_kinds: Vec<Option<String>>,
+    /// Whether each rank saved its own slice of the optimizer state (a sharded strategy). Absent in older
+    /// checkpoints.
+    #[serde(default)]
+    pub(crate) optimizer_per_rank: bool,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct RankState {
+    pub(crate) dataloaders: Vec<DataPosition>,
+    pub(crate) optimizer_steps: Vec<u64>,
+    /// This rank's prepared dataloaders. Absent in older checkpoints.
+    #[serde(default)]
+    pub(crate) loaders: Vec<crate::data::LoaderFingerprint>,
+}
+
+/// The file stem of the optimizer states: one set for the run, or one per rank when each rank holds a slice.
+pub(crate) fn optimizer_stem(per_rank: bool, rank: usize) -> String {
+    if per_rank {
+        format!("optimizer_rank{rank}")
+    } else {
+        "optimizer".into()
+    }
+}
+
+/// The file of part `i` named `stem` (`model.bpk`, `model_1.bpk`, ...).
+pub(crate) fn file(dir: &Path, stem: &str, i: usize, ext: &str) -> PathBuf {
+    if i == 0 {
+        dir.join(format!("{stem}.{ext}"))
+    } else {
+        dir.join(format!("{stem}_{i}.{ext}"))
+    }
+}

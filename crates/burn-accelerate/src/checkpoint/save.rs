@@ -1,0 +1,222 @@
+//! `save_state`: everything needed to continue a run exactly where it stopped, written into a folder under a
+//! `.partial` name and renamed when complete, with every rank taking part.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::module::Module;
+use burn::store::ModuleRecord;
+
+use super::fs::{FolderLock, io, parent_dir, sync_dir, with_suffix, write_synced};
+use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, optimizer_stem};
+use crate::data::DataPosition;
+use crate::distributed::strategy::StateScope;
+use crate::error::{Error, Result};
+use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
+use crate::precision::LossScaler;
+
+/// What `save_state` writes, gathered from the training loop's objects (models and optimizers are owned by
+/// the loop, so they are passed in rather than registered).
+#[derive(Default)]
+pub struct StateToSave {
+    models: Vec<Vec<u8>>,
+    optimizers: Vec<(Vec<u8>, u64)>,
+    optimizer_kinds: Vec<Option<String>>,
+    schedulers: Vec<Vec<u8>>,
+}
+
+fn record_error(what: &str) -> impl FnOnce(burn::store::RecordError) -> Error + '_ {
+    move |e| Error::InvalidArgument(format!("save_state: cannot record the {what}: {e}"))
+}
+
+impl StateToSave {
+    /// Nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a model (saved with its parameter ids, so its optimizer state matches on load).
+    pub fn model<M: Module>(mut self, model: &M) -> Result<Self> {
+        self.models
+            .push(super::safetensors::write::record_bytes(model)?.to_vec());
+        Ok(self)
+    }
+
+    /// Adds a prepared optimizer.
+    pub fn optimizer(mut self, optimizer: &AcceleratedOptimizer) -> Result<Self> {
+        let bytes = optimizer
+            .inner()
+            .to_record()
+            .into_bytes()
+            .map_err(record_error("optimizer"))?;
+        self.optimizers
+            .push((bytes.to_vec(), optimizer.num_steps()));
+        self.optimizer_kinds
+            .push(optimizer.kind().map(str::to_string));
+        Ok(self)
+    }
+
+    /// Adds a burn-train Learner's model, optimizer (after `steps` steps) and scheduler records (the Learner
+    /// keeps its optimizer and scheduler to itself and hands out records; their kind is not known).
+    #[cfg(feature = "train")]
+    pub(crate) fn records(
+        mut self,
+        (model, optimizer, scheduler): (
+            ModuleRecord,
+            burn::optim::OptimizerRecord,
+            burn::lr_scheduler::LrSchedulerRecord,
+        ),
+        steps: u64,
+    ) -> Result<Self> {
+        let model = model.into_bytes().map_err(record_error("model"))?;
+        let optimizer = optimizer.into_bytes().map_err(record_error("optimizer"))?;
+        let scheduler = scheduler.into_bytes().map_err(record_error("scheduler"))?;
+        self.models.push(model.to_vec());
+        self.optimizers.push((optimizer.to_vec(), steps));
+        self.optimizer_kinds.push(None);
+        self.schedulers.push(scheduler.to_vec());
+        Ok(self)
+    }
+
+    /// Adds a prepared scheduler.
+    pub fn scheduler(mut self, scheduler: &AcceleratedScheduler) -> Result<Self> {
+        let bytes = scheduler
+            .record()
+            .into_bytes()
+            .map_err(record_error("scheduler"))?;
+        self.schedulers.push(bytes.to_vec());
+        Ok(self)
+    }
+}
+
+/// The parts of the state every rank contributes, besides `StateToSave`.
+pub(crate) struct SaveContext<'a> {
+    pub state: &'a crate::distributed::ProcessGroup,
+    pub iteration: usize,
+    pub scaler: Option<LossScaler>,
+    pub objects: Vec<(String, serde_json::Value)>,
+    pub positions: Vec<DataPosition>,
+    pub loaders: Vec<crate::data::LoaderFingerprint>,
+    /// Whether the optimizer state is one file from the main process or one slice per rank.
+    pub optimizer_state: StateScope,
+}
+
+/// Writes a checkpoint into `dir` atomically, with every rank taking part. Each phase ends with every rank
+/// learning every rank's outcome, so a failure anywhere (a full disk on the main process, a read-only folder)
+/// stops all ranks at once with the same story, and the previous checkpoint is left as it was.
+pub(crate) fn save(dir: &Path, parts: &StateToSave, ctx: SaveContext<'_>) -> Result<()> {
+    let state = ctx.state;
+    let main = state.is_main_process();
+    let partial = with_suffix(dir, ".partial");
+    let lock = state.agree(
+        "save_state",
+        if main {
+            prepare(dir, &partial).map(Some)
+        } else {
+            Ok(None)
+        },
+    )?;
+    let written = write_parts(&partial, parts, &ctx);
+    state.agree("save_state", written)?;
+    let committed = if main {
+        commit(dir, &partial, parts, &ctx)
+    } else {
+        Ok(())
+    };
+    state.agree("save_state", committed)?;
+    drop(lock);
+    Ok(())
+}
+
+/// On the main process: locks the folder `dir` lives in, clears what an interrupted save left and creates the
+/// `.partial` folder the ranks write into.
+fn prepare(dir: &Path, partial: &Path) -> Result<FolderLock> {
+    let parent = parent_dir(dir);
+    std::fs::create_dir_all(parent).map_err(io("creating", parent))?;
+    let lock = FolderLock::acquire(parent, dir)?;
+    // Under the lock, anything at the `.partial` name is what an interrupted save left (or a planted link,
+    // which is removed, never followed); the folder is then created exclusively.
+    if let Ok(meta) = std::fs::symlink_metadata(partial) {
+        if meta.is_dir() {
+            std::fs::remove_dir_all(partial)
+        } else {
+            std::fs::remove_file(partial)
+        }
+        .map_err(io("removing an unfinished save", partial))?;
+    }
+    std::fs::create_dir(partial).map_err(io("creating", partial))?;
+    Ok(lock)
+}
+
+/// Every rank writes its own file; the main process writes the models, optimizers, schedulers and objects.
+fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Result<()> {
+    let state = ctx.state;
+    let rank = RankState {
+        dataloaders: ctx.positions.clone(),
+        optimizer_steps: parts.optimizers.iter().map(|(_, s)| *s).collect(),
+        loaders: ctx.loaders.clone(),
+    };
+    let rank_json = serde_json::to_vec_pretty(&rank).expect("plain data");
+    write_synced(
+        &partial.join(format!("rank_{}.json", state.process_index())),
+        &rank_json,
+    )?;
+    let per_rank = ctx.optimizer_state == StateScope::PerRank;
+    if per_rank || state.is_main_process() {
+        let stem = optimizer_stem(per_rank, state.process_index());
+        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
+            write_synced(&file(partial, &stem, i, "bpk"), bytes)?;
+        }
+    }
+    if state.is_main_process() {
+        for (i, bytes) in parts.models.iter().enumerate() {
+            write_synced(&file(partial, "model", i, "bpk"), bytes)?;
+        }
+        for (i, bytes) in parts.schedulers.iter().enumerate() {
+            write_synced(&file(partial, "scheduler", i, "bpk"), bytes)?;
+        }
+        let objects: BTreeMap<String, serde_json::Value> = ctx.objects.iter().cloned().collect();
+        write_synced(
+            &partial.join("objects.json"),
+            &serde_json::to_vec_pretty(&objects).expect("JSON values"),
+        )?;
+    }
+    Ok(())
+}
+
+/// On the main process: writes the manifest (what makes the folder a checkpoint) and puts the folder in place.
+fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Result<()> {
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        iteration: ctx.iteration,
+        num_processes: ctx.state.num_processes(),
+        models: parts.models.len(),
+        optimizers: parts.optimizers.len(),
+        schedulers: parts.schedulers.len(),
+        objects: ctx.objects.iter().map(|(n, _)| n.clone()).collect(),
+        scaler: ctx.scaler.clone(),
+        optimizer_kinds: parts.optimizer_kinds.clone(),
+        optimizer_per_rank: ctx.optimizer_state == StateScope::PerRank,
+    };
+    write_synced(
+        &partial.join(MANIFEST),
+        &serde_json::to_vec_pretty(&manifest).expect("plain data"),
+    )?;
+    sync_dir(partial)?;
+    // Replace: the old folder is moved aside before the new one takes its name, so that one complete
+    // checkpoint exists at every instant. (A `.old` left by a save that stopped between its two renames, with
+    // no `dir`, is the last complete checkpoint: it stays until the new one is in place.)
+    let old = with_suffix(dir, ".old");
+    if dir.exists() {
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
+        }
+        std::fs::rename(dir, &old).map_err(io("moving the previous checkpoint aside", dir))?;
+    }
+    std::fs::rename(partial, dir).map_err(io("renaming the checkpoint into place", dir))?;
+    sync_dir(parent_dir(dir))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
+    }
+    Ok(())
+}
