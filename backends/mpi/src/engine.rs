@@ -2,7 +2,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use burn_accelerate_comm::{CommError, CommResult, Communicator, ReduceBuffer, ReduceOp};
+use burn_accelerate_comm::{
+    CallSignature, CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, check_calls,
+};
 use mpi::Threading;
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
@@ -124,43 +126,19 @@ impl Call {
         }
     }
 
-    /// Whether two ranks' calls can be carried out together: the same collective, and for an all-reduce the same
+    /// The call as the one mismatch check compares it: the same collective, and for an all-reduce the same
     /// element kind, operation and length, for a broadcast the same root (only the root's length counts).
-    fn compatible(self, other: Call) -> bool {
-        match (self, other) {
-            (Call::Broadcast { root: a, .. }, Call::Broadcast { root: b, .. }) => a == b,
-            (Call::AllGather { .. }, Call::AllGather { .. }) => true,
-            (a, b) => a == b,
+    fn signature(self) -> CallSignature {
+        let must_agree = match self {
+            Call::Barrier | Call::AllGather { .. } => String::new(),
+            Call::AllReduce { kind, op, len } => format!("{kind} {op} {len}"),
+            Call::Broadcast { root, .. } => root.to_string(),
+        };
+        CallSignature {
+            collective: self.name().into(),
+            must_agree,
+            described: self.describe(),
         }
-    }
-}
-
-/// The error every rank returns when the headers disagree (all ranks see the same headers, so all agree on it).
-fn disagreement(seq: u64, calls: &[Option<Call>]) -> CommError {
-    let described: Vec<String> = calls
-        .iter()
-        .enumerate()
-        .map(|(r, c)| match c {
-            Some(c) => format!("rank {r}: {}", c.describe()),
-            None => format!("rank {r}: an unreadable call header"),
-        })
-        .collect();
-    let same_collective = calls
-        .iter()
-        .all(|c| c.map(Call::name) == calls[0].map(Call::name));
-    match calls[0] {
-        Some(first) if same_collective => CommError::IncompatibleInputs {
-            operation: first.name().into(),
-            reason: format!(
-                "collective #{seq}: ranks passed incompatible inputs ({}); every rank must pass a buffer of the \
-                 same length and dtype (and name the same root)",
-                described.join(", ")
-            ),
-        },
-        _ => CommError::CollectiveMismatch {
-            seq,
-            calls: described.join(", "),
-        },
     }
 }
 
@@ -335,11 +313,9 @@ impl MpiComm {
             },
         )?;
         let calls: Vec<Option<Call>> = words.chunks(CALL_WORDS).map(Call::decode).collect();
-        if calls.iter().all(|c| c.is_some_and(|c| c.compatible(call))) {
-            Ok((seq, calls.into_iter().flatten().collect()))
-        } else {
-            Err(disagreement(seq, &calls))
-        }
+        let signatures: Vec<_> = calls.iter().map(|c| c.map(Call::signature)).collect();
+        check_calls(seq, &signatures)?;
+        Ok((seq, calls.into_iter().flatten().collect()))
     }
 
     fn reduce_typed<T>(

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use super::Communicator;
 use super::reduce::{ReduceBuffer, ReduceOp, check_shapes, reduce_range};
 use crate::error::CommError as Error;
+use crate::{CallSignature, check_calls};
 
 type Result<T> = crate::CommResult<T>;
 
@@ -152,7 +153,7 @@ struct Round {
     ops: Vec<Option<&'static str>>,
     payloads: Vec<Option<Payload>>,
     arrived: usize,
-    outcome: Option<std::result::Result<Shared, String>>,
+    outcome: Option<std::result::Result<Shared, Error>>,
     taken: usize,
 }
 
@@ -256,6 +257,11 @@ impl InProcessComm {
         &self.group
     }
 
+    /// The sequence number of this rank's latest collective.
+    fn last_seq(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed).saturating_sub(1)
+    }
+
     /// Deposits `payload` for the next round and returns every rank's payload once all have arrived.
     fn exchange(&self, op: &'static str, payload: Payload) -> Result<Shared> {
         let group = &*self.group;
@@ -277,23 +283,20 @@ impl InProcessComm {
         round.payloads[self.rank] = Some(payload);
         round.arrived += 1;
         if round.arrived == n {
-            let ops: Vec<&str> = round.ops.iter().map(|o| o.unwrap_or("?")).collect();
-            round.outcome = Some(if ops.iter().all(|o| *o == ops[0]) {
-                Ok(Arc::new(
+            let calls: Vec<_> = round
+                .ops
+                .iter()
+                .map(|o| Some(CallSignature::named(o.unwrap_or("?"))))
+                .collect();
+            round.outcome = Some(check_calls(seq, &calls).map(|()| {
+                Arc::new(
                     round
                         .payloads
                         .iter_mut()
                         .map(|p| RwLock::new(Some(p.take().unwrap_or(Payload::Unit))))
                         .collect(),
-                ))
-            } else {
-                Err(ops
-                    .iter()
-                    .enumerate()
-                    .map(|(r, o)| format!("rank {r}: {o}"))
-                    .collect::<Vec<_>>()
-                    .join(", "))
-            });
+                )
+            }));
             group.completed.fetch_max(seq + 1, Ordering::Release);
             group.wake.notify_all();
         } else {
@@ -324,7 +327,7 @@ impl InProcessComm {
                 if round.taken == n {
                     state.rounds.remove(&seq);
                 }
-                return outcome.map_err(|calls| Error::CollectiveMismatch { seq, calls });
+                return outcome;
             }
             let absent: Vec<usize> = round
                 .payloads
@@ -386,7 +389,7 @@ impl InProcessComm {
         let n = self.group.size;
         let own = Arc::new(InPlaceBuffer::new(data));
         let all = self.exchange("all_reduce", Payload::InPlace(own.clone()))?;
-        check_shapes(&reduce_shapes(&all))?;
+        check_shapes(self.last_seq(), &reduce_shapes(&all))?;
         let buffers: Vec<Arc<InPlaceBuffer>> = all
             .iter()
             .map(|slot| match read(slot).as_ref() {
@@ -485,7 +488,7 @@ impl Communicator for InProcessComm {
             return self.all_reduce_in_place(data, op);
         }
         let all = self.exchange("all_reduce", Payload::Reduce(data))?;
-        check_shapes(&reduce_shapes(&all))?;
+        check_shapes(self.last_seq(), &reduce_shapes(&all))?;
         let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
         let inputs: Vec<&ReduceBuffer> = guards
             .iter()

@@ -11,12 +11,14 @@
 
 #![warn(missing_docs)]
 
+mod calls;
 mod error;
 mod in_process;
 mod reduce;
 
 use std::fmt::Debug;
 
+pub use calls::{CallSignature, check_calls};
 pub use error::{CommError, CommResult};
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use reduce::{ReduceBuffer, ReduceOp};

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::error::{CommError, CommResult};
+use crate::error::CommResult;
 
 /// How values are combined across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -75,23 +75,19 @@ impl ReduceBuffer {
     }
 }
 
-/// Checks that every rank passed the same element kind and length (`shapes` in rank order).
-pub(crate) fn check_shapes(shapes: &[(&'static str, usize)]) -> CommResult<()> {
-    if shapes.iter().all(|s| *s == shapes[0]) {
-        return Ok(());
-    }
-    let described: Vec<String> = shapes
+/// Each rank's element kind and length in an all-reduce, checked by [`check_calls`](crate::check_calls).
+pub(crate) fn check_shapes(seq: u64, shapes: &[(&'static str, usize)]) -> CommResult<()> {
+    let calls: Vec<_> = shapes
         .iter()
-        .enumerate()
-        .map(|(r, (kind, len))| format!("rank {r}: {len} x {kind}"))
+        .map(|(kind, len)| {
+            Some(crate::CallSignature {
+                collective: "all_reduce".into(),
+                must_agree: format!("{len} x {kind}"),
+                described: format!("{len} x {kind}"),
+            })
+        })
         .collect();
-    Err(CommError::IncompatibleInputs {
-        operation: "all_reduce".into(),
-        reason: format!(
-            "ranks passed buffers of different kinds or lengths ({}); reduce tensors of the same shape and dtype",
-            described.join(", ")
-        ),
-    })
+    crate::check_calls(seq, &calls)
 }
 
 /// Reduces `range` of every input into a new buffer, combining ranks in rank order (so every rank computes
@@ -179,7 +175,7 @@ mod tests {
             reduce_range(&[&i, &j], 0..2, ReduceOp::Mean),
             ReduceBuffer::I64(vec![3, -1])
         );
-        assert!(check_shapes(&[(i.kind(), i.len()), (a.kind(), a.len())]).is_err());
-        assert!(check_shapes(&[(i.kind(), i.len()), (j.kind(), j.len())]).is_ok());
+        assert!(check_shapes(0, &[(i.kind(), i.len()), (a.kind(), a.len())]).is_err());
+        assert!(check_shapes(0, &[(i.kind(), i.len()), (j.kind(), j.len())]).is_ok());
     }
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::module::Module;
+#[cfg(feature = "train")]
 use burn::store::ModuleRecord;
 
 use super::fs::{FolderLock, io, parent_dir, sync_dir, with_suffix, write_synced};

@@ -12,7 +12,8 @@
 //!
 //! Everything that crosses ranks goes through [`collectives`] (user collectives, the gradient transport, the
 //! Learner's stop flag, save and load agreement, seeds, triggers, batch-size search), so debug mode, the
-//! engines' call headers and timeouts see all of it. Nothing here knows the [`Accelerator`](crate::Accelerator):
+//! engines' call headers and timeouts see all of it. Whether the ranks' calls match is decided in one place,
+//! [`comm::check_calls`], for the engines and debug mode alike. Nothing here knows the [`Accelerator`](crate::Accelerator):
 //! the facade composes these parts.
 
 pub mod cluster;

@@ -14,7 +14,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::distributed::ProcessGroup;
-use crate::distributed::comm::{ReduceBuffer, ReduceOp};
+use crate::distributed::comm::{CallSignature, CommError, ReduceBuffer, ReduceOp, check_calls};
 use crate::error::{Error, Result};
 pub(crate) use trigger::Trigger;
 use wire::{decode, encode, shape_str};
@@ -67,29 +67,26 @@ fn verify(
             )
         })?);
     }
-    if calls.iter().any(|(op, _, _)| op != &calls[0].0) {
-        return Err(crate::distributed::comm::CommError::CollectiveMismatch {
-            seq: 0,
-            calls: calls
-                .iter()
-                .enumerate()
-                .map(|(r, (op, _, _))| format!("rank {r}: {PREFIX}{op}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-        }
-        .into());
-    }
+    // The one mismatch check of the engines, on what debug mode compares: the operation, then the dtype and
+    // the dimensions from `compare_from` on. Inputs that differ get Accelerate's shape message.
     let tail = |s: &[usize]| s.get(compare_from..).map(<[usize]>::to_vec);
-    let same = calls
+    let signatures: Vec<_> = calls
         .iter()
-        .all(|(_, dt, s)| *dt == calls[0].1 && tail(s) == tail(&calls[0].2));
-    if same {
-        Ok(())
-    } else {
-        Err(Error::ShapeMismatch {
+        .map(|(op, dtype, shape)| {
+            Some(CallSignature {
+                collective: format!("{PREFIX}{op}"),
+                must_agree: format!("{dtype:?} {:?}", tail(shape)),
+                described: format!("{PREFIX}{op}"),
+            })
+        })
+        .collect();
+    match check_calls(0, &signatures) {
+        Ok(()) => Ok(()),
+        Err(CommError::IncompatibleInputs { .. }) => Err(Error::ShapeMismatch {
             operation: format!("{PREFIX}{operation}"),
             shapes: calls.iter().map(|(_, _, s)| shape_str(s)).collect(),
-        })
+        }),
+        Err(other) => Err(other.into()),
     }
 }
 
