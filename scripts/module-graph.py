@@ -3,11 +3,15 @@
 
 Usage: scripts/module-graph.py [SRC_DIR] [--depth N] [--edges]
 
+Run from the repository root: `python3 scripts/module-graph.py` (top-level modules) and
+`python3 scripts/module-graph.py --depth 9` (every file).
+
 Each source file is a module (`a/mod.rs` is `a`, `a/b.rs` is `a::b`). An edge A -> B means A names a path under
 `crate::B` (in a `use` or inline). Modules are grouped to `--depth` path segments (1: the crate's top-level
 modules, the default; 9: every file). Prints the levels (a module stands one level above everything it uses;
 level 1 uses nothing), the two-way ties (groups that use each other, directly or around a loop), and the files
-over 700 lines, not counting their `#[cfg(test)]` tail.
+over 700 lines, not counting their `#[cfg(test)]` tail; at depth 1, also every use of a module that the
+crate root declares after the user (the root lists the layers lowest first).
 """
 import os
 import re
@@ -193,6 +197,17 @@ for comp in ties:
 print(f"files over 700 lines (without tests): {len(long_files)}")
 for path, lines in long_files:
     print(f"  {path}: {lines}")
+# The order the crate root declares its modules in: a module may use only those declared before it.
+order = []
+if lib and depth == 1:
+    order = re.findall(r"^(?:pub(?:\(crate\))? )?mod ([a-z_0-9]+);", open(lib).read(), re.M)
+    upward = sorted(
+        f"{a} -> {b}" for a in edges for b in edges[a]
+        if a in order and b in order and order.index(b) > order.index(a)
+    )
+    print(f"uses of a module declared later in lib.rs: {len(upward)}")
+    for edge in upward:
+        print("  " + edge)
 if show_edges:
     for a in sorted(edges):
         print(f"{a} -> {', '.join(sorted(edges[a]))}")

@@ -67,14 +67,15 @@
 //!
 //! ## The layers
 //!
-//! Each module uses only modules listed before it (the list in this file's source is the same order):
+//! Each module uses only modules of its own or a lower layer (the module list in this file's source is the same
+//! order, lowest first):
 //!
 //! | layer | modules | may use |
 //! |---|---|---|
-//! | base | `error`, `config`, `backend`, `precision`, `tracking` | each other in this order |
+//! | base | `error`, `grad` (gradient buffer, clipping, step window), [`precision`], [`config`], [`backend`], [`tracking`] | each other in this order |
 //! | distribution | [`distributed`] | the base |
-//! | step | [`logging`], `grad`, [`data`], [`optim`], `pipeline` | the base, `distributed`, each other in this order |
-//! | persistence and search | [`checkpoint`], [`memory`] | everything above |
+//! | step | [`logging`], [`data`], `pipeline`, [`optim`] | the base, `distributed`, each other in this order |
+//! | persistence and search | [`checkpoint`], [`memory`] | everything above, in this order |
 //! | facade | [`accelerator`] | everything above |
 //! | bridge | `learner` (feature `train`) | the facade and everything above |
 //!
@@ -82,25 +83,26 @@
 
 #![warn(missing_docs)]
 
-// The layers, lowest first; a module may use those above it in this list, never those below.
-pub mod accelerator; // the facade and its builder
-pub mod backend; // compiled backends, device choice, moving values to a device, machine facts
-pub mod checkpoint; // safetensors weights, training state, the checkpointer
-pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling
-pub mod data; // prepared dataloaders: sharding, positions
-pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
+// The layers, lowest first: a module uses only modules declared above it (scripts/module-graph.py checks it).
 mod error; // Error, Result
-pub(crate) mod grad; // gradient buffer, clipping, the step window
 mod host_data; // tensor data built in place
+mod traverse; // walking a module's parameters
+pub(crate) mod grad; // gradient buffer, clipping, the step window
+pub mod precision; // autocast, loss scaler, the precision policy
+pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling
+pub mod backend; // compiled backends, device choice, moving values to a device, machine facts
+pub mod tracking; // trackers and progress bars
+pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
+pub mod logging; // rank-aware logging
+pub mod data; // prepared dataloaders: sharding, positions
+pub(crate) mod pipeline; // the step pipeline and its outcome
+pub mod optim; // the prepared optimizer and scheduler
+pub mod checkpoint; // safetensors weights, training state, the checkpointer
+pub mod memory; // out-of-memory batch-size search, memory estimate
+pub mod accelerator; // the facade and its builder
+// burn-train's Learner through the facade.
 #[cfg(feature = "train")]
 pub mod learner;
-pub mod logging; // rank-aware logging
-pub mod memory; // out-of-memory batch-size search, memory estimate
-pub mod optim; // the prepared optimizer and scheduler
-pub(crate) mod pipeline; // the step pipeline and its outcome
-pub mod precision; // autocast, loss scaler, the precision policy
-pub mod tracking; // trackers and progress bars
-mod traverse; // walking a module's parameters // burn-train's Learner through the facade
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};

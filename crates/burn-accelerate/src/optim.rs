@@ -13,10 +13,9 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 
-use crate::distributed::strategy::Strategy;
+use crate::distributed::strategy::{Strategy, share_stepped};
 use crate::error::Result;
-use crate::grad::window::SharedStep;
-use crate::pipeline::{StepOutcome, share_stepped};
+use crate::grad::window::{SharedStep, StepOutcome};
 
 /// The learning rate an optimizer uses, shared with the scheduler that drives it.
 #[derive(Clone)]

@@ -29,12 +29,14 @@ use burn::optim::GradientsParams;
 
 use crate::config::{AcceleratorConfig, LossNormalization};
 use crate::distributed::strategy::{
-    StateScope, Strategy, broadcast_module, share_stepped_parameters, trainable_params,
+    StateScope, Strategy, broadcast_module, share_stepped, trainable_params,
 };
 use crate::error::{Error, Result};
 pub(crate) use crate::grad::window::StepOutcome;
 use crate::grad::window::{BackwardPlan, SharedStep};
-use crate::grad::{GradSource, GradientBuffer, clip_grad_norm, has_non_finite, param_ids};
+use crate::grad::{
+    GradSource, GradientBuffer, NormType, clip_grad_norm, has_non_finite, param_ids,
+};
 use crate::precision::Precision;
 
 /// A rank's step pipeline.
@@ -219,16 +221,6 @@ impl StepPipeline {
         };
         self.strategy.reduce_gradients(grads, &params, scale)
     }
-}
-
-/// After an optimizer applied [`StepOutcome::Apply`]'s gradients to `model`: under a strategy whose ranks step
-/// only their own parameters, every rank receives the others' stepped values; under a replicated strategy the
-/// model comes back as it is.
-pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, model: M) -> Result<M> {
-    if strategy.optimizer_state() == StateScope::Replicated {
-        return Ok(model);
-    }
-    share_stepped_parameters(strategy, model)
 }
 
 #[cfg(test)]

@@ -202,9 +202,13 @@ fn map_params<M: Module>(
     }
 }
 
-/// After each rank stepped the parameters it owns: every parameter's owner sends its value to the other
-/// ranks. Nothing happens under a replicated strategy.
-pub(crate) fn share_stepped_parameters<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+/// After an optimizer stepped `module`: under a strategy whose ranks step only the parameters they own, every
+/// parameter's owner sends its value to the other ranks; under a replicated strategy the module comes back as
+/// it is.
+pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    if strategy.optimizer_state() == StateScope::Replicated {
+        return Ok(module);
+    }
     let params = trainable_params(&module);
     let Ownership::Owners(owners) = strategy.ownership(&params) else {
         return Ok(module);
