@@ -277,7 +277,7 @@ impl AcceleratorBuilder {
     ) -> Result<Accelerator> {
         let project = self.project.clone().unwrap_or_default();
         if project.total_limit == Some(0) {
-            return Err(crate::Error::InvalidArgument(
+            return Err(crate::error::Error::InvalidArgument(
                 "ProjectConfiguration::total_limit(0) would delete every checkpoint, the one just written \
                  included: keep at least 1, or leave the limit unset to keep them all"
                     .into(),

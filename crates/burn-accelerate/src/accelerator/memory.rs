@@ -50,7 +50,7 @@ impl Accelerator {
         f: impl FnMut(usize) -> std::result::Result<T, E>,
     ) -> std::result::Result<T, BatchSizeError<E>>
     where
-        E: OutOfMemory + fmt::Display + From<crate::Error>,
+        E: OutOfMemory + fmt::Display + From<crate::error::Error>,
     {
         self.find_executable_batch_size_with(BatchSizeFinder::new(starting_batch_size), f)
     }
@@ -83,7 +83,7 @@ impl Accelerator {
         f: impl FnMut(usize) -> std::result::Result<T, E>,
     ) -> std::result::Result<T, BatchSizeError<E>>
     where
-        E: OutOfMemory + fmt::Display + From<crate::Error>,
+        E: OutOfMemory + fmt::Display + From<crate::error::Error>,
     {
         search.run_across(&self.group, || self.free_memory(), f)
     }

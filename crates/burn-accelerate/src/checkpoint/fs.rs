@@ -117,7 +117,7 @@ impl FolderLock {
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
                 Err(fs::TryLockError::WouldBlock) => {
-                    return Err(crate::Error::Checkpoint {
+                    return Err(crate::error::Error::Checkpoint {
                         path: target.to_path_buf(),
                         reason: format!(
                             "another save has been writing into {} for over {} s (it holds {}); two runs or \

@@ -141,7 +141,7 @@ impl BatchSizeFinder {
     /// [`Accelerator::find_executable_batch_size_with`](crate::Accelerator::find_executable_batch_size_with)):
     /// after each attempt the ranks agree, so an out-of-memory failure on any rank shrinks the batch for all;
     /// `free` runs between attempts.
-    pub(crate) fn run_across<T, E: OutOfMemory + fmt::Display + From<crate::Error>>(
+    pub(crate) fn run_across<T, E: OutOfMemory + fmt::Display + From<crate::error::Error>>(
         &self,
         state: &ProcessGroup,
         free: impl FnMut(),
