@@ -38,8 +38,8 @@
 //!    [`ProcessGroup`] holds rank, device and communicator. The builder then picks the rank's distribution
 //!    strategy (`distributed::strategy`: one device, or data parallelism over the host all-reduce), and the
 //!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
-//! 2. **`prepare_model`** — the strategy gives every rank rank 0's weights, then [`backend::ToDevice`]'s
-//!    placement forks the model onto the device with autodiff on.
+//! 2. **`prepare_model`** — the strategy gives every rank rank 0's weights, then the model is forked onto the
+//!    device with autodiff on (batches go there through [`backend::ToDevice`]).
 //! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0 (a collective), deals this rank its
 //!    shard of every epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
 //!    [`data::DataPosition`]. Each `iter()` and each batch tell the step window where the epoch stands.
