@@ -8,14 +8,14 @@
 //! checkpoints and memory in the files beside this one.
 
 mod builder;
-
-pub use builder::{AcceleratorBuilder, launch};
 mod checkpointing;
 mod collectives;
 #[doc(hidden)]
 pub mod internals;
 mod memory;
 mod tracking;
+
+pub use builder::{AcceleratorBuilder, launch};
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Once};

@@ -302,6 +302,26 @@ mod tests {
         }
     }
 
+    /// A linear layer with fixed, uneven weights: the device's random generator is shared by the tests that
+    /// run beside this one, and Burn draws parameters lazily, so drawn weights would differ between runs.
+    fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+        let mut layer = LinearConfig::new(d_in, d_out).init(device);
+        let values: Vec<f32> = (0..d_in * d_out)
+            .map(|i| (i as f32 * 0.37 + salt).sin() * 0.5)
+            .collect();
+        let weight = Tensor::<1>::from_floats(values.as_slice(), device).reshape([d_in, d_out]);
+        layer.weight = Param::from_tensor(weight);
+        layer.bias = Some(Param::from_tensor(Tensor::zeros([d_out], device)));
+        layer
+    }
+
+    fn net(device: &Device) -> Net {
+        Net {
+            a: linear(4, 8, 0.1, device),
+            b: linear(8, 2, 1.3, device),
+        }
+    }
+
     fn weights(net: &Net) -> Vec<f32> {
         [
             net.a.weight.val().into_data(),
@@ -318,12 +338,7 @@ mod tests {
         builder
             .launch(2, move |acc: Accelerator| {
                 let device = acc.device().clone();
-                device.seed(7);
-                let net = Net {
-                    a: LinearConfig::new(4, 8).init(&device),
-                    b: LinearConfig::new(8, 2).init(&device),
-                };
-                let mut net = acc.prepare_model(net)?;
+                let mut net = acc.prepare_model(net(&device))?;
                 let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
                 let rank = acc.process_index() as f32;
                 for step in 0..steps {
@@ -416,10 +431,7 @@ mod tests {
         let restored = sharded
             .launch(2, move |acc: Accelerator| {
                 let device = acc.device().clone();
-                let net = acc.prepare_model(Net {
-                    a: LinearConfig::new(4, 8).init(&device),
-                    b: LinearConfig::new(8, 2).init(&device),
-                })?;
+                let net = acc.prepare_model(net(&device))?;
                 let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
                 let x = Tensor::<2>::ones([3, 4], &device);
                 acc.backward(net.b.forward(net.a.forward(x)).sum(), &net)?;
