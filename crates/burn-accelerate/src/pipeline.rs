@@ -143,12 +143,7 @@ impl StepPipeline {
             && self.shared.lock().state.sync_gradients()
         {
             let ids = param_ids(&model);
-            clip_grad_norm(
-                &mut self.shared.lock().grads,
-                &ids,
-                max_norm,
-                Default::default(),
-            )?;
+            clip_grad_norm(&mut self.shared.lock().grads, &ids, max_norm, NormType::L2)?;
         }
         Ok(self.shared.take_outcome(&model))
     }
