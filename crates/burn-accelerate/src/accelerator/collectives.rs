@@ -1,4 +1,5 @@
-//! The [`Accelerator`]'s collectives, each forwarded to [`ops`](crate::distributed::collectives) with this rank's state.
+//! The [`Accelerator`]'s collectives, each forwarded to [`collectives`](crate::distributed::collectives) with
+//! this rank's process group.
 
 use burn::tensor::Tensor;
 use burn::tensor::kind::Basic;

@@ -27,24 +27,24 @@ impl<I, O> PreparedDataLoader<I, O> {
     /// seed comes from rank 0, the shard from the rank and the config.
     pub(crate) fn prepare(
         mut loader: DataLoader<I, O>,
-        state: &ProcessGroup,
+        group: &ProcessGroup,
         config: &AcceleratorConfig,
         shared: SharedStep,
     ) -> Result<Self> {
-        if state.num_processes() > 1
+        if group.num_processes() > 1
             && let Some(seed) = loader.shuffle
         {
             loader.shuffle = Some(crate::distributed::collectives::broadcast_object(
-                state, &seed, 0,
+                group, &seed, 0,
             )?);
         }
         let spec = ShardSpec {
-            num_processes: state.num_processes(),
-            rank: state.process_index(),
+            num_processes: group.num_processes(),
+            rank: group.process_index(),
             split_batches: config.split_batches,
             even_batches: config.even_batches,
         };
-        let device = config.device_placement.then(|| state.device().clone());
+        let device = config.device_placement.then(|| group.device().clone());
         Self::new(loader, device, shared, spec)
     }
 

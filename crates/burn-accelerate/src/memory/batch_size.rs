@@ -137,13 +137,13 @@ impl BatchSizeFinder {
         self.search(|batch_size| attempt(&mut f, batch_size), || {})
     }
 
-    /// Runs `f` on every rank of `state` in lockstep (see
+    /// Runs `f` on every rank of `group` in lockstep (see
     /// [`Accelerator::find_executable_batch_size_with`](crate::Accelerator::find_executable_batch_size_with)):
     /// after each attempt the ranks agree, so an out-of-memory failure on any rank shrinks the batch for all;
     /// `free` runs between attempts.
     pub(crate) fn run_across<T, E: OutOfMemory + fmt::Display + From<crate::error::Error>>(
         &self,
-        state: &ProcessGroup,
+        group: &ProcessGroup,
         free: impl FnMut(),
         mut f: impl FnMut(usize) -> Result<T, E>,
     ) -> Result<T, BatchSizeError<E>> {
@@ -155,7 +155,7 @@ impl BatchSizeFinder {
                 Attempt::Failed(_) | Attempt::FailedOnOtherRank => 2,
             };
             let worst = match collectives::all_reduce_host(
-                state,
+                group,
                 "find_executable_batch_size",
                 (DType::I64, &[1]),
                 ReduceBuffer::I64(vec![code]),

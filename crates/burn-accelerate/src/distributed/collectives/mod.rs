@@ -46,18 +46,18 @@ fn data_error(operation: &str, e: impl std::fmt::Display) -> Error {
 /// error on every rank. `compare_from` is the first dimension that must agree (1 for `gather`, which accepts
 /// different first dimensions, 0 otherwise).
 fn verify(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     operation: &str,
     dtype: DType,
     shape: &[usize],
     compare_from: usize,
 ) -> Result<()> {
-    if !state.debug() || state.num_processes() == 1 {
+    if !group.debug() || group.num_processes() == 1 {
         return Ok(());
     }
     let mine =
         serde_json::to_vec(&(operation, dtype, shape)).map_err(|e| data_error(operation, e))?;
-    let all = state.comm().all_gather(mine)?;
+    let all = group.comm().all_gather(mine)?;
     let mut calls: Vec<(String, DType, Vec<usize>)> = Vec::with_capacity(all.len());
     for (rank, bytes) in all.iter().enumerate() {
         calls.push(serde_json::from_slice(bytes).map_err(|e| {
@@ -94,14 +94,14 @@ fn verify(
 /// alike: in debug mode, ranks first compare `operation` and `(dtype, shape)` of what they reduce, so a rank
 /// reducing something else is an error on every rank rather than a hang or wrong data.
 pub(crate) fn all_reduce_host(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     operation: &str,
     (dtype, shape): (DType, &[usize]),
     buffer: ReduceBuffer,
     op: ReduceOp,
 ) -> Result<ReduceBuffer> {
-    verify(state, operation, dtype, shape, 0)?;
-    Ok(state.comm().all_reduce(buffer, op)?)
+    verify(group, operation, dtype, shape, 0)?;
+    Ok(group.comm().all_reduce(buffer, op)?)
 }
 
 impl ProcessGroup {
@@ -173,16 +173,16 @@ pub fn any_rank(group: &ProcessGroup, operation: &str, flag: bool) -> Result<boo
 /// Concatenates every rank's tensor along dimension 0, in rank order. The first dimension may differ between
 /// ranks (the result has no padding); the other dimensions and the dtype must agree.
 pub fn gather<const D: usize, K: Basic>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     tensor: Tensor<D, K>,
 ) -> Result<Tensor<D, K>> {
-    if state.num_processes() == 1 {
+    if group.num_processes() == 1 {
         return Ok(tensor);
     }
     let device = tensor.device();
     let data = read(tensor, "gather")?;
-    verify(state, "gather", data.dtype(), data.shape(), 1)?;
-    let all = state.comm().all_gather(encode(&data)?)?;
+    verify(group, "gather", data.dtype(), data.shape(), 1)?;
+    let all = group.comm().all_gather(encode(&data)?)?;
     drop(data);
     let parts: Vec<_> = all
         .into_iter()
@@ -217,7 +217,7 @@ pub fn gather<const D: usize, K: Basic>(
 /// Half-precision floats are combined in f32; for bool tensors `Sum` and `Max` are a logical or, `Min` a
 /// logical and, and `Mean` is an error.
 pub fn reduce<const D: usize, K: Basic>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     tensor: Tensor<D, K>,
     op: ReduceOp,
 ) -> Result<Tensor<D, K>> {
@@ -227,7 +227,7 @@ pub fn reduce<const D: usize, K: Basic>(
             "{PREFIX}reduce: the mean of bool tensors is not defined; use ReduceOp::Max (any) or ReduceOp::Min (all)"
         )));
     }
-    if state.num_processes() == 1 {
+    if group.num_processes() == 1 {
         return Ok(tensor);
     }
     let device = tensor.device();
@@ -266,7 +266,7 @@ pub fn reduce<const D: usize, K: Basic>(
     } else {
         op
     };
-    let out = match all_reduce_host(state, "reduce", (dtype, &shape), buffer, op)? {
+    let out = match all_reduce_host(group, "reduce", (dtype, &shape), buffer, op)? {
         ReduceBuffer::F64(v) => TensorData::new(v, shape),
         ReduceBuffer::F32(v) => TensorData::new(v, shape),
         ReduceBuffer::I64(v) if matches!(dtype, DType::Bool(_)) => {
@@ -280,31 +280,31 @@ pub fn reduce<const D: usize, K: Basic>(
 
 /// Returns rank `from`'s tensor on every rank (the other ranks' tensors only fix the rank and kind).
 pub fn broadcast<const D: usize, K: Basic>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     tensor: Tensor<D, K>,
     from: usize,
 ) -> Result<Tensor<D, K>> {
-    if from >= state.num_processes() {
+    if from >= group.num_processes() {
         return Err(crate::distributed::comm::CommError::InvalidRoot {
             operation: "broadcast".into(),
             root: from,
-            world_size: state.num_processes(),
+            world_size: group.num_processes(),
         }
         .into());
     }
-    if state.num_processes() == 1 {
+    if group.num_processes() == 1 {
         return Ok(tensor);
     }
     let device = tensor.device();
     let data = read(tensor, "broadcast")?;
-    verify(state, "broadcast", data.dtype(), data.shape(), 0)?;
-    let message = if state.process_index() == from {
+    verify(group, "broadcast", data.dtype(), data.shape(), 0)?;
+    let message = if group.process_index() == from {
         encode(&data)?
     } else {
         Vec::new()
     };
     drop(data);
-    let root = decode(state.comm().broadcast(message, from)?, from)?;
+    let root = decode(group.comm().broadcast(message, from)?, from)?;
     Ok(to_tensor(root.into_data(), &device))
 }
 
@@ -312,7 +312,7 @@ pub fn broadcast<const D: usize, K: Basic>(
 /// ranks (padding after the data, or before it with `pad_first`). Use it before [`gather`] when ranks hold
 /// batches of different lengths and an equal shape is needed (for instance to stack per-rank outputs).
 pub fn pad_across_processes<const D: usize, K: Basic>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     tensor: Tensor<D, K>,
     dim: usize,
     pad_value: f64,
@@ -323,14 +323,14 @@ pub fn pad_across_processes<const D: usize, K: Basic>(
             "{PREFIX}pad_across_processes: dim {dim} is out of range for a {D}-dimensional tensor"
         )));
     }
-    if state.num_processes() == 1 {
+    if group.num_processes() == 1 {
         return Ok(tensor);
     }
     let dims = tensor.dims();
     let dtype = tensor.dtype();
-    verify(state, "pad_across_processes", dtype, &dims, D)?;
+    verify(group, "pad_across_processes", dtype, &dims, D)?;
     let size = dims[dim] as u64;
-    let sizes = state.comm().all_gather(size.to_le_bytes().to_vec())?;
+    let sizes = group.comm().all_gather(size.to_le_bytes().to_vec())?;
     let mut max = 0u64;
     for (rank, bytes) in sizes.iter().enumerate() {
         let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
@@ -366,19 +366,19 @@ pub fn pad_across_processes<const D: usize, K: Basic>(
 
 /// Gathers one serializable value from every rank, in rank order.
 pub fn gather_object<T: Serialize + DeserializeOwned>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     value: &T,
 ) -> Result<Vec<T>> {
-    gather_object_as(state, value)
+    gather_object_as(group, value)
 }
 
 /// Gathers `value` from every rank, read back as `D` (e.g. a slice sent, a `Vec` received).
 pub fn gather_object_as<S: Serialize + ?Sized, D: DeserializeOwned>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     value: &S,
 ) -> Result<Vec<D>> {
     let bytes = serde_json::to_vec(value).map_err(|e| data_error("gather_object", e))?;
-    let all = state.comm().all_gather(bytes)?;
+    let all = group.comm().all_gather(bytes)?;
     all.iter()
         .enumerate()
         .map(|(rank, b)| {
@@ -390,24 +390,24 @@ pub fn gather_object_as<S: Serialize + ?Sized, D: DeserializeOwned>(
 
 /// Returns rank `from`'s value on every rank (`value` is only read on rank `from`).
 pub fn broadcast_object<T: Serialize + DeserializeOwned>(
-    state: &ProcessGroup,
+    group: &ProcessGroup,
     value: &T,
     from: usize,
 ) -> Result<T> {
-    if from >= state.num_processes() {
+    if from >= group.num_processes() {
         return Err(crate::distributed::comm::CommError::InvalidRoot {
             operation: "broadcast_object".into(),
             root: from,
-            world_size: state.num_processes(),
+            world_size: group.num_processes(),
         }
         .into());
     }
-    let bytes = if state.process_index() == from {
+    let bytes = if group.process_index() == from {
         serde_json::to_vec(value).map_err(|e| data_error("broadcast_object", e))?
     } else {
         Vec::new()
     };
-    let root = state.comm().broadcast(bytes, from)?;
+    let root = group.comm().broadcast(bytes, from)?;
     serde_json::from_slice(&root).map_err(|e| data_error("broadcast_object", e))
 }
 

@@ -17,8 +17,8 @@ impl Trigger {
 
     /// Whether any rank raised its trigger since the last check that fired; lowers it when it fires. A
     /// collective: every rank calls it at the same point.
-    pub fn check(&self, state: &ProcessGroup) -> Result<bool> {
-        let fired = super::any_rank(state, "check_trigger", self.0.load(Ordering::Relaxed))?;
+    pub fn check(&self, group: &ProcessGroup) -> Result<bool> {
+        let fired = super::any_rank(group, "check_trigger", self.0.load(Ordering::Relaxed))?;
         if fired {
             self.0.store(false, Ordering::Relaxed);
         }
