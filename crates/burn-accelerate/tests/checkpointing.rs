@@ -708,3 +708,35 @@ fn the_loss_scaler_is_saved_and_restored() {
     fresh.load_state(Some(&dir)).unwrap().finish().unwrap();
     assert_eq!(fresh.loss_scaler(), Some(scaler));
 }
+
+#[test]
+fn loading_the_latest_checkpoint_without_one_says_where_it_looked() {
+    let dir = std::env::temp_dir().join(format!("ba-no-latest-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let acc = Accelerator::builder()
+        .project_configuration(burn_accelerate::ProjectConfiguration::new(&dir))
+        .build()
+        .unwrap();
+    let message = acc
+        .load_state(None)
+        .err()
+        .expect("nothing to load")
+        .to_string();
+    let checkpoints = dir.join("checkpoints");
+    assert!(
+        message.contains(&format!(
+            "no complete checkpoint in {}",
+            checkpoints.display()
+        )),
+        "{message}"
+    );
+    assert!(!message.contains("Some("), "{message}");
+    let without_project = Accelerator::new().unwrap();
+    let message = without_project
+        .load_state(None)
+        .err()
+        .expect("nothing to load")
+        .to_string();
+    assert!(message.contains("no project folder is set"), "{message}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

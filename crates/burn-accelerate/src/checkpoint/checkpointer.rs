@@ -153,10 +153,17 @@ impl Checkpointer {
             None => {
                 let project = lock(&self.project);
                 let (_, latest) = project.checkpoints().pop().ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "load_state(None): no complete checkpoint under {:?}",
-                        project.checkpoints_dir()
-                    ))
+                    Error::InvalidArgument(match project.checkpoints_dir() {
+                        Some(dir) => format!(
+                            "load_state(None): no complete checkpoint in {}; save one with \
+                             save_state(None) first, or pass the folder to load",
+                            dir.display()
+                        ),
+                        None => "load_state(None) loads the latest automatic checkpoint, but no project \
+                                 folder is set: use AcceleratorBuilder::project_configuration(\
+                                 ProjectConfiguration::new(dir)), or pass the folder to load"
+                            .into(),
+                    })
                 })?;
                 latest
             }
