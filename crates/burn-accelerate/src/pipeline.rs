@@ -102,26 +102,26 @@ impl StepPipeline {
         broadcast_module(self.strategy.as_ref(), module)
     }
 
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     /// Whether the ranks step only their own parameters, so that an optimizer step must be followed by
     /// [`share_stepped`] (never for data parallelism or a single device).
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub fn shares_stepped_parameters(&self) -> bool {
         self.strategy.optimizer_state() == StateScope::PerRank
     }
 
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     /// After an optimizer applied [`StepOutcome::Apply`]'s gradients to `model`: see [`share_stepped`].
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub fn share_stepped<M: Module>(&self, model: M) -> Result<M> {
         share_stepped(self.strategy.as_ref(), model)
     }
 
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     /// The pipeline for gradients computed outside [`backward`](Self::backward) (burn-train's `TrainStep`): runs
     /// them through [`process`](Self::process), clips them to `max_grad_norm` when the window ends, and returns
     /// the outcome. Call [`begin_micro_batch`](Self::begin_micro_batch) first, as for `backward`. On a single
     /// device without accumulation, loss scaling or clipping, the gradients are handed straight back: the
     /// pipeline would return these very values.
     /// `model` is asked for only when the gradients go through the pipeline.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub fn finish<M: Module>(
         &self,
         mut grads: GradientsParams,
@@ -139,11 +139,11 @@ impl StepPipeline {
         }
         let model = model();
         self.process(&mut grads, &model)?;
-        if let Some(max_norm) = max_grad_norm
-            && self.shared.lock().state.sync_gradients()
-        {
-            let ids = param_ids(&model);
-            clip_grad_norm(&mut self.shared.lock().grads, &ids, max_norm, NormType::L2)?;
+        if let Some(max_norm) = max_grad_norm {
+            let mut core = self.shared.lock();
+            if core.state.sync_gradients() {
+                clip_grad_norm(&mut core.grads, &param_ids(&model), max_norm, NormType::L2)?;
+            }
         }
         Ok(self.shared.take_outcome(&model))
     }
