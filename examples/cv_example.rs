@@ -262,7 +262,7 @@ fn run() -> Result<()> {
     let args = Args::parse();
     let device = Device::default();
     device.seed(5);
-    let initial = ranks::materialize(Cnn::new(&device));
+    let initial = Cnn::new(&device);
     let mut builder = Accelerator::builder().split_batches(true);
     if let Some(precision) = args.mixed_precision {
         builder = builder.mixed_precision(precision);

@@ -126,7 +126,7 @@ fn main() {
     // The same initial weights for any number of ranks, and for a resumed run.
     let device = Device::default();
     device.seed(11);
-    let start = ranks::materialize(Mlp::new(&device.autodiff()));
+    let start = Mlp::new(&device.autodiff());
     let result = ranks::run_ranks(builder, args.processes, |accelerator| {
         train(accelerator, &args, start.clone())
     });

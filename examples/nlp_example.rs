@@ -344,7 +344,7 @@ fn run() -> Result<()> {
     // The same initial weights for any number of ranks.
     let device = Device::default();
     device.seed(3);
-    let initial = ranks::materialize(SentimentModel::new(vocabulary.len(), &device));
+    let initial = SentimentModel::new(vocabulary.len(), &device);
 
     let mut builder = Accelerator::builder();
     if let Some(precision) = args.mixed_precision {

@@ -125,7 +125,7 @@ fn main() {
     let args = Args::parse();
     let device = Device::default();
     device.seed(7);
-    let initial = ranks::materialize(Mlp::new(&device));
+    let initial = Mlp::new(&device);
     let builder = Accelerator::builder().project_configuration(
         ProjectConfiguration::new(&args.project_dir).total_limit(args.total_limit),
     );

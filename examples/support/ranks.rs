@@ -3,8 +3,6 @@
 
 #![allow(dead_code)]
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
 use burn_accelerate::{Accelerator, AcceleratorBuilder, Result};
 
 /// Whether an MPI launcher started this process (then it is one rank of the job).
@@ -31,19 +29,6 @@ where
     } else {
         Ok(builder.launch(processes, train)?.into_iter().next())
     }
-}
-
-/// Draws every lazily initialised parameter now, so that clones handed to in-process ranks share the values
-/// (the ranks share the device's random generator, so drawing per rank would differ).
-pub fn materialize<M: Module>(model: M) -> M {
-    struct Draw;
-    impl ModuleVisitor for Draw {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let _ = param.val();
-        }
-    }
-    model.visit(&mut Draw);
-    model
 }
 
 /// Ends the example: on an error, prints it and exits with status 1.

@@ -242,6 +242,9 @@ mod tests {
         fn is_distributed(&self) -> bool {
             true
         }
+        fn rank(&self) -> usize {
+            0
+        }
         fn reduce_gradients(
             &self,
             grads: &mut GradientBuffer,

@@ -25,6 +25,10 @@ impl Strategy for SingleDevice {
         false
     }
 
+    fn rank(&self) -> usize {
+        0
+    }
+
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -95,6 +99,10 @@ impl Strategy for DataParallel {
 
     fn is_distributed(&self) -> bool {
         true
+    }
+
+    fn rank(&self) -> usize {
+        self.transport.rank()
     }
 
     fn reduce_gradients(

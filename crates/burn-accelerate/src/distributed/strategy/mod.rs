@@ -65,6 +65,9 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     /// Whether other ranks take part (a single rank never communicates).
     fn is_distributed(&self) -> bool;
 
+    /// This rank's index in the group the strategy distributes over.
+    fn rank(&self) -> usize;
+
     /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
     /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank
     /// contributes zeros. A strategy whose ranks own parameters keeps only the gradients this rank owns.
@@ -139,11 +142,31 @@ pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
 
 /// Returns `module` with every float parameter replaced by rank 0's value (Accelerate's DDP wrapping does the
 /// same), keeping ids and gradient settings. A single rank gets its module back untouched.
+///
+/// A parameter that is still lazy (Burn draws parameters at their first use) is drawn on rank 0 only: the other
+/// ranks receive its value without running its initializer, so they never draw from a random generator they may
+/// share with rank 0 (in-process ranks share the device's).
 pub(crate) fn broadcast_module<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
     if !strategy.is_distributed() {
         return Ok(module);
     }
     map_params(strategy, module, |_| Some(0))
+}
+
+/// Draws every lazily initialised float parameter of `module` now, in the module's visiting order (the order a
+/// 1-rank run draws them in [`Accelerator::prepare_model`](crate::Accelerator::prepare_model), whatever order
+/// the forward pass would first use them in).
+pub(crate) fn materialize<M: Module>(module: M) -> M {
+    struct Draw;
+    impl ModuleVisitor for Draw {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_initialized() {
+                let _ = param.base();
+            }
+        }
+    }
+    module.visit(&mut Draw);
+    module
 }
 
 /// Returns `module` with every float parameter that `owner_of` names an owner for replaced by that owner's
@@ -165,6 +188,9 @@ fn map_params<M: Module>(
             };
             if self.error.is_some() {
                 return param;
+            }
+            if !param.is_initialized() && owner != self.strategy.rank() {
+                return self.receive_lazy(param, owner);
             }
             let require_grad = param.is_require_grad();
             param.map(|tensor| {
@@ -188,6 +214,29 @@ fn map_params<M: Module>(
                     }
                 }
             })
+        }
+    }
+    impl<F> FromOwner<'_, F> {
+        /// `owner`'s value of a parameter this rank has not drawn: received into a buffer of its shape and
+        /// loaded as Burn loads a record into a lazy parameter (its device and gradient setting, no draw).
+        fn receive_lazy<const D: usize>(
+            &mut self,
+            param: Param<Tensor<D>>,
+            owner: usize,
+        ) -> Param<Tensor<D>> {
+            let shape = param.lazy_shape();
+            let device = param.lazy_device();
+            let buffer = Tensor::<1>::zeros([shape.num_elements()], &device).inner();
+            match self.strategy.broadcast(buffer, owner) {
+                Ok(value) => {
+                    let id = param.id;
+                    param.transform_for_load(Tensor::from_inner(value.reshape(shape)), id)
+                }
+                Err(e) => {
+                    self.error = Some(e);
+                    param
+                }
+            }
         }
     }
     let mut mapper = FromOwner {
@@ -250,6 +299,9 @@ mod tests {
         fn name(&self) -> &'static str {
             "device double"
         }
+        fn rank(&self) -> usize {
+            self.group.process_index()
+        }
         fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
             self.calls.fetch_add(1, Ordering::Relaxed);
             let sum = collectives::reduce(&self.group, flat, ReduceOp::Sum)?;
@@ -275,6 +327,9 @@ mod tests {
         }
         fn is_distributed(&self) -> bool {
             true
+        }
+        fn rank(&self) -> usize {
+            self.group.process_index()
         }
         fn reduce_gradients(
             &self,

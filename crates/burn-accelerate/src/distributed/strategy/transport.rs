@@ -21,6 +21,9 @@ pub(crate) trait GradientTransport: Send + Sync + fmt::Debug {
     /// A short name for messages and `env` (`host all-reduce`, ...).
     fn name(&self) -> &'static str;
 
+    /// This rank's index in the group the transport connects.
+    fn rank(&self) -> usize;
+
     /// The mean of `flat` over the ranks, times `scale`, in `flat`'s dtype and on its device.
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>>;
 
@@ -44,6 +47,10 @@ impl HostAllReduce {
 impl GradientTransport for HostAllReduce {
     fn name(&self) -> &'static str {
         "host all-reduce"
+    }
+
+    fn rank(&self) -> usize {
+        self.group.process_index()
     }
 
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
