@@ -107,7 +107,7 @@ pub mod learner;
 pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
-pub use config::AcceleratorConfig;
+pub use config::{AcceleratorConfig, SchedulerRule};
 pub use distributed::comm::ReduceOp;
 pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};

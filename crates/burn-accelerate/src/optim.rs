@@ -3,8 +3,8 @@
 //! [`AcceleratedOptimizer`] takes its gradients from the accelerator (filled by
 //! [`Accelerator::backward`](crate::Accelerator::backward)) and does nothing on steps that do not synchronise
 //! gradients. [`AcceleratedScheduler`] follows Accelerate's `step_scheduler_with_optimizer` rule: it advances only
-//! when the optimizer really stepped, and `num_processes` times per step unless batches are split, so a schedule
-//! written for single-process batches ends at the same point on any number of ranks.
+//! when the optimizer really stepped, as many times per step as the [`SchedulerRule`](crate::SchedulerRule) says (once by default;
+//! `num_processes` times unless batches are split under [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate)).
 
 use std::sync::{Arc, Mutex};
 
@@ -168,18 +168,20 @@ impl AcceleratedOptimizer {
 
 /// How a prepared scheduler advances.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct SchedulerRule {
+pub(crate) struct SchedulerPolicy {
+    /// Advance only when the optimizer really stepped (`step_scheduler_with_optimizer`).
     pub step_with_optimizer: bool,
-    pub split_batches: bool,
-    pub num_processes: usize,
+    /// Scheduler steps per optimizer step ([`SchedulerRule::steps_per_optimizer_step`](crate::SchedulerRule::steps_per_optimizer_step)).
+    pub steps_per_optimizer_step: usize,
 }
 
 /// A Burn learning-rate scheduler prepared by the [`Accelerator`](crate::Accelerator) and tied to one optimizer.
 ///
 /// Call [`step`](Self::step) after each `optimizer.step(...)`, as with Accelerate. When
 /// `step_scheduler_with_optimizer` is on (the default) it advances only on steps where the optimizer really
-/// stepped (not on accumulation steps, not on skipped fp16 steps), `num_processes` times per step unless
-/// `split_batches` is on. When it is off, every call advances it once.
+/// stepped (not on accumulation steps, not on skipped fp16 steps), as many times per step as the
+/// [`SchedulerRule`](crate::SchedulerRule) says: once by default, `num_processes` times unless `split_batches` is on under
+/// [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate). When it is off, every call advances it once.
 pub struct AcceleratedScheduler {
     inner: ModuleLrScheduler,
     /// The scheduler as it was before it produced `last`: what a checkpoint saves, so that a restore
@@ -187,7 +189,7 @@ pub struct AcceleratedScheduler {
     before_last: ModuleLrScheduler,
     lr: LrCell,
     shared: SharedStep,
-    rule: SchedulerRule,
+    rule: SchedulerPolicy,
     last: ModuleLearningRate,
 }
 
@@ -196,7 +198,7 @@ impl AcceleratedScheduler {
         mut inner: ModuleLrScheduler,
         optimizer: &AcceleratedOptimizer,
         shared: SharedStep,
-        rule: SchedulerRule,
+        rule: SchedulerPolicy,
     ) -> Self {
         // Burn's schedulers return the rate of the coming step; the first value is the initial rate, which a
         // torch scheduler sets on its optimizer when it is created.
@@ -222,11 +224,7 @@ impl AcceleratedScheduler {
             if !core.state.sync_gradients() || core.state.last_step_skipped() {
                 return;
             }
-            if self.rule.split_batches {
-                1
-            } else {
-                self.rule.num_processes
-            }
+            self.rule.steps_per_optimizer_step
         };
         for _ in 0..times {
             self.before_last = self.inner.clone();
@@ -267,13 +265,14 @@ impl AcceleratedScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::SchedulerRule;
     use crate::grad::window::Verdict;
     use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
     use burn::optim::SgdConfig;
 
     /// Accelerate's `test_scheduler.py` schedule: lr = 1 - n/10, a linear decay from 1 to 0 over 10 steps.
     /// The step state accumulates over 2 micro-batches, so that tests can drive accumulation steps.
-    fn setup(rule: SchedulerRule) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
+    fn setup(rule: SchedulerPolicy) -> (SharedStep, AcceleratedOptimizer, AcceleratedScheduler) {
         let shared = SharedStep::new(2);
         let optimizer = AcceleratedOptimizer::new(
             SgdConfig::new().init(),
@@ -287,11 +286,30 @@ mod tests {
         (shared, optimizer, scheduler)
     }
 
-    fn rule(num_processes: usize, split_batches: bool, step_with_optimizer: bool) -> SchedulerRule {
-        SchedulerRule {
+    /// Accelerate's rule on `num_processes` ranks.
+    fn rule(
+        num_processes: usize,
+        split_batches: bool,
+        step_with_optimizer: bool,
+    ) -> SchedulerPolicy {
+        SchedulerPolicy {
             step_with_optimizer,
-            split_batches,
-            num_processes,
+            steps_per_optimizer_step: SchedulerRule::Accelerate
+                .steps_per_optimizer_step(num_processes, split_batches),
+        }
+    }
+
+    #[test]
+    fn the_default_rule_steps_once_per_optimizer_step_on_any_number_of_ranks() {
+        for p in [1, 2, 4] {
+            let steps = SchedulerRule::default().steps_per_optimizer_step(p, false);
+            let (_, optimizer, mut scheduler) = setup(SchedulerPolicy {
+                step_with_optimizer: true,
+                steps_per_optimizer_step: steps,
+            });
+            scheduler.step();
+            assert!(close(scheduler.lr(), 0.9), "P={p}: {}", scheduler.lr());
+            assert!(close(optimizer.lr(), 0.9), "the optimizer follows");
         }
     }
 
@@ -307,7 +325,7 @@ mod tests {
     }
 
     #[test]
-    fn steps_num_processes_times_per_optimizer_step() {
+    fn accelerates_rule_steps_num_processes_times_per_optimizer_step() {
         for p in [1, 2, 4] {
             let (_, optimizer, mut scheduler) = setup(rule(p, false, true));
             scheduler.step();

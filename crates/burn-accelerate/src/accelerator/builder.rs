@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use crate::accelerator::Accelerator;
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::checkpoint::ProjectConfiguration;
-use crate::config::{AcceleratorConfig, LossNormalization, Source};
+use crate::config::{AcceleratorConfig, LossNormalization, SchedulerRule, Source};
 use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::{self, ClusterEnvironment};
 use crate::distributed::strategy::{self, Strategy};
@@ -25,6 +25,7 @@ pub struct AcceleratorBuilder {
     device_placement: Option<bool>,
     step_scheduler_with_optimizer: Option<bool>,
     split_batches: Option<bool>,
+    scheduler_rule: Option<SchedulerRule>,
     gradient_accumulation_steps: Option<usize>,
     debug: Option<bool>,
     collective_timeout: Option<Duration>,
@@ -79,6 +80,13 @@ impl AcceleratorBuilder {
     /// Split each batch between ranks instead of giving every rank a batch of its own (default `false`).
     pub fn split_batches(mut self, on: bool) -> Self {
         self.split_batches = Some(on);
+        self
+    }
+
+    /// How many times schedulers advance per optimizer step (default [`SchedulerRule::OncePerOptimizerStep`];
+    /// [`SchedulerRule::Accelerate`] restores Accelerate's `num_processes` times).
+    pub fn scheduler_rule(mut self, rule: SchedulerRule) -> Self {
+        self.scheduler_rule = Some(rule);
         self
     }
 
@@ -214,6 +222,7 @@ impl AcceleratorBuilder {
             device_placement,
             step_scheduler_with_optimizer,
             split_batches,
+            scheduler_rule,
             gradient_accumulation_steps,
             debug,
             even_batches,

@@ -13,9 +13,11 @@ mod collectives;
 #[doc(hidden)]
 pub mod internals;
 mod memory;
+mod settings_applied;
 mod tracking;
 
 pub use builder::{AcceleratorBuilder, launch};
+pub(crate) use settings_applied::SettingsApplied;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Once};
@@ -31,11 +33,11 @@ use crate::checkpoint::{Checkpointer, ProjectConfiguration};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::distributed::collectives::Trigger;
-use crate::distributed::strategy::Strategy;
+use crate::distributed::strategy::{Strategy, materialize};
 use crate::distributed::{DistributedType, ProcessGroup};
 use crate::error::Result;
 use crate::grad::{self, GradientState, NormType};
-use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerRule};
+use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerPolicy};
 use crate::pipeline::StepPipeline;
 use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
 use crate::tracking::{LogWith, Trackers};
@@ -68,6 +70,7 @@ pub struct Accelerator {
     checkpointer: Checkpointer,
     trigger: Trigger,
     trackers: Mutex<Trackers>,
+    applied: SettingsApplied,
 }
 
 impl fmt::Debug for Accelerator {
@@ -114,6 +117,7 @@ impl Accelerator {
             pipeline: StepPipeline::new(&config, strategy),
             checkpointer: Checkpointer::new(project),
             trigger: Trigger::default(),
+            applied: SettingsApplied::default(),
             group,
             config,
         })
@@ -220,8 +224,28 @@ impl Accelerator {
     /// Prepares `model` for training: with several ranks, every rank gets rank 0's weights (so ranks start
     /// identical whatever their seeds); then the model is placed on the accelerator's device with autodiff on
     /// (unless device placement is off).
+    ///
+    /// Burn draws a parameter's initial value at its first use. `prepare_model` draws them all, in the module's
+    /// order, on the main process only, after every rank has reached this call (so a `set_seed` of another
+    /// rank cannot land in the middle) and before any other rank draws anything: a program gets the same
+    /// starting weights on 1, 2 or N ranks, in-process ranks included (they share the device's random
+    /// generator). Parameters drawn before this call (`Tensor::random` in a constructor) are taken as they
+    /// are; build such a model on each rank after `set_seed`, or inside
+    /// [`main_process_first`](Self::main_process_first).
     pub fn prepare_model<M: Module>(&self, model: M) -> Result<M> {
-        let model = self.pipeline.broadcast_initial(model)?;
+        let model = if self.num_processes() == 1 {
+            materialize(model)
+        } else {
+            // Every rank has seeded and built its model before the main process draws; the other ranks then
+            // receive every lazy value without drawing it.
+            self.wait_for_everyone()?;
+            let model = if self.is_main_process() {
+                materialize(model)
+            } else {
+                model
+            };
+            self.pipeline.broadcast_initial(model)?
+        };
         Ok(if self.config.device_placement {
             model.fork(self.device()).train()
         } else {
@@ -247,19 +271,44 @@ impl Accelerator {
         )
     }
 
-    /// Wraps a Burn scheduler and ties it to `optimizer`, whose learning rate it sets from now on.
+    /// Wraps a Burn scheduler and ties it to `optimizer`, whose learning rate it sets from now on. It advances
+    /// once per optimizer step by default, on any number of ranks, so a schedule sized in optimizer steps of the
+    /// prepared dataloader (`epochs * train.len()`) ends with the training; [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate)
+    /// restores Accelerate's rule.
     pub fn prepare_scheduler(
         &self,
         scheduler: impl Into<ModuleLrScheduler>,
         optimizer: &AcceleratedOptimizer,
     ) -> AcceleratedScheduler {
-        let rule = SchedulerRule {
+        let steps = self.scheduler_steps_per_optimizer_step();
+        let rule = SchedulerPolicy {
             step_with_optimizer: self.config.step_scheduler_with_optimizer,
-            split_batches: self.config.split_batches,
-            num_processes: self.num_processes(),
+            steps_per_optimizer_step: steps,
         };
         let shared = self.pipeline.shared().clone();
         AcceleratedScheduler::new(scheduler.into(), optimizer, shared, rule)
+    }
+
+    /// How many times schedulers advance per optimizer step on this run (see [`SchedulerRule`](crate::SchedulerRule)); warns once,
+    /// on the main process, when Accelerate's rule makes a schedule run faster than on one process for a
+    /// program that divides its global batch.
+    pub(crate) fn scheduler_steps_per_optimizer_step(&self) -> usize {
+        let steps = self
+            .config
+            .scheduler_rule
+            .steps_per_optimizer_step(self.num_processes(), self.config.split_batches);
+        if steps > 1 && self.is_main_process() {
+            static WARNED: Once = Once::new();
+            WARNED.call_once(|| {
+                log::warn!(
+                    "schedulers advance {steps} times per optimizer step (SchedulerRule::Accelerate on {steps} \
+                     ranks without split_batches): this keeps a 1-process schedule only when every rank takes \
+                     the 1-process batch; a program that divides its global batch across ranks reaches the end \
+                     of its schedule {steps} times too early (use the default SchedulerRule::OncePerOptimizerStep)"
+                );
+            });
+        }
+        steps
     }
 
     /// Prepares a dataloader: each rank gets its shard of every epoch (batch `i` goes to rank `i % P`, or every
@@ -317,7 +366,14 @@ impl Accelerator {
         inputs: I,
         f: impl FnOnce(&M, I) -> O,
     ) -> O {
+        self.applied.note_autocast();
         precision::autocast(self.config.mixed_precision, model, inputs, f)
+    }
+
+    /// Which settings were applied by their calls in the loop (for the Learner strategy).
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub(crate) fn settings_applied(&self) -> &SettingsApplied {
+        &self.applied
     }
 
     /// The current fp16 loss scale (`None` unless fp16 is on).
@@ -355,6 +411,7 @@ impl Accelerator {
     /// When `loss` is not connected to an autodiff graph (the model was not prepared, or the loss was computed
     /// from detached tensors), or no parameter of `model` received a gradient.
     pub fn backward<const D: usize, M: Module>(&self, loss: Tensor<D>, model: &M) -> Result<()> {
+        self.applied.check(self);
         self.pipeline.backward(loss, model)
     }
 

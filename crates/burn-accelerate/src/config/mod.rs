@@ -25,6 +25,8 @@ pub struct AcceleratorConfig {
     pub step_scheduler_with_optimizer: bool,
     /// Split each batch between ranks instead of giving each rank its own batch (default `false`).
     pub split_batches: bool,
+    /// How many times a prepared scheduler (and the Learner's) advances per optimizer step (default: once).
+    pub scheduler_rule: SchedulerRule,
     /// Micro-batches per optimizer step (default 1; `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
     pub gradient_accumulation_steps: usize,
     /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
@@ -107,6 +109,7 @@ impl Default for AcceleratorConfig {
             device_placement: true,
             step_scheduler_with_optimizer: true,
             split_batches: false,
+            scheduler_rule: SchedulerRule::OncePerOptimizerStep,
             gradient_accumulation_steps: 1,
             cpu: false,
             mixed_precision: MixedPrecision::No,
@@ -292,6 +295,37 @@ pub enum LossNormalization {
     /// Divide by `gradient_accumulation_steps` always, as Accelerate does: a short last window makes a smaller
     /// update.
     Nominal,
+}
+
+/// How many times a learning-rate scheduler advances per optimizer step, the same for a prepared scheduler
+/// ([`Accelerator::prepare_scheduler`](crate::Accelerator::prepare_scheduler)) and burn-train's Learner.
+///
+/// A schedule is written for a number of optimizer steps. Which rule keeps a 1-process schedule on P ranks
+/// depends on how the program divides its data:
+///
+/// | the program on P ranks | batches per rank and epoch | rule that keeps the 1-process schedule |
+/// |---|---|---|
+/// | divides the global batch (`batch_size(global / P)`, or `split_batches`) | as on 1 process | [`OncePerOptimizerStep`](Self::OncePerOptimizerStep) |
+/// | keeps the 1-process batch on every rank (the global batch grows P times) | 1/P of 1 process | [`Accelerate`](Self::Accelerate) |
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SchedulerRule {
+    /// Once per optimizer step on any number of ranks (the default; what the Learner always did).
+    #[default]
+    OncePerOptimizerStep,
+    /// Accelerate's `AcceleratedScheduler`: `num_processes` times per optimizer step, unless `split_batches`
+    /// is on (then once).
+    Accelerate,
+}
+
+impl SchedulerRule {
+    /// Scheduler steps per optimizer step on `num_processes` ranks.
+    pub fn steps_per_optimizer_step(self, num_processes: usize, split_batches: bool) -> usize {
+        match self {
+            SchedulerRule::Accelerate if !split_batches => num_processes.max(1),
+            _ => 1,
+        }
+    }
 }
 
 /// The folder Accelerate keeps its configuration in: `$HF_HOME/accelerate`, else

@@ -76,6 +76,8 @@ pub(crate) struct StepState {
     overflow: bool,
     /// Whether the latest optimizer step was skipped.
     last_step_skipped: bool,
+    /// Whether `begin_micro_batch` was ever called (accumulation is in force only through it).
+    micro_batches_begun: bool,
 }
 
 impl StepState {
@@ -89,12 +91,14 @@ impl StepState {
             remainder: None,
             overflow: false,
             last_step_skipped: false,
+            micro_batches_begun: false,
         }
     }
 
     /// A micro-batch starts (Accelerate's `accumulate`): decides whether it ends the window, which it does every
     /// `num_steps` micro-batches and on the last batch of a dataloader. Returns that decision.
     pub fn begin_micro_batch(&mut self) -> bool {
+        self.micro_batches_begun = true;
         if self.end_of_dataloader {
             self.counted = 0;
             self.sync_gradients = true;
@@ -159,6 +163,12 @@ impl StepState {
             self.last_step_skipped = verdict == Verdict::Skip;
         }
         verdict
+    }
+
+    /// Whether accumulation is configured (more than one micro-batch per step) but no micro-batch was ever
+    /// begun, so that every `backward` ends a window and the setting does nothing.
+    pub fn accumulation_unused(&self) -> bool {
+        self.num_steps > 1 && !self.micro_batches_begun
     }
 
     /// Whether the latest optimizer step was skipped (fp16 overflow).
