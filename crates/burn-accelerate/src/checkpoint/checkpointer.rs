@@ -78,6 +78,7 @@ impl Checkpointer {
                         )
                     })?;
                 let iteration = project.iteration;
+                refuse_another_runs_checkpoints(&project, &root)?;
                 Ok((
                     root.join(format!("checkpoint_{iteration}")),
                     iteration,
@@ -97,7 +98,9 @@ impl Checkpointer {
         scaler: Option<LossScaler>,
         optimizer_state: StateScope,
     ) -> Result<PathBuf> {
-        let (dir, iteration, automatic) = self.target(dir)?;
+        // Every rank learns whether every rank may write there (a refusal on one must not leave the others
+        // waiting in the save's collectives).
+        let (dir, iteration, automatic) = rank.agree("save_state", self.target(dir))?;
         let objects = lock(&self.objects)
             .iter()
             .map(|(name, value)| Ok((name.clone(), lock(value).state_dict()?)))
@@ -259,4 +262,29 @@ impl Checkpointer {
         }
         Ok(())
     }
+}
+
+/// Refuses an automatic save whose numbering would mix with checkpoints already in `root` (Accelerate refuses
+/// to overwrite a checkpoint folder too): complete checkpoints numbered at or after the next iteration belong
+/// to another run, which this one would overwrite, and which `total_limit` would prune in its place.
+fn refuse_another_runs_checkpoints(project: &ProjectConfiguration, root: &Path) -> Result<()> {
+    let theirs: Vec<usize> = project
+        .checkpoints()
+        .into_iter()
+        .map(|(i, _)| i)
+        .filter(|&i| i >= project.iteration)
+        .collect();
+    let (Some(first), Some(last)) = (theirs.first(), theirs.last()) else {
+        return Ok(());
+    };
+    Err(Error::InvalidArgument(format!(
+        "save_state(None): {} already holds checkpoint_{first}..=checkpoint_{last} of an earlier run, and this \
+         run would write checkpoint_{} next, overwriting or pruning that run's checkpoints; to continue that run \
+         call `accelerator.load_state(None)` before training; to start fresh use another project folder (or \
+         remove {}); to number after them set `ProjectConfiguration {{ iteration: {}, .. }}`",
+        root.display(),
+        project.iteration,
+        root.display(),
+        last + 1
+    )))
 }
