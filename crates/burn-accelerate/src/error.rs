@@ -162,9 +162,49 @@ pub enum Error {
     /// Bad input to a call that is not covered by a more specific variant.
     #[error("{0}")]
     InvalidArgument(String),
+
+    /// An error of the program's own, returned through the library: from a rank's closure in
+    /// [`launch`](crate::launch), say. `?` converts a `Box<dyn std::error::Error + Send + Sync>`, a `String`
+    /// or a `&str` into it; any other error type with [`Error::other`] (`.map_err(Error::other)?`).
+    #[error("{0}")]
+    Other(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<Box<dyn std::error::Error + Send + Sync>> for Error {
+    fn from(error: Box<dyn std::error::Error + Send + Sync>) -> Self {
+        Error::Other(error)
+    }
+}
+
+impl From<String> for Error {
+    fn from(message: String) -> Self {
+        Error::Other(message.into())
+    }
+}
+
+impl From<&str> for Error {
+    fn from(message: &str) -> Self {
+        Error::Other(message.into())
+    }
 }
 
 impl Error {
+    /// Wraps any error of the program's own (an I/O error, a parse error, an `anyhow::Error`...) as
+    /// [`Error::Other`], whose message is that error's.
+    ///
+    /// ```
+    /// use burn_accelerate::{Error, launch};
+    ///
+    /// let result = launch(2, |accelerator| {
+    ///     let steps: usize = "ten".parse().map_err(Error::other)?; // a ParseIntError, as the rank's error
+    ///     Ok(steps * accelerator.num_processes())
+    /// });
+    /// assert_eq!(result.unwrap_err().to_string(), "invalid digit found in string");
+    /// ```
+    pub fn other(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Error::Other(error.into())
+    }
+
     /// Shorthand for [`Error::InvalidConfig`].
     pub(crate) fn config(
         key: impl Into<String>,

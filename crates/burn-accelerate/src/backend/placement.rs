@@ -31,6 +31,11 @@ use burn::tensor::{Device, Tensor, kind::Basic};
 ///
 /// Moving keeps each tensor's autodiff association (a plain input stays plain on an autodiff device), as Burn's
 /// `Tensor::to_device` does.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be placed on a device: it does not implement `ToDevice`",
+    note = "for your own batch struct, `burn_accelerate::impl_batch!(Name {{ field, .. }})` (the same macro as \
+            `impl_to_device!`) implements both `ToDevice` and `CastFloats`"
+)]
 pub trait ToDevice: Sized {
     /// Returns the value with every tensor it holds on `device`.
     fn to_device(self, device: &Device) -> Self;
@@ -49,7 +54,9 @@ impl<const D: usize, K: Basic> ToDevice for Tensor<D, K> {
 crate::traverse::traverse_impls!(ToDevice, to_device, &Device);
 
 /// Implements [`ToDevice`] and [`CastFloats`](crate::CastFloats) for a struct by moving or casting each named
-/// field (every listed field must implement both; fields not listed are left as they are).
+/// field (every listed field must implement both; fields not listed are left as they are). The same macro as
+/// [`impl_batch!`](crate::impl_batch), whose name says that it serves both `prepare_dataloader`'s placement
+/// and `autocast`.
 ///
 /// ```
 /// use burn::tensor::{Device, Tensor};
@@ -82,6 +89,29 @@ macro_rules! impl_to_device {
                 value
             }
         }
+    };
+}
+
+/// Makes a struct usable as a batch or model output everywhere the accelerator takes one: implements
+/// [`ToDevice`] (placement by prepared dataloaders and [`Accelerator::to_device`](crate::Accelerator::to_device))
+/// and [`CastFloats`](crate::CastFloats) (inputs and outputs of [`Accelerator::autocast`](crate::Accelerator::autocast))
+/// for the named fields. Another name for [`impl_to_device!`](crate::impl_to_device).
+///
+/// ```
+/// use burn::tensor::{DType, Device, Tensor};
+/// use burn_accelerate::{CastFloats, impl_batch};
+///
+/// struct Batch { x: Tensor<2>, id: u32 }
+/// impl_batch!(Batch { x });
+///
+/// let batch = Batch { x: Tensor::ones([1, 2], &Device::default()), id: 7 };
+/// let batch = batch.cast_floats(burn::tensor::FloatDType::BF16);
+/// assert_eq!((batch.x.dtype(), batch.id), (DType::BF16, 7));
+/// ```
+#[macro_export]
+macro_rules! impl_batch {
+    ($($tokens:tt)*) => {
+        $crate::impl_to_device!($($tokens)*);
     };
 }
 

@@ -101,7 +101,13 @@ impl FromStr for MixedPrecision {
 
 /// Values whose float tensors can be cast to another float dtype (int and bool tensors, and non-tensor
 /// values, are left as they are). Implemented like [`ToDevice`](crate::ToDevice); use
-/// [`impl_to_device!`](crate::impl_to_device) for your own structs, which implements both.
+/// [`impl_to_device!`](crate::impl_to_device) (also spelled [`impl_batch!`](crate::impl_batch)) for your own
+/// structs, which implements both.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot go through `autocast`: it does not implement `CastFloats`",
+    note = "for your own batch or output struct, `burn_accelerate::impl_batch!(Name {{ field, .. }})` (the same \
+            macro as `impl_to_device!`) implements both `CastFloats` and `ToDevice`"
+)]
 pub trait CastFloats: Sized {
     /// Returns the value with every float tensor in `dtype`.
     fn cast_floats(self, dtype: FloatDType) -> Self;
