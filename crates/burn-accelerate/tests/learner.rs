@@ -14,11 +14,12 @@ mod mlp_train_step;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::{AdamConfig, SgdConfig};
 use burn_accelerate::data::DataLoaderBuilder;
-use burn_accelerate::learner::LearnerLoader;
-use burn_accelerate::learner::burn_train::metric::LossMetric;
+use burn_accelerate::learner::burn_train::metric::{LearningRateMetric, LossMetric};
 use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
+use burn_accelerate::learner::{AcceleratedStrategy, LearnerLoader};
 use burn_accelerate::{Accelerator, MixedPrecision, ProjectConfiguration, Result};
 use fixtures::{initial, max_abs_diff};
 use mlp::{Mlp, SampleBatcher};
@@ -39,6 +40,9 @@ struct Run {
     /// Each rank's burn-train folder, and whether burn-train's own epoch checkpoints are on.
     artifacts: PathBuf,
     checkpoints: bool,
+    /// A linear learning-rate schedule (from 0.1 to 0.01 over 3 epochs of 1024 items in batches of 64) instead of
+    /// the constant 0.1, with the learning rate logged as a metric.
+    schedule: bool,
 }
 
 impl Run {
@@ -55,6 +59,7 @@ impl Run {
             resume: false,
             artifacts: temp_dir(name),
             checkpoints: false,
+            schedule: false,
         }
     }
 }
@@ -99,6 +104,7 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
             );
             let mut training = SupervisedTraining::new(artifacts(run, rank), train, valid)
                 .metric_train_numeric(LossMetric::new())
+                .metric_train_numeric(LearningRateMetric::new())
                 .metric_valid_numeric(LossMetric::new())
                 .num_epochs(run.epochs)
                 .with_application_logger(None);
@@ -118,7 +124,18 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
             // Plain SGD: weights move linearly with the gradients, so runs whose gradients differ only by float
             // rounding (2 ranks against 1, 4 micro-batches against 1 batch) stay within 1e-5; Adam divides by the
             // gradients' own size and turns rounding on near-zero gradients into steps of the learning rate.
-            let result = training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1));
+            let result = if run.schedule {
+                let schedule = LinearLrSchedulerConfig::new(0.1, 0.01, 3 * 1024 / 64)
+                    .init()
+                    .map_err(burn_accelerate::Error::other)?;
+                training.launch(Learner::new(
+                    start.clone(),
+                    SgdConfig::new().init(),
+                    schedule,
+                ))
+            } else {
+                training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1))
+            };
             assert!(result.error.is_none(), "{:?}", result.error);
             let device = acc.device().clone().inner();
             let eval = burn::data::dataloader::batcher::Batcher::batch(
@@ -154,6 +171,56 @@ fn two_ranks_train_the_model_one_rank_trains_with_the_doubled_batch() {
     let diff = max_abs_diff(&one.0, &two.0);
     assert!(diff <= 1e-5, "2 ranks differ from 1 by {diff}");
     assert!(one.1 < 0.3, "the model learns: {}", one.1);
+}
+
+/// The values of one metric file of rank 0 (`split/epoch-N/Name.log`: `value,batch` lines, then
+/// `value,final`).
+fn metric_log(run: &Run, split: &str, epoch: usize, name: &str) -> Vec<(f64, String)> {
+    let path = artifacts(run, 0).join(format!("{split}/epoch-{epoch}/{name}.log"));
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|line| {
+            let (value, tag) = line.split_once(',').unwrap();
+            (value.parse().unwrap(), tag.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn validation_metrics_and_the_schedule_on_2_ranks_equal_1_rank() {
+    let start = initial();
+    let base = |name| Run {
+        epochs: 3,
+        schedule: true,
+        ..Run::new(name)
+    };
+    let one = base("metrics-one");
+    let two = Run {
+        ranks: 2,
+        batch: 32,
+        ..base("metrics-two")
+    };
+    fit(&one, &start);
+    fit(&two, &start);
+    for epoch in 1..=3 {
+        // The whole validation split (2 batches of 128), not rank 0's half; weights agree to 1e-5 (above).
+        let (a, b) = (
+            metric_log(&one, "valid", epoch, "Loss"),
+            metric_log(&two, "valid", epoch, "Loss"),
+        );
+        assert_eq!(a.len(), 3, "2 batches and the epoch's value: {a:?}");
+        assert_eq!(b.len(), a.len(), "epoch {epoch}: {b:?} against {a:?}");
+        for ((x, tag_x), (y, tag_y)) in a.iter().zip(&b) {
+            assert_eq!(tag_x, tag_y);
+            assert!((x - y).abs() <= 1e-5, "epoch {epoch}: {a:?} against {b:?}");
+        }
+        // The learning rate of the last batch of each epoch: the same schedule on both.
+        let lr = |run| metric_log(run, "train", epoch, "Learning_Rate");
+        let (a, b) = (lr(&one), lr(&two));
+        let last = |log: &[(f64, String)]| log.iter().rfind(|(_, t)| t != "final").unwrap().0;
+        assert_eq!(last(&a), last(&b), "epoch {epoch}");
+    }
 }
 
 #[test]
@@ -351,9 +418,11 @@ fn fp16_without_the_loss_scale_is_refused_not_trained_wrong() {
         LearnerLoader::train(loader(128, 4)),
         LearnerLoader::valid(loader(32, 5)),
     )
-    .with_application_logger(None)
-    .renderer(Box::new(burn_accelerate::learner::QuietRenderer));
-    let training = acc.prepare_training(training).unwrap();
+    .with_application_logger(None);
+    let training = acc
+        .prepare_training(training)
+        .unwrap()
+        .renderer(Box::new(burn_accelerate::learner::QuietRenderer));
     let model = Unscaled { mlp: initial() };
     let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
     let error = result.error.expect("an error").to_string();
@@ -361,4 +430,38 @@ fn fp16_without_the_loss_scale_is_refused_not_trained_wrong() {
         error.contains("burn_accelerate::learner::backward"),
         "{error}"
     );
+}
+
+#[test]
+fn saving_without_a_project_folder_is_refused_before_training() {
+    for (option, configure) in [
+        (
+            "save_every(100)",
+            (|s: AcceleratedStrategy| s.save_every(100))
+                as fn(AcceleratedStrategy) -> AcceleratedStrategy,
+        ),
+        ("resume(true)", |s| s.resume(true)),
+    ] {
+        let acc = Arc::new(Accelerator::new().unwrap());
+        let loader = || {
+            LearnerLoader::train(
+                acc.prepare_dataloader(
+                    DataLoaderBuilder::new(SampleBatcher)
+                        .batch_size(32)
+                        .build(mlp::dataset(64, 1)),
+                )
+                .unwrap(),
+            )
+        };
+        let training = SupervisedTraining::<Mlp>::new(temp_dir("no-project"), loader(), loader());
+        let error = acc
+            .prepare_training_with(training, configure)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            error.contains(option) && error.contains("project_configuration"),
+            "{error}"
+        );
+    }
 }

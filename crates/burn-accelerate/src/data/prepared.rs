@@ -164,9 +164,24 @@ impl<I, O> PreparedDataLoader<I, O> {
     /// .end_of_dataloader` is true exactly when the batch just yielded is the epoch's last, which is what
     /// `gather_for_metrics` and gradient accumulation rely on.
     pub fn iter(&self) -> PreparedIter<'_, I, O> {
+        self.iter_over(|epoch| self.batch_indices(epoch))
+    }
+
+    /// Iterates over one whole epoch as one process would, with this rank's device and tracking: the batches
+    /// of the loader before preparation (the Learner's validation on the main process).
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub(crate) fn iter_whole_epoch(&self) -> PreparedIter<'_, I, O> {
+        self.iter_over(|epoch| self.loader.batch_indices(epoch))
+    }
+
+    /// One epoch over the batches `batches_of(epoch)`.
+    fn iter_over(
+        &self,
+        batches_of: impl FnOnce(usize) -> Vec<Vec<usize>>,
+    ) -> PreparedIter<'_, I, O> {
         let epoch = self.loader.next_epoch();
         let skip = self.cursor.skip.swap(0, Ordering::Relaxed);
-        let mut batches = self.batch_indices(epoch);
+        let mut batches = batches_of(epoch);
         batches.drain(..skip.min(batches.len()));
         self.cursor.in_epoch.store(epoch + 1, Ordering::Relaxed);
         self.cursor.yielded.store(skip, Ordering::Relaxed);

@@ -15,6 +15,7 @@ struct StepContext {
     precision: MixedPrecision,
     loss_scale: Option<f64>,
     scaled: bool,
+    autocast: bool,
 }
 
 thread_local! {
@@ -28,6 +29,7 @@ pub(crate) fn enter(precision: MixedPrecision, loss_scale: Option<f64>) -> Guard
             precision,
             loss_scale,
             scaled: false,
+            autocast: false,
         })
     });
     Guard
@@ -36,6 +38,11 @@ pub(crate) fn enter(precision: MixedPrecision, loss_scale: Option<f64>) -> Guard
 /// Whether [`backward`] scaled a loss since the context was installed.
 pub(crate) fn loss_was_scaled() -> bool {
     CONTEXT.with(|c| c.borrow().is_some_and(|c| c.scaled))
+}
+
+/// Whether [`autocast`] ran since the context was installed.
+pub(crate) fn autocast_was_used() -> bool {
+    CONTEXT.with(|c| c.borrow().is_some_and(|c| c.autocast))
 }
 
 /// Removes the step context when dropped.
@@ -65,7 +72,12 @@ pub fn autocast<M: Module, I: CastFloats, O: CastFloats>(
     inputs: I,
     f: impl FnOnce(&M, I) -> O,
 ) -> O {
-    let mode = CONTEXT.with(|c| c.borrow().map(|c| c.precision));
+    let mode = CONTEXT.with(|c| {
+        let mut c = c.borrow_mut();
+        let c = c.as_mut()?;
+        c.autocast = true;
+        Some(c.precision)
+    });
     match mode {
         Some(mode) => precision::autocast(mode, model, inputs, f),
         None => f(model, inputs),

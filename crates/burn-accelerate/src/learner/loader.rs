@@ -14,10 +14,14 @@ use crate::data::{PreparedDataLoader, PreparedIter};
 /// (with [`LearnerLoader::train`] / [`LearnerLoader::valid`]). Batches are built on the accelerator's device,
 /// which is the device the [`AcceleratedStrategy`](super::AcceleratedStrategy) trains on, so `to_device` keeps
 /// them there; `slice` keeps the batches that start inside the item range.
+///
+/// A validation loader ([`LearnerLoader::valid`]) is read whole, as one process reads it: the strategy
+/// validates on the main process only, so that burn-train's metrics and early stopping see the whole split.
 pub struct LearnerLoader<I, O> {
     inner: Arc<PreparedDataLoader<I, O>>,
     items: usize,
     range: Option<(usize, usize)>,
+    whole: bool,
 }
 
 impl<I, O> Clone for LearnerLoader<I, O> {
@@ -26,33 +30,41 @@ impl<I, O> Clone for LearnerLoader<I, O> {
             inner: self.inner.clone(),
             items: self.items,
             range: self.range,
+            whole: self.whole,
         }
     }
 }
 
 impl<I: Send + Sync + 'static, O: Send + 'static> LearnerLoader<I, O> {
-    /// Wraps `loader` for burn-train.
+    /// Wraps `loader` for burn-train: this rank's shard.
     pub fn new(loader: PreparedDataLoader<I, O>) -> Self {
-        let items = loader
-            .batch_indices(loader.epoch())
-            .iter()
-            .map(Vec::len)
-            .sum();
+        Self::wrap(loader, false)
+    }
+
+    fn wrap(loader: PreparedDataLoader<I, O>, whole: bool) -> Self {
+        let batches = if whole {
+            loader.inner().batch_indices(loader.epoch())
+        } else {
+            loader.batch_indices(loader.epoch())
+        };
         Self {
+            items: batches.iter().map(Vec::len).sum(),
             inner: Arc::new(loader),
-            items,
             range: None,
+            whole,
         }
     }
 
-    /// `loader` as the training split of a `SupervisedTraining`.
+    /// `loader` as the training split of a `SupervisedTraining`: each rank reads its shard.
     pub fn train(loader: PreparedDataLoader<I, O>) -> Arc<dyn BurnDataLoader<O>> {
         Arc::new(Self::new(loader))
     }
 
-    /// `loader` as the validation split of a `SupervisedTraining`.
+    /// `loader` as the validation split of a `SupervisedTraining`: read whole, in the order and batches of one
+    /// process, by the main process (the strategy validates there only, so that the logged metrics and early
+    /// stopping equal a 1-rank run's).
     pub fn valid(loader: PreparedDataLoader<I, O>) -> Arc<dyn BurnDataLoader<O>> {
-        Self::train(loader)
+        Arc::new(Self::wrap(loader, true))
     }
 
     /// The prepared loader inside.
@@ -116,9 +128,17 @@ impl<I, O> DataLoaderIterator<O> for LearnerIter<'_, I, O> {
 impl<I: Send + Sync + 'static, O: Send + 'static> BurnDataLoader<O> for LearnerLoader<I, O> {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
         PREPARED.with(|p| p.set(true));
+        let (inner, batch_size) = if self.whole {
+            (
+                self.inner.iter_whole_epoch(),
+                self.inner.inner().batch_size(),
+            )
+        } else {
+            (self.inner.iter(), self.inner.batch_size())
+        };
         Box::new(LearnerIter {
-            inner: self.inner.iter(),
-            batch_size: self.inner.batch_size(),
+            inner,
+            batch_size,
             total: self.items,
             offset: 0,
             range: self.range,

@@ -25,7 +25,7 @@
 
 mod context;
 mod loader;
-mod quiet;
+mod renderers;
 mod records;
 mod strategy;
 
@@ -33,7 +33,7 @@ mod strategy;
 pub use burn_train;
 pub use context::{autocast, backward};
 pub use loader::LearnerLoader;
-pub use quiet::QuietRenderer;
+pub use renderers::{LineRenderer, QuietRenderer};
 pub use strategy::AcceleratedStrategy;
 
 use std::sync::Arc;
@@ -47,8 +47,13 @@ impl Accelerator {
     /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes).
     /// Pass prepared dataloaders through [`LearnerLoader`](crate::learner::LearnerLoader).
     ///
+    /// On the main process, burn-train renders as usual with the feature `train-tui` (its terminal UI), else a
+    /// [`LineRenderer`] prints one line per split of each epoch. Renderers are chosen here, replacing one set
+    /// before: set a renderer of your own on the `SupervisedTraining` this returns.
+    ///
     /// # Errors
-    /// When this accelerator already prepared a training.
+    /// When this accelerator already prepared a training, or the strategy saves or resumes (`save_every`,
+    /// `resume(true)`) without a project folder.
     pub fn prepare_training<M: burn_train::LearnerModel>(
         self: &Arc<Self>,
         training: burn_train::SupervisedTraining<M>,
@@ -64,9 +69,13 @@ impl Accelerator {
         configure: impl FnOnce(AcceleratedStrategy) -> AcceleratedStrategy,
     ) -> Result<burn_train::SupervisedTraining<M>> {
         let strategy = configure(AcceleratedStrategy::new(self.clone())?);
+        strategy.validate()?;
         let training = training
             .with_training_strategy(burn_train::TrainingStrategy::Custom(Arc::new(strategy)));
         if self.is_main_process() {
+            // burn-train without its terminal UI prints a debug dump of its progress for every batch.
+            #[cfg(not(feature = "train-tui"))]
+            let training = training.renderer(Box::new(LineRenderer::new()));
             return Ok(training);
         }
         Ok(training

@@ -128,7 +128,13 @@ impl MetricsRendererEvaluation for LineRenderer {
 }
 
 impl TrainingProgressLogger for LineRenderer {
-    fn start(&mut self, epochs: usize, starting: usize, _items: Option<usize>, label: Option<&str>) {
+    fn start(
+        &mut self,
+        epochs: usize,
+        starting: usize,
+        _items: Option<usize>,
+        label: Option<&str>,
+    ) {
         self.epochs = epochs;
         self.epoch = starting;
         let _ = writeln!(

@@ -37,10 +37,12 @@ struct LearnerProgress {
 /// - Gradients are averaged across ranks on synchronising steps only (gradient accumulation as the
 ///   accelerator is configured, normalised by the micro-batches actually accumulated), unscaled and checked for
 ///   fp16 overflow on every rank (a step skipped on one is skipped on all), clipped by their global norm when
-///   asked, and the scheduler steps once per optimizer step.
-/// - Every rank starts from rank 0's weights and reads its own shard (pass prepared dataloaders through
+///   asked, and the scheduler advances as the accelerator's [`SchedulerRule`](crate::SchedulerRule) says (once per
+///   optimizer step by default).
+/// - Every rank starts from rank 0's weights and trains on its own shard (pass prepared dataloaders through
 ///   [`LearnerLoader`](super::LearnerLoader)); only the main process renders, logs metrics, writes burn-train's
-///   checkpoints and decides early stopping (the decision reaches every rank).
+///   checkpoints and decides early stopping (the decision reaches every rank). Validation runs on the main
+///   process over the whole split, so the logged metrics and early stopping equal a 1-rank run's.
 /// - [`save_every`](Self::save_every) saves the whole run with `save_state` (model, optimizer, scheduler,
 ///   dataloader positions) every n optimizer steps; [`resume`](Self::resume) continues from the latest such
 ///   checkpoint, in the middle of an epoch, bit for bit.
@@ -123,6 +125,26 @@ impl AcceleratedStrategy {
     pub fn resume(mut self, resume: bool) -> Self {
         self.resume = resume;
         self
+    }
+
+    /// Refuses options that cannot work with this accelerator, before training starts: saving or resuming
+    /// needs a project folder for the automatic checkpoints.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let project = self.accelerator.project_configuration();
+        let has_folder = project.automatic_checkpoint_naming && project.checkpoints_dir().is_some();
+        let option = match (self.save_every, self.resume) {
+            (Some(n), _) => format!("save_every({n})"),
+            (None, true) => "resume(true)".to_string(),
+            (None, false) => return Ok(()),
+        };
+        if has_folder {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "prepare_training: the strategy's {option} keeps its checkpoints in the project folder, but the \
+             accelerator has none; build it with \
+             `.project_configuration(ProjectConfiguration::new(\"runs\"))` (any folder), or drop {option}"
+        )))
     }
 
     fn progress(&self) -> LearnerProgress {
@@ -247,6 +269,7 @@ impl AcceleratedStrategy {
             )));
             return self.anyone_stops(interrupter, true);
         }
+        let lr_steps = acc.scheduler_steps_per_optimizer_step();
         let mut iteration = 0;
         loop {
             let item = match iterator.next() {
@@ -268,6 +291,10 @@ impl AcceleratedStrategy {
                 };
                 let _context = context::enter(precision, scale);
                 let output = learner.train_step(item);
+                if context::autocast_was_used() {
+                    acc.settings_applied().note_autocast();
+                }
+                acc.settings_applied().check(acc);
                 if precision == MixedPrecision::Fp16 && !context::loss_was_scaled() {
                     interrupter.fail(training_error(Error::InvalidArgument(
                         "fp16 through the Learner: the TrainStep must back-propagate with \
@@ -293,7 +320,9 @@ impl AcceleratedStrategy {
             let synchronising = outcome.ends_window();
             let mut stop = false;
             if let StepOutcome::Apply(grads) = outcome {
-                learner.lr_step();
+                for _ in 0..lr_steps {
+                    learner.lr_step();
+                }
                 learner.optimizer_step(grads);
                 if pipeline.shares_stepped_parameters() {
                     match pipeline.share_stepped(learner.model()) {
@@ -343,7 +372,12 @@ impl AcceleratedStrategy {
         }
     }
 
-    /// One validation epoch over this rank's shard (metrics: the main process's shard).
+    /// One validation epoch, on the main process only, over the whole split (a [`LearnerLoader::valid`] reads it
+    /// as one process does): burn-train's metrics cannot be gathered across processes, so the main process
+    /// computes them all and its metrics and early stopping equal a 1-rank run's. The other ranks wait,
+    /// answering one heartbeat per validation batch so that no collective waits longer than one batch.
+    ///
+    /// [`LearnerLoader::valid`]: super::LearnerLoader::valid
     fn valid_epoch<M: LearnerModel>(
         &self,
         learner: &Learner<M>,
@@ -351,7 +385,39 @@ impl AcceleratedStrategy {
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
     ) {
-        let main = self.accelerator.is_main_process();
+        let acc = &self.accelerator;
+        let heartbeat = |done: bool| {
+            if acc.num_processes() == 1 {
+                return Ok(done);
+            }
+            collectives::any_rank(acc.process_group(), "learner_validation", done)
+        };
+        if !acc.is_main_process() {
+            loop {
+                match heartbeat(false) {
+                    Ok(false) => {}
+                    Ok(true) => return,
+                    Err(e) => return interrupter.fail(training_error(e)),
+                }
+            }
+        }
+        self.validate_on_main(learner, loader, processor, interrupter, || {
+            heartbeat(false).map(|_| ())
+        });
+        if let Err(e) = heartbeat(true) {
+            interrupter.fail(training_error(e));
+        }
+    }
+
+    /// The main process's validation loop; `between_batches` runs after each batch.
+    fn validate_on_main<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        loader: &ValidLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+        between_batches: impl Fn() -> Result<()>,
+    ) {
         let precision = self.accelerator.config().mixed_precision;
         let model = learner.model().valid();
         let mut iterator = loader.iter();
@@ -359,10 +425,7 @@ impl AcceleratedStrategy {
         while let Some(item) = iterator.next() {
             let item = match item {
                 Ok(item) => item,
-                Err(e) => {
-                    interrupter.fail(TrainingError::Dataset(e));
-                    return;
-                }
+                Err(e) => return interrupter.fail(TrainingError::Dataset(e)),
             };
             iteration += 1;
             let progress = iterator.progress();
@@ -370,10 +433,10 @@ impl AcceleratedStrategy {
                 let _context = context::enter(precision, None);
                 InferenceStep::step(&model, item)
             };
-            if main {
-                let item = TrainingItem::new(output, progress, Some(iteration), None);
-                interrupter
-                    .fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
+            let item = TrainingItem::new(output, progress, Some(iteration), None);
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
+            if let Err(e) = between_batches() {
+                return interrupter.fail(training_error(e));
             }
         }
     }
