@@ -7,12 +7,16 @@
 //! 4. replace `loss.backward()` with `accelerator.backward(loss, &model)`.
 //!
 //! and, for mixed precision, computes the loss inside `accelerator.autocast(...)` (Rust cannot patch a model's
-//! `forward`, so the autocast scope is explicit; with `--mixed-precision no` it is a plain call).
+//! `forward`, so the autocast scope is explicit; with `--mixed-precision no` it is a plain call). The global
+//! batch is divided across the ranks and the evaluation gathers every rank's samples, so the program prints the
+//! same losses on 1 rank, on `--processes N` in-process ranks and under `burn-accelerate launch`.
 //!
 //! Run: `cargo run --release --example quicktour` (add `-- --help` for the options).
 
 #[path = "support/mlp.rs"]
 mod mlp;
+#[path = "support/ranks.rs"]
+mod ranks;
 
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::AdamConfig;
@@ -27,7 +31,7 @@ struct Args {
     /// Passes over the training data.
     #[arg(long, default_value_t = 4)]
     epochs: usize,
-    /// Examples per batch.
+    /// Examples per optimizer step over all ranks (each rank takes its share).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
     /// Peak learning rate (decays linearly to a tenth).
@@ -48,9 +52,15 @@ struct Args {
     /// Forward precision: no, fp16 or bf16 (default: ACCELERATE_MIXED_PRECISION, else no).
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
+    /// In-process ranks (one thread each); ignored under `burn-accelerate launch` / `mpirun`.
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
 }
 
+/// The mean squared error over every sample of `loader`, whichever rank evaluated it (`gather_for_metrics`
+/// drops the samples repeated to even out the last round).
 fn mean_loss(
+    accelerator: &Accelerator,
     model: &Mlp,
     loader: &PreparedDataLoader<Sample, Batch>,
 ) -> burn_accelerate::Result<f64> {
@@ -58,8 +68,15 @@ fn mean_loss(
     for batch in loader.iter() {
         let batch = batch?;
         let n = batch.x.dims()[0];
-        total += model.loss(batch).into_scalar::<f32>() as f64 * n as f64;
-        count += n;
+        let errors = (model.forward(batch.x) - batch.y)
+            .powi_scalar(2)
+            .reshape([n]);
+        let errors = accelerator.gather_for_metrics(errors)?;
+        let errors: Vec<f32> = errors.into_data().try_to_vec().map_err(|e| {
+            burn_accelerate::Error::InvalidArgument(format!("reading the losses: {e:?}"))
+        })?;
+        total += errors.iter().map(|&e| e as f64).sum::<f64>();
+        count += errors.len();
     }
     Ok(total / count.max(1) as f64)
 }
@@ -83,8 +100,22 @@ fn run_quicktour() -> burn_accelerate::Result<()> {
     if let Some(backend) = args.backend {
         builder = builder.backend(backend);
     }
-    let accelerator = builder.build()?;
+    ranks::run_ranks(builder, args.processes, |accelerator| {
+        train(&accelerator, &args)
+    })?;
+    Ok(())
+}
+
+/// The training loop, the same on every rank.
+fn train(accelerator: &Accelerator, args: &Args) -> burn_accelerate::Result<()> {
     accelerator.set_seed(args.seed, false);
+    let ranks = accelerator.num_processes();
+    if args.batch_size % ranks != 0 {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "--batch-size {} cannot be divided between {ranks} ranks; use a multiple of {ranks}",
+            args.batch_size
+        )));
+    }
     accelerator.print(format!(
         "device={:?} processes={} mixed_precision={}",
         accelerator.device(),
@@ -95,7 +126,7 @@ fn run_quicktour() -> burn_accelerate::Result<()> {
     // 2. Build everything without a device: the accelerator places it.
     let model = Mlp::new(accelerator.device());
     let train = DataLoaderBuilder::new(SampleBatcher)
-        .batch_size(args.batch_size)
+        .batch_size(args.batch_size / ranks)
         .shuffle(args.seed)
         .build(mlp::dataset(args.samples, args.seed));
     let eval = DataLoaderBuilder::new(SampleBatcher)
@@ -113,7 +144,7 @@ fn run_quicktour() -> burn_accelerate::Result<()> {
         .map_err(burn_accelerate::Error::InvalidArgument)?;
     let mut scheduler = accelerator.prepare_scheduler(schedule, &optimizer);
 
-    let initial = mean_loss(&model, &eval)?;
+    let initial = mean_loss(accelerator, &model, &eval)?;
     accelerator.print(format!("initial_loss={initial:.6}"));
     for epoch in 0..args.epochs {
         // Drawn on a terminal by the main process only.
@@ -127,13 +158,13 @@ fn run_quicktour() -> burn_accelerate::Result<()> {
             bar.inc(1);
         }
         bar.finish_and_clear();
-        let loss = mean_loss(&model, &eval)?;
+        let loss = mean_loss(accelerator, &model, &eval)?;
         accelerator.print(format!(
             "epoch={epoch} eval_loss={loss:.6} lr={:.2e}",
             scheduler.lr()
         ));
     }
-    let final_loss = mean_loss(&model, &eval)?;
+    let final_loss = mean_loss(accelerator, &model, &eval)?;
     accelerator.print(format!("final_loss={final_loss:.6}"));
     Ok(())
 }

@@ -49,6 +49,19 @@ fn quicktour_loss_falls() {
 }
 
 #[test]
+fn the_quicktour_prints_the_same_losses_on_1_2_and_4_ranks() {
+    let args = ["--epochs", "2", "--samples", "1024"];
+    let one = run("quicktour", &args);
+    for ranks in ["2", "4"] {
+        let many = run("quicktour", &[&args[..], &["--processes", ranks]].concat());
+        for key in ["initial_loss", "final_loss"] {
+            // Printed to 6 digits: equal as text.
+            assert_eq!(many[key], one[key], "{key} on {ranks} ranks");
+        }
+    }
+}
+
+#[test]
 fn nlp_example_reaches_90_percent_with_the_same_accuracy_on_1_and_2_ranks() {
     let one = run("nlp_example", &["--epochs", "3"]);
     let two = run("nlp_example", &["--epochs", "3", "--processes", "2"]);

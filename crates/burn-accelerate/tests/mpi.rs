@@ -89,6 +89,24 @@ fn data_parallel_example_under_mpirun_matches_one_process() {
 }
 
 #[test]
+fn the_quicktour_under_launch_prints_the_losses_of_one_process() {
+    let program = example("quicktour");
+    let args = ["--epochs", "2", "--samples", "1024"];
+    let lines = |out| result_lines(out, &["initial_loss=", "final_loss="]);
+    let one = lines(Command::new(&program).args(args).output().unwrap());
+    assert_eq!(one.len(), 2, "{one:?}");
+    let launched = lines(
+        Command::new(cli())
+            .args(["launch", "--num-processes", "2"])
+            .arg(&program)
+            .args(args)
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(launched, one);
+}
+
+#[test]
 fn hostfile_launch_works() {
     let dir = std::env::temp_dir().join(format!("ba-hostfile-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
