@@ -110,7 +110,7 @@ fn run_quicktour() -> burn_accelerate::Result<()> {
 fn train(accelerator: &Accelerator, args: &Args) -> burn_accelerate::Result<()> {
     accelerator.set_seed(args.seed, false);
     let ranks = accelerator.num_processes();
-    if args.batch_size % ranks != 0 {
+    if !args.batch_size.is_multiple_of(ranks) {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
             "--batch-size {} cannot be divided between {ranks} ranks; use a multiple of {ranks}",
             args.batch_size
