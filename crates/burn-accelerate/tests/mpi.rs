@@ -25,6 +25,16 @@ pub fn mpirun(np: usize, program: &PathBuf, args: &[&str]) -> std::process::Outp
         .expect("mpirun runs (install openmpi-bin)")
 }
 
+/// `burn-accelerate launch --num-processes 2 <program> <args>`.
+fn launch_two(program: &PathBuf, args: &[&str]) -> std::process::Output {
+    Command::new(cli())
+        .args(["launch", "--num-processes", "2"])
+        .arg(program)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn collectives_suite_under_mpirun() {
     let program = example("mpi_collectives");
@@ -91,18 +101,11 @@ fn data_parallel_example_under_mpirun_matches_one_process() {
 #[test]
 fn the_quicktour_under_launch_prints_the_losses_of_one_process() {
     let program = example("quicktour");
-    let args = ["--epochs", "2", "--samples", "1024"];
+    let args = &["--epochs", "2", "--samples", "1024"][..];
     let lines = |out| result_lines(out, &["initial_loss=", "final_loss="]);
     let one = lines(Command::new(&program).args(args).output().unwrap());
     assert_eq!(one.len(), 2, "{one:?}");
-    let launched = lines(
-        Command::new(cli())
-            .args(["launch", "--num-processes", "2"])
-            .arg(&program)
-            .args(args)
-            .output()
-            .unwrap(),
-    );
+    let launched = lines(launch_two(&program, args));
     assert_eq!(launched, one);
 }
 
@@ -208,14 +211,7 @@ fn nlp_and_vision_examples_under_launch_match_in_process_ranks() {
                 .unwrap(),
         );
         assert_eq!(in_process.len(), 2, "{name}: {in_process:?}");
-        let launched = lines(
-            Command::new(cli())
-                .args(["launch", "--num-processes", "2"])
-                .arg(&program)
-                .args(args)
-                .output()
-                .unwrap(),
-        );
+        let launched = lines(launch_two(&program, args));
         assert_eq!(launched, in_process, "{name}");
     }
 }
