@@ -38,8 +38,10 @@
 //!    [`ProcessGroup`] holds rank, device and communicator. The builder then picks the rank's distribution
 //!    strategy (`distributed::strategy`: one device, or data parallelism over the host all-reduce), and the
 //!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
-//! 2. **`prepare_model`** — the strategy gives every rank rank 0's weights, then the model is forked onto the
-//!    device with autodiff on (batches go there through [`backend::ToDevice`]).
+//! 2. **`prepare_model`** — the main process draws the lazily initialised parameters (after every rank arrived,
+//!    in module order), the strategy gives every rank rank 0's weights (the others receive lazy parameters
+//!    without drawing them), then the model is forked onto the device with autodiff on (batches go there
+//!    through [`backend::ToDevice`]).
 //! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0 (a collective), deals this rank its
 //!    shard of every epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
 //!    [`data::DataPosition`]. Each `iter()` and each batch tell the step window where the epoch stands.
@@ -59,7 +61,7 @@
 //!    ranks step only their own parameters, shares the stepped values). burn-train's Learner
 //!    (`learner`, feature `train`) consumes the same outcome through the same pipeline.
 //! 9. **`scheduler.step()`** — [`AcceleratedScheduler`] advances only after a real optimizer step (the same
-//!    skip record), `num_processes` times unless batches are split.
+//!    skip record), as many times as the [`SchedulerRule`] says (once by default).
 //! 10. **`save_state` / `load_state`** — the checkpointer ([`checkpoint`]) writes the models, optimizers (one
 //!     state, or each rank's slice, as the strategy says) and schedulers the loop passes in, the loss scaler,
 //!     every dataloader's position and the registered objects, atomically, every rank agreeing on the outcome;
