@@ -14,7 +14,7 @@ use crate::error::Result;
 
 impl Accelerator {
     /// Concatenates every rank's tensor along dimension 0, in rank order; the first dimension may differ
-    /// between ranks (no padding is left in the result). See [`collectives::gather`](crate::distributed::collectives::gather).
+    /// between ranks (no padding is left in the result). See [`collectives::gather`].
     pub fn gather<const D: usize, K: Basic>(&self, tensor: Tensor<D, K>) -> Result<Tensor<D, K>> {
         collectives::gather(&self.group, tensor)
     }
@@ -22,7 +22,7 @@ impl Accelerator {
     /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
     /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
     /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates: one tensor, or a tuple,
-    /// `Vec`, `Option` or struct of them ([`Gatherable`](crate::distributed::Gatherable)), gathered in one call.
+    /// `Vec`, `Option` or struct of them ([`Gatherable`]), gathered in one call.
     /// Tensors whose first dimension differs between ranks (dynamic padding) go through
     /// [`pad_across_processes`](Self::pad_across_processes) along their other dimensions first.
     pub fn gather_for_metrics<T: Gatherable>(&self, value: T) -> Result<T> {

@@ -273,8 +273,8 @@ impl Accelerator {
 
     /// Wraps a Burn scheduler and ties it to `optimizer`, whose learning rate it sets from now on. It advances
     /// once per optimizer step by default, on any number of ranks, so a schedule sized in optimizer steps of the
-    /// prepared dataloader (`epochs * train.len()`) ends with the training; [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate)
-    /// restores Accelerate's rule.
+    /// prepared dataloader (`epochs * train.len()`) ends with the training;
+    /// [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate) restores Accelerate's rule.
     pub fn prepare_scheduler(
         &self,
         scheduler: impl Into<ModuleLrScheduler>,
@@ -289,9 +289,9 @@ impl Accelerator {
         AcceleratedScheduler::new(scheduler.into(), optimizer, shared, rule)
     }
 
-    /// How many times schedulers advance per optimizer step on this run (see [`SchedulerRule`](crate::SchedulerRule)); warns once,
-    /// on the main process, when Accelerate's rule makes a schedule run faster than on one process for a
-    /// program that divides its global batch.
+    /// How many times schedulers advance per optimizer step on this run (see
+    /// [`SchedulerRule`](crate::SchedulerRule)); warns once, on the main process, when Accelerate's rule makes a
+    /// schedule run faster than on one process for a program that divides its global batch.
     pub(crate) fn scheduler_steps_per_optimizer_step(&self) -> usize {
         let steps = self
             .config
@@ -404,7 +404,7 @@ impl Accelerator {
     /// Computes the gradients of `loss` with respect to `model`'s trainable parameters and adds them to the
     /// accelerator's gradient store, where the prepared optimizer finds them. On a step that synchronises
     /// gradients (every step without accumulation), the accumulated gradients are divided by the number of
-    /// micro-batches in the window (see [`LossNormalization`]) and, with several ranks, averaged across ranks
+    /// micro-batches in the window (see [`LossNormalization`](crate::config::LossNormalization)) and, with several ranks, averaged across ranks
     /// with bucketed all-reduces.
     ///
     /// # Errors

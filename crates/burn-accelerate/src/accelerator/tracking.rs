@@ -1,5 +1,5 @@
 //! The [`Accelerator`]'s experiment tracking and progress bars, forwarded to [`tracking`](crate::tracking) and
-//! [`progress`](crate::tracking::progress).
+//! [`progress`].
 
 use std::sync::MutexGuard;
 
@@ -75,7 +75,7 @@ impl Accelerator {
 
     /// A progress bar of `len` steps counting `unit` (`"steps"`, `"samples"`, ...), with throughput and time
     /// left, drawn by the local main process on a terminal and hidden everywhere else (so every rank can call
-    /// `inc`). See [`progress`](crate::tracking::progress).
+    /// `inc`). See [`progress`].
     pub fn progress_bar(&self, len: u64, unit: &str) -> progress::indicatif::ProgressBar {
         progress::bar(len, unit, self.is_local_main_process())
     }

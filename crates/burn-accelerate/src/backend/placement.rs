@@ -93,9 +93,9 @@ macro_rules! impl_to_device {
 }
 
 /// Makes a struct usable as a batch or model output everywhere the accelerator takes one: implements
-/// [`ToDevice`] (placement by prepared dataloaders and [`Accelerator::to_device`](crate::Accelerator::to_device))
-/// and [`CastFloats`](crate::CastFloats) (inputs and outputs of [`Accelerator::autocast`](crate::Accelerator::autocast))
-/// for the named fields. Another name for [`impl_to_device!`](crate::impl_to_device).
+/// [`ToDevice`] (placement by prepared dataloaders and
+/// [`Accelerator::to_device`](crate::Accelerator::to_device)) and [`CastFloats`](crate::CastFloats) (inputs and
+/// outputs of [`Accelerator::autocast`](crate::Accelerator::autocast)) for the named fields. Another name for [`impl_to_device!`](crate::impl_to_device).
 ///
 /// ```
 /// use burn::tensor::{DType, Device, Tensor};

@@ -9,7 +9,7 @@ use burn::tensor::{FloatDType, Tensor};
 use super::GradientBuffer;
 use crate::error::{Error, Result};
 
-/// Which norm [`clip_grad_norm`] measures.
+/// Which norm [`Accelerator::clip_grad_norm_with`](crate::Accelerator::clip_grad_norm_with) measures.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum NormType {
     /// The Euclidean norm (torch's default, `norm_type=2`).

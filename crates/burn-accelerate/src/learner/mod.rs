@@ -43,9 +43,9 @@ use crate::error::Result;
 
 impl Accelerator {
     /// Makes a burn-train `SupervisedTraining` train through this accelerator: the
-    /// [`AcceleratedStrategy`](AcceleratedStrategy), and on every rank but the main process no
+    /// [`AcceleratedStrategy`], and on every rank but the main process no
     /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes).
-    /// Pass prepared dataloaders through [`LearnerLoader`](crate::learner::LearnerLoader).
+    /// Pass prepared dataloaders through [`LearnerLoader`].
     ///
     /// On the main process, burn-train renders as usual with the feature `train-tui` (its terminal UI), else a
     /// [`LineRenderer`] prints one line per split of each epoch. Renderers are chosen here, replacing one set

@@ -1,8 +1,8 @@
 //! The safetensors format, apart from any training state: model weights in Hugging Face's layout
 //! (`model.safetensors`, or shards `model-00001-of-0000N.safetensors` with `model.safetensors.index.json`),
-//! written atomically and streamed in bands ([`write`](self::write)), and loaded back strictly or partially
-//! from a file, a folder or an index ([`read`](self::read)); tensor layouts and key remapping
-//! ([`layout`](self::layout)). [`weight_files`] is the one place that decides which files a path names, for
+//! written atomically and streamed in bands ([`write`](mod@write)), and loaded back strictly or partially
+//! from a file, a folder or an index ([`read`]); tensor layouts and key remapping
+//! ([`layout`]). [`weight_files`] is the one place that decides which files a path names, for
 //! loading and for `estimate-memory` alike.
 
 pub mod layout;

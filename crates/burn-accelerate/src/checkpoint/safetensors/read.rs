@@ -206,7 +206,7 @@ impl Source {
     }
 }
 
-/// Loads the weights at `path` (a `.safetensors` file, a folder written by [`write_safetensors`] or by
+/// Loads the weights at `path` (a `.safetensors` file, a folder written by `write_safetensors` or by
 /// Hugging Face tools, or an index file) into `module`, matching tensors by their dotted path. A tensor whose
 /// shape differs from the parameter's is an error naming both; with `strict`, missing or unexpected tensors
 /// are errors too, otherwise they are reported.

@@ -4,7 +4,7 @@
 //! index, and the [`Communicator`] that connects the ranks. There is one implementation per way of starting:
 //! [`SingleProcess`] (one rank), [`InProcess`] (one thread per rank, `launch`), and `Mpi` (feature `mpi`,
 //! processes started by `mpirun`). [`detect`] picks the right one from the launcher's environment, which is
-//! read only in [`launcher`].
+//! read only in [`env_vars`].
 //!
 //! Pass your own environment to [`AcceleratorBuilder::build_in`](crate::AcceleratorBuilder::build_in) to run on
 //! a communicator of your own (a test double, or an engine this crate does not ship).
