@@ -4,6 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 use burn_accelerate::backend::{self, sys};
+use burn_accelerate::distributed::cluster::LauncherVars;
 use burn_accelerate::{Backend, config};
 
 /// The facts `burn-accelerate env` prints.
@@ -14,6 +15,7 @@ pub struct EnvReport {
     kernel: Option<String>,
     kernel_warning: Option<String>,
     config_file: Option<PathBuf>,
+    launcher: String,
     variables: Vec<(String, String)>,
     /// The resolved settings with their sources, or why they cannot be read; and why a run would refuse them.
     settings: Result<Vec<(&'static str, String, config::Source)>, String>,
@@ -64,6 +66,10 @@ impl EnvReport {
             kernel_warning: kernel.as_deref().and_then(sys::kernel_warning),
             kernel,
             config_file: config::config_file().or_else(config::default_config_file),
+            launcher: match LauncherVars::read() {
+                Ok(vars) => vars.describe(),
+                Err(e) => format!("unreadable: {e}"),
+            },
             variables,
             settings,
             refused,
@@ -83,6 +89,7 @@ impl fmt::Display for EnvReport {
         if let Some(warning) = &self.kernel_warning {
             writeln!(f, "- Warning: {warning}")?;
         }
+        writeln!(f, "- Launcher: {}", self.launcher)?;
         let names: Vec<String> = self.backends.iter().map(|(b, _)| b.to_string()).collect();
         writeln!(f, "- Backend features: {}", names.join(", "))?;
         for (backend, devices) in &self.backends {

@@ -35,6 +35,37 @@ fn env_prints_the_facts() {
 }
 
 #[test]
+fn env_names_the_launcher_that_started_it() {
+    let run = |vars: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+            .arg("env")
+            .env_remove("SLURM_PROCID")
+            .env_remove("OMPI_COMM_WORLD_SIZE")
+            .env_remove("PMIX_RANK")
+            .envs(vars.iter().copied())
+            .output()
+            .expect("the binary runs");
+        let text = String::from_utf8(out.stdout).unwrap();
+        text.lines()
+            .find(|l| l.starts_with("- Launcher: "))
+            .unwrap_or_else(|| panic!("no launcher line in {text}"))
+            .to_string()
+    };
+    assert!(run(&[]).contains("none"));
+    let srun = run(&[
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_JOB_NUM_NODES", "2"),
+    ]);
+    assert_eq!(
+        srun,
+        "- Launcher: SLURM (srun without an MPI plugin): rank 3 of 4, local rank 1, machine 1 of 2"
+    );
+}
+
+#[test]
 fn unknown_subcommand_is_a_usage_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
         .arg("frobnicate")

@@ -17,7 +17,7 @@ use crate::config::AcceleratorConfig;
 use crate::distributed::comm::{self, Communicator};
 use crate::error::Result;
 
-pub use env_vars::{LauncherVars, launched_by_mpi};
+pub use env_vars::{Launcher, LauncherVars, launched_by_mpi};
 
 /// How the ranks of a run were started and how they talk.
 pub trait ClusterEnvironment: std::fmt::Debug {
@@ -139,17 +139,34 @@ pub fn detect(config: &AcceleratorConfig) -> Result<Box<dyn ClusterEnvironment>>
         return Ok(Box::new(Mpi::init(config, &vars)?));
     }
     let _ = config;
-    let launched_world = vars.world_size.unwrap_or(1);
-    if launched_world > 1 && !cfg!(feature = "mpi") {
+    if let Some(warning) = alone_warning(&vars, cfg!(feature = "mpi")) {
         static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
-            log::warn!(
-                "started by an MPI launcher with {launched_world} processes, but burn-accelerate was built without \
-                 its `mpi` feature: every process runs alone. Rebuild with `--features burn-accelerate/mpi`."
-            )
-        });
+        WARNED.call_once(|| log::warn!("{warning}"));
     }
     Ok(Box::new(SingleProcess))
+}
+
+/// Why this process, one of several a launcher started, would train alone (`None` when it would not).
+fn alone_warning(vars: &LauncherVars, mpi_built: bool) -> Option<String> {
+    let world = vars.world_size.filter(|&w| w > 1)?;
+    let launcher = vars.launcher?;
+    Some(match launcher {
+        _ if launcher.is_mpi() && !mpi_built => format!(
+            "started by {launcher} with {world} processes, but burn-accelerate was built without its `mpi` feature: \
+             every process runs alone. Rebuild with `--features burn-accelerate/mpi`."
+        ),
+        Launcher::Slurm => format!(
+            "started by SLURM as one of {world} tasks without an MPI plugin: every task runs alone. Start the tasks \
+             with `srun --mpi=pmix <program>` (a build with the `mpi` feature), or run `burn-accelerate launch` \
+             once per allocation."
+        ),
+        Launcher::Torchrun => format!(
+            "torchrun-style variables say {world} processes, but burn-accelerate's processes meet through MPI: \
+             every process runs alone. Start them with `burn-accelerate launch --num-processes {world}` or \
+             `mpirun -np {world}` (a build with the `mpi` feature)."
+        ),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -176,5 +193,31 @@ mod tests {
             (3, 2, 2)
         );
         assert_eq!(rank2.name(), "in-process");
+    }
+
+    #[test]
+    fn several_processes_that_would_train_alone_are_told_how_to_meet() {
+        let with = |launcher, world| LauncherVars {
+            launcher: Some(launcher),
+            world_size: Some(world),
+            mpi: Launcher::is_mpi(launcher),
+            ..LauncherVars::default()
+        };
+        let slurm = alone_warning(&with(Launcher::Slurm, 4), true).unwrap();
+        assert!(slurm.contains("srun --mpi=pmix"), "{slurm}");
+        let torchrun = alone_warning(&with(Launcher::Torchrun, 2), true).unwrap();
+        assert!(torchrun.contains("launch --num-processes 2"), "{torchrun}");
+        let unbuilt = alone_warning(&with(Launcher::OpenMpi, 2), false).unwrap();
+        assert!(
+            unbuilt.contains("--features burn-accelerate/mpi"),
+            "{unbuilt}"
+        );
+        assert_eq!(alone_warning(&with(Launcher::OpenMpi, 2), true), None);
+        assert_eq!(
+            alone_warning(&with(Launcher::Slurm, 1), true),
+            None,
+            "one task"
+        );
+        assert_eq!(alone_warning(&LauncherVars::default(), true), None);
     }
 }
