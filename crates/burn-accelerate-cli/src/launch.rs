@@ -47,6 +47,13 @@ pub struct LaunchArgs {
     /// Run on the CPU even where a GPU backend is compiled in (ACCELERATE_USE_CPU).
     #[arg(long)]
     pub cpu: bool,
+    /// Compute threads of each process (RAYON_NUM_THREADS and OMP_NUM_THREADS); default with several processes
+    /// per machine: the machine's cores divided between them, unless those variables are already set.
+    #[arg(
+        long = "num-cpu-threads-per-process",
+        visible_alias = "num_cpu_threads_per_process"
+    )]
+    pub num_cpu_threads_per_process: Option<usize>,
     /// The program, then its own arguments.
     #[arg(
         required = true,
@@ -169,7 +176,20 @@ impl Plan {
         settings.push(setting("cpu", cpu.to_string(), cpu_source));
         // A value of the file this crate cannot honour, still in effect, stops the launch before it starts.
         resolved.validate().map_err(|e| fail(e.to_string()))?;
-        let env = vec![
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = threads_per_process(
+            args.num_cpu_threads_per_process,
+            thread_variable(),
+            (cores, num_processes, num_machines),
+        )?;
+        if let Some((n, source)) = &threads {
+            settings.push(setting(
+                "threads_per_process",
+                n.to_string(),
+                source.clone(),
+            ));
+        }
+        let mut env = vec![
             (
                 "ACCELERATE_MIXED_PRECISION",
                 resolved.mixed_precision.to_string(),
@@ -181,6 +201,10 @@ impl Plan {
             ("ACCELERATE_DEBUG_MODE", debug.to_string()),
             ("ACCELERATE_USE_CPU", cpu.to_string()),
         ];
+        if let Some((n, _)) = threads {
+            env.push(("RAYON_NUM_THREADS", n.to_string()));
+            env.push(("OMP_NUM_THREADS", n.to_string()));
+        }
         Ok(Self {
             num_processes,
             hostfile: args.hostfile.clone(),
@@ -197,6 +221,42 @@ impl Plan {
             .map(|s| format!("{}={} ({})", s.name, s.value, s.source))
             .collect();
         format!("burn-accelerate launch: {}", parts.join(", "))
+    }
+}
+
+/// The thread-count variable already set in the launcher's environment, if any (the user's choice wins).
+fn thread_variable() -> Option<(&'static str, String)> {
+    ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"]
+        .into_iter()
+        .find_map(|k| std::env::var(k).ok().map(|v| (k, v)))
+}
+
+/// The compute threads each process gets, with where the number came from: the flag; else nothing (a variable
+/// the user set passes through as it is; one process per machine keeps every core); else `cores` divided between
+/// the processes of one machine (torchrun sets one thread per process there; each of P ranks starting a pool as
+/// wide as the machine oversubscribes it P times).
+fn threads_per_process(
+    flag: Option<usize>,
+    set: Option<(&'static str, String)>,
+    (cores, num_processes, num_machines): (usize, usize, usize),
+) -> Result<Option<(usize, String)>, LaunchError> {
+    match (flag, set) {
+        (Some(0), _) => Err(fail(
+            "--num-cpu-threads-per-process must be at least 1 (or leave it out to divide the cores)",
+        )),
+        (Some(n), _) => Ok(Some((n, "command line".into()))),
+        (None, Some(_)) => Ok(None),
+        (None, None) => {
+            let per_machine = num_processes.div_ceil(num_machines.max(1));
+            if per_machine <= 1 {
+                return Ok(None);
+            }
+            let n = (cores / per_machine).max(1);
+            Ok(Some((
+                n,
+                format!("{cores} cores / {per_machine} processes per machine"),
+            )))
+        }
     }
 }
 
@@ -442,6 +502,37 @@ fn is_root() -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::threads_per_process;
+
+    #[test]
+    fn each_local_process_gets_its_share_of_the_cores_unless_told_otherwise() {
+        let split = |flag, set: Option<(&'static str, String)>, np, nm| {
+            threads_per_process(flag, set, (8, np, nm))
+                .unwrap()
+                .map(|(n, _)| n)
+        };
+        assert_eq!(split(None, None, 2, 1), Some(4));
+        assert_eq!(split(None, None, 3, 1), Some(2), "8 cores / 3 rounds down");
+        assert_eq!(split(None, None, 16, 1), Some(1), "never 0");
+        assert_eq!(split(None, None, 8, 2), Some(2), "4 per machine");
+        assert_eq!(
+            split(None, None, 1, 1),
+            None,
+            "one process keeps every core"
+        );
+        assert_eq!(split(Some(3), None, 2, 1), Some(3), "the flag wins");
+        let mine = Some(("OMP_NUM_THREADS", "6".to_string()));
+        assert_eq!(
+            split(None, mine.clone(), 2, 1),
+            None,
+            "the user's variable passes through"
+        );
+        assert_eq!(split(Some(2), mine, 2, 1), Some(2));
+        let (_, source) = threads_per_process(None, None, (2, 2, 1)).unwrap().unwrap();
+        assert_eq!(source, "2 cores / 2 processes per machine");
+        assert!(threads_per_process(Some(0), None, (8, 2, 1)).is_err());
+    }
+
     #[test]
     fn open_mpis_report_of_a_dead_rank_is_read() {
         let line =

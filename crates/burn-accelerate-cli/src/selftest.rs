@@ -261,6 +261,7 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             gradient_accumulation_steps: None,
             debug: false,
             cpu: false,
+            num_cpu_threads_per_process: None,
             program: vec![exe.into_os_string(), "test-worker".into()],
         };
         return crate::launch::run(&launch);
