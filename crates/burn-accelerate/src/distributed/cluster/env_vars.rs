@@ -186,8 +186,22 @@ impl LauncherVars {
     /// # Errors
     /// As [`read`](Self::read).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let first = |keys: &[&str]| first_usize(&lookup, keys);
-        let Some(spec) = detect_spec(&lookup) else {
+        Self::assemble(&lookup, |keys| first_usize(&lookup, keys))
+    }
+
+    fn from_lookup_lenient(lookup: impl Fn(&str) -> Option<String>) -> Self {
+        Self::assemble(&lookup, |keys| {
+            Ok(first_usize(&lookup, keys).ok().flatten())
+        })
+        .unwrap_or_default()
+    }
+
+    /// The variables of the launcher `lookup` finds, each read by `first` (strict or lenient).
+    fn assemble(
+        lookup: &impl Fn(&str) -> Option<String>,
+        first: impl Fn(&[&str]) -> Result<Option<usize>>,
+    ) -> Result<Self> {
+        let Some(spec) = detect_spec(lookup) else {
             return Ok(Self::default());
         };
         Ok(Self {
@@ -200,23 +214,6 @@ impl LauncherVars {
             num_machines: first(spec.num_machines)?,
             mpi: spec.launcher.is_mpi(),
         })
-    }
-
-    fn from_lookup_lenient(lookup: impl Fn(&str) -> Option<String>) -> Self {
-        let first = |keys: &[&str]| first_usize(&lookup, keys).ok().flatten();
-        let Some(spec) = detect_spec(&lookup) else {
-            return Self::default();
-        };
-        Self {
-            launcher: Some(spec.launcher),
-            rank: first(spec.rank),
-            world_size: first(spec.world_size),
-            local_rank: first(spec.local_rank),
-            local_world_size: first(spec.local_world_size),
-            machine_rank: first(spec.machine_rank),
-            num_machines: first(spec.num_machines),
-            mpi: spec.launcher.is_mpi(),
-        }
     }
 
     /// One line for `burn-accelerate env` and start-up messages, e.g. `SLURM (srun without an MPI plugin):
