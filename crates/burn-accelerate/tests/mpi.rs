@@ -146,13 +146,7 @@ fn launch_of_two_processes_matches_two_in_process_ranks() {
             .unwrap(),
     );
     assert_eq!(in_process.len(), 2, "{in_process:?}");
-    let launched = lines(
-        Command::new(cli())
-            .args(["launch", "--num-processes", "2"])
-            .arg(&program)
-            .output()
-            .unwrap(),
-    );
+    let launched = lines(launch_two(&program, &[]));
     assert_eq!(launched, in_process);
 }
 
