@@ -210,10 +210,15 @@ pub(crate) fn write_file(
     let invalid = |e: &dyn std::fmt::Display| {
         Error::InvalidArgument(format!("save_model: writing {}: {e}", path.display()))
     };
-    let header = Metadata::new(Some(metadata), infos).map_err(|e| invalid(&e))?;
-    let mut header = serde_json::to_string(&header)
-        .map_err(|e| invalid(&e))?
-        .into_bytes();
+    // The `safetensors` crate writes `__metadata__` first, in a hash map's order: the same weights would give
+    // files that differ from save to save. Here its keys are sorted, so equal weights give equal files.
+    let tensors = Metadata::new(None, infos).map_err(|e| invalid(&e))?;
+    let tensors = serde_json::to_string(&tensors).map_err(|e| invalid(&e))?;
+    let sorted: std::collections::BTreeMap<&String, &String> = metadata.iter().collect();
+    let sorted = serde_json::to_string(&sorted).map_err(|e| invalid(&e))?;
+    let rest = tensors.strip_prefix('{').unwrap_or(&tensors);
+    let separator = if rest == "}" { "" } else { "," };
+    let mut header = format!("{{\"__metadata__\":{sorted}{separator}{rest}").into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
 
     // The bands are read here (where the tensors live: GPU backends bind their context to a thread) while a
@@ -475,5 +480,41 @@ mod tests {
             err.contains("layer.weight") && err.contains("12 bytes"),
             "{err}"
         );
+    }
+
+    /// Equal weights give equal files: the metadata's keys do not come out in a hash map's order.
+    #[test]
+    fn equal_weights_give_equal_files_whatever_the_metadata_order() {
+        let dir = TempDir::new("stream-order");
+        let tensor = TensorToWrite {
+            key: "w".into(),
+            dtype: DType::F32,
+            shape: vec![2],
+            content: Content::Host(TensorData::new(vec![1f32, 2.0], [2])),
+        };
+        let keys = ["format", "layout", "a", "z", "m"];
+        let files: Vec<Vec<u8>> = (0..8)
+            .map(|i| {
+                // Each map has its own random hashing, so an unsorted header would differ between them.
+                let metadata: HashMap<String, String> = keys
+                    .iter()
+                    .map(|k| (k.to_string(), format!("v{k}")))
+                    .collect();
+                let path = dir.path().join(format!("{i}.safetensors"));
+                write_file(
+                    std::fs::File::create(&path).unwrap(),
+                    &path,
+                    &[&tensor],
+                    metadata,
+                )
+                .unwrap();
+                std::fs::read(&path).unwrap()
+            })
+            .collect();
+        assert!(files.iter().all(|f| f == &files[0]));
+        let (_, header) = safetensors::SafeTensors::read_metadata(&files[0]).unwrap();
+        let read = header.metadata().clone().unwrap();
+        assert_eq!(read.len(), keys.len());
+        assert_eq!(read["layout"], "vlayout");
     }
 }
