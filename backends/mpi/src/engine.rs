@@ -364,7 +364,7 @@ static BROKEN: AtomicBool = AtomicBool::new(false);
 /// This process's rank, for the exit handler.
 static RANK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-use burn_accelerate_comm::STATUS_DIR_VAR;
+use burn_accelerate_comm::{STATUS_DIR_VAR, TIMEOUT_REASON};
 
 /// Registers [`finish_at_exit`]: with glibc through `on_exit`, which hands the handler the exit status, so that an
 /// unsuccessful exit aborts the job instead of waiting in `MPI_Finalize` for ranks that wait for this one.
@@ -410,13 +410,13 @@ fn finish_at_exit(status: std::ffi::c_int) {
             eprintln!(
                 "burn-accelerate: rank {rank} aborts the MPI job because a collective timed out"
             );
-            record_status(rank, 70);
+            record_status(rank, 70, Some(TIMEOUT_REASON));
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70);
         } else if status != 0 {
             eprintln!(
                 "burn-accelerate: rank {rank} exits with status {status}; aborting the MPI job"
             );
-            record_status(rank, status);
+            record_status(rank, status, None);
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, status);
         } else {
             mpi::ffi::MPI_Finalize();
@@ -424,12 +424,18 @@ fn finish_at_exit(status: std::ffi::c_int) {
     }
 }
 
-/// Leaves `rank_<rank>.status` in the folder [`STATUS_DIR_VAR`] names, if any (best effort: the job is ending).
-fn record_status(rank: usize, status: std::ffi::c_int) {
+/// Leaves `rank_<rank>.status` in the folder [`STATUS_DIR_VAR`] names, if any (best effort: the job is ending):
+/// the exit status, then the reason when the library ended the job itself (`launch` restarts a job whose
+/// collective timed out, not one that failed with an error of its own).
+fn record_status(rank: usize, status: std::ffi::c_int, reason: Option<&str>) {
     if let Some(dir) = std::env::var_os(STATUS_DIR_VAR) {
+        let text = match reason {
+            Some(reason) => format!("{status} {reason}"),
+            None => status.to_string(),
+        };
         let _ = std::fs::write(
             std::path::Path::new(&dir).join(format!("rank_{rank}.status")),
-            status.to_string(),
+            text,
         );
     }
 }

@@ -30,6 +30,10 @@ type Result<T> = CommResult<T>;
 /// failed. Engines that start their own processes' exit handling honour it.
 pub const STATUS_DIR_VAR: &str = "BURN_ACCELERATE_STATUS_DIR";
 
+/// The reason a rank's status file gives when the job ended because one of its collectives timed out (a rank
+/// that hangs, or a machine that stopped answering), as opposed to an error of the program's own.
+pub const TIMEOUT_REASON: &str = "collective-timeout";
+
 /// How ranks talk to each other. Each rank owns one communicator and calls it from its own thread; every rank
 /// must call the same collectives in the same order.
 pub trait Communicator: Send + Sync + Debug {

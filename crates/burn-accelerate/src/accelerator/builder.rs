@@ -35,6 +35,7 @@ pub struct AcceleratorBuilder {
     sync_each_batch: Option<bool>,
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
+    resume_from_latest: Option<bool>,
     project: Option<ProjectConfiguration>,
     log_with: Vec<LogWith>,
     strategy: Option<StrategyFactory>,
@@ -166,6 +167,14 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Makes [`Accelerator::resume`] continue from the latest automatic checkpoint of the project folder, when
+    /// there is one (`ACCELERATE_RESUME_FROM_LATEST`). A job restarted by `burn-accelerate launch
+    /// --max-restarts` (or torchrun) resumes without it.
+    pub fn resume_from_latest(mut self, on: bool) -> Self {
+        self.resume_from_latest = Some(on);
+        self
+    }
+
     /// How long a collective waits for the other ranks before failing with an error that names the missing
     /// ranks (default 300 s; `ACCELERATE_COLLECTIVE_TIMEOUT=<seconds>`).
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
@@ -231,6 +240,7 @@ impl AcceleratorBuilder {
             sync_each_batch,
             loss_normalization,
             bucket_size_mb,
+            resume_from_latest,
         );
         if let Some(timeout) = self.collective_timeout {
             config.collective_timeout_secs = timeout.as_secs_f64();

@@ -152,4 +152,85 @@ impl Accelerator {
         }
         Ok(loaded)
     }
+
+    /// How many times a launcher restarted this job after a failure: 0 on the first run, `k` on the `k`-th
+    /// restart of `burn-accelerate launch --max-restarts` (or torchrun's).
+    pub fn restart_count(&self) -> usize {
+        self.config().restart_count
+    }
+
+    /// Whether [`resume`](Self::resume) continues from a checkpoint: the run asked for it
+    /// ([`resume_from_latest`](crate::AcceleratorBuilder::resume_from_latest)), or a launcher restarted it.
+    pub fn resumes(&self) -> bool {
+        self.config().resume_from_latest || self.restart_count() > 0
+    }
+
+    /// Loads the latest complete automatic checkpoint when this run [`resumes`](Self::resumes) and one exists;
+    /// `None` otherwise (a first run, or a restart before the first save: training starts from scratch). A
+    /// checkpoint whose save was interrupted is never complete, so it is never the one resumed from. Call it on
+    /// every rank, after preparing, where `load_state` would go; restore the parts from the returned state as
+    /// after [`load_state`](Self::load_state). The main process picks the folder, so every rank loads the same.
+    ///
+    /// ```
+    /// use burn_accelerate::{Accelerator, ProjectConfiguration, StateToSave};
+    ///
+    /// let dir = std::env::temp_dir().join(format!("doc-resume-{}", std::process::id()));
+    /// let project = ProjectConfiguration::new(&dir);
+    /// let first = Accelerator::builder().project_configuration(project.clone()).build()?;
+    /// assert!(first.resume()?.is_none(), "a first run starts from scratch");
+    /// first.save_state(None, &StateToSave::new())?;
+    ///
+    /// // A restarted job (the launcher sets ACCELERATE_RESTART_COUNT), or one asked to resume:
+    /// let again = Accelerator::builder().project_configuration(project).resume_from_latest(true).build()?;
+    /// let state = again.resume()?.expect("the checkpoint just saved");
+    /// assert!(state.dir().ends_with("checkpoint_0"));
+    /// state.finish()?;
+    /// # std::fs::remove_dir_all(&dir).ok();
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`load_state`](Self::load_state); asking to resume ([`resume_from_latest`]) without a project folder.
+    ///
+    /// [`resume_from_latest`]: crate::AcceleratorBuilder::resume_from_latest
+    pub fn resume(&self) -> Result<Option<LoadedState>> {
+        if !self.resumes() {
+            return Ok(None);
+        }
+        let project = self.project_configuration();
+        if project.checkpoints_dir().is_none() {
+            if self.config().resume_from_latest {
+                return Err(crate::Error::InvalidArgument(
+                    "resume: resume_from_latest(true) continues from the latest automatic checkpoint of the                      project folder, but none is set; build the accelerator with                      `.project_configuration(ProjectConfiguration::new(dir))`"
+                        .into(),
+                ));
+            }
+            if self.is_main_process() {
+                log::warn!(
+                    "restart {} of this job starts from scratch: it keeps no checkpoints (set a project folder \
+                     and call save_state(None) to resume from the last one)",
+                    self.restart_count()
+                );
+            }
+            return Ok(None);
+        }
+        let latest = project.checkpoints().pop().map(|(_, dir)| dir);
+        let latest = self.broadcast_object(&latest, 0)?;
+        let restart = match self.restart_count() {
+            0 => String::new(),
+            k => format!(" (restart {k})"),
+        };
+        let Some(dir) = latest else {
+            if self.is_main_process() {
+                log::info!(
+                    "no checkpoint to resume from yet{restart}: training starts from scratch"
+                );
+            }
+            return Ok(None);
+        };
+        if self.is_main_process() {
+            log::info!("resuming from {}{restart}", dir.display());
+        }
+        self.load_state(Some(&dir)).map(Some)
+    }
 }

@@ -280,7 +280,8 @@ fn refuse_another_runs_checkpoints(project: &ProjectConfiguration, root: &Path) 
     Err(Error::InvalidArgument(format!(
         "save_state(None): {} already holds checkpoint_{first}..=checkpoint_{last} of an earlier run, and this \
          run would write checkpoint_{} next, overwriting or pruning that run's checkpoints; to continue that run \
-         call `accelerator.load_state(None)` before training; to start fresh use another project folder (or \
+         call `accelerator.load_state(None)` (or `accelerator.resume()`, which a job restarted by `launch \
+         --max-restarts` needs) before training; to start fresh use another project folder (or \
          remove {}); to number after them set `ProjectConfiguration {{ iteration: {}, .. }}`",
         root.display(),
         project.iteration,

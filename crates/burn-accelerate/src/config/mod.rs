@@ -50,6 +50,13 @@ pub struct AcceleratorConfig {
     /// Seconds a collective waits for the other ranks before failing (default 300;
     /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
     pub collective_timeout_secs: f64,
+    /// Continue from the latest automatic checkpoint when [`Accelerator::resume`](crate::Accelerator::resume)
+    /// is called (default `false`; `ACCELERATE_RESUME_FROM_LATEST`). A restarted job resumes whatever this says.
+    pub resume_from_latest: bool,
+    /// How many times a launcher has restarted this job after a failure (0 on the first run): set by
+    /// `burn-accelerate launch --max-restarts` (`ACCELERATE_RESTART_COUNT`) or torchrun
+    /// (`TORCHELASTIC_RESTART_COUNT`); a run with a count above 0 resumes from its latest checkpoint.
+    pub restart_count: usize,
     /// What the config file says about launching (read by `burn-accelerate launch`).
     pub launch: LaunchSettings,
     /// Where each setting that did not keep its default came from (see [`source`](Self::source)).
@@ -60,6 +67,14 @@ pub struct AcceleratorConfig {
     #[serde(skip)]
     pub unsupported: Vec<UnsupportedValue>,
 }
+
+/// The variable that asks every run to continue from its latest checkpoint
+/// ([`AcceleratorConfig::resume_from_latest`]).
+pub const RESUME_VAR: &str = "ACCELERATE_RESUME_FROM_LATEST";
+
+/// The variables a launcher tells a restarted job its restart count in, first found wins: `burn-accelerate
+/// launch --max-restarts`'s own, then torchrun's.
+pub const RESTART_COUNT_VARS: &[&str] = &["ACCELERATE_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
 
 /// The launch settings of a config file (Accelerate's keys of the same names).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +135,8 @@ impl Default for AcceleratorConfig {
             loss_normalization: LossNormalization::ActualMicroBatches,
             bucket_size_mb: 25.0,
             collective_timeout_secs: 300.0,
+            resume_from_latest: false,
+            restart_count: 0,
             launch: LaunchSettings::default(),
             sources: BTreeMap::new(),
             unsupported: Vec::new(),
@@ -179,6 +196,14 @@ impl AcceleratorConfig {
                 "collective_timeout_secs",
                 env_source("ACCELERATE_COLLECTIVE_TIMEOUT"),
             );
+        }
+        if let Some(resume) = env::flag(RESUME_VAR)? {
+            config.resume_from_latest = resume;
+            config.set_source("resume_from_latest", env_source(RESUME_VAR));
+        }
+        if let Some((var, count)) = env::first_usize_named(RESTART_COUNT_VARS)? {
+            config.restart_count = count;
+            config.set_source("restart_count", env_source(var));
         }
         if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
             config.gradient_accumulation_steps = steps;

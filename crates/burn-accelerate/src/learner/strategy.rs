@@ -238,7 +238,8 @@ impl AcceleratedStrategy {
         }
         let model = acc.prepare_model(learner.model())?;
         learner.load_model(model.into_record());
-        if self.resume {
+        // A job restarted by its launcher continues from its latest checkpoint, as `resume(true)` asks.
+        if self.resume || acc.resumes() {
             self.restore(learner)?;
         }
         Ok(())
