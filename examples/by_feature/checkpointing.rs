@@ -13,6 +13,15 @@
 //!
 //! Every rank takes part in `save_state`/`load_state` (the main rank writes the shared files, each rank its own
 //! random and data position), so a multi-rank run resumes the same way.
+//!
+//! Under `burn-accelerate launch --max-restarts N`, a job whose rank is killed or hangs is started again and
+//! `accelerator.resume()` continues it from the latest complete checkpoint, with no `--resume`. `--fault`
+//! makes one rank fail on the first run, to see it happen:
+//!
+//! ```text
+//! burn-accelerate launch --num-processes 2 --max-restarts 3 target/release/examples/checkpointing \
+//!     --project-dir /tmp/run3 --fault kill --fault-at 130
+//! ```
 
 #[path = "../support/mlp.rs"]
 mod mlp;
@@ -55,6 +64,96 @@ struct Args {
     /// In-process ranks (ignored under a launcher, which decides).
     #[arg(long, default_value_t = 1)]
     processes: usize,
+    /// Saves the final weights (`model.safetensors`) into this folder.
+    #[arg(long)]
+    save_final: Option<PathBuf>,
+    /// A failure to inject, to try `launch --max-restarts`: `kill` (SIGKILL), `kill-in-save` (SIGKILL while
+    /// the first save at or after `--fault-at` is being written), `hang` (stops answering) or `error` (returns
+    /// an error of its own).
+    #[arg(long)]
+    fault: Option<Fault>,
+    /// The step after which the fault happens.
+    #[arg(long, default_value_t = 100)]
+    fault_at: usize,
+    /// The rank that fails.
+    #[arg(long, default_value_t = 1)]
+    fault_rank: usize,
+    /// The fault happens on the first this-many runs of the job (restarts included).
+    #[arg(long, default_value_t = 1)]
+    fault_runs: usize,
+}
+
+/// A failure `--fault` injects.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Kill,
+    KillInSave,
+    Hang,
+    Error,
+}
+
+/// Ends this process with SIGKILL, as the out-of-memory killer or a lost machine would: nothing runs after it.
+fn kill_self(rank: usize, when: &str) -> ! {
+    eprintln!("fault: rank {rank} is killed {when}");
+    // SAFETY: a plain system call that ends this process.
+    #[cfg(unix)]
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    std::process::abort()
+}
+
+/// Kills this process once a save into `checkpoints` is under way (its `.partial` folder exists), from a
+/// thread that watches for it.
+fn kill_during_next_save(rank: usize, checkpoints: PathBuf) {
+    std::thread::spawn(move || {
+        loop {
+            let saving = std::fs::read_dir(&checkpoints)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .find(|e| e.file_name().to_string_lossy().ends_with(".partial"));
+            if let Some(entry) = saving {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                kill_self(
+                    rank,
+                    &format!("during save_state ({name} is being written)"),
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    });
+}
+
+/// Injects `--fault` after `step`, on the rank and in the runs it names.
+fn inject(args: &Args, accelerator: &Accelerator, step: usize) -> Result<()> {
+    let rank = accelerator.process_index();
+    let Some(fault) = args.fault else {
+        return Ok(());
+    };
+    if rank != args.fault_rank || accelerator.restart_count() >= args.fault_runs {
+        return Ok(());
+    }
+    let saves = step.is_multiple_of(args.save_every);
+    match fault {
+        Fault::Kill if step == args.fault_at => kill_self(rank, &format!("after step {step}")),
+        Fault::KillInSave if step >= args.fault_at && saves => {
+            kill_during_next_save(rank, args.project_dir.join("checkpoints"))
+        }
+        Fault::Hang if step == args.fault_at => {
+            eprintln!("fault: rank {rank} hangs after step {step}");
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(60));
+            }
+        }
+        Fault::Error if step == args.fault_at => {
+            return Err(burn_accelerate::Error::other(format!(
+                "rank {rank} fails on purpose after step {step}"
+            )));
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Progress of the run, registered for checkpointing.
@@ -82,15 +181,16 @@ fn run(accelerator: Accelerator, args: &Args, initial: Mlp) -> Result<f64> {
             .build(mlp::dataset(args.samples, 3)),
     )?;
 
-    if args.resume {
-        let mut state = accelerator.load_state(None)?;
+    // With `--resume`, or when `launch --max-restarts` restarted the job: the latest complete checkpoint, if any.
+    if let Some(mut state) = accelerator.resume()? {
         model = state.model(model)?;
         state.optimizer(&mut optimizer)?;
         state.scheduler(&mut scheduler)?;
         accelerator.print(format!(
-            "resumed from {} at step {}",
+            "resumed from {} at step {} (restart {})",
             state.dir().display(),
-            progress.lock().unwrap().step
+            progress.lock().unwrap().step,
+            accelerator.restart_count()
         ));
         state.finish()?;
     }
@@ -104,6 +204,7 @@ fn run(accelerator: Accelerator, args: &Args, initial: Mlp) -> Result<f64> {
             scheduler.step();
             step += 1;
             progress.lock().unwrap().step = step;
+            inject(args, &accelerator, step)?;
             if step % args.save_every == 0 {
                 let parts = StateToSave::new()
                     .model(&model)?
@@ -117,6 +218,9 @@ fn run(accelerator: Accelerator, args: &Args, initial: Mlp) -> Result<f64> {
             }
         }
     }
+    if let Some(dir) = &args.save_final {
+        accelerator.save_model(&model, dir, "10GB", true)?;
+    }
     let eval = SampleBatcher.batch(mlp::samples(512, 99), accelerator.device());
     Ok(model.loss(eval).into_scalar::<f32>() as f64)
 }
@@ -126,9 +230,11 @@ fn main() {
     let device = Device::default();
     device.seed(7);
     let initial = Mlp::new(&device);
-    let builder = Accelerator::builder().project_configuration(
-        ProjectConfiguration::new(&args.project_dir).total_limit(args.total_limit),
-    );
+    let builder = Accelerator::builder()
+        .project_configuration(
+            ProjectConfiguration::new(&args.project_dir).total_limit(args.total_limit),
+        )
+        .resume_from_latest(args.resume);
     match ranks::run_ranks(builder, args.processes, |acc| {
         run(acc, &args, initial.clone())
     }) {

@@ -5,11 +5,14 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus};
+use std::process::Command;
+use std::time::Duration;
 
 use burn_accelerate::MixedPrecision;
 use burn_accelerate::config::{AcceleratorConfig, Source};
 use clap::Args;
+
+use crate::restart::{self, Decision, Failure, RESTART_COUNT_VAR, RestartPolicy};
 
 /// What `launch` takes; each flag also has Accelerate's underscore spelling.
 #[derive(Args, Debug, Clone)]
@@ -54,6 +57,26 @@ pub struct LaunchArgs {
         visible_alias = "num_cpu_threads_per_process"
     )]
     pub num_cpu_threads_per_process: Option<usize>,
+    /// Restarts of the whole job allowed after a rank is killed, hangs (its collective times out) or mpirun
+    /// fails; the restarted job resumes from its latest complete checkpoint (`Accelerator::resume`) and reads
+    /// its restart count from ACCELERATE_RESTART_COUNT.
+    #[arg(
+        long = "max-restarts",
+        visible_alias = "max_restarts",
+        default_value_t = 0
+    )]
+    pub max_restarts: usize,
+    /// Restarts a job whose process exited with an error of its own (an `Err` from `main`, a panic) too; such
+    /// errors usually happen again, so by default they end the launch.
+    #[arg(long = "restart-on-error", visible_alias = "restart_on_error")]
+    pub restart_on_error: bool,
+    /// Seconds to wait before the first restart, doubled before each next one (up to 60).
+    #[arg(
+        long = "restart-backoff",
+        visible_alias = "restart_backoff",
+        default_value_t = 1.0
+    )]
+    pub restart_backoff: f64,
     /// The program, then its own arguments.
     #[arg(
         required = true,
@@ -285,150 +308,251 @@ fn links_mpi(program: &Path) -> bool {
     std::fs::read(program).is_ok_and(|bytes| bytes.windows(6).any(|w| w == b"libmpi"))
 }
 
-/// Runs the launch; returns the exit code for this process.
+/// The restart rule the flags ask for.
+fn restart_policy(args: &LaunchArgs) -> Result<RestartPolicy, LaunchError> {
+    if !(args.restart_backoff.is_finite() && args.restart_backoff >= 0.0) {
+        return Err(fail(format!(
+            "--restart-backoff {}: give the seconds to wait before a restart as a number of 0 or more",
+            args.restart_backoff
+        )));
+    }
+    Ok(RestartPolicy {
+        max_restarts: args.max_restarts,
+        on_error: args.restart_on_error,
+        backoff: Duration::from_secs_f64(args.restart_backoff.min(3600.0)),
+    })
+}
+
+/// Runs the launch, restarting the job as `--max-restarts` allows; returns the exit code for this process.
 pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
     let plan = Plan::resolve(args)?;
+    let policy = restart_policy(args)?;
     eprintln!("{}", plan.describe());
     let program = &args.program[0];
     let rest = &args.program[1..];
     let distributed = plan.num_processes > 1 || plan.hostfile.is_some();
-    if !distributed {
-        let status = Command::new(program)
-            .args(rest)
-            .envs(plan.env.iter().map(|(k, v)| (*k, v)))
-            .status()
-            .map_err(|e| fail(format!("cannot start {}: {e}", program.to_string_lossy())))?;
-        return Ok(exit_code(status));
-    }
-    let path = locate(program).ok_or_else(|| {
-        fail(format!(
-            "{} not found (give a path, or put it on PATH)",
-            program.to_string_lossy()
-        ))
-    })?;
-    if !links_mpi(&path) {
-        return Err(fail(format!(
-            "{} was built without burn-accelerate's `mpi` feature, so its {} processes would each run alone; \
-             rebuild it with `--features burn-accelerate/mpi` (Debian: apt-get install libopenmpi-dev openmpi-bin \
-             libclang-dev pkg-config)",
-            path.display(),
-            plan.num_processes
-        )));
-    }
-    mpirun(&plan, &path, rest)
-}
-
-/// Runs the job through `mpirun` and names the rank that failed.
-fn mpirun(plan: &Plan, program: &Path, args: &[OsString]) -> Result<i32, LaunchError> {
-    let open_mpi = Command::new("mpirun")
-        .arg("--version")
-        .output()
-        .map_err(|e| {
+    let path = if distributed {
+        let path = locate(program).ok_or_else(|| {
             fail(format!(
-                "cannot run mpirun ({e}); install an MPI launcher (Debian: apt-get install openmpi-bin)"
+                "{} not found (give a path, or put it on PATH)",
+                program.to_string_lossy()
             ))
-        })
-        .map(|out| String::from_utf8_lossy(&out.stdout).contains("Open MPI"))?;
-    let status_dir =
-        std::env::temp_dir().join(format!("burn-accelerate-launch-{}", std::process::id()));
-    std::fs::create_dir_all(&status_dir)
-        .map_err(|e| fail(format!("creating {}: {e}", status_dir.display())))?;
-    let mut command = Command::new("mpirun");
-    command.arg("-np").arg(plan.num_processes.to_string());
-    match &plan.hostfile {
-        Some(hostfile) => {
-            command.arg("--hostfile").arg(hostfile);
-        }
-        None if open_mpi => {
-            // One machine: as many ranks as asked, whatever the number of cores (as torchrun does).
-            command.arg("--oversubscribe");
-        }
-        None => {}
-    }
-    let status_var = burn_accelerate::distributed::comm::STATUS_DIR_VAR;
-    let mut env: Vec<(&str, String)> = plan.env.clone();
-    env.push((status_var, status_dir.display().to_string()));
-    if let Some(file) = burn_accelerate::config::config_file() {
-        env.push(("ACCELERATE_CONFIG_FILE", file.display().to_string()));
-    }
-    if open_mpi {
-        // Open MPI passes only the variables named with -x to ranks on other machines.
-        for (key, _) in &env {
-            command.arg("-x").arg(key);
-        }
-        allow_root(&mut command);
-    }
-    command.envs(env.iter().map(|(k, v)| (*k, v)));
-    command.arg(program).args(args);
-    command.stderr(std::process::Stdio::piped());
-    let mut child = command
-        .spawn()
-        .map_err(|e| fail(format!("cannot start mpirun: {e}")))?;
-    // mpirun's messages pass through unchanged; its report of a rank that died is kept to name it.
-    let Some(stderr) = child.stderr.take() else {
-        return Err(fail("mpirun's error stream was not captured"));
-    };
-    let watcher = std::thread::Builder::new()
-        .name("mpirun-stderr".into())
-        .spawn(move || {
-            use std::io::{BufRead, Write};
-            let mut died = None;
-            for line in std::io::BufReader::new(stderr)
-                .lines()
-                .map_while(|l| l.ok())
-            {
-                let _ = writeln!(std::io::stderr(), "{line}");
-                died = died.or_else(|| rank_death(&line));
-            }
-            died
-        });
-    let watcher = match watcher {
-        Ok(w) => w,
-        Err(e) => {
-            // mpirun is running with a pipe nobody reads: stop it rather than leave it blocked.
-            let _ = child.kill();
-            let _ = child.wait();
+        })?;
+        if !links_mpi(&path) {
             return Err(fail(format!(
-                "cannot start a thread to read mpirun's messages: {e}"
+                "{} was built without burn-accelerate's `mpi` feature, so its {} processes would each run alone; \
+                 rebuild it with `--features burn-accelerate/mpi` (Debian: apt-get install libopenmpi-dev \
+                 openmpi-bin libclang-dev pkg-config)",
+                path.display(),
+                plan.num_processes
             )));
         }
+        Some(path)
+    } else {
+        None
     };
-    let status = child
-        .wait()
-        .map_err(|e| fail(format!("waiting for mpirun: {e}")))?;
-    let died = watcher.join().ok().flatten();
-    let failed = failed_ranks(&status_dir);
-    let _ = std::fs::remove_dir_all(&status_dir);
-    if status.success() {
-        return Ok(0);
-    }
-    let code = exit_code(status);
-    if failed.is_empty() {
-        match died {
-            Some((rank, how)) => eprintln!(
-                "burn-accelerate launch: rank {rank} {how} (killed: out of memory, or a signal); the other ranks \
-                 were stopped"
-            ),
-            None => eprintln!(
-                "burn-accelerate launch: the job failed (mpirun exit status {code}); no rank reported its own \
-                 failure: see mpirun's message above"
-            ),
+    let mut restarts = 0;
+    loop {
+        let attempt = Attempt {
+            plan: &plan,
+            restart: restarts,
+        };
+        let failure = match &path {
+            Some(path) => attempt.mpirun(path, rest)?,
+            None => attempt.single(program, rest)?,
+        };
+        let Some(failure) = failure else {
+            if restarts > 0 {
+                eprintln!(
+                    "burn-accelerate launch: the job completed after {restarts} restart{}",
+                    if restarts == 1 { "" } else { "s" }
+                );
+            }
+            return Ok(0);
+        };
+        let stopped = if distributed {
+            "; the other ranks were stopped"
+        } else {
+            ""
+        };
+        match policy.decide(&failure, restarts) {
+            Decision::Restart { restart, delay } => {
+                eprintln!(
+                    "burn-accelerate launch: {failure}{stopped}; restart {restart} of {} in {:.1} s, resuming from \
+                     the latest complete checkpoint",
+                    policy.max_restarts,
+                    delay.as_secs_f64()
+                );
+                std::thread::sleep(delay);
+                restarts = restart;
+            }
+            Decision::GiveUp(why) if policy.max_restarts == 0 => {
+                let _ = why;
+                eprintln!("burn-accelerate launch: {failure}{stopped}");
+                return Ok(failure.code());
+            }
+            Decision::GiveUp(why) => {
+                eprintln!("burn-accelerate launch: {failure}{stopped}; {why}");
+                return Ok(failure.code());
+            }
         }
-        return Ok(code);
     }
-    let names: Vec<String> = failed
-        .iter()
-        .map(|(rank, status)| format!("rank {rank} exited with status {status}"))
-        .collect();
-    eprintln!(
-        "burn-accelerate launch: {}; the other ranks were stopped",
-        names.join(", ")
-    );
-    Ok(failed
-        .first()
-        .map(|(_, s)| *s)
-        .filter(|s| *s != 0)
-        .unwrap_or(code))
+}
+
+/// One run of the job: restart number `restart` of `plan`.
+struct Attempt<'a> {
+    plan: &'a Plan,
+    restart: usize,
+}
+
+impl Attempt<'_> {
+    /// The variables every process of this run gets: the plan's, and the restart count.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = self.plan.env.clone();
+        env.push((RESTART_COUNT_VAR, self.restart.to_string()));
+        env
+    }
+
+    /// Runs the program as one process; returns how it failed, if it did.
+    fn single(
+        &self,
+        program: &OsString,
+        args: &[OsString],
+    ) -> Result<Option<Failure>, LaunchError> {
+        let status = Command::new(program)
+            .args(args)
+            .envs(self.env().iter().map(|(k, v)| (*k, v)))
+            .status()
+            .map_err(|e| fail(format!("cannot start {}: {e}", program.to_string_lossy())))?;
+        Ok(Failure::of_process(status))
+    }
+}
+
+impl Attempt<'_> {
+    /// Runs the job through `mpirun`; returns how it failed, if it did, naming the rank.
+    fn mpirun(&self, program: &Path, args: &[OsString]) -> Result<Option<Failure>, LaunchError> {
+        let plan = self.plan;
+        let open_mpi = Command::new("mpirun")
+            .arg("--version")
+            .output()
+            .map_err(|e| {
+                fail(format!(
+                    "cannot run mpirun ({e}); install an MPI launcher (Debian: apt-get install openmpi-bin)"
+                ))
+            })
+            .map(|out| String::from_utf8_lossy(&out.stdout).contains("Open MPI"))?;
+        let status_dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-launch-{}-{}",
+            std::process::id(),
+            self.restart
+        ));
+        let _ = std::fs::remove_dir_all(&status_dir);
+        std::fs::create_dir_all(&status_dir)
+            .map_err(|e| fail(format!("creating {}: {e}", status_dir.display())))?;
+        let mut command = Command::new("mpirun");
+        command.arg("-np").arg(plan.num_processes.to_string());
+        match &plan.hostfile {
+            Some(hostfile) => {
+                command.arg("--hostfile").arg(hostfile);
+            }
+            None if open_mpi => {
+                // One machine: as many ranks as asked, whatever the number of cores (as torchrun does).
+                command.arg("--oversubscribe");
+            }
+            None => {}
+        }
+        let status_var = burn_accelerate::distributed::comm::STATUS_DIR_VAR;
+        let mut env = self.env();
+        env.push((status_var, status_dir.display().to_string()));
+        if let Some(file) = burn_accelerate::config::config_file() {
+            env.push(("ACCELERATE_CONFIG_FILE", file.display().to_string()));
+        }
+        if open_mpi {
+            // Open MPI passes only the variables named with -x to ranks on other machines.
+            for (key, _) in &env {
+                command.arg("-x").arg(key);
+            }
+            allow_root(&mut command);
+        }
+        command.envs(env.iter().map(|(k, v)| (*k, v)));
+        command.arg(program).args(args);
+        command.stderr(std::process::Stdio::piped());
+        let mut child = command
+            .spawn()
+            .map_err(|e| fail(format!("cannot start mpirun: {e}")))?;
+        // mpirun's messages pass through unchanged; its report of a rank that died is kept to name it.
+        let Some(stderr) = child.stderr.take() else {
+            return Err(fail("mpirun's error stream was not captured"));
+        };
+        let watcher = std::thread::Builder::new()
+            .name("mpirun-stderr".into())
+            .spawn(move || {
+                use std::io::{BufRead, Write};
+                let mut died = None;
+                for line in std::io::BufReader::new(stderr)
+                    .lines()
+                    .map_while(|l| l.ok())
+                {
+                    let _ = writeln!(std::io::stderr(), "{line}");
+                    died = died.or_else(|| rank_death(&line));
+                }
+                died
+            });
+        let watcher = match watcher {
+            Ok(w) => w,
+            Err(e) => {
+                // mpirun is running with a pipe nobody reads: stop it rather than leave it blocked.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(fail(format!(
+                    "cannot start a thread to read mpirun's messages: {e}"
+                )));
+            }
+        };
+        let status = child
+            .wait()
+            .map_err(|e| fail(format!("waiting for mpirun: {e}")))?;
+        let died = watcher.join().ok().flatten();
+        let reports = rank_reports(&status_dir);
+        let _ = std::fs::remove_dir_all(&status_dir);
+        if status.success() {
+            return Ok(None);
+        }
+        Ok(Some(classify(&reports, died, restart::exit_code(status))))
+    }
+}
+
+/// What a rank's status file says: its exit status, and the library's reason when it ended the job itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RankReport {
+    rank: usize,
+    status: i32,
+    timed_out: bool,
+}
+
+/// Why the job failed: a rank's error of its own first (the cause; the others were stopped because of it),
+/// then a collective that timed out (a rank hung), then a rank mpirun saw die of a signal.
+fn classify(reports: &[RankReport], died: Option<(usize, String)>, code: i32) -> Failure {
+    if let Some(own) = reports.iter().find(|r| !r.timed_out) {
+        return Failure::Error {
+            rank: Some(own.rank),
+            status: if own.status != 0 { own.status } else { code },
+        };
+    }
+    if let Some(timeout) = reports.first() {
+        return Failure::Timeout {
+            rank: timeout.rank,
+            code: timeout.status,
+        };
+    }
+    match died {
+        Some((rank, how)) => Failure::Killed {
+            rank: Some(rank),
+            how,
+            code,
+        },
+        None => Failure::Unexplained { code },
+    }
 }
 
 /// The rank and the manner of death in Open MPI's report `... process rank 1 with PID 42 on node n exited on
@@ -440,9 +564,9 @@ fn rank_death(line: &str) -> Option<(usize, String)> {
     Some((rank, format!("exited {how}")))
 }
 
-/// The ranks that left a status file, with their status, in rank order.
-fn failed_ranks(dir: &Path) -> Vec<(usize, i32)> {
-    let mut failed: Vec<(usize, i32)> = std::fs::read_dir(dir)
+/// The ranks that left a status file, in rank order.
+fn rank_reports(dir: &Path) -> Vec<RankReport> {
+    let mut reports: Vec<RankReport> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
@@ -453,27 +577,23 @@ fn failed_ranks(dir: &Path) -> Vec<(usize, i32)> {
                 .strip_suffix(".status")?
                 .parse()
                 .ok()?;
-            let status = std::fs::read_to_string(entry.path())
-                .ok()?
-                .trim()
-                .parse()
-                .ok()?;
-            Some((rank, status))
+            parse_report(rank, &std::fs::read_to_string(entry.path()).ok()?)
         })
         .collect();
-    failed.sort();
-    failed
+    reports.sort_by_key(|r| r.rank);
+    reports
 }
 
-fn exit_code(status: ExitStatus) -> i32 {
-    #[cfg(unix)]
-    {
-        use std::os::unix::process::ExitStatusExt;
-        if let Some(signal) = status.signal() {
-            return 128 + signal;
-        }
-    }
-    status.code().unwrap_or(1)
+/// Reads `<status>[ <reason>]`.
+fn parse_report(rank: usize, text: &str) -> Option<RankReport> {
+    let mut words = text.split_whitespace();
+    let status = words.next()?.parse().ok()?;
+    let timed_out = words.next() == Some(burn_accelerate::distributed::comm::TIMEOUT_REASON);
+    Some(RankReport {
+        rank,
+        status,
+        timed_out,
+    })
 }
 
 /// Lets Open MPI's `mpirun` start ranks when this process runs as root (it refuses otherwise, as in containers).
@@ -542,5 +662,44 @@ mod tests {
             Some((1, "exited on signal 9 (Killed)".to_string()))
         );
         assert_eq!(super::rank_death("Primary job  terminated normally"), None);
+    }
+
+    #[test]
+    fn a_rank_error_of_its_own_outranks_the_timeouts_and_deaths_it_caused() {
+        use super::{RankReport, classify, parse_report};
+        use crate::restart::Failure;
+        let timeout = parse_report(0, "70 collective-timeout\n").unwrap();
+        assert!(timeout.timed_out);
+        let own = parse_report(2, "1").unwrap();
+        assert_eq!(
+            own,
+            RankReport {
+                rank: 2,
+                status: 1,
+                timed_out: false
+            }
+        );
+        assert_eq!(parse_report(1, "garbage"), None);
+        let died = || Some((1, "exited on signal 9 (Killed)".to_string()));
+        assert_eq!(
+            classify(&[timeout.clone(), own], died(), 1),
+            Failure::Error {
+                rank: Some(2),
+                status: 1
+            }
+        );
+        assert_eq!(
+            classify(&[timeout], died(), 70),
+            Failure::Timeout { rank: 0, code: 70 }
+        );
+        assert!(matches!(
+            classify(&[], died(), 137),
+            Failure::Killed {
+                rank: Some(1),
+                code: 137,
+                ..
+            }
+        ));
+        assert_eq!(classify(&[], None, 3), Failure::Unexplained { code: 3 });
     }
 }

@@ -6,6 +6,7 @@ mod env_report;
 mod estimate;
 mod launch;
 mod questionnaire;
+mod restart;
 mod selftest;
 
 use std::path::PathBuf;

@@ -262,6 +262,9 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             debug: false,
             cpu: false,
             num_cpu_threads_per_process: None,
+            max_restarts: 0,
+            restart_on_error: false,
+            restart_backoff: 1.0,
             program: vec![exe.into_os_string(), "test-worker".into()],
         };
         return crate::launch::run(&launch);

@@ -1,0 +1,241 @@
+//! `burn-accelerate launch --max-restarts` (feature `mpi`; needs Open MPI's `mpirun`): the checkpointing example,
+//! on 2 MPI ranks, has a rank SIGKILLed at random steps (one of them during `save_state`), hang, or fail with an
+//! error of its own; each restarted job must end with the weights of an uninterrupted run, bit for bit, and
+//! only the failures a restart can cure are restarted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+#[path = "support/examples.rs"]
+mod examples;
+
+use examples::{cli, example};
+
+/// Steps of every run (the example saves every 25: 12 checkpoints).
+const STEPS: usize = 300;
+const SAVE_EVERY: usize = 25;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("restarts-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `launch --num-processes 2 <launch_args> checkpointing --project-dir <dir>/run --save-final <dir>/final
+/// <example_args>`.
+fn launch(dir: &Path, launch_args: &[&str], example_args: &[&str]) -> Output {
+    Command::new(cli())
+        .args(["launch", "--num-processes", "2", "--restart-backoff", "0.1"])
+        .args(launch_args)
+        .arg(example("checkpointing"))
+        .arg("--project-dir")
+        .arg(dir.join("run"))
+        .arg("--save-final")
+        .arg(dir.join("final"))
+        .args(["--steps", &STEPS.to_string()])
+        .args(["--save-every", &SAVE_EVERY.to_string()])
+        .args(example_args)
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "6")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("burn-accelerate launch runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn weights(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join("final/model.safetensors"))
+        .unwrap_or_else(|e| panic!("no final weights in {}: {e}", dir.display()))
+}
+
+/// The final weights of an uninterrupted 2-rank run.
+fn reference() -> &'static [u8] {
+    static REFERENCE: OnceLock<Vec<u8>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let dir = temp_dir("reference");
+        let out = launch(&dir, &[], &[]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let bytes = weights(&dir);
+        std::fs::remove_dir_all(&dir).ok();
+        bytes
+    })
+}
+
+/// A small random generator (xorshift64*), seeded from the clock unless `RESTART_TRIALS_SEED` is set.
+struct Random(u64);
+
+impl Random {
+    fn new() -> (Self, u64) {
+        let seed = std::env::var("RESTART_TRIALS_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+        (Self(seed | 1), seed)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    }
+}
+
+/// The step the restarted run resumed at (0: it started from scratch, no checkpoint being complete).
+fn resumed_step(stdout: &str) -> usize {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("resumed from ")?.split(" at step ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn ranks_killed_at_random_steps_restart_and_end_with_the_uninterrupted_weights() {
+    let reference = reference();
+    let (mut random, seed) = Random::new();
+    // Five kills after distinct random steps, then one while a random checkpoint is being written.
+    let mut steps: Vec<usize> = Vec::new();
+    while steps.len() < 5 {
+        let step = 1 + random.below(STEPS - 1);
+        if !steps.contains(&step) {
+            steps.push(step);
+        }
+    }
+    let save_step = SAVE_EVERY * (1 + random.below(STEPS / SAVE_EVERY - 1));
+    let trials: Vec<(&str, usize, usize)> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, &step)| ("kill", step, i % 2))
+        .chain([("kill-in-save", save_step, random.below(2))])
+        .collect();
+    let mut rows = Vec::new();
+    for (i, (fault, step, rank)) in trials.iter().enumerate() {
+        let dir = temp_dir(&format!("trial{i}"));
+        let (step_text, rank_text) = (step.to_string(), rank.to_string());
+        let out = launch(
+            &dir,
+            &["--max-restarts", "3"],
+            &[
+                "--fault",
+                fault,
+                "--fault-at",
+                &step_text,
+                "--fault-rank",
+                &rank_text,
+            ],
+        );
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        let context = format!("trial {i} ({fault} rank {rank} at step {step}, seed {seed})");
+        assert!(out.status.success(), "{context}\n{stdout}\n{stderr}");
+        assert!(
+            stderr.contains(&format!("rank {rank} exited on signal 9"))
+                && stderr.contains("restart 1 of 3")
+                && stderr.contains("completed after 1 restart"),
+            "{context}: the kill and the restart are reported\n{stderr}"
+        );
+        if *fault == "kill-in-save" {
+            assert!(
+                stderr.contains("is killed during save_state"),
+                "{context}: the kill landed outside the save\n{stderr}"
+            );
+        }
+        let resumed = resumed_step(&stdout);
+        // The latest complete checkpoint: the one before the interrupted save, or before the kill.
+        let expected = if *fault == "kill-in-save" {
+            step - SAVE_EVERY
+        } else {
+            // A kill after a save step lands before that step's save.
+            (step - 1) / SAVE_EVERY * SAVE_EVERY
+        };
+        assert_eq!(resumed, expected, "{context}\n{stdout}");
+        let identical = weights(&dir) == reference;
+        rows.push(format!(
+            "{fault:>12} rank {rank} step {step:>3}: completed, resumed at {resumed:>3} ({} steps lost), \
+             weights {}",
+            step - resumed,
+            if identical { "identical" } else { "DIFFERENT" }
+        ));
+        assert!(identical, "{context}: the final weights differ\n{stdout}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    eprintln!(
+        "restart trials (seed {seed}): {} run, {} completed, {} identical\n{}",
+        trials.len(),
+        rows.len(),
+        rows.len(),
+        rows.join("\n")
+    );
+}
+
+#[test]
+fn a_hung_rank_is_turned_into_a_restart_by_the_collective_timeout() {
+    let reference = reference();
+    let dir = temp_dir("hang");
+    let out = launch(
+        &dir,
+        &["--max-restarts", "2"],
+        &["--fault", "hang", "--fault-at", "60"],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("timed out") && stderr.contains("restart 1 of 2"),
+        "{stderr}"
+    );
+    assert_eq!(resumed_step(&stdout), 50, "{stdout}");
+    assert!(weights(&dir) == reference, "the final weights differ");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn an_error_of_the_programs_own_is_restarted_only_when_asked() {
+    let reference = reference();
+    let dir = temp_dir("error");
+    let fault = ["--fault", "error", "--fault-at", "80"];
+    let out = launch(&dir, &["--max-restarts", "3"], &fault);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 exited with status 1") && stderr.contains("--restart-on-error"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restart 1 of"), "{stderr}");
+
+    std::fs::remove_dir_all(&dir).ok();
+    let out = launch(&dir, &["--max-restarts", "3", "--restart-on-error"], &fault);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("restart 1 of 3"), "{stderr}");
+    assert!(weights(&dir) == reference, "the final weights differ");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn exhausted_restarts_end_the_launch_naming_the_last_failure() {
+    let dir = temp_dir("exhausted");
+    // The rank is killed on every run.
+    let out = launch(
+        &dir,
+        &["--max-restarts", "2"],
+        &["--fault", "kill", "--fault-at", "30", "--fault-runs", "9"],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 9), "{stderr}");
+    assert!(
+        stderr.contains("restart 2 of 2")
+            && stderr.contains("rank 1 exited on signal 9")
+            && stderr.contains("gave up after 2 restarts"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
