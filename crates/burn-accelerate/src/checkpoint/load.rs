@@ -16,6 +16,7 @@ use crate::precision::LossScaler;
 
 /// A checkpoint read back by `load_state`: restore its parts into the training loop's objects, in the order
 /// they were saved, then call [`finish`](Self::finish) to check that nothing was left out.
+#[derive(Debug)]
 pub struct LoadedState {
     dir: PathBuf,
     manifest: Manifest,

@@ -29,6 +29,34 @@ fn root_cause_rank(error: &Error) -> u8 {
     }
 }
 
+/// One compute thread pool per rank, each with its share of the cores (the CPU backends' parallel kernels run
+/// in the pool of the thread that calls them), unless the user sized the pools (`RAYON_NUM_THREADS`) or there
+/// is one rank.
+fn rank_pools(num_processes: usize) -> Option<Vec<rayon::ThreadPool>> {
+    if num_processes <= 1 || std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads_per_rank(cores, num_processes);
+    log::debug!(
+        "{num_processes} in-process ranks on {cores} cores: {threads} compute thread(s) each"
+    );
+    (0..num_processes)
+        .map(|rank| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(move |i| format!("rank-{rank}-compute-{i}"))
+                .build()
+                .ok()
+        })
+        .collect()
+}
+
+/// Each of `ranks` ranks' share of `cores` compute threads (at least one).
+fn threads_per_rank(cores: usize, ranks: usize) -> usize {
+    (cores / ranks.max(1)).max(1)
+}
+
 /// Runs `f` on `num_processes` ranks, one thread each, every one given its rank's cluster environment over one
 /// in-process group whose collectives give up after `timeout`. Returns every rank's result in rank order, or
 /// the error that caused the failure (a panic, or the first rank's own error rather than the errors it caused
@@ -47,6 +75,8 @@ where
         ));
     }
     let group = InProcessGroup::new(num_processes, timeout);
+    let pools = rank_pools(num_processes);
+    let pools = &pools;
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..num_processes)
             .map(|rank| {
@@ -56,7 +86,10 @@ where
                     .spawn_scoped(scope, move || {
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
                             let cluster = InProcess::new(Arc::new(group.comm(rank)));
-                            f(&cluster)
+                            match &pools {
+                                Some(pools) => pools[rank].install(|| f(&cluster)),
+                                None => f(&cluster),
+                            }
                         }));
                         match outcome {
                             Ok(Ok(value)) => {
@@ -115,5 +148,31 @@ where
     match first_error {
         Some(e) => Err(e),
         None => Ok(values),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_computes_on_its_share_of_the_cores() {
+        assert_eq!(threads_per_rank(8, 2), 4);
+        assert_eq!(threads_per_rank(8, 3), 2);
+        assert_eq!(threads_per_rank(2, 4), 1, "never 0");
+        let threads = launch_ranks(2, Duration::from_secs(30), |_| {
+            Ok(rayon::current_num_threads())
+        })
+        .unwrap();
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            assert_eq!(threads, vec![threads_per_rank(cores, 2); 2]);
+        }
+        // One rank keeps the process's own pool.
+        let one = launch_ranks(1, Duration::from_secs(30), |_| {
+            Ok(rayon::current_num_threads())
+        })
+        .unwrap();
+        assert_eq!(one, vec![rayon::current_num_threads()]);
     }
 }
