@@ -136,9 +136,18 @@ impl Plan {
             return Err(fail("--num-processes must be at least 1"));
         }
         if machine_rank > 0 {
+            let program: Vec<String> = args
+                .program
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
             return Err(fail(format!(
-                "--machine-rank {machine_rank}: run `burn-accelerate launch` on machine 0 only, with --hostfile; mpirun \
-                 starts the ranks of every machine from there"
+                "--machine-rank {machine_rank}: mpirun starts the ranks of every machine from machine 0, so nothing \
+                 runs here; on machine 0 alone run `burn-accelerate launch --num-machines {num_machines} \
+                 --num-processes {num_processes} --hostfile hosts {}`, with `hosts` holding one line per machine \
+                 (`<host> slots=<processes>`); under SLURM, `srun --mpi=pmix {}` instead",
+                program.join(" "),
+                program.join(" ")
             )));
         }
         if num_machines > 1 && args.hostfile.is_none() {

@@ -142,11 +142,93 @@ fn several_processes_of_a_program_without_mpi_are_refused_before_starting() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--hostfile"));
+    // A machine other than 0 is told the exact command to run on machine 0 instead.
     let out = launch()
-        .args(["--machine-rank", "1", "true"])
+        .args([
+            "--num-machines",
+            "2",
+            "--num-processes",
+            "4",
+            "--machine-rank",
+            "1",
+        ])
+        .args(["train", "--epochs", "3"])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("machine 0 only"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "on machine 0 alone run `burn-accelerate launch --num-machines 2 --num-processes 4 --hostfile hosts \
+             train --epochs 3`"
+        ) && stderr.contains("srun --mpi=pmix train --epochs 3"),
+        "{stderr}"
+    );
+}
+
+/// `launch --max-restarts <n> --restart-backoff 0 <args>` of a shell script.
+fn restarting(max_restarts: &str, extra: &[&str], script: &str) -> (Option<i32>, String) {
+    let out = launch()
+        .args(["--max-restarts", max_restarts, "--restart-backoff", "0"])
+        .args(extra)
+        .args(["sh", "-c", script])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[cfg(unix)]
+#[test]
+fn a_killed_program_is_restarted_with_its_restart_count_until_the_limit() {
+    // Killed on its first run only: the restart succeeds and sees its count.
+    let (code, stderr) = restarting(
+        "3",
+        &[],
+        r#"[ "$ACCELERATE_RESTART_COUNT" -ge 1 ] || kill -9 $$; echo "restart $ACCELERATE_RESTART_COUNT" >&2"#,
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("the program was ended by signal 9")
+            && stderr.contains("restart 1 of 3")
+            && stderr.contains("\nrestart 1\n")
+            && stderr.contains("completed after 1 restart"),
+        "{stderr}"
+    );
+    // Killed on every run: two restarts, then the signal's status and the reason.
+    let (code, stderr) = restarting("2", &[], "kill -9 $$");
+    assert_eq!(code, Some(128 + 9), "{stderr}");
+    assert!(
+        stderr.contains("restart 2 of 2") && stderr.contains("gave up after 2 restarts"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_error_of_the_programs_own_is_restarted_only_with_restart_on_error() {
+    let (code, stderr) = restarting("3", &[], "exit 3");
+    assert_eq!(code, Some(3), "{stderr}");
+    assert!(
+        stderr.contains("the program exited with status 3")
+            && stderr.contains("--restart-on-error"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restart 1 of"), "{stderr}");
+    let (code, stderr) = restarting(
+        "3",
+        &["--restart-on-error"],
+        r#"[ "$ACCELERATE_RESTART_COUNT" -ge 2 ] || exit 3"#,
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("completed after 2 restarts"), "{stderr}");
+    let (code, stderr) = restarting("1", &["--restart-backoff=-1"], "true");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--restart-backoff -1: give the seconds"),
+        "{stderr}"
+    );
 }
 
 #[test]
