@@ -43,18 +43,26 @@ struct Run {
 }
 
 fn setup(acc: &Accelerator, start: &Mlp) -> Result<Run> {
+    setup_with_workers(acc, start, 0)
+}
+
+/// [`setup`] with a loader of `workers` worker threads.
+fn setup_with_workers(acc: &Accelerator, start: &Mlp, workers: usize) -> Result<Run> {
     let model = acc.prepare_model(start.clone())?;
     let optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
     let schedule = LinearLrSchedulerConfig::new(1e-2, 1e-3, 100)
         .init()
         .unwrap();
     let scheduler = acc.prepare_scheduler(schedule, &optimizer);
-    let loader = acc.prepare_dataloader(
-        DataLoaderBuilder::new(SampleBatcher)
-            .batch_size(8)
-            .shuffle(5)
-            .build(mlp::dataset(100, 2)),
-    )?;
+    let builder = DataLoaderBuilder::new(SampleBatcher)
+        .batch_size(8)
+        .shuffle(5);
+    let builder = if workers > 0 {
+        builder.num_workers(workers)
+    } else {
+        builder
+    };
+    let loader = acc.prepare_dataloader(builder.build(mlp::dataset(100, 2)))?;
     Ok(Run {
         model,
         optimizer,
@@ -95,9 +103,15 @@ fn optimizer_fingerprint(acc: &Accelerator, run: &Run) -> Result<Vec<Vec<f32>>> 
     Ok(weights(&model))
 }
 
+/// A run stopped mid-epoch, saved and resumed (its loaders with `workers` threads) against one straight run
+/// without workers.
 fn exact_resume(ranks: usize) {
+    exact_resume_with_workers(ranks, 0);
+}
+
+fn exact_resume_with_workers(ranks: usize, workers: usize) {
     let start = initial();
-    let dir = temp_dir(&format!("resume{ranks}"));
+    let dir = temp_dir(&format!("resume{ranks}-{workers}"));
     // 7 batches of 8 per epoch on one rank (100 samples): 10 steps stop mid-epoch.
     let (n, total) = (10, 20);
     let straight = Accelerator::builder()
@@ -113,7 +127,7 @@ fn exact_resume(ranks: usize) {
         .unwrap();
     Accelerator::builder()
         .launch(ranks, |acc| {
-            let mut run = setup(&acc, &start)?;
+            let mut run = setup_with_workers(&acc, &start, workers)?;
             train(&acc, &mut run, n)?;
             let parts = StateToSave::new()
                 .model(&run.model)?
@@ -126,7 +140,7 @@ fn exact_resume(ranks: usize) {
     let resumed = Accelerator::builder()
         .launch(ranks, |acc| {
             // Fresh objects, different initial weights: everything must come from the checkpoint.
-            let mut run = setup(&acc, &initial())?;
+            let mut run = setup_with_workers(&acc, &initial(), workers)?;
             let mut state = acc.load_state(Some(&dir))?;
             run.model = state.model(run.model)?;
             state.optimizer(&mut run.optimizer)?;
@@ -164,6 +178,12 @@ fn resume_mid_epoch_is_exact_on_one_rank() {
 #[test]
 fn resume_mid_epoch_is_exact_on_two_ranks() {
     exact_resume(2);
+}
+
+#[test]
+fn resume_mid_epoch_with_loader_workers_matches_a_run_without_them() {
+    exact_resume_with_workers(1, 3);
+    exact_resume_with_workers(3, 2);
 }
 
 #[test]
@@ -719,8 +739,7 @@ fn loading_the_latest_checkpoint_without_one_says_where_it_looked() {
         .unwrap();
     let message = acc
         .load_state(None)
-        .err()
-        .expect("nothing to load")
+        .expect_err("nothing to load")
         .to_string();
     let checkpoints = dir.join("checkpoints");
     assert!(
@@ -734,8 +753,7 @@ fn loading_the_latest_checkpoint_without_one_says_where_it_looked() {
     let without_project = Accelerator::new().unwrap();
     let message = without_project
         .load_state(None)
-        .err()
-        .expect("nothing to load")
+        .expect_err("nothing to load")
         .to_string();
     assert!(message.contains("no project folder is set"), "{message}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -367,3 +367,53 @@ fn data_parallel_example_gives_the_same_result_on_1_and_2_ranks() {
     assert_eq!(one.len(), 2, "{one:?}");
     assert_eq!(example_result("data_parallel", &["--processes", "2"]), one);
 }
+
+/// Each batch as its item indices, on the host.
+struct HostIds;
+impl Batcher<usize, Vec<usize>> for HostIds {
+    fn batch(&self, items: Vec<usize>, _device: &Device) -> Vec<usize> {
+        items
+    }
+}
+
+#[test]
+fn loader_workers_deal_every_rank_the_batches_of_the_loop() {
+    for ranks in [1, 3] {
+        // Two epochs of every rank's batches, with 0, 1 and 4 workers.
+        let dealt: Vec<Vec<Vec<Vec<usize>>>> = [0, 1, 4]
+            .into_iter()
+            .map(|workers| {
+                Accelerator::builder()
+                    .launch(ranks, |acc| {
+                        let builder = DataLoaderBuilder::new(HostIds).batch_size(5).shuffle(9);
+                        let builder = if workers > 0 {
+                            builder.num_workers(workers)
+                        } else {
+                            builder
+                        };
+                        let loader = acc.prepare_dataloader(
+                            builder.build(InMemDataset::new((0..103).collect())),
+                        )?;
+                        let mut batches = Vec::new();
+                        for _ in 0..2 {
+                            for batch in loader.iter() {
+                                batches.push(batch?);
+                            }
+                        }
+                        Ok(batches)
+                    })
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(dealt[1], dealt[0], "{ranks} ranks, 1 worker");
+        assert_eq!(dealt[2], dealt[0], "{ranks} ranks, 4 workers");
+        // Every item is dealt in each epoch (the last round is completed by cycling, `even_batches`).
+        let mut first_epoch: Vec<usize> = dealt[2]
+            .iter()
+            .flat_map(|rank| rank[..rank.len() / 2].concat())
+            .collect();
+        first_epoch.sort();
+        first_epoch.dedup();
+        assert_eq!(first_epoch, (0..103).collect::<Vec<_>>(), "{ranks} ranks");
+    }
+}

@@ -8,7 +8,12 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
+use super::workers::{Prefetcher, WorkerSettings};
 use crate::error::{Error, Result};
+
+/// Starts the workers of one epoch: the generic function instantiated where the item and batch types allow
+/// threads (see [`DataLoaderBuilder::num_workers`]).
+type StartWorkers<I, O> = fn(&DataLoader<I, O>, Vec<Vec<usize>>, Device) -> Prefetcher<O>;
 
 /// Builds a [`DataLoader`], with the same calls as Burn's `DataLoaderBuilder`.
 pub struct DataLoaderBuilder<I, O> {
@@ -17,6 +22,61 @@ pub struct DataLoaderBuilder<I, O> {
     shuffle: Option<u64>,
     drop_last: bool,
     device: Option<Device>,
+    workers: WorkerSettings,
+    start_workers: Option<StartWorkers<I, O>>,
+}
+
+impl<I: 'static, O: Send + 'static> DataLoaderBuilder<I, O> {
+    /// Builds batches on `n` worker threads, ahead of the loop (Burn's and PyTorch's `num_workers`; default 0:
+    /// each batch is built by the loop when it asks). The batches, their order and their content are those of
+    /// `num_workers(0)` on every rank and epoch, shuffled or not, and a resumed run continues exactly; a dataset
+    /// error or a panic in the batcher reaches the loop as an error naming the items. Batches are built on the
+    /// loader's device (a prepared loader's: the accelerator's), so a GPU upload happens on the workers too.
+    /// A batcher that draws random numbers (augmentation) draws them on the workers, in no fixed order.
+    pub fn num_workers(mut self, n: usize) -> Self {
+        self.workers.num_workers = n;
+        self.start_workers = Some(start_workers::<I, O>);
+        self
+    }
+
+    /// Batches each worker may build ahead of the loop (PyTorch's `prefetch_factor`; default 2, at least 1).
+    /// More smooths out batches of uneven cost, at the memory of that many batches.
+    pub fn prefetch_factor(mut self, batches: usize) -> Self {
+        self.workers.prefetch = batches.max(1);
+        self
+    }
+}
+
+/// Starts `loader`'s workers on `batches`.
+fn start_workers<I: 'static, O: Send + 'static>(
+    loader: &DataLoader<I, O>,
+    batches: Vec<Vec<usize>>,
+    device: Device,
+) -> Prefetcher<O> {
+    let (dataset, batcher) = (loader.dataset.clone(), loader.batcher.clone());
+    let build = Arc::new(move |indices: &[usize], device: &Device| {
+        load_items(dataset.as_ref(), batcher.as_ref(), indices, device)
+    });
+    Prefetcher::start(batches, build, device, loader.workers)
+}
+
+/// The batch of `indices`: each item read from `dataset` (a failure names its index), then `batcher`.
+fn load_items<I, O>(
+    dataset: &dyn Dataset<I>,
+    batcher: &dyn Batcher<I, O>,
+    indices: &[usize],
+    device: &Device,
+) -> Result<O> {
+    let items = indices
+        .iter()
+        .map(|&index| {
+            dataset.get(index).map_err(|e| Error::Dataset {
+                index,
+                reason: e.to_string(),
+            })
+        })
+        .collect::<Result<Vec<I>>>()?;
+    Ok(batcher.batch(items, device))
 }
 
 impl<I, O> DataLoaderBuilder<I, O> {
@@ -28,6 +88,8 @@ impl<I, O> DataLoaderBuilder<I, O> {
             shuffle: None,
             drop_last: false,
             device: None,
+            workers: WorkerSettings::default(),
+            start_workers: None,
         }
     }
 
@@ -68,6 +130,8 @@ impl<I, O> DataLoaderBuilder<I, O> {
             drop_last: self.drop_last,
             device: self.device.unwrap_or_default(),
             epoch: Arc::new(AtomicUsize::new(0)),
+            workers: self.workers,
+            start_workers: self.start_workers,
         }
     }
 }
@@ -82,6 +146,8 @@ pub struct DataLoader<I, O> {
     pub(crate) drop_last: bool,
     pub(crate) device: Device,
     pub(crate) epoch: Arc<AtomicUsize>,
+    workers: WorkerSettings,
+    start_workers: Option<StartWorkers<I, O>>,
 }
 
 impl<I, O> Clone for DataLoader<I, O> {
@@ -94,6 +160,8 @@ impl<I, O> Clone for DataLoader<I, O> {
             drop_last: self.drop_last,
             device: self.device.clone(),
             epoch: Arc::new(AtomicUsize::new(self.epoch.load(Ordering::Relaxed))),
+            workers: self.workers,
+            start_workers: self.start_workers,
         }
     }
 }
@@ -175,11 +243,24 @@ impl<I, O> DataLoader<I, O> {
         batches: Vec<Vec<usize>>,
         device: Device,
     ) -> DataLoaderIter<'_, I, O> {
+        let source = match self.start_workers {
+            Some(start) if self.workers.num_workers > 0 => {
+                Source::Workers(start(self, batches, device))
+            }
+            _ => Source::Inline {
+                batches: batches.into_iter(),
+                device,
+            },
+        };
         DataLoaderIter {
             loader: self,
-            batches: batches.into_iter(),
-            device,
+            source,
         }
+    }
+
+    /// Worker threads building batches ahead of the loop (0: none).
+    pub fn num_workers(&self) -> usize {
+        self.workers.num_workers
     }
 
     /// Whether a partial last batch is dropped.
@@ -192,37 +273,52 @@ impl<I, O> DataLoader<I, O> {
         self.shuffle
     }
 
-    pub(crate) fn load(&self, indices: Vec<usize>, device: &Device) -> Result<O> {
-        let items = indices
-            .into_iter()
-            .map(|index| {
-                self.dataset.get(index).map_err(|e| Error::Dataset {
-                    index,
-                    reason: e.to_string(),
-                })
-            })
-            .collect::<Result<Vec<I>>>()?;
-        Ok(self.batcher.batch(items, device))
+    pub(crate) fn load(&self, indices: &[usize], device: &Device) -> Result<O> {
+        load_items(
+            self.dataset.as_ref(),
+            self.batcher.as_ref(),
+            indices,
+            device,
+        )
     }
 }
 
-/// The batches of one epoch of a [`DataLoader`].
+/// Where an epoch's batches come from.
+enum Source<O> {
+    /// Built by the loop, one when asked.
+    Inline {
+        batches: std::vec::IntoIter<Vec<usize>>,
+        device: Device,
+    },
+    /// Built ahead by worker threads.
+    Workers(Prefetcher<O>),
+}
+
+/// The batches of one epoch of a [`DataLoader`]. Dropping it mid-epoch stops the loader's workers.
 pub struct DataLoaderIter<'a, I, O> {
-    pub(crate) loader: &'a DataLoader<I, O>,
-    pub(crate) batches: std::vec::IntoIter<Vec<usize>>,
-    pub(crate) device: Device,
+    loader: &'a DataLoader<I, O>,
+    source: Source<O>,
 }
 
 impl<I, O> Iterator for DataLoaderIter<'_, I, O> {
     type Item = Result<O>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let indices = self.batches.next()?;
-        Some(self.loader.load(indices, &self.device))
+        match &mut self.source {
+            Source::Inline { batches, device } => {
+                let indices = batches.next()?;
+                Some(self.loader.load(&indices, device))
+            }
+            Source::Workers(prefetcher) => prefetcher.next_batch(),
+        }
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        self.batches.size_hint()
+        let n = match &self.source {
+            Source::Inline { batches, .. } => batches.len(),
+            Source::Workers(prefetcher) => prefetcher.remaining(),
+        };
+        (n, Some(n))
     }
 }
 
@@ -286,5 +382,128 @@ mod tests {
             epoch1,
             b.iter().flat_map(|x| x.unwrap()).collect::<Vec<_>>()
         );
+    }
+
+    /// A batcher that counts the batches it built and can fail on one item.
+    struct Counting {
+        built: Arc<AtomicUsize>,
+        panic_on: Option<usize>,
+    }
+    impl Batcher<usize, Vec<usize>> for Counting {
+        fn batch(&self, items: Vec<usize>, _device: &Device) -> Vec<usize> {
+            if let Some(bad) = self.panic_on
+                && items.contains(&bad)
+            {
+                panic!("item {bad} is corrupt");
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            self.built.fetch_add(1, Ordering::SeqCst);
+            items
+        }
+    }
+
+    fn epochs(loader: &DataLoader<usize, Vec<usize>>, n: usize) -> Vec<Vec<usize>> {
+        (0..n)
+            .flat_map(|_| loader.iter().map(|b| b.unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn workers_yield_the_batches_of_the_loop_in_its_order() {
+        let make = |workers: usize| {
+            let builder = DataLoaderBuilder::new(Ids).batch_size(7).shuffle(5);
+            let builder = if workers > 0 {
+                builder.num_workers(workers).prefetch_factor(3)
+            } else {
+                builder
+            };
+            builder.build(InMemDataset::new((0..200).collect()))
+        };
+        let inline = epochs(&make(0), 3);
+        for workers in [1, 4] {
+            let loader = make(workers);
+            assert_eq!(loader.num_workers(), workers);
+            assert_eq!(epochs(&loader, 3), inline, "{workers} workers");
+            let mut iter = loader.iter();
+            assert_eq!(iter.len(), 29);
+            iter.next();
+            assert_eq!(iter.len(), 28, "the remaining count with workers");
+        }
+    }
+
+    #[test]
+    fn a_failing_item_or_batcher_is_an_error_naming_the_items_and_the_epoch_goes_on() {
+        struct Failing;
+        impl Dataset<usize> for Failing {
+            fn get(
+                &self,
+                index: usize,
+            ) -> std::result::Result<usize, burn::data::dataset::DatasetError> {
+                if index == 13 {
+                    return Err(burn::data::dataset::DatasetError::new(
+                        std::io::Error::other("unreadable"),
+                    ));
+                }
+                Ok(index)
+            }
+            fn len(&self) -> usize {
+                40
+            }
+        }
+        let loader = DataLoaderBuilder::new(Ids)
+            .batch_size(10)
+            .num_workers(2)
+            .build(Failing);
+        let batches: Vec<_> = loader.iter().collect();
+        assert_eq!(batches.len(), 4);
+        let err = batches[1].as_ref().unwrap_err().to_string();
+        assert!(err.contains("13"), "{err}");
+        assert!(batches[0].is_ok() && batches[2].is_ok() && batches[3].is_ok());
+
+        let built = Arc::new(AtomicUsize::new(0));
+        let loader = DataLoaderBuilder::new(Counting {
+            built,
+            panic_on: Some(25),
+        })
+        .batch_size(10)
+        .num_workers(3)
+        .build(InMemDataset::new((0..40).collect()));
+        let batches: Vec<_> = loader.iter().collect();
+        let err = batches[2].as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains("worker panicked")
+                && err.contains("item 25 is corrupt")
+                && err.contains("20"),
+            "{err}"
+        );
+        assert_eq!(batches.iter().filter(|b| b.is_ok()).count(), 3);
+    }
+
+    #[test]
+    fn workers_stay_a_window_ahead_and_stop_when_the_epoch_is_dropped() {
+        let built = Arc::new(AtomicUsize::new(0));
+        let loader = DataLoaderBuilder::new(Counting {
+            built: built.clone(),
+            panic_on: None,
+        })
+        .batch_size(1)
+        .num_workers(2)
+        .prefetch_factor(2)
+        .build(InMemDataset::new((0..1000).collect()));
+        let mut iter = loader.iter();
+        let _ = iter.next();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // One batch taken, and at most 2 workers x 2 batches beyond it.
+        let ahead = built.load(Ordering::SeqCst);
+        assert!((2..=5).contains(&ahead), "{ahead} batches built");
+        drop(iter);
+        let after_drop = built.load(Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(
+            built.load(Ordering::SeqCst),
+            after_drop,
+            "the workers stopped"
+        );
+        assert!(after_drop <= 5);
     }
 }

@@ -29,6 +29,7 @@ mod loader;
 mod position;
 mod prepared;
 mod shard;
+mod workers;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
 pub(crate) use position::LoaderCursor;
