@@ -542,10 +542,16 @@ struct RankReport {
 /// Why the job failed: a rank's error of its own first (the cause; the others were stopped because of it),
 /// then a collective that timed out (a rank hung), then a rank mpirun saw die of a signal.
 fn classify(reports: &[RankReport], died: Option<(usize, String)>, code: i32) -> Failure {
-    if let Some(own) = reports.iter().find(|r| !r.timed_out) {
+    let mut own = reports.iter().filter(|r| !r.timed_out);
+    if let Some(first) = own.next() {
         return Failure::Error {
-            rank: Some(own.rank),
-            status: if own.status != 0 { own.status } else { code },
+            rank: Some(first.rank),
+            status: if first.status != 0 {
+                first.status
+            } else {
+                code
+            },
+            others: own.map(|r| (r.rank, r.status)).collect(),
         };
     }
     if let Some(timeout) = reports.first() {
@@ -690,11 +696,13 @@ mod tests {
         );
         assert_eq!(parse_report(1, "garbage"), None);
         let died = || Some((1, "exited on signal 9 (Killed)".to_string()));
+        let another = parse_report(3, "4").unwrap();
         assert_eq!(
-            classify(&[timeout.clone(), own], died(), 1),
+            classify(&[timeout.clone(), own, another], died(), 1),
             Failure::Error {
                 rank: Some(2),
-                status: 1
+                status: 1,
+                others: vec![(3, 4)]
             }
         );
         assert_eq!(

@@ -32,10 +32,12 @@ pub enum Failure {
     },
     /// A process exited with an error status of its own (an `Err` from `main`, a panic, bad input).
     Error {
-        /// The rank, in a multi-process job.
+        /// The rank, in a multi-process job (the first of several that failed so).
         rank: Option<usize>,
         /// Its exit status.
         status: i32,
+        /// Other ranks that exited with an error of their own, with their statuses.
+        others: Vec<(usize, i32)>,
     },
     /// The job failed and no process said why (mpirun could not start the ranks, say).
     Unexplained {
@@ -79,6 +81,7 @@ impl Failure {
             None => Self::Error {
                 rank: None,
                 status: code,
+                others: Vec::new(),
             },
         })
     }
@@ -100,7 +103,17 @@ impl fmt::Display for Failure {
                 f,
                 "a collective of rank {rank} timed out (another rank hung, or its machine stopped answering)"
             ),
-            Self::Error { rank, status } => write!(f, "{} exited with status {status}", who(rank)),
+            Self::Error {
+                rank,
+                status,
+                others,
+            } => {
+                write!(f, "{} exited with status {status}", who(rank))?;
+                for (rank, status) in others {
+                    write!(f, ", rank {rank} exited with status {status}")?;
+                }
+                Ok(())
+            }
             Self::Unexplained { code } => write!(
                 f,
                 "the job failed (mpirun exit status {code}); no rank reported its own failure: see mpirun's \
@@ -238,6 +251,7 @@ mod tests {
         let error = Failure::Error {
             rank: Some(1),
             status: 1,
+            others: vec![(2, 3)],
         };
         match policy(3, false).decide(&error, 0) {
             Decision::GiveUp(why) => assert!(why.contains("--restart-on-error"), "{why}"),
@@ -252,7 +266,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(error.code(), 1);
-        assert_eq!(error.to_string(), "rank 1 exited with status 1");
+        assert_eq!(
+            error.to_string(),
+            "rank 1 exited with status 1, rank 2 exited with status 3"
+        );
     }
 
     #[cfg(unix)]
@@ -270,7 +287,8 @@ mod tests {
             error,
             Failure::Error {
                 rank: None,
-                status: 3
+                status: 3,
+                others: Vec::new()
             }
         );
         assert!(!error.restartable(false));

@@ -157,13 +157,19 @@ fn a_rank_that_fails_stops_the_launch_within_seconds_and_is_named() {
     let out = Command::new(launcher)
         .args(["launch", "--num-processes", "3"])
         .arg(&program)
-        .args(["--fail-rank", "1"])
+        // A global batch the 3 ranks divide, so that rank 1's own failure is what ends the job.
+        .args(["--fail-rank", "1", "--global-batch", "63"])
         .output()
         .unwrap();
     let elapsed = start.elapsed().as_secs_f64();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("rank 1 exited with status 1"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "burn-accelerate launch: rank 1 exited with status 1; the other ranks were stopped"
+        ),
+        "{stderr}"
+    );
     // The others wait in a collective whose timeout is 300 s: they are stopped, not left to time out.
     assert!(elapsed < 5.0, "launch took {elapsed:.1} s");
 }
