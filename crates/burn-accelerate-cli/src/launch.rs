@@ -395,13 +395,13 @@ pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
                 std::thread::sleep(delay);
                 restarts = restart;
             }
-            Decision::GiveUp(why) if policy.max_restarts == 0 => {
-                let _ = why;
-                eprintln!("burn-accelerate launch: {failure}{stopped}");
-                return Ok(failure.code());
-            }
             Decision::GiveUp(why) => {
-                eprintln!("burn-accelerate launch: {failure}{stopped}; {why}");
+                // Without --max-restarts the failure is the whole story, as before restarts existed.
+                if policy.max_restarts == 0 {
+                    eprintln!("burn-accelerate launch: {failure}{stopped}");
+                } else {
+                    eprintln!("burn-accelerate launch: {failure}{stopped}; {why}");
+                }
                 return Ok(failure.code());
             }
         }
