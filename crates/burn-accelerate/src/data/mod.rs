@@ -29,6 +29,7 @@ mod loader;
 mod position;
 mod prepared;
 mod shard;
+mod stream;
 mod workers;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
@@ -36,3 +37,4 @@ pub(crate) use position::LoaderCursor;
 pub use position::{DataPosition, LoaderFingerprint};
 pub use prepared::{PreparedDataLoader, PreparedIter};
 pub use shard::{ShardSpec, shard};
+pub use stream::{StreamShard, shard_stream};
