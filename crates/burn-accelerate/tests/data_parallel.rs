@@ -417,3 +417,115 @@ fn loader_workers_deal_every_rank_the_batches_of_the_loop() {
         assert_eq!(first_epoch, (0..103).collect::<Vec<_>>(), "{ranks} ranks");
     }
 }
+
+/// One rank's epoch of a prepared stream of `0..n` (an `Err` instead of item `fail_at`): every batch gathered
+/// for metrics, whether each batch ended the dataloader, and whether it ended an accumulation window.
+type StreamEpoch = (Vec<i64>, Vec<bool>, Vec<bool>, Option<String>);
+
+fn stream_epoch(
+    acc: &Accelerator,
+    n: i64,
+    batch_size: usize,
+    drop_last: bool,
+    fail_at: Option<i64>,
+) -> burn_accelerate::Result<StreamEpoch> {
+    let stream = burn_accelerate::data::StreamLoader::new(Ids, batch_size, drop_last, move || {
+        (0..n).map(move |i| {
+            if Some(i) == fail_at {
+                Err(burn_accelerate::Error::other(format!(
+                    "line {i} is unreadable"
+                )))
+            } else {
+                Ok(i)
+            }
+        })
+    });
+    let prepared = acc.prepare_stream(stream)?;
+    let (mut seen, mut ends, mut syncs, mut error) = (Vec::new(), Vec::new(), Vec::new(), None);
+    for batch in prepared.iter() {
+        let batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                error = Some(e.to_string());
+                continue;
+            }
+        };
+        syncs.push(acc.accumulate());
+        ends.push(acc.gradient_state().end_of_dataloader);
+        seen.extend(
+            acc.gather_for_metrics(batch)?
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .unwrap(),
+        );
+    }
+    Ok((seen, ends, syncs, error))
+}
+
+#[test]
+fn a_stream_is_dealt_between_ranks_and_gathered_back_whole() {
+    for ranks in [1, 2, 3] {
+        for (n, batch_size, drop_last) in [
+            (103, 5, false),
+            (103, 5, true),
+            (7, 4, false),
+            (30, 5, false),
+        ] {
+            let case =
+                format!("{ranks} ranks, {n} items, batch {batch_size}, drop_last {drop_last}");
+            let epochs = Accelerator::builder()
+                .gradient_accumulation_steps(4)
+                .launch(ranks, |acc| {
+                    stream_epoch(&acc, n, batch_size, drop_last, None)
+                })
+                .unwrap();
+            let chunk = (batch_size * ranks) as i64;
+            let kept = if drop_last { n / chunk * chunk } else { n };
+            let batches = if drop_last {
+                n / chunk
+            } else {
+                (n + chunk - 1) / chunk
+            } as usize;
+            for (rank, (seen, ends, syncs, error)) in epochs.iter().enumerate() {
+                assert_eq!(error, &None, "{case}");
+                assert_eq!(
+                    seen,
+                    &(0..kept).collect::<Vec<_>>(),
+                    "{case}, rank {rank}: gathered"
+                );
+                assert_eq!(ends.len(), batches, "{case}, rank {rank}: batches");
+                let mut expected_ends = vec![false; batches];
+                if let Some(last) = expected_ends.last_mut() {
+                    *last = true;
+                }
+                assert_eq!(
+                    ends, &expected_ends,
+                    "{case}, rank {rank}: end of dataloader"
+                );
+                assert_eq!(
+                    syncs.last(),
+                    Some(&true),
+                    "{case}: the last batch ends the window"
+                );
+                let windows: Vec<bool> =
+                    (1..=batches).map(|i| i % 4 == 0 || i == batches).collect();
+                assert_eq!(syncs, &windows, "{case}, rank {rank}: accumulation windows");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stream_error_reaches_every_rank_at_the_same_batch() {
+    let epochs = Accelerator::builder()
+        .launch(3, |acc| stream_epoch(&acc, 100, 4, false, Some(50)))
+        .unwrap();
+    for (seen, ends, _, error) in &epochs {
+        // Chunks of 12 items: four complete (48 items), then the error while reading the fifth.
+        assert_eq!(seen, &(0..48).collect::<Vec<_>>());
+        assert_eq!(ends, &vec![false; 4]);
+        let error = error.as_deref().expect("the stream's error");
+        assert!(error.contains("line 50 is unreadable"), "{error}");
+    }
+}

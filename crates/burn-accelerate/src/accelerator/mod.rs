@@ -328,6 +328,32 @@ impl Accelerator {
         Ok(prepared)
     }
 
+    /// Prepares a [`StreamLoader`](crate::data::StreamLoader), a dataset read in order without random access:
+    /// every rank reads the stream and keeps its share, dealt as Accelerate's `IterableDatasetShard` deals it
+    /// (see [`shard_stream`](crate::data::shard_stream)); batches are built on the accelerator's device, and the
+    /// stream's end drives gradient accumulation and `gather_for_metrics` as a prepared dataloader's does. Its
+    /// position is not saved by `save_state` (a resumed run restarts the stream's epoch).
+    ///
+    /// # Errors
+    /// With `split_batches`, a batch size the ranks cannot divide.
+    pub fn prepare_stream<I: Clone + 'static, O>(
+        &self,
+        loader: crate::data::StreamLoader<I, O>,
+    ) -> Result<crate::data::PreparedStreamLoader<I, O>> {
+        let spec = crate::data::ShardSpec {
+            num_processes: self.num_processes(),
+            rank: self.process_index(),
+            split_batches: self.config.split_batches,
+            even_batches: self.config.even_batches,
+        };
+        crate::data::PreparedStreamLoader::new(
+            loader,
+            spec,
+            self.device().clone(),
+            self.pipeline.shared().clone(),
+        )
+    }
+
     /// Moves a batch (any [`ToDevice`] value) to the accelerator's device.
     pub fn to_device<T: ToDevice>(&self, value: T) -> T {
         value.to_device(self.device())

@@ -30,6 +30,7 @@ mod position;
 mod prepared;
 mod shard;
 mod stream;
+mod stream_loader;
 mod workers;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
@@ -38,3 +39,4 @@ pub use position::{DataPosition, LoaderFingerprint};
 pub use prepared::{PreparedDataLoader, PreparedIter};
 pub use shard::{ShardSpec, shard};
 pub use stream::{StreamShard, shard_stream};
+pub use stream_loader::{PreparedStreamIter, PreparedStreamLoader, StreamLoader};

@@ -129,6 +129,11 @@ impl StepState {
         self.end_of_dataloader = last;
     }
 
+    /// The real samples of the last round, learnt only at the end of a stream.
+    pub fn set_remainder(&mut self, remainder: Option<usize>) {
+        self.remainder = remainder;
+    }
+
     /// A `backward` added gradients; `sync_each_batch`: average across ranks even inside the window.
     pub fn record_backward(&mut self, sync_each_batch: bool) -> BackwardPlan {
         self.backward_calls += 1;
