@@ -11,15 +11,22 @@
 //! burn-accelerate launch --num-processes 2 target/release/examples/nlp_example   # built with --features mpi
 //! ```
 //!
+//! Reviews are read from the data file when a batch needs them, and tokenised then, on the loader's worker
+//! threads (`--workers`, default 2), so nothing but an index of line offsets is held in memory: the pattern for a
+//! dataset too large to load (the built-in copy of the file stands in when the repository's is not there).
+//!
 //! Prints `accuracy=<x>` and `final_loss=<y>` over the 240 held-out reviews.
 
 #[path = "support/ranks.rs"]
 mod ranks;
 
 use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataset::InMemDataset;
+use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
@@ -50,9 +57,12 @@ struct Args {
     /// Forward precision: no, fp16 or bf16 (default: ACCELERATE_MIXED_PRECISION, else no).
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
-    /// A data file of `label<TAB>text` lines after a header (default: `examples/data/reviews.tsv`, built in).
+    /// A data file of `label<TAB>text` lines after a header (default: `examples/data/reviews.tsv`).
     #[arg(long)]
-    data: Option<std::path::PathBuf>,
+    data: Option<PathBuf>,
+    /// Loader worker threads reading and tokenising reviews ahead of the training loop.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
 }
 
 /// Lower-case words and punctuation marks.
@@ -237,27 +247,109 @@ fn evaluate(
     })
 }
 
-/// The reviews of `examples/data/reviews.tsv`, built into the example so that it runs from any folder.
+/// The reviews of `examples/data/reviews.tsv`, built in: read when the repository's file is not there.
 const REVIEWS: &str = include_str!("data/reviews.tsv");
 
 /// Labelled texts: `(label, text)`.
 type Rows = Vec<(i64, String)>;
 
-/// The training and held-out reviews.
-fn read_reviews(args: &Args) -> Result<(Rows, Rows)> {
-    let (text, name) = match &args.data {
+/// Where the reviews are read from.
+enum Source {
+    File(PathBuf),
+    BuiltIn,
+}
+
+impl Source {
+    /// The `len` bytes at `offset`: read from the file (opened anew: any number of workers read at once).
+    fn read(&self, offset: usize, len: usize) -> std::io::Result<String> {
+        match self {
+            Source::File(path) => {
+                let mut file = std::fs::File::open(path)?;
+                file.seek(SeekFrom::Start(offset as u64))?;
+                let mut bytes = vec![0; len];
+                file.read_exact(&mut bytes)?;
+                String::from_utf8(bytes).map_err(std::io::Error::other)
+            }
+            Source::BuiltIn => REVIEWS
+                .get(offset..offset + len)
+                .map(str::to_string)
+                .ok_or_else(|| std::io::Error::other("outside the built-in reviews")),
+        }
+    }
+}
+
+/// One split of the data file as a Burn dataset: each review is read from the file and tokenised when a batch
+/// needs it (on the loader's workers), from an index of line offsets.
+#[derive(Clone)]
+struct ReviewFile {
+    source: Arc<Source>,
+    lines: Arc<Vec<(usize, usize)>>,
+    vocabulary: Arc<Vocabulary>,
+}
+
+impl Dataset<Review> for ReviewFile {
+    fn get(&self, index: usize) -> std::result::Result<Review, DatasetError> {
+        let &(offset, len) = self.lines.get(index).ok_or_else(|| {
+            DatasetError::new(std::io::Error::other(format!("no review {index}")))
+        })?;
+        let line = self.source.read(offset, len).map_err(DatasetError::new)?;
+        let (label, text) = parse(&line).ok_or_else(|| {
+            DatasetError::new(std::io::Error::other(format!("malformed review: {line}")))
+        })?;
+        Ok(Review {
+            ids: self.vocabulary.encode(text),
+            label,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.lines.len()
+    }
+}
+
+/// `label<TAB>text`.
+fn parse(line: &str) -> Option<(i64, &str)> {
+    let (label, text) = line.split_once('\t')?;
+    Some((label.parse().ok()?, text))
+}
+
+/// The data file's training and held-out reviews (read once, to check every line and learn the vocabulary),
+/// where they are read from, and the byte offset and length of each review's line.
+fn read_reviews(args: &Args) -> Result<(Rows, Rows, Source, Vec<(usize, usize)>)> {
+    let repository = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/data/reviews.tsv"
+    ));
+    let path = args
+        .data
+        .clone()
+        .or_else(|| repository.exists().then_some(repository));
+    let (text, name, source) = match path {
         Some(path) => (
-            std::fs::read_to_string(path).map_err(|source| Error::Io {
+            std::fs::read_to_string(&path).map_err(|source| Error::Io {
                 operation: "reading",
                 path: path.clone(),
                 source,
             })?,
             path.display().to_string(),
+            Source::File(path),
         ),
-        None => (REVIEWS.to_string(), "reviews.tsv".to_string()),
+        None => (
+            REVIEWS.to_string(),
+            "reviews.tsv".to_string(),
+            Source::BuiltIn,
+        ),
     };
     let mut rows = Vec::new();
-    for (number, line) in text.lines().enumerate().skip(1) {
+    let mut lines = Vec::new();
+    let mut offset = 0;
+    for (number, line) in text.split_inclusive('\n').enumerate() {
+        let start = offset;
+        offset += line.len();
+        let line = line.trim_end_matches(['\n', '\r']);
+        if number == 0 {
+            continue;
+        }
         let (label, review) = line.split_once('\t').ok_or_else(|| {
             Error::InvalidArgument(format!("{name}:{}: expected `label<TAB>text`", number + 1))
         })?;
@@ -265,6 +357,7 @@ fn read_reviews(args: &Args) -> Result<(Rows, Rows)> {
             .parse::<i64>()
             .map_err(|e| Error::InvalidArgument(format!("{name}:{}: label: {e}", number + 1)))?;
         rows.push((label, review.to_string()));
+        lines.push((start, line.len()));
     }
     if rows.len() <= TRAIN {
         return Err(Error::InvalidArgument(format!(
@@ -273,7 +366,7 @@ fn read_reviews(args: &Args) -> Result<(Rows, Rows)> {
         )));
     }
     let eval = rows.split_off(TRAIN);
-    Ok((rows, eval))
+    Ok((rows, eval, source, lines))
 }
 
 fn train(
@@ -281,7 +374,7 @@ fn train(
     args: &Args,
     initial: SentimentModel,
     vocabulary: &Vocabulary,
-    data: &(Vec<Review>, Vec<Review>),
+    data: &(ReviewFile, ReviewFile),
 ) -> Result<Evaluation> {
     let p = acc.num_processes();
     if !args.global_batch.is_multiple_of(p) || !TRAIN.is_multiple_of(args.global_batch) {
@@ -297,12 +390,14 @@ fn train(
         DataLoaderBuilder::new(DynamicPadding)
             .batch_size(batch)
             .shuffle(11)
-            .build(InMemDataset::new(data.0.clone())),
+            .num_workers(args.workers)
+            .build(data.0.clone()),
     )?;
     let eval = acc.prepare_dataloader(
         DataLoaderBuilder::new(DynamicPadding)
             .batch_size(batch)
-            .build(InMemDataset::new(data.1.clone())),
+            .num_workers(args.workers)
+            .build(data.1.clone()),
     )?;
     for epoch in 0..args.epochs {
         let bar = acc.progress_bar(TRAIN as u64, "reviews");
@@ -330,17 +425,15 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let (train_rows, eval_rows) = read_reviews(&args)?;
-    let vocabulary = Vocabulary::new(train_rows.iter().map(|(_, t)| t.as_str()));
-    let encode = |rows: &[(i64, String)]| -> Vec<Review> {
-        rows.iter()
-            .map(|(label, text)| Review {
-                ids: vocabulary.encode(text),
-                label: *label,
-            })
-            .collect()
+    let (train_rows, _, source, mut lines) = read_reviews(&args)?;
+    let vocabulary = Arc::new(Vocabulary::new(train_rows.iter().map(|(_, t)| t.as_str())));
+    let (source, eval_lines) = (Arc::new(source), lines.split_off(TRAIN));
+    let split = |lines: Vec<(usize, usize)>| ReviewFile {
+        source: source.clone(),
+        lines: Arc::new(lines),
+        vocabulary: vocabulary.clone(),
     };
-    let data = (encode(&train_rows), encode(&eval_rows));
+    let data = (split(lines), split(eval_lines));
     // The same initial weights for any number of ranks.
     let device = Device::default();
     device.seed(3);

@@ -63,11 +63,17 @@ fn the_quicktour_prints_the_same_losses_on_1_2_and_4_ranks() {
 
 #[test]
 fn nlp_example_reaches_90_percent_with_the_same_accuracy_on_1_and_2_ranks() {
-    let one = run("nlp_example", &["--epochs", "3"]);
+    // Reviews read from the file by loader workers (the default, 2), or by the loop itself.
+    let one = run("nlp_example", &["--epochs", "3", "--workers", "0"]);
     let two = run("nlp_example", &["--epochs", "3", "--processes", "2"]);
+    let four_workers = run("nlp_example", &["--epochs", "3", "--workers", "4"]);
     assert!(number(&one, "accuracy") >= 0.9, "{one:?}");
     assert_eq!(one["accuracy"], two["accuracy"]);
     assert!((number(&one, "final_loss") - number(&two, "final_loss")).abs() <= 1e-4);
+    assert_eq!(
+        one["final_loss"], four_workers["final_loss"],
+        "workers change nothing"
+    );
     // A misread review is shown as words, padding removed.
     if let Some(review) = one.get("misread") {
         assert!(!review.is_empty() && !review.contains("<unk>"), "{review}");
