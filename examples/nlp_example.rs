@@ -313,9 +313,18 @@ fn parse(line: &str) -> Option<(i64, &str)> {
     Some((label.parse().ok()?, text))
 }
 
-/// The data file's training and held-out reviews (read once, to check every line and learn the vocabulary),
-/// where they are read from, and the byte offset and length of each review's line.
-fn read_reviews(args: &Args) -> Result<(Rows, Rows, Source, Vec<(usize, usize)>)> {
+/// The data file, read once to check every line and learn the vocabulary.
+struct DataFile {
+    /// The training reviews.
+    train: Rows,
+    /// Where the reviews are read from.
+    source: Source,
+    /// The byte offset and length of each review's line, training reviews first.
+    lines: Vec<(usize, usize)>,
+}
+
+/// Reads the data file (`--data`, else the repository's, else the built-in copy).
+fn read_reviews(args: &Args) -> Result<DataFile> {
     let repository = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../examples/data/reviews.tsv"
@@ -365,8 +374,12 @@ fn read_reviews(args: &Args) -> Result<(Rows, Rows, Source, Vec<(usize, usize)>)
             rows.len()
         )));
     }
-    let eval = rows.split_off(TRAIN);
-    Ok((rows, eval, source, lines))
+    rows.truncate(TRAIN);
+    Ok(DataFile {
+        train: rows,
+        source,
+        lines,
+    })
 }
 
 fn train(
@@ -425,7 +438,11 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let (train_rows, _, source, mut lines) = read_reviews(&args)?;
+    let DataFile {
+        train: train_rows,
+        source,
+        mut lines,
+    } = read_reviews(&args)?;
     let vocabulary = Arc::new(Vocabulary::new(train_rows.iter().map(|(_, t)| t.as_str())));
     let (source, eval_lines) = (Arc::new(source), lines.split_off(TRAIN));
     let split = |lines: Vec<(usize, usize)>| ReviewFile {
