@@ -429,7 +429,20 @@ fn stream_epoch(
     drop_last: bool,
     fail_at: Option<i64>,
 ) -> burn_accelerate::Result<StreamEpoch> {
+    let opened = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    stream_epoch_with(acc, (n, batch_size, drop_last, fail_at), false, &opened)
+}
+
+/// [`stream_epoch`], with `dispatch_batches`, counting the ranks that opened the stream in `opened`.
+fn stream_epoch_with(
+    acc: &Accelerator,
+    (n, batch_size, drop_last, fail_at): (i64, usize, bool, Option<i64>),
+    dispatch: bool,
+    opened: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> burn_accelerate::Result<StreamEpoch> {
+    let opened = opened.clone();
     let stream = burn_accelerate::data::StreamLoader::new(Ids, batch_size, drop_last, move || {
+        opened.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         (0..n).map(move |i| {
             if Some(i) == fail_at {
                 Err(burn_accelerate::Error::other(format!(
@@ -439,7 +452,8 @@ fn stream_epoch(
                 Ok(i)
             }
         })
-    });
+    })
+    .dispatch_batches(dispatch);
     let prepared = acc.prepare_stream(stream)?;
     let (mut seen, mut ends, mut syncs, mut error) = (Vec::new(), Vec::new(), Vec::new(), None);
     for batch in prepared.iter() {
@@ -527,5 +541,48 @@ fn a_stream_error_reaches_every_rank_at_the_same_batch() {
         assert_eq!(ends, &vec![false; 4]);
         let error = error.as_deref().expect("the stream's error");
         assert!(error.contains("line 50 is unreadable"), "{error}");
+    }
+}
+
+#[test]
+fn dispatched_streams_are_read_by_the_main_process_alone_and_deal_the_same_batches() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for ranks in [2, 3] {
+        for case in [
+            (103, 5, false, None),
+            (103, 5, true, None),
+            (7, 4, false, None),
+            (100, 4, false, Some(50)),
+        ] {
+            let read_by_all = Arc::new(AtomicUsize::new(0));
+            let read_by_main = Arc::new(AtomicUsize::new(0));
+            let each = Accelerator::builder()
+                .launch(ranks, |acc| {
+                    stream_epoch_with(&acc, case, false, &read_by_all)
+                })
+                .unwrap();
+            let dispatched = Accelerator::builder()
+                .launch(ranks, |acc| {
+                    stream_epoch_with(&acc, case, true, &read_by_main)
+                })
+                .unwrap();
+            let error = |e: &StreamEpoch| e.3.as_ref().map(|m| m.contains("line 50 is unreadable"));
+            for (rank, (a, b)) in each.iter().zip(&dispatched).enumerate() {
+                let label = format!("{ranks} ranks, case {case:?}, rank {rank}");
+                assert_eq!((&a.0, &a.1, &a.2), (&b.0, &b.1, &b.2), "{label}");
+                assert_eq!(error(a), error(b), "{label}: {:?}", b.3);
+            }
+            assert_eq!(
+                read_by_all.load(Ordering::SeqCst),
+                ranks,
+                "every rank opened it"
+            );
+            assert_eq!(
+                read_by_main.load(Ordering::SeqCst),
+                1,
+                "only the main process opened it"
+            );
+        }
     }
 }

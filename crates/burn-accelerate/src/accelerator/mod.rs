@@ -351,6 +351,7 @@ impl Accelerator {
             spec,
             self.device().clone(),
             self.pipeline.shared().clone(),
+            self.group.clone(),
         )
     }
 

@@ -28,6 +28,7 @@
 mod loader;
 mod position;
 mod prepared;
+mod dispatch;
 mod shard;
 mod stream;
 mod stream_loader;

@@ -9,8 +9,13 @@ use std::sync::Arc;
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::Device;
 
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::dispatch::{Dispatcher, Progress, dispatched};
 use super::shard::ShardSpec;
-use super::stream::{StreamShard, shard_stream};
+use super::stream::shard_stream;
+use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::grad::window::SharedStep;
 
@@ -52,6 +57,18 @@ pub struct StreamLoader<I, O> {
     batcher: Arc<dyn Batcher<I, O>>,
     batch_size: usize,
     drop_last: bool,
+    dispatch: Option<Dispatcher<I>>,
+}
+
+impl<I: Clone + Serialize + DeserializeOwned + 'static, O> StreamLoader<I, O> {
+    /// Accelerate's `dispatch_batches`: once prepared on several ranks, only the main process opens and reads
+    /// the stream, and sends each round (every rank's batch of items) through the communicator, each rank
+    /// keeping its slice: for a stream only the main process can read. The ranks get the items they would get
+    /// reading the stream themselves.
+    pub fn dispatch_batches(mut self, on: bool) -> Self {
+        self.dispatch = on.then_some(dispatched::<I> as Dispatcher<I>);
+        self
+    }
 }
 
 impl<I: Clone + 'static, O> StreamLoader<I, O> {
@@ -72,6 +89,7 @@ impl<I: Clone + 'static, O> StreamLoader<I, O> {
             batcher: Arc::new(batcher),
             batch_size: batch_size.max(1),
             drop_last,
+            dispatch: None,
         }
     }
 
@@ -93,6 +111,7 @@ pub struct PreparedStreamLoader<I, O> {
     spec: ShardSpec,
     device: Device,
     shared: SharedStep,
+    group: Arc<ProcessGroup>,
 }
 
 impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
@@ -101,6 +120,7 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
         spec: ShardSpec,
         device: Device,
         shared: SharedStep,
+        group: Arc<ProcessGroup>,
     ) -> Result<Self> {
         spec.validate(loader.batch_size)?;
         Ok(Self {
@@ -108,6 +128,7 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
             spec,
             device,
             shared,
+            group,
         })
     }
 
@@ -131,24 +152,39 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
         let read = Rc::new(Cell::new(0usize));
         let failed: Rc<RefCell<Option<Error>>> = Rc::new(RefCell::new(None));
         let (counter, slot) = (read.clone(), failed.clone());
-        let items = (self.loader.source)().map_while(move |item| match item {
-            Ok(item) => {
-                counter.set(counter.get() + 1);
-                Some(item)
+        let open = move || -> Box<dyn Iterator<Item = I>> {
+            Box::new((self.loader.source)().map_while(move |item| match item {
+                Ok(item) => {
+                    counter.set(counter.get() + 1);
+                    Some(item)
+                }
+                Err(e) => {
+                    *slot.borrow_mut() = Some(e);
+                    None
+                }
+            }))
+        };
+        let (batch_size, drop_last) = (self.loader.batch_size, self.loader.drop_last);
+        let shard: Box<dyn Iterator<Item = I>> = match self.loader.dispatch {
+            Some(dispatch) if self.spec.num_processes > 1 => {
+                // Only the main process opens the stream.
+                let stream = self.group.is_main_process().then(open);
+                let progress = Progress {
+                    read: read.clone(),
+                    failed: failed.clone(),
+                };
+                dispatch(
+                    stream,
+                    self.group.clone(),
+                    (batch_size, drop_last, self.spec),
+                    progress,
+                )
             }
-            Err(e) => {
-                *slot.borrow_mut() = Some(e);
-                None
-            }
-        });
-        let items: Box<dyn Iterator<Item = I>> = Box::new(items);
-        let shard = shard_stream(
-            items,
-            self.loader.batch_size,
-            self.loader.drop_last,
-            self.spec,
-        )
-        .expect("the spec was validated when the loader was prepared");
+            _ => Box::new(
+                shard_stream(open(), batch_size, drop_last, self.spec)
+                    .expect("the spec was validated when the loader was prepared"),
+            ),
+        };
         let mut iter = PreparedStreamIter {
             loader: self,
             shard,
@@ -170,7 +206,7 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
 /// The batches of one epoch of a [`PreparedStreamLoader`].
 pub struct PreparedStreamIter<'a, I, O> {
     loader: &'a PreparedStreamLoader<I, O>,
-    shard: StreamShard<Box<dyn Iterator<Item = I>>>,
+    shard: Box<dyn Iterator<Item = I>>,
     /// The next batch's items, read one batch ahead to know which batch is the last.
     ahead: Option<Result<Vec<I>>>,
     /// Items read from the stream so far.
