@@ -216,6 +216,11 @@ fn model_weight(model: &Mlp) -> Param<Tensor<2>> {
     f.0.unwrap()
 }
 
+/// The ids of an index tensor, on the host (as i64 whatever the backend stores).
+fn host_ids(ids: Tensor<1, Int>) -> Vec<i64> {
+    ids.into_data().convert::<i64>().try_into_vec().unwrap()
+}
+
 /// Items are their own index; the batch is the index tensor.
 #[derive(Clone)]
 struct Ids;
@@ -248,19 +253,8 @@ fn gather_for_metrics_sees_every_sample_once() {
                             let mut objects = Vec::new();
                             for batch in loader.iter() {
                                 let batch = batch?;
-                                let ids: Vec<i64> = batch
-                                    .clone()
-                                    .into_data()
-                                    .convert::<i64>()
-                                    .try_into_vec()
-                                    .unwrap();
-                                seen.extend(
-                                    acc.gather_for_metrics(batch)?
-                                        .into_data()
-                                        .convert::<i64>()
-                                        .try_into_vec::<i64>()
-                                        .unwrap(),
-                                );
+                                let ids = host_ids(batch.clone());
+                                seen.extend(host_ids(acc.gather_for_metrics(batch)?));
                                 objects.extend(acc.gather_for_metrics_objects(&ids)?);
                             }
                             Ok((seen, objects))
@@ -466,13 +460,7 @@ fn stream_epoch_with(
         };
         syncs.push(acc.accumulate());
         ends.push(acc.gradient_state().end_of_dataloader);
-        seen.extend(
-            acc.gather_for_metrics(batch)?
-                .into_data()
-                .convert::<i64>()
-                .try_into_vec::<i64>()
-                .unwrap(),
-        );
+        seen.extend(host_ids(acc.gather_for_metrics(batch)?));
     }
     Ok((seen, ends, syncs, error))
 }
