@@ -27,7 +27,9 @@ enum Round<I> {
     Failed(String),
 }
 
-/// The stream's state that the prepared iterator reads: items read, and the error that ended it.
+/// The stream's state that the prepared iterator reads: items read, and the error that ended it (shared by
+/// the reading adapter, the dispatcher and the iterator of one epoch).
+#[derive(Clone, Default)]
 pub(crate) struct Progress {
     pub read: Rc<Cell<usize>>,
     pub failed: Rc<RefCell<Option<Error>>>,

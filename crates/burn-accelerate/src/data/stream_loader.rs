@@ -2,8 +2,6 @@
 //! which deals each rank its share as Accelerate's `IterableDatasetShard` does and tells the accelerator where
 //! the stream ends (for gradient accumulation and `gather_for_metrics`).
 
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 use std::sync::Arc;
 
 use burn::data::dataloader::batcher::Batcher;
@@ -16,7 +14,7 @@ use super::dispatch::{Dispatcher, Progress, dispatched};
 use super::shard::ShardSpec;
 use super::stream::shard_stream;
 use crate::distributed::ProcessGroup;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::grad::window::SharedStep;
 
 /// Opens the stream anew for each epoch.
@@ -149,9 +147,8 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
     /// One epoch of this rank's batches: the stream is opened again. While it runs,
     /// `gradient_state().end_of_dataloader` is true exactly on the last batch (read one batch ahead).
     pub fn iter(&self) -> PreparedStreamIter<'_, I, O> {
-        let read = Rc::new(Cell::new(0usize));
-        let failed: Rc<RefCell<Option<Error>>> = Rc::new(RefCell::new(None));
-        let (counter, slot) = (read.clone(), failed.clone());
+        let progress = Progress::default();
+        let (counter, slot) = (progress.read.clone(), progress.failed.clone());
         let open = move || -> Box<dyn Iterator<Item = I>> {
             Box::new((self.loader.source)().map_while(move |item| match item {
                 Ok(item) => {
@@ -169,15 +166,11 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
             Some(dispatch) if self.spec.num_processes > 1 => {
                 // Only the main process opens the stream.
                 let stream = self.group.is_main_process().then(open);
-                let progress = Progress {
-                    read: read.clone(),
-                    failed: failed.clone(),
-                };
                 dispatch(
                     stream,
                     self.group.clone(),
                     (batch_size, drop_last, self.spec),
-                    progress,
+                    progress.clone(),
                 )
             }
             _ => Box::new(
@@ -189,8 +182,7 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
             loader: self,
             shard,
             ahead: None,
-            read,
-            failed,
+            progress,
             finished: false,
         };
         iter.ahead = iter.take_batch();
@@ -209,9 +201,8 @@ pub struct PreparedStreamIter<'a, I, O> {
     shard: Box<dyn Iterator<Item = I>>,
     /// The next batch's items, read one batch ahead to know which batch is the last.
     ahead: Option<Result<Vec<I>>>,
-    /// Items read from the stream so far.
-    read: Rc<Cell<usize>>,
-    failed: Rc<RefCell<Option<Error>>>,
+    /// Items read from the stream so far, and the error that ended it.
+    progress: Progress,
     finished: bool,
 }
 
@@ -219,7 +210,7 @@ impl<I: Clone + 'static, O> PreparedStreamIter<'_, I, O> {
     /// The items of this rank's next batch, or the stream's error.
     fn take_batch(&mut self) -> Option<Result<Vec<I>>> {
         let items: Vec<I> = self.shard.by_ref().take(self.loader.batch_size()).collect();
-        if let Some(error) = self.failed.borrow_mut().take() {
+        if let Some(error) = self.progress.failed.borrow_mut().take() {
             return Some(Err(error));
         }
         (!items.is_empty()).then_some(Ok(items))
@@ -249,7 +240,8 @@ impl<I: Clone + 'static, O> Iterator for PreparedStreamIter<'_, I, O> {
             if last && !self.loader.loader.drop_last {
                 // The real items of the last chunk, in rank order: what gather_for_metrics keeps of it.
                 let chunk = self.loader.chunk();
-                step.state.set_remainder(Some(self.read.get() % chunk));
+                step.state
+                    .set_remainder(Some(self.progress.read.get() % chunk));
             }
         }
         Some(Ok(self
