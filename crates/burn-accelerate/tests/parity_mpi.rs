@@ -1,0 +1,177 @@
+//! Real processes against one process, value by value (feature `mpi`; needs Open MPI's `mpirun`). Each rank of
+//! the parity harness writes its final weights; the tests compare every rank with one process and with the
+//! others, resume a job killed under `mpirun` bit for bit, gather an uneven evaluation set on 3 processes,
+//! refuse a 2-rank checkpoint on 3 ranks naming both, and launch through `burn-accelerate launch --hostfile`.
+
+#[path = "support/examples.rs"]
+mod examples;
+#[path = "support/parity.rs"]
+mod parity;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use parity::{
+    CASES, assert_success, check_cases_did_something, compare_case, harness, report, run_local,
+    scratch, weights,
+};
+
+/// `mpirun -np <np> parity_harness --out <out> <args>`.
+fn mpirun(np: usize, out: &Path, args: &[&str]) -> Output {
+    Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .arg(harness())
+        .arg("--out")
+        .arg(out)
+        .args(args)
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .expect("mpirun runs (install openmpi-bin)")
+}
+
+#[test]
+fn every_process_ends_with_the_weights_of_one_process_in_every_case() {
+    let dir = scratch("mpirun");
+    let one = dir.join("p1");
+    run_local(&one, &[]);
+    check_cases_did_something(&one);
+    for p in [2, 3] {
+        let ranks = dir.join(format!("mpi{p}"));
+        assert_success(&mpirun(p, &ranks, &[]));
+        // The same ranks as threads of one process.
+        let in_process = dir.join(format!("in{p}"));
+        run_local(&in_process, &["--processes", &p.to_string()]);
+        for (case, bound) in CASES {
+            let diff = compare_case(&one, &ranks, p, case, bound);
+            let engines = parity::max_abs_diff(
+                &weights(&ranks.join(case).join("rank0.safetensors")),
+                &weights(&in_process.join(case).join("rank0.safetensors")),
+            );
+            println!(
+                "mpirun -np {p} {case}: max |Δ| vs 1 process {diff:e}, vs {p} in-process ranks {engines:e}"
+            );
+            // The MPI engine and the in-process one reduce in the same order: the same bits.
+            assert_eq!(engines, 0.0, "{case}, P={p}: mpirun vs in-process ranks");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn gather_for_metrics_on_three_processes_returns_every_sample_once_on_every_rank() {
+    let dir = scratch("gather");
+    run_local(&dir.join("p1"), &["--case", "eval"]);
+    assert_success(&mpirun(3, &dir.join("mpi3"), &["--case", "eval"]));
+    let one = report(&dir.join("p1"), "eval", 0);
+    let ids: Vec<i64> = (0..103).collect();
+    assert_eq!(one["gathered_ids"], serde_json::json!(ids));
+    for rank in 0..3 {
+        let mine = report(&dir.join("mpi3"), "eval", rank);
+        assert_eq!(mine["num_processes"], 3);
+        assert_eq!(
+            mine["gathered_ids"],
+            serde_json::json!(ids),
+            "rank {rank}: 103 samples in batches of 8 on 3 ranks, each once, in order"
+        );
+        // Every gathered loss is the one process's loss of the same sample, computed on another rank.
+        assert_eq!(
+            mine["gathered_losses"], one["gathered_losses"],
+            "rank {rank}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_job_killed_under_mpirun_resumes_bit_for_bit_and_refuses_another_number_of_ranks() {
+    let dir = scratch("resume");
+    for p in [2, 3] {
+        let whole = dir.join(format!("whole{p}"));
+        assert_success(&mpirun(p, &whole, &["--case", "resume"]));
+        let broken = dir.join(format!("broken{p}"));
+        // Saved after step 10, the last rank killed by SIGKILL after step 14: the job must fail.
+        let last = (p - 1).to_string();
+        let killed = mpirun(
+            p,
+            &broken,
+            &["--case", "resume", "--kill-at", "14", "--kill-rank", &last],
+        );
+        assert!(!killed.status.success(), "the killed job must fail");
+        assert!(
+            String::from_utf8_lossy(&killed.stderr).contains("is killed after step 14"),
+            "{}",
+            String::from_utf8_lossy(&killed.stderr)
+        );
+        assert_success(&mpirun(p, &broken, &["--case", "resume", "--resume"]));
+        for rank in 0..p {
+            let file = format!("rank{rank}.safetensors");
+            assert_eq!(
+                weights(&broken.join("resume").join(&file)),
+                weights(&whole.join("resume").join(&file)),
+                "P={p}, rank {rank}: resumed weights differ from the uninterrupted run"
+            );
+            let resumed = report(&broken, "resume", rank);
+            assert_eq!(resumed["resumed_at"], 10, "P={p}, rank {rank}");
+            assert_eq!(resumed["steps"], 11, "P={p}, rank {rank}: steps 11 to 21");
+        }
+    }
+    // The 2-rank checkpoint on 3 ranks: every rank refuses it, naming both sizes.
+    let out = mpirun(3, &dir.join("broken2"), &["--case", "resume", "--resume"]);
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..3 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("rank {rank} error:")))
+            .unwrap_or_else(|| panic!("rank {rank} printed no error:\n{stdout}"));
+        assert!(
+            line.contains("saved by 2 ranks, loaded by 3"),
+            "rank {rank}: {line}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn launch_with_a_hostfile_forwards_the_settings_to_every_rank() {
+    let dir = scratch("hostfile");
+    let hostfile = dir.join("hosts");
+    std::fs::write(&hostfile, "localhost slots=3\n").unwrap();
+    let out = Command::new(examples::cli())
+        .arg("launch")
+        .arg("--hostfile")
+        .arg(&hostfile)
+        .args(["--num-processes", "3", "--mixed-precision", "bf16"])
+        .args(["--gradient-accumulation-steps", "2"])
+        .args(["--num-cpu-threads-per-process", "1"])
+        .arg(harness())
+        .arg("--out")
+        .arg(&dir)
+        .args(["--case", "env"])
+        .env_remove("ACCELERATE_MIXED_PRECISION")
+        .env_remove("RAYON_NUM_THREADS")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    for rank in 0..3 {
+        let seen = report(&dir, "env", rank);
+        assert_eq!(seen["rank"], rank);
+        assert_eq!(seen["num_processes"], 3, "rank {rank}: {seen}");
+        assert_eq!(seen["mixed_precision"], "bf16", "rank {rank}: {seen}");
+        assert_eq!(
+            seen["gradient_accumulation_steps"], 2,
+            "rank {rank}: {seen}"
+        );
+        assert_eq!(
+            seen["env"]["ACCELERATE_MIXED_PRECISION"], "bf16",
+            "rank {rank}"
+        );
+        assert_eq!(seen["env"]["RAYON_NUM_THREADS"], "1", "rank {rank}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

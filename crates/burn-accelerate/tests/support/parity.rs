@@ -1,0 +1,166 @@
+//! Running the parity harness (`examples/parity_harness.rs`) and comparing what its ranks wrote, value by value.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use crate::examples::example;
+
+/// The training cases every comparison covers, with the largest |Δ| allowed between a P-rank run and one
+/// process with the combined batch. f32 cases differ only in the order of a few sums (measured: ≤ 9e-7 for
+/// P = 2, 3, 4; the bound is ten times that). Half-precision forwards round each rank's smaller batch on its
+/// own, and Adam turns such differences into steps of up to its learning rate (1e-2) where a gradient is near
+/// zero: measured ≤ 4.4e-3 (bf16) and ≤ 1.7e-2 (fp16) after 21 steps; the bounds are about three times that,
+/// still far below the weights' own movement.
+pub const CASES: [(&str, f32); 7] = [
+    ("dp", 1e-5),
+    ("accumulation", 1e-5),
+    ("clip-norm", 1e-5),
+    ("clip-value", 1e-5),
+    ("bf16", 1.5e-2),
+    ("fp16", 5e-2),
+    ("uneven", 1e-5),
+];
+
+/// A fresh, empty folder for one test's runs.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ba-parity-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The harness binary, built with this test binary's profile and features.
+pub fn harness() -> PathBuf {
+    example("parity_harness")
+}
+
+/// Runs the harness as one process with `args` (`--processes N` for in-process ranks), asserting success.
+pub fn run_local(out: &Path, args: &[&str]) -> Output {
+    let out = Command::new(harness())
+        .arg("--out")
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    out
+}
+
+/// Asserts that a run succeeded, printing its output otherwise.
+pub fn assert_success(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The tensors of a safetensors file written by the harness, by name, as f32.
+pub fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = file.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    assert!(!names.is_empty(), "{}: no tensors", path.display());
+    names
+        .into_iter()
+        .map(|name| {
+            let view = file.tensor(&name).unwrap();
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
+
+/// The largest |a - b| over every value of two weight sets with the same names and sizes.
+pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+    assert_eq!(a.len(), b.len(), "different numbers of tensors");
+    let mut max = 0f32;
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        assert_eq!(va.len(), vb.len(), "{na}: different sizes");
+        for (x, y) in va.iter().zip(vb) {
+            assert!(x.is_finite() && y.is_finite(), "{na}: {x} vs {y}");
+            max = max.max((x - y).abs());
+        }
+    }
+    max
+}
+
+/// The report rank `rank` wrote for `case` under `dir`.
+pub fn report(dir: &Path, case: &str, rank: usize) -> serde_json::Value {
+    let path = dir.join(case).join(format!("rank{rank}.json"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// What must be the same on every run of a case, whatever the number of ranks: the steps counted, clipped and
+/// skipped, and the loss scale.
+fn counts(report: &serde_json::Value) -> [serde_json::Value; 4] {
+    [
+        report["steps"].clone(),
+        report["clipped_steps"].clone(),
+        report["skipped_steps"].clone(),
+        report["loss_scale"].clone(),
+    ]
+}
+
+/// Compares the `p` ranks of `case` under `dir` with the one-process run under `one`: every rank wrote the same
+/// weights bit for bit, within the case's bound of one process, with the same counts; returns the largest |Δ|.
+pub fn compare_case(one: &Path, dir: &Path, p: usize, case: &str, bound: f32) -> f32 {
+    let reference = weights(&one.join(case).join("rank0.safetensors"));
+    let first = weights(&dir.join(case).join("rank0.safetensors"));
+    for rank in 0..p {
+        let report = report(dir, case, rank);
+        assert_eq!(report["rank"], rank, "{case}: {report}");
+        assert_eq!(report["num_processes"], p, "{case}: {report}");
+        assert_eq!(
+            counts(&report),
+            counts(&self::report(one, case, 0)),
+            "{case}, P={p}, rank {rank}: steps, clipped and skipped steps, loss scale"
+        );
+        if rank > 0 {
+            let mine = weights(&dir.join(case).join(format!("rank{rank}.safetensors")));
+            assert_eq!(
+                mine, first,
+                "{case}, P={p}: rank {rank}'s weights differ from rank 0's"
+            );
+        }
+    }
+    let diff = max_abs_diff(&reference, &first);
+    assert!(
+        diff <= bound,
+        "{case}, P={p}: max |Δ| against one process is {diff:e} (bound {bound:e})"
+    );
+    diff
+}
+
+/// The cases' own checks on the one-process run: clipping bit on most steps, fp16 skipped an overflowing step
+/// and kept a loss scale, each case made its number of optimizer steps. Without these a comparison could pass
+/// on cases that did nothing.
+pub fn check_cases_did_something(one: &Path) {
+    let get = |case: &str, key: &str| report(one, case, 0)[key].as_u64().unwrap();
+    assert_eq!(get("dp", "steps"), 21);
+    assert_eq!(get("accumulation", "steps"), 12, "windows of 3, 3 and 1");
+    assert_eq!(get("uneven", "steps"), 24);
+    assert!(get("clip-norm", "clipped_steps") >= 10);
+    assert!(get("clip-value", "clipped_steps") >= 10);
+    assert!(get("fp16", "skipped_steps") >= 1);
+    assert!(report(one, "fp16", 0)["loss_scale"].as_f64().unwrap() > 1.0);
+    assert_eq!(report(one, "bf16", 0)["mixed_precision"], "bf16");
+    // Weights that moved: the cases are compared after training, not at their start.
+    let start = weights(&one.join("dp").join("rank0.safetensors"));
+    let clipped = weights(&one.join("clip-norm").join("rank0.safetensors"));
+    assert!(
+        max_abs_diff(&start, &clipped) > 1e-3,
+        "clipping changed training"
+    );
+}

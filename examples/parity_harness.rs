@@ -1,0 +1,424 @@
+//! The parity harness: one small training run under each setting users combine with data parallelism, on one
+//! rank, on in-process ranks (`--processes N`) or as one rank of an MPI job (`mpirun`, `burn-accelerate
+//! launch`). Every rank writes what it ended with, so that `tests/parity.rs` and `tests/parity_mpi.rs` compare
+//! runs value by value rather than by printed losses:
+//!
+//! - `<out>/<case>/rank<r>.safetensors`: rank `r`'s final weights (every float parameter, in visiting order);
+//! - `<out>/<case>/rank<r>.json`: what the run counted (optimizer steps, clipped and skipped steps, the loss
+//!   scale, the settings the rank saw) and, for `eval`, the ids and losses `gather_for_metrics` returned.
+//!
+//! The global batch is fixed (`--global-batch`, 24) and divided between the ranks, and the loss of a batch is
+//! its summed squared error over the *nominal* per-rank batch, so that P ranks compute the gradient of one
+//! process with the combined batch even where the ranks' last batches differ in size (`uneven`).
+//!
+//! ```text
+//! cargo run --release --example parity_harness -- --out /tmp/parity/one
+//! cargo run --release --example parity_harness -- --out /tmp/parity/two --processes 2
+//! mpirun -np 3 target/release/examples/parity_harness --out /tmp/parity/three   # built with --features mpi
+//! ```
+//!
+//! Cases (`--case`, repeatable; all of the first seven by default): `dp` (plain data parallelism, 21 steps a
+//! run), `accumulation` (3 micro-batches a step, 7 rounds an epoch: every last window is short), `clip-norm`
+//! and `clip-value` (clipping that bites on most steps), `bf16` and `fp16` (mixed precision; fp16 scales the
+//! loss), `uneven` (`even_batches(false)` and a short last round), `eval` (`gather_for_metrics` of an
+//! evaluation set that the ranks do not divide), `resume` (`dp` saved at `--save-at`, killed by SIGKILL at
+//! `--kill-at` on `--kill-rank`, and resumed with `--resume`), `env` (only writes the settings the rank sees).
+
+#[path = "support/mlp.rs"]
+mod mlp;
+#[path = "support/ranks.rs"]
+mod ranks;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::AdamConfig;
+use burn::tensor::{Device, Int, Tensor};
+use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision, Result, StateToSave};
+use clap::{Parser, ValueEnum};
+use mlp::{Mlp, Sample, SampleBatcher};
+use serde::{Deserialize, Serialize};
+
+/// Samples per optimizer step over all ranks.
+const GLOBAL_BATCH: usize = 24;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Case {
+    Dp,
+    Accumulation,
+    ClipNorm,
+    ClipValue,
+    Bf16,
+    Fp16,
+    Uneven,
+    Eval,
+    Resume,
+    Env,
+}
+
+impl Case {
+    fn name(self) -> &'static str {
+        match self {
+            Case::Dp => "dp",
+            Case::Accumulation => "accumulation",
+            Case::ClipNorm => "clip-norm",
+            Case::ClipValue => "clip-value",
+            Case::Bf16 => "bf16",
+            Case::Fp16 => "fp16",
+            Case::Uneven => "uneven",
+            Case::Eval => "eval",
+            Case::Resume => "resume",
+            Case::Env => "env",
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Folder the ranks write their results into (`<out>/<case>/rank<r>.*`).
+    #[arg(long)]
+    out: PathBuf,
+    /// The cases to run, in this order (default: dp, accumulation, clip-norm, clip-value, bf16, fp16, uneven).
+    #[arg(long = "case", value_enum)]
+    cases: Vec<Case>,
+    /// In-process ranks (ignored under a launcher, which decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// `resume`: save the training state after this optimizer step.
+    #[arg(long, default_value_t = 10)]
+    save_at: usize,
+    /// `resume`: SIGKILL `--kill-rank` after this optimizer step (0: never).
+    #[arg(long, default_value_t = 0)]
+    kill_at: usize,
+    /// `resume`: the rank that `--kill-at` kills.
+    #[arg(long, default_value_t = 0)]
+    kill_rank: usize,
+    /// `resume`: continue from the state saved at `--save-at`.
+    #[arg(long)]
+    resume: bool,
+}
+
+/// What a rank counted, written beside its weights.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Report {
+    rank: usize,
+    num_processes: usize,
+    steps: usize,
+    clipped_steps: usize,
+    skipped_steps: usize,
+    loss_scale: Option<f64>,
+    mixed_precision: String,
+    gradient_accumulation_steps: usize,
+    resumed_at: Option<usize>,
+    gathered_ids: Vec<i64>,
+    gathered_losses: Vec<f32>,
+    env: BTreeMap<String, String>,
+}
+
+/// The builder of each case, on top of the settings the launcher or the environment gave.
+fn builder(case: Case, out: &Path) -> AcceleratorBuilder {
+    let builder = Accelerator::builder();
+    match case {
+        Case::Accumulation => builder.gradient_accumulation_steps(3),
+        Case::Bf16 => builder.mixed_precision(MixedPrecision::Bf16),
+        Case::Fp16 => builder.mixed_precision(MixedPrecision::Fp16),
+        Case::Uneven => builder.even_batches(false),
+        Case::Resume => builder.project_configuration(burn_accelerate::ProjectConfiguration::new(
+            out.join("resume-project"),
+        )),
+        _ => builder,
+    }
+}
+
+/// Samples in the training set and passes over it, per case.
+fn schedule(case: Case) -> (usize, usize) {
+    match case {
+        // 21 steps.
+        Case::Dp | Case::ClipNorm | Case::ClipValue | Case::Bf16 | Case::Fp16 | Case::Resume => {
+            (GLOBAL_BATCH * 7, 3)
+        }
+        // 7 rounds an epoch in windows of 3, 3 and 1: 12 steps over 4 epochs.
+        Case::Accumulation => (GLOBAL_BATCH * 7, 4),
+        // 140 samples: 5 full rounds and one of 20 (12 + 8 on 2 ranks, 8 + 8 + 4 on 3): 24 steps.
+        Case::Uneven => (140, 4),
+        Case::Eval | Case::Env => (0, 0),
+    }
+}
+
+/// The loss of a batch: its summed squared error over the nominal per-rank batch.
+fn loss(model: &Mlp, batch: mlp::Batch, nominal: usize) -> Tensor<1> {
+    (model.forward(batch.x) - batch.y)
+        .powi_scalar(2)
+        .sum()
+        .div_scalar(nominal as f32)
+}
+
+/// Progress of the run, registered for checkpointing.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct Progress {
+    step: usize,
+}
+
+fn kill_self(rank: usize, step: usize) -> ! {
+    eprintln!("fault: rank {rank} is killed after step {step}");
+    // SAFETY: a plain system call that ends this process.
+    #[cfg(unix)]
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    std::process::abort()
+}
+
+fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Mlp, Report)> {
+    let p = acc.num_processes();
+    if !GLOBAL_BATCH.is_multiple_of(p) {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "the global batch {GLOBAL_BATCH} is not divisible by {p} ranks"
+        )));
+    }
+    let per_rank = GLOBAL_BATCH / p;
+    let progress = Arc::new(Mutex::new(Progress::default()));
+    acc.register_for_checkpointing("progress", progress.clone())?;
+    let mut model = acc.prepare_model(initial)?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let (samples, epochs) = schedule(case);
+    let train = acc.prepare_dataloader(
+        DataLoaderBuilder::new(SampleBatcher)
+            .batch_size(per_rank)
+            .shuffle(5)
+            .build(mlp::dataset(samples, 3)),
+    )?;
+    let mut report = Report::default();
+    let checkpoint = args.out.join("resume-state");
+    if case == Case::Resume && args.resume {
+        let mut state = acc.load_state(Some(&checkpoint))?;
+        model = state.model(model)?;
+        state.optimizer(&mut optimizer)?;
+        state.finish()?;
+        report.resumed_at = Some(progress.lock().unwrap().step);
+    }
+    let total = train.len() * epochs;
+    let mut micro = progress.lock().unwrap().step;
+    'training: while micro < total {
+        for batch in train.iter() {
+            let batch = batch?;
+            acc.accumulate();
+            let loss = if matches!(case, Case::Bf16 | Case::Fp16) {
+                acc.autocast(&model, batch, |model, batch| loss(model, batch, per_rank))
+            } else {
+                loss(&model, batch, per_rank)
+            };
+            acc.backward(loss, &model)?;
+            if acc.sync_gradients() {
+                match case {
+                    Case::ClipNorm => {
+                        if acc.clip_grad_norm(&model, 0.5)? > 0.5 {
+                            report.clipped_steps += 1;
+                        }
+                    }
+                    Case::ClipValue => {
+                        let largest = max_abs_grad(acc, &model);
+                        acc.clip_grad_value(&model, 0.05)?;
+                        if largest > 0.05 {
+                            report.clipped_steps += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            model = optimizer.try_step(model)?;
+            if acc.sync_gradients() {
+                report.steps += 1;
+                if acc.optimizer_step_was_skipped() {
+                    report.skipped_steps += 1;
+                }
+            }
+            micro += 1;
+            progress.lock().unwrap().step = micro;
+            if case == Case::Resume {
+                if micro == args.save_at && !args.resume {
+                    let parts = StateToSave::new().model(&model)?.optimizer(&optimizer)?;
+                    acc.save_state(Some(&checkpoint), &parts)?;
+                }
+                if micro == args.kill_at && acc.process_index() == args.kill_rank {
+                    kill_self(args.kill_rank, micro);
+                }
+            }
+            if micro >= total {
+                break 'training;
+            }
+        }
+    }
+    report.loss_scale = acc.loss_scale();
+    Ok((model, report))
+}
+
+/// The largest absolute gradient of `model` on this rank (to see whether value clipping had anything to clip).
+fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> f32 {
+    struct Largest<'a>(&'a Accelerator, f32);
+    impl ModuleVisitor for Largest<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.grad(param) {
+                self.1 = self.1.max(grad.abs().max().into_scalar::<f32>());
+            }
+        }
+    }
+    let mut largest = Largest(acc, 0.0);
+    model.visit(&mut largest);
+    largest.1
+}
+
+/// A training sample with its index, for evaluation.
+#[derive(Debug, Clone)]
+struct Indexed(i64, Sample);
+
+#[derive(Debug, Clone)]
+struct EvalBatch {
+    batch: mlp::Batch,
+    ids: Tensor<1, Int>,
+}
+burn_accelerate::impl_to_device!(EvalBatch { batch, ids });
+
+#[derive(Debug, Clone, Default)]
+struct EvalBatcher;
+
+impl Batcher<Indexed, EvalBatch> for EvalBatcher {
+    fn batch(&self, items: Vec<Indexed>, device: &Device) -> EvalBatch {
+        let ids: Vec<i64> = items.iter().map(|s| s.0).collect();
+        EvalBatch {
+            batch: SampleBatcher.batch(items.into_iter().map(|s| s.1).collect(), device),
+            ids: Tensor::from_data(ids.as_slice(), device),
+        }
+    }
+}
+
+/// `gather_for_metrics` over an evaluation set of 103 samples in batches of 8 per rank (no number of ranks
+/// divides it): the ids and per-sample losses every rank gets back.
+fn evaluate(acc: &Accelerator, initial: Mlp, report: &mut Report) -> Result<()> {
+    let model = acc.prepare_model(initial)?;
+    let items: Vec<Indexed> = mlp::samples(103, 41)
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| Indexed(i as i64, s))
+        .collect();
+    let eval = acc.prepare_dataloader(
+        DataLoaderBuilder::new(EvalBatcher)
+            .batch_size(8)
+            .build(InMemDataset::new(items)),
+    )?;
+    for batch in eval.iter() {
+        let EvalBatch { batch, ids } = batch?;
+        let losses = (model.forward(batch.x) - batch.y)
+            .powi_scalar(2)
+            .squeeze_dim::<1>(1);
+        let (ids, losses) = acc.gather_for_metrics((ids, losses))?;
+        report.gathered_ids.extend(ids.into_data().iter::<i64>());
+        report
+            .gathered_losses
+            .extend(losses.into_data().iter::<f32>());
+    }
+    Ok(())
+}
+
+/// Runs `case` on `acc`'s rank and writes the rank's weights and report.
+fn run_case(acc: Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<()> {
+    let mut report = Report::default();
+    let model = match case {
+        Case::Env => None,
+        Case::Eval => {
+            evaluate(&acc, initial, &mut report)?;
+            None
+        }
+        _ => {
+            let (model, counted) = train(&acc, case, args, initial)?;
+            report = counted;
+            Some(model)
+        }
+    };
+    report.rank = acc.process_index();
+    report.num_processes = acc.num_processes();
+    report.mixed_precision = acc.mixed_precision().to_string();
+    report.gradient_accumulation_steps = acc.config().gradient_accumulation_steps;
+    report.env = std::env::vars()
+        .filter(|(k, _)| k.starts_with("ACCELERATE_") || k == "RAYON_NUM_THREADS")
+        .collect();
+    let dir = args.out.join(case.name());
+    std::fs::create_dir_all(&dir).map_err(burn_accelerate::Error::other)?;
+    let rank = acc.process_index();
+    if let Some(model) = model {
+        write_weights(&model, &dir.join(format!("rank{rank}.safetensors")))?;
+    }
+    let json = serde_json::to_vec_pretty(&report).map_err(burn_accelerate::Error::other)?;
+    std::fs::write(dir.join(format!("rank{rank}.json")), json)
+        .map_err(burn_accelerate::Error::other)?;
+    Ok(())
+}
+
+/// Writes every float parameter of `model` as f32, named by its position in visiting order.
+fn write_weights(model: &Mlp, path: &Path) -> Result<()> {
+    let params: Vec<Vec<u8>> = mlp::weights(model)
+        .iter()
+        .map(|values| le_bytes(values))
+        .collect();
+    let views = params
+        .iter()
+        .enumerate()
+        .map(|(i, bytes)| {
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                vec![bytes.len() / 4],
+                bytes,
+            )
+            .map_err(burn_accelerate::Error::other)?;
+            Ok((format!("param_{i:02}"), view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, None).map_err(burn_accelerate::Error::other)?;
+    std::fs::write(path, bytes).map_err(burn_accelerate::Error::other)?;
+    Ok(())
+}
+
+/// The little-endian bytes of `values`.
+fn le_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn main() {
+    ranks::exit_on_error(run());
+}
+
+fn run() -> Result<()> {
+    burn_accelerate::logging::init(None);
+    let mut args = Args::parse();
+    if args.cases.is_empty() {
+        args.cases = vec![
+            Case::Dp,
+            Case::Accumulation,
+            Case::ClipNorm,
+            Case::ClipValue,
+            Case::Bf16,
+            Case::Fp16,
+            Case::Uneven,
+        ];
+    }
+    let device = Device::default();
+    device.seed(7);
+    let initial = Mlp::new(&device);
+    for &case in &args.cases {
+        let result = ranks::run_ranks(builder(case, &args.out), args.processes, |acc| {
+            let rank = acc.process_index();
+            run_case(acc, case, &args, initial.clone()).map_err(|e| {
+                // Every rank says what it met, so that a test can check each one's error.
+                println!("rank {rank} error: {e}");
+                e
+            })
+        });
+        result?;
+    }
+    Ok(())
+}
