@@ -231,6 +231,121 @@ pub fn split(acc: &Accelerator) -> Result<()> {
     check(all == items, || format!("split: {all:?}"))
 }
 
+/// Buffers of 256 KiB and more (MPI's blocking path; below it the engine posts non-blocking calls), at the
+/// threshold, just past it and well past it, checked value by value: every reduce op in f32, bf16 and f16,
+/// integer and bool reductions, gather and broadcast. Values are small integers, exact in every dtype, so
+/// sums, maxima and minima must match exactly; a mean may round once in its dtype.
+pub fn large_buffers(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let value = |rank: usize, i: usize| ((i * 31 + rank * 17) % 61) as f32 - 30.0;
+    for bytes in [256 << 10, (256 << 10) + 8, (1 << 20) + 24, 4 << 20] {
+        for (dtype, size, eps) in [
+            (FloatDType::F32, 4, f32::EPSILON),
+            (FloatDType::BF16, 2, 1.0 / 128.0),
+            (FloatDType::F16, 2, 1.0 / 1024.0),
+        ] {
+            if !acc.device().supports_dtype(dtype) {
+                continue;
+            }
+            let n = bytes / size;
+            let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+            let t = || Tensor::<1>::from_floats(mine.as_slice(), acc.device()).cast(dtype);
+            let column = |i: usize| (0..p).map(move |q| value(q, i));
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                let out = acc.reduce(t(), op)?;
+                check(out.dtype() == DType::from(dtype), || {
+                    format!("{bytes} B {dtype:?} {op}: dtype {:?}", out.dtype())
+                })?;
+                let got = floats(out);
+                check(got.len() == n, || {
+                    format!("{bytes} B {dtype:?} {op}: length")
+                })?;
+                for (i, g) in got.iter().enumerate() {
+                    let (expected, tolerance) = match op {
+                        ReduceOp::Sum => (column(i).sum::<f32>(), 0.0),
+                        ReduceOp::Mean => {
+                            let mean = column(i).sum::<f32>() / p as f32;
+                            (mean, mean.abs() * eps)
+                        }
+                        ReduceOp::Max => (column(i).fold(f32::MIN, f32::max), 0.0),
+                        _ => (column(i).fold(f32::MAX, f32::min), 0.0),
+                    };
+                    check((g - expected).abs() <= tolerance, || {
+                        format!("{bytes} B {dtype:?} {op}: element {i} is {g}, expected {expected}")
+                    })?;
+                }
+            }
+        }
+        let n = bytes / 8;
+        let ints = Tensor::<1, Int>::from_data(
+            (0..n)
+                .map(|i| value(r, i) as i64)
+                .collect::<Vec<_>>()
+                .as_slice(),
+            acc.device(),
+        );
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            let got: Vec<i64> = acc
+                .reduce(ints.clone(), op)?
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .unwrap();
+            let bad = (0..n).find(|&i| {
+                let column = (0..p).map(|q| value(q, i) as i64);
+                let expected = match op {
+                    ReduceOp::Sum => column.sum(),
+                    ReduceOp::Max => column.max().unwrap_or_default(),
+                    _ => column.min().unwrap_or_default(),
+                };
+                got.get(i) != Some(&expected)
+            });
+            check(got.len() == n && bad.is_none(), || {
+                format!("{bytes} B i64 {op}: element {bad:?} of {}", got.len())
+            })?;
+        }
+        let flags: Vec<bool> = (0..bytes).map(|i| (i + r) % 3 == 0).collect();
+        let flags = Tensor::<1, Bool>::from_data(flags.as_slice(), acc.device());
+        for (op, expected) in [
+            (
+                ReduceOp::Max,
+                (|hits: usize, _p: usize| hits > 0) as fn(usize, usize) -> bool,
+            ),
+            (ReduceOp::Min, |hits: usize, p: usize| hits == p),
+        ] {
+            let got: Vec<bool> = acc
+                .reduce(flags.clone(), op)?
+                .into_data()
+                .try_into_vec()
+                .unwrap();
+            let bad = (0..bytes).find(|&i| {
+                let hits = (0..p).filter(|q| (i + q) % 3 == 0).count();
+                got.get(i) != Some(&expected(hits, p))
+            });
+            check(got.len() == bytes && bad.is_none(), || {
+                format!("{bytes} B bool {op}: element {bad:?}")
+            })?;
+        }
+        let n = bytes / 4;
+        let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        let gathered = floats(acc.gather(Tensor::<1>::from_floats(mine.as_slice(), acc.device()))?);
+        let expected: Vec<f32> = (0..p)
+            .flat_map(|q| (0..n).map(move |i| value(q, i)))
+            .collect();
+        check(gathered == expected, || format!("{bytes} B gather"))?;
+        let root = p - 1;
+        let sent = floats(acc.broadcast(
+            Tensor::<1>::from_floats(mine.as_slice(), acc.device()),
+            root,
+        )?);
+        let expected: Vec<f32> = (0..n).map(|i| value(root, i)).collect();
+        check(sent == expected, || {
+            format!("{bytes} B broadcast from rank {root}")
+        })?;
+    }
+    Ok(())
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -243,5 +358,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     triggers(acc)?;
     dtypes(acc)?;
     split(acc)?;
+    large_buffers(acc)?;
     acc.wait_for_everyone()
 }
