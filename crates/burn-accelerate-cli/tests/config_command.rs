@@ -1,6 +1,9 @@
 //! `burn-accelerate config` and config files driven through the real binary: where the file lives, round trips,
 //! Accelerate's sample configs (fp8, FSDP, TPU, SageMaker, MPI, legacy keys, unknown keys), precedence.
 
+#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+mod isolation;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

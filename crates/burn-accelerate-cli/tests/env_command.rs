@@ -1,5 +1,8 @@
 //! `burn-accelerate env` prints the version, backends, devices and config path.
 
+#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+mod isolation;
+
 use std::process::Command;
 
 #[test]

@@ -1,5 +1,8 @@
 //! `burn-accelerate estimate-memory` on a generated checkpoint gives the hand-computed figures.
 
+#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+mod isolation;
+
 use std::collections::HashMap;
 use std::process::Command;
 

@@ -147,3 +147,8 @@ pub use burn_accelerate_mpi as mpi;
 pub use burn;
 #[doc(hidden)]
 pub use log;
+
+/// Unit tests start from a clean environment too (see the module).
+#[cfg(test)]
+#[path = "../tests/support/isolation.rs"]
+mod test_isolation;

@@ -1,6 +1,9 @@
 //! Checkpointing: exact resume on 1 and 2 ranks (mid-epoch, shuffled), Hugging Face sharded safetensors,
 //! crash safety under SIGKILL, and clear errors for bad checkpoints.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 #[path = "support/fixtures.rs"]

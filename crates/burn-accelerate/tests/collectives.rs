@@ -1,6 +1,9 @@
 //! Collectives on 2, 3 and 4 in-process ranks (and 1, where each returns its input), plus the failure modes:
 //! shape mismatch in debug mode, a rank that skips a collective, a rank that panics.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/collectives_suite.rs"]
 mod suite;
 

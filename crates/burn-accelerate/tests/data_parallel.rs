@@ -1,6 +1,9 @@
 //! Data-parallel training on in-process ranks: the same model as one rank with the combined batch, gradient
 //! accumulation that communicates only on sync steps, and `gather_for_metrics` that sees every sample once.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 #[path = "support/fixtures.rs"]

@@ -2,6 +2,9 @@
 //! count and the resume request, and bad values. One test function per environment change sequence, run one
 //! after the other (the second waits for the first through a lock).
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use burn_accelerate::{Accelerator, Backend, Error};
 
 fn set(key: &str, value: Option<&str>) {

@@ -1,6 +1,9 @@
 //! Every example, run briefly, reaches its stated metric (as Accelerate's `test_examples.py` runs its examples),
 //! and the ones that run on several ranks give the same result on one and two.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 

@@ -1,5 +1,8 @@
 //! Hostile or mistaken settings: each gives a clear error or works, never a panic, a hang or lost data.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "../../../examples/support/mlp.rs"]
 mod mlp;
 

@@ -4,6 +4,9 @@
 //! Every case must end the whole job, with an error naming rank 1 or the mismatch, within the collective timeout
 //! plus a small margin. A save that fails on the main process (rank 0) must stop every rank at once.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use std::process::Command;
 use std::time::{Duration, Instant};
 

@@ -2,6 +2,9 @@
 //! with the doubled batch, bf16 and gradient accumulation go through the step pipeline, only rank 0 writes,
 //! and a run stopped in the middle of an epoch resumes to the uninterrupted weights.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 #[path = "support/fixtures.rs"]

@@ -1,6 +1,9 @@
 //! `ACCELERATE_LOG_LEVEL` sets the level of loggers created without an explicit one; an explicit level wins.
 //! One test function, so that the environment change is not raced.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use std::sync::Mutex;
 
 use burn_accelerate::logging::get_logger;

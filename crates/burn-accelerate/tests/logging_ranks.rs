@@ -1,6 +1,9 @@
 //! Logging across in-process ranks: `main_process_only` keeps rank 0's lines, `in_order` emits every rank's
 //! line in rank order.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use std::sync::Mutex;
 
 use burn_accelerate::logging::get_logger;

@@ -2,6 +2,9 @@
 //! other errors, the floor, ranks agreeing on every size, panicking backends, and `estimate-memory` figures
 //! against a hand computation.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 

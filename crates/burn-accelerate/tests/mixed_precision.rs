@@ -2,6 +2,9 @@
 //! master weights, fp16 overflow skips steps in torch's loss-scale sequence on every rank together, and the
 //! scheduler does not advance on skipped steps.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/fixtures.rs"]
 mod fixtures;
 #[path = "../../../examples/support/mlp.rs"]

@@ -1,6 +1,9 @@
 //! The collectives suite under `mpirun -np 2` and `-np 3`, and `burn-accelerate launch` / `test` across
 //! processes (feature `mpi`; needs Open MPI's `mpirun`).
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -2,6 +2,9 @@
 //! README's data-parallel recipe, a setting whose applying call never comes is reported, a new run never
 //! overwrites or prunes an earlier run's checkpoints, and a rank's closure returns errors of its own kind.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/fixtures.rs"]
 mod fixtures;
 #[path = "../../../examples/support/mlp.rs"]

@@ -3,6 +3,9 @@
 //! batches with `even_batches(false)`), each rank's final weights read back from the file it wrote. The same
 //! comparison under `mpirun` is `tests/parity_mpi.rs`.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 #[path = "support/parity.rs"]

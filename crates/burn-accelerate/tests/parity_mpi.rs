@@ -3,6 +3,9 @@
 //! others, resume a job killed under `mpirun` bit for bit, gather an uneven evaluation set on 3 processes,
 //! refuse a 2-rank checkpoint on 3 ranks naming both, and launch through `burn-accelerate launch --hostfile`.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/examples.rs"]
 mod examples;
 #[path = "support/parity.rs"]

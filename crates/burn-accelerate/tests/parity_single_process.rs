@@ -1,6 +1,9 @@
 //! A training run through the Accelerator (one process, default backend) ends with the same weights as the
 //! hand-written Burn loop on the same seed and data.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/fixtures.rs"]
 mod fixtures;
 #[path = "../../../examples/support/mlp.rs"]

@@ -3,6 +3,9 @@
 //! checkpoint written the way PyTorch tools write it loads into the Burn module and gives numpy's outputs; Burn
 //! round trips are exact in either layout; key remapping on save and load.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/python.rs"]
 mod python;
 

@@ -3,6 +3,9 @@
 //! error of its own; each restarted job must end with the weights of an uninterrupted run, bit for bit, and
 //! only the failures a restart can cure are restarted.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;

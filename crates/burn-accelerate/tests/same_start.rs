@@ -4,6 +4,9 @@
 //!
 //! The test draws from the shared generator, so it is alone in its binary.
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};

@@ -1,6 +1,9 @@
 //! Experiment tracking across ranks: the built-in trackers write on the main process only, hold every logged
 //! value, and TensorBoard's own loader reads the event file (the Python cross-check, required in CI).
 
+#[path = "support/isolation.rs"]
+mod isolation;
+
 #[path = "support/python.rs"]
 mod python;
 

@@ -378,14 +378,14 @@ mod tests {
 
     #[test]
     fn masked_crc_matches_tensorflow() {
-        // TensorFlow's crc32c_test: Mask(Value("foo")) and the unmasked CRC of 32 zero bytes.
+        // Values computed outside this code (a bitwise CRC-32C and TensorFlow's `Mask`, ((crc >> 15) |
+        // (crc << 17)) + 0xa282ead8): the check value of "123456789", TensorFlow's crc32c_test vectors, and the
+        // masked CRC of the length field of a 24-byte record.
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xe306_9283);
         assert_eq!(crc32c::crc32c(&[0u8; 32]), 0x8a91_36aa);
-        let crc = crc32c::crc32c(b"foo");
-        assert_eq!(
-            masked_crc(b"foo"),
-            crc.rotate_right(15).wrapping_add(0xa282_ead8)
-        );
-        assert_ne!(masked_crc(b"foo"), crc);
+        assert_eq!(crc32c::crc32c(b"foo"), 0xcfc4_ae1d);
+        assert_eq!(masked_crc(b"foo"), 0xfebe_8a61);
+        assert_eq!(masked_crc(&24u64.to_le_bytes()), 0x224b_7fa3);
     }
 
     #[test]
