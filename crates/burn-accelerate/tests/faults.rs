@@ -189,6 +189,35 @@ fn load_into(
     seed: u64,
     optimizer: burn::optim::ModuleOptimizer,
 ) -> burn_accelerate::Result<()> {
+    load_and_read(dir, items, batch, seed, optimizer).map(|_| ())
+}
+
+/// What a load restored: the model's weights and parameter ids, and the weights one more step makes of them
+/// (which the optimizer state decides).
+#[derive(Debug, PartialEq)]
+struct Restored {
+    weights: Vec<Vec<f32>>,
+    ids: Vec<String>,
+    stepped: Vec<Vec<f32>>,
+}
+
+/// How many values differ (bit for bit) between two weight sets of the same shape.
+fn changed(a: &[Vec<f32>], b: &[Vec<f32>]) -> usize {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
+/// [`load_into`], returning what the load restored (before the extra step).
+fn load_and_read(
+    dir: &Path,
+    items: usize,
+    batch: usize,
+    seed: u64,
+    optimizer: burn::optim::ModuleOptimizer,
+) -> burn_accelerate::Result<Restored> {
     let acc = &Accelerator::new()?;
     let model = acc.prepare_model(mlp::Mlp::new(acc.device()))?;
     let mut optimizer = acc.prepare_optimizer(optimizer, 1e-2);
@@ -197,13 +226,25 @@ fn load_into(
     let mut model = state.model(model)?;
     state.optimizer(&mut optimizer)?;
     state.finish()?;
+    struct Ids(Vec<String>);
+    impl burn::module::ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            self.0.push(param.id.to_string());
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    burn::module::Module::visit(&model, &mut ids);
+    let weights = mlp::weights(&model);
     // One more step: a restored state must also work, not only load.
     let batch = loader.iter().next().expect("a batch")?;
     let loss = model.loss(batch);
     acc.backward(loss, &model)?;
     model = optimizer.step(model);
-    let _ = model;
-    Ok(())
+    Ok(Restored {
+        weights,
+        ids: ids.0,
+        stepped: mlp::weights(&model),
+    })
 }
 
 #[test]
@@ -309,6 +350,7 @@ fn corrupt_records_give_errors_never_panics() {
     let dir = state_dir("corrupt-records");
     run_and_save(&dir, 100, 8, 5).unwrap();
     let adam = || AdamConfig::new().init();
+    let reference = load_and_read(&dir, 100, 8, 5, adam()).unwrap();
     let mut cases = 0;
     for file in ["optimizer.bpk", "model.bpk"] {
         let path = dir.join(file);
@@ -316,21 +358,32 @@ fn corrupt_records_give_errors_never_panics() {
         // Truncations at many points, and every byte of the record's metadata (names, shapes, dtypes, offsets,
         // parameter ids: the first 2 KiB at most) flipped in turn.
         let len = good.len();
-        let mut variants: Vec<Vec<u8>> = (1..24).map(|k| good[..len * k / 24].to_vec()).collect();
+        let mut variants: Vec<(Option<usize>, Vec<u8>)> = (1..24)
+            .map(|k| (None, good[..len * k / 24].to_vec()))
+            .collect();
         for k in 0..len.min(2048) {
             let mut bad = good.clone();
             bad[k] ^= 0xa5;
-            variants.push(bad);
+            variants.push((Some(k), bad));
         }
-        for bad in variants {
+        for (flipped, bad) in variants {
             std::fs::write(&path, &bad).unwrap();
-            let result = std::panic::catch_unwind(|| load_into(&dir, 100, 8, 5, adam()));
-            // A flipped byte inside a tensor's values still loads (the record has no checksum); anything
-            // else must be an error naming the file, and nothing may panic.
+            let result = std::panic::catch_unwind(|| load_and_read(&dir, 100, 8, 5, adam()));
+            // Every corruption, in the metadata or in a tensor's values (the manifest's CRC-32C of the file
+            // catches those), is an error naming the file; nothing loads wrong data, nothing panics.
             match result {
                 Err(_) => panic!("{file}: loading a corrupt record panicked"),
                 Ok(Err(e)) => assert!(e.to_string().contains(file), "{e}"),
-                Ok(Ok(())) => {}
+                Ok(Ok(restored)) => panic!(
+                    "{file}: the record {} loaded: {} weights and {} stepped values differ, ids kept: {}",
+                    match flipped {
+                        Some(k) => format!("with byte {k} flipped"),
+                        None => format!("truncated to {} bytes", bad.len()),
+                    },
+                    changed(&restored.weights, &reference.weights),
+                    changed(&restored.stepped, &reference.stepped),
+                    restored.ids == reference.ids
+                ),
             }
             cases += 1;
         }

@@ -143,11 +143,12 @@ impl LoadedState {
     }
 
     /// The bytes of the next saved part of `kind` (`model`, `optimizer`, `scheduler`), whose count and cursor
-    /// are `saved` and `next`; returns its index, file and bytes.
+    /// are `saved` and `next`, checked against the CRC-32C the save recorded for it; returns its index, file and
+    /// bytes.
     fn next_part(
         dir: &Path,
         kind: &str,
-        saved: usize,
+        (saved, checksums): (usize, &std::collections::BTreeMap<String, u32>),
         next: &mut usize,
     ) -> Result<(usize, PathBuf, burn::tensor::Bytes)> {
         let i = *next;
@@ -159,8 +160,22 @@ impl LoadedState {
         }
         *next += 1;
         let path = file(dir, kind, i, "bpk");
-        let bytes = burn::tensor::Bytes::from_bytes_vec(read(&path)?);
-        Ok((i, path, bytes))
+        let bytes = read(&path)?;
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if let Some(expected) = name.and_then(|n| checksums.get(&n)) {
+            let actual = crc32c::crc32c(&bytes);
+            if actual != *expected {
+                return Err(corrupt(
+                    &path,
+                    format!(
+                        "its CRC-32C is {actual:#010x}, but the save recorded {expected:#010x}: the file changed \
+                         after it was written (a damaged disk or an incomplete copy); restore the file or load \
+                         an earlier checkpoint"
+                    ),
+                ));
+            }
+        }
+        Ok((i, path, burn::tensor::Bytes::from_bytes_vec(bytes)))
     }
 
     /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
@@ -225,7 +240,7 @@ impl LoadedState {
         let (_, path, bytes) = Self::next_part(
             &self.dir,
             "model",
-            self.manifest.models,
+            (self.manifest.models, &self.manifest.checksums),
             &mut self.next_model,
         )?;
         let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?.map_err(|e| {
@@ -245,7 +260,7 @@ impl LoadedState {
         let (i, path, bytes) = Self::next_part(
             &self.dir,
             &stem,
-            self.manifest.optimizers,
+            (self.manifest.optimizers, &self.manifest.checksums),
             &mut self.next_optimizer,
         )?;
         let record = guarded(&path, "optimizer", || {
@@ -268,7 +283,7 @@ impl LoadedState {
         let (_, path, bytes) = Self::next_part(
             &self.dir,
             "scheduler",
-            self.manifest.schedulers,
+            (self.manifest.schedulers, &self.manifest.checksums),
             &mut self.next_scheduler,
         )?;
         let record = guarded(&path, "scheduler", || {

@@ -32,6 +32,11 @@ pub(crate) struct Manifest {
     /// checkpoints.
     #[serde(default)]
     pub(crate) optimizer_per_rank: bool,
+    /// The CRC-32C of each record the main process wrote (models, schedulers, and the optimizers when they are
+    /// not per rank), by file name: a load refuses a file whose bytes changed after the save. Absent in older
+    /// checkpoints, which load unchecked.
+    #[serde(default)]
+    pub(crate) checksums: std::collections::BTreeMap<String, u32>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]

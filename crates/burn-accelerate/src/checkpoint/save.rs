@@ -185,6 +185,28 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
     Ok(())
 }
 
+/// The CRC-32C of every record file the main process writes, by file name.
+fn checksums(parts: &StateToSave, optimizer_per_rank: bool) -> BTreeMap<String, u32> {
+    let name = |stem: &str, i: usize| {
+        file(Path::new(""), stem, i, "bpk")
+            .to_string_lossy()
+            .into_owned()
+    };
+    let mut sums = BTreeMap::new();
+    for (i, bytes) in parts.models.iter().enumerate() {
+        sums.insert(name("model", i), crc32c::crc32c(bytes));
+    }
+    for (i, bytes) in parts.schedulers.iter().enumerate() {
+        sums.insert(name("scheduler", i), crc32c::crc32c(bytes));
+    }
+    if !optimizer_per_rank {
+        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
+            sums.insert(name("optimizer", i), crc32c::crc32c(bytes));
+        }
+    }
+    sums
+}
+
 /// On the main process: writes the manifest (what makes the folder a checkpoint) and puts the folder in place.
 fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Result<()> {
     let manifest = Manifest {
@@ -198,6 +220,7 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
         scaler: ctx.scaler.clone(),
         optimizer_kinds: parts.optimizer_kinds.clone(),
         optimizer_per_rank: ctx.optimizer_state == StateScope::PerRank,
+        checksums: checksums(parts, ctx.optimizer_state == StateScope::PerRank),
     };
     write_synced(
         &partial.join(MANIFEST),
