@@ -18,7 +18,8 @@ fn skip_scenario() {
         .expect("accelerator");
     let last = accelerator.num_processes() - 1;
     if accelerator.process_index() == last {
-        std::thread::sleep(Duration::from_secs(4));
+        // Long enough that the others can only be released by their 1 s timeout.
+        std::thread::sleep(Duration::from_secs(8));
         println!("rank {last} skipped the reduce");
         return;
     }

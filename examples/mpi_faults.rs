@@ -33,6 +33,10 @@ fn run(fault: &str, bytes: usize, timeout: Duration) -> Result<(), Box<dyn std::
     // One collective that every rank passes, so that the fault happens in the middle of a run.
     accelerator.wait_for_everyone()?;
     let rank = accelerator.process_index();
+    // When the work starts (after mpirun started every process), for tests that time the job from here.
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+    println!("rank {rank} starts at {} ms", since_epoch.as_millis());
+    std::io::Write::flush(&mut std::io::stdout())?;
     let start = Instant::now();
     let result = if fault == "save" {
         let blocked =

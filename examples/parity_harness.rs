@@ -22,7 +22,8 @@
 //! and `clip-value` (clipping that bites on most steps), `bf16` and `fp16` (mixed precision; fp16 scales the
 //! loss), `uneven` (`even_batches(false)` and a short last round), `eval` (`gather_for_metrics` of an
 //! evaluation set that the ranks do not divide), `resume` (`dp` saved at `--save-at`, killed by SIGKILL at
-//! `--kill-at` on `--kill-rank`, and resumed with `--resume`), `env` (only writes the settings the rank sees).
+//! `--kill-at` on `--kill-rank`, and resumed with `--resume`), `env` (only writes the settings the rank sees),
+//! `initial` (the weights every case starts from; run by default too).
 
 #[path = "support/mlp.rs"]
 mod mlp;
@@ -59,6 +60,7 @@ enum Case {
     Eval,
     Resume,
     Env,
+    Initial,
 }
 
 impl Case {
@@ -74,6 +76,7 @@ impl Case {
             Case::Eval => "eval",
             Case::Resume => "resume",
             Case::Env => "env",
+            Case::Initial => "initial",
         }
     }
 }
@@ -83,7 +86,8 @@ struct Args {
     /// Folder the ranks write their results into (`<out>/<case>/rank<r>.*`).
     #[arg(long)]
     out: PathBuf,
-    /// The cases to run, in this order (default: dp, accumulation, clip-norm, clip-value, bf16, fp16, uneven).
+    /// The cases to run, in this order (default: dp, accumulation, clip-norm, clip-value, bf16, fp16, uneven,
+    /// initial).
     #[arg(long = "case", value_enum)]
     cases: Vec<Case>,
     /// In-process ranks (ignored under a launcher, which decides).
@@ -146,7 +150,7 @@ fn schedule(case: Case) -> (usize, usize) {
         Case::Accumulation => (GLOBAL_BATCH * 7, 4),
         // 140 samples: 5 full rounds and one of 20 (12 + 8 on 2 ranks, 8 + 8 + 4 on 3): 24 steps.
         Case::Uneven => (140, 4),
-        Case::Eval | Case::Env => (0, 0),
+        Case::Eval | Case::Env | Case::Initial => (0, 0),
     }
 }
 
@@ -330,6 +334,7 @@ fn run_case(acc: Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(
     let mut report = Report::default();
     let model = match case {
         Case::Env => None,
+        Case::Initial => Some(acc.prepare_model(initial)?),
         Case::Eval => {
             evaluate(&acc, initial, &mut report)?;
             None
@@ -404,6 +409,7 @@ fn run() -> Result<()> {
             Case::Bf16,
             Case::Fp16,
             Case::Uneven,
+            Case::Initial,
         ];
     }
     let device = Device::default();

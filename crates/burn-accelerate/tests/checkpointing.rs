@@ -581,12 +581,22 @@ fn delays(n: usize, seed: u64, max_ms: u64) -> Vec<u64> {
 }
 
 /// Starts `command`, waits until its first checkpoint under `run` is complete, lets it go on for `ms` more,
-/// then SIGKILLs it. Returns whether it was still running when killed (rather than already finished).
+/// then SIGKILLs it. Returns whether it was still running when killed (rather than already finished), and
+/// everything it printed.
 ///
 /// Waiting for the first checkpoint instead of a fixed delay from the start keeps every kill meaningful on a
 /// machine of any speed.
-fn kill_after_first_checkpoint(command: &mut Command, run: &Path, ms: u64) -> bool {
-    let mut child = command.stdout(std::process::Stdio::null()).spawn().unwrap();
+fn kill_after_first_checkpoint(command: &mut Command, run: &Path, ms: u64) -> (bool, String) {
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let printed = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        text
+    });
     let project = burn_accelerate::ProjectConfiguration::new(run);
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     while project.checkpoints().is_empty() {
@@ -603,7 +613,7 @@ fn kill_after_first_checkpoint(command: &mut Command, run: &Path, ms: u64) -> bo
     let running = child.try_wait().unwrap().is_none();
     let _ = child.kill(); // SIGKILL on Unix
     let _ = child.wait();
-    running
+    (running, printed.join().unwrap())
 }
 
 #[test]
@@ -619,9 +629,16 @@ fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
             .args(["--project-dir"])
             .arg(&run)
             .args(["--save-every", "1", "--steps", "5000"]);
-        if kill_after_first_checkpoint(&mut command, &run, ms) {
+        let (running, printed) = kill_after_first_checkpoint(&mut command, &run, ms);
+        if running {
             killed_while_saving += 1;
         }
+        // The example prints `step=<n> saved=<dir>` once a save is complete (each line flushed).
+        let last_reported: u64 = printed
+            .lines()
+            .filter_map(|l| l.strip_prefix("step=")?.split(' ').next()?.parse().ok())
+            .max()
+            .unwrap_or_else(|| panic!("run {i}: no save was reported:\n{printed}"));
         // The latest complete checkpoint loads entirely, into the example's objects: its loader (1000 items
         // in batches of 32, seed 11) is recorded in the checkpoint and checked by load_state.
         let acc = Accelerator::builder()
@@ -643,7 +660,7 @@ fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
             )
             .unwrap();
         let progress = Arc::new(Mutex::new(serde_json::Value::Null));
-        acc.register_for_checkpointing("progress", progress)
+        acc.register_for_checkpointing("progress", progress.clone())
             .unwrap();
         let mut state = acc
             .load_state(None)
@@ -652,6 +669,13 @@ fn sigkill_during_saves_always_leaves_a_loadable_checkpoint() {
         state.optimizer(&mut optimizer).unwrap();
         state.scheduler(&mut scheduler).unwrap();
         state.finish().unwrap();
+        // Not just some checkpoint: the latest complete one, the last save reported or the next when the kill
+        // fell between its completion and its line.
+        let step = progress.lock().unwrap()["step"].as_u64().unwrap();
+        assert!(
+            step == last_reported || step == last_reported + 1,
+            "run {i} after {ms} ms: loaded step {step}, the last reported complete save is step {last_reported}"
+        );
     }
     assert!(
         killed_while_saving >= 20,
@@ -686,7 +710,7 @@ fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
         let run = dir.join(format!("run{i}"));
         let mut command = Command::new(&program);
         command.arg("--project-dir").arg(&run).args(args);
-        if kill_after_first_checkpoint(&mut command, &run, ms) {
+        if kill_after_first_checkpoint(&mut command, &run, ms).0 {
             killed_mid_run += 1;
         }
         let resumed = final_loss(

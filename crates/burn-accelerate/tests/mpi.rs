@@ -73,8 +73,8 @@ fn a_rank_that_skips_a_collective_is_named_under_mpirun() {
             .parse()
             .unwrap();
         assert!(
-            secs < 3.0,
-            "the timeout is 1 s plus a short diagnosis: {line}"
+            (1.0..6.0).contains(&secs),
+            "the timeout is 1 s, plus the diagnosis on a possibly loaded machine: {line}"
         );
     }
     assert!(
@@ -173,8 +173,9 @@ fn a_rank_that_fails_stops_the_launch_within_seconds_and_is_named() {
         ),
         "{stderr}"
     );
-    // The others wait in a collective whose timeout is 300 s: they are stopped, not left to time out.
-    assert!(elapsed < 5.0, "launch took {elapsed:.1} s");
+    // The others wait in a collective whose timeout is 300 s: they are stopped, not left to time out (the
+    // bound includes mpirun's start of 3 processes on a possibly loaded machine).
+    assert!(elapsed < 60.0, "launch took {elapsed:.1} s");
 }
 
 #[test]

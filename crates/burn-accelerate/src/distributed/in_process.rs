@@ -164,10 +164,10 @@ mod tests {
             Ok(rayon::current_num_threads())
         })
         .unwrap();
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            assert_eq!(threads, vec![threads_per_rank(cores, 2); 2]);
-        }
+        // The unit tests run without RAYON_NUM_THREADS (`tests/support/isolation.rs`).
+        assert!(std::env::var_os("RAYON_NUM_THREADS").is_none());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(threads, vec![threads_per_rank(cores, 2); 2]);
         // One rank keeps the process's own pool.
         let one = launch_ranks(1, Duration::from_secs(30), |_| {
             Ok(rayon::current_num_threads())

@@ -22,7 +22,12 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 /// A bar of `len` steps counting `unit` (shown with the throughput, as `<n> <unit>/s`), drawn on standard
 /// error when `visible` and standard error is a terminal, hidden otherwise.
 pub fn bar(len: u64, unit: &str, visible: bool) -> ProgressBar {
-    if !visible || !std::io::stderr().is_terminal() {
+    bar_on(len, unit, visible && std::io::stderr().is_terminal())
+}
+
+/// A bar drawn on standard error when `drawn`, else hidden.
+fn bar_on(len: u64, unit: &str, drawn: bool) -> ProgressBar {
+    if !drawn {
         return ProgressBar::hidden();
     }
     let template = format!(
@@ -44,10 +49,18 @@ mod tests {
     }
 
     #[test]
-    fn a_bar_is_hidden_when_standard_error_is_not_a_terminal() {
-        // Test harnesses capture standard error; when they do not (a terminal), there is nothing to check.
-        if !std::io::stderr().is_terminal() {
-            assert!(bar(10, "steps", true).is_hidden());
-        }
+    fn a_bar_is_drawn_only_on_a_terminal() {
+        // Whatever this test's own standard error is: a hidden bar has no length, a drawn one counts `len`.
+        let hidden = bar_on(10, "steps", false);
+        assert!(hidden.is_hidden());
+        assert_eq!(hidden.length(), None);
+        assert_eq!(bar_on(10, "steps", true).length(), Some(10));
+        // The public function asks the terminal question itself.
+        let here = bar(10, "steps", true);
+        assert_eq!(
+            here.length().is_some(),
+            std::io::stderr().is_terminal(),
+            "drawn exactly when standard error is a terminal"
+        );
     }
 }

@@ -156,11 +156,19 @@ pub fn check_cases_did_something(one: &Path) {
     assert!(get("fp16", "skipped_steps") >= 1);
     assert!(report(one, "fp16", 0)["loss_scale"].as_f64().unwrap() > 1.0);
     assert_eq!(report(one, "bf16", 0)["mixed_precision"], "bf16");
-    // Weights that moved: the cases are compared after training, not at their start.
-    let start = weights(&one.join("dp").join("rank0.safetensors"));
+    // Weights that moved from where every case started: the cases are compared after training.
+    let start = weights(&one.join("initial").join("rank0.safetensors"));
+    for (case, _) in CASES {
+        let end = weights(&one.join(case).join("rank0.safetensors"));
+        assert!(
+            max_abs_diff(&start, &end) > 1e-2,
+            "{case}: the weights hardly moved"
+        );
+    }
+    let plain = weights(&one.join("dp").join("rank0.safetensors"));
     let clipped = weights(&one.join("clip-norm").join("rank0.safetensors"));
     assert!(
-        max_abs_diff(&start, &clipped) > 1e-3,
+        max_abs_diff(&plain, &clipped) > 1e-3,
         "clipping changed training"
     );
 }
