@@ -117,16 +117,26 @@ fn a_rank_that_skips_a_collective_is_named_in_a_timeout() {
 #[test]
 fn a_panicking_rank_does_not_hang_the_others() {
     let start = Instant::now();
+    let others = std::sync::Mutex::new(Vec::new());
     let err = Accelerator::builder()
         .collective_timeout(Duration::from_secs(60))
         .launch(3, |acc| {
             if acc.process_index() == 1 {
                 panic!("rank one gives up");
             }
-            acc.wait_for_everyone()?;
+            let waited = acc.wait_for_everyone();
+            others.lock().unwrap().push((acc.process_index(), waited));
             Ok(())
         })
         .unwrap_err();
+    // Ranks 0 and 2 were released with an error naming rank 1, not left waiting.
+    let mut others = others.into_inner().unwrap();
+    others.sort_by_key(|(rank, _)| *rank);
+    assert_eq!(others.len(), 2);
+    for (rank, waited) in others {
+        let e = waited.expect_err("no barrier can pass without rank 1");
+        assert!(e.to_string().contains("rank 1"), "rank {rank}: {e}");
+    }
     assert!(
         start.elapsed() < Duration::from_secs(10),
         "{:?}",
@@ -143,14 +153,21 @@ fn a_panicking_rank_does_not_hang_the_others() {
 
 #[test]
 fn an_erroring_rank_is_the_reported_cause() {
+    let other = std::sync::Mutex::new(None);
     let err = launch(2, |acc| {
         if acc.process_index() == 0 {
             return Err(Error::InvalidArgument("bad data on rank 0".into()));
         }
-        acc.wait_for_everyone()
+        let waited = acc.wait_for_everyone();
+        *other.lock().unwrap() = Some(waited.as_ref().map_err(|e| e.to_string()).err());
+        waited
     })
     .unwrap_err();
     assert_eq!(err.to_string(), "bad data on rank 0");
+    // Rank 1 got an error of its own, naming rank 0, rather than waiting for it.
+    let other = other.into_inner().unwrap().expect("rank 1 ran");
+    let other = other.expect("rank 1's barrier fails without rank 0");
+    assert!(other.contains("rank 0"), "rank 1: {other}");
 }
 
 #[test]
@@ -165,14 +182,21 @@ fn ranks_know_who_they_are() {
         ))
     })
     .unwrap();
-    assert_eq!(facts[0], (0, 4, true, false, "MULTI_CPU"));
-    assert_eq!(facts[3], (3, 4, false, true, "MULTI_CPU"));
+    let expected: Vec<_> = (0..4)
+        .map(|rank| (rank, 4, rank == 0, rank == 3, "MULTI_CPU"))
+        .collect();
+    assert_eq!(facts, expected);
     let order = std::sync::Mutex::new(Vec::new());
     launch(3, |acc| {
         acc.main_process_first(|| order.lock().unwrap().push(acc.process_index()))
     })
     .unwrap();
-    assert_eq!(order.lock().unwrap()[0], 0, "the main process runs first");
+    let order = order.into_inner().unwrap();
+    assert_eq!(order.len(), 3, "{order:?}");
+    assert_eq!(order[0], 0, "the main process runs first: {order:?}");
+    let mut rest = order[1..].to_vec();
+    rest.sort();
+    assert_eq!(rest, vec![1, 2], "then every other rank once: {order:?}");
 }
 
 #[test]
@@ -184,7 +208,9 @@ fn broadcast_from_an_invalid_rank_is_an_error() {
             .to_string())
     })
     .unwrap();
-    assert!(errors[0].contains("rank 5"), "{}", errors[0]);
+    for (rank, error) in errors.iter().enumerate() {
+        assert!(error.contains("rank 5"), "rank {rank}: {error}");
+    }
 }
 
 #[test]

@@ -164,21 +164,31 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
         },
     )
     .unwrap();
-    let log = &per_rank[0];
-    assert_eq!(
-        log.iter().map(|(s, _, _)| *s).collect::<Vec<_>>(),
-        vec![false, true, false, true]
-    );
-    for (sync, communicated, _) in log {
+    assert_eq!(per_rank.len(), p);
+    for (rank, log) in per_rank.iter().enumerate() {
         assert_eq!(
-            *communicated > 0,
-            *sync,
-            "all-reduce only on sync steps ({communicated} calls)"
+            log.iter().map(|(s, _, _)| *s).collect::<Vec<_>>(),
+            vec![false, true, false, true],
+            "rank {rank}"
         );
+        for (sync, communicated, _) in log {
+            assert_eq!(
+                *communicated > 0,
+                *sync,
+                "rank {rank}: all-reduce only on sync steps ({communicated} calls)"
+            );
+        }
     }
-    // Reference: the gradient of the first layer's weight over each window of p*b*n samples at once.
+    // Reference: the gradient of the first layer's weight over each window of p*b*n samples at once, which
+    // every rank must hold after each sync.
     let window = p * b * n;
-    for (w, (_, _, grad)) in log.iter().filter(|(s, _, _)| *s).enumerate() {
+    let synced = per_rank.iter().enumerate().flat_map(|(rank, log)| {
+        log.iter()
+            .filter(|(s, _, _)| *s)
+            .enumerate()
+            .map(move |e| (rank, e))
+    });
+    for (rank, (w, (_, _, grad))) in synced {
         let model = initial.clone();
         let batch = SampleBatcher.batch(samples[w * window..(w + 1) * window].to_vec(), &device);
         let grads = GradientsParams::from_grads(model.loss(batch).backward(), &model);
@@ -189,7 +199,7 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
             .try_to_vec::<f32>()
             .unwrap();
         let got = grad.as_ref().unwrap();
-        assert_eq!(expected.len(), got.len(), "window {w}");
+        assert_eq!(expected.len(), got.len(), "rank {rank}, window {w}");
         // A NaN on either side is infinitely different (f32::max would skip it).
         let diff = expected
             .iter()
@@ -199,9 +209,8 @@ fn gradients_on_sync_equal_the_full_batch_gradients_and_only_sync_steps_communic
                 0.0,
                 |m: f32, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
             );
-        assert!(diff <= 1e-6, "window {w}: {diff}");
+        assert!(diff <= 1e-6, "rank {rank}, window {w}: {diff}");
     }
-    assert_eq!(per_rank[0].len(), per_rank[1].len());
 }
 
 fn model_weight(model: &Mlp) -> Param<Tensor<2>> {
@@ -312,10 +321,13 @@ fn split_batches_rejects_an_indivisible_batch_size() {
             Ok(acc.prepare_dataloader(loader).err().map(|e| e.to_string()))
         })
         .unwrap();
-    assert!(
-        errors[0].as_ref().unwrap().contains("round multiple"),
-        "{errors:?}"
-    );
+    assert_eq!(errors.len(), 3);
+    for (rank, error) in errors.iter().enumerate() {
+        let error = error
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {rank}: no error"));
+        assert!(error.contains("round multiple"), "rank {rank}: {error}");
+    }
 }
 
 #[test]
@@ -559,10 +571,15 @@ fn dispatched_streams_are_read_by_the_main_process_alone_and_deal_the_same_batch
                 })
                 .unwrap();
             let error = |e: &StreamEpoch| e.3.as_ref().map(|m| m.contains("line 50 is unreadable"));
+            // The failing case fails on every rank, both ways, with the reader's message; the others do not.
+            let expected = case.3.map(|_| true);
+            assert_eq!(each.len(), ranks);
+            assert_eq!(dispatched.len(), ranks);
             for (rank, (a, b)) in each.iter().zip(&dispatched).enumerate() {
                 let label = format!("{ranks} ranks, case {case:?}, rank {rank}");
                 assert_eq!((&a.0, &a.1, &a.2), (&b.0, &b.1, &b.2), "{label}");
-                assert_eq!(error(a), error(b), "{label}: {:?}", b.3);
+                assert_eq!(error(a), expected, "{label}: {:?}", a.3);
+                assert_eq!(error(b), expected, "{label}: {:?}", b.3);
             }
             assert_eq!(
                 read_by_all.load(Ordering::SeqCst),

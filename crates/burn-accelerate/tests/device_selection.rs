@@ -111,14 +111,23 @@ fn a_restarted_job_resumes_from_its_latest_checkpoint_on_every_rank() {
     // torchrun's variable counts too; ours wins when both are set.
     set("ACCELERATE_RESTART_COUNT", None);
     set("TORCHELASTIC_RESTART_COUNT", Some("1"));
-    assert_eq!(resumed_dirs(builder.clone())[1], (1, latest.clone()));
+    assert_eq!(
+        resumed_dirs(builder.clone()),
+        vec![(1, latest.clone()), (1, latest.clone())]
+    );
     set("ACCELERATE_RESTART_COUNT", Some("3"));
-    assert_eq!(resumed_dirs(builder.clone())[0].0, 3);
+    assert_eq!(
+        resumed_dirs(builder.clone()),
+        vec![(3, latest.clone()), (3, latest.clone())]
+    );
     set("ACCELERATE_RESTART_COUNT", None);
     set("TORCHELASTIC_RESTART_COUNT", None);
     // A first run that asks to resume, through the environment.
     set("ACCELERATE_RESUME_FROM_LATEST", Some("yes"));
-    assert_eq!(resumed_dirs(builder.clone())[0], (0, latest));
+    assert_eq!(
+        resumed_dirs(builder.clone()),
+        vec![(0, latest.clone()), (0, latest)]
+    );
     // Asking to resume without a project folder is an error; a restart without one starts from scratch.
     let err = Accelerator::new()
         .unwrap()

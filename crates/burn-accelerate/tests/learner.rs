@@ -150,6 +150,14 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
             Ok((mlp::weights(&result.model), loss))
         })
         .unwrap();
+    // Every rank ends with the same model; rank 0's stands for the run.
+    for (rank, (weights, loss)) in results.iter().enumerate().skip(1) {
+        assert_eq!(
+            weights, &results[0].0,
+            "rank {rank}'s weights differ from rank 0's"
+        );
+        assert_eq!(loss.to_bits(), results[0].1.to_bits(), "rank {rank}'s loss");
+    }
     results.into_iter().next().unwrap()
 }
 

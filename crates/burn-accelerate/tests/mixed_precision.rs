@@ -342,8 +342,14 @@ fn sgd_step_delta(start: &Mlp, precision: MixedPrecision, ranks: usize) -> Vec<V
             );
             Ok(mlp::weights(&model))
         })
-        .unwrap()
-        .remove(0);
+        .unwrap();
+    for (rank, weights) in after.iter().enumerate().skip(1) {
+        assert_eq!(
+            weights, &after[0],
+            "rank {rank}'s weights differ from rank 0's"
+        );
+    }
+    let after = after.into_iter().next().unwrap();
     assert_eq!(before.len(), after.len());
     before
         .iter()
