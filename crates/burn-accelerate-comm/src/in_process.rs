@@ -653,7 +653,7 @@ mod tests {
         // The skipper stays away long enough that the others can only have been released by their timeout,
         // with room for a loaded machine.
         let away = Duration::from_secs(3);
-        let out = run(3, timeout, |c| {
+        let out = run(3, timeout, move |c| {
             if c.rank() == 1 {
                 thread::sleep(away);
                 return None;

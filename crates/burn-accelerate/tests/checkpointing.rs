@@ -562,6 +562,24 @@ fn bad_checkpoints_give_clear_errors() {
         .unwrap()
         .to_string();
     assert!(
+        err.contains("model.bpk") && err.contains("CRC-32C") && err.contains("restore the file"),
+        "{err}"
+    );
+    // The same file in a checkpoint without checksums (written before they were recorded): the record
+    // itself is refused.
+    let manifest = state_dir.join("checkpoint.json");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    json.as_object_mut().unwrap().remove("checksums");
+    std::fs::write(&manifest, serde_json::to_vec(&json).unwrap()).unwrap();
+    let err = acc
+        .load_state(Some(&state_dir))
+        .unwrap()
+        .model(initial())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
         err.contains("model.bpk") && err.contains("not a model record"),
         "{err}"
     );
