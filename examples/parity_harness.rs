@@ -219,21 +219,16 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
             };
             acc.backward(loss, &model)?;
             if acc.sync_gradients() {
-                match case {
-                    Case::ClipNorm => {
-                        if acc.clip_grad_norm(&model, 0.5)? > 0.5 {
-                            report.clipped_steps += 1;
-                        }
-                    }
+                let clipped = match case {
+                    Case::ClipNorm => acc.clip_grad_norm(&model, 0.5)? > 0.5,
                     Case::ClipValue => {
                         let largest = max_abs_grad(acc, &model);
                         acc.clip_grad_value(&model, 0.05)?;
-                        if largest > 0.05 {
-                            report.clipped_steps += 1;
-                        }
+                        largest > 0.05
                     }
-                    _ => {}
-                }
+                    _ => false,
+                };
+                report.clipped_steps += usize::from(clipped);
             }
             model = optimizer.try_step(model)?;
             if acc.sync_gradients() {
