@@ -250,6 +250,8 @@ fn train(acc: Accelerator, args: &Args, initial: Cnn) -> Result<(f64, f64)> {
             "epoch={epoch} eval_accuracy={accuracy:.4} eval_loss={loss:.5}"
         ));
     }
+    // Every rank, not only the one that prints, ends with the same model.
+    ranks::check_ranks_agree(&acc, &model)?;
     evaluate(&acc, &model, &eval)
 }
 

@@ -13,6 +13,8 @@
 
 #[path = "support/classifier.rs"]
 mod classifier;
+#[path = "support/ranks.rs"]
+mod ranks;
 
 use burn::optim::AdamConfig;
 use burn_accelerate::{Accelerator, Result};
@@ -80,6 +82,8 @@ fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)>
             model = optimizer.step(model);
         }
     }
+    // Every rank, not only the one that prints, ends with the same model.
+    ranks::check_ranks_agree(&acc, &model)?;
     classifier::evaluate(&acc, &model, &eval)
 }
 

@@ -428,6 +428,8 @@ fn train(
             evaluation.accuracy, evaluation.loss
         ));
     }
+    // Every rank, not only the one that prints, ends with the same model.
+    ranks::check_ranks_agree(&acc, &model)?;
     evaluate(&acc, &model, &eval, vocabulary)
 }
 

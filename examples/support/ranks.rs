@@ -38,3 +38,34 @@ pub fn exit_on_error(result: Result<()>) {
         std::process::exit(1);
     }
 }
+
+/// Fails unless every rank holds, bit for bit, the weights of the main rank (as data parallelism promises):
+/// each rank's fingerprint of its float parameters is gathered and compared, so a run under a launcher checks
+/// every process, not only the one that prints.
+pub fn check_ranks_agree<M: burn::module::Module>(acc: &Accelerator, model: &M) -> Result<()> {
+    struct Fingerprint(u64, usize);
+    impl burn::module::ModuleVisitor for Fingerprint {
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::tensor::Tensor<D>>,
+        ) {
+            for value in param.val().into_data().iter::<f32>() {
+                // FNV-1a over the bits of every value, in visiting order.
+                for byte in value.to_bits().to_le_bytes() {
+                    self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+                }
+                self.1 += 1;
+            }
+        }
+    }
+    let mut mine = Fingerprint(0xcbf2_9ce4_8422_2325, 0);
+    model.visit(&mut mine);
+    let all = acc.gather_object(&(mine.0, mine.1))?;
+    match all.iter().position(|f| *f != all[0]) {
+        Some(rank) => Err(burn_accelerate::Error::other(format!(
+            "rank {rank}'s weights differ from rank 0's after training ({} and {} values, fingerprints {:#x} and {:#x})",
+            all[rank].1, all[0].1, all[rank].0, all[0].0
+        ))),
+        None => Ok(()),
+    }
+}

@@ -10,6 +10,8 @@ mod examples;
 mod fixtures;
 #[path = "../../../examples/support/mlp.rs"]
 mod mlp;
+#[path = "../../../examples/support/ranks.rs"]
+mod ranks;
 
 use std::collections::BTreeMap;
 
@@ -592,5 +594,38 @@ fn dispatched_streams_are_read_by_the_main_process_alone_and_deal_the_same_batch
                 "only the main process opened it"
             );
         }
+    }
+}
+
+#[test]
+fn the_examples_agreement_check_names_a_rank_whose_weights_differ() {
+    /// Moves the first float parameter by a thousandth.
+    struct Nudge(bool);
+    impl burn::module::ModuleMapper for Nudge {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if std::mem::replace(&mut self.0, true) {
+                return param;
+            }
+            param.map(|t| t.add_scalar(1e-3))
+        }
+    }
+    let start = initial();
+    let results = burn_accelerate::launch(3, |acc| {
+        let model = acc.prepare_model(start.clone())?;
+        let same = ranks::check_ranks_agree(&acc, &model).map_err(|e| e.to_string());
+        let model = if acc.process_index() == 2 {
+            model.map(&mut Nudge(false))
+        } else {
+            model
+        };
+        let differ = ranks::check_ranks_agree(&acc, &model).map_err(|e| e.to_string());
+        Ok((same, differ))
+    })
+    .unwrap();
+    assert_eq!(results.len(), 3);
+    for (rank, (same, differ)) in results.iter().enumerate() {
+        assert_eq!(same, &Ok(()), "rank {rank}");
+        let err = differ.as_ref().expect_err("rank 2 moved a weight");
+        assert!(err.contains("rank 2's weights differ"), "rank {rank}: {err}");
     }
 }
