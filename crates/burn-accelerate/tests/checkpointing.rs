@@ -554,13 +554,15 @@ fn bad_checkpoints_give_clear_errors() {
     assert!(err.contains("1 model(s) but 0 were restored"), "{err}");
     // A corrupt model record.
     std::fs::write(state_dir.join("model.bpk"), b"not a record").unwrap();
-    let err = acc
-        .load_state(Some(&state_dir))
-        .unwrap()
-        .model(initial())
-        .err()
-        .unwrap()
-        .to_string();
+    let model_error = || {
+        acc.load_state(Some(&state_dir))
+            .unwrap()
+            .model(initial())
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    let err = model_error();
     assert!(
         err.contains("model.bpk") && err.contains("CRC-32C") && err.contains("restore the file"),
         "{err}"
@@ -572,13 +574,7 @@ fn bad_checkpoints_give_clear_errors() {
         serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
     json.as_object_mut().unwrap().remove("checksums");
     std::fs::write(&manifest, serde_json::to_vec(&json).unwrap()).unwrap();
-    let err = acc
-        .load_state(Some(&state_dir))
-        .unwrap()
-        .model(initial())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = model_error();
     assert!(
         err.contains("model.bpk") && err.contains("not a model record"),
         "{err}"

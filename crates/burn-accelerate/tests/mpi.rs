@@ -10,23 +10,7 @@ use std::process::Command;
 #[path = "support/examples.rs"]
 mod examples;
 
-use examples::{cli, example, result_lines};
-
-pub fn mpirun(np: usize, program: &PathBuf, args: &[&str]) -> std::process::Output {
-    assert!(program.exists(), "{} is not built", program.display());
-    Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            &np.to_string(),
-        ])
-        .arg(program)
-        .args(args)
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .output()
-        .expect("mpirun runs (install openmpi-bin)")
-}
+use examples::{cli, example, mpirun, result_lines};
 
 /// `burn-accelerate launch --num-processes 2 <program> <args>`.
 fn launch_two(program: &PathBuf, args: &[&str]) -> std::process::Output {

@@ -21,20 +21,8 @@ use parity::{
 
 /// `mpirun -np <np> parity_harness --out <out> <args>`.
 fn mpirun(np: usize, out: &Path, args: &[&str]) -> Output {
-    Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            &np.to_string(),
-        ])
-        .arg(harness())
-        .arg("--out")
-        .arg(out)
-        .args(args)
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .output()
-        .expect("mpirun runs (install openmpi-bin)")
+    let out = out.to_str().expect("a UTF-8 path");
+    examples::mpirun(np, &harness(), &[&["--out", out], args].concat())
 }
 
 #[test]

@@ -116,3 +116,20 @@ pub fn result_lines(out: Output, prefixes: &[&str]) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// `mpirun -np <np> <program> <args>` on this machine, as many ranks as asked whatever its cores.
+pub fn mpirun(np: usize, program: &Path, args: &[&str]) -> Output {
+    assert!(program.exists(), "{} is not built", program.display());
+    Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .arg(program)
+        .args(args)
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .expect("mpirun runs (install openmpi-bin)")
+}
