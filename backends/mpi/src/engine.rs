@@ -77,6 +77,8 @@ enum Call {
     AllReduce { kind: u64, op: u64, len: u64 },
     AllGather { len: u64 },
     Broadcast { root: u64, len: u64 },
+    /// `kind_op` is `kind * 4 + op`; `parts` a fingerprint of the per-rank counts, which must agree.
+    ReduceScatter { kind_op: u64, len: u64, parts: u64 },
 }
 
 const CALL_WORDS: usize = 4;
@@ -90,6 +92,7 @@ impl Call {
             Call::AllReduce { kind, op, len } => [2, kind, op, len],
             Call::AllGather { len } => [3, 0, 0, len],
             Call::Broadcast { root, len } => [4, root, 0, len],
+            Call::ReduceScatter { kind_op, len, parts } => [5, kind_op, len, parts],
         }
     }
 
@@ -101,6 +104,11 @@ impl Call {
             }
             [3, _, _, len] => Some(Call::AllGather { len }),
             [4, root, _, len] => Some(Call::Broadcast { root, len }),
+            [5, kind_op, len, parts]
+                if ((kind_op / 4) as usize) < KINDS.len() && ((kind_op % 4) as usize) < OPS.len() =>
+            {
+                Some(Call::ReduceScatter { kind_op, len, parts })
+            }
             _ => None,
         }
     }
@@ -111,6 +119,7 @@ impl Call {
             Call::AllReduce { .. } => "all_reduce",
             Call::AllGather { .. } => "all_gather",
             Call::Broadcast { .. } => "broadcast",
+            Call::ReduceScatter { .. } => "reduce_scatter",
         }
     }
 
@@ -123,6 +132,11 @@ impl Call {
             ),
             Call::AllGather { len } => format!("all_gather of {len} bytes"),
             Call::Broadcast { root, .. } => format!("broadcast from rank {root}"),
+            Call::ReduceScatter { kind_op, len, parts } => format!(
+                "reduce_scatter ({}) of {len} x {} into parts {parts:#x}",
+                OPS[(kind_op % 4) as usize],
+                KINDS[(kind_op / 4) as usize]
+            ),
         }
     }
 
@@ -133,6 +147,7 @@ impl Call {
             Call::Barrier | Call::AllGather { .. } => String::new(),
             Call::AllReduce { kind, op, len } => format!("{kind} {op} {len}"),
             Call::Broadcast { root, .. } => root.to_string(),
+            Call::ReduceScatter { kind_op, len, parts } => format!("{kind_op} {len} {parts}"),
         };
         CallSignature {
             collective: self.name().into(),
@@ -358,6 +373,75 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// Reduce-scatter of one element type: each rank's part is padded to the largest part, so that MPI's
+    /// `MPI_Reduce_scatter_block` (equal blocks) serves uneven parts too; the padding is cut off again.
+    fn reduce_scatter_typed<T>(
+        &self,
+        data: Vec<T>,
+        counts: &[usize],
+        kind: u64,
+        op: ReduceOp,
+    ) -> CommResult<Vec<T>>
+    where
+        T: mpi::datatype::Equivalence + Default + Clone + 'static,
+    {
+        let (system, op_code) = match op {
+            ReduceOp::Sum | ReduceOp::Mean => (SystemOperation::sum(), 0),
+            ReduceOp::Max => (SystemOperation::max(), 1),
+            ReduceOp::Min => (SystemOperation::min(), 2),
+        };
+        let part = burn_accelerate_comm::part_of(counts, self.rank, self.size, data.len());
+        let (seq, _) = self.agree(Call::ReduceScatter {
+            kind_op: kind * 4 + op_code,
+            len: data.len() as u64,
+            parts: fingerprint(counts),
+        })?;
+        // Every rank passed the same length and counts (the headers agree), so the split is valid on every
+        // rank or on none.
+        let part = part?;
+        let block = counts.iter().copied().max().unwrap_or(0);
+        if block == 0 {
+            return Ok(Vec::new());
+        }
+        let send = if counts.iter().all(|c| *c == block) {
+            // Equal parts: the buffer is already laid out in blocks.
+            data
+        } else {
+            let mut send = vec![T::default(); block * self.size];
+            let mut start = 0;
+            for (r, count) in counts.iter().enumerate() {
+                send[r * block..r * block + count].clone_from_slice(&data[start..start + count]);
+                start += count;
+            }
+            send
+        };
+        let recv = vec![T::default(); block];
+        let (_, mut recv) = if send.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
+            self.run("reduce_scatter", seq, (send, recv), |world, (send, recv)| {
+                world.immediate_reduce_scatter_block_into(StaticScope, &send[..], &mut recv[..], system)
+            })?
+        } else {
+            // Large buffers take MPI's blocking call, as all-reduces do, once the headers showed every rank in
+            // this very reduce-scatter.
+            let mut recv = recv;
+            self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system);
+            (send, recv)
+        };
+        recv.truncate(part.len());
+        Ok(recv)
+    }
+}
+
+/// A fingerprint of a reduce-scatter's counts (FNV-1a), compared across ranks in the call headers.
+fn fingerprint(counts: &[usize]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for byte in counts.iter().flat_map(|c| (*c as u64).to_le_bytes()) {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
 /// Set once any collective of this process timed out: MPI cannot be finalized cleanly any more.
 static BROKEN: AtomicBool = AtomicBool::new(false);
 
@@ -549,6 +633,24 @@ impl Communicator for MpiComm {
         for c in counts {
             out.push(recv[offset..offset + c as usize].to_vec());
             offset += c as usize;
+        }
+        Ok(out)
+    }
+
+    fn reduce_scatter(
+        &self,
+        data: ReduceBuffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<ReduceBuffer> {
+        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = match data {
+            ReduceBuffer::F32(v) => ReduceBuffer::F32(self.reduce_scatter_typed(v, counts, 0, op)?),
+            ReduceBuffer::F64(v) => ReduceBuffer::F64(self.reduce_scatter_typed(v, counts, 1, op)?),
+            ReduceBuffer::I64(v) => ReduceBuffer::I64(self.reduce_scatter_typed(v, counts, 2, op)?),
+        };
+        if op == ReduceOp::Mean {
+            out.divide_by_ranks(self.size);
         }
         Ok(out)
     }

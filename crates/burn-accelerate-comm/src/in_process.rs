@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use super::Communicator;
-use super::reduce::{ReduceBuffer, ReduceOp, check_shapes, reduce_range};
+use super::reduce::{self, ReduceBuffer, ReduceOp, check_shapes, reduce_range};
 use crate::error::CommError as Error;
 use crate::{CallSignature, check_calls};
 
@@ -38,6 +38,8 @@ enum Payload {
     Bytes(Vec<u8>),
     Reduce(ReduceBuffer),
     InPlace(Arc<InPlaceBuffer>),
+    /// A reduce-scatter's buffer and the call as every rank must make it alike.
+    Scatter(ReduceBuffer, CallSignature),
 }
 
 /// A rank's all-reduce buffer, shared with the other ranks for an in-place reduce-scatter and all-gather.
@@ -511,6 +513,40 @@ impl Communicator for InProcessComm {
             .collect())
     }
 
+    fn reduce_scatter(
+        &self,
+        data: ReduceBuffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<ReduceBuffer> {
+        let signature = reduce::reduce_scatter_signature(data.kind(), data.len(), counts, op);
+        let part = reduce::part_of(counts, self.rank, self.group.size, data.len());
+        let all = self.exchange(
+            "reduce_scatter",
+            Payload::Scatter(data, signature.clone()),
+        )?;
+        let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
+        let calls: Vec<_> = guards
+            .iter()
+            .map(|g| match g.as_ref() {
+                Some(Payload::Scatter(_, s)) => Some(s.clone()),
+                _ => unreachable!("the round checked the operation"),
+            })
+            .collect();
+        check_calls(self.last_seq(), &calls)?;
+        // Every rank passed the same counts and length, so every rank's split is valid or none is.
+        let part = part?;
+        let inputs: Vec<&ReduceBuffer> = guards
+            .iter()
+            .map(|g| match g.as_ref() {
+                Some(Payload::Scatter(b, _)) => b,
+                _ => unreachable!("the round checked the operation"),
+            })
+            .collect();
+        // Each rank reduces its own part alone, in rank order: the same bits as that part of an all-reduce.
+        Ok(reduce_range(&inputs, part, op))
+    }
+
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
         if root >= self.group.size {
             return Err(Error::InvalidRoot {
@@ -580,6 +616,85 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Rank `r`'s value at `i`: small integers, so that sums are exact whatever the order.
+    fn value(r: usize, i: usize) -> f32 {
+        ((i * 7 + r * 13) % 29) as f32 - 14.0
+    }
+
+    #[test]
+    fn reduce_scatters_give_each_rank_its_part_of_the_all_reduce() {
+        for n in [1, 2, 3, 4] {
+            for counts in [vec![5; n], (0..n).map(|r| 3 * r + 1).collect(), {
+                // One empty part, and one past the in-place all-reduce threshold.
+                let mut c = vec![0; n];
+                c[n - 1] = SPLIT_REDUCE_MIN + 3;
+                c
+            }] {
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                    let len: usize = counts.iter().sum();
+                    let parts = counts.clone();
+                    let out = run(n, Duration::from_secs(10), move |c| {
+                        let mine: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
+                        let whole = c.all_reduce(ReduceBuffer::F32(mine.clone()), op).unwrap();
+                        let part = c.reduce_scatter(ReduceBuffer::F32(mine), &parts, op).unwrap();
+                        let ints: Vec<i64> = (0..len).map(|i| value(c.rank(), i) as i64).collect();
+                        let int_part = c.reduce_scatter(ReduceBuffer::I64(ints), &parts, op).unwrap();
+                        (whole, part, int_part)
+                    });
+                    let mut start = 0;
+                    for (r, (whole, part, int_part)) in out.into_iter().enumerate() {
+                        let range = start..start + counts[r];
+                        start = range.end;
+                        assert_eq!(part, whole.slice(range.clone()), "n={n} {counts:?} {op} rank {r}");
+                        let expected: Vec<i64> = match whole.slice(range) {
+                            ReduceBuffer::F32(v) => v.iter().map(|x| *x as i64).collect(),
+                            _ => unreachable!(),
+                        };
+                        if op != ReduceOp::Mean {
+                            assert_eq!(int_part, ReduceBuffer::I64(expected), "n={n} {op} rank {r}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scatters_with_other_parts_or_a_wrong_split_fail_on_every_rank() {
+        let out = run(3, Duration::from_secs(10), |c| {
+            let counts = if c.rank() == 2 { [2, 2, 2] } else { [1, 2, 3] };
+            c.reduce_scatter(ReduceBuffer::F32(vec![1.0; 6]), &counts, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        for message in &out {
+            assert!(message.contains("incompatible inputs"), "{message}");
+            assert!(message.contains("rank 2: reduce_scatter (sum) of 6 x f32 into [2, 2, 2]"), "{message}");
+        }
+        let out = run(2, Duration::from_secs(10), |c| {
+            c.reduce_scatter(ReduceBuffer::F32(vec![1.0; 6]), &[1, 2], ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        for message in &out {
+            assert!(message.contains("2 part counts summing to 3 for 2 ranks and a buffer of 6"), "{message}");
+        }
+        // Another collective on one rank is named as such.
+        let out = run(2, Duration::from_secs(10), |c| {
+            if c.rank() == 0 {
+                c.barrier().map(|_| ()).unwrap_err().to_string()
+            } else {
+                c.reduce_scatter(ReduceBuffer::F32(vec![1.0; 2]), &[1, 1], ReduceOp::Sum)
+                    .map(|_| ())
+                    .unwrap_err()
+                    .to_string()
+            }
+        });
+        for message in &out {
+            assert!(message.contains("ranks called different collectives"), "{message}");
         }
     }
 

@@ -21,7 +21,7 @@ use std::fmt::Debug;
 pub use calls::{CallSignature, check_calls};
 pub use error::{CommError, CommResult};
 pub use in_process::{InProcessComm, InProcessGroup};
-pub use reduce::{ReduceBuffer, ReduceOp};
+pub use reduce::{ReduceBuffer, ReduceOp, part_of};
 
 type Result<T> = CommResult<T>;
 
@@ -58,6 +58,23 @@ pub trait Communicator: Send + Sync + Debug {
 
     /// Returns `root`'s bytes on every rank (`data` is ignored on the other ranks).
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
+
+    /// Combines `data` element-wise across ranks with `op`, and gives rank `r` only its own part: the
+    /// `counts[r]` elements that follow the first `counts[..r]` (MPI's `MPI_Reduce_scatter`; the parts may
+    /// differ in length, and one may be empty). Every rank must pass a buffer of the same kind and length and the
+    /// same `counts`, one per rank, summing to that length.
+    ///
+    /// The default all-reduces the whole buffer and keeps this rank's part: right, but every rank reduces and
+    /// receives everything. Engines override it so that each rank reduces and receives its part alone.
+    fn reduce_scatter(
+        &self,
+        data: ReduceBuffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<ReduceBuffer> {
+        let part = reduce::part_of(counts, self.rank(), self.world_size(), data.len())?;
+        Ok(self.all_reduce(data, op)?.slice(part))
+    }
 }
 
 /// The communicator of a run with one process and one device: every collective returns its input.
@@ -90,6 +107,16 @@ impl Communicator for SingleProcess {
     }
 
     fn broadcast(&self, data: Vec<u8>, _root: usize) -> Result<Vec<u8>> {
+        Ok(data)
+    }
+
+    fn reduce_scatter(
+        &self,
+        data: ReduceBuffer,
+        counts: &[usize],
+        _op: ReduceOp,
+    ) -> Result<ReduceBuffer> {
+        reduce::part_of(counts, 0, 1, data.len())?;
         Ok(data)
     }
 }

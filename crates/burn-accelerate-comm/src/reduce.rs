@@ -65,6 +65,15 @@ impl ReduceBuffer {
         }
     }
 
+    /// The elements of `range`, as a new buffer of the same kind.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> ReduceBuffer {
+        match self {
+            ReduceBuffer::F32(v) => ReduceBuffer::F32(v[range].to_vec()),
+            ReduceBuffer::F64(v) => ReduceBuffer::F64(v[range].to_vec()),
+            ReduceBuffer::I64(v) => ReduceBuffer::I64(v[range].to_vec()),
+        }
+    }
+
     /// The element kind's name.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -72,6 +81,48 @@ impl ReduceBuffer {
             ReduceBuffer::F64(_) => "f64",
             ReduceBuffer::I64(_) => "i64",
         }
+    }
+}
+
+/// Rank `rank`'s part of a reduce-scatter of `len` elements into `counts` (one count per rank of a group of
+/// `world`), or the error every rank returns for counts that do not describe such a split. Engines use it to
+/// check a [`Communicator::reduce_scatter`](crate::Communicator::reduce_scatter) call the same way.
+///
+/// # Errors
+/// [`CommError::IncompatibleInputs`](crate::CommError::IncompatibleInputs) when `counts` has not one entry per
+/// rank or does not sum to `len`.
+pub fn part_of(
+    counts: &[usize],
+    rank: usize,
+    world: usize,
+    len: usize,
+) -> CommResult<std::ops::Range<usize>> {
+    let total: usize = counts.iter().sum();
+    if counts.len() != world || total != len {
+        return Err(crate::CommError::IncompatibleInputs {
+            operation: "reduce_scatter".into(),
+            reason: format!(
+                "{} part counts summing to {total} for {world} ranks and a buffer of {len} elements; pass one \
+                 count per rank, summing to the buffer's length",
+                counts.len()
+            ),
+        });
+    }
+    let start: usize = counts[..rank].iter().sum();
+    Ok(start..start + counts[rank])
+}
+
+/// What every rank of a reduce-scatter must pass alike, for the mismatch check: kind, length and parts.
+pub(crate) fn reduce_scatter_signature(
+    kind: &str,
+    len: usize,
+    counts: &[usize],
+    op: ReduceOp,
+) -> crate::CallSignature {
+    crate::CallSignature {
+        collective: "reduce_scatter".into(),
+        must_agree: format!("{len} x {kind} {op} {counts:?}"),
+        described: format!("reduce_scatter ({op}) of {len} x {kind} into {counts:?}"),
     }
 }
 

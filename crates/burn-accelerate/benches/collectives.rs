@@ -276,6 +276,63 @@ fn mpi_report() {
             }
         }
     }
+    mpi_reduce_scatter(&comm, self_check);
+}
+
+/// Our reduce-scatter (equal parts, 16 MiB f32 in all) against raw rsmpi `reduce_scatter_block_into` on the
+/// same data; prints `mpi_reduce_scatter_ratio` (raw time over ours, paired rounds).
+#[cfg(feature = "mpi")]
+fn mpi_reduce_scatter(comm: &burn_accelerate::mpi::MpiComm, self_check: bool) {
+    use burn_accelerate::mpi::mpi::collective::SystemOperation;
+    use burn_accelerate::mpi::mpi::traits::*;
+
+    let world = comm.raw();
+    let n = comm.world_size();
+    let elems = RATIO_SIZE / 4;
+    let block = elems / n;
+    let counts = vec![block; n];
+    let send = vec![1.0f32; block * n];
+    let mut recv = vec![0.0f32; block];
+    let (mut raw_t, mut our_t) = (Vec::new(), Vec::new());
+    let iters = iterations(RATIO_SIZE);
+    for i in 0..iters + 2 {
+        let mut raw = Duration::ZERO;
+        let mut our = Duration::ZERO;
+        for turn in [i % 2, 1 - i % 2] {
+            // The engine takes its buffer by value, as the gradients it reduces: made outside the timing.
+            let mine = ReduceBuffer::F32(send.clone());
+            world.barrier();
+            let t = Instant::now();
+            if turn == 0 || self_check {
+                world.reduce_scatter_block_into(&send[..], &mut recv[..], SystemOperation::sum());
+                if turn == 0 {
+                    raw = t.elapsed();
+                } else {
+                    our = t.elapsed();
+                }
+            } else {
+                let part = comm
+                    .reduce_scatter(mine, &counts, ReduceOp::Sum)
+                    .expect("reduce_scatter");
+                our = t.elapsed();
+                assert_eq!(part.len(), block);
+            }
+        }
+        if i >= 2 {
+            raw_t.push(raw);
+            our_t.push(our);
+        }
+    }
+    let ratio = stats::paired_ratio(&raw_t, &our_t);
+    if comm.rank() == 0 {
+        println!(
+            "size={} reduce_scatter ours_us={:.1} raw_us={:.1} ratio={ratio:.3}",
+            label(RATIO_SIZE),
+            median(our_t).as_secs_f64() * 1e6,
+            median(raw_t).as_secs_f64() * 1e6
+        );
+        println!("mpi_reduce_scatter_ratio={ratio:.3}");
+    }
 }
 
 fn main() {

@@ -346,6 +346,48 @@ pub fn large_buffers(acc: &Accelerator) -> Result<()> {
     Ok(())
 }
 
+/// reduce_scatter: every rank's part of the element-wise reduction, for equal parts, uneven parts with an empty
+/// one, and parts past 256 KiB in all (MPI's blocking path); every op in f32, sums in i64.
+pub fn reduce_scatter(acc: &Accelerator) -> Result<()> {
+    use burn_accelerate::distributed::comm::ReduceBuffer;
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let comm = acc.process_group().comm();
+    let value = |rank: usize, i: usize| ((i * 7 + rank * 13) % 29) as f32 - 14.0;
+    for counts in [
+        vec![3; p],
+        (0..p).map(|q| 2 * q).collect::<Vec<_>>(),
+        (0..p).map(|q| (1 << 16) + 5 * q).collect(),
+    ] {
+        let len: usize = counts.iter().sum();
+        let start: usize = counts[..r].iter().sum();
+        let mine = || (0..len).map(|i| value(r, i)).collect::<Vec<f32>>();
+        let column = |i: usize| (0..p).map(move |q| value(q, i));
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+            let got = comm.reduce_scatter(ReduceBuffer::F32(mine()), &counts, op)?;
+            let expected: Vec<f32> = (start..start + counts[r])
+                .map(|i| match op {
+                    ReduceOp::Sum => column(i).sum(),
+                    ReduceOp::Mean => column(i).sum::<f32>() / p as f32,
+                    ReduceOp::Max => column(i).fold(f32::MIN, f32::max),
+                    _ => column(i).fold(f32::MAX, f32::min),
+                })
+                .collect();
+            check(got == ReduceBuffer::F32(expected), || {
+                format!("reduce_scatter {op} of {len} into {counts:?}: rank {r} got another part")
+            })?;
+        }
+        let ints = (0..len).map(|i| value(r, i) as i64).collect();
+        let got = comm.reduce_scatter(ReduceBuffer::I64(ints), &counts, ReduceOp::Sum)?;
+        let expected: Vec<i64> = (start..start + counts[r])
+            .map(|i| column(i).map(|v| v as i64).sum())
+            .collect();
+        check(got == ReduceBuffer::I64(expected), || {
+            format!("i64 reduce_scatter of {len} into {counts:?}: rank {r}")
+        })?;
+    }
+    Ok(())
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -359,5 +401,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     dtypes(acc)?;
     split(acc)?;
     large_buffers(acc)?;
+    reduce_scatter(acc)?;
     acc.wait_for_everyone()
 }
