@@ -325,17 +325,17 @@ fn evaluate(acc: &Accelerator, initial: Mlp, report: &mut Report) -> Result<()> 
 }
 
 /// Runs `case` on `acc`'s rank and writes the rank's weights and report.
-fn run_case(acc: Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<()> {
+fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<()> {
     let mut report = Report::default();
     let model = match case {
         Case::Env => None,
         Case::Initial => Some(acc.prepare_model(initial)?),
         Case::Eval => {
-            evaluate(&acc, initial, &mut report)?;
+            evaluate(acc, initial, &mut report)?;
             None
         }
         _ => {
-            let (model, counted) = train(&acc, case, args, initial)?;
+            let (model, counted) = train(acc, case, args, initial)?;
             report = counted;
             Some(model)
         }
@@ -413,9 +413,11 @@ fn run() -> Result<()> {
     for &case in &args.cases {
         let result = ranks::run_ranks(builder(case, &args.out), args.processes, |acc| {
             let rank = acc.process_index();
-            run_case(acc, case, &args, initial.clone()).map_err(|e| {
-                // Every rank says what it met, so that a test can check each one's error.
+            run_case(&acc, case, &args, initial.clone()).map_err(|e| {
+                // Every rank says what it met, so that a test can check each one's error; then waits for the
+                // others to have said theirs, since under MPI the first rank to exit with an error ends the job.
                 println!("rank {rank} error: {e}");
+                let _ = acc.wait_for_everyone();
                 e
             })
         });
