@@ -74,11 +74,24 @@ fn engine_error(operation: &str, reason: impl Into<String>) -> CommError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Call {
     Barrier,
-    AllReduce { kind: u64, op: u64, len: u64 },
-    AllGather { len: u64 },
-    Broadcast { root: u64, len: u64 },
+    AllReduce {
+        kind: u64,
+        op: u64,
+        len: u64,
+    },
+    AllGather {
+        len: u64,
+    },
+    Broadcast {
+        root: u64,
+        len: u64,
+    },
     /// `kind_op` is `kind * 4 + op`; `parts` a fingerprint of the per-rank counts, which must agree.
-    ReduceScatter { kind_op: u64, len: u64, parts: u64 },
+    ReduceScatter {
+        kind_op: u64,
+        len: u64,
+        parts: u64,
+    },
 }
 
 const CALL_WORDS: usize = 4;
@@ -92,7 +105,11 @@ impl Call {
             Call::AllReduce { kind, op, len } => [2, kind, op, len],
             Call::AllGather { len } => [3, 0, 0, len],
             Call::Broadcast { root, len } => [4, root, 0, len],
-            Call::ReduceScatter { kind_op, len, parts } => [5, kind_op, len, parts],
+            Call::ReduceScatter {
+                kind_op,
+                len,
+                parts,
+            } => [5, kind_op, len, parts],
         }
     }
 
@@ -105,9 +122,14 @@ impl Call {
             [3, _, _, len] => Some(Call::AllGather { len }),
             [4, root, _, len] => Some(Call::Broadcast { root, len }),
             [5, kind_op, len, parts]
-                if ((kind_op / 4) as usize) < KINDS.len() && ((kind_op % 4) as usize) < OPS.len() =>
+                if ((kind_op / 4) as usize) < KINDS.len()
+                    && ((kind_op % 4) as usize) < OPS.len() =>
             {
-                Some(Call::ReduceScatter { kind_op, len, parts })
+                Some(Call::ReduceScatter {
+                    kind_op,
+                    len,
+                    parts,
+                })
             }
             _ => None,
         }
@@ -132,7 +154,11 @@ impl Call {
             ),
             Call::AllGather { len } => format!("all_gather of {len} bytes"),
             Call::Broadcast { root, .. } => format!("broadcast from rank {root}"),
-            Call::ReduceScatter { kind_op, len, parts } => format!(
+            Call::ReduceScatter {
+                kind_op,
+                len,
+                parts,
+            } => format!(
                 "reduce_scatter ({}) of {len} x {} into parts {parts:#x}",
                 OPS[(kind_op % 4) as usize],
                 KINDS[(kind_op / 4) as usize]
@@ -147,7 +173,11 @@ impl Call {
             Call::Barrier | Call::AllGather { .. } => String::new(),
             Call::AllReduce { kind, op, len } => format!("{kind} {op} {len}"),
             Call::Broadcast { root, .. } => root.to_string(),
-            Call::ReduceScatter { kind_op, len, parts } => format!("{kind_op} {len} {parts}"),
+            Call::ReduceScatter {
+                kind_op,
+                len,
+                parts,
+            } => format!("{kind_op} {len} {parts}"),
         };
         CallSignature {
             collective: self.name().into(),
@@ -418,14 +448,25 @@ impl MpiComm {
         };
         let recv = vec![T::default(); block];
         let (_, mut recv) = if send.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
-            self.run("reduce_scatter", seq, (send, recv), |world, (send, recv)| {
-                world.immediate_reduce_scatter_block_into(StaticScope, &send[..], &mut recv[..], system)
-            })?
+            self.run(
+                "reduce_scatter",
+                seq,
+                (send, recv),
+                |world, (send, recv)| {
+                    world.immediate_reduce_scatter_block_into(
+                        StaticScope,
+                        &send[..],
+                        &mut recv[..],
+                        system,
+                    )
+                },
+            )?
         } else {
             // Large buffers take MPI's blocking call, as all-reduces do, once the headers showed every rank in
             // this very reduce-scatter.
             let mut recv = recv;
-            self.world.reduce_scatter_block_into(&send[..], &mut recv[..], system);
+            self.world
+                .reduce_scatter_block_into(&send[..], &mut recv[..], system);
             (send, recv)
         };
         recv.truncate(part.len());

@@ -521,10 +521,7 @@ impl Communicator for InProcessComm {
     ) -> Result<ReduceBuffer> {
         let signature = reduce::reduce_scatter_signature(data.kind(), data.len(), counts, op);
         let part = reduce::part_of(counts, self.rank, self.group.size, data.len());
-        let all = self.exchange(
-            "reduce_scatter",
-            Payload::Scatter(data, signature.clone()),
-        )?;
+        let all = self.exchange("reduce_scatter", Payload::Scatter(data, signature.clone()))?;
         let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
         let calls: Vec<_> = guards
             .iter()
@@ -639,22 +636,34 @@ mod tests {
                     let out = run(n, Duration::from_secs(10), move |c| {
                         let mine: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
                         let whole = c.all_reduce(ReduceBuffer::F32(mine.clone()), op).unwrap();
-                        let part = c.reduce_scatter(ReduceBuffer::F32(mine), &parts, op).unwrap();
+                        let part = c
+                            .reduce_scatter(ReduceBuffer::F32(mine), &parts, op)
+                            .unwrap();
                         let ints: Vec<i64> = (0..len).map(|i| value(c.rank(), i) as i64).collect();
-                        let int_part = c.reduce_scatter(ReduceBuffer::I64(ints), &parts, op).unwrap();
+                        let int_part = c
+                            .reduce_scatter(ReduceBuffer::I64(ints), &parts, op)
+                            .unwrap();
                         (whole, part, int_part)
                     });
                     let mut start = 0;
                     for (r, (whole, part, int_part)) in out.into_iter().enumerate() {
                         let range = start..start + counts[r];
                         start = range.end;
-                        assert_eq!(part, whole.slice(range.clone()), "n={n} {counts:?} {op} rank {r}");
+                        assert_eq!(
+                            part,
+                            whole.slice(range.clone()),
+                            "n={n} {counts:?} {op} rank {r}"
+                        );
                         let expected: Vec<i64> = match whole.slice(range) {
                             ReduceBuffer::F32(v) => v.iter().map(|x| *x as i64).collect(),
                             _ => unreachable!(),
                         };
                         if op != ReduceOp::Mean {
-                            assert_eq!(int_part, ReduceBuffer::I64(expected), "n={n} {op} rank {r}");
+                            assert_eq!(
+                                int_part,
+                                ReduceBuffer::I64(expected),
+                                "n={n} {op} rank {r}"
+                            );
                         }
                     }
                 }
@@ -672,7 +681,10 @@ mod tests {
         });
         for message in &out {
             assert!(message.contains("incompatible inputs"), "{message}");
-            assert!(message.contains("rank 2: reduce_scatter (sum) of 6 x f32 into [2, 2, 2]"), "{message}");
+            assert!(
+                message.contains("rank 2: reduce_scatter (sum) of 6 x f32 into [2, 2, 2]"),
+                "{message}"
+            );
         }
         let out = run(2, Duration::from_secs(10), |c| {
             c.reduce_scatter(ReduceBuffer::F32(vec![1.0; 6]), &[1, 2], ReduceOp::Sum)
@@ -680,7 +692,10 @@ mod tests {
                 .to_string()
         });
         for message in &out {
-            assert!(message.contains("2 part counts summing to 3 for 2 ranks and a buffer of 6"), "{message}");
+            assert!(
+                message.contains("2 part counts summing to 3 for 2 ranks and a buffer of 6"),
+                "{message}"
+            );
         }
         // Another collective on one rank is named as such.
         let out = run(2, Duration::from_secs(10), |c| {
@@ -694,7 +709,10 @@ mod tests {
             }
         });
         for message in &out {
-            assert!(message.contains("ranks called different collectives"), "{message}");
+            assert!(
+                message.contains("ranks called different collectives"),
+                "{message}"
+            );
         }
     }
 

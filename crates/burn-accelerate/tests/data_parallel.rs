@@ -626,6 +626,9 @@ fn the_examples_agreement_check_names_a_rank_whose_weights_differ() {
     for (rank, (same, differ)) in results.iter().enumerate() {
         assert_eq!(same, &Ok(()), "rank {rank}");
         let err = differ.as_ref().expect_err("rank 2 moved a weight");
-        assert!(err.contains("rank 2's weights differ"), "rank {rank}: {err}");
+        assert!(
+            err.contains("rank 2's weights differ"),
+            "rank {rank}: {err}"
+        );
     }
 }
