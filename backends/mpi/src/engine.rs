@@ -532,21 +532,29 @@ fn finish_at_exit(status: std::ffi::c_int) {
         }
         let rank = RANK.load(Ordering::Relaxed);
         if BROKEN.load(Ordering::Relaxed) {
-            eprintln!(
+            say(format!(
                 "burn-accelerate: rank {rank} aborts the MPI job because a collective timed out"
-            );
+            ));
             record_status(rank, 70, Some(TIMEOUT_REASON));
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70);
         } else if status != 0 {
-            eprintln!(
+            say(format!(
                 "burn-accelerate: rank {rank} exits with status {status}; aborting the MPI job"
-            );
+            ));
             record_status(rank, status, None);
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, status);
         } else {
             mpi::ffi::MPI_Finalize();
         }
     }
+}
+
+/// Writes `message` and a line end to standard error in one write: `eprintln!` writes the pieces of its format
+/// one by one, and `mpirun`, which forwards each rank's output as it comes, could put its own abort notice in the
+/// middle of the line.
+fn say(message: String) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{message}\n").as_bytes());
 }
 
 /// Leaves `rank_<rank>.status` in the folder [`STATUS_DIR_VAR`] names, if any (best effort: the job is ending):
@@ -568,10 +576,10 @@ fn record_status(rank: usize, status: std::ffi::c_int, reason: Option<&str>) {
 impl Drop for MpiComm {
     fn drop(&mut self) {
         if self.broken.load(Ordering::Relaxed) {
-            eprintln!(
+            say(format!(
                 "burn-accelerate: rank {} aborts the MPI job because a collective timed out (finalizing would hang)",
                 self.rank
-            );
+            ));
             self.world.abort(70);
         }
         drop(self.universe.take());
