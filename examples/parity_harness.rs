@@ -125,16 +125,13 @@ struct Report {
 }
 
 /// The builder of each case, on top of the settings the launcher or the environment gave.
-fn builder(case: Case, out: &Path) -> AcceleratorBuilder {
+fn builder(case: Case) -> AcceleratorBuilder {
     let builder = Accelerator::builder();
     match case {
         Case::Accumulation => builder.gradient_accumulation_steps(3),
         Case::Bf16 => builder.mixed_precision(MixedPrecision::Bf16),
         Case::Fp16 => builder.mixed_precision(MixedPrecision::Fp16),
         Case::Uneven => builder.even_batches(false),
-        Case::Resume => builder.project_configuration(burn_accelerate::ProjectConfiguration::new(
-            out.join("resume-project"),
-        )),
         _ => builder,
     }
 }
@@ -169,7 +166,9 @@ struct Progress {
 }
 
 fn kill_self(rank: usize, step: usize) -> ! {
-    eprintln!("fault: rank {rank} is killed after step {step}");
+    // One write, so that mpirun's forwarding cannot cut the line.
+    let line = format!("fault: rank {rank} is killed after step {step}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     // SAFETY: a plain system call that ends this process.
     #[cfg(unix)]
     unsafe {
@@ -411,7 +410,7 @@ fn run() -> Result<()> {
     device.seed(7);
     let initial = Mlp::new(&device);
     for &case in &args.cases {
-        let result = ranks::run_ranks(builder(case, &args.out), args.processes, |acc| {
+        let result = ranks::run_ranks(builder(case), args.processes, |acc| {
             let rank = acc.process_index();
             run_case(&acc, case, &args, initial.clone()).map_err(|e| {
                 // Every rank says what it met, so that a test can check each one's error; then waits for the

@@ -94,7 +94,9 @@ enum Fault {
 
 /// Ends this process with SIGKILL, as the out-of-memory killer or a lost machine would: nothing runs after it.
 fn kill_self(rank: usize, when: &str) -> ! {
-    eprintln!("fault: rank {rank} is killed {when}");
+    // One write, so that mpirun's forwarding cannot cut the line.
+    let line = format!("fault: rank {rank} is killed {when}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     // SAFETY: a plain system call that ends this process.
     #[cfg(unix)]
     unsafe {
