@@ -408,6 +408,7 @@ impl MpiComm {
     /// `MPI_Reduce_scatter_block` (equal blocks) serves uneven parts too; the padding is cut off again.
     fn reduce_scatter_typed<T>(
         &self,
+        spare: &mut Vec<T>,
         data: Vec<T>,
         counts: &[usize],
         kind: u64,
@@ -446,8 +447,12 @@ impl MpiComm {
             }
             send
         };
-        let recv = vec![T::default(); block];
-        let (_, mut recv) = if send.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
+        // The previous call's send buffer receives this one's part: a steady stream of equal reduce-scatters
+        // allocates (and faults in) nothing.
+        // (Its old values are overwritten by MPI: only its length matters.)
+        let mut recv = std::mem::take(spare);
+        recv.resize(block, T::default());
+        let (send, mut recv) = if send.len() * std::mem::size_of::<T>() < BLOCKING_MIN_BYTES {
             self.run(
                 "reduce_scatter",
                 seq,
@@ -469,6 +474,7 @@ impl MpiComm {
                 .reduce_scatter_block_into(&send[..], &mut recv[..], system);
             (send, recv)
         };
+        *spare = send;
         recv.truncate(part.len());
         Ok(recv)
     }
@@ -692,11 +698,17 @@ impl Communicator for MpiComm {
         counts: &[usize],
         op: ReduceOp,
     ) -> CommResult<ReduceBuffer> {
-        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let mut spare = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = match data {
-            ReduceBuffer::F32(v) => ReduceBuffer::F32(self.reduce_scatter_typed(v, counts, 0, op)?),
-            ReduceBuffer::F64(v) => ReduceBuffer::F64(self.reduce_scatter_typed(v, counts, 1, op)?),
-            ReduceBuffer::I64(v) => ReduceBuffer::I64(self.reduce_scatter_typed(v, counts, 2, op)?),
+            ReduceBuffer::F32(v) => {
+                ReduceBuffer::F32(self.reduce_scatter_typed(&mut spare.f32, v, counts, 0, op)?)
+            }
+            ReduceBuffer::F64(v) => {
+                ReduceBuffer::F64(self.reduce_scatter_typed(&mut spare.f64, v, counts, 1, op)?)
+            }
+            ReduceBuffer::I64(v) => {
+                ReduceBuffer::I64(self.reduce_scatter_typed(&mut spare.i64, v, counts, 2, op)?)
+            }
         };
         if op == ReduceOp::Mean {
             out.divide_by_ranks(self.size);
