@@ -11,7 +11,8 @@
 //! - MPI engine against raw rsmpi `all_reduce_into` on the same buffers (feature `mpi`, under `mpirun`):
 //!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
 //!   `mpirun -np 2 <the printed bench binary> --bench` (`-x MPI_BENCH_SELF_CHECK=1` runs raw against raw, to
-//!   show the noise floor of the ratio on the machine).
+//!   show the noise floor of the ratio on the machine). The same run times our reduce-scatter against raw
+//!   rsmpi `reduce_scatter_block_into` (16 MiB in equal parts): `mpi_reduce_scatter_ratio`.
 //!
 //! Sizes run from 4 KiB to 64 MiB of f32. algbw = bytes / time; busbw = algbw * 2(n-1)/n.
 
