@@ -373,11 +373,7 @@ impl MpiComm {
     where
         T: mpi::datatype::Equivalence + Default + Clone + 'static,
     {
-        let (system, op_code) = match op {
-            ReduceOp::Sum | ReduceOp::Mean => (SystemOperation::sum(), 0),
-            ReduceOp::Max => (SystemOperation::max(), 1),
-            ReduceOp::Min => (SystemOperation::min(), 2),
-        };
+        let (system, op_code) = system_op(op);
         let (seq, _) = self.agree(Call::AllReduce {
             kind,
             op: op_code,
@@ -417,11 +413,7 @@ impl MpiComm {
     where
         T: mpi::datatype::Equivalence + Default + Clone + 'static,
     {
-        let (system, op_code) = match op {
-            ReduceOp::Sum | ReduceOp::Mean => (SystemOperation::sum(), 0),
-            ReduceOp::Max => (SystemOperation::max(), 1),
-            ReduceOp::Min => (SystemOperation::min(), 2),
-        };
+        let (system, op_code) = system_op(op);
         let part = burn_accelerate_comm::part_of(counts, self.rank, self.size, data.len());
         let (seq, _) = self.agree(Call::ReduceScatter {
             kind_op: kind * 4 + op_code,
@@ -477,6 +469,15 @@ impl MpiComm {
         *spare = send;
         recv.truncate(part.len());
         Ok(recv)
+    }
+}
+
+/// MPI's operation for `op` (a mean is a sum, divided afterwards) and its code in the call headers.
+fn system_op(op: ReduceOp) -> (SystemOperation, u64) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => (SystemOperation::sum(), 0),
+        ReduceOp::Max => (SystemOperation::max(), 1),
+        ReduceOp::Min => (SystemOperation::min(), 2),
     }
 }
 
