@@ -165,18 +165,6 @@ struct Progress {
     step: usize,
 }
 
-fn kill_self(rank: usize, step: usize) -> ! {
-    // One write, so that mpirun's forwarding cannot cut the line.
-    let line = format!("fault: rank {rank} is killed after step {step}\n");
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-    // SAFETY: a plain system call that ends this process.
-    #[cfg(unix)]
-    unsafe {
-        libc::kill(libc::getpid(), libc::SIGKILL);
-    }
-    std::process::abort()
-}
-
 fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Mlp, Report)> {
     let p = acc.num_processes();
     if !GLOBAL_BATCH.is_multiple_of(p) {
@@ -244,7 +232,7 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
                     acc.save_state(Some(&checkpoint), &parts)?;
                 }
                 if micro == args.kill_at && acc.process_index() == args.kill_rank {
-                    kill_self(args.kill_rank, micro);
+                    ranks::kill_self(args.kill_rank, &format!("after step {micro}"));
                 }
             }
             if micro >= total {

@@ -92,19 +92,6 @@ enum Fault {
     Error,
 }
 
-/// Ends this process with SIGKILL, as the out-of-memory killer or a lost machine would: nothing runs after it.
-fn kill_self(rank: usize, when: &str) -> ! {
-    // One write, so that mpirun's forwarding cannot cut the line.
-    let line = format!("fault: rank {rank} is killed {when}\n");
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-    // SAFETY: a plain system call that ends this process.
-    #[cfg(unix)]
-    unsafe {
-        libc::kill(libc::getpid(), libc::SIGKILL);
-    }
-    std::process::abort()
-}
-
 /// Kills this process once a save into `checkpoints` is under way (its `.partial` folder exists), from a
 /// thread that watches for it.
 fn kill_during_next_save(rank: usize, checkpoints: PathBuf) {
@@ -117,7 +104,7 @@ fn kill_during_next_save(rank: usize, checkpoints: PathBuf) {
                 .find(|e| e.file_name().to_string_lossy().ends_with(".partial"));
             if let Some(entry) = saving {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                kill_self(
+                ranks::kill_self(
                     rank,
                     &format!("during save_state ({name} is being written)"),
                 );
@@ -138,7 +125,9 @@ fn inject(args: &Args, accelerator: &Accelerator, step: usize) -> Result<()> {
     }
     let saves = step.is_multiple_of(args.save_every);
     match fault {
-        Fault::Kill if step == args.fault_at => kill_self(rank, &format!("after step {step}")),
+        Fault::Kill if step == args.fault_at => {
+            ranks::kill_self(rank, &format!("after step {step}"))
+        }
         Fault::KillInSave if step >= args.fault_at && saves => {
             kill_during_next_save(rank, args.project_dir.join("checkpoints"))
         }

@@ -69,3 +69,16 @@ pub fn check_ranks_agree<M: burn::module::Module>(acc: &Accelerator, model: &M) 
         None => Ok(()),
     }
 }
+
+/// Ends this process with SIGKILL, as the out-of-memory killer or a lost machine would: nothing runs after it.
+/// The notice goes out in one write, so that `mpirun`'s forwarding cannot cut the line.
+pub fn kill_self(rank: usize, when: &str) -> ! {
+    let line = format!("fault: rank {rank} is killed {when}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    // SAFETY: a plain system call that ends this process.
+    #[cfg(unix)]
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    std::process::abort()
+}
