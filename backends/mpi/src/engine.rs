@@ -92,6 +92,12 @@ enum Call {
         len: u64,
         parts: u64,
     },
+    /// `len` is this rank's part; `parts` a fingerprint of the per-rank counts, which must agree.
+    AllGatherParts {
+        kind: u64,
+        len: u64,
+        parts: u64,
+    },
 }
 
 const CALL_WORDS: usize = 4;
@@ -110,6 +116,7 @@ impl Call {
                 len,
                 parts,
             } => [5, kind_op, len, parts],
+            Call::AllGatherParts { kind, len, parts } => [6, kind, len, parts],
         }
     }
 
@@ -131,6 +138,9 @@ impl Call {
                     parts,
                 })
             }
+            [6, kind, len, parts] if (kind as usize) < KINDS.len() => {
+                Some(Call::AllGatherParts { kind, len, parts })
+            }
             _ => None,
         }
     }
@@ -142,6 +152,7 @@ impl Call {
             Call::AllGather { .. } => "all_gather",
             Call::Broadcast { .. } => "broadcast",
             Call::ReduceScatter { .. } => "reduce_scatter",
+            Call::AllGatherParts { .. } => "all_gather_parts",
         }
     }
 
@@ -163,6 +174,10 @@ impl Call {
                 OPS[(kind_op % 4) as usize],
                 KINDS[(kind_op / 4) as usize]
             ),
+            Call::AllGatherParts { kind, len, parts } => format!(
+                "all_gather_parts of {len} x {} into parts {parts:#x}",
+                KINDS[kind as usize]
+            ),
         }
     }
 
@@ -178,6 +193,8 @@ impl Call {
                 len,
                 parts,
             } => format!("{kind_op} {len} {parts}"),
+            // Each rank's own length is checked against the counts once the headers are in.
+            Call::AllGatherParts { kind, parts, .. } => format!("{kind} {parts}"),
         };
         CallSignature {
             collective: self.name().into(),
@@ -472,6 +489,90 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// All-gather of one element type's parts (`MPI_Allgatherv`).
+    fn all_gather_parts_typed<T>(
+        &self,
+        data: Vec<T>,
+        counts: &[usize],
+        kind: u64,
+    ) -> CommResult<Vec<T>>
+    where
+        T: mpi::datatype::Equivalence + Default + Clone + 'static,
+    {
+        let total = burn_accelerate_comm::gathered_len(counts, self.rank, self.size, data.len());
+        let (seq, calls) = self.agree(Call::AllGatherParts {
+            kind,
+            len: data.len() as u64,
+            parts: fingerprint(counts),
+        })?;
+        // The headers agree on the counts; each rank's own length is in its header, so every rank finds the
+        // same rank whose part does not fit.
+        for (r, call) in calls.iter().enumerate() {
+            if let Call::AllGatherParts { len, .. } = call
+                && Some(&(*len as usize)) != counts.get(r)
+            {
+                return Err(CommError::IncompatibleInputs {
+                    operation: "all_gather_parts".into(),
+                    reason: format!(
+                        "rank {r} passed {len} elements where the counts {counts:?} say otherwise"
+                    ),
+                });
+            }
+        }
+        let total = total?;
+        if total == 0 {
+            return Ok(Vec::new());
+        }
+        if total > i32::MAX as usize {
+            return Err(engine_error(
+                "all_gather_parts",
+                "more than 2^31 elements gathered in one call; split the data",
+            ));
+        }
+        let counts: Vec<i32> = counts.iter().map(|c| *c as i32).collect();
+        let displs: Vec<i32> = counts
+            .iter()
+            .scan(0i32, |acc, c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        let recv = vec![T::default(); total];
+        if total * std::mem::size_of::<T>() >= BLOCKING_MIN_BYTES {
+            // Large buffers take MPI's blocking call, as all-reduces do, once the headers showed every rank in
+            // this very all-gather.
+            let mut recv = recv;
+            let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
+            self.world
+                .all_gather_varcount_into(&data[..], &mut partition);
+            return Ok(recv);
+        }
+        type Part<T> = PartitionMut<'static, [T], &'static [i32], &'static [i32]>;
+        let mut partition: *mut Part<T> = std::ptr::null_mut();
+        let (_, recv, _, _) = self.run(
+            "all_gather_parts",
+            seq,
+            (data, recv, counts, displs),
+            |world, (send, recv, counts, displs)| {
+                partition = Box::into_raw(Box::new(PartitionMut::new(
+                    &mut recv[..],
+                    &counts[..],
+                    &displs[..],
+                )));
+                // SAFETY: freed below only once the request has completed.
+                world.immediate_all_gather_varcount_into(StaticScope, &send[..], unsafe {
+                    &mut *partition
+                })
+            },
+        )?;
+        // SAFETY: the request completed; nothing refers to the partition any more.
+        drop(unsafe { Box::from_raw(partition) });
+        Ok(recv)
+    }
+}
+
 /// MPI's operation for `op` (a mean is a sum, divided afterwards) and its code in the call headers.
 fn system_op(op: ReduceOp) -> (SystemOperation, u64) {
     match op {
@@ -715,6 +816,15 @@ impl Communicator for MpiComm {
             out.divide_by_ranks(self.size);
         }
         Ok(out)
+    }
+
+    fn all_gather_parts(&self, data: ReduceBuffer, counts: &[usize]) -> CommResult<ReduceBuffer> {
+        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(match data {
+            ReduceBuffer::F32(v) => ReduceBuffer::F32(self.all_gather_parts_typed(v, counts, 0)?),
+            ReduceBuffer::F64(v) => ReduceBuffer::F64(self.all_gather_parts_typed(v, counts, 1)?),
+            ReduceBuffer::I64(v) => ReduceBuffer::I64(self.all_gather_parts_typed(v, counts, 2)?),
+        })
     }
 
     fn broadcast(&self, data: Vec<u8>, root: usize) -> CommResult<Vec<u8>> {

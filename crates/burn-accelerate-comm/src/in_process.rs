@@ -40,6 +40,8 @@ enum Payload {
     InPlace(Arc<InPlaceBuffer>),
     /// A reduce-scatter's buffer and the call as every rank must make it alike.
     Scatter(ReduceBuffer, CallSignature),
+    /// An all-gather's part and the call as every rank must make it alike.
+    Parts(ReduceBuffer, CallSignature),
 }
 
 /// A rank's all-reduce buffer, shared with the other ranks for an in-place reduce-scatter and all-gather.
@@ -544,6 +546,39 @@ impl Communicator for InProcessComm {
         Ok(reduce_range(&inputs, part, op))
     }
 
+    fn all_gather_parts(&self, data: ReduceBuffer, counts: &[usize]) -> Result<ReduceBuffer> {
+        let signature = reduce::all_gather_signature(data.kind(), counts);
+        let total = reduce::gathered_len(counts, self.rank, self.group.size, data.len());
+        let all = self.exchange("all_gather_parts", Payload::Parts(data, signature))?;
+        let guards: Vec<_> = all.iter().map(|slot| read(slot)).collect();
+        let (calls, parts): (Vec<_>, Vec<_>) = guards
+            .iter()
+            .map(|g| match g.as_ref() {
+                Some(Payload::Parts(b, s)) => (Some(s.clone()), b),
+                _ => unreachable!("the round checked the operation"),
+            })
+            .unzip();
+        check_calls(self.last_seq(), &calls)?;
+        // Every rank passed the same counts, so every rank's own length is right or some rank's error names it;
+        // the signatures agree, so the kinds do too.
+        total?;
+        if let Some((r, part)) = parts
+            .iter()
+            .enumerate()
+            .find(|(r, p)| p.len() != counts[*r])
+        {
+            return Err(Error::IncompatibleInputs {
+                operation: "all_gather_parts".into(),
+                reason: format!(
+                    "rank {r} passed {} elements where the counts {counts:?} say {}",
+                    part.len(),
+                    counts[r]
+                ),
+            });
+        }
+        Ok(reduce::concat_parts(&parts).expect("the signatures agree on the kind"))
+    }
+
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
         if root >= self.group.size {
             return Err(Error::InvalidRoot {
@@ -713,6 +748,66 @@ mod tests {
                 message.contains("ranks called different collectives"),
                 "{message}"
             );
+        }
+    }
+
+    #[test]
+    fn all_gathers_of_parts_concatenate_every_ranks_part_in_rank_order() {
+        for n in [1, 2, 3, 4] {
+            for counts in [vec![4; n], (0..n).map(|r| 2 * r + 1).collect(), {
+                let mut c = vec![0; n];
+                c[n - 1] = 7;
+                c
+            }] {
+                let parts = counts.clone();
+                let out = run(n, Duration::from_secs(10), move |c| {
+                    let mine: Vec<f32> = (0..parts[c.rank()]).map(|i| value(c.rank(), i)).collect();
+                    let ints: Vec<i64> = mine.iter().map(|x| *x as i64).collect();
+                    let f = c.all_gather_parts(ReduceBuffer::F32(mine), &parts).unwrap();
+                    let i = c.all_gather_parts(ReduceBuffer::I64(ints), &parts).unwrap();
+                    (f, i)
+                });
+                let expected: Vec<f32> = counts
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(r, c)| (0..*c).map(move |i| value(r, i)))
+                    .collect();
+                for (r, (f, i)) in out.into_iter().enumerate() {
+                    assert_eq!(
+                        f,
+                        ReduceBuffer::F32(expected.clone()),
+                        "n={n} {counts:?} rank {r}"
+                    );
+                    let ints = expected.iter().map(|x| *x as i64).collect();
+                    assert_eq!(i, ReduceBuffer::I64(ints), "n={n} {counts:?} rank {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_gathers_of_parts_that_disagree_fail_on_every_rank() {
+        let out = run(3, Duration::from_secs(10), |c| {
+            let counts = if c.rank() == 2 { [2, 2, 2] } else { [1, 2, 2] };
+            c.all_gather_parts(ReduceBuffer::F32(vec![1.0; counts[c.rank()]]), &counts)
+                .unwrap_err()
+                .to_string()
+        });
+        for message in &out {
+            assert!(message.contains("incompatible inputs"), "{message}");
+            assert!(
+                message.contains("rank 2: all_gather_parts of f32 parts [2, 2, 2]"),
+                "{message}"
+            );
+        }
+        let out = run(2, Duration::from_secs(10), |c| {
+            let len = if c.rank() == 1 { 3 } else { 1 };
+            c.all_gather_parts(ReduceBuffer::F32(vec![1.0; len]), &[1, 2])
+                .unwrap_err()
+                .to_string()
+        });
+        for message in &out {
+            assert!(message.contains("rank 1 passed 3 elements"), "{message}");
         }
     }
 

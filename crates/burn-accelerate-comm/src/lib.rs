@@ -21,7 +21,7 @@ use std::fmt::Debug;
 pub use calls::{CallSignature, check_calls};
 pub use error::{CommError, CommResult};
 pub use in_process::{InProcessComm, InProcessGroup};
-pub use reduce::{ReduceBuffer, ReduceOp, part_of};
+pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of};
 
 type Result<T> = CommResult<T>;
 
@@ -75,6 +75,63 @@ pub trait Communicator: Send + Sync + Debug {
         let part = reduce::part_of(counts, self.rank(), self.world_size(), data.len())?;
         Ok(self.all_reduce(data, op)?.slice(part))
     }
+
+    /// Gathers every rank's part into one buffer, in rank order: rank `r` passes `counts[r]` elements (parts
+    /// may differ in length, and one may be empty) and every rank gets all `counts.iter().sum()` of them
+    /// (MPI's `MPI_Allgatherv`). Every rank must pass parts of the same kind and the same `counts`.
+    ///
+    /// The default goes through the byte [`all_gather`](Self::all_gather), each part led by its kind and
+    /// counts, so that ranks that disagree get an error; engines override it to move the elements directly.
+    fn all_gather_parts(&self, data: ReduceBuffer, counts: &[usize]) -> Result<ReduceBuffer> {
+        let checked = reduce::gathered_len(counts, self.rank(), self.world_size(), data.len());
+        let signature = format!("{} {counts:?}", data.kind());
+        let mut bytes = Vec::with_capacity(8 + signature.len() + data.len() * 8);
+        bytes.extend_from_slice(&(signature.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(signature.as_bytes());
+        match &data {
+            ReduceBuffer::F32(v) => v
+                .iter()
+                .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+            ReduceBuffer::F64(v) => v
+                .iter()
+                .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+            ReduceBuffer::I64(v) => v
+                .iter()
+                .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+        }
+        let all = self.all_gather(bytes)?;
+        let mut calls = Vec::with_capacity(all.len());
+        let mut payloads = Vec::with_capacity(all.len());
+        for part in &all {
+            let head = part
+                .get(..8)
+                .and_then(|h| h.try_into().ok())
+                .map(|h| u64::from_le_bytes(h) as usize);
+            let text = head
+                .and_then(|n| part.get(8..8 + n))
+                .map(String::from_utf8_lossy);
+            calls.push(text.as_ref().map(|t| CallSignature {
+                collective: "all_gather_parts".into(),
+                must_agree: t.to_string(),
+                described: format!("all_gather_parts of {t}"),
+            }));
+            payloads.push(head.map_or(&[][..], |n| &part[(8 + n).min(part.len())..]));
+        }
+        check_calls(0, &calls)?;
+        let _total = checked?;
+        fn decode<const N: usize, T>(bytes: &[&[u8]], from: fn([u8; N]) -> T) -> Vec<T> {
+            bytes
+                .iter()
+                .flat_map(|b| b.chunks_exact(N))
+                .map(|c| from(c.try_into().expect("chunks of N bytes")))
+                .collect()
+        }
+        Ok(match data {
+            ReduceBuffer::F32(_) => ReduceBuffer::F32(decode(&payloads, f32::from_le_bytes)),
+            ReduceBuffer::F64(_) => ReduceBuffer::F64(decode(&payloads, f64::from_le_bytes)),
+            ReduceBuffer::I64(_) => ReduceBuffer::I64(decode(&payloads, i64::from_le_bytes)),
+        })
+    }
 }
 
 /// The communicator of a run with one process and one device: every collective returns its input.
@@ -117,6 +174,11 @@ impl Communicator for SingleProcess {
         _op: ReduceOp,
     ) -> Result<ReduceBuffer> {
         reduce::part_of(counts, 0, 1, data.len())?;
+        Ok(data)
+    }
+
+    fn all_gather_parts(&self, data: ReduceBuffer, counts: &[usize]) -> Result<ReduceBuffer> {
+        reduce::gathered_len(counts, 0, 1, data.len())?;
         Ok(data)
     }
 }

@@ -112,6 +112,57 @@ pub fn part_of(
     Ok(start..start + counts[rank])
 }
 
+/// Checks an [`all_gather_parts`](crate::Communicator::all_gather_parts) call on rank `rank` of `world`: one
+/// count per rank, and this rank's part `counts[rank]` elements long. Returns the gathered length.
+///
+/// # Errors
+/// [`CommError::IncompatibleInputs`](crate::CommError::IncompatibleInputs) otherwise.
+pub fn gathered_len(counts: &[usize], rank: usize, world: usize, len: usize) -> CommResult<usize> {
+    if counts.len() != world || counts.get(rank) != Some(&len) {
+        return Err(crate::CommError::IncompatibleInputs {
+            operation: "all_gather_parts".into(),
+            reason: format!(
+                "rank {rank} passed {len} elements and {} part counts {counts:?} for {world} ranks; pass one count \
+                 per rank, this rank's being the length of its part",
+                counts.len()
+            ),
+        });
+    }
+    Ok(counts.iter().sum())
+}
+
+/// What every rank of an all-gather of parts must pass alike, for the mismatch check: kind and parts.
+pub(crate) fn all_gather_signature(kind: &str, counts: &[usize]) -> crate::CallSignature {
+    crate::CallSignature {
+        collective: "all_gather_parts".into(),
+        must_agree: format!("{kind} {counts:?}"),
+        described: format!("all_gather_parts of {kind} parts {counts:?}"),
+    }
+}
+
+/// The parts in order, one after the other, as one buffer of their (common) kind; `None` when kinds differ.
+pub fn concat_parts(parts: &[&ReduceBuffer]) -> Option<ReduceBuffer> {
+    macro_rules! concat {
+        ($variant:ident) => {{
+            let total = parts.iter().map(|p| p.len()).sum();
+            let mut out = Vec::with_capacity(total);
+            for part in parts {
+                match part {
+                    ReduceBuffer::$variant(v) => out.extend_from_slice(v),
+                    _ => return None,
+                }
+            }
+            Some(ReduceBuffer::$variant(out))
+        }};
+    }
+    match parts.first() {
+        None => Some(ReduceBuffer::F32(Vec::new())),
+        Some(ReduceBuffer::F32(_)) => concat!(F32),
+        Some(ReduceBuffer::F64(_)) => concat!(F64),
+        Some(ReduceBuffer::I64(_)) => concat!(I64),
+    }
+}
+
 /// What every rank of a reduce-scatter must pass alike, for the mismatch check: kind, length and parts.
 pub(crate) fn reduce_scatter_signature(
     kind: &str,

@@ -29,7 +29,7 @@ use burn::optim::GradientsParams;
 
 use crate::config::{AcceleratorConfig, LossNormalization};
 use crate::distributed::strategy::{
-    StateScope, Strategy, broadcast_module, share_stepped, trainable_params,
+    StateScope, Strategy, after_prepare, broadcast_module, share_stepped, trainable_params, unshard,
 };
 use crate::error::{Error, Result};
 pub(crate) use crate::grad::window::StepOutcome;
@@ -102,6 +102,17 @@ impl StepPipeline {
         broadcast_module(self.strategy.as_ref(), module)
     }
 
+    /// The last step of `prepare_model`: a sharded strategy learns the model's parameters, and under
+    /// `FULL_SHARD` this rank keeps only its own.
+    pub fn after_prepare<M: Module>(&self, module: M) -> M {
+        after_prepare(self.strategy.as_ref(), module)
+    }
+
+    /// `module` with every parameter whole on this rank (see [`unshard`]).
+    pub fn unshard<M: Module>(&self, module: &M) -> Result<M> {
+        unshard(self.strategy.as_ref(), module)
+    }
+
     /// Whether the ranks step only their own parameters, so that an optimizer step must be followed by
     /// [`share_stepped`] (never for data parallelism or a single device).
     #[cfg_attr(not(feature = "train"), allow(dead_code))]
@@ -142,7 +153,13 @@ impl StepPipeline {
         if let Some(max_norm) = max_grad_norm {
             let mut core = self.shared.lock();
             if core.state.sync_gradients() {
-                clip_grad_norm(&mut core.grads, &param_ids(&model), max_norm, NormType::L2)?;
+                clip_grad_norm(
+                    &mut core.grads,
+                    &param_ids(&model),
+                    max_norm,
+                    NormType::L2,
+                    self.strategy.as_ref(),
+                )?;
             }
         }
         Ok(self.shared.take_outcome(&model))
@@ -194,7 +211,9 @@ impl StepPipeline {
         self.average(&mut core.grads, model, scale)?;
         if precision.loss_scale().is_some() {
             let grads = &mut core.grads;
-            let overflow = precision.verdict(|| has_non_finite(grads, &param_ids(model)))?;
+            let strategy = &self.strategy;
+            let overflow = precision
+                .verdict(|| strategy.any_rank(has_non_finite(grads, &param_ids(model))?))?;
             core.state.record_overflow(overflow);
         }
         Ok(())

@@ -9,7 +9,9 @@ use burn::tensor::Device;
 use crate::accelerator::Accelerator;
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::checkpoint::ProjectConfiguration;
-use crate::config::{AcceleratorConfig, LossNormalization, SchedulerRule, Source};
+use crate::config::{
+    AcceleratorConfig, LossNormalization, SchedulerRule, ShardingStrategy, Source,
+};
 use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::{self, ClusterEnvironment};
 use crate::distributed::strategy::{self, Strategy};
@@ -35,6 +37,7 @@ pub struct AcceleratorBuilder {
     sync_each_batch: Option<bool>,
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
+    sharding: Option<ShardingStrategy>,
     resume_from_latest: Option<bool>,
     project: Option<ProjectConfiguration>,
     log_with: Vec<LogWith>,
@@ -159,6 +162,36 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// How much of the training state each rank holds (default [`ShardingStrategy::NoShard`]): with
+    /// [`ShardGradOp`](ShardingStrategy::ShardGradOp) each rank keeps the reduced gradients and optimizer state of
+    /// its own parameters only; with [`FullShard`](ShardingStrategy::FullShard) its own parameters too, between
+    /// steps. Overrides the config file's `distributed_type: FSDP` and `FSDP_SHARDING_STRATEGY`.
+    ///
+    /// ```
+    /// use burn_accelerate::{Accelerator, ShardingStrategy};
+    /// use burn::nn::LinearConfig;
+    /// use burn::optim::AdamConfig;
+    /// use burn::tensor::Tensor;
+    ///
+    /// let states = Accelerator::builder()
+    ///     .sharding(ShardingStrategy::ShardGradOp)
+    ///     .launch(2, |acc| {
+    ///         let model = acc.prepare_model(LinearConfig::new(8, 8).init(acc.device()))?;
+    ///         let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    ///         let x = Tensor::<2>::ones([4, 8], acc.device());
+    ///         acc.backward(acc.unshard(&model)?.forward(x).sum(), &model)?;
+    ///         let _model = optimizer.try_step(model)?;
+    ///         // Weight (64 values) on one rank, bias (8) on the other: each holds Adam's state for its own.
+    ///         Ok(optimizer.inner().to_record().len())
+    ///     })?;
+    /// assert_eq!(states, vec![2, 2]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn sharding(mut self, strategy: ShardingStrategy) -> Self {
+        self.sharding = Some(strategy);
+        self
+    }
+
     /// Debug mode: before every collective, ranks compare the operation and tensor shapes, so that a mismatch
     /// is an error on every rank instead of a hang (like `ACCELERATE_DEBUG_MODE=1`). Costs one small exchange per
     /// collective.
@@ -240,6 +273,7 @@ impl AcceleratorBuilder {
             sync_each_batch,
             loss_normalization,
             bucket_size_mb,
+            sharding,
             resume_from_latest,
         );
         if let Some(timeout) = self.collective_timeout {
@@ -321,7 +355,11 @@ impl AcceleratorBuilder {
         let group = Arc::new(state);
         let strategy = match &self.strategy {
             Some(make) => make(&group),
-            None => strategy::for_group(&group, (config.bucket_size_mb * 1024.0 * 1024.0) as usize),
+            None => strategy::for_group(
+                &group,
+                (config.bucket_size_mb * 1024.0 * 1024.0) as usize,
+                config.sharding,
+            ),
         };
         Accelerator::from_parts(group, config, project, self.log_with.clone(), strategy)
     }

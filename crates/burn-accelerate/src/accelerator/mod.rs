@@ -246,11 +246,37 @@ impl Accelerator {
             };
             self.pipeline.broadcast_initial(model)?
         };
-        Ok(if self.config.device_placement {
+        let model = if self.config.device_placement {
             model.fork(self.device()).train()
         } else {
             model
-        })
+        };
+        Ok(self.pipeline.after_prepare(model))
+    }
+
+    /// `model` with every parameter whole on this rank, for the forward and backward pass.
+    ///
+    /// Under [`ShardingStrategy::FullShard`](crate::ShardingStrategy::FullShard) a prepared model holds only this
+    /// rank's parameters between steps (the others are empty placeholders); `unshard` all-gathers them (every
+    /// rank must call it, in the same order). Under any other sharding every rank holds the whole model and
+    /// this is a cheap clone, so a loop written with it runs unchanged in every mode:
+    ///
+    /// ```text
+    /// let whole = accelerator.unshard(&model)?;
+    /// let loss = whole.forward(batch);
+    /// accelerator.backward(loss, &whole)?;      // gradients reduce-scattered: this rank keeps its own
+    /// model = optimizer.try_step(model)?;       // steps this rank's parameters; FULL_SHARD drops the rest again
+    /// ```
+    ///
+    /// Pass the whole model to `backward`; drop it after the step, or it keeps the other ranks' parameters
+    /// alive. Burn's autodiff graph holds every parameter used in the forward pass until the backward pass, so
+    /// gathering layer by layer would not lower the peak: the peak holds the whole parameters; between steps
+    /// only this rank's.
+    ///
+    /// # Errors
+    /// A failed all-gather (a rank died, a timeout).
+    pub fn unshard<M: Module>(&self, model: &M) -> Result<M> {
+        self.pipeline.unshard(model)
     }
 
     /// Wraps a Burn optimizer (`AdamConfig::new().init()`, ...) with its learning rate.
@@ -458,7 +484,13 @@ impl Accelerator {
     ) -> Result<f64> {
         let ids = grad::param_ids(model);
         let grads = &mut self.pipeline.shared().lock().grads;
-        grad::clip_grad_norm(grads, &ids, max_norm, norm_type)
+        grad::clip_grad_norm(
+            grads,
+            &ids,
+            max_norm,
+            norm_type,
+            self.pipeline.strategy().as_ref(),
+        )
     }
 
     /// Clamps every gradient of `model` into `[-clip_value, clip_value]` (torch's `clip_grad_value_`).

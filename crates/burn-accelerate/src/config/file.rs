@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use serde_yaml_ng::Value;
 
 use super::{AcceleratorConfig, Source};
+use crate::config::ShardingStrategy;
 use crate::config::env;
 use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
@@ -33,7 +34,6 @@ const IGNORED_KEYS: &[&str] = &[
     "ec2_instance_type",
     "enable_cpu_affinity",
     "fp8_config",
-    "fsdp_config",
     "gpu_ids",
     "iam_role_name",
     "image_uri",
@@ -76,6 +76,7 @@ const USED_KEYS: &[&str] = &[
     "debug",
     "distributed_type",
     "fp16",
+    "fsdp_config",
     "gradient_accumulation_steps",
     "machine_rank",
     "main_process_ip",
@@ -87,7 +88,74 @@ const USED_KEYS: &[&str] = &[
 ];
 
 /// Distributed types this crate runs (Accelerate's names).
-const SUPPORTED_DISTRIBUTED: &[&str] = &["NO", "MULTI_CPU", "MULTI_GPU"];
+const SUPPORTED_DISTRIBUTED: &[&str] = &["NO", "MULTI_CPU", "MULTI_GPU", "FSDP"];
+
+/// `fsdp_config` keys that ask for nothing here when they keep these values (Accelerate's defaults, or what
+/// burn-accelerate does anyway: whole-model sync of the initial weights, original parameters kept).
+const FSDP_NEUTRAL: &[(&str, &str)] = &[
+    ("fsdp_offload_params", "no"),
+    ("fsdp_sync_module_states", "yes"),
+    ("fsdp_use_orig_params", "yes"),
+    ("fsdp_cpu_ram_efficient_loading", "yes"),
+    ("fsdp_cpu_ram_efficient_loading", "no"),
+    ("fsdp_forward_prefetch", "no"),
+    ("fsdp_activation_checkpointing", "no"),
+];
+
+/// Reads `fsdp_config`: the sharding strategy it asks for (`fsdp_sharding_strategy`, or FSDP2's
+/// `fsdp_reshard_after_forward`), the keys it sets that change nothing here (to warn about), and the values
+/// this crate cannot honour (CPU offload).
+fn read_fsdp_config(
+    value: &Value,
+    origin: &str,
+    config: &mut AcceleratorConfig,
+    ignored: &mut BTreeSet<String>,
+) -> Result<Option<ShardingStrategy>> {
+    let Value::Mapping(map) = value else {
+        return match value {
+            Value::Null => Ok(None),
+            _ => Err(Error::config(
+                "fsdp_config",
+                text_of(value),
+                origin,
+                "a mapping of fsdp_* keys",
+            )),
+        };
+    };
+    let mut strategy = None;
+    for (key, value) in map {
+        let (key, raw) = (text_of(key), text_of(value));
+        match key.as_str() {
+            "fsdp_sharding_strategy" => {
+                strategy = Some(raw.parse::<ShardingStrategy>().map_err(|e| match e {
+                    Error::InvalidConfig { expected, .. } => {
+                        Error::config("fsdp_config.fsdp_sharding_strategy", &raw, origin, expected)
+                    }
+                    other => other,
+                })?)
+            }
+            "fsdp_reshard_after_forward" if strategy.is_none() => {
+                let reshard = env::parse_bool(&key, &raw).map_err(|_| {
+                    Error::config("fsdp_config.fsdp_reshard_after_forward", &raw, origin, "true or false")
+                })?;
+                strategy = Some(ShardingStrategy::from_reshard_after_forward(reshard));
+            }
+            "fsdp_reshard_after_forward" => {}
+            "fsdp_offload_params" if raw != "no" => config.unsupported.push(UnsupportedValue {
+                key: "fsdp_config.fsdp_offload_params",
+                value: raw,
+                origin: origin.to_string(),
+                why: "false (parameters and optimizer state stay on the training device; sharding divides them \
+                      between the ranks instead)",
+            }),
+            k if FSDP_NEUTRAL.contains(&(k, raw.as_str())) || raw.is_empty() => {}
+            _ => {
+                ignored.insert(format!("fsdp_config.{key}"));
+            }
+        }
+    }
+    Ok(strategy)
+}
 
 /// A value read from a config file that this crate cannot honour: an error where it would take effect.
 #[derive(Debug, Clone, PartialEq)]
@@ -185,6 +253,8 @@ pub(crate) fn apply(
     let mut unknown = Vec::new();
     let mut legacy_fp16 = false;
     let mut has_mixed_precision = false;
+    let mut fsdp: Option<ShardingStrategy> = None;
+    let mut distributed: Option<String> = None;
     for (key, value) in entries {
         let raw = text_of(&value);
         let bad = |expected: &str| Error::config(&key, &raw, origin, expected);
@@ -234,11 +304,14 @@ pub(crate) fn apply(
                         key: "distributed_type",
                         value: raw.clone(),
                         origin: origin.to_string(),
-                        why: "NO, MULTI_CPU or MULTI_GPU (data parallelism; no FSDP, DeepSpeed, Megatron-LM or TPU)",
+                        why: "NO, MULTI_CPU, MULTI_GPU or FSDP (data parallelism, sharded or not; no DeepSpeed, \
+                              Megatron-LM or TPU: for ZeRO stages 2 and 3 use FSDP with SHARD_GRAD_OP or FULL_SHARD)",
                     });
                 }
+                distributed = Some(kind.clone());
                 config.launch.distributed_type = Some(kind);
             }
+            "fsdp_config" => fsdp = read_fsdp_config(&value, origin, config, &mut ignored)?,
             "compute_environment" => {
                 if !raw.eq_ignore_ascii_case("LOCAL_MACHINE") {
                     config.unsupported.push(UnsupportedValue {
@@ -291,6 +364,16 @@ pub(crate) fn apply(
             ),
         ));
     }
+    if distributed.as_deref() == Some("FSDP") {
+        // Accelerate's FSDP plugin defaults to FULL_SHARD.
+        config.sharding = fsdp.unwrap_or(ShardingStrategy::FullShard);
+        config.set_source("sharding", source.clone());
+    } else if fsdp.is_some_and(|s| s.is_sharded()) {
+        ignored.insert("fsdp_config (distributed_type is not FSDP)".into());
+    }
+    config.unsupported.retain(|u| {
+        u.key != "fsdp_config.fsdp_offload_params" || distributed.as_deref() == Some("FSDP")
+    });
     if legacy_fp16 && !has_mixed_precision {
         // Accelerate's loader turns the old `fp16: true` into `mixed_precision: fp16`.
         config.mixed_precision = MixedPrecision::Fp16;

@@ -2,8 +2,10 @@
 
 pub mod env;
 mod file;
+mod sharding;
 
 pub use file::UnsupportedValue;
+pub use sharding::ShardingStrategy;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -47,6 +49,10 @@ pub struct AcceleratorConfig {
     pub loss_normalization: LossNormalization,
     /// Size of one gradient all-reduce bucket in MiB (default 25).
     pub bucket_size_mb: f64,
+    /// How much of the training state each rank holds (default [`ShardingStrategy::NoShard`]; the config file's
+    /// `distributed_type: FSDP` and `fsdp_config.fsdp_sharding_strategy`, `ACCELERATE_USE_FSDP` with
+    /// `FSDP_SHARDING_STRATEGY`).
+    pub sharding: ShardingStrategy,
     /// Seconds a collective waits for the other ranks before failing (default 300;
     /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
     pub collective_timeout_secs: f64,
@@ -134,6 +140,7 @@ impl Default for AcceleratorConfig {
             sync_each_batch: false,
             loss_normalization: LossNormalization::ActualMicroBatches,
             bucket_size_mb: 25.0,
+            sharding: ShardingStrategy::NoShard,
             collective_timeout_secs: 300.0,
             resume_from_latest: false,
             restart_count: 0,
@@ -205,6 +212,10 @@ impl AcceleratorConfig {
             config.restart_count = count;
             config.set_source("restart_count", env_source(var));
         }
+        if let Some(sharding) = sharding_from_env()? {
+            config.sharding = sharding;
+            config.set_source("sharding", env_source(FSDP_VARS[0]));
+        }
         if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
             config.gradient_accumulation_steps = steps;
             config.set_source(
@@ -234,7 +245,7 @@ impl AcceleratorConfig {
 
     /// The settings a run uses, each with its value and where it came from (what `burn-accelerate env` prints).
     pub fn settings(&self) -> Vec<(&'static str, String, Source)> {
-        let entries: [(&'static str, String); 7] = [
+        let entries: [(&'static str, String); 8] = [
             ("mixed_precision", self.mixed_precision.to_string()),
             ("cpu", self.cpu.to_string()),
             ("debug", self.debug.to_string()),
@@ -248,6 +259,7 @@ impl AcceleratorConfig {
             ),
             ("split_batches", self.split_batches.to_string()),
             ("even_batches", self.even_batches.to_string()),
+            ("sharding", self.sharding.to_string()),
         ];
         entries
             .into_iter()
@@ -279,6 +291,19 @@ impl AcceleratorConfig {
             ));
         }
         self.loss_scaler.validate()?;
+        if self.sharding.is_sharded() && self.sync_each_batch {
+            return Err(Error::config(
+                "sync_each_batch",
+                "true",
+                "configuration",
+                format!(
+                    "false with sharding {}: a sharded rank keeps only its own reduced gradients, so \
+                     accumulating after a reduction would count the other ranks' shares again; leave \
+                     sync_each_batch off (gradients are reduced once per accumulation window) or use NO_SHARD",
+                    self.sharding
+                ),
+            ));
+        }
         if !(self.bucket_size_mb.is_finite() && self.bucket_size_mb > 0.0) {
             return Err(Error::config(
                 "bucket_size_mb",
@@ -305,6 +330,31 @@ impl AcceleratorConfig {
             .unwrap_or(MAX_COLLECTIVE_TIMEOUT)
             .min(MAX_COLLECTIVE_TIMEOUT)
     }
+}
+
+/// The variables that ask for sharding, as Accelerate's launcher sets them: `ACCELERATE_USE_FSDP=true` and
+/// `FSDP_SHARDING_STRATEGY` (a name or Accelerate's number; `FULL_SHARD` when only the first is set).
+pub const FSDP_VARS: [&str; 2] = ["ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY"];
+
+/// The sharding the environment asks for, if any.
+fn sharding_from_env() -> Result<Option<ShardingStrategy>> {
+    let strategy = env::var(FSDP_VARS[1])
+        .map(|value| {
+            value.parse::<ShardingStrategy>().map_err(|_| {
+                Error::config(
+                    FSDP_VARS[1],
+                    &value,
+                    "environment",
+                    "FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3)",
+                )
+            })
+        })
+        .transpose()?;
+    Ok(match env::flag(FSDP_VARS[0])? {
+        Some(true) => Some(strategy.unwrap_or(ShardingStrategy::FullShard)),
+        Some(false) => Some(ShardingStrategy::NoShard),
+        None => strategy,
+    })
 }
 
 /// The longest collective timeout: 30 days. Longer requests are cut to it, so that deadlines never overflow.
@@ -418,14 +468,60 @@ use_cpu: true
             .validate()
             .expect("overridden: fp8 no longer takes effect");
 
-        let fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\nmixed_precision: 'no'\n";
+        // `accelerate config`'s FSDP answers (FSDP1 and FSDP2 spellings).
+        let fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+                    fsdp_backward_prefetch: BACKWARD_PRE\n  fsdp_cpu_ram_efficient_loading: true\n  \
+                    fsdp_forward_prefetch: false\n  fsdp_offload_params: false\n  fsdp_sharding_strategy: 2\n  \
+                    fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_sync_module_states: true\n  \
+                    fsdp_use_orig_params: true\nmixed_precision: 'no'\n";
         let mut config = AcceleratorConfig::default();
         config.apply_yaml(fsdp, "fsdp.yaml").unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.sharding, ShardingStrategy::ShardGradOp);
+        assert_eq!(config.source("sharding"), Source::File("fsdp.yaml".into()));
+        let fsdp2 = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(fsdp2, "fsdp2.yaml").unwrap();
+        assert_eq!(config.sharding, ShardingStrategy::FullShard);
+        let bare = "distributed_type: FSDP\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(bare, "bare.yaml").unwrap();
+        assert_eq!(
+            config.sharding,
+            ShardingStrategy::FullShard,
+            "Accelerate's default"
+        );
+        // Settings that would silently do nothing are refused: CPU offload, a hybrid strategy, FSDP settings
+        // under another distributed type are only warned about.
+        let offload = "distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: true\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(offload, "offload.yaml").unwrap();
         let err = config.validate().unwrap_err().to_string();
         assert!(
-            err.contains("FSDP") && err.contains("NO, MULTI_CPU or MULTI_GPU"),
+            err.contains("fsdp_offload_params") && err.contains("offload.yaml"),
             "{err}"
         );
+        let hybrid =
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n";
+        let err = AcceleratorConfig::default()
+            .apply_yaml(hybrid, "hybrid.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("fsdp_config.fsdp_sharding_strategy")
+                && err.contains("replicate across machines"),
+            "{err}"
+        );
+        let other =
+            "distributed_type: MULTI_CPU\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(other, "other.yaml").unwrap();
+        assert_eq!(config.sharding, ShardingStrategy::NoShard);
+        let deepspeed = "distributed_type: DEEPSPEED\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(deepspeed, "ds.yaml").unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("SHARD_GRAD_OP or FULL_SHARD"), "{err}");
 
         let tpu = "distributed_type: 'NO'\ntpu_name: test-tpu\ntpu_zone: us-central1-a\ncommand_file: run.sh\n\
                    commands: [echo hi]\ncommand: null\ntpu_vm: []\ndowncast_bf16: 'no'\ndynamo_backend: 'NO'\n";

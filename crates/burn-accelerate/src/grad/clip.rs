@@ -7,6 +7,8 @@ use burn::module::ParamId;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::GradientBuffer;
+use crate::distributed::comm::ReduceOp;
+use crate::distributed::strategy::Strategy;
 use crate::error::{Error, Result};
 
 /// Which norm [`Accelerator::clip_grad_norm_with`](crate::Accelerator::clip_grad_norm_with) measures.
@@ -44,6 +46,7 @@ pub(crate) fn clip_grad_norm(
     ids: &[ParamId],
     max_norm: f64,
     norm_type: NormType,
+    strategy: &dyn Strategy,
 ) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm >= 0.0) {
         return Err(Error::InvalidArgument(format!(
@@ -52,12 +55,24 @@ pub(crate) fn clip_grad_norm(
     }
     let norm_type = norm_type.validate()?;
     let grads = buffer.flat(ids);
-    if grads.is_empty() {
+    // A sharded rank holds only its own gradients: it may hold none, and its part of the norm is combined
+    // with the others'.
+    let sharded = strategy.sharded().is_some();
+    if grads.is_empty() && !sharded {
         return Err(Error::NoGradients {
             operation: "clip_grad_norm",
         });
     }
-    let device = grads[0].device();
+    let device = grads.first().map(|g| g.device());
+    let read = |t: Tensor<1>| -> Result<f64> {
+        t.try_into_scalar::<f32>()
+            .map(f64::from)
+            .map_err(|e| Error::Execution {
+                operation: "clip_grad_norm",
+                device: format!("{device:?}"),
+                reason: e.to_string(),
+            })
+    };
     let parts: Vec<Tensor<1>> = grads
         .into_iter()
         .map(|g| {
@@ -69,19 +84,31 @@ pub(crate) fn clip_grad_norm(
             }
         })
         .collect();
-    let stacked = Tensor::cat(parts, 0);
-    let total = match norm_type {
-        NormType::L2 => stacked.sum().sqrt(),
-        NormType::Inf => stacked.max(),
-        NormType::P(p) => stacked.sum().powf_scalar(1.0 / p),
+    let total = if sharded {
+        let partial = if parts.is_empty() {
+            0.0
+        } else {
+            let stacked = Tensor::cat(parts, 0);
+            read(match norm_type {
+                NormType::Inf => stacked.max(),
+                _ => stacked.sum(),
+            })?
+        };
+        match norm_type {
+            NormType::L2 => strategy.combine_norm_parts(partial, ReduceOp::Sum)?.sqrt(),
+            NormType::Inf => strategy.combine_norm_parts(partial, ReduceOp::Max)?,
+            NormType::P(p) => strategy
+                .combine_norm_parts(partial, ReduceOp::Sum)?
+                .powf(1.0 / p),
+        }
+    } else {
+        let stacked = Tensor::cat(parts, 0);
+        read(match norm_type {
+            NormType::L2 => stacked.sum().sqrt(),
+            NormType::Inf => stacked.max(),
+            NormType::P(p) => stacked.sum().powf_scalar(1.0 / p),
+        })?
     };
-    let total = total
-        .try_into_scalar::<f32>()
-        .map_err(|e| Error::Execution {
-            operation: "clip_grad_norm",
-            device: format!("{device:?}"),
-            reason: e.to_string(),
-        })? as f64;
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 || coef.is_nan() {
         let coef = coef as f32;
@@ -156,6 +183,7 @@ pub(crate) fn clip_grad_value(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::distributed::strategy::SingleDevice;
     use burn::tensor::Device;
 
     fn buffer_with(values: &[&[f32]]) -> (GradientBuffer, Vec<ParamId>) {
@@ -192,7 +220,7 @@ mod tests {
             .sum::<f64>()
             .sqrt();
         assert_eq!(manual, 13.0);
-        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2, &SingleDevice).unwrap();
         assert!((total - manual).abs() < 1e-5, "{total}");
         let coef = (1.3 / (13.0 + 1e-6)) as f32;
         let after = values(&mut buffer, &ids);
@@ -209,7 +237,7 @@ mod tests {
     fn no_scaling_below_max_norm() {
         let grads: &[&[f32]] = &[&[0.3], &[0.4]];
         let (mut buffer, ids) = buffer_with(grads);
-        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2, &SingleDevice).unwrap();
         assert!((total - 0.5).abs() < 1e-6);
         assert_eq!(values(&mut buffer, &ids), vec![vec![0.3], vec![0.4]]);
     }
@@ -218,12 +246,13 @@ mod tests {
     fn inf_and_p_norms() {
         let grads: &[&[f32]] = &[&[1.0, -5.0], &[2.0]];
         let (mut buffer, ids) = buffer_with(grads);
-        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf, &SingleDevice).unwrap();
         assert_eq!(total, 5.0);
-        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0)).unwrap();
+        let total =
+            clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0), &SingleDevice).unwrap();
         assert!((total - 8.0).abs() < 1e-5);
-        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0)).is_err());
-        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0), &SingleDevice).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2, &SingleDevice).is_err());
     }
 
     #[test]
@@ -241,7 +270,14 @@ mod tests {
     #[test]
     fn empty_buffer_is_an_error() {
         let mut buffer = GradientBuffer::new();
-        let err = clip_grad_norm(&mut buffer, &[ParamId::new()], 1.0, NormType::L2).unwrap_err();
+        let err = clip_grad_norm(
+            &mut buffer,
+            &[ParamId::new()],
+            1.0,
+            NormType::L2,
+            &SingleDevice,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("backward"), "{err}");
     }
 }

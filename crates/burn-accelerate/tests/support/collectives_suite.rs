@@ -388,6 +388,58 @@ pub fn reduce_scatter(acc: &Accelerator) -> Result<()> {
     Ok(())
 }
 
+/// all_gather_parts: every rank's part, in rank order, for equal parts, uneven parts with an empty one, and
+/// parts past 256 KiB in all (MPI's blocking path); f32, f64 and i64; a rank whose part does not match the
+/// counts is named on every rank.
+pub fn all_gather_parts(acc: &Accelerator) -> Result<()> {
+    use burn_accelerate::distributed::comm::ReduceBuffer;
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let comm = acc.process_group().comm();
+    let value =
+        |rank: usize, i: usize| ((i * 7 + rank * 13) % 29) as f32 - 14.0 + rank as f32 * 0.25;
+    for counts in [
+        vec![3; p],
+        (0..p).map(|q| 2 * q).collect::<Vec<_>>(),
+        (0..p).map(|q| (1 << 16) + 5 * q).collect(),
+    ] {
+        let mine: Vec<f32> = (0..counts[r]).map(|i| value(r, i)).collect();
+        let expected: Vec<f32> = (0..p)
+            .flat_map(|q| (0..counts[q]).map(move |i| value(q, i)))
+            .collect();
+        let got = comm.all_gather_parts(ReduceBuffer::F32(mine.clone()), &counts)?;
+        check(got == ReduceBuffer::F32(expected.clone()), || {
+            format!("f32 all_gather_parts of {counts:?}: rank {r} got other values")
+        })?;
+        let wide = mine.iter().map(|x| f64::from(*x)).collect();
+        let got = comm.all_gather_parts(ReduceBuffer::F64(wide), &counts)?;
+        let expected_wide = expected.iter().map(|x| f64::from(*x)).collect();
+        check(got == ReduceBuffer::F64(expected_wide), || {
+            format!("f64 all_gather_parts of {counts:?}: rank {r}")
+        })?;
+        let ints = mine.iter().map(|x| (*x * 4.0) as i64).collect();
+        let got = comm.all_gather_parts(ReduceBuffer::I64(ints), &counts)?;
+        let expected_ints = expected.iter().map(|x| (*x * 4.0) as i64).collect();
+        check(got == ReduceBuffer::I64(expected_ints), || {
+            format!("i64 all_gather_parts of {counts:?}: rank {r}")
+        })?;
+    }
+    if p > 1 {
+        // The last rank passes one element too many: every rank's error names it.
+        let counts = vec![2; p];
+        let len = if r == p - 1 { 3 } else { 2 };
+        let err = comm
+            .all_gather_parts(ReduceBuffer::F32(vec![1.0; len]), &counts)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        check(
+            err.contains(&format!("rank {} passed 3 elements", p - 1)),
+            || format!("rank {r}: a part of the wrong length: {err}"),
+        )?;
+    }
+    Ok(())
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -402,5 +454,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     split(acc)?;
     large_buffers(acc)?;
     reduce_scatter(acc)?;
+    all_gather_parts(acc)?;
     acc.wait_for_everyone()
 }

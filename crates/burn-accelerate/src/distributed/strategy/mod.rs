@@ -11,16 +11,16 @@
 //! |---|---|---|---|
 //! | [`SingleDevice`] | scaled in place | this rank, everything | one file |
 //! | [`DataParallel`] over a [`GradientTransport`] | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
-//! | sharded (ZeRO-2, see the tests below for its shape) | reduce, keep the owned slice | each rank, its own parameters; then shared | one slice per rank |
+//! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's | each rank, its own parameters; then all-gathered (or dropped: `FULL_SHARD`) | one slice per rank |
 //!
 //! [`HostAllReduce`] is today's transport (host copies through the communicator); a device all-reduce (Burn's
-//! CUDA collective, NCCL) is another [`GradientTransport`], and the tests below run both shapes — another
-//! transport and a sharded strategy — end to end through test doubles.
+//! CUDA collective, NCCL) is another [`GradientTransport`], and the tests below run another transport end to
+//! end through a test double.
 
 mod data_parallel;
+mod sharded;
 mod transport;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -28,25 +28,16 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
+pub(crate) use sharded::{Sharded, after_prepare, unshard};
 #[cfg(test)]
 use transport::GradientTransport;
 pub(crate) use transport::HostAllReduce;
 
+use crate::config::ShardingStrategy;
 use crate::distributed::ProcessGroup;
+use crate::distributed::comm::ReduceOp;
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
-
-/// Which rank steps which parameter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Ownership {
-    /// Every rank steps every parameter (data parallelism, one device).
-    Replicated,
-    /// The owner rank of each parameter, in the order the parameters were given: only the owner keeps its
-    /// reduced gradient and optimizer state, and sends the stepped value to the others. (Made by the sharded
-    /// strategies; today only by the test double of one.)
-    #[cfg_attr(not(test), allow(dead_code))]
-    Owners(Vec<usize>),
-}
 
 /// Where a checkpoint's optimizer state comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,22 +72,41 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     /// Rank `root`'s value of one flattened parameter on every rank.
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>>;
 
-    /// Which rank steps each of `params` (the same on every rank, without communication).
-    fn ownership(&self, params: &[(ParamId, usize)]) -> Ownership {
-        let _ = params;
-        Ownership::Replicated
-    }
-
     /// Whether a checkpoint holds one optimizer state or one slice per rank.
     fn optimizer_state(&self) -> StateScope {
         StateScope::Replicated
     }
+
+    /// The sharded strategy, when this is one.
+    fn sharded(&self) -> Option<&Sharded> {
+        None
+    }
+
+    /// Whether `local` holds on any rank: the verdict every rank must share when each rank checks only its own
+    /// part of the gradients (an fp16 overflow). Ranks that hold the same gradients answer `local`.
+    fn any_rank(&self, local: bool) -> Result<bool> {
+        Ok(local)
+    }
+
+    /// Combines the part of a gradient norm computed on this rank's gradients (a sum of powers with
+    /// [`ReduceOp::Sum`], a maximum with [`ReduceOp::Max`]) with the other ranks' parts, when each rank holds only
+    /// its own gradients; ranks that hold the same gradients return `partial`.
+    fn combine_norm_parts(&self, partial: f64, op: ReduceOp) -> Result<f64> {
+        let _ = op;
+        Ok(partial)
+    }
 }
 
-/// The strategy of `group`'s rank: [`SingleDevice`] for one rank, else [`DataParallel`] over
-/// [`HostAllReduce`] with buckets of at most `bucket_bytes`.
-pub(crate) fn for_group(group: &Arc<ProcessGroup>, bucket_bytes: usize) -> Arc<dyn Strategy> {
-    if group.num_processes() > 1 {
+/// The strategy of `group`'s rank: [`SingleDevice`] for one rank; for several, [`Sharded`] when `sharding`
+/// asks for it, else [`DataParallel`] over [`HostAllReduce`]; with buckets of at most `bucket_bytes`.
+pub(crate) fn for_group(
+    group: &Arc<ProcessGroup>,
+    bucket_bytes: usize,
+    sharding: ShardingStrategy,
+) -> Arc<dyn Strategy> {
+    if group.num_processes() > 1 && sharding.is_sharded() {
+        Arc::new(Sharded::new(group.clone(), sharding, bucket_bytes))
+    } else if group.num_processes() > 1 {
         Arc::new(DataParallel::new(
             Box::new(HostAllReduce::new(group.clone())),
             bucket_bytes,
@@ -109,7 +119,6 @@ pub(crate) fn for_group(group: &Arc<ProcessGroup>, bucket_bytes: usize) -> Arc<d
 /// Owners for `params` balanced by size over `world` ranks: the largest parameter first, each to the rank
 /// holding the fewest elements so far (the lower rank on a tie). Deterministic from the sizes and order alone,
 /// so every rank computes the same owners without communicating.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn balanced_owners(params: &[(ParamId, usize)], world: usize) -> Vec<usize> {
     let world = world.max(1);
     let mut order: Vec<usize> = (0..params.len()).collect();
@@ -251,19 +260,14 @@ fn map_params<M: Module>(
     }
 }
 
-/// After an optimizer stepped `module`: under a strategy whose ranks step only the parameters they own, every
-/// parameter's owner sends its value to the other ranks; under a replicated strategy the module comes back as
-/// it is.
+/// After an optimizer stepped `module`: under a sharded strategy, whose ranks step only the parameters they own,
+/// the stepped parameters are shared (see [`sharded`]); under a replicated strategy the module comes back as it
+/// is.
 pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
-    if strategy.optimizer_state() == StateScope::Replicated {
-        return Ok(module);
+    match strategy.sharded() {
+        Some(sharded) => sharded::share_stepped(sharded, module),
+        None => Ok(module),
     }
-    let params = trainable_params(&module);
-    let Ownership::Owners(owners) = strategy.ownership(&params) else {
-        return Ok(module);
-    };
-    let owner: HashMap<ParamId, usize> = params.iter().map(|(id, _)| *id).zip(owners).collect();
-    map_params(strategy, module, |id| owner.get(&id).copied())
 }
 
 #[cfg(test)]
@@ -312,51 +316,6 @@ mod tests {
         }
     }
 
-    /// A sharded strategy in ZeRO-2's shape: gradients reduced as data parallelism does, then each rank keeps
-    /// only the parameters it owns (balanced by size), steps them, and sends them to the others; each rank's
-    /// checkpoint holds its own optimizer slice.
-    #[derive(Debug)]
-    struct ShardedDouble {
-        inner: DataParallel,
-        group: Arc<ProcessGroup>,
-    }
-
-    impl Strategy for ShardedDouble {
-        fn name(&self) -> String {
-            "sharded double".into()
-        }
-        fn is_distributed(&self) -> bool {
-            true
-        }
-        fn rank(&self) -> usize {
-            self.group.process_index()
-        }
-        fn reduce_gradients(
-            &self,
-            grads: &mut GradientBuffer,
-            params: &[(ParamId, usize)],
-            scale: f32,
-        ) -> Result<()> {
-            self.inner.reduce_gradients(grads, params, scale)?;
-            let owners = balanced_owners(params, self.group.num_processes());
-            for ((id, _), owner) in params.iter().zip(owners) {
-                if owner != self.group.process_index() {
-                    grads.remove(*id);
-                }
-            }
-            Ok(())
-        }
-        fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
-            self.inner.broadcast(flat, root)
-        }
-        fn ownership(&self, params: &[(ParamId, usize)]) -> Ownership {
-            Ownership::Owners(balanced_owners(params, self.group.num_processes()))
-        }
-        fn optimizer_state(&self) -> StateScope {
-            StateScope::PerRank
-        }
-    }
-
     /// A linear layer with fixed, uneven weights: the device's random generator is shared by the tests that
     /// run beside this one, and Burn draws parameters lazily, so drawn weights would differ between runs.
     fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
@@ -401,11 +360,20 @@ mod tests {
                         .map(|i| i as f32 * (0.05 * (rank + 1.0) + step as f32 * 0.01))
                         .collect();
                     let x = Tensor::<1>::from_floats(values.as_slice(), &device).reshape([6, 4]);
-                    let loss = net.b.forward(net.a.forward(x).tanh()).powi_scalar(2).mean();
-                    acc.backward(loss, &net)?;
+                    let whole = acc.unshard(&net)?;
+                    let loss = whole
+                        .b
+                        .forward(whole.a.forward(x).tanh())
+                        .powi_scalar(2)
+                        .mean();
+                    acc.backward(loss, &whole)?;
                     net = optimizer.try_step(net)?;
                 }
-                Ok((weights(&net), optimizer.inner().to_record().len()))
+                // FULL_SHARD holds only this rank's parameters between steps: compare the whole model.
+                Ok((
+                    weights(&acc.unshard(&net)?),
+                    optimizer.inner().to_record().len(),
+                ))
             })
             .unwrap()
     }
@@ -441,32 +409,32 @@ mod tests {
     }
 
     #[test]
-    fn a_sharded_strategy_steps_each_parameter_on_its_owner_and_matches_data_parallelism() {
-        let sharded = AcceleratorBuilder::default().strategy(Arc::new(|group| {
-            Arc::new(ShardedDouble {
-                inner: DataParallel::new(Box::new(HostAllReduce::new(group.clone())), 25 << 20),
-                group: group.clone(),
-            })
-        }));
+    fn sharded_strategies_step_each_parameter_on_its_owner_and_match_data_parallelism() {
         let replicated = train(AcceleratorBuilder::default(), 20);
-        let shards = train(sharded, 20);
-        for rank in 0..2 {
-            assert_eq!(
-                shards[rank].0, replicated[rank].0,
-                "rank {rank}: the same reduction, so the same weights bit for bit"
-            );
-        }
         // Four parameters (32, 16, 8 and 2 elements): rank 0 owns the largest, rank 1 the other three.
         let per_param = replicated[0].1 / 4;
         assert_eq!(
             replicated[0].1, replicated[1].1,
             "data parallelism: every rank holds all state"
         );
-        assert_eq!(
-            (shards[0].1, shards[1].1),
-            (per_param, 3 * per_param),
-            "each rank holds its slice"
-        );
+        for mode in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+            // Small buckets: several reduce-scatter and all-gather rounds per step.
+            let sharded = AcceleratorBuilder::default()
+                .sharding(mode)
+                .bucket_size_mb(40.0 / (1 << 20) as f64);
+            let shards = train(sharded, 20);
+            for rank in 0..2 {
+                assert_eq!(
+                    shards[rank].0, replicated[rank].0,
+                    "{mode} rank {rank}: the same reduction, so the same weights bit for bit"
+                );
+            }
+            assert_eq!(
+                (shards[0].1, shards[1].1),
+                (per_param, 3 * per_param),
+                "{mode}: each rank holds its slice"
+            );
+        }
     }
 
     #[test]
@@ -476,12 +444,7 @@ mod tests {
             std::process::id()
         ));
         let _ = std::fs::remove_dir_all(&dir);
-        let sharded = AcceleratorBuilder::default().strategy(Arc::new(|group| {
-            Arc::new(ShardedDouble {
-                inner: DataParallel::new(Box::new(HostAllReduce::new(group.clone())), 25 << 20),
-                group: group.clone(),
-            })
-        }));
+        let sharded = AcceleratorBuilder::default().sharding(ShardingStrategy::ShardGradOp);
         let target = dir.clone();
         let restored = sharded
             .launch(2, move |acc: Accelerator| {

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
@@ -29,6 +29,36 @@ pub(crate) trait GradientTransport: Send + Sync + fmt::Debug {
 
     /// Rank `root`'s `flat` on every rank.
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>>;
+}
+
+/// `flat`'s values in host memory, as f32 (half-precision values are widened exactly).
+pub(crate) fn to_host(flat: Tensor<1>, operation: &'static str) -> Result<Vec<f32>> {
+    let device = flat.device();
+    let data = flat.try_into_data().map_err(|e| Error::Execution {
+        operation,
+        device: format!("{device:?}"),
+        reason: e.to_string(),
+    })?;
+    match data.dtype() {
+        DType::F32 => data.try_into_vec::<f32>(),
+        _ => data
+            .try_cast_as::<f32>()
+            .and_then(|d| d.try_into_vec::<f32>()),
+    }
+    .map_err(|e| Error::InvalidArgument(format!("{operation}: {e}")))
+}
+
+/// A flat tensor of `values` in `dtype` on `device`.
+pub(crate) fn from_host(
+    values: Vec<f32>,
+    (device, dtype): (&Device, DType),
+    operation: &'static str,
+) -> Result<Tensor<1>> {
+    let len = values.len();
+    let data = TensorData::new(values, [len])
+        .try_cast(dtype)
+        .map_err(|e| Error::InvalidArgument(format!("{operation}: {e}")))?;
+    Ok(Tensor::<1>::from_data(data, (device, dtype)))
 }
 
 /// Host copies of the gradients, all-reduced through the rank's communicator.
@@ -55,18 +85,7 @@ impl GradientTransport for HostAllReduce {
 
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
         let (device, dtype) = (flat.device(), flat.dtype());
-        let data = flat.try_into_data().map_err(|e| Error::Execution {
-            operation: "gradient all-reduce",
-            device: format!("{device:?}"),
-            reason: e.to_string(),
-        })?;
-        let host = match data.dtype() {
-            DType::F32 => data.try_into_vec::<f32>(),
-            _ => data
-                .try_cast_as::<f32>()
-                .and_then(|d| d.try_into_vec::<f32>()),
-        }
-        .map_err(|e| Error::InvalidArgument(format!("gradient all-reduce: {e}")))?;
+        let host = to_host(flat, "gradient all-reduce")?;
         let len = host.len();
         // Unscaled: the engine's mean. Scaled: the engine's sum, then one pass multiplying by scale / ranks
         // (instead of a division pass and a multiplication pass).
@@ -92,10 +111,7 @@ impl GradientTransport for HostAllReduce {
             let factor = scale / self.group.num_processes() as f32;
             reduced.iter_mut().for_each(|x| *x *= factor);
         }
-        let data = TensorData::new(reduced, [len])
-            .try_cast(dtype)
-            .map_err(|e| Error::InvalidArgument(format!("gradient all-reduce: {e}")))?;
-        Ok(Tensor::<1>::from_data(data, (&device, dtype)))
+        from_host(reduced, (&device, dtype), "gradient all-reduce")
     }
 
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {

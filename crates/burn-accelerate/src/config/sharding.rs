@@ -1,0 +1,146 @@
+//! How much of the training state each rank holds: Accelerate's FSDP `sharding_strategy`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// How the training state is split across ranks, named as Accelerate's FSDP `fsdp_sharding_strategy` (and
+/// DeepSpeed's ZeRO stages).
+///
+/// Parameters are assigned *whole* to ranks, balanced by size (largest first, each to the rank holding the
+/// fewest elements so far; the same on every rank without communication). Each rank keeps the optimizer state
+/// and the reduced gradients of its own parameters only:
+///
+/// | strategy | gradients after the sync step | optimizer state | parameters between steps | ZeRO |
+/// |---|---|---|---|---|
+/// | `NoShard` | all, on every rank (all-reduce) | all | all | DDP |
+/// | `ShardGradOp` | this rank's (reduce-scatter) | this rank's | all (all-gathered after the step) | 2 |
+/// | `FullShard` | this rank's (reduce-scatter) | this rank's | this rank's; gathered by [`Accelerator::unshard`](crate::Accelerator::unshard) for forward and backward | 3 |
+///
+/// Set it with [`AcceleratorBuilder::sharding`](crate::AcceleratorBuilder::sharding), the config file
+/// (`distributed_type: FSDP` with `fsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}`),
+/// `ACCELERATE_USE_FSDP=true` with `FSDP_SHARDING_STRATEGY`, or `burn-accelerate launch --use_fsdp
+/// --fsdp_sharding_strategy SHARD_GRAD_OP`. Names and Accelerate's numbers are both accepted:
+///
+/// ```
+/// use burn_accelerate::ShardingStrategy;
+/// assert_eq!("SHARD_GRAD_OP".parse::<ShardingStrategy>()?, ShardingStrategy::ShardGradOp);
+/// assert_eq!("1".parse::<ShardingStrategy>()?, ShardingStrategy::FullShard);
+/// assert!("HYBRID_SHARD".parse::<ShardingStrategy>().is_err());
+/// # Ok::<(), burn_accelerate::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ShardingStrategy {
+    /// Every rank holds everything (data parallelism). The default.
+    #[default]
+    NoShard,
+    /// Gradients and optimizer state sharded (ZeRO-2).
+    ShardGradOp,
+    /// Gradients, optimizer state and parameters sharded (ZeRO-3).
+    FullShard,
+}
+
+impl ShardingStrategy {
+    /// Accelerate's name (`NO_SHARD`, `SHARD_GRAD_OP`, `FULL_SHARD`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardingStrategy::NoShard => "NO_SHARD",
+            ShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
+            ShardingStrategy::FullShard => "FULL_SHARD",
+        }
+    }
+
+    /// Whether ranks hold only part of the state.
+    pub fn is_sharded(self) -> bool {
+        self != ShardingStrategy::NoShard
+    }
+
+    /// The strategy of FSDP2's `reshard_after_forward` (`fsdp_reshard_after_forward` in a config file):
+    /// parameters resharded between uses are `FULL_SHARD`, kept whole are `SHARD_GRAD_OP`.
+    pub fn from_reshard_after_forward(reshard: bool) -> Self {
+        if reshard {
+            ShardingStrategy::FullShard
+        } else {
+            ShardingStrategy::ShardGradOp
+        }
+    }
+}
+
+impl fmt::Display for ShardingStrategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ShardingStrategy {
+    type Err = Error;
+
+    /// Accelerate's names, in any case, and its numbers: 1 `FULL_SHARD`, 2 `SHARD_GRAD_OP`, 3 `NO_SHARD`;
+    /// the hybrid strategies (4, 5) shard within a machine and replicate across machines, which needs a second
+    /// process group, and are refused.
+    fn from_str(s: &str) -> Result<Self> {
+        let text = s.trim();
+        match text.to_ascii_uppercase().as_str() {
+            "NO_SHARD" | "3" => Ok(ShardingStrategy::NoShard),
+            "SHARD_GRAD_OP" | "2" => Ok(ShardingStrategy::ShardGradOp),
+            "FULL_SHARD" | "1" => Ok(ShardingStrategy::FullShard),
+            "HYBRID_SHARD" | "_HYBRID_SHARD_ZERO2" | "HYBRID_SHARD_ZERO2" | "4" | "5" => {
+                Err(Error::config(
+                    "fsdp_sharding_strategy",
+                    text,
+                    "configuration",
+                    "FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3): the hybrid strategies shard within a \
+                     machine and replicate across machines, which burn-accelerate does not do; FULL_SHARD \
+                     shards across every rank",
+                ))
+            }
+            _ => Err(Error::config(
+                "fsdp_sharding_strategy",
+                text,
+                "configuration",
+                "FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3)",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_numbers_are_accelerates() {
+        for (text, expected) in [
+            ("FULL_SHARD", ShardingStrategy::FullShard),
+            ("full_shard", ShardingStrategy::FullShard),
+            ("1", ShardingStrategy::FullShard),
+            ("SHARD_GRAD_OP", ShardingStrategy::ShardGradOp),
+            (" 2 ", ShardingStrategy::ShardGradOp),
+            ("NO_SHARD", ShardingStrategy::NoShard),
+            ("3", ShardingStrategy::NoShard),
+        ] {
+            assert_eq!(
+                text.parse::<ShardingStrategy>().unwrap(),
+                expected,
+                "{text}"
+            );
+            assert_eq!(
+                expected.name().parse::<ShardingStrategy>().unwrap(),
+                expected
+            );
+        }
+        for hybrid in ["HYBRID_SHARD", "4", "5", "_HYBRID_SHARD_ZERO2"] {
+            let err = hybrid.parse::<ShardingStrategy>().unwrap_err().to_string();
+            assert!(err.contains("replicate across machines"), "{err}");
+        }
+        let err = "ZERO9".parse::<ShardingStrategy>().unwrap_err().to_string();
+        assert!(
+            err.contains("ZERO9") && err.contains("SHARD_GRAD_OP (2)"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,496 @@
+//! Sharded data parallelism: `SHARD_GRAD_OP` (ZeRO-2) and `FULL_SHARD` (ZeRO-3), as PyTorch's
+//! `ZeroRedundancyOptimizer` partitions: every trainable parameter is owned *whole* by one rank, balanced by size
+//! ([`balanced_owners`]), the same on every rank without communication.
+//!
+//! One sync step:
+//!
+//! ```text
+//! reduce_gradients: reduce-scatter (in rounds of at most one bucket) ─> each rank keeps its own parameters'
+//!                   mean gradients and drops the others
+//! optimizer step:   Burn's optimizer steps only the parameters it has gradients for: this rank's, whose
+//!                   state is all it ever holds
+//! share_stepped:    SHARD_GRAD_OP: all-gather every rank's stepped parameters (in rounds)
+//!                   FULL_SHARD:    drop the other ranks' parameters again (empty placeholders)
+//! unshard:          FULL_SHARD: all-gather the other ranks' parameters for forward and backward
+//! ```
+//!
+//! Burn's optimizers step only the parameters present in the gradients they are given, so nothing of Burn
+//! changes. Bucketed rounds bound the host buffers: round `k` carries, from every rank, its `k`-th group of own
+//! parameters of at most one bucket divided by the number of ranks.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+
+use super::transport::{from_host, to_host};
+use super::{StateScope, Strategy, balanced_owners};
+use crate::config::ShardingStrategy;
+use crate::distributed::ProcessGroup;
+use crate::distributed::collectives;
+use crate::distributed::comm::{ReduceBuffer, ReduceOp};
+use crate::error::{Error, Result};
+use crate::grad::GradientBuffer;
+
+/// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): its owner and
+/// shape, which a `FULL_SHARD` placeholder no longer shows.
+#[derive(Debug, Clone)]
+struct Known {
+    owner: usize,
+    dims: Vec<usize>,
+}
+
+/// Sharded data parallelism over the host reduce-scatter and all-gather of the rank's communicator.
+#[derive(Debug)]
+pub(crate) struct Sharded {
+    group: Arc<ProcessGroup>,
+    mode: ShardingStrategy,
+    bucket_elems: usize,
+    known: Mutex<HashMap<ParamId, Known>>,
+}
+
+impl Sharded {
+    /// The strategy of `group`'s rank; `mode` is `ShardGradOp` or `FullShard`.
+    pub fn new(group: Arc<ProcessGroup>, mode: ShardingStrategy, bucket_bytes: usize) -> Self {
+        Self {
+            group,
+            mode,
+            bucket_elems: (bucket_bytes / 4).max(1),
+            known: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn world(&self) -> usize {
+        self.group.num_processes()
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, Known>> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The owner of each of `params`: the remembered owners when every one was seen at `prepare_model`, else
+    /// balanced over these parameters.
+    fn owners(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
+        let known = self.known();
+        match params
+            .iter()
+            .map(|(id, _)| known.get(id).map(|k| k.owner))
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(owners) => owners,
+            None => balanced_owners(params, self.world()),
+        }
+    }
+
+    /// `rounds[k][q]`: the indices into `params` of rank `q`'s own parameters that cross ranks in round `k`.
+    /// Each rank's own parameters, in order, are cut into groups of at most `bucket / world` elements (a larger
+    /// parameter is a group of its own); round `k` holds every rank's `k`-th group (or none).
+    fn rounds(&self, params: &[(ParamId, usize)], owners: &[usize]) -> Vec<Vec<Vec<usize>>> {
+        let world = self.world();
+        let cap = (self.bucket_elems / world).max(1);
+        let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); world];
+        for (q, rank_groups) in groups.iter_mut().enumerate() {
+            let (mut group, mut elems) = (Vec::new(), 0);
+            for (i, (_, n)) in params.iter().enumerate().filter(|(i, _)| owners[*i] == q) {
+                if !group.is_empty() && elems + n > cap {
+                    rank_groups.push(std::mem::take(&mut group));
+                    elems = 0;
+                }
+                group.push(i);
+                elems += n;
+            }
+            if !group.is_empty() {
+                rank_groups.push(group);
+            }
+        }
+        let count = groups.iter().map(Vec::len).max().unwrap_or(0);
+        (0..count)
+            .map(|k| {
+                groups
+                    .iter()
+                    .map(|g| g.get(k).cloned().unwrap_or_default())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Remembers the owner and shape of every trainable parameter of `module` (seen whole).
+    fn remember<M: Module>(&self, module: &M) {
+        let params = super::trainable_params(module);
+        let owners = balanced_owners(&params, self.world());
+        let dims = param_dims(module);
+        let mut known = self.known();
+        for ((id, _), owner) in params.iter().zip(owners) {
+            if let Some(dims) = dims.get(id) {
+                known.insert(
+                    *id,
+                    Known {
+                        owner,
+                        dims: dims.clone(),
+                    },
+                );
+            }
+        }
+    }
+}
+
+impl Strategy for Sharded {
+    fn name(&self) -> String {
+        format!(
+            "sharded data parallel ({}) over host reduce-scatter",
+            self.mode
+        )
+    }
+
+    fn is_distributed(&self) -> bool {
+        true
+    }
+
+    fn rank(&self) -> usize {
+        self.group.process_index()
+    }
+
+    fn reduce_gradients(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()> {
+        let Some((device, dtype)) = params.iter().find_map(|(id, _)| {
+            grads
+                .flat(&[*id])
+                .pop()
+                .map(|like| (like.device(), like.dtype()))
+        }) else {
+            return Ok(());
+        };
+        let (me, world) = (self.rank(), self.world());
+        let owners = self.owners(params);
+        // As the data-parallel all-reduce: the mean when unscaled, else the sum times scale / ranks (the same
+        // bits, element for element).
+        let op = if scale == 1.0 {
+            ReduceOp::Mean
+        } else {
+            ReduceOp::Sum
+        };
+        let factor = scale / world as f32;
+        for round in self.rounds(params, &owners) {
+            let counts: Vec<usize> = round
+                .iter()
+                .map(|group| group.iter().map(|i| params[*i].1).sum())
+                .collect();
+            let mut send = Vec::with_capacity(counts.iter().sum());
+            for &i in round.iter().flatten() {
+                let (id, n) = params[i];
+                match grads.flat(&[id]).pop() {
+                    Some(grad) => send.extend(to_host(grad, "gradient reduce-scatter")?),
+                    // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
+                    None => send.resize(send.len() + n, 0.0),
+                }
+                if owners[i] != me {
+                    grads.remove(id);
+                }
+            }
+            let reduced = self
+                .group
+                .comm()
+                .reduce_scatter(ReduceBuffer::F32(send), &counts, op)?;
+            let ReduceBuffer::F32(mut mine) = reduced else {
+                return Err(Error::InvalidArgument(format!(
+                    "gradient reduce-scatter: the engine returned {} values",
+                    reduced.kind()
+                )));
+            };
+            if scale != 1.0 {
+                mine.iter_mut().for_each(|x| *x *= factor);
+            }
+            let mut start = 0;
+            for &i in &round[me] {
+                let (id, n) = params[i];
+                let part = mine[start..start + n].to_vec();
+                start += n;
+                grads.set_flat(
+                    id,
+                    from_host(part, (&device, dtype), "gradient reduce-scatter")?,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+        collectives::broadcast(&self.group, flat, root)
+    }
+
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    fn sharded(&self) -> Option<&Sharded> {
+        Some(self)
+    }
+
+    fn any_rank(&self, local: bool) -> Result<bool> {
+        let all = self
+            .group
+            .comm()
+            .all_reduce(ReduceBuffer::I64(vec![i64::from(local)]), ReduceOp::Max)?;
+        Ok(all != ReduceBuffer::I64(vec![0]))
+    }
+
+    fn combine_norm_parts(&self, partial: f64, op: ReduceOp) -> Result<f64> {
+        match self
+            .group
+            .comm()
+            .all_reduce(ReduceBuffer::F64(vec![partial]), op)?
+        {
+            ReduceBuffer::F64(v) if v.len() == 1 => Ok(v[0]),
+            other => Err(Error::InvalidArgument(format!(
+                "gradient norm: the engine returned {} values",
+                other.kind()
+            ))),
+        }
+    }
+}
+
+/// The shape of every float parameter of `module`, by id, without drawing lazy ones.
+fn param_dims<M: Module>(module: &M) -> HashMap<ParamId, Vec<usize>> {
+    struct Dims(HashMap<ParamId, Vec<usize>>);
+    impl ModuleVisitor for Dims {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .insert(param.id, param.lazy_shape().dims::<D>().to_vec());
+        }
+    }
+    let mut dims = Dims(HashMap::new());
+    module.visit(&mut dims);
+    dims.0
+}
+
+/// The trainable parameters of `module` with their whole sizes, in visiting order: a placeholder (which
+/// tracks no gradient) counts as the parameter it stands for.
+fn whole_params<M: Module>(sharded: &Sharded, module: &M) -> Vec<(ParamId, usize)> {
+    struct Whole<'a> {
+        known: &'a HashMap<ParamId, Known>,
+        params: Vec<(ParamId, usize)>,
+    }
+    impl ModuleVisitor for Whole<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(known) = self.known.get(&param.id) {
+                self.params.push((param.id, known.dims.iter().product()));
+            } else if param.is_require_grad() {
+                self.params
+                    .push((param.id, param.lazy_shape().num_elements()));
+            }
+        }
+    }
+    let known = sharded.known();
+    let mut whole = Whole {
+        known: &known,
+        params: Vec::new(),
+    };
+    module.visit(&mut whole);
+    whole.params
+}
+
+/// Called once a model is prepared: a sharded strategy remembers its parameters' owners and shapes, and under
+/// `FULL_SHARD` this rank drops the other ranks' parameters.
+pub(crate) fn after_prepare<M: Module>(strategy: &dyn Strategy, module: M) -> M {
+    let Some(sharded) = strategy.sharded() else {
+        return module;
+    };
+    sharded.remember(&module);
+    if sharded.mode == ShardingStrategy::FullShard {
+        reshard(sharded, module)
+    } else {
+        module
+    }
+}
+
+/// `module` with every trainable parameter owned by another rank replaced by an empty placeholder of its kind
+/// (first dimension 0: no memory), keeping ids and gradient settings.
+fn reshard<M: Module>(sharded: &Sharded, module: M) -> M {
+    struct Drop<'a> {
+        me: usize,
+        owners: &'a HashMap<ParamId, usize>,
+    }
+    impl ModuleMapper for Drop<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            match self.owners.get(&param.id) {
+                Some(owner) if *owner != self.me => param.map(|tensor| {
+                    let mut dims = tensor.dims();
+                    if dims[0] == 0 {
+                        return tensor;
+                    }
+                    dims[0] = 0;
+                    Tensor::zeros(dims, (&tensor.device(), tensor.dtype()))
+                }),
+                _ => param,
+            }
+        }
+    }
+    let params = whole_params(sharded, &module);
+    let owners: HashMap<ParamId, usize> = params
+        .iter()
+        .map(|(id, _)| *id)
+        .zip(sharded.owners(&params))
+        .collect();
+    module.map(&mut Drop {
+        me: sharded.rank(),
+        owners: &owners,
+    })
+}
+
+/// `module` with every trainable parameter owned by another rank replaced by that rank's value (all-gathered
+/// in rounds), in its whole shape, keeping ids and gradient settings.
+fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
+    /// This rank's own parameters, flat.
+    struct Own<'a> {
+        mine: &'a HashMap<ParamId, usize>,
+        values: HashMap<ParamId, Tensor<1>>,
+    }
+    impl ModuleVisitor for Own<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.mine.contains_key(&param.id) {
+                let value = param.val();
+                let n = value.shape().num_elements();
+                self.values.insert(param.id, value.reshape([n]));
+            }
+        }
+    }
+    /// Sets the gathered values.
+    struct Set<'a> {
+        values: HashMap<ParamId, Vec<f32>>,
+        dims: &'a HashMap<ParamId, Vec<usize>>,
+        error: Option<Error>,
+    }
+    impl ModuleMapper for Set<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(values) = self.values.remove(&param.id) else {
+                return param;
+            };
+            if self.error.is_some() {
+                return param;
+            }
+            let dims = self.dims.get(&param.id).cloned();
+            param.map(|old| {
+                let (device, dtype) = (old.device(), old.dtype());
+                let dims: [usize; D] = match dims.and_then(|d| d.try_into().ok()) {
+                    Some(dims) => dims,
+                    None => old.dims(),
+                };
+                drop(old);
+                match from_host(values, (&device, dtype), "parameter all-gather") {
+                    Ok(flat) => {
+                        let value = flat.reshape(dims);
+                        // Every gathered parameter trains (a placeholder tracks no gradient of its own).
+                        if device.is_autodiff() {
+                            value.require_grad()
+                        } else {
+                            value
+                        }
+                    }
+                    Err(e) => {
+                        self.error = Some(e);
+                        Tensor::zeros(dims, (&device, dtype))
+                    }
+                }
+            })
+        }
+    }
+    let (me, world) = (sharded.rank(), sharded.world());
+    if world < 2 {
+        return Ok(module);
+    }
+    let params = whole_params(sharded, &module);
+    let owners = sharded.owners(&params);
+    let dims: HashMap<ParamId, Vec<usize>> = {
+        let known = sharded.known();
+        let mut dims = param_dims(&module);
+        for (id, d) in dims.iter_mut() {
+            if let Some(k) = known.get(id) {
+                *d = k.dims.clone();
+            }
+        }
+        dims
+    };
+    let mine: HashMap<ParamId, usize> = params
+        .iter()
+        .zip(&owners)
+        .filter(|(_, o)| **o == me)
+        .map(|((id, n), _)| (*id, *n))
+        .collect();
+    let mut own = Own {
+        mine: &mine,
+        values: HashMap::new(),
+    };
+    module.visit(&mut own);
+    for round in sharded.rounds(&params, &owners) {
+        let counts: Vec<usize> = round
+            .iter()
+            .map(|group| group.iter().map(|i| params[*i].1).sum())
+            .collect();
+        let mut part = Vec::with_capacity(counts[me]);
+        for &i in &round[me] {
+            let flat = own.values.remove(&params[i].0).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "parameter all-gather: this rank's parameter {} is missing from the model",
+                    params[i].0
+                ))
+            })?;
+            part.extend(to_host(flat, "parameter all-gather")?);
+        }
+        let all = sharded
+            .group
+            .comm()
+            .all_gather_parts(ReduceBuffer::F32(part), &counts)?;
+        let ReduceBuffer::F32(all) = all else {
+            return Err(Error::InvalidArgument(format!(
+                "parameter all-gather: the engine returned {} values",
+                all.kind()
+            )));
+        };
+        let mut values = HashMap::new();
+        let mut start = 0;
+        for (q, group) in round.iter().enumerate() {
+            for &i in group {
+                let (id, n) = params[i];
+                if q != me {
+                    values.insert(id, all[start..start + n].to_vec());
+                }
+                start += n;
+            }
+        }
+        let mut set = Set {
+            values,
+            dims: &dims,
+            error: None,
+        };
+        module = module.map(&mut set);
+        if let Some(e) = set.error {
+            return Err(e);
+        }
+    }
+    Ok(module)
+}
+
+/// After an optimizer stepped `module` (this rank's parameters only): under `SHARD_GRAD_OP` every rank gets
+/// every other rank's stepped parameters; under `FULL_SHARD` the other ranks' parameters are dropped again.
+pub(crate) fn share_stepped<M: Module>(sharded: &Sharded, module: M) -> Result<M> {
+    match sharded.mode {
+        ShardingStrategy::FullShard => Ok(reshard(sharded, module)),
+        _ => gather(sharded, module),
+    }
+}
+
+/// `module` whole on every rank: under `FULL_SHARD` the other ranks' parameters are all-gathered; otherwise
+/// every rank holds them already and `module` is returned as it is (a cheap clone).
+pub(crate) fn unshard<M: Module>(strategy: &dyn Strategy, module: &M) -> Result<M> {
+    match strategy.sharded() {
+        Some(sharded) if sharded.mode == ShardingStrategy::FullShard => {
+            gather(sharded, module.clone())
+        }
+        _ => Ok(module.clone()),
+    }
+}
