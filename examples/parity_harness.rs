@@ -24,6 +24,10 @@
 //! evaluation set that the ranks do not divide), `resume` (`dp` saved at `--save-at`, killed by SIGKILL at
 //! `--kill-at` on `--kill-rank`, and resumed with `--resume`), `env` (only writes the settings the rank sees),
 //! `initial` (the weights every case starts from; run by default too).
+//!
+//! `--sharding SHARD_GRAD_OP` or `FULL_SHARD` shards the training state (the loop gathers the model with
+//! `unshard` for every forward pass, as a sharded loop does; the weights written are the whole model); each
+//! report then also says how many bytes of optimizer state the rank held.
 
 #[path = "support/mlp.rs"]
 mod mlp;
@@ -40,7 +44,9 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
-use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision, Result, StateToSave};
+use burn_accelerate::{
+    Accelerator, AcceleratorBuilder, MixedPrecision, Result, ShardingStrategy, StateToSave,
+};
 use clap::{Parser, ValueEnum};
 use mlp::{Mlp, Sample, SampleBatcher};
 use serde::{Deserialize, Serialize};
@@ -105,6 +111,10 @@ struct Args {
     /// `resume`: continue from the state saved at `--save-at`.
     #[arg(long)]
     resume: bool,
+    /// Shard the training state (`NO_SHARD`, `SHARD_GRAD_OP`, `FULL_SHARD`, or Accelerate's numbers); the
+    /// environment's setting when absent.
+    #[arg(long)]
+    sharding: Option<ShardingStrategy>,
 }
 
 /// What a rank counted, written beside its weights.
@@ -119,14 +129,19 @@ struct Report {
     mixed_precision: String,
     gradient_accumulation_steps: usize,
     resumed_at: Option<usize>,
+    sharding: String,
+    optimizer_state_bytes: usize,
     gathered_ids: Vec<i64>,
     gathered_losses: Vec<f32>,
     env: BTreeMap<String, String>,
 }
 
 /// The builder of each case, on top of the settings the launcher or the environment gave.
-fn builder(case: Case) -> AcceleratorBuilder {
-    let builder = Accelerator::builder();
+fn builder(case: Case, sharding: Option<ShardingStrategy>) -> AcceleratorBuilder {
+    let builder = match sharding {
+        Some(sharding) => Accelerator::builder().sharding(sharding),
+        None => Accelerator::builder(),
+    };
     match case {
         Case::Accumulation => builder.gradient_accumulation_steps(3),
         Case::Bf16 => builder.mixed_precision(MixedPrecision::Bf16),
@@ -199,12 +214,15 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
         for batch in train.iter() {
             let batch = batch?;
             acc.accumulate();
+            // Under FULL_SHARD the model holds this rank's parameters only; elsewhere this is a clone.
+            let whole = acc.unshard(&model)?;
             let loss = if matches!(case, Case::Bf16 | Case::Fp16) {
-                acc.autocast(&model, batch, |model, batch| loss(model, batch, per_rank))
+                acc.autocast(&whole, batch, |model, batch| loss(model, batch, per_rank))
             } else {
-                loss(&model, batch, per_rank)
+                loss(&whole, batch, per_rank)
             };
-            acc.backward(loss, &model)?;
+            acc.backward(loss, &whole)?;
+            drop(whole);
             if acc.sync_gradients() {
                 let clipped = match case {
                     Case::ClipNorm => acc.clip_grad_norm(&model, 0.5)? > 0.5,
@@ -241,10 +259,17 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
         }
     }
     report.loss_scale = acc.loss_scale();
+    report.optimizer_state_bytes = optimizer
+        .inner()
+        .to_record()
+        .into_bytes()
+        .map_err(burn_accelerate::Error::other)?
+        .len();
     Ok((model, report))
 }
 
-/// The largest absolute gradient of `model` on this rank (to see whether value clipping had anything to clip).
+/// The largest absolute gradient of `model` on any rank (to see whether value clipping had anything to clip;
+/// a sharded rank holds only its own parameters' gradients).
 fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> f32 {
     struct Largest<'a>(&'a Accelerator, f32);
     impl ModuleVisitor for Largest<'_> {
@@ -256,7 +281,10 @@ fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> f32 {
     }
     let mut largest = Largest(acc, 0.0);
     model.visit(&mut largest);
-    largest.1
+    let local = Tensor::<1>::from_floats([largest.1], acc.device());
+    acc.reduce(local, burn_accelerate::ReduceOp::Max)
+        .map(|t| t.into_scalar::<f32>())
+        .unwrap_or(largest.1)
 }
 
 /// A training sample with its index, for evaluation.
@@ -287,6 +315,7 @@ impl Batcher<Indexed, EvalBatch> for EvalBatcher {
 /// divides it): the ids and per-sample losses every rank gets back.
 fn evaluate(acc: &Accelerator, initial: Mlp, report: &mut Report) -> Result<()> {
     let model = acc.prepare_model(initial)?;
+    let model = acc.unshard(&model)?;
     let items: Vec<Indexed> = mlp::samples(103, 41)
         .into_iter()
         .enumerate()
@@ -327,8 +356,11 @@ fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<
             Some(model)
         }
     };
+    // The whole model (every rank takes part in gathering it under FULL_SHARD).
+    let model = model.map(|m| acc.unshard(&m)).transpose()?;
     report.rank = acc.process_index();
     report.num_processes = acc.num_processes();
+    report.sharding = acc.config().sharding.to_string();
     report.mixed_precision = acc.mixed_precision().to_string();
     report.gradient_accumulation_steps = acc.config().gradient_accumulation_steps;
     report.env = std::env::vars()
@@ -398,7 +430,7 @@ fn run() -> Result<()> {
     device.seed(7);
     let initial = Mlp::new(&device);
     for &case in &args.cases {
-        let result = ranks::run_ranks(builder(case), args.processes, |acc| {
+        let result = ranks::run_ranks(builder(case, args.sharding), args.processes, |acc| {
             let rank = acc.process_index();
             run_case(&acc, case, &args, initial.clone()).map_err(|e| {
                 // Every rank says what it met, so that a test can check each one's error; then waits for the

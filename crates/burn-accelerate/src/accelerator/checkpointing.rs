@@ -27,7 +27,8 @@ impl Accelerator {
     /// are in PyTorch's layout, so the file loads into the matching `torch.nn` module (see
     /// [`WeightLayout`](crate::checkpoint::WeightLayout); [`save_model_with`](Self::save_model_with) chooses).
     /// With `safe_serialization` off, writes Burn's `model.bpk` instead (keeps parameter ids). Only the main
-    /// process writes; call it on every rank.
+    /// process writes; call it on every rank (under `FULL_SHARD` every rank takes part in gathering the
+    /// parameters, as [`unshard`](Self::unshard) does).
     pub fn save_model<M: Module>(
         &self,
         model: &M,
@@ -71,6 +72,10 @@ impl Accelerator {
     ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
         let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
+        // Under FULL_SHARD each rank holds its own parameters: every rank takes part in gathering them whole
+        // (the peak of a training step), and the main process writes them.
+        let whole = self.unshard(model)?;
+        let model = &whole;
         let write = || -> Result<Vec<PathBuf>> {
             let parent = crate::checkpoint::fs::parent_dir(dir);
             std::fs::create_dir_all(parent).map_err(crate::error::io("creating", parent))?;
@@ -135,9 +140,10 @@ impl Accelerator {
     /// Returns the folder.
     pub fn save_state(&self, dir: Option<&Path>, parts: &StateToSave) -> Result<PathBuf> {
         let scaler = self.loss_scaler();
-        let optimizer_state = self.pipeline.strategy().optimizer_state();
+        let strategy = self.pipeline.strategy();
+        let scopes = (strategy.optimizer_state(), strategy.model_state());
         self.checkpointer
-            .save_state(&self.group, dir, parts, scaler, optimizer_state)
+            .save_state(&self.group, dir, parts, scaler, scopes)
     }
 
     /// Loads a training state saved by [`save_state`](Self::save_state) from `dir`, or, with `None`, from the
@@ -146,7 +152,10 @@ impl Accelerator {
     /// (so the next save does not overwrite it) are restored here; restore models, optimizers and schedulers
     /// from the returned [`LoadedState`], then call its `finish`.
     pub fn load_state(&self, dir: Option<&Path>) -> Result<LoadedState> {
-        let loaded = self.checkpointer.load_state(&self.group, dir)?;
+        let loaded = self
+            .checkpointer
+            .load_state(&self.group, dir)?
+            .with_strategy(self.pipeline.strategy().clone());
         if let Some(scaler) = loaded.scaler() {
             self.pipeline.precision().restore_scaler(scaler);
         }

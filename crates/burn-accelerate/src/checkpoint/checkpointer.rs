@@ -96,7 +96,7 @@ impl Checkpointer {
         dir: Option<&Path>,
         parts: &StateToSave,
         scaler: Option<LossScaler>,
-        optimizer_state: StateScope,
+        (optimizer_state, model_state): (StateScope, StateScope),
     ) -> Result<PathBuf> {
         // Every rank learns whether every rank may write there (a refusal on one must not leave the others
         // waiting in the save's collectives).
@@ -118,6 +118,7 @@ impl Checkpointer {
             positions,
             loaders,
             optimizer_state,
+            model_state,
         };
         save::save(&dir, parts, ctx)?;
         if automatic {

@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::store::ModuleRecord;
 
 use super::fs::{read, with_suffix};
-use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, optimizer_stem};
+use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
 use crate::data::DataPosition;
 use crate::error::{Error, Result};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
@@ -26,6 +26,9 @@ pub struct LoadedState {
     next_model: usize,
     next_optimizer: usize,
     next_scheduler: usize,
+    /// Told when a restored model's parameters take the saved ids (a sharded strategy keys what it knows of
+    /// each parameter by id).
+    strategy: Option<std::sync::Arc<dyn crate::distributed::strategy::Strategy>>,
 }
 
 fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -108,6 +111,7 @@ impl LoadedState {
             next_model: 0,
             next_optimizer: 0,
             next_scheduler: 0,
+            strategy: None,
         })
     }
 
@@ -181,8 +185,28 @@ impl LoadedState {
     /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
     pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
         let (path, record) = self.next_model_record()?;
-        guarded(&path, "model", move || model.try_load_record(record))?
-            .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))
+        let before = crate::grad::param_ids(&model);
+        let model = guarded(&path, "model", move || model.try_load_record(record))?
+            .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))?;
+        if let Some(strategy) = &self.strategy {
+            let after = crate::grad::param_ids(&model);
+            let renamed: Vec<_> = before
+                .into_iter()
+                .zip(after)
+                .filter(|(a, b)| a != b)
+                .collect();
+            strategy.params_renamed(&renamed);
+        }
+        Ok(model)
+    }
+
+    /// The strategy told of restored models' parameter ids.
+    pub(crate) fn with_strategy(
+        mut self,
+        strategy: std::sync::Arc<dyn crate::distributed::strategy::Strategy>,
+    ) -> Self {
+        self.strategy = Some(strategy);
+        self
     }
 
     /// Restores the next saved optimizer state into `optimizer`. A state saved from another kind of
@@ -237,9 +261,10 @@ impl LoadedState {
 
     /// The next saved model's record, and its file.
     fn next_model_record(&mut self) -> Result<(PathBuf, ModuleRecord)> {
+        let stem = model_stem(self.manifest.model_per_rank, self.rank_index);
         let (_, path, bytes) = Self::next_part(
             &self.dir,
-            "model",
+            &stem,
             (self.manifest.models, &self.manifest.checksums),
             &mut self.next_model,
         )?;

@@ -1,6 +1,8 @@
 //! What a checkpoint folder holds: `checkpoint.json` (the manifest, written last: a folder without it is not a
 //! checkpoint), `model.bpk`, `model_1.bpk`, ... (Burn records, which keep parameter ids so the optimizer state
-//! matches), `optimizer*.bpk` (one set, or one per rank as `optimizer_rank<i>*.bpk` under a sharded strategy),
+//! matches; one per rank as `model_rank<i>*.bpk` under `FULL_SHARD`, each holding that rank's parameters and
+//! empty placeholders for the others), `optimizer*.bpk` (one set, or one per rank as `optimizer_rank<i>*.bpk`
+//! under a sharded strategy),
 //! `scheduler*.bpk`, `objects.json` (registered objects) and one `rank_<i>.json` per rank (data positions).
 
 use std::path::{Path, PathBuf};
@@ -32,6 +34,10 @@ pub(crate) struct Manifest {
     /// checkpoints.
     #[serde(default)]
     pub(crate) optimizer_per_rank: bool,
+    /// Whether each rank saved its own record of each model, holding its own parameters (`FULL_SHARD`). Absent
+    /// in older checkpoints.
+    #[serde(default)]
+    pub(crate) model_per_rank: bool,
     /// The CRC-32C of each record the main process wrote (models, schedulers, and the optimizers when they are
     /// not per rank), by file name: a load refuses a file whose bytes changed after the save. Absent in older
     /// checkpoints, which load unchecked.
@@ -54,6 +60,16 @@ pub(crate) fn optimizer_stem(per_rank: bool, rank: usize) -> String {
         format!("optimizer_rank{rank}")
     } else {
         "optimizer".into()
+    }
+}
+
+/// The file stem of the model records: one set for the run, or one per rank when each rank holds its own
+/// parameters (`model_rank<i>.bpk`).
+pub(crate) fn model_stem(per_rank: bool, rank: usize) -> String {
+    if per_rank {
+        format!("model_rank{rank}")
+    } else {
+        "model".into()
     }
 }
 

@@ -9,7 +9,7 @@ use burn::module::Module;
 use burn::store::ModuleRecord;
 
 use super::fs::{FolderLock, io, parent_dir, sync_dir, with_suffix, write_synced};
-use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, optimizer_stem};
+use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
 use crate::data::DataPosition;
 use crate::distributed::strategy::StateScope;
 use crate::error::{Error, Result};
@@ -100,6 +100,8 @@ pub(crate) struct SaveContext<'a> {
     pub loaders: Vec<crate::data::LoaderFingerprint>,
     /// Whether the optimizer state is one file from the main process or one slice per rank.
     pub optimizer_state: StateScope,
+    /// Whether each model is one record from the main process or one per rank (`FULL_SHARD`).
+    pub model_state: StateScope,
 }
 
 /// Writes a checkpoint into `dir` atomically, with every rank taking part. Each phase ends with every rank
@@ -169,10 +171,14 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
             write_synced(&file(partial, &stem, i, "bpk"), bytes)?;
         }
     }
-    if state.is_main_process() {
+    let models_per_rank = ctx.model_state == StateScope::PerRank;
+    if models_per_rank || state.is_main_process() {
+        let stem = model_stem(models_per_rank, state.process_index());
         for (i, bytes) in parts.models.iter().enumerate() {
-            write_synced(&file(partial, "model", i, "bpk"), bytes)?;
+            write_synced(&file(partial, &stem, i, "bpk"), bytes)?;
         }
+    }
+    if state.is_main_process() {
         for (i, bytes) in parts.schedulers.iter().enumerate() {
             write_synced(&file(partial, "scheduler", i, "bpk"), bytes)?;
         }
@@ -186,15 +192,21 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
 }
 
 /// The CRC-32C of every record file the main process writes, by file name.
-fn checksums(parts: &StateToSave, optimizer_per_rank: bool) -> BTreeMap<String, u32> {
+fn checksums(
+    parts: &StateToSave,
+    optimizer_per_rank: bool,
+    models_per_rank: bool,
+) -> BTreeMap<String, u32> {
     let name = |stem: &str, i: usize| {
         file(Path::new(""), stem, i, "bpk")
             .to_string_lossy()
             .into_owned()
     };
     let mut sums = BTreeMap::new();
-    for (i, bytes) in parts.models.iter().enumerate() {
-        sums.insert(name("model", i), crc32c::crc32c(bytes));
+    if !models_per_rank {
+        for (i, bytes) in parts.models.iter().enumerate() {
+            sums.insert(name("model", i), crc32c::crc32c(bytes));
+        }
     }
     for (i, bytes) in parts.schedulers.iter().enumerate() {
         sums.insert(name("scheduler", i), crc32c::crc32c(bytes));
@@ -220,7 +232,12 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
         scaler: ctx.scaler.clone(),
         optimizer_kinds: parts.optimizer_kinds.clone(),
         optimizer_per_rank: ctx.optimizer_state == StateScope::PerRank,
-        checksums: checksums(parts, ctx.optimizer_state == StateScope::PerRank),
+        model_per_rank: ctx.model_state == StateScope::PerRank,
+        checksums: checksums(
+            parts,
+            ctx.optimizer_state == StateScope::PerRank,
+            ctx.model_state == StateScope::PerRank,
+        ),
     };
     write_synced(
         &partial.join(MANIFEST),

@@ -77,8 +77,21 @@ impl AcceleratedStrategy {
     /// checkpointing).
     ///
     /// # Errors
-    /// When a strategy was already made for this accelerator.
+    /// When a strategy was already made for this accelerator, or the accelerator shards parameters
+    /// (`FULL_SHARD` on several ranks: the Learner runs the forward pass on its own model, which would hold
+    /// only this rank's parameters; `SHARD_GRAD_OP` works).
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
+        if accelerator.num_processes() > 1
+            && accelerator.config().sharding == crate::ShardingStrategy::FullShard
+        {
+            return Err(Error::InvalidArgument(
+                "AcceleratedStrategy::new: FULL_SHARD keeps only each rank's own parameters between steps, and \
+                 burn-train's Learner runs the forward pass on its model without gathering them; use \
+                 SHARD_GRAD_OP with the Learner (gradients and optimizer state sharded), or FULL_SHARD in a loop \
+                 of your own with `accelerator.unshard(&model)`"
+                    .into(),
+            ));
+        }
         let progress = Arc::new(Mutex::new(LearnerProgress::default()));
         accelerator
             .register_for_checkpointing(PROGRESS, progress.clone())

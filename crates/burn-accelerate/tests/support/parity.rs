@@ -172,3 +172,39 @@ pub fn check_cases_did_something(one: &Path) {
         "clipping changed training"
     );
 }
+
+/// The bound of a sharded run against the unsharded run of the same ranks, per case: the same reductions in
+/// the same order, so the same bits, except the global norm of `clip-norm`, whose shard parts are summed in
+/// another order (measured ≤ 9e-8).
+pub fn sharded_bound(case: &str) -> f32 {
+    if case == "clip-norm" { 1e-6 } else { 0.0 }
+}
+
+/// Compares the sharded run of `case` under `sharded` with the unsharded run under `unsharded` (both on `p`
+/// ranks): every rank wrote the same whole weights, within [`sharded_bound`] of the unsharded ones, with the
+/// same counts; each rank held less optimizer state than an unsharded rank, and all of them together about as
+/// much. Returns the largest |Δ|.
+pub fn compare_sharded(unsharded: &Path, sharded: &Path, p: usize, case: &str) -> f32 {
+    let diff = compare_case(unsharded, sharded, p, case, sharded_bound(case));
+    let bytes = |dir: &Path, rank: usize| {
+        report(dir, case, rank)["optimizer_state_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let whole = bytes(unsharded, 0);
+    let mut sum = 0;
+    for rank in 0..p {
+        let mine = bytes(sharded, rank);
+        assert!(
+            mine < whole,
+            "{case}, P={p}, rank {rank}: {mine} B of optimizer state, unsharded {whole} B"
+        );
+        sum += mine;
+    }
+    // Each record has its own header (a few hundred bytes).
+    assert!(
+        sum <= whole + 1024 * p as u64,
+        "{case}, P={p}: {sum} B of optimizer state over all ranks, unsharded {whole} B"
+    );
+    diff
+}

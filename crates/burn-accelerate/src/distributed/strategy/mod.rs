@@ -77,6 +77,16 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         StateScope::Replicated
     }
 
+    /// Whether a checkpoint holds one model record or one per rank (each holding that rank's parameters).
+    fn model_state(&self) -> StateScope {
+        StateScope::Replicated
+    }
+
+    /// The parameters `(old, new)` now have new ids (a checkpoint restored the saved ones).
+    fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
+        let _ = renamed;
+    }
+
     /// The sharded strategy, when this is one.
     fn sharded(&self) -> Option<&Sharded> {
         None

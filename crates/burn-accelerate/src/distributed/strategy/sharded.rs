@@ -227,8 +227,25 @@ impl Strategy for Sharded {
         StateScope::PerRank
     }
 
+    fn model_state(&self) -> StateScope {
+        match self.mode {
+            // Between steps each rank holds only its own parameters: each writes and reads its own record.
+            ShardingStrategy::FullShard => StateScope::PerRank,
+            _ => StateScope::Replicated,
+        }
+    }
+
     fn sharded(&self) -> Option<&Sharded> {
         Some(self)
+    }
+
+    fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
+        let mut known = self.known();
+        let moved: Vec<(ParamId, Known)> = renamed
+            .iter()
+            .filter_map(|(old, new)| known.remove(old).map(|k| (*new, k)))
+            .collect();
+        known.extend(moved);
     }
 
     fn any_rank(&self, local: bool) -> Result<bool> {
