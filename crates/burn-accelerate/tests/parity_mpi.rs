@@ -166,3 +166,45 @@ fn launch_with_a_hostfile_forwards_the_settings_to_every_rank() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill() {
+    let dir = scratch("sharded-mpi");
+    for p in [2, 3] {
+        let procs = p.to_string();
+        let unsharded = dir.join(format!("in{p}"));
+        run_local(&unsharded, &["--processes", &procs]);
+        for sharding in ["SHARD_GRAD_OP", "FULL_SHARD"] {
+            let sharded = dir.join(format!("mpi{p}-{sharding}"));
+            assert_success(&mpirun(p, &sharded, &["--sharding", sharding]));
+            for (case, _) in CASES {
+                let diff = parity::compare_sharded(&unsharded, &sharded, p, case);
+                println!("mpirun -np {p} {sharding} {case}: max |Δ| vs NO_SHARD = {diff:e}");
+            }
+            // Saved after step 10, the last rank killed by SIGKILL after step 14, resumed: the same bits as
+            // the uninterrupted run.
+            let resume = ["--case", "resume", "--sharding", sharding];
+            let whole = dir.join(format!("whole{p}-{sharding}"));
+            assert_success(&mpirun(p, &whole, &resume));
+            let broken = dir.join(format!("broken{p}-{sharding}"));
+            let last = (p - 1).to_string();
+            let killed = mpirun(
+                p,
+                &broken,
+                &[&resume[..], &["--kill-at", "14", "--kill-rank", &last]].concat(),
+            );
+            assert!(!killed.status.success(), "the killed job must fail");
+            assert_success(&mpirun(p, &broken, &[&resume[..], &["--resume"]].concat()));
+            for rank in 0..p {
+                let file = format!("rank{rank}.safetensors");
+                assert_eq!(
+                    weights(&broken.join("resume").join(&file)),
+                    weights(&whole.join("resume").join(&file)),
+                    "P={p} {sharding}, rank {rank}: resumed weights differ from the uninterrupted run"
+                );
+                assert_eq!(report(&broken, "resume", rank)["resumed_at"], 10);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

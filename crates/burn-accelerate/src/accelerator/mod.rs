@@ -244,7 +244,14 @@ impl Accelerator {
             } else {
                 model
             };
-            self.pipeline.broadcast_initial(model)?
+            let model = self.pipeline.broadcast_initial(model)?;
+            // Rank 0's parameter ids too: checkpoints key optimizer state by id.
+            let ids: Vec<u64> = crate::grad::param_ids(&model)
+                .iter()
+                .map(|id| id.val())
+                .collect();
+            let ids = self.broadcast_object(&ids, 0)?;
+            crate::distributed::strategy::with_param_ids(model, &ids)
         };
         let model = if self.config.device_placement {
             model.fork(self.device()).train()

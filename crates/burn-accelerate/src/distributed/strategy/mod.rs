@@ -172,6 +172,31 @@ pub(crate) fn broadcast_module<M: Module>(strategy: &dyn Strategy, module: M) ->
     map_params(strategy, module, |_| Some(0))
 }
 
+/// `module` with its float parameters renamed to `ids` (visiting order), values and settings kept: every rank
+/// takes rank 0's ids at `prepare_model`, so that a checkpoint's model and per-rank optimizer records, keyed by
+/// id, match on every rank (separate processes draw different ids for the same parameter).
+pub(crate) fn with_param_ids<M: Module>(module: M, ids: &[u64]) -> M {
+    struct Rename<'a> {
+        ids: &'a [u64],
+        next: usize,
+    }
+    impl ModuleMapper for Rename<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(&id) = self.ids.get(self.next) else {
+                return param;
+            };
+            self.next += 1;
+            let id = ParamId::from(id);
+            if param.id == id {
+                return param;
+            }
+            let (_, value, mapper) = param.consume();
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    module.map(&mut Rename { ids, next: 0 })
+}
+
 /// Draws every lazily initialised float parameter of `module` now, in the module's visiting order (the order a
 /// 1-rank run draws them in [`Accelerator::prepare_model`](crate::Accelerator::prepare_model), whatever order
 /// the forward pass would first use them in).
