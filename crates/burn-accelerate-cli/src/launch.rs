@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use burn_accelerate::MixedPrecision;
 use burn_accelerate::config::{AcceleratorConfig, Source};
+use burn_accelerate::{MixedPrecision, ShardingStrategy};
 use clap::Args;
 
 use crate::restart::{self, Decision, Failure, RESTART_COUNT_VAR, RestartPolicy};
@@ -44,6 +44,16 @@ pub struct LaunchArgs {
         visible_alias = "gradient_accumulation_steps"
     )]
     pub gradient_accumulation_steps: Option<usize>,
+    /// Shard the training state across the processes (Accelerate's FSDP; ACCELERATE_USE_FSDP): FULL_SHARD
+    /// unless --fsdp-sharding-strategy or the config file says otherwise.
+    #[arg(long = "use-fsdp", visible_alias = "use_fsdp")]
+    pub use_fsdp: bool,
+    /// How much each process holds: FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3) (FSDP_SHARDING_STRATEGY).
+    #[arg(
+        long = "fsdp-sharding-strategy",
+        visible_alias = "fsdp_sharding_strategy"
+    )]
+    pub fsdp_sharding_strategy: Option<ShardingStrategy>,
     /// Check every collective across ranks (ACCELERATE_DEBUG_MODE).
     #[arg(long)]
     pub debug: bool,
@@ -193,6 +203,13 @@ impl Plan {
             resolved.gradient_accumulation_steps.to_string(),
             gas_source,
         ));
+        let (sharding, sharding_source) = match (args.fsdp_sharding_strategy, args.use_fsdp) {
+            (Some(strategy), _) => (strategy, cli()),
+            (None, true) if !config.sharding.is_sharded() => (ShardingStrategy::FullShard, cli()),
+            _ => (config.sharding, config.source("sharding").to_string()),
+        };
+        resolved.sharding = sharding;
+        settings.push(setting("sharding", sharding.to_string(), sharding_source));
         let flag = |on: bool, value: bool, key: &str| -> (bool, String) {
             if on {
                 (true, cli())
@@ -231,6 +248,8 @@ impl Plan {
                 resolved.gradient_accumulation_steps.to_string(),
             ),
             ("ACCELERATE_DEBUG_MODE", debug.to_string()),
+            ("ACCELERATE_USE_FSDP", sharding.is_sharded().to_string()),
+            ("FSDP_SHARDING_STRATEGY", sharding.to_string()),
             ("ACCELERATE_USE_CPU", cpu.to_string()),
         ];
         if let Some((n, _)) = threads {

@@ -53,6 +53,18 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write one safetensors model from a training state saved by `save_state`, merging the per-rank records of
+    /// a sharded (FULL_SHARD) run (Accelerate's `merge-weights`).
+    #[command(name = "merge-weights", visible_alias = "merge_weights")]
+    MergeWeights {
+        /// The checkpoint folder `save_state` wrote.
+        state_dir: PathBuf,
+        /// The folder to write `model.safetensors` into.
+        output_dir: PathBuf,
+        /// Which of the checkpoint's models (0: the first).
+        #[arg(long, default_value_t = 0)]
+        model: usize,
+    },
 }
 
 fn main() {
@@ -73,6 +85,21 @@ fn main() {
         Command::Launch(args) => exit_with(launch::run(&args)),
         Command::Test(args) => exit_with(selftest::run(&args)),
         Command::TestWorker => std::process::exit(selftest::run_worker()),
+        Command::MergeWeights {
+            state_dir,
+            output_dir,
+            model,
+        } => match burn_accelerate::checkpoint::merge_weights(&state_dir, &output_dir, model) {
+            Ok(file) => println!(
+                "merged model #{model} of {} into {}",
+                state_dir.display(),
+                file.display()
+            ),
+            Err(error) => {
+                eprintln!("error: {error}");
+                std::process::exit(1);
+            }
+        },
         Command::EstimateMemory { path, json } => match estimate::report(&path, json) {
             Ok(report) => print!("{report}"),
             Err(error) => {

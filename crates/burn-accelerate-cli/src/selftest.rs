@@ -259,6 +259,8 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             hostfile: args.hostfile.clone(),
             mixed_precision: None,
             gradient_accumulation_steps: None,
+            use_fsdp: false,
+            fsdp_sharding_strategy: None,
             debug: false,
             cpu: false,
             num_cpu_threads_per_process: None,

@@ -191,10 +191,14 @@ fn accelerates_sample_configs_load_or_give_the_stated_error() {
         stdout.contains("A run refuses these settings") && stdout.contains("\"fp8\""),
         "{stdout}"
     );
-    let (stdout, _) = env("fsdp.yaml");
+    let (stdout, stderr) = env("fsdp.yaml");
     assert!(
-        stdout.contains("\"FSDP\"") && stdout.contains("NO, MULTI_CPU or MULTI_GPU"),
+        stdout.contains("sharding = FULL_SHARD (config file") && !stdout.contains("refuses"),
         "{stdout}"
+    );
+    assert!(
+        stderr.contains("fsdp_config.fsdp_auto_wrap_policy"),
+        "FSDP settings that change nothing here are named: {stderr}"
     );
     let (stdout, _) = env("sagemaker.yaml");
     assert!(stdout.contains("AMAZON_SAGEMAKER"), "{stdout}");
@@ -371,5 +375,72 @@ fn the_questionnaire_answered_over_a_pipe_writes_the_expected_file() {
     assert_eq!(value["use_cpu"], true);
     assert_eq!(value["debug"], true);
     assert_eq!(value["mixed_precision"], "fp16");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// An FSDP config written by Python as Accelerate writes its files (`yaml.safe_dump` of the config's dict, FSDP
+/// answers included): the sharding it asks for is the one a run gets, by name and by Accelerate's number.
+#[test]
+fn an_fsdp_config_written_by_python_selects_the_sharding() {
+    let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_yaml = Command::new(&python)
+        .args(["-c", "import yaml"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_yaml {
+        assert_ne!(
+            std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
+            Ok("1"),
+            "{python} cannot import yaml"
+        );
+        eprintln!("no PyYAML: skipped");
+        return;
+    }
+    let dir = temp_dir("python-fsdp");
+    for (strategy, expected) in [("SHARD_GRAD_OP", "SHARD_GRAD_OP"), ("1", "FULL_SHARD")] {
+        let file = dir.join(format!("fsdp_{strategy}.yaml"));
+        let script = format!(
+            "import sys, yaml\n\
+             config = {{'compute_environment': 'LOCAL_MACHINE', 'debug': False, 'distributed_type': 'FSDP',\n\
+             'downcast_bf16': 'no', 'enable_cpu_affinity': False,\n\
+             'fsdp_config': {{'fsdp_activation_checkpointing': False, 'fsdp_auto_wrap_policy': 'NO_WRAP',\n\
+             'fsdp_cpu_ram_efficient_loading': True, 'fsdp_offload_params': False,\n\
+             'fsdp_sharding_strategy': {value}, 'fsdp_state_dict_type': 'SHARDED_STATE_DICT',\n\
+             'fsdp_sync_module_states': True, 'fsdp_use_orig_params': True, 'fsdp_version': 1}},\n\
+             'machine_rank': 0, 'main_training_function': 'main', 'mixed_precision': 'no', 'num_machines': 1,\n\
+             'num_processes': 2, 'rdzv_backend': 'static', 'same_network': True, 'tpu_env': [],\n\
+             'tpu_use_cluster': False, 'tpu_use_sudo': False, 'use_cpu': True}}\n\
+             yaml.safe_dump(config, open(sys.argv[1], 'w'))",
+            value = if strategy == "1" {
+                "1".to_string()
+            } else {
+                format!("'{strategy}'")
+            }
+        );
+        let out = Command::new(&python)
+            .args(["-c", &script])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        let out = cli(&[])
+            .arg("--config-file")
+            .arg(&file)
+            .arg("env")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(
+            stdout.contains(&format!("sharding = {expected} (config file")),
+            "{strategy}: {stdout}"
+        );
+        assert!(!stdout.contains("refuses"), "{stdout}");
+        assert!(
+            stderr.contains("fsdp_config.fsdp_state_dict_type"),
+            "settings that change nothing here are named: {stderr}"
+        );
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

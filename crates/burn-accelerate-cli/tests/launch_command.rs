@@ -124,6 +124,67 @@ fn command_line_over_environment_over_config_file_over_default() {
 }
 
 #[test]
+fn fsdp_flags_choose_the_sharding_and_reach_the_program() {
+    let fsdp_vars = |out: &std::process::Output| -> Vec<String> {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("FSDP_") || l.starts_with("ACCELERATE_USE_FSDP"))
+            .map(str::to_string)
+            .collect()
+    };
+    let settings = |out: &std::process::Output| -> String {
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .find(|l| l.starts_with("burn-accelerate launch:"))
+            .unwrap_or_default()
+            .to_string()
+    };
+    // Accelerate's `--use_fsdp` alone: FULL_SHARD.
+    let out = launch().args(["--use_fsdp", "env"]).output().unwrap();
+    assert!(
+        settings(&out).contains("sharding=FULL_SHARD (command line)"),
+        "{}",
+        settings(&out)
+    );
+    let vars = fsdp_vars(&out);
+    assert!(
+        vars.contains(&"ACCELERATE_USE_FSDP=true".into()),
+        "{vars:?}"
+    );
+    assert!(
+        vars.contains(&"FSDP_SHARDING_STRATEGY=FULL_SHARD".into()),
+        "{vars:?}"
+    );
+    // A strategy by Accelerate's number.
+    let out = launch()
+        .args(["--use-fsdp", "--fsdp_sharding_strategy", "2", "env"])
+        .output()
+        .unwrap();
+    assert!(
+        settings(&out).contains("sharding=SHARD_GRAD_OP (command line)"),
+        "{}",
+        settings(&out)
+    );
+    assert!(fsdp_vars(&out).contains(&"FSDP_SHARDING_STRATEGY=SHARD_GRAD_OP".into()));
+    // None: NO_SHARD by default.
+    let out = launch().arg("env").output().unwrap();
+    assert!(
+        settings(&out).contains("sharding=NO_SHARD (default)"),
+        "{}",
+        settings(&out)
+    );
+    assert!(fsdp_vars(&out).contains(&"ACCELERATE_USE_FSDP=false".into()));
+    // A hybrid strategy is refused before anything starts, saying why.
+    let out = launch()
+        .args(["--fsdp-sharding-strategy", "HYBRID_SHARD", "env"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("replicate across machines"), "{stderr}");
+}
+
+#[test]
 fn several_processes_of_a_program_without_mpi_are_refused_before_starting() {
     let out = launch()
         .args(["--num-processes", "2", "true"])

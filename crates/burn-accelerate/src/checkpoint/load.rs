@@ -56,7 +56,7 @@ fn guarded<T>(path: &Path, what: &str, call: impl FnOnce() -> T) -> Result<T> {
 
 /// Finds the folder to load: `dir` itself, or the previous checkpoint moved aside by a save interrupted
 /// between its two renames.
-fn resolve(dir: &Path) -> Result<PathBuf> {
+pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
     if dir.join(MANIFEST).exists() {
         return Ok(dir.to_path_buf());
     }

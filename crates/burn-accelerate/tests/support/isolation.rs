@@ -5,8 +5,9 @@
 //! Tests that need a setting give it to the accelerator's builder or to the child process they start.
 
 /// Variables removed by name prefix.
-const PREFIXES: [&str; 7] = [
+const PREFIXES: [&str; 8] = [
     "ACCELERATE_",
+    "FSDP_",
     "TORCHELASTIC_",
     "OMPI_COMM_WORLD_",
     "PMIX_",

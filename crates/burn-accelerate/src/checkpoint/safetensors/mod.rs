@@ -7,7 +7,7 @@
 
 pub mod layout;
 pub mod read;
-mod stream;
+pub(crate) mod stream;
 pub mod write;
 
 use std::path::{Path, PathBuf};
