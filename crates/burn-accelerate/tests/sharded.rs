@@ -110,3 +110,118 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
     }
 }
+
+mod checkpoints {
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::AdamConfig;
+    use burn::tensor::Tensor;
+    use burn_accelerate::checkpoint::{LoadOptions, WeightLayout, merge_weights};
+    use burn_accelerate::{Accelerator, ShardingStrategy, StateToSave};
+
+    #[derive(Module, Debug)]
+    struct Net {
+        first: Linear,
+        second: Linear,
+        third: Linear,
+    }
+
+    fn net(device: &burn::tensor::Device) -> Net {
+        Net {
+            first: LinearConfig::new(6, 16).init(device),
+            second: LinearConfig::new(16, 16).init(device),
+            third: LinearConfig::new(16, 2).init(device),
+        }
+    }
+
+    fn values(net: &Net) -> Vec<Vec<f32>> {
+        let flat = |t: Tensor<2>| t.into_data().to_vec::<f32>().unwrap();
+        let mut out = Vec::new();
+        for layer in [&net.first, &net.second, &net.third] {
+            out.push(flat(layer.weight.val()));
+            if let Some(bias) = &layer.bias {
+                out.push(bias.val().into_data().to_vec::<f32>().unwrap());
+            }
+        }
+        out
+    }
+
+    /// A FULL_SHARD run on 3 ranks saves its state (one model record per rank, each holding that rank's
+    /// parameters) and its model (gathered): `merge_weights` and the `merge-weights` command rebuild the whole
+    /// model from the state, and both equal the gathered model.
+    #[test]
+    fn merge_weights_rebuilds_the_whole_model_from_a_full_shard_state() {
+        let dir = super::parity::scratch("merge");
+        let (state, saved) = (dir.join("state"), dir.join("saved"));
+        let (s, m) = (state.clone(), saved.clone());
+        let whole = Accelerator::builder()
+            .sharding(ShardingStrategy::FullShard)
+            .launch(3, move |acc| {
+                acc.set_seed(3, false);
+                let device = acc.device().clone();
+                let mut model = acc.prepare_model(net(&device))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                for step in 0..3 {
+                    let x = Tensor::<2>::ones([4, 6], &device).mul_scalar(step as f32 + 1.0);
+                    let whole = acc.unshard(&model)?;
+                    let y = whole
+                        .third
+                        .forward(whole.second.forward(whole.first.forward(x)));
+                    acc.backward(y.powi_scalar(2).mean(), &whole)?;
+                    model = optimizer.try_step(model)?;
+                }
+                let parts = StateToSave::new().model(&model)?.optimizer(&optimizer)?;
+                acc.save_state(Some(&s), &parts)?;
+                acc.save_model_with(
+                    &model,
+                    &m,
+                    &burn_accelerate::checkpoint::SaveOptions {
+                        layout: WeightLayout::Burn,
+                        ..Default::default()
+                    },
+                )?;
+                Ok(values(&acc.unshard(&model)?))
+            })
+            .unwrap();
+        assert_eq!(whole[0], whole[1]);
+        assert_eq!(whole[0], whole[2]);
+        for rank in 0..3 {
+            assert!(state.join(format!("model_rank{rank}.bpk")).is_file());
+        }
+        let load = |file: &std::path::Path| {
+            let acc = Accelerator::builder().cpu(true).build().unwrap();
+            let fresh = net(acc.device());
+            let options = LoadOptions {
+                strict: true,
+                ..Default::default()
+            };
+            let (loaded, _) = acc.load_checkpoint_in_model(fresh, file, &options).unwrap();
+            values(&loaded)
+        };
+        let merged = dir.join("merged");
+        let file = merge_weights(&state, &merged, 0).unwrap();
+        assert_eq!(load(&file), whole[0], "merge_weights");
+        assert_eq!(load(&saved), whole[0], "save_model under FULL_SHARD");
+        let cli = dir.join("cli");
+        let out = std::process::Command::new(super::examples::cli())
+            .arg("merge-weights")
+            .arg(&state)
+            .arg(&cli)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            load(&cli.join("model.safetensors")),
+            whole[0],
+            "merge-weights command"
+        );
+        // Asked for a model the state does not hold: the error says how many it holds.
+        let err = merge_weights(&state, &merged, 1).unwrap_err().to_string();
+        assert!(err.contains("holds 1 model(s)"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
