@@ -12,7 +12,10 @@
 //!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
 //!   `mpirun -np 2 <the printed bench binary> --bench` (`-x MPI_BENCH_SELF_CHECK=1` runs raw against raw, to
 //!   show the noise floor of the ratio on the machine). The same run times our reduce-scatter against raw
-//!   rsmpi `reduce_scatter_block_into` (16 MiB in equal parts): `mpi_reduce_scatter_ratio`.
+//!   rsmpi `reduce_scatter_block_into` (16 MiB in equal parts): `mpi_reduce_scatter_ratio`; and our all-gather
+//!   of uneven parts against raw `all_gather_varcount_into` (16 MiB in all): `mpi_all_gather_parts_ratio`
+//!   (the raw call gathers into a new buffer, as ours returns one) and `mpi_all_gather_parts_reused_ratio`
+//!   (the raw call reuses its receive buffer).
 //!
 //! Sizes run from 4 KiB to 64 MiB of f32. algbw = bytes / time; busbw = algbw * 2(n-1)/n.
 
@@ -278,6 +281,90 @@ fn mpi_report() {
         }
     }
     mpi_reduce_scatter(&comm, self_check);
+    mpi_all_gather_parts(&comm, self_check);
+}
+
+/// Our all-gather of parts (uneven: rank `r` gives `(r + 1)` shares, 16 MiB f32 in all) against raw rsmpi
+/// `all_gather_varcount_into` on the same data; prints `mpi_all_gather_parts_ratio` (raw time over ours, paired
+/// rounds) against a raw call that gathers into a new buffer each time, as ours returns one, and
+/// `mpi_all_gather_parts_reused_ratio` against a raw call that reuses one receive buffer.
+#[cfg(feature = "mpi")]
+fn mpi_all_gather_parts(comm: &burn_accelerate::mpi::MpiComm, self_check: bool) {
+    use burn_accelerate::mpi::mpi::datatype::PartitionMut;
+    use burn_accelerate::mpi::mpi::traits::*;
+
+    let world = comm.raw();
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let share = RATIO_SIZE / 4 / (n * (n + 1) / 2);
+    let counts: Vec<usize> = (0..n).map(|r| (r + 1) * share).collect();
+    let total: usize = counts.iter().sum();
+    let counts_i32: Vec<i32> = counts.iter().map(|c| *c as i32).collect();
+    let displs: Vec<i32> = counts_i32
+        .iter()
+        .scan(0, |acc, c| {
+            let d = *acc;
+            *acc += c;
+            Some(d)
+        })
+        .collect();
+    let send = vec![rank as f32; counts[rank]];
+    let mut reused = vec![0.0f32; total];
+    let iters = iterations(RATIO_SIZE);
+    for fresh in [true, false] {
+        let (mut raw_t, mut our_t) = (Vec::new(), Vec::new());
+        for i in 0..iters + 2 {
+            let (mut raw, mut our) = (Duration::ZERO, Duration::ZERO);
+            for turn in [i % 2, 1 - i % 2] {
+                let mine = ReduceBuffer::F32(send.clone());
+                world.barrier();
+                let t = Instant::now();
+                if turn == 0 || self_check {
+                    if fresh {
+                        let mut recv = vec![0.0f32; total];
+                        let mut partition =
+                            PartitionMut::new(&mut recv[..], &counts_i32[..], &displs[..]);
+                        world.all_gather_varcount_into(&send[..], &mut partition);
+                        std::hint::black_box(&recv);
+                    } else {
+                        let mut partition =
+                            PartitionMut::new(&mut reused[..], &counts_i32[..], &displs[..]);
+                        world.all_gather_varcount_into(&send[..], &mut partition);
+                    }
+                    if turn == 0 {
+                        raw = t.elapsed();
+                    } else {
+                        our = t.elapsed();
+                    }
+                } else {
+                    let all = comm
+                        .all_gather_parts(mine, &counts)
+                        .expect("all_gather_parts");
+                    our = t.elapsed();
+                    assert_eq!(all.len(), total);
+                }
+            }
+            if i >= 2 {
+                raw_t.push(raw);
+                our_t.push(our);
+            }
+        }
+        let ratio = stats::paired_ratio(&raw_t, &our_t);
+        if comm.rank() == 0 {
+            let name = if fresh {
+                "mpi_all_gather_parts_ratio"
+            } else {
+                "mpi_all_gather_parts_reused_ratio"
+            };
+            println!(
+                "size={} all_gather_parts ours_us={:.1} raw_us={:.1} ({}) ratio={ratio:.3}",
+                label(RATIO_SIZE),
+                median(our_t).as_secs_f64() * 1e6,
+                median(raw_t).as_secs_f64() * 1e6,
+                if fresh { "new buffer" } else { "reused buffer" }
+            );
+            println!("{name}={ratio:.3}");
+        }
+    }
 }
 
 /// Our reduce-scatter (equal parts, 16 MiB f32 in all) against raw rsmpi `reduce_scatter_block_into` on the

@@ -313,3 +313,140 @@ fn checkpointing_example_resumes_two_ranks_exactly() {
     assert_eq!(resumed["final_loss"], uninterrupted["final_loss"]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The `rank r/P ... key=value ...` lines of the sharded training example, as (rank, values by key).
+fn rank_reports(results: &BTreeMap<String, String>) -> Vec<BTreeMap<String, String>> {
+    let mut reports: Vec<BTreeMap<String, String>> = results["stdout"]
+        .lines()
+        .filter(|l| l.starts_with("rank "))
+        .map(|l| {
+            let mut fields: BTreeMap<String, String> = l
+                .split_whitespace()
+                .filter_map(|f| {
+                    f.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                })
+                .collect();
+            let rank = l.split_whitespace().nth(1).unwrap_or_default().to_string();
+            fields.insert("rank".into(), rank);
+            fields
+        })
+        .collect();
+    reports.sort_by(|a, b| a["rank"].cmp(&b["rank"]));
+    reports
+}
+
+fn bytes(report: &BTreeMap<String, String>, key: &str) -> f64 {
+    report[key]
+        .parse()
+        .unwrap_or_else(|e| panic!("{key}: {e}: {report:?}"))
+}
+
+#[test]
+fn sharded_training_matches_unsharded_and_each_rank_holds_its_share() {
+    let one = run("sharded_training", &[]);
+    let plain = run(
+        "sharded_training",
+        &["--processes", "2", "--sharding", "NO_SHARD"],
+    );
+    // Two ranks average the gradients of their halves of the batch: one process's loss within rounding.
+    let (l1, l2) = (number(&one, "final_loss"), number(&plain, "final_loss"));
+    assert!((l1 - l2).abs() <= 2e-6, "1 rank {l1}, 2 ranks {l2}");
+    let whole = &rank_reports(&plain)[0];
+    for sharding in ["SHARD_GRAD_OP", "FULL_SHARD"] {
+        let sharded = run(
+            "sharded_training",
+            &["--processes", "2", "--sharding", sharding],
+        );
+        assert_eq!(sharded["final_loss"], plain["final_loss"], "{sharding}");
+        let reports = rank_reports(&sharded);
+        assert_eq!(reports.len(), 2, "{sharding}: {reports:?}");
+        for report in &reports {
+            assert_eq!(report["sharding"], sharding);
+            // Each rank's share: half, within 5% (the per-record header of the optimizer state included).
+            for key in ["grads", "optimizer_state"] {
+                let (mine, all) = (bytes(report, key), bytes(whole, key));
+                assert!(
+                    mine <= all * 0.5 * 1.05,
+                    "{sharding} {key}: {mine} of {all}: {report:?}"
+                );
+            }
+            let (mine, all) = (
+                bytes(report, "params_at_rest"),
+                bytes(whole, "params_at_rest"),
+            );
+            if sharding == "FULL_SHARD" {
+                assert!(
+                    mine <= all * 0.5 * 1.05,
+                    "{sharding} parameters: {mine} of {all}"
+                );
+            } else {
+                assert_eq!(mine, all, "{sharding} keeps every parameter");
+            }
+        }
+    }
+}
+
+/// A config written by Python as Accelerate writes it, with `distributed_type: FSDP`, runs the example sharded.
+#[test]
+fn sharded_training_runs_from_an_fsdp_config_written_by_python() {
+    let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_yaml = Command::new(&python)
+        .args(["-c", "import yaml"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_yaml {
+        assert_ne!(
+            std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
+            Ok("1"),
+            "{python} cannot import yaml"
+        );
+        eprintln!("no PyYAML: skipped");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ba-fsdp-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("default_config.yaml");
+    let script = "import sys, yaml\n\
+        yaml.safe_dump({'compute_environment': 'LOCAL_MACHINE', 'distributed_type': 'FSDP', 'downcast_bf16': 'no',\n\
+        'fsdp_config': {'fsdp_auto_wrap_policy': 'TRANSFORMER_BASED_WRAP', 'fsdp_backward_prefetch': 'BACKWARD_PRE',\n\
+        'fsdp_offload_params': False, 'fsdp_sharding_strategy': 'SHARD_GRAD_OP',\n\
+        'fsdp_state_dict_type': 'FULL_STATE_DICT', 'fsdp_sync_module_states': True, 'fsdp_use_orig_params': True},\n\
+        'machine_rank': 0, 'main_training_function': 'main', 'mixed_precision': 'no', 'num_machines': 1,\n\
+        'num_processes': 2, 'rdzv_backend': 'static', 'same_network': True, 'use_cpu': True},\n\
+        open(sys.argv[1], 'w'))";
+    let out = Command::new(&python)
+        .args(["-c", script])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(examples::example("sharded_training"))
+        .args(["--processes", "2"])
+        .env("ACCELERATE_CONFIG_FILE", &file)
+        .output()
+        .unwrap();
+    let lines = examples::result_lines(out, &["rank ", "final_loss="]);
+    let plain = run(
+        "sharded_training",
+        &["--processes", "2", "--sharding", "NO_SHARD"],
+    );
+    assert!(
+        lines.contains(&format!("final_loss={}", plain["final_loss"])),
+        "{lines:?}"
+    );
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l.contains("sharding=SHARD_GRAD_OP"))
+            .count(),
+        2,
+        "{lines:?}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -210,7 +210,9 @@ impl Accelerator {
         if project.checkpoints_dir().is_none() {
             if self.config().resume_from_latest {
                 return Err(crate::Error::InvalidArgument(
-                    "resume: resume_from_latest(true) continues from the latest automatic checkpoint of the                      project folder, but none is set; build the accelerator with                      `.project_configuration(ProjectConfiguration::new(dir))`"
+                    "resume: resume_from_latest(true) continues from the latest automatic checkpoint of the \
+                     project folder, but none is set; build the accelerator with \
+                     `.project_configuration(ProjectConfiguration::new(dir))`"
                         .into(),
                 ));
             }

@@ -1,0 +1,165 @@
+//! Sharded training: Accelerate's FSDP (`SHARD_GRAD_OP`, `FULL_SHARD`), in Burn.
+//!
+//! With sharding each rank keeps the optimizer state and the reduced gradients of its own parameters only
+//! (parameters are assigned whole to ranks, balanced by size); under `FULL_SHARD` it keeps only its own
+//! parameters between steps too, and `accelerator.unshard(&model)` gathers them for the forward and backward
+//! pass. The loop is the same in every mode, so the same program trains unsharded, sharded, on one rank or many:
+//!
+//! ```text
+//! let whole = accelerator.unshard(&model)?;          // a cheap clone unless FULL_SHARD
+//! accelerator.backward(loss_of(&whole), &whole)?;    // gradients reduce-scattered: this rank keeps its own
+//! model = optimizer.try_step(model)?;                // steps this rank's parameters, then shares or drops
+//! ```
+//!
+//! ```text
+//! cargo run --release --example sharded_training -- --processes 2 --sharding SHARD_GRAD_OP
+//! cargo run --release --example sharded_training -- --processes 2 --sharding FULL_SHARD
+//! burn-accelerate launch --num-processes 2 --use_fsdp --fsdp_sharding_strategy 2 \
+//!     target/release/examples/sharded_training                 # built with --features mpi
+//! ```
+//!
+//! The model is a stack of `--layers` square linear layers of `--width` (`--layers 24 --width 2048` is 100.7 M
+//! parameters). Every rank prints what it holds at the end, measured: `rank r/P sharding=... params_at_rest=B
+//! grads=B optimizer_state=B peak_rss=B` (gradients as held after the last synchronising backward, optimizer
+//! state as Burn serialises it, peak RSS of the process from `/proc/self/status`); the main process prints
+//! `final_loss=<x>`, the same with and without sharding.
+
+#[path = "../support/ranks.rs"]
+mod ranks;
+#[path = "../support/stack.rs"]
+mod stack;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::AdamConfig;
+use burn::tensor::{Device, Tensor};
+use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy};
+use clap::Parser;
+use stack::Stack;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// In-process ranks (ignored under a launcher, which decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// NO_SHARD, SHARD_GRAD_OP or FULL_SHARD (or Accelerate's 3, 2, 1); the config file's or the environment's
+    /// setting when absent.
+    #[arg(long)]
+    sharding: Option<ShardingStrategy>,
+    /// Square linear layers in the stack.
+    #[arg(long, default_value_t = 6)]
+    layers: usize,
+    /// Width of every layer.
+    #[arg(long, default_value_t = 48)]
+    width: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Samples per step over all ranks (divided between them).
+    #[arg(long, default_value_t = 24)]
+    batch: usize,
+}
+
+/// Bytes of the float parameters of `model` this rank holds (a `FULL_SHARD` placeholder holds none).
+fn param_bytes<M: Module>(model: &M) -> usize {
+    struct Bytes(usize);
+    impl ModuleVisitor for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            self.0 += value.shape().num_elements() * value.dtype().size();
+        }
+    }
+    let mut bytes = Bytes(0);
+    model.visit(&mut bytes);
+    bytes.0
+}
+
+/// Bytes of the gradients of `model`'s parameters this rank holds.
+fn grad_bytes<M: Module>(acc: &Accelerator, model: &M) -> usize {
+    struct Bytes<'a>(&'a Accelerator, usize);
+    impl ModuleVisitor for Bytes<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.grad(param) {
+                self.1 += grad.shape().num_elements() * grad.dtype().size();
+            }
+        }
+    }
+    let mut bytes = Bytes(acc, 0);
+    model.visit(&mut bytes);
+    bytes.1
+}
+
+/// The process's peak resident memory, in bytes (Linux; 0 elsewhere).
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
+    let (rank, ranks) = (acc.process_index(), acc.num_processes());
+    if !args.batch.is_multiple_of(ranks) {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "--batch {} is not divisible by {ranks} ranks",
+            args.batch
+        )));
+    }
+    let device = acc.device().clone();
+    let mut model = acc.prepare_model(initial)?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-3);
+    let (mut loss_value, mut grads) = (0.0, 0);
+    for step in 0..args.steps {
+        let rows = args.batch / ranks;
+        let (x, y) = stack::batch(args.width, (step * args.batch + rank * rows, rows), &device);
+        let whole = acc.unshard(&model)?;
+        let loss = (whole.forward(x) - y).powi_scalar(2).mean();
+        loss_value = acc
+            .reduce(loss.clone().detach(), ReduceOp::Mean)?
+            .into_scalar::<f32>();
+        acc.backward(loss, &whole)?;
+        drop(whole);
+        grads = grad_bytes(&acc, &model);
+        model = optimizer.try_step(model)?;
+    }
+    // Measured before anything below copies the state.
+    let peak = peak_rss();
+    let at_rest = param_bytes(&model);
+    let state = optimizer
+        .inner()
+        .to_record()
+        .into_bytes()
+        .map_err(burn_accelerate::Error::other)?
+        .len();
+    println!(
+        "rank {rank}/{ranks} sharding={} params_at_rest={at_rest} grads={grads} optimizer_state={state} peak_rss={peak}",
+        acc.config().sharding
+    );
+    Ok(loss_value)
+}
+
+fn main() {
+    ranks::exit_on_error(run());
+}
+
+fn run() -> Result<()> {
+    burn_accelerate::logging::init(None);
+    let args = Args::parse();
+    let device = Device::default();
+    device.seed(11);
+    let initial = Stack::new(args.layers, args.width, &device);
+    let builder = match args.sharding {
+        Some(sharding) => Accelerator::builder().sharding(sharding),
+        None => Accelerator::builder(),
+    };
+    if let Some(loss) = ranks::run_ranks(builder, args.processes, |acc| {
+        train(acc, &args, initial.clone())
+    })? {
+        println!("final_loss={loss:.6}");
+    }
+    Ok(())
+}
