@@ -95,6 +95,21 @@ impl GradientBuffer {
 
     /// Drops the gradient of one parameter (a rank that does not step it, under a sharded strategy).
     #[cfg_attr(not(test), allow(dead_code))]
+    /// Removes the gradient of `id` and returns its shape and flat values (the buffer's own tensor, not a clone,
+    /// so that reading it back to the host can move its data); [`put`](Self::put) stores one back.
+    pub(crate) fn take(&mut self, id: ParamId) -> Option<(Shape, Tensor<1>)> {
+        self.flat_mut(id)?;
+        self.tensor_ranks.remove(&id);
+        self.flat.remove(&id)
+    }
+
+    /// Stores `flat` as the gradient of `id`, of `shape`.
+    pub(crate) fn put(&mut self, id: ParamId, shape: Shape, flat: Tensor<1>) {
+        self.tensor_ranks.insert(id, shape.num_dims());
+        self.flat.insert(id, (shape, flat));
+    }
+
+    #[cfg(test)]
     pub(crate) fn remove(&mut self, id: ParamId) {
         if let Some(rank) = self.tensor_ranks.remove(&id) {
             self.flat.remove(&id);

@@ -33,6 +33,9 @@ use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 
+/// Parameters of at least this many elements (1 MiB of f32) cross ranks alone, as data parallelism's buckets do.
+const ALONE_ELEMENTS: usize = 1 << 18;
+
 /// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): its owner and
 /// shape, which a `FULL_SHARD` placeholder no longer shows.
 #[derive(Debug, Clone)]
@@ -84,15 +87,22 @@ impl Sharded {
     }
 
     /// `rounds[k][q]`: the indices into `params` of rank `q`'s own parameters that cross ranks in round `k`.
-    /// Each rank's own parameters, in order, are cut into groups of at most `bucket / world` elements (a larger
-    /// parameter is a group of its own); round `k` holds every rank's `k`-th group (or none).
+    /// Each rank's own parameters, in order, are cut into groups: a parameter of [`ALONE_ELEMENTS`] or more (or
+    /// past the round size) is a group of its own, the others fill groups of at most `bucket / world` elements.
+    /// Round `k` holds every rank's `k`-th group (or none), so that every rank reduces (or sends) its part of
+    /// every round at once.
     fn rounds(&self, params: &[(ParamId, usize)], owners: &[usize]) -> Vec<Vec<Vec<usize>>> {
         let world = self.world();
         let cap = (self.bucket_elems / world).max(1);
+        let alone = ALONE_ELEMENTS.min(cap);
         let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); world];
         for (q, rank_groups) in groups.iter_mut().enumerate() {
             let (mut group, mut elems) = (Vec::new(), 0);
             for (i, (_, n)) in params.iter().enumerate().filter(|(i, _)| owners[*i] == q) {
+                if *n >= alone {
+                    rank_groups.push(vec![i]);
+                    continue;
+                }
                 if !group.is_empty() && elems + n > cap {
                     rank_groups.push(std::mem::take(&mut group));
                     elems = 0;
@@ -181,15 +191,24 @@ impl Strategy for Sharded {
                 .map(|group| group.iter().map(|i| params[*i].1).sum())
                 .collect();
             let mut send = Vec::with_capacity(counts.iter().sum());
+            let mut shapes = HashMap::new();
             for &i in round.iter().flatten() {
                 let (id, n) = params[i];
-                match grads.flat(&[id]).pop() {
+                // Taken out of the buffer (an owner's comes back reduced): moved to the host, not copied, when
+                // it is alone in the round.
+                let taken = grads.take(id).map(|(shape, grad)| {
+                    if owners[i] == me {
+                        shapes.insert(id, shape);
+                    }
+                    grad
+                });
+                match taken {
+                    Some(grad) if send.is_empty() && n == counts.iter().sum::<usize>() => {
+                        send = to_host(grad, "gradient reduce-scatter")?
+                    }
                     Some(grad) => send.extend(to_host(grad, "gradient reduce-scatter")?),
                     // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
                     None => send.resize(send.len() + n, 0.0),
-                }
-                if owners[i] != me {
-                    grads.remove(id);
                 }
             }
             let reduced = self
@@ -205,15 +224,24 @@ impl Strategy for Sharded {
             if scale != 1.0 {
                 mine.iter_mut().for_each(|x| *x *= factor);
             }
+            let mut store = |id: ParamId, values: Vec<f32>| -> Result<()> {
+                let flat = from_host(values, (&device, dtype), "gradient reduce-scatter")?;
+                match shapes.remove(&id) {
+                    Some(shape) => grads.put(id, shape, flat),
+                    // Unused on this rank: it gets its shape when the optimizer takes it.
+                    None => grads.set_flat(id, flat),
+                }
+                Ok(())
+            };
+            if let [i] = round[me][..] {
+                store(params[i].0, mine)?;
+                continue;
+            }
             let mut start = 0;
             for &i in &round[me] {
                 let (id, n) = params[i];
-                let part = mine[start..start + n].to_vec();
+                store(id, mine[start..start + n].to_vec())?;
                 start += n;
-                grads.set_flat(
-                    id,
-                    from_host(part, (&device, dtype), "gradient reduce-scatter")?,
-                );
             }
         }
         Ok(())
@@ -448,7 +476,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
             .iter()
             .map(|group| group.iter().map(|i| params[*i].1).sum())
             .collect();
-        let mut part = Vec::with_capacity(counts[me]);
+        let mut part = Vec::new();
         for &i in &round[me] {
             let flat = own.values.remove(&params[i].0).ok_or_else(|| {
                 Error::InvalidArgument(format!(
@@ -456,7 +484,11 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
                     params[i].0
                 ))
             })?;
-            part.extend(to_host(flat, "parameter all-gather")?);
+            if part.is_empty() {
+                part = to_host(flat, "parameter all-gather")?;
+            } else {
+                part.extend(to_host(flat, "parameter all-gather")?);
+            }
         }
         let all = sharded
             .group
@@ -469,14 +501,25 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
             )));
         };
         let mut values = HashMap::new();
-        let mut start = 0;
-        for (q, group) in round.iter().enumerate() {
-            for &i in group {
-                let (id, n) = params[i];
+        let alone = round.iter().map(Vec::len).sum::<usize>() == 1;
+        match round.iter().position(|g| !g.is_empty()) {
+            // One parameter: the gathered buffer is its value (nothing to do on its owner).
+            Some(q) if alone => {
                 if q != me {
-                    values.insert(id, all[start..start + n].to_vec());
+                    values.insert(params[round[q][0]].0, all);
                 }
-                start += n;
+            }
+            _ => {
+                let mut start = 0;
+                for (q, group) in round.iter().enumerate() {
+                    for &i in group {
+                        let (id, n) = params[i];
+                        if q != me {
+                            values.insert(id, all[start..start + n].to_vec());
+                        }
+                        start += n;
+                    }
+                }
             }
         }
         let mut set = Set {
