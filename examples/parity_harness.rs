@@ -115,6 +115,9 @@ struct Args {
     /// environment's setting when absent.
     #[arg(long)]
     sharding: Option<ShardingStrategy>,
+    /// The gradient bucket in MiB (small buckets make sharded ranks exchange most parameters alone).
+    #[arg(long)]
+    bucket_size_mb: Option<f64>,
 }
 
 /// What a rank counted, written beside its weights.
@@ -137,11 +140,14 @@ struct Report {
 }
 
 /// The builder of each case, on top of the settings the launcher or the environment gave.
-fn builder(case: Case, sharding: Option<ShardingStrategy>) -> AcceleratorBuilder {
-    let builder = match sharding {
-        Some(sharding) => Accelerator::builder().sharding(sharding),
-        None => Accelerator::builder(),
-    };
+fn builder(case: Case, args: &Args) -> AcceleratorBuilder {
+    let mut builder = Accelerator::builder();
+    if let Some(sharding) = args.sharding {
+        builder = builder.sharding(sharding);
+    }
+    if let Some(mib) = args.bucket_size_mb {
+        builder = builder.bucket_size_mb(mib);
+    }
     match case {
         Case::Accumulation => builder.gradient_accumulation_steps(3),
         Case::Bf16 => builder.mixed_precision(MixedPrecision::Bf16),
@@ -430,7 +436,7 @@ fn run() -> Result<()> {
     device.seed(7);
     let initial = Mlp::new(&device);
     for &case in &args.cases {
-        let result = ranks::run_ranks(builder(case, args.sharding), args.processes, |acc| {
+        let result = ranks::run_ranks(builder(case, &args), args.processes, |acc| {
             let rank = acc.process_index();
             run_case(&acc, case, &args, initial.clone()).map_err(|e| {
                 // Every rank says what it met, so that a test can check each one's error; then waits for the

@@ -98,6 +98,17 @@ enum Call {
         len: u64,
         parts: u64,
     },
+    /// `kind_op` is `kind * 4 + op`, as for the reduce-scatter.
+    Reduce {
+        kind_op: u64,
+        len: u64,
+        root: u64,
+    },
+    BroadcastBuffer {
+        kind: u64,
+        len: u64,
+        root: u64,
+    },
 }
 
 const CALL_WORDS: usize = 4;
@@ -117,6 +128,8 @@ impl Call {
                 parts,
             } => [5, kind_op, len, parts],
             Call::AllGatherParts { kind, len, parts } => [6, kind, len, parts],
+            Call::Reduce { kind_op, len, root } => [7, kind_op, len, root],
+            Call::BroadcastBuffer { kind, len, root } => [8, kind, len, root],
         }
     }
 
@@ -141,6 +154,15 @@ impl Call {
             [6, kind, len, parts] if (kind as usize) < KINDS.len() => {
                 Some(Call::AllGatherParts { kind, len, parts })
             }
+            [7, kind_op, len, root]
+                if ((kind_op / 4) as usize) < KINDS.len()
+                    && ((kind_op % 4) as usize) < OPS.len() =>
+            {
+                Some(Call::Reduce { kind_op, len, root })
+            }
+            [8, kind, len, root] if (kind as usize) < KINDS.len() => {
+                Some(Call::BroadcastBuffer { kind, len, root })
+            }
             _ => None,
         }
     }
@@ -153,6 +175,8 @@ impl Call {
             Call::Broadcast { .. } => "broadcast",
             Call::ReduceScatter { .. } => "reduce_scatter",
             Call::AllGatherParts { .. } => "all_gather_parts",
+            Call::Reduce { .. } => "reduce",
+            Call::BroadcastBuffer { .. } => "broadcast_buffer",
         }
     }
 
@@ -178,6 +202,15 @@ impl Call {
                 "all_gather_parts of {len} x {} into parts {parts:#x}",
                 KINDS[kind as usize]
             ),
+            Call::Reduce { kind_op, len, root } => format!(
+                "reduce ({}) of {len} x {} to rank {root}",
+                OPS[(kind_op % 4) as usize],
+                KINDS[(kind_op / 4) as usize]
+            ),
+            Call::BroadcastBuffer { kind, len, root } => format!(
+                "broadcast_buffer of {len} x {} from rank {root}",
+                KINDS[kind as usize]
+            ),
         }
     }
 
@@ -195,6 +228,8 @@ impl Call {
             } => format!("{kind_op} {len} {parts}"),
             // Each rank's own length is checked against the counts once the headers are in.
             Call::AllGatherParts { kind, parts, .. } => format!("{kind} {parts}"),
+            Call::Reduce { kind_op, len, root } => format!("{kind_op} {len} {root}"),
+            Call::BroadcastBuffer { kind, len, root } => format!("{kind} {len} {root}"),
         };
         CallSignature {
             collective: self.name().into(),
@@ -573,6 +608,80 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// Reduce of one element type to `root`: the root receives into the previous call's send buffer, as the
+    /// all-reduce does.
+    fn reduce_to_root_typed<T>(
+        &self,
+        spare: &mut Vec<T>,
+        data: Vec<T>,
+        (kind, op, root): (u64, ReduceOp, usize),
+    ) -> CommResult<Option<Vec<T>>>
+    where
+        T: mpi::datatype::Equivalence + Default + Clone + 'static,
+    {
+        burn_accelerate_comm::check_root_public("reduce", root, self.size)?;
+        let (system, op_code) = system_op(op);
+        let (seq, _) = self.agree(Call::Reduce {
+            kind_op: kind * 4 + op_code,
+            len: data.len() as u64,
+            root: root as u64,
+        })?;
+        if data.is_empty() {
+            return Ok((self.rank == root).then_some(data));
+        }
+        let target = self.world.process_at_rank(root as i32);
+        if self.rank != root {
+            if data.len() * std::mem::size_of::<T>() >= BLOCKING_MIN_BYTES {
+                target.reduce_into(&data[..], system);
+            } else {
+                self.run("reduce", seq, data, |_, send| {
+                    target.immediate_reduce_into(StaticScope, &send[..], system)
+                })?;
+            }
+            return Ok(None);
+        }
+        let mut recv = std::mem::take(spare);
+        recv.resize(data.len(), T::default());
+        let (send, recv) = if data.len() * std::mem::size_of::<T>() >= BLOCKING_MIN_BYTES {
+            // As the all-reduce: MPI's blocking call once the headers showed every rank in this very reduce.
+            let mut recv = recv;
+            target.reduce_into_root(&data[..], &mut recv[..], system);
+            (data, recv)
+        } else {
+            self.run("reduce", seq, (data, recv), |_, (send, recv)| {
+                target.immediate_reduce_into_root(StaticScope, &send[..], &mut recv[..], system)
+            })?
+        };
+        *spare = send;
+        Ok(Some(recv))
+    }
+
+    /// Broadcast of one element type from `root`, into every rank's own buffer.
+    fn broadcast_typed<T>(&self, mut data: Vec<T>, kind: u64, root: usize) -> CommResult<Vec<T>>
+    where
+        T: mpi::datatype::Equivalence + 'static,
+    {
+        burn_accelerate_comm::check_root_public("broadcast_buffer", root, self.size)?;
+        let (seq, _) = self.agree(Call::BroadcastBuffer {
+            kind,
+            len: data.len() as u64,
+            root: root as u64,
+        })?;
+        if data.is_empty() {
+            return Ok(data);
+        }
+        let from = self.world.process_at_rank(root as i32);
+        if data.len() * std::mem::size_of::<T>() >= BLOCKING_MIN_BYTES {
+            from.broadcast_into(&mut data[..]);
+            return Ok(data);
+        }
+        self.run("broadcast_buffer", seq, data, |_, buffer| {
+            from.immediate_broadcast_into(StaticScope, &mut buffer[..])
+        })
+    }
+}
+
 /// MPI's operation for `op` (a mean is a sum, divided afterwards) and its code in the call headers.
 fn system_op(op: ReduceOp) -> (SystemOperation, u64) {
     match op {
@@ -824,6 +933,41 @@ impl Communicator for MpiComm {
             ReduceBuffer::F32(v) => ReduceBuffer::F32(self.all_gather_parts_typed(v, counts, 0)?),
             ReduceBuffer::F64(v) => ReduceBuffer::F64(self.all_gather_parts_typed(v, counts, 1)?),
             ReduceBuffer::I64(v) => ReduceBuffer::I64(self.all_gather_parts_typed(v, counts, 2)?),
+        })
+    }
+
+    fn reduce(
+        &self,
+        data: ReduceBuffer,
+        root: usize,
+        op: ReduceOp,
+    ) -> CommResult<Option<ReduceBuffer>> {
+        let mut spare = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let out = match data {
+            ReduceBuffer::F32(v) => self
+                .reduce_to_root_typed(&mut spare.f32, v, (0, op, root))?
+                .map(ReduceBuffer::F32),
+            ReduceBuffer::F64(v) => self
+                .reduce_to_root_typed(&mut spare.f64, v, (1, op, root))?
+                .map(ReduceBuffer::F64),
+            ReduceBuffer::I64(v) => self
+                .reduce_to_root_typed(&mut spare.i64, v, (2, op, root))?
+                .map(ReduceBuffer::I64),
+        };
+        Ok(out.map(|mut out| {
+            if op == ReduceOp::Mean {
+                out.divide_by_ranks(self.size);
+            }
+            out
+        }))
+    }
+
+    fn broadcast_buffer(&self, data: ReduceBuffer, root: usize) -> CommResult<ReduceBuffer> {
+        let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(match data {
+            ReduceBuffer::F32(v) => ReduceBuffer::F32(self.broadcast_typed(v, 0, root)?),
+            ReduceBuffer::F64(v) => ReduceBuffer::F64(self.broadcast_typed(v, 1, root)?),
+            ReduceBuffer::I64(v) => ReduceBuffer::I64(self.broadcast_typed(v, 2, root)?),
         })
     }
 

@@ -42,6 +42,9 @@ enum Payload {
     Scatter(ReduceBuffer, CallSignature),
     /// An all-gather's part and the call as every rank must make it alike.
     Parts(ReduceBuffer, CallSignature),
+    /// A rank's buffer of a rooted in-place collective (reduce, typed broadcast) and the call as every rank must
+    /// make it alike.
+    Rooted(Arc<InPlaceBuffer>, CallSignature),
 }
 
 /// A rank's all-reduce buffer, shared with the other ranks for an in-place reduce-scatter and all-gather.
@@ -470,6 +473,43 @@ impl InProcessComm {
     }
 }
 
+impl InProcessComm {
+    /// Shares `own` with every rank for a rooted in-place collective and returns every rank's buffer, once
+    /// every rank passed the same kind, length and root.
+    fn share_rooted(
+        &self,
+        op: &'static str,
+        own: &Arc<InPlaceBuffer>,
+        root: usize,
+    ) -> Result<Vec<Arc<InPlaceBuffer>>> {
+        crate::check_root(op, root, self.group.size)?;
+        let signature = CallSignature {
+            collective: op.into(),
+            must_agree: format!("{} x {} from {root}", own.len, own.kind()),
+            described: format!("{op} of {} x {} from rank {root}", own.len, own.kind()),
+        };
+        let all = self.exchange(op, Payload::Rooted(own.clone(), signature))?;
+        let (calls, buffers): (Vec<_>, Vec<_>) = all
+            .iter()
+            .map(|slot| match read(slot).as_ref() {
+                Some(Payload::Rooted(b, s)) => (Some(s.clone()), b.clone()),
+                _ => unreachable!("the round checked the operation"),
+            })
+            .unzip();
+        check_calls(self.last_seq(), &calls)?;
+        Ok(buffers)
+    }
+
+    /// Takes this rank's buffer back once no other rank reads it any more.
+    ///
+    /// # Safety
+    /// Every other rank has finished reading and writing `own` (a round has completed since).
+    unsafe fn take_back(own: &InPlaceBuffer) -> ReduceBuffer {
+        // SAFETY: the caller's contract.
+        unsafe { std::mem::replace(&mut *own.owner.get(), ReduceBuffer::F32(Vec::new())) }
+    }
+}
+
 impl Communicator for InProcessComm {
     fn engine(&self) -> &'static str {
         ENGINE
@@ -577,6 +617,94 @@ impl Communicator for InProcessComm {
             });
         }
         Ok(reduce::concat_parts(&parts).expect("the signatures agree on the kind"))
+    }
+
+    fn reduce(
+        &self,
+        data: ReduceBuffer,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<Option<ReduceBuffer>> {
+        let n = self.group.size;
+        let own = Arc::new(InPlaceBuffer::new(data));
+        let buffers = self.share_rooted("reduce", &own, root)?;
+        let len = own.len;
+        let slice = |r: usize| (r * len / n)..((r + 1) * len / n);
+        let mean = op == ReduceOp::Mean;
+        macro_rules! kernel {
+            ($variant:ident, $t:ty, $is_nan:expr, $divide:expr) => {{
+                let is_nan: fn($t) -> bool = $is_nan;
+                let divide: fn(&mut [$t], usize) = $divide;
+                let raw = |b: &InPlaceBuffer| match b.data {
+                    RawElements::$variant(p) => p,
+                    _ => unreachable!("kinds checked above"),
+                };
+                let inputs: Vec<*mut $t> = buffers.iter().map(|b| raw(b)).collect();
+                let combine = |acc: &mut [$t], x: &[$t]| match op {
+                    ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
+                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| {
+                        if *b > *a || is_nan(*b) {
+                            *a = *b
+                        }
+                    }),
+                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| {
+                        if *b < *a || is_nan(*b) {
+                            *a = *b
+                        }
+                    }),
+                };
+                let finish = |acc: &mut [$t]| {
+                    if mean {
+                        divide(acc, n)
+                    }
+                };
+                // Every rank reduces its slice of every buffer, in rank order, into the root's. SAFETY: rank r
+                // reads slice r of every buffer and writes slice r of the root's; no other rank accesses slice r
+                // of any buffer until the next round.
+                unsafe { reduce_raw(&inputs, inputs[root], slice(self.rank), combine, finish) };
+            }};
+        }
+        match own.data {
+            RawElements::F32(_) => kernel!(F32, f32, f32::is_nan, |v, n| v
+                .iter_mut()
+                .for_each(|x| *x /= n as f32)),
+            RawElements::F64(_) => kernel!(F64, f64, f64::is_nan, |v, n| v
+                .iter_mut()
+                .for_each(|x| *x /= n as f64)),
+            RawElements::I64(_) => kernel!(I64, i64, |_| false, |v, n| v
+                .iter_mut()
+                .for_each(|x| *x /= n as i64)),
+        }
+        self.exchange("reduce", Payload::Unit)?;
+        drop(buffers);
+        // SAFETY: after the second round no other rank reads or writes this buffer.
+        let own = unsafe { Self::take_back(&own) };
+        Ok((self.rank == root).then_some(own))
+    }
+
+    fn broadcast_buffer(&self, data: ReduceBuffer, root: usize) -> Result<ReduceBuffer> {
+        let own = Arc::new(InPlaceBuffer::new(data));
+        let buffers = self.share_rooted("broadcast_buffer", &own, root)?;
+        if self.rank != root {
+            let bytes = match own.data {
+                RawElements::F32(_) => 4,
+                _ => 8,
+            };
+            let ptr = |b: &InPlaceBuffer| match b.data {
+                RawElements::F32(p) => p.cast::<u8>(),
+                RawElements::F64(p) => p.cast::<u8>(),
+                RawElements::I64(p) => p.cast::<u8>(),
+            };
+            // SAFETY: the root's buffer is only read in this round, this rank's only written by this rank; both
+            // hold `len` elements of the same kind (checked above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(ptr(&buffers[root]), ptr(&own), own.len * bytes)
+            };
+        }
+        self.exchange("broadcast_buffer", Payload::Unit)?;
+        drop(buffers);
+        // SAFETY: after the second round no other rank reads this buffer.
+        Ok(unsafe { Self::take_back(&own) })
     }
 
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
@@ -782,6 +910,63 @@ mod tests {
                     assert_eq!(i, ReduceBuffer::I64(ints), "n={n} {counts:?} rank {r}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn rooted_reduces_and_typed_broadcasts_match_the_all_reduce_and_the_root() {
+        for n in [1, 2, 3, 4] {
+            for len in [0, 5, SPLIT_REDUCE_MIN + 3] {
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                    let root = n - 1;
+                    let out = run(n, Duration::from_secs(10), move |c| {
+                        let mine: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
+                        let whole = c.all_reduce(ReduceBuffer::F32(mine.clone()), op).unwrap();
+                        let reduced = c.reduce(ReduceBuffer::F32(mine.clone()), root, op).unwrap();
+                        let sent = c.broadcast_buffer(ReduceBuffer::F32(mine), root).unwrap();
+                        let ints: Vec<i64> = (0..len).map(|i| value(c.rank(), i) as i64).collect();
+                        let int_sent = c.broadcast_buffer(ReduceBuffer::I64(ints), 0).unwrap();
+                        (whole, reduced, sent, int_sent)
+                    });
+                    let root_values = ReduceBuffer::F32((0..len).map(|i| value(root, i)).collect());
+                    let first_ints =
+                        ReduceBuffer::I64((0..len).map(|i| value(0, i) as i64).collect());
+                    for (r, (whole, reduced, sent, int_sent)) in out.into_iter().enumerate() {
+                        let expected = (r == root).then(|| whole.clone());
+                        assert_eq!(
+                            reduced, expected,
+                            "n={n} len={len} {op} rank {r}: the same bits"
+                        );
+                        assert_eq!(sent, root_values, "n={n} len={len} rank {r}");
+                        assert_eq!(int_sent, first_ints, "n={n} len={len} rank {r}");
+                    }
+                }
+            }
+        }
+        // Ranks that disagree on the root or the length all get an error naming each rank's call.
+        let out = run(2, Duration::from_secs(10), |c| {
+            let root = c.rank();
+            c.reduce(ReduceBuffer::F32(vec![1.0; 4]), root, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        for message in &out {
+            assert!(
+                message.contains("rank 1: reduce of 4 x f32 from rank 1"),
+                "{message}"
+            );
+        }
+        let out = run(2, Duration::from_secs(10), |c| {
+            let len = 3 + c.rank();
+            c.broadcast_buffer(ReduceBuffer::F32(vec![1.0; len]), 0)
+                .unwrap_err()
+                .to_string()
+        });
+        for message in &out {
+            assert!(
+                message.contains("rank 1: broadcast_buffer of 4 x f32"),
+                "{message}"
+            );
         }
     }
 

@@ -76,6 +76,74 @@ pub trait Communicator: Send + Sync + Debug {
         Ok(self.all_reduce(data, op)?.slice(part))
     }
 
+    /// Combines `data` element-wise across ranks with `op` into rank `root`'s buffer: `root` gets `Some` of the
+    /// result, the other ranks `None` (MPI's `MPI_Reduce`). Every rank must pass a buffer of the same kind and
+    /// length, and the same `root`.
+    ///
+    /// The default all-reduces and keeps the result on `root`; engines override it so that only `root`
+    /// receives (and no rank allocates).
+    fn reduce(
+        &self,
+        data: ReduceBuffer,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<Option<ReduceBuffer>> {
+        check_root("reduce", root, self.world_size())?;
+        let all = self.all_reduce(data, op)?;
+        Ok((self.rank() == root).then_some(all))
+    }
+
+    /// Rank `root`'s buffer on every rank, received into each rank's own `data` (of the same kind and length on
+    /// every rank; its values are ignored on the other ranks), which is returned (MPI's `MPI_Bcast` of typed
+    /// elements, in place).
+    ///
+    /// The default goes through the byte [`broadcast`](Self::broadcast); engines override it to receive into
+    /// `data` itself.
+    fn broadcast_buffer(&self, data: ReduceBuffer, root: usize) -> Result<ReduceBuffer> {
+        check_root("broadcast_buffer", root, self.world_size())?;
+        let bytes = if self.rank() == root {
+            match &data {
+                ReduceBuffer::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                ReduceBuffer::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                ReduceBuffer::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            }
+        } else {
+            Vec::new()
+        };
+        let bytes = self.broadcast(bytes, root)?;
+        let wrong = |width: usize| CommError::IncompatibleInputs {
+            operation: "broadcast_buffer".into(),
+            reason: format!(
+                "rank {root} sent {} bytes, rank {} expected {} elements of {width} bytes",
+                bytes.len(),
+                self.rank(),
+                data.len()
+            ),
+        };
+        Ok(match data {
+            ReduceBuffer::F32(_) if bytes.len() == data.len() * 4 => ReduceBuffer::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            ReduceBuffer::F64(_) if bytes.len() == data.len() * 8 => ReduceBuffer::F64(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect(),
+            ),
+            ReduceBuffer::I64(_) if bytes.len() == data.len() * 8 => ReduceBuffer::I64(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect(),
+            ),
+            ReduceBuffer::F32(_) => return Err(wrong(4)),
+            _ => return Err(wrong(8)),
+        })
+    }
+
     /// Gathers every rank's part into one buffer, in rank order: rank `r` passes `counts[r]` elements (parts
     /// may differ in length, and one may be empty) and every rank gets all `counts.iter().sum()` of them
     /// (MPI's `MPI_Allgatherv`). Every rank must pass parts of the same kind and the same `counts`.
@@ -134,6 +202,27 @@ pub trait Communicator: Send + Sync + Debug {
     }
 }
 
+/// The error of a collective from `root` in a group of `world` ranks, when there is no such rank (for engines:
+/// every engine words it alike).
+///
+/// # Errors
+/// [`CommError::InvalidRoot`] when `root >= world`.
+pub fn check_root_public(operation: &str, root: usize, world: usize) -> Result<()> {
+    check_root(operation, root, world)
+}
+
+/// [`check_root_public`], for this crate.
+pub(crate) fn check_root(operation: &str, root: usize, world: usize) -> Result<()> {
+    if root >= world {
+        return Err(CommError::InvalidRoot {
+            operation: operation.into(),
+            root,
+            world_size: world,
+        });
+    }
+    Ok(())
+}
+
 /// The communicator of a run with one process and one device: every collective returns its input.
 #[derive(Debug, Default)]
 pub struct SingleProcess;
@@ -179,6 +268,21 @@ impl Communicator for SingleProcess {
 
     fn all_gather_parts(&self, data: ReduceBuffer, counts: &[usize]) -> Result<ReduceBuffer> {
         reduce::gathered_len(counts, 0, 1, data.len())?;
+        Ok(data)
+    }
+
+    fn reduce(
+        &self,
+        data: ReduceBuffer,
+        root: usize,
+        _op: ReduceOp,
+    ) -> Result<Option<ReduceBuffer>> {
+        check_root("reduce", root, 1)?;
+        Ok(Some(data))
+    }
+
+    fn broadcast_buffer(&self, data: ReduceBuffer, root: usize) -> Result<ReduceBuffer> {
+        check_root("broadcast_buffer", root, 1)?;
         Ok(data)
     }
 }

@@ -175,11 +175,17 @@ fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill
         let unsharded = dir.join(format!("in{p}"));
         run_local(&unsharded, &["--processes", &procs]);
         for sharding in ["SHARD_GRAD_OP", "FULL_SHARD"] {
-            let sharded = dir.join(format!("mpi{p}-{sharding}"));
-            assert_success(&mpirun(p, &sharded, &["--sharding", sharding]));
-            for (case, _) in CASES {
-                let diff = parity::compare_sharded(&unsharded, &sharded, p, case);
-                println!("mpirun -np {p} {sharding} {case}: max |Δ| vs NO_SHARD = {diff:e}");
+            // Grouped rounds (the default bucket) and parameters sent alone (a 4 KiB bucket).
+            for bucket in ["25", "0.004"] {
+                let sharded = dir.join(format!("mpi{p}-{sharding}-{bucket}"));
+                let args = ["--sharding", sharding, "--bucket-size-mb", bucket];
+                assert_success(&mpirun(p, &sharded, &args));
+                for (case, _) in CASES {
+                    let diff = parity::compare_sharded(&unsharded, &sharded, p, case);
+                    println!(
+                        "mpirun -np {p} {sharding} bucket {bucket} MiB {case}: max |Δ| vs NO_SHARD = {diff:e}"
+                    );
+                }
             }
             // Saved after step 10, the last rank killed by SIGKILL after step 14, resumed: the same bits as
             // the uninterrupted run.

@@ -20,12 +20,25 @@ fn sharded_ranks_train_the_weights_of_unsharded_ranks_in_every_case() {
         let procs = p.to_string();
         let unsharded = dir.join(format!("p{p}"));
         run_local(&unsharded, &["--processes", &procs]);
-        for sharding in ["SHARD_GRAD_OP", "FULL_SHARD"] {
-            let sharded = dir.join(format!("p{p}-{sharding}"));
-            run_local(&sharded, &["--processes", &procs, "--sharding", sharding]);
+        // The default bucket sends the harness's parameters in grouped rounds; a 4 KiB one sends most alone
+        // (reduced into the owner's buffer and broadcast from it).
+        for (sharding, bucket) in [
+            ("SHARD_GRAD_OP", None),
+            ("FULL_SHARD", None),
+            ("SHARD_GRAD_OP", Some("0.004")),
+            ("FULL_SHARD", Some("0.004")),
+        ] {
+            let sharded = dir.join(format!("p{p}-{sharding}-{}", bucket.unwrap_or("default")));
+            let mut args = vec!["--processes", &procs, "--sharding", sharding];
+            if let Some(mib) = bucket {
+                args.extend(["--bucket-size-mb", mib]);
+            }
+            run_local(&sharded, &args);
             for (case, _) in CASES {
                 let diff = compare_sharded(&unsharded, &sharded, p, case);
-                println!("in-process P={p} {sharding} {case}: max |Δ| vs NO_SHARD = {diff:e}");
+                println!(
+                    "in-process P={p} {sharding} bucket {bucket:?} {case}: max |Δ| vs NO_SHARD = {diff:e}"
+                );
                 assert_eq!(report(&sharded, case, 0)["sharding"], sharding);
             }
         }

@@ -160,9 +160,13 @@ impl Accelerator {
         self.group.num_processes()
     }
 
-    /// The kind of run.
+    /// The kind of run: `FSDP` when several ranks shard the training state, as Accelerate says.
     pub fn distributed_type(&self) -> DistributedType {
-        self.group.distributed_type()
+        match self.group.distributed_type() {
+            DistributedType::No => DistributedType::No,
+            _ if self.pipeline.strategy().sharded().is_some() => DistributedType::Fsdp,
+            other => other,
+        }
     }
 
     /// Whether this is global rank 0.

@@ -20,15 +20,19 @@ pub enum DistributedType {
     MultiCpu,
     /// Several GPU ranks.
     MultiGpu,
+    /// Several ranks that shard the training state ([`ShardingStrategy`](crate::ShardingStrategy) other than
+    /// `NoShard`), on any device.
+    Fsdp,
 }
 
 impl DistributedType {
-    /// Accelerate's name for it: `NO`, `MULTI_CPU` or `MULTI_GPU`.
+    /// Accelerate's name for it: `NO`, `MULTI_CPU`, `MULTI_GPU` or `FSDP`.
     pub fn as_str(self) -> &'static str {
         match self {
             DistributedType::No => "NO",
             DistributedType::MultiCpu => "MULTI_CPU",
             DistributedType::MultiGpu => "MULTI_GPU",
+            DistributedType::Fsdp => "FSDP",
         }
     }
 

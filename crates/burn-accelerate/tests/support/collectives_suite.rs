@@ -440,6 +440,38 @@ pub fn all_gather_parts(acc: &Accelerator) -> Result<()> {
     Ok(())
 }
 
+/// reduce (to one rank) and broadcast_buffer (typed, in place): the root gets the all-reduce's bits, the others
+/// nothing; every rank gets the root's buffer; small buffers and ones past 256 KiB (MPI's blocking path).
+pub fn rooted(acc: &Accelerator) -> Result<()> {
+    use burn_accelerate::distributed::comm::ReduceBuffer;
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let comm = acc.process_group().comm();
+    let value = |rank: usize, i: usize| ((i * 7 + rank * 13) % 29) as f32 - 14.0;
+    for len in [5, (1 << 16) + 3] {
+        let root = p - 1;
+        let mine = || (0..len).map(|i| value(r, i)).collect::<Vec<f32>>();
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+            let whole = comm.all_reduce(ReduceBuffer::F32(mine()), op)?;
+            let reduced = comm.reduce(ReduceBuffer::F32(mine()), root, op)?;
+            check(reduced == (r == root).then_some(whole), || {
+                format!("reduce {op} of {len} to rank {root}: rank {r}")
+            })?;
+        }
+        let sent = comm.broadcast_buffer(ReduceBuffer::F32(mine()), 0)?;
+        let expected: Vec<f32> = (0..len).map(|i| value(0, i)).collect();
+        check(sent == ReduceBuffer::F32(expected), || {
+            format!("broadcast_buffer of {len} from rank 0: rank {r}")
+        })?;
+        let ints = (0..len).map(|i| value(r, i) as i64).collect();
+        let sent = comm.broadcast_buffer(ReduceBuffer::I64(ints), root)?;
+        let expected: Vec<i64> = (0..len).map(|i| value(root, i) as i64).collect();
+        check(sent == ReduceBuffer::I64(expected), || {
+            format!("i64 broadcast_buffer of {len} from rank {root}: rank {r}")
+        })?;
+    }
+    Ok(())
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -455,5 +487,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     large_buffers(acc)?;
     reduce_scatter(acc)?;
     all_gather_parts(acc)?;
+    rooted(acc)?;
     acc.wait_for_everyone()
 }

@@ -513,6 +513,28 @@ mod tests {
     }
 
     #[test]
+    fn a_sharded_run_says_fsdp_and_refuses_what_sharding_cannot_honour() {
+        let sharded = || AcceleratorBuilder::default().sharding(ShardingStrategy::ShardGradOp);
+        let kinds = sharded()
+            .launch(2, |acc| Ok(acc.distributed_type()))
+            .unwrap();
+        assert_eq!(kinds, vec![crate::DistributedType::Fsdp; 2]);
+        let alone = sharded()
+            .launch(1, |acc| Ok(acc.distributed_type()))
+            .unwrap();
+        assert_eq!(alone, vec![crate::DistributedType::No]);
+        let err = sharded()
+            .sync_each_batch(true)
+            .launch(2, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sync_each_batch") && err.contains("SHARD_GRAD_OP"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn owners_are_balanced_by_size_and_deterministic() {
         let ids: Vec<ParamId> = (0..5).map(|_| ParamId::new()).collect();
         let params: Vec<(ParamId, usize)> = ids.iter().copied().zip([10, 40, 10, 20, 20]).collect();

@@ -86,23 +86,32 @@ impl Sharded {
         }
     }
 
-    /// `rounds[k][q]`: the indices into `params` of rank `q`'s own parameters that cross ranks in round `k`.
-    /// Each rank's own parameters, in order, are cut into groups: a parameter of [`ALONE_ELEMENTS`] or more (or
-    /// past the round size) is a group of its own, the others fill groups of at most `bucket / world` elements.
-    /// Round `k` holds every rank's `k`-th group (or none), so that every rank reduces (or sends) its part of
-    /// every round at once.
+    /// The indices into `params` of the parameters that cross ranks alone: [`ALONE_ELEMENTS`] or more (or past
+    /// a round's size). Each is reduced into its owner's own buffer and broadcast from it, in place: no buffer is
+    /// allocated or copied for it (as data parallelism's all-reduce of a large gradient).
+    fn large(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
+        let alone = self.alone_elements();
+        (0..params.len())
+            .filter(|i| params[*i].1 >= alone)
+            .collect()
+    }
+
+    fn alone_elements(&self) -> usize {
+        ALONE_ELEMENTS.min((self.bucket_elems / self.world()).max(1))
+    }
+
+    /// `rounds[k][q]`: the indices into `params` of rank `q`'s own smaller parameters (not [`large`](Self::large))
+    /// that cross ranks in round `k`. Each rank's own, in order, fill groups of at most `bucket / world` elements;
+    /// round `k` holds every rank's `k`-th group (or none).
     fn rounds(&self, params: &[(ParamId, usize)], owners: &[usize]) -> Vec<Vec<Vec<usize>>> {
         let world = self.world();
         let cap = (self.bucket_elems / world).max(1);
-        let alone = ALONE_ELEMENTS.min(cap);
+        let alone = self.alone_elements();
         let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); world];
         for (q, rank_groups) in groups.iter_mut().enumerate() {
             let (mut group, mut elems) = (Vec::new(), 0);
-            for (i, (_, n)) in params.iter().enumerate().filter(|(i, _)| owners[*i] == q) {
-                if *n >= alone {
-                    rank_groups.push(vec![i]);
-                    continue;
-                }
+            let small = |(i, (_, n)): &(usize, &(ParamId, usize))| owners[*i] == q && *n < alone;
+            for (i, (_, n)) in params.iter().enumerate().filter(small) {
                 if !group.is_empty() && elems + n > cap {
                     rank_groups.push(std::mem::take(&mut group));
                     elems = 0;
@@ -185,6 +194,41 @@ impl Strategy for Sharded {
             ReduceOp::Sum
         };
         let factor = scale / world as f32;
+        let to_tensor = |mut values: Vec<f32>| {
+            if scale != 1.0 {
+                values.iter_mut().for_each(|x| *x *= factor);
+            }
+            from_host(values, (&device, dtype), "gradient reduce-scatter")
+        };
+        // Large gradients: each reduced into its owner's own buffer.
+        for i in self.large(params) {
+            let (id, n) = params[i];
+            let (shape, host) = match grads.take(id) {
+                Some((shape, grad)) => (Some(shape), to_host(grad, "gradient reduce")?),
+                // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
+                None => (None, vec![0.0; n]),
+            };
+            match self
+                .group
+                .comm()
+                .reduce(ReduceBuffer::F32(host), owners[i], op)?
+            {
+                Some(ReduceBuffer::F32(values)) => {
+                    let flat = to_tensor(values)?;
+                    match shape {
+                        Some(shape) => grads.put(id, shape, flat),
+                        None => grads.set_flat(id, flat),
+                    }
+                }
+                Some(other) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "gradient reduce: the engine returned {} values",
+                        other.kind()
+                    )));
+                }
+                None => {}
+            }
+        }
         for round in self.rounds(params, &owners) {
             let counts: Vec<usize> = round
                 .iter()
@@ -215,17 +259,14 @@ impl Strategy for Sharded {
                 .group
                 .comm()
                 .reduce_scatter(ReduceBuffer::F32(send), &counts, op)?;
-            let ReduceBuffer::F32(mut mine) = reduced else {
+            let ReduceBuffer::F32(mine) = reduced else {
                 return Err(Error::InvalidArgument(format!(
                     "gradient reduce-scatter: the engine returned {} values",
                     reduced.kind()
                 )));
             };
-            if scale != 1.0 {
-                mine.iter_mut().for_each(|x| *x *= factor);
-            }
             let mut store = |id: ParamId, values: Vec<f32>| -> Result<()> {
-                let flat = from_host(values, (&device, dtype), "gradient reduce-scatter")?;
+                let flat = to_tensor(values)?;
                 match shapes.remove(&id) {
                     Some(shape) => grads.put(id, shape, flat),
                     // Unused on this rank: it gets its shape when the optimizer takes it.
@@ -390,6 +431,64 @@ fn reshard<M: Module>(sharded: &Sharded, module: M) -> M {
 /// `module` with every trainable parameter owned by another rank replaced by that rank's value (all-gathered
 /// in rounds), in its whole shape, keeping ids and gradient settings.
 fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
+    /// Large parameters, each broadcast from its owner into this rank's own buffer (its stale value's, when it
+    /// holds one), in visiting order: no buffer is allocated or copied for a parameter the module alone holds.
+    struct Broadcast<'a> {
+        comm: &'a dyn crate::distributed::comm::Communicator,
+        large: &'a HashMap<ParamId, (usize, usize)>,
+        dims: &'a HashMap<ParamId, Vec<usize>>,
+        error: Option<Error>,
+    }
+    impl ModuleMapper for Broadcast<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(&(owner, n)) = self.large.get(&param.id) else {
+                return param;
+            };
+            if self.error.is_some() {
+                return param;
+            }
+            let dims = self.dims.get(&param.id).cloned();
+            param.map(|old| {
+                let (device, dtype) = (old.device(), old.dtype());
+                let dims: [usize; D] = match dims.and_then(|d| d.try_into().ok()) {
+                    Some(dims) => dims,
+                    None => old.dims(),
+                };
+                let host = if old.shape().num_elements() == n {
+                    to_host(old.reshape([n]), "parameter broadcast")
+                } else {
+                    // A placeholder (FULL_SHARD): nothing to reuse.
+                    Ok(vec![0.0; n])
+                };
+                let received = host.and_then(|host| {
+                    match self.comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
+                        ReduceBuffer::F32(values) => {
+                            from_host(values, (&device, dtype), "parameter broadcast")
+                        }
+                        other => Err(Error::InvalidArgument(format!(
+                            "parameter broadcast: the engine returned {} values",
+                            other.kind()
+                        ))),
+                    }
+                });
+                match received {
+                    Ok(flat) => {
+                        let value = flat.reshape(dims);
+                        // Every gathered parameter trains (a placeholder tracks no gradient of its own).
+                        if device.is_autodiff() {
+                            value.require_grad()
+                        } else {
+                            value
+                        }
+                    }
+                    Err(e) => {
+                        self.error = Some(e);
+                        Tensor::zeros(dims, (&device, dtype))
+                    }
+                }
+            })
+        }
+    }
     /// This rank's own parameters, flat.
     struct Own<'a> {
         mine: &'a HashMap<ParamId, usize>,
@@ -460,10 +559,25 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
         }
         dims
     };
+    let large: HashMap<ParamId, (usize, usize)> = sharded
+        .large(&params)
+        .into_iter()
+        .map(|i| (params[i].0, (owners[i], params[i].1)))
+        .collect();
+    let mut broadcast = Broadcast {
+        comm: sharded.group.comm().as_ref(),
+        large: &large,
+        dims: &dims,
+        error: None,
+    };
+    module = module.map(&mut broadcast);
+    if let Some(e) = broadcast.error {
+        return Err(e);
+    }
     let mine: HashMap<ParamId, usize> = params
         .iter()
         .zip(&owners)
-        .filter(|(_, o)| **o == me)
+        .filter(|((id, _), o)| **o == me && !large.contains_key(id))
         .map(|((id, n), _)| (*id, *n))
         .collect();
     let mut own = Own {
