@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 pub(crate) use crate::grad::window::StepOutcome;
 use crate::grad::window::{BackwardPlan, SharedStep};
 use crate::grad::{
-    GradSource, GradientBuffer, NormType, clip_grad_norm, has_non_finite, param_ids,
+    GradSource, GradientBuffer, NormType, ShardNorms, clip_grad_norm, has_non_finite, param_ids,
 };
 use crate::precision::Precision;
 
@@ -158,11 +158,20 @@ impl StepPipeline {
                     &param_ids(&model),
                     max_norm,
                     NormType::L2,
-                    self.strategy.as_ref(),
+                    self.shard_norms().as_deref(),
                 )?;
             }
         }
         Ok(self.shared.take_outcome(&model))
+    }
+
+    /// How a gradient norm's parts are combined across ranks, when each rank holds only its own gradients.
+    pub fn shard_norms(&self) -> Option<Box<ShardNorms<'_>>> {
+        let strategy = self.strategy.as_ref();
+        strategy.sharded().is_some().then(|| {
+            Box::new(move |partial, op| strategy.combine_norm_parts(partial, op))
+                as Box<ShardNorms<'_>>
+        })
     }
 
     /// A micro-batch starts; returns whether it ends the accumulation window.

@@ -494,14 +494,9 @@ impl Accelerator {
         norm_type: NormType,
     ) -> Result<f64> {
         let ids = grad::param_ids(model);
+        let shards = self.pipeline.shard_norms();
         let grads = &mut self.pipeline.shared().lock().grads;
-        grad::clip_grad_norm(
-            grads,
-            &ids,
-            max_norm,
-            norm_type,
-            self.pipeline.strategy().as_ref(),
-        )
+        grad::clip_grad_norm(grads, &ids, max_norm, norm_type, shards.as_deref())
     }
 
     /// Clamps every gradient of `model` into `[-clip_value, clip_value]` (torch's `clip_grad_value_`).

@@ -7,9 +7,8 @@ use burn::module::ParamId;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::GradientBuffer;
-use crate::distributed::comm::ReduceOp;
-use crate::distributed::strategy::Strategy;
 use crate::error::{Error, Result};
+use burn_accelerate_comm::ReduceOp;
 
 /// Which norm [`Accelerator::clip_grad_norm_with`](crate::Accelerator::clip_grad_norm_with) measures.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -35,6 +34,10 @@ impl NormType {
     }
 }
 
+/// Combines this rank's part of a gradient norm (a sum of powers with `Sum`, a maximum with `Max`) with the other
+/// ranks' parts, when each rank holds only its own gradients (a sharded strategy).
+pub(crate) type ShardNorms<'a> = dyn Fn(f64, ReduceOp) -> Result<f64> + 'a;
+
 /// Clips the gradients of `ids` in `buffer` so that their combined norm is at most `max_norm`, and returns the
 /// combined norm measured before clipping.
 ///
@@ -46,7 +49,7 @@ pub(crate) fn clip_grad_norm(
     ids: &[ParamId],
     max_norm: f64,
     norm_type: NormType,
-    strategy: &dyn Strategy,
+    shards: Option<&ShardNorms<'_>>,
 ) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm >= 0.0) {
         return Err(Error::InvalidArgument(format!(
@@ -57,7 +60,7 @@ pub(crate) fn clip_grad_norm(
     let grads = buffer.flat(ids);
     // A sharded rank holds only its own gradients: it may hold none, and its part of the norm is combined
     // with the others'.
-    let sharded = strategy.sharded().is_some();
+    let sharded = shards.is_some();
     if grads.is_empty() && !sharded {
         return Err(Error::NoGradients {
             operation: "clip_grad_norm",
@@ -84,7 +87,7 @@ pub(crate) fn clip_grad_norm(
             }
         })
         .collect();
-    let total = if sharded {
+    let total = if let Some(combine) = shards {
         let partial = if parts.is_empty() {
             0.0
         } else {
@@ -95,11 +98,9 @@ pub(crate) fn clip_grad_norm(
             })?
         };
         match norm_type {
-            NormType::L2 => strategy.combine_norm_parts(partial, ReduceOp::Sum)?.sqrt(),
-            NormType::Inf => strategy.combine_norm_parts(partial, ReduceOp::Max)?,
-            NormType::P(p) => strategy
-                .combine_norm_parts(partial, ReduceOp::Sum)?
-                .powf(1.0 / p),
+            NormType::L2 => combine(partial, ReduceOp::Sum)?.sqrt(),
+            NormType::Inf => combine(partial, ReduceOp::Max)?,
+            NormType::P(p) => combine(partial, ReduceOp::Sum)?.powf(1.0 / p),
         }
     } else {
         let stacked = Tensor::cat(parts, 0);
@@ -183,7 +184,6 @@ pub(crate) fn clip_grad_value(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::strategy::SingleDevice;
     use burn::tensor::Device;
 
     fn buffer_with(values: &[&[f32]]) -> (GradientBuffer, Vec<ParamId>) {
@@ -220,7 +220,7 @@ mod tests {
             .sum::<f64>()
             .sqrt();
         assert_eq!(manual, 13.0);
-        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2, &SingleDevice).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2, None).unwrap();
         assert!((total - manual).abs() < 1e-5, "{total}");
         let coef = (1.3 / (13.0 + 1e-6)) as f32;
         let after = values(&mut buffer, &ids);
@@ -237,7 +237,7 @@ mod tests {
     fn no_scaling_below_max_norm() {
         let grads: &[&[f32]] = &[&[0.3], &[0.4]];
         let (mut buffer, ids) = buffer_with(grads);
-        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2, &SingleDevice).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2, None).unwrap();
         assert!((total - 0.5).abs() < 1e-6);
         assert_eq!(values(&mut buffer, &ids), vec![vec![0.3], vec![0.4]]);
     }
@@ -246,13 +246,12 @@ mod tests {
     fn inf_and_p_norms() {
         let grads: &[&[f32]] = &[&[1.0, -5.0], &[2.0]];
         let (mut buffer, ids) = buffer_with(grads);
-        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf, &SingleDevice).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf, None).unwrap();
         assert_eq!(total, 5.0);
-        let total =
-            clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0), &SingleDevice).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0), None).unwrap();
         assert!((total - 8.0).abs() < 1e-5);
-        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0), &SingleDevice).is_err());
-        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2, &SingleDevice).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0), None).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2, None).is_err());
     }
 
     #[test]

@@ -11,5 +11,7 @@ pub(crate) mod window;
 
 pub(crate) use buffer::{GradSource, GradientBuffer, param_ids};
 pub use clip::NormType;
-pub(crate) use clip::{check_executed, clip_grad_norm, clip_grad_value, has_non_finite};
+pub(crate) use clip::{
+    ShardNorms, check_executed, clip_grad_norm, clip_grad_value, has_non_finite,
+};
 pub use window::GradientState;
