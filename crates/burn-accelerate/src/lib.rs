@@ -36,12 +36,15 @@
 //!    the process was started (single, in-process threads from [`launch`], MPI) and hands over its
 //!    [`Communicator`](distributed::comm::Communicator); [`backend`] picks the device of the local rank; the
 //!    [`ProcessGroup`] holds rank, device and communicator. The builder then picks the rank's distribution
-//!    strategy (`distributed::strategy`: one device, or data parallelism over the host all-reduce), and the
+//!    strategy (`distributed::strategy`: one device, data parallelism over the host all-reduce, or sharded data
+//!    parallelism under a [`ShardingStrategy`]), and the
 //!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
 //! 2. **`prepare_model`** — the main process draws the lazily initialised parameters (after every rank arrived,
 //!    in module order), the strategy gives every rank rank 0's weights (the others receive lazy parameters
 //!    without drawing them), then the model is forked onto the device with autodiff on (batches go there
-//!    through [`backend::ToDevice`]).
+//!    through [`backend::ToDevice`]). Every rank also takes rank 0's parameter ids (checkpoints key optimizer
+//!    state by id); a sharded strategy learns which rank owns each parameter, and under `FULL_SHARD` this rank
+//!    keeps only its own ([`Accelerator::unshard`] gathers the rest for the forward pass).
 //! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0 (a collective), deals this rank its
 //!    shard of every epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
 //!    [`data::DataPosition`]. Each `iter()` and each batch tell the step window where the epoch stands.
@@ -53,9 +56,11 @@
 //!    loss (fp16), Burn back-propagates, the model's gradients are collected into the gradient buffer, the
 //!    window says whether it ends; if it does, the gradients are normalised by the micro-batches the window had,
 //!    unscaled, reduced across ranks by the strategy (bucketed, through a gradient transport — today the host
-//!    all-reduce of [`distributed::collectives`], the one path to the communicator, so debug mode checks it),
-//!    and the precision returns its verdict (skip on an fp16 overflow on any rank).
-//! 7. **`clip_grad_norm`** — the global norm over the buffer's gradients, torch's formula.
+//!    all-reduce of [`distributed::collectives`], the one path to the communicator, so debug mode checks it;
+//!    sharded: reduced into each parameter's owner, which alone keeps it), and the precision returns its verdict
+//!    (skip on an fp16 overflow on any rank).
+//! 7. **`clip_grad_norm`** — the global norm over the buffer's gradients, torch's formula (sharded: every
+//!    rank's part combined).
 //! 8. **`optimizer.step(model)`** — [`AcceleratedOptimizer`] takes the pipeline's outcome: *accumulate* keeps
 //!    the gradients, *skip* drops them, *apply* hands them to Burn's optimizer (and, under a strategy whose
 //!    ranks step only their own parameters, shares the stepped values). burn-train's Learner

@@ -23,7 +23,9 @@ use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::learner::burn_train::metric::{LearningRateMetric, LossMetric};
 use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
 use burn_accelerate::learner::{AcceleratedStrategy, LearnerLoader};
-use burn_accelerate::{Accelerator, MixedPrecision, ProjectConfiguration, Result};
+use burn_accelerate::{
+    Accelerator, MixedPrecision, ProjectConfiguration, Result, ShardingStrategy,
+};
 use fixtures::{initial, max_abs_diff};
 use mlp::{Mlp, SampleBatcher};
 
@@ -46,6 +48,7 @@ struct Run {
     /// A linear learning-rate schedule (from 0.1 to 0.01 over 3 epochs of 1024 items in batches of 64) instead of
     /// the constant 0.1, with the learning rate logged as a metric.
     schedule: bool,
+    sharding: ShardingStrategy,
 }
 
 impl Run {
@@ -63,6 +66,7 @@ impl Run {
             artifacts: temp_dir(name),
             checkpoints: false,
             schedule: false,
+            sharding: ShardingStrategy::NoShard,
         }
     }
 }
@@ -82,7 +86,8 @@ fn artifacts(run: &Run, rank: usize) -> PathBuf {
 fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
     let mut builder = Accelerator::builder()
         .mixed_precision(run.precision)
-        .gradient_accumulation_steps(run.accumulation);
+        .gradient_accumulation_steps(run.accumulation)
+        .sharding(run.sharding);
     if let Some(dir) = &run.project {
         builder = builder.project_configuration(ProjectConfiguration::new(dir));
     }
@@ -182,6 +187,41 @@ fn two_ranks_train_the_model_one_rank_trains_with_the_doubled_batch() {
     let diff = max_abs_diff(&one.0, &two.0);
     assert!(diff <= 1e-5, "2 ranks differ from 1 by {diff}");
     assert!(one.1 < 0.3, "the model learns: {}", one.1);
+}
+
+#[test]
+fn the_learner_trains_sharded_as_unsharded_and_refuses_full_shard() {
+    let start = initial();
+    let run = |sharding, name: &str| Run {
+        ranks: 2,
+        batch: 32,
+        accumulation: 2,
+        schedule: true,
+        sharding,
+        ..Run::new(name)
+    };
+    let plain = fit(&run(ShardingStrategy::NoShard, "no-shard"), &start);
+    let sharded = fit(&run(ShardingStrategy::ShardGradOp, "shard-grad-op"), &start);
+    assert_eq!(
+        plain.0, sharded.0,
+        "SHARD_GRAD_OP: the same reductions, the same weights bit for bit"
+    );
+    assert_eq!(plain.1.to_bits(), sharded.1.to_bits());
+    let errors = Accelerator::builder()
+        .sharding(ShardingStrategy::FullShard)
+        .launch(2, |acc| {
+            Ok(AcceleratedStrategy::new(Arc::new(acc))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string())
+        })
+        .unwrap();
+    for error in errors {
+        assert!(
+            error.contains("use SHARD_GRAD_OP with the Learner"),
+            "{error}"
+        );
+    }
 }
 
 /// The values of one metric file of rank 0 (`split/epoch-N/Name.log`: `value,batch` lines, then

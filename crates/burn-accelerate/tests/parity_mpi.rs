@@ -214,3 +214,46 @@ fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn the_sharded_example_under_launch_prints_the_unsharded_loss() {
+    let lines = |out: Output| -> Vec<String> {
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("final_loss=") || l.starts_with("rank "))
+            .map(str::to_string)
+            .collect()
+    };
+    let example = examples::example("sharded_training");
+    let launched = lines(
+        Command::new(examples::cli())
+            .arg("launch")
+            .args([
+                "--num-processes",
+                "2",
+                "--use_fsdp",
+                "--fsdp_sharding_strategy",
+                "2",
+            ])
+            .arg(&example)
+            .env_remove("ACCELERATE_USE_FSDP")
+            .env_remove("FSDP_SHARDING_STRATEGY")
+            .output()
+            .unwrap(),
+    );
+    let plain = lines(
+        Command::new(&example)
+            .args(["--processes", "2", "--sharding", "NO_SHARD"])
+            .output()
+            .unwrap(),
+    );
+    let loss = |l: &[String]| l.iter().find(|l| l.starts_with("final_loss=")).cloned();
+    assert!(loss(&plain).is_some(), "{plain:?}");
+    assert_eq!(loss(&launched), loss(&plain), "{launched:?}");
+    let ranks: Vec<&String> = launched
+        .iter()
+        .filter(|l| l.starts_with("rank ") && l.contains("/2 sharding=SHARD_GRAD_OP"))
+        .collect();
+    assert_eq!(ranks.len(), 2, "{launched:?}");
+}
