@@ -555,13 +555,32 @@ impl MpiComm {
                 });
             }
         }
-        let total = total?;
+        total?;
+        let counts: Vec<u64> = counts.iter().map(|c| *c as u64).collect();
+        self.gather_varcount("all_gather_parts", seq, data, &counts)
+    }
+
+    /// The all-gather of collective `seq` once its headers agreed: every rank's `data` (`counts[r]` elements
+    /// for rank `r`) concatenated in rank order (`MPI_Allgatherv`; MPI's blocking call from 256 KiB, as the
+    /// all-reduce).
+    fn gather_varcount<T>(
+        &self,
+        operation: &str,
+        seq: u64,
+        data: Vec<T>,
+        counts: &[u64],
+    ) -> CommResult<Vec<T>>
+    where
+        T: mpi::datatype::Equivalence + Default + Clone + 'static,
+    {
+        let total: u64 = counts.iter().sum();
         if total == 0 {
+            // Nothing to move (MPI refuses a zero-sized varcount gather with MPI_ERR_ARG).
             return Ok(Vec::new());
         }
-        if total > i32::MAX as usize {
+        if total > i32::MAX as u64 {
             return Err(engine_error(
-                "all_gather_parts",
+                operation,
                 "more than 2^31 elements gathered in one call; split the data",
             ));
         }
@@ -574,10 +593,10 @@ impl MpiComm {
                 Some(d)
             })
             .collect();
-        let recv = vec![T::default(); total];
-        if total * std::mem::size_of::<T>() >= BLOCKING_MIN_BYTES {
-            // Large buffers take MPI's blocking call, as all-reduces do, once the headers showed every rank in
-            // this very all-gather.
+        let recv = vec![T::default(); total as usize];
+        if total as usize * std::mem::size_of::<T>() >= BLOCKING_MIN_BYTES {
+            // Large buffers take MPI's blocking call once the headers showed every rank in this very
+            // all-gather.
             let mut recv = recv;
             let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
             self.world
@@ -587,7 +606,7 @@ impl MpiComm {
         type Part<T> = PartitionMut<'static, [T], &'static [i32], &'static [i32]>;
         let mut partition: *mut Part<T> = std::ptr::null_mut();
         let (_, recv, _, _) = self.run(
-            "all_gather_parts",
+            operation,
             seq,
             (data, recv, counts, displs),
             |world, (send, recv, counts, displs)| {
@@ -854,46 +873,7 @@ impl Communicator for MpiComm {
                 _ => 0,
             })
             .collect();
-        let total: u64 = counts.iter().sum();
-        if total == 0 {
-            // Nothing to move (MPI refuses a zero-sized varcount gather with MPI_ERR_ARG).
-            return Ok(vec![Vec::new(); self.size]);
-        }
-        if counts.iter().any(|c| *c > i32::MAX as u64) || total > i32::MAX as u64 {
-            return Err(engine_error(
-                "all_gather",
-                "more than 2 GiB gathered in one call; split the data",
-            ));
-        }
-        let counts: Vec<i32> = counts.iter().map(|c| *c as i32).collect();
-        let displs: Vec<i32> = counts
-            .iter()
-            .scan(0i32, |acc, c| {
-                let d = *acc;
-                *acc += c;
-                Some(d)
-            })
-            .collect();
-        type Part = PartitionMut<'static, [u8], &'static [i32], &'static [i32]>;
-        let mut partition: *mut Part = std::ptr::null_mut();
-        let (_, recv, counts, _) = self.run(
-            "all_gather",
-            seq,
-            (data, vec![0u8; total as usize], counts, displs),
-            |world, (send, recv, counts, displs)| {
-                partition = Box::into_raw(Box::new(PartitionMut::new(
-                    &mut recv[..],
-                    &counts[..],
-                    &displs[..],
-                )));
-                // SAFETY: freed below only once the request has completed.
-                world.immediate_all_gather_varcount_into(StaticScope, &send[..], unsafe {
-                    &mut *partition
-                })
-            },
-        )?;
-        // SAFETY: the request completed; nothing refers to the partition any more.
-        drop(unsafe { Box::from_raw(partition) });
+        let recv = self.gather_varcount("all_gather", seq, data, &counts)?;
         let mut out = Vec::with_capacity(self.size);
         let mut offset = 0usize;
         for c in counts {

@@ -4,6 +4,9 @@
 #[path = "../../burn-accelerate/tests/support/isolation.rs"]
 mod isolation;
 
+#[path = "../../burn-accelerate/tests/support/python.rs"]
+mod python;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -251,21 +254,9 @@ fn the_environment_overrides_the_file_and_lifts_an_fp8_refusal() {
 /// With `BURN_ACCELERATE_PYTHON` (CI sets it), PyYAML reads the file back as Accelerate does.
 #[test]
 fn pyyaml_reads_the_written_file_as_accelerate_does() {
-    let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_yaml = Command::new(&python)
-        .args(["-c", "import yaml"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_yaml {
-        assert_ne!(
-            std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
-            Ok("1"),
-            "{python} cannot import yaml"
-        );
-        eprintln!("no PyYAML: skipped");
+    let Some(python) = python::with_yaml() else {
         return;
-    }
+    };
     let dir = temp_dir("pyyaml");
     let file = dir.join("default_config.yaml");
     assert!(
@@ -382,21 +373,9 @@ fn the_questionnaire_answered_over_a_pipe_writes_the_expected_file() {
 /// answers included): the sharding it asks for is the one a run gets, by name and by Accelerate's number.
 #[test]
 fn an_fsdp_config_written_by_python_selects_the_sharding() {
-    let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_yaml = Command::new(&python)
-        .args(["-c", "import yaml"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_yaml {
-        assert_ne!(
-            std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
-            Ok("1"),
-            "{python} cannot import yaml"
-        );
-        eprintln!("no PyYAML: skipped");
+    let Some(python) = python::with_yaml() else {
         return;
-    }
+    };
     let dir = temp_dir("python-fsdp");
     for (strategy, expected) in [("SHARD_GRAD_OP", "SHARD_GRAD_OP"), ("1", "FULL_SHARD")] {
         let file = dir.join(format!("fsdp_{strategy}.yaml"));

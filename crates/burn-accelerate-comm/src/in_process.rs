@@ -147,6 +147,93 @@ unsafe fn reduce_raw<T: Copy + Default>(
     }
 }
 
+/// Reduces `range` of every buffer of `buffers` (rank order) with `op` into the same range of `buffers[out]`,
+/// dividing by the number of buffers for a mean.
+///
+/// # Safety
+/// As [`reduce_raw`]: no other thread writes `range` of any buffer, nor reads or writes `range` of
+/// `buffers[out]`, during the call; every buffer holds at least `range.end` elements of one kind.
+unsafe fn reduce_buffers(
+    buffers: &[Arc<InPlaceBuffer>],
+    out: usize,
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+) {
+    let n = buffers.len();
+    let mean = op == ReduceOp::Mean;
+    macro_rules! kernel {
+        ($variant:ident, $t:ty, $is_nan:expr, $divide:expr) => {{
+            let is_nan: fn($t) -> bool = $is_nan;
+            let divide: fn(&mut [$t], usize) = $divide;
+            let inputs: Vec<*mut $t> = buffers
+                .iter()
+                .map(|b| match b.data {
+                    RawElements::$variant(p) => p,
+                    _ => unreachable!("the kinds were checked"),
+                })
+                .collect();
+            let combine = |acc: &mut [$t], x: &[$t]| match op {
+                ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
+                ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| {
+                    if *b > *a || is_nan(*b) {
+                        *a = *b
+                    }
+                }),
+                ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| {
+                    if *b < *a || is_nan(*b) {
+                        *a = *b
+                    }
+                }),
+            };
+            let finish = |acc: &mut [$t]| {
+                if mean {
+                    divide(acc, n)
+                }
+            };
+            // SAFETY: the caller's contract.
+            unsafe { reduce_raw(&inputs, inputs[out], range, combine, finish) };
+        }};
+    }
+    match buffers[out].data {
+        RawElements::F32(_) => kernel!(F32, f32, f32::is_nan, |v, n| v
+            .iter_mut()
+            .for_each(|x| *x /= n as f32)),
+        RawElements::F64(_) => kernel!(F64, f64, f64::is_nan, |v, n| v
+            .iter_mut()
+            .for_each(|x| *x /= n as f64)),
+        RawElements::I64(_) => kernel!(I64, i64, |_| false, |v, n| v
+            .iter_mut()
+            .for_each(|x| *x /= n as i64)),
+    }
+}
+
+/// Copies `range` of `from` into the same range of `to` (buffers of one kind).
+///
+/// # Safety
+/// Both hold at least `range.end` elements of one kind; during the call no other thread writes `range` of
+/// `from`, nor reads or writes `range` of `to`.
+unsafe fn copy_range(from: &InPlaceBuffer, to: &InPlaceBuffer, range: std::ops::Range<usize>) {
+    let (bytes, width) = match (from.data, to.data) {
+        (RawElements::F32(p), RawElements::F32(_)) => (p.cast::<u8>(), 4),
+        (RawElements::F64(p), RawElements::F64(_)) => (p.cast::<u8>(), 8),
+        (RawElements::I64(p), RawElements::I64(_)) => (p.cast::<u8>(), 8),
+        _ => unreachable!("the kinds were checked"),
+    };
+    let target = match to.data {
+        RawElements::F32(p) => p.cast::<u8>(),
+        RawElements::F64(p) => p.cast::<u8>(),
+        RawElements::I64(p) => p.cast::<u8>(),
+    };
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.add(range.start * width),
+            target.add(range.start * width),
+            range.len() * width,
+        )
+    };
+}
+
 /// The payloads of a completed round, in rank order. Ranks read them concurrently; a rank may take its own
 /// payload back once no other rank reads it any more (after the next round of the same collective).
 type Shared = Arc<Vec<RwLock<Option<Payload>>>>;
@@ -407,64 +494,16 @@ impl InProcessComm {
         drop(all);
         let len = own.len;
         let slice = |r: usize| (r * len / n)..((r + 1) * len / n);
-        let mean = op == ReduceOp::Mean;
-        macro_rules! kernel {
-            ($variant:ident, $t:ty, $is_nan:expr, $divide:expr) => {{
-                let is_nan: fn($t) -> bool = $is_nan;
-                let divide: fn(&mut [$t], usize) = $divide;
-                let raw = |b: &InPlaceBuffer| match b.data {
-                    RawElements::$variant(p) => p,
-                    _ => unreachable!("kinds checked above"),
-                };
-                let inputs: Vec<*mut $t> = buffers.iter().map(|b| raw(b)).collect();
-                let combine = |acc: &mut [$t], x: &[$t]| match op {
-                    ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
-                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| {
-                        if *b > *a || is_nan(*b) {
-                            *a = *b
-                        }
-                    }),
-                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| {
-                        if *b < *a || is_nan(*b) {
-                            *a = *b
-                        }
-                    }),
-                };
-                let finish = |acc: &mut [$t]| {
-                    if mean {
-                        divide(acc, n)
-                    }
-                };
-                // Reduce-scatter. SAFETY: in this phase rank r reads slice r of every buffer and writes slice r
-                // of its own; no other rank accesses slice r of any buffer.
-                unsafe { reduce_raw(&inputs, raw(&own), slice(self.rank), combine, finish) };
-                self.exchange("all_reduce", Payload::Unit)?;
-                // All-gather. SAFETY: rank r reads slice q of rank q's buffer (reduced, now only read) and
-                // writes slice q of its own, which no other rank reads in this phase.
-                for (q, input) in inputs.iter().enumerate() {
-                    if q != self.rank {
-                        let range = slice(q);
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                input.add(range.start),
-                                raw(&own).add(range.start),
-                                range.len(),
-                            )
-                        };
-                    }
-                }
-            }};
-        }
-        match own.data {
-            RawElements::F32(_) => kernel!(F32, f32, f32::is_nan, |v, n| v
-                .iter_mut()
-                .for_each(|x| *x /= n as f32)),
-            RawElements::F64(_) => kernel!(F64, f64, f64::is_nan, |v, n| v
-                .iter_mut()
-                .for_each(|x| *x /= n as f64)),
-            RawElements::I64(_) => kernel!(I64, i64, |_| false, |v, n| v
-                .iter_mut()
-                .for_each(|x| *x /= n as i64)),
+        // Reduce-scatter. SAFETY: in this phase rank r reads slice r of every buffer and writes slice r of its
+        // own; no other rank accesses slice r of any buffer.
+        unsafe { reduce_buffers(&buffers, self.rank, slice(self.rank), op) };
+        self.exchange("all_reduce", Payload::Unit)?;
+        // All-gather. SAFETY: rank r reads slice q of rank q's buffer (reduced, now only read) and writes slice
+        // q of its own, which no other rank reads in this phase.
+        for (q, input) in buffers.iter().enumerate() {
+            if q != self.rank {
+                unsafe { copy_range(input, &own, slice(q)) };
+            }
         }
         self.exchange("all_reduce", Payload::Unit)?;
         drop(buffers);
@@ -630,51 +669,10 @@ impl Communicator for InProcessComm {
         let buffers = self.share_rooted("reduce", &own, root)?;
         let len = own.len;
         let slice = |r: usize| (r * len / n)..((r + 1) * len / n);
-        let mean = op == ReduceOp::Mean;
-        macro_rules! kernel {
-            ($variant:ident, $t:ty, $is_nan:expr, $divide:expr) => {{
-                let is_nan: fn($t) -> bool = $is_nan;
-                let divide: fn(&mut [$t], usize) = $divide;
-                let raw = |b: &InPlaceBuffer| match b.data {
-                    RawElements::$variant(p) => p,
-                    _ => unreachable!("kinds checked above"),
-                };
-                let inputs: Vec<*mut $t> = buffers.iter().map(|b| raw(b)).collect();
-                let combine = |acc: &mut [$t], x: &[$t]| match op {
-                    ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
-                    ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| {
-                        if *b > *a || is_nan(*b) {
-                            *a = *b
-                        }
-                    }),
-                    ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| {
-                        if *b < *a || is_nan(*b) {
-                            *a = *b
-                        }
-                    }),
-                };
-                let finish = |acc: &mut [$t]| {
-                    if mean {
-                        divide(acc, n)
-                    }
-                };
-                // Every rank reduces its slice of every buffer, in rank order, into the root's. SAFETY: rank r
-                // reads slice r of every buffer and writes slice r of the root's; no other rank accesses slice r
-                // of any buffer until the next round.
-                unsafe { reduce_raw(&inputs, inputs[root], slice(self.rank), combine, finish) };
-            }};
-        }
-        match own.data {
-            RawElements::F32(_) => kernel!(F32, f32, f32::is_nan, |v, n| v
-                .iter_mut()
-                .for_each(|x| *x /= n as f32)),
-            RawElements::F64(_) => kernel!(F64, f64, f64::is_nan, |v, n| v
-                .iter_mut()
-                .for_each(|x| *x /= n as f64)),
-            RawElements::I64(_) => kernel!(I64, i64, |_| false, |v, n| v
-                .iter_mut()
-                .for_each(|x| *x /= n as i64)),
-        }
+        // Every rank reduces its slice of every buffer, in rank order, into the root's. SAFETY: rank r reads
+        // slice r of every buffer and writes slice r of the root's; no other rank accesses slice r of any buffer
+        // until the next round.
+        unsafe { reduce_buffers(&buffers, root, slice(self.rank), op) };
         self.exchange("reduce", Payload::Unit)?;
         drop(buffers);
         // SAFETY: after the second round no other rank reads or writes this buffer.
@@ -686,20 +684,9 @@ impl Communicator for InProcessComm {
         let own = Arc::new(InPlaceBuffer::new(data));
         let buffers = self.share_rooted("broadcast_buffer", &own, root)?;
         if self.rank != root {
-            let bytes = match own.data {
-                RawElements::F32(_) => 4,
-                _ => 8,
-            };
-            let ptr = |b: &InPlaceBuffer| match b.data {
-                RawElements::F32(p) => p.cast::<u8>(),
-                RawElements::F64(p) => p.cast::<u8>(),
-                RawElements::I64(p) => p.cast::<u8>(),
-            };
             // SAFETY: the root's buffer is only read in this round, this rank's only written by this rank; both
             // hold `len` elements of the same kind (checked above).
-            unsafe {
-                std::ptr::copy_nonoverlapping(ptr(&buffers[root]), ptr(&own), own.len * bytes)
-            };
+            unsafe { copy_range(&buffers[root], &own, 0..own.len) };
         }
         self.exchange("broadcast_buffer", Payload::Unit)?;
         drop(buffers);

@@ -4,6 +4,9 @@
 #[path = "support/isolation.rs"]
 mod isolation;
 
+#[path = "support/python.rs"]
+mod python;
+
 #[path = "support/examples.rs"]
 mod examples;
 
@@ -390,21 +393,9 @@ fn sharded_training_matches_unsharded_and_each_rank_holds_its_share() {
 /// A config written by Python as Accelerate writes it, with `distributed_type: FSDP`, runs the example sharded.
 #[test]
 fn sharded_training_runs_from_an_fsdp_config_written_by_python() {
-    let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_yaml = Command::new(&python)
-        .args(["-c", "import yaml"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_yaml {
-        assert_ne!(
-            std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
-            Ok("1"),
-            "{python} cannot import yaml"
-        );
-        eprintln!("no PyYAML: skipped");
+    let Some(python) = python::with_yaml() else {
         return;
-    }
+    };
     let dir = std::env::temp_dir().join(format!("ba-fsdp-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("default_config.yaml");

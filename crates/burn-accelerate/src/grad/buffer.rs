@@ -95,6 +95,16 @@ impl GradientBuffer {
 
     /// Drops the gradient of one parameter (a rank that does not step it, under a sharded strategy).
     #[cfg_attr(not(test), allow(dead_code))]
+    /// The device and dtype of the first of `ids` that has a gradient. Only those: a clone of the gradient kept
+    /// here would share its memory, and moving that gradient to the host would then copy it instead of taking it.
+    pub(crate) fn device_and_dtype(
+        &mut self,
+        ids: impl IntoIterator<Item = ParamId>,
+    ) -> Option<(burn::tensor::Device, burn::tensor::DType)> {
+        ids.into_iter()
+            .find_map(|id| self.flat_mut(id).map(|like| (like.device(), like.dtype())))
+    }
+
     /// Removes the gradient of `id` and returns its shape and flat values (the buffer's own tensor, not a clone,
     /// so that reading it back to the host can move its data); [`put`](Self::put) stores one back.
     pub(crate) fn take(&mut self, id: ParamId) -> Option<(Shape, Tensor<1>)> {

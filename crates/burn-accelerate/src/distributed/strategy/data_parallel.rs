@@ -111,14 +111,7 @@ impl Strategy for DataParallel {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
-        // Only the device and dtype of a gradient: a clone of it kept here would share its memory, and moving
-        // that gradient to the host would then copy it instead of taking it.
-        let Some((device, dtype)) = params.iter().find_map(|(id, _)| {
-            grads
-                .flat(&[*id])
-                .pop()
-                .map(|like| (like.device(), like.dtype()))
-        }) else {
+        let Some((device, dtype)) = grads.device_and_dtype(params.iter().map(|(id, _)| *id)) else {
             return Ok(());
         };
         let max_elems = (self.bucket_bytes / 4).max(1);

@@ -176,12 +176,7 @@ impl Strategy for Sharded {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
-        let Some((device, dtype)) = params.iter().find_map(|(id, _)| {
-            grads
-                .flat(&[*id])
-                .pop()
-                .map(|like| (like.device(), like.dtype()))
-        }) else {
+        let Some((device, dtype)) = grads.device_and_dtype(params.iter().map(|(id, _)| *id)) else {
             return Ok(());
         };
         let (me, world) = (self.rank(), self.world());
@@ -428,6 +423,23 @@ fn reshard<M: Module>(sharded: &Sharded, module: M) -> M {
     })
 }
 
+/// The shape a gathered parameter takes: the one remembered for it (a placeholder's is empty), else `old`'s.
+fn whole_dims<const D: usize>(remembered: Option<Vec<usize>>, old: &Tensor<D>) -> [usize; D] {
+    remembered
+        .and_then(|d| d.try_into().ok())
+        .unwrap_or_else(|| old.dims())
+}
+
+/// A gathered parameter's value, tracked on an autodiff device: every gathered parameter trains (a placeholder
+/// tracks no gradient of its own).
+fn trainable<const D: usize>(value: Tensor<D>) -> Tensor<D> {
+    if value.device().is_autodiff() {
+        value.require_grad()
+    } else {
+        value
+    }
+}
+
 /// `module` with every trainable parameter owned by another rank replaced by that rank's value (all-gathered
 /// in rounds), in its whole shape, keeping ids and gradient settings.
 fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
@@ -450,10 +462,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
             let dims = self.dims.get(&param.id).cloned();
             param.map(|old| {
                 let (device, dtype) = (old.device(), old.dtype());
-                let dims: [usize; D] = match dims.and_then(|d| d.try_into().ok()) {
-                    Some(dims) => dims,
-                    None => old.dims(),
-                };
+                let dims = whole_dims(dims, &old);
                 let host = if old.shape().num_elements() == n {
                     to_host(old.reshape([n]), "parameter broadcast")
                 } else {
@@ -472,15 +481,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
                     }
                 });
                 match received {
-                    Ok(flat) => {
-                        let value = flat.reshape(dims);
-                        // Every gathered parameter trains (a placeholder tracks no gradient of its own).
-                        if device.is_autodiff() {
-                            value.require_grad()
-                        } else {
-                            value
-                        }
-                    }
+                    Ok(flat) => trainable(flat.reshape(dims)),
                     Err(e) => {
                         self.error = Some(e);
                         Tensor::zeros(dims, (&device, dtype))
@@ -520,21 +521,10 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
             let dims = self.dims.get(&param.id).cloned();
             param.map(|old| {
                 let (device, dtype) = (old.device(), old.dtype());
-                let dims: [usize; D] = match dims.and_then(|d| d.try_into().ok()) {
-                    Some(dims) => dims,
-                    None => old.dims(),
-                };
+                let dims = whole_dims(dims, &old);
                 drop(old);
                 match from_host(values, (&device, dtype), "parameter all-gather") {
-                    Ok(flat) => {
-                        let value = flat.reshape(dims);
-                        // Every gathered parameter trains (a placeholder tracks no gradient of its own).
-                        if device.is_autodiff() {
-                            value.require_grad()
-                        } else {
-                            value
-                        }
-                    }
+                    Ok(flat) => trainable(flat.reshape(dims)),
                     Err(e) => {
                         self.error = Some(e);
                         Tensor::zeros(dims, (&device, dtype))
