@@ -254,7 +254,7 @@ fn the_environment_overrides_the_file_and_lifts_an_fp8_refusal() {
 /// With `BURN_ACCELERATE_PYTHON` (CI sets it), PyYAML reads the file back as Accelerate does.
 #[test]
 fn pyyaml_reads_the_written_file_as_accelerate_does() {
-    let Some(python) = python::with_yaml() else {
+    let Some(python) = python::python_with(&["yaml"]) else {
         return;
     };
     let dir = temp_dir("pyyaml");
@@ -373,7 +373,7 @@ fn the_questionnaire_answered_over_a_pipe_writes_the_expected_file() {
 /// answers included): the sharding it asks for is the one a run gets, by name and by Accelerate's number.
 #[test]
 fn an_fsdp_config_written_by_python_selects_the_sharding() {
-    let Some(python) = python::with_yaml() else {
+    let Some(python) = python::python_with(&["yaml"]) else {
         return;
     };
     let dir = temp_dir("python-fsdp");

@@ -393,7 +393,7 @@ fn sharded_training_matches_unsharded_and_each_rank_holds_its_share() {
 /// A config written by Python as Accelerate writes it, with `distributed_type: FSDP`, runs the example sharded.
 #[test]
 fn sharded_training_runs_from_an_fsdp_config_written_by_python() {
-    let Some(python) = python::with_yaml() else {
+    let Some(python) = python::python_with(&["yaml"]) else {
         return;
     };
     let dir = std::env::temp_dir().join(format!("ba-fsdp-config-{}", std::process::id()));

@@ -148,12 +148,12 @@ mod checkpoints {
     }
 
     fn values(net: &Net) -> Vec<Vec<f32>> {
-        let flat = |t: Tensor<2>| t.into_data().to_vec::<f32>().unwrap();
+        let flat = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().unwrap();
         let mut out = Vec::new();
         for layer in [&net.first, &net.second, &net.third] {
             out.push(flat(layer.weight.val()));
             if let Some(bias) = &layer.bias {
-                out.push(bias.val().into_data().to_vec::<f32>().unwrap());
+                out.push(bias.val().into_data().try_to_vec::<f32>().unwrap());
             }
         }
         out

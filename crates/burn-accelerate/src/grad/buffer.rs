@@ -119,14 +119,6 @@ impl GradientBuffer {
         self.flat.insert(id, (shape, flat));
     }
 
-    #[cfg(test)]
-    pub(crate) fn remove(&mut self, id: ParamId) {
-        if let Some(rank) = self.tensor_ranks.remove(&id) {
-            self.flat.remove(&id);
-            let _ = take_flat(&mut self.shaped, id, rank);
-        }
-    }
-
     /// Moves the gradients of `module`'s trainable parameters out of `grads` (the autodiff graph's `Gradients`,
     /// or Burn's optimizer container `GradientsParams`, as burn-train's `TrainStep` returns it) and adds them to
     /// the buffer.

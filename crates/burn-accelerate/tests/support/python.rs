@@ -1,26 +1,44 @@
-//! The Python interpreter of the tests that write or read Accelerate's files as Python does.
+//! Running the Python cross-checks: `BURN_ACCELERATE_PYTHON` names the interpreter (default `python3`); with
+//! `BURN_ACCELERATE_REQUIRE_PYTHON=1` (as CI sets it) a missing interpreter or module fails the test instead of
+//! skipping the check.
 
 #![allow(dead_code)]
 
+use std::path::Path;
 use std::process::Command;
 
-/// The interpreter (`BURN_ACCELERATE_PYTHON`, else `python3`) when it can import PyYAML; `None` (the test is
-/// skipped, and says so) when it cannot, unless `BURN_ACCELERATE_REQUIRE_PYTHON=1` (CI) makes that a failure.
-pub fn with_yaml() -> Option<String> {
+/// The interpreter to run, if it can import every module of `modules`; `None` means skip the check.
+pub fn python_with(modules: &[&str]) -> Option<String> {
     let python = std::env::var("BURN_ACCELERATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_yaml = Command::new(&python)
-        .args(["-c", "import yaml"])
+    let imports = format!("import {}", modules.join(", "));
+    let ok = Command::new(&python)
+        .args(["-c", &imports])
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if has_yaml {
+    if ok {
         return Some(python);
     }
-    assert_ne!(
-        std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").as_deref(),
-        Ok("1"),
-        "{python} cannot import yaml"
+    let required = std::env::var("BURN_ACCELERATE_REQUIRE_PYTHON").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "BURN_ACCELERATE_REQUIRE_PYTHON=1 but `{python}` cannot `{imports}` (set BURN_ACCELERATE_PYTHON to a venv's python)"
     );
-    eprintln!("no PyYAML: skipped");
+    eprintln!("`{python}` cannot `{imports}`: the Python cross-check is skipped");
     None
+}
+
+/// Runs `script` (a path under `tests/python/`) with `args`; panics with its output when it fails.
+pub fn run(python: &str, script: &str, args: &[&Path]) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(script);
+    let out = Command::new(python).arg(&path).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
