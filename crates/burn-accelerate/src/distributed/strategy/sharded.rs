@@ -5,18 +5,21 @@
 //! One sync step:
 //!
 //! ```text
-//! reduce_gradients: reduce-scatter (in rounds of at most one bucket) ─> each rank keeps its own parameters'
-//!                   mean gradients and drops the others
+//! reduce_gradients: each large gradient reduced into its owner's own buffer; the smaller ones reduce-scattered in
+//!                   rounds of at most one bucket ─> each rank keeps its own parameters' mean gradients only
 //! optimizer step:   Burn's optimizer steps only the parameters it has gradients for: this rank's, whose
 //!                   state is all it ever holds
-//! share_stepped:    SHARD_GRAD_OP: all-gather every rank's stepped parameters (in rounds)
+//! share_stepped:    SHARD_GRAD_OP: each large parameter broadcast from its owner into the buffer every rank
+//!                   holds it in; the smaller ones all-gathered in rounds
 //!                   FULL_SHARD:    drop the other ranks' parameters again (empty placeholders)
-//! unshard:          FULL_SHARD: all-gather the other ranks' parameters for forward and backward
+//! unshard:          FULL_SHARD: gather the other ranks' parameters (as above) for forward and backward
 //! ```
 //!
 //! Burn's optimizers step only the parameters present in the gradients they are given, so nothing of Burn
-//! changes. Bucketed rounds bound the host buffers: round `k` carries, from every rank, its `k`-th group of own
-//! parameters of at most one bucket divided by the number of ranks.
+//! changes. Large parameters (1 MiB and up) move in place, nothing allocated or copied for them, as data
+//! parallelism's large buckets; the rounds of the smaller ones bound the host buffers: round `k` carries, from
+//! every rank, its `k`-th group of own parameters of at most one bucket divided by the number of ranks. Every
+//! reduction combines the ranks in rank order, so a sharded run has the bits of an unsharded one.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -157,7 +160,7 @@ impl Sharded {
 impl Strategy for Sharded {
     fn name(&self) -> String {
         format!(
-            "sharded data parallel ({}) over host reduce-scatter",
+            "sharded data parallel ({}) over host reduce and broadcast",
             self.mode
         )
     }
