@@ -164,8 +164,8 @@ fn schedule(case: Case) -> (usize, usize) {
         Case::Dp | Case::ClipNorm | Case::ClipValue | Case::Bf16 | Case::Fp16 | Case::Resume => {
             (GLOBAL_BATCH * 7, 3)
         }
-        // 7 rounds an epoch in windows of 3, 3 and 1: 12 steps over 4 epochs.
-        Case::Accumulation => (GLOBAL_BATCH * 7, 4),
+        // 7 rounds an epoch in windows of 3, 3 and 1: 21 steps over 7 epochs.
+        Case::Accumulation => (GLOBAL_BATCH * 7, 7),
         // 140 samples: 5 full rounds and one of 20 (12 + 8 on 2 ranks, 8 + 8 + 4 on 3): 24 steps.
         Case::Uneven => (140, 4),
         Case::Eval | Case::Env | Case::Initial => (0, 0),
