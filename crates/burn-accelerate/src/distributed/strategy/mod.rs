@@ -169,7 +169,7 @@ pub(crate) fn broadcast_module<M: Module>(strategy: &dyn Strategy, module: M) ->
     if !strategy.is_distributed() {
         return Ok(module);
     }
-    map_params(strategy, module, |_| Some(0))
+    from_rank_0(strategy, module)
 }
 
 /// `module` with its float parameters renamed to `ids` (visiting order), values and settings kept: every rank
@@ -213,23 +213,15 @@ pub(crate) fn materialize<M: Module>(module: M) -> M {
     module
 }
 
-/// Returns `module` with every float parameter that `owner_of` names an owner for replaced by that owner's
-/// value, keeping ids and gradient settings.
-fn map_params<M: Module>(
-    strategy: &dyn Strategy,
-    module: M,
-    owner_of: impl Fn(ParamId) -> Option<usize>,
-) -> Result<M> {
-    struct FromOwner<'a, F> {
+/// Returns `module` with every float parameter replaced by rank 0's value, keeping ids and gradient settings.
+fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    struct FromOwner<'a> {
         strategy: &'a dyn Strategy,
-        owner_of: F,
         error: Option<Error>,
     }
-    impl<F: Fn(ParamId) -> Option<usize>> ModuleMapper for FromOwner<'_, F> {
+    impl ModuleMapper for FromOwner<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let Some(owner) = (self.owner_of)(param.id) else {
-                return param;
-            };
+            let owner = 0;
             if self.error.is_some() {
                 return param;
             }
@@ -260,7 +252,7 @@ fn map_params<M: Module>(
             })
         }
     }
-    impl<F> FromOwner<'_, F> {
+    impl FromOwner<'_> {
         /// `owner`'s value of a parameter this rank has not drawn: received into a buffer of its shape and
         /// loaded as Burn loads a record into a lazy parameter (its device and gradient setting, no draw).
         fn receive_lazy<const D: usize>(
@@ -285,7 +277,6 @@ fn map_params<M: Module>(
     }
     let mut mapper = FromOwner {
         strategy,
-        owner_of,
         error: None,
     };
     let module = module.map(&mut mapper);
