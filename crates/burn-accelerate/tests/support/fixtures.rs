@@ -20,7 +20,13 @@ use crate::mlp::{Mlp, weights};
 /// per test and clone it for every run and rank: tests run in parallel threads and share the device's random
 /// generator, so drawing inside a run would make runs differ.
 pub fn initial() -> Mlp {
-    let model = Mlp::new(&Device::default().autodiff());
+    // The same weights on every run: the device's generator seeded and drawn from under one lock (the tests of a
+    // binary run side by side and share it), so that a tolerance measured once holds on every run.
+    static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
+    let device = Device::default().autodiff();
+    device.seed(17);
+    let model = Mlp::new(&device);
     weights(&model); // materialise the lazy parameters before the model is shared
     model
 }
