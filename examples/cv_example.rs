@@ -262,7 +262,7 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let device = Device::default();
+    let device = ranks::default_device();
     device.seed(5);
     let initial = Cnn::new(&device);
     let mut builder = Accelerator::builder().split_batches(true);

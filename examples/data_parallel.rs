@@ -103,7 +103,7 @@ fn run_example() -> Result<()> {
     let under_mpi = false;
     // The same initial weights for every run. (In-process ranks share the device's random generator, so the
     // model is drawn once here rather than by each rank.)
-    let initial = classifier::initial_model(args.hidden, 17);
+    let initial = classifier::initial_model(args.hidden, 17)?;
     let results = if under_mpi || args.processes <= 1 {
         vec![run(Accelerator::new()?, &args, initial)?]
     } else {

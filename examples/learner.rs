@@ -24,7 +24,6 @@ use std::sync::Arc;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::optim::AdamConfig;
-use burn::tensor::Device;
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::learner::LearnerLoader;
 use burn_accelerate::learner::burn_train::metric::LossMetric;
@@ -124,7 +123,7 @@ fn main() {
         builder = builder.project_configuration(ProjectConfiguration::new(dir));
     }
     // The same initial weights for any number of ranks, and for a resumed run.
-    let device = Device::default();
+    let device = ranks::default_device();
     device.seed(11);
     let start = Mlp::new(&device.autodiff());
     let result = ranks::run_ranks(builder, args.processes, |accelerator| {

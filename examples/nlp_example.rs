@@ -454,7 +454,7 @@ fn run() -> Result<()> {
     };
     let data = (split(lines), split(eval_lines));
     // The same initial weights for any number of ranks.
-    let device = Device::default();
+    let device = ranks::default_device();
     device.seed(3);
     let initial = SentimentModel::new(vocabulary.len(), &device);
 

@@ -432,7 +432,7 @@ fn run() -> Result<()> {
             Case::Initial,
         ];
     }
-    let device = Device::default();
+    let device = ranks::default_device();
     device.seed(7);
     let initial = Mlp::new(&device);
     for &case in &args.cases {

@@ -78,7 +78,7 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let initial = classifier::initial_model(64, 17);
+    let initial = classifier::initial_model(64, 17)?;
     let mut builder = Accelerator::builder();
     let from_env = std::env::var_os("ACCELERATE_MIXED_PRECISION").is_some();
     match args.mixed_precision {

@@ -34,7 +34,6 @@ use std::sync::{Arc, Mutex};
 use burn::data::dataloader::batcher::Batcher;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::AdamConfig;
-use burn::tensor::Device;
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::{Accelerator, ProjectConfiguration, Result, StateToSave};
 use clap::Parser;
@@ -218,7 +217,7 @@ fn run(accelerator: Accelerator, args: &Args, initial: Mlp) -> Result<f64> {
 
 fn main() {
     let args = Args::parse();
-    let device = Device::default();
+    let device = ranks::default_device();
     device.seed(7);
     let initial = Mlp::new(&device);
     let builder = Accelerator::builder()

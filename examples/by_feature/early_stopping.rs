@@ -83,7 +83,7 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let initial = classifier::initial_model(64, 17);
+    let initial = classifier::initial_model(64, 17)?;
     let outcome = ranks::run_ranks(Accelerator::builder(), args.processes, |acc| {
         train(acc, &args, initial.clone())
     })?;

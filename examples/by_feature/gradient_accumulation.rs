@@ -68,7 +68,7 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let initial = classifier::initial_model(64, 17);
+    let initial = classifier::initial_model(64, 17)?;
     let builder = Accelerator::builder().gradient_accumulation_steps(args.accumulation);
     if let Some((steps, loss, accuracy)) = ranks::run_ranks(builder, args.processes, |acc| {
         train(acc, &args, initial.clone())

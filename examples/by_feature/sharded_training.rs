@@ -31,7 +31,7 @@ mod stack;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamConfig;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy};
 use clap::Parser;
 use stack::Stack;
@@ -149,7 +149,7 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let device = Device::default();
+    let device = ranks::default_device();
     device.seed(11);
     let initial = Stack::new(args.layers, args.width, &device);
     let builder = match args.sharding {

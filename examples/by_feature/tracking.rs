@@ -99,7 +99,7 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
-    let initial = classifier::initial_model(64, 17);
+    let initial = classifier::initial_model(64, 17)?;
     let builder = Accelerator::builder()
         .project_configuration(ProjectConfiguration::new(&args.project_dir))
         .log_with(args.log_with.parse::<LogWith>()?);

@@ -101,12 +101,13 @@ impl ModuleVisitor for Materialize {
 }
 
 /// A classifier with weights drawn from `seed`, every parameter initialised.
-pub fn initial_model(hidden: usize, seed: u64) -> Classifier {
-    let device = Device::default();
+pub fn initial_model(hidden: usize, seed: u64) -> burn_accelerate::Result<Classifier> {
+    // The device runs take (Burn's `Device::default()` would take CUDA even where no driver can run it).
+    let device = burn_accelerate::backend::default_device()?;
     device.seed(seed);
     let model = Classifier::new(hidden, &device);
     model.visit(&mut Materialize);
-    model
+    Ok(model)
 }
 
 /// Prepared training (shuffled) and evaluation loaders of `batch` samples per rank over blobs drawn from seeds

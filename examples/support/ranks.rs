@@ -31,6 +31,19 @@ where
     }
 }
 
+/// The device for values made before the accelerator, such as initial weights every rank starts from: the one
+/// runs take ([`burn_accelerate::backend::default_device`]; Burn's `Device::default()` takes CUDA even where no
+/// driver can run it). On an error, prints it and exits with status 1.
+pub fn default_device() -> burn::tensor::Device {
+    match burn_accelerate::backend::default_device() {
+        Ok(device) => device,
+        Err(error) => {
+            eprintln!("error: {error}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// Ends the example: on an error, prints it and exits with status 1.
 pub fn exit_on_error(result: Result<()>) {
     if let Err(error) = result {

@@ -68,7 +68,7 @@ fn main() {
     let hidden = env("DP_HIDDEN", 512);
     let batch = env("DP_BATCH", 64);
     let steps = env("DP_STEPS", 200);
-    let initial = initial_model(hidden, 1);
+    let initial = initial_model(hidden, 1).expect("a device to draw the initial model on");
     let params = (classifier::FEATURES + 1) * hidden + (hidden + 1) * classifier::CLASSES;
     println!(
         "model=classifier hidden={hidden} params={params} per_rank_batch={batch} steps={steps}"

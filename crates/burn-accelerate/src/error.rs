@@ -34,6 +34,20 @@ pub enum Error {
         available: &'static str,
     },
 
+    /// A backend is compiled in but cannot run on this machine (no driver, no device); what its
+    /// [probe](crate::backend::probe) found.
+    #[error("the `{backend}` backend cannot run here ({origin}): {missing}; {fix}")]
+    BackendUnavailable {
+        /// The backend.
+        backend: String,
+        /// Why it was chosen (`requested explicitly`, `BURN_DEVICE`, `default`).
+        origin: String,
+        /// What is missing.
+        missing: String,
+        /// How to fix it.
+        fix: String,
+    },
+
     /// A configuration value (builder, environment variable or config file) is not valid.
     #[error("invalid value {value:?} for {key} ({origin}): {expected}")]
     InvalidConfig {

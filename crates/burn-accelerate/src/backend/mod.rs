@@ -6,6 +6,7 @@
 //! own priority order (CUDA, Metal, ROCm, Vulkan, WebGPU, wgpu, LibTorch, Flex, NdArray).
 
 mod placement;
+pub mod probe;
 pub mod sys;
 
 pub use placement::ToDevice;
@@ -231,9 +232,12 @@ impl FromStr for Backend {
     }
 }
 
-/// The devices of `backend` that Burn finds on this machine (empty when the backend is not compiled in).
-/// GPU backends open each device to list it.
+/// The devices of `backend` that Burn finds on this machine (empty when the backend is not compiled in, or
+/// its [probe](probe::probe) finds it cannot run here). GPU backends open each device to list it.
 pub fn enumerate(backend: Backend) -> Vec<Device> {
+    if !probe::probe(backend).is_ready() {
+        return Vec::new();
+    }
     use burn::tensor::DeviceType;
     let kind: Option<DeviceType> = match backend {
         #[cfg(feature = "flex")]
@@ -311,18 +315,95 @@ pub(crate) fn select_device(
             Some(backend),
         ));
     }
-    let backend = Backend::compiled()
-        .into_iter()
-        .next()
-        .ok_or(Error::NoBackend {
-            available: "flex, ndarray, wgpu, vulkan, metal, webgpu, cuda, rocm, tch",
-        })?;
+    let backend = default_backend(Backend::compiled(), probe::probe)?;
     Ok((rank_device(backend, local_index, "default")?, Some(backend)))
+}
+
+/// The device runs of this build use when nothing is given to the builder (local rank 0's): `ACCELERATE_USE_CPU`,
+/// then `BURN_DEVICE`, then the first compiled backend that can run here (a GPU backend without its driver is
+/// skipped, with a warning).
+///
+/// Use it rather than Burn's `Device::default()` for values made before the accelerator, such as initial
+/// weights drawn once and handed to every rank: Burn's default takes CUDA whenever it is compiled in, and
+/// Burn's CUDA runtime panics on a machine without the driver, where this returns the next backend or an error
+/// saying what is missing.
+///
+/// ```
+/// let device = burn_accelerate::backend::default_device()?;
+/// let x = burn::tensor::Tensor::<1>::ones([3], &device);
+/// assert_eq!(x.sum().into_scalar::<f32>(), 3.0);
+/// # Ok::<(), burn_accelerate::Error>(())
+/// ```
+///
+/// # Errors
+/// A malformed `ACCELERATE_USE_CPU` or `BURN_DEVICE`, or no compiled backend can run here.
+pub fn default_device() -> Result<Device> {
+    select_device(&DeviceRequest::default(), 0).map(|(device, _)| device)
+}
+
+/// The first of `compiled` (in priority order) that `probe` finds usable; a GPU backend that cannot run here
+/// is skipped with a warning naming what is missing (as Accelerate falls back to the CPU without a GPU). When
+/// none can run, the first one's reason.
+fn default_backend(
+    compiled: Vec<Backend>,
+    probe: impl Fn(Backend) -> probe::Probe,
+) -> Result<Backend> {
+    // The warning below once per process: every rank and `default_device` make this choice.
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let mut first_problem = None;
+    for backend in compiled {
+        let found = probe(backend);
+        match found.status {
+            probe::Availability::Ready { .. } => {
+                if let Some(Error::BackendUnavailable {
+                    backend: skipped,
+                    missing,
+                    ..
+                }) = &first_problem
+                    && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    log::warn!(
+                        "the `{skipped}` backend is compiled in but cannot run here ({missing}); using `{backend}`"
+                    );
+                }
+                return Ok(backend);
+            }
+            probe::Availability::Unavailable { missing, fix } => {
+                first_problem.get_or_insert(Error::BackendUnavailable {
+                    backend: backend.to_string(),
+                    origin: "default".into(),
+                    missing,
+                    fix,
+                });
+            }
+        }
+    }
+    Err(first_problem.unwrap_or(Error::NoBackend {
+        available: "flex, ndarray, wgpu, vulkan, metal, webgpu, cuda, rocm, tch",
+    }))
+}
+
+/// [`Error::BackendUnavailable`] when `backend`'s probe finds it cannot run here.
+fn ensure_usable(backend: Backend, origin: &str) -> Result<()> {
+    match probe::probe(backend).status {
+        probe::Availability::Ready { .. } => Ok(()),
+        probe::Availability::Unavailable { missing, fix } if backend.is_compiled() => {
+            Err(Error::BackendUnavailable {
+                backend: backend.to_string(),
+                origin: origin.to_string(),
+                missing,
+                fix,
+            })
+        }
+        // Not compiled in: the device constructor reports the missing feature.
+        probe::Availability::Unavailable { .. } => Ok(()),
+    }
 }
 
 /// The device of local rank `local_index` on `backend`: device `local_index` when the machine has several,
 /// else the backend's one device (CPU backends, or one GPU shared by in-process ranks).
 fn rank_device(backend: Backend, local_index: usize, origin: &str) -> Result<Device> {
+    ensure_usable(backend, origin)?;
     if local_index == 0 || backend.is_cpu() {
         return backend.device_from(0, origin);
     }
@@ -367,6 +448,40 @@ mod tests {
             assert!(err.contains(backend.feature()), "{err}");
             assert!(err.contains("cargo feature"), "{err}");
         }
+    }
+
+    #[test]
+    fn an_unusable_gpu_backend_is_skipped_for_the_next_compiled_one() {
+        let fake = |backend: Backend| probe::Probe {
+            backend,
+            status: if backend == Backend::Cuda {
+                probe::Availability::Unavailable {
+                    missing: "no libcuda.so".into(),
+                    fix: "install the driver".into(),
+                }
+            } else {
+                probe::Availability::Ready { devices: 1 }
+            },
+            facts: Vec::new(),
+            collectives: false,
+        };
+        assert_eq!(
+            default_backend(vec![Backend::Cuda, Backend::Flex], fake).unwrap(),
+            Backend::Flex
+        );
+        let err = default_backend(vec![Backend::Cuda], fake)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "`cuda` backend cannot run here (default): no libcuda.so; install the driver"
+            ),
+            "{err}"
+        );
+        assert!(matches!(
+            default_backend(Vec::new(), fake),
+            Err(Error::NoBackend { .. })
+        ));
     }
 
     #[test]
