@@ -22,7 +22,9 @@ use crate::{CallSignature, check_calls};
 
 type Result<T> = crate::CommResult<T>;
 
-const ENGINE: &str = "in-process";
+/// The engine name of in-process ranks ([`Communicator::engine`](crate::Communicator::engine)).
+pub const IN_PROCESS_ENGINE: &str = "in-process";
+const ENGINE: &str = IN_PROCESS_ENGINE;
 
 /// Buffers at least this long are reduced in two rounds (each rank reduces one slice, then slices are shared), so
 /// the work is spread over the ranks' threads; shorter ones are reduced whole by every rank in one round.

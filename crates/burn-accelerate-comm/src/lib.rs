@@ -20,7 +20,7 @@ use std::fmt::Debug;
 
 pub use calls::{CallSignature, check_calls};
 pub use error::{CommError, CommResult};
-pub use in_process::{InProcessComm, InProcessGroup};
+pub use in_process::{IN_PROCESS_ENGINE, InProcessComm, InProcessGroup};
 pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of};
 
 type Result<T> = CommResult<T>;

@@ -136,7 +136,7 @@ mod guide {
 pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
-pub use config::{AcceleratorConfig, SchedulerRule, ShardingStrategy};
+pub use config::{AcceleratorConfig, GradientTransport, SchedulerRule, ShardingStrategy};
 pub use distributed::comm::ReduceOp;
 pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};

@@ -10,7 +10,8 @@ use crate::accelerator::Accelerator;
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::checkpoint::ProjectConfiguration;
 use crate::config::{
-    AcceleratorConfig, LossNormalization, SchedulerRule, ShardingStrategy, Source,
+    AcceleratorConfig, GradientTransport, LossNormalization, SchedulerRule, ShardingStrategy,
+    Source,
 };
 use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::{self, ClusterEnvironment};
@@ -38,6 +39,7 @@ pub struct AcceleratorBuilder {
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
     sharding: Option<ShardingStrategy>,
+    gradient_transport: Option<GradientTransport>,
     resume_from_latest: Option<bool>,
     project: Option<ProjectConfiguration>,
     log_with: Vec<LogWith>,
@@ -192,6 +194,24 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Which path gradients take between data-parallel ranks (default [`GradientTransport::Auto`]: the device
+    /// when every rank is a CUDA device and NCCL loads, host memory otherwise; `ACCELERATE_GRADIENT_TRANSPORT`).
+    /// [`GradientTransport::Host`] forces host memory; [`GradientTransport::Device`] makes building fail where the
+    /// device path is not available, with the reason.
+    ///
+    /// ```
+    /// use burn_accelerate::{Accelerator, GradientTransport};
+    /// let names = Accelerator::builder()
+    ///     .gradient_transport(GradientTransport::Host)
+    ///     .launch(2, |acc| Ok(acc.strategy_name()))?;
+    /// assert!(names[0].contains("host all-reduce"), "{}", names[0]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn gradient_transport(mut self, transport: GradientTransport) -> Self {
+        self.gradient_transport = Some(transport);
+        self
+    }
+
     /// Debug mode: before every collective, ranks compare the operation and tensor shapes, so that a mismatch
     /// is an error on every rank instead of a hang (like `ACCELERATE_DEBUG_MODE=1`). Costs one small exchange per
     /// collective.
@@ -274,6 +294,7 @@ impl AcceleratorBuilder {
             loss_normalization,
             bucket_size_mb,
             sharding,
+            gradient_transport,
             resume_from_latest,
         );
         if let Some(timeout) = self.collective_timeout {
@@ -355,11 +376,7 @@ impl AcceleratorBuilder {
         let group = Arc::new(state);
         let strategy = match &self.strategy {
             Some(make) => make(&group),
-            None => strategy::for_group(
-                &group,
-                (config.bucket_size_mb * 1024.0 * 1024.0) as usize,
-                config.sharding,
-            ),
+            None => strategy::for_group(&group, &config)?,
         };
         Accelerator::from_parts(group, config, project, self.log_with.clone(), strategy)
     }

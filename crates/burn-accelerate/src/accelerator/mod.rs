@@ -140,6 +140,12 @@ impl Accelerator {
         &self.group
     }
 
+    /// The shared handle of this rank's process group (what strategies and transports hold).
+    #[cfg(test)]
+    pub(crate) fn group_arc(&self) -> Arc<ProcessGroup> {
+        self.group.clone()
+    }
+
     /// The step pipeline (for the Learner strategy and the benchmarks).
     pub(crate) fn pipeline(&self) -> &StepPipeline {
         &self.pipeline
@@ -167,6 +173,35 @@ impl Accelerator {
             _ if self.pipeline.strategy().sharded().is_some() => DistributedType::Fsdp,
             other => other,
         }
+    }
+
+    /// How training is distributed on this rank, in words: `single device`, `data parallel over host
+    /// all-reduce`, `data parallel over device all-reduce (NCCL)`, `sharded data parallel (SHARD_GRAD_OP) over
+    /// host reduce and broadcast`. The main process also logs the gradient transport and why it was chosen.
+    pub fn strategy_name(&self) -> String {
+        self.pipeline.strategy().name()
+    }
+
+    /// Checks the device gradient transport this run would use against host memory: averages about a million
+    /// values through both and returns the transport (with why it was chosen) and the largest difference;
+    /// `None` where gradients go through host memory anyway (CPU backends, `gradient_transport = host`). A single
+    /// CUDA rank checks a one-rank NCCL communicator. Every rank must call it. `burn-accelerate test` runs it
+    /// wherever a GPU is found.
+    ///
+    /// ```
+    /// let checks = burn_accelerate::launch(2, |acc| acc.check_gradient_transport())?;
+    /// assert_eq!(checks, vec![None, None], "CPU ranks average in host memory");
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// A collective fails, or the device transport cannot start.
+    pub fn check_gradient_transport(&self) -> Result<Option<(String, f32)>> {
+        crate::distributed::strategy::check_transport_against_host(
+            &self.group,
+            self.config.gradient_transport,
+            self.config.collective_timeout(),
+        )
     }
 
     /// Whether this is global rank 0.

@@ -3,9 +3,11 @@
 pub mod env;
 mod file;
 mod sharding;
+mod transport;
 
 pub use file::UnsupportedValue;
 pub use sharding::ShardingStrategy;
+pub use transport::{GradientTransport, TRANSPORT_VAR};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -53,6 +55,9 @@ pub struct AcceleratorConfig {
     /// `distributed_type: FSDP` and `fsdp_config.fsdp_sharding_strategy`, `ACCELERATE_USE_FSDP` with
     /// `FSDP_SHARDING_STRATEGY`).
     pub sharding: ShardingStrategy,
+    /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
+    /// `ACCELERATE_GRADIENT_TRANSPORT`).
+    pub gradient_transport: GradientTransport,
     /// Seconds a collective waits for the other ranks before failing (default 300;
     /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
     pub collective_timeout_secs: f64,
@@ -141,6 +146,7 @@ impl Default for AcceleratorConfig {
             loss_normalization: LossNormalization::ActualMicroBatches,
             bucket_size_mb: 25.0,
             sharding: ShardingStrategy::NoShard,
+            gradient_transport: GradientTransport::Auto,
             collective_timeout_secs: 300.0,
             resume_from_latest: false,
             restart_count: 0,
@@ -216,6 +222,12 @@ impl AcceleratorConfig {
             config.sharding = sharding;
             config.set_source("sharding", env_source(FSDP_VARS[0]));
         }
+        if let Some(value) = env::var(TRANSPORT_VAR) {
+            config.gradient_transport = value.parse().map_err(|_| {
+                Error::config(TRANSPORT_VAR, &value, "environment", "auto, host or device")
+            })?;
+            config.set_source("gradient_transport", env_source(TRANSPORT_VAR));
+        }
         if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
             config.gradient_accumulation_steps = steps;
             config.set_source(
@@ -245,7 +257,7 @@ impl AcceleratorConfig {
 
     /// The settings a run uses, each with its value and where it came from (what `burn-accelerate env` prints).
     pub fn settings(&self) -> Vec<(&'static str, String, Source)> {
-        let entries: [(&'static str, String); 8] = [
+        let entries: [(&'static str, String); 9] = [
             ("mixed_precision", self.mixed_precision.to_string()),
             ("cpu", self.cpu.to_string()),
             ("debug", self.debug.to_string()),
@@ -260,6 +272,7 @@ impl AcceleratorConfig {
             ("split_batches", self.split_batches.to_string()),
             ("even_batches", self.even_batches.to_string()),
             ("sharding", self.sharding.to_string()),
+            ("gradient_transport", self.gradient_transport.to_string()),
         ];
         entries
             .into_iter()

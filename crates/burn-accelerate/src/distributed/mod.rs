@@ -7,7 +7,7 @@
 //! | in-process launching | `n` ranks as threads (what [`launch`](crate::launch) and `AcceleratorBuilder::launch` run) |
 //! | [`collectives`] | tensor and object collectives, agreement on an outcome, triggers; debug-mode checks |
 //! | [`Gatherable`] | what `gather_for_metrics` takes, gathered through [`MetricsGather`] |
-//! | strategy (crate-private) | how gradients are reduced, who steps which parameter, how its state is saved |
+//! | strategy (crate-private) | how gradients are reduced (and through which transport: [`describe_gradient_transport`]), who steps which parameter, how its state is saved |
 //! | [`comm`] | the [`Communicator`](comm::Communicator) trait and its engines |
 //!
 //! Everything that crosses ranks goes through [`collectives`] (user collectives, the gradient transport, the
@@ -27,3 +27,4 @@ pub(crate) mod strategy;
 pub use gatherable::{Gatherable, MetricsGather};
 pub use group::{DistributedType, ProcessGroup, current, current_rank};
 pub(crate) use in_process::launch_ranks;
+pub use strategy::describe as describe_gradient_transport;

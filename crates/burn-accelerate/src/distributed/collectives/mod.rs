@@ -90,6 +90,18 @@ fn verify(
     }
 }
 
+/// Debug mode's check before a collective that does not go through the communicator (a device all-reduce):
+/// ranks compare `operation`, `dtype` and `shape`, and a mismatch is an error on every rank instead of a hang.
+#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
+pub(crate) fn verify_call(
+    group: &ProcessGroup,
+    operation: &str,
+    dtype: DType,
+    shape: &[usize],
+) -> Result<()> {
+    verify(group, operation, dtype, shape, 0)
+}
+
 /// The one way host buffers reach the communicator's all-reduce — for [`reduce`], gradient sync and triggers
 /// alike: in debug mode, ranks first compare `operation` and `(dtype, shape)` of what they reduce, so a rank
 /// reducing something else is an error on every rank rather than a hang or wrong data.

@@ -10,12 +10,13 @@
 //! | strategy | gradients | who steps what | optimizer state |
 //! |---|---|---|---|
 //! | [`SingleDevice`] | scaled in place | this rank, everything | one file |
-//! | [`DataParallel`] over a [`GradientTransport`] | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
+//! | [`DataParallel`] over a [`GradientTransport`](transport::GradientTransport) | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
 //! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's | each rank, its own parameters; then all-gathered (or dropped: `FULL_SHARD`) | one slice per rank |
 //!
-//! [`HostAllReduce`] is today's transport (host copies through the communicator); a device all-reduce (Burn's
-//! CUDA collective, NCCL) is another [`GradientTransport`], and the tests below run another transport end to
-//! end through a test double.
+//! The [`GradientTransport`](transport::GradientTransport) is chosen per run (`transport::select`, from the `gradient_transport` setting and
+//! what the machine has): host copies through the communicator on every backend, or a device all-reduce on CUDA
+//! (Burn's in-process collective, NCCL between processes). The tests below train through another transport
+//! and through the device path's test double, end to end.
 
 mod data_parallel;
 mod sharded;
@@ -30,10 +31,11 @@ use burn::tensor::Tensor;
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use sharded::{Sharded, after_prepare, unshard};
 #[cfg(test)]
-use transport::GradientTransport;
-pub(crate) use transport::HostAllReduce;
+use transport::GradientTransport as Transport;
+pub(crate) use transport::check_against_host as check_transport_against_host;
+pub use transport::describe;
 
-use crate::config::ShardingStrategy;
+use crate::config::{AcceleratorConfig, GradientTransport};
 use crate::distributed::ProcessGroup;
 use crate::distributed::comm::ReduceOp;
 use crate::error::{Error, Result};
@@ -107,23 +109,43 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     }
 }
 
-/// The strategy of `group`'s rank: [`SingleDevice`] for one rank; for several, [`Sharded`] when `sharding`
-/// asks for it, else [`DataParallel`] over [`HostAllReduce`]; with buckets of at most `bucket_bytes`.
+/// The strategy of `group`'s rank under `config`: [`SingleDevice`] for one rank; for several, [`Sharded`] when
+/// `config.sharding` asks for it, else [`DataParallel`] over the gradient transport [`transport::select`]
+/// picks; with buckets of at most `config.bucket_size_mb`. The main process logs the transport and why.
+///
+/// # Errors
+/// `gradient_transport = device` where the device path is not available.
 pub(crate) fn for_group(
     group: &Arc<ProcessGroup>,
-    bucket_bytes: usize,
-    sharding: ShardingStrategy,
-) -> Arc<dyn Strategy> {
-    if group.num_processes() > 1 && sharding.is_sharded() {
-        Arc::new(Sharded::new(group.clone(), sharding, bucket_bytes))
-    } else if group.num_processes() > 1 {
-        Arc::new(DataParallel::new(
-            Box::new(HostAllReduce::new(group.clone())),
+    config: &AcceleratorConfig,
+) -> Result<Arc<dyn Strategy>> {
+    let bucket_bytes = (config.bucket_size_mb * 1024.0 * 1024.0) as usize;
+    let world = group.num_processes();
+    if world > 1 && config.sharding.is_sharded() {
+        if config.gradient_transport == GradientTransport::Device {
+            transport::choose(
+                GradientTransport::Device,
+                &transport::facts_for(group, true),
+            )?;
+        }
+        return Ok(Arc::new(Sharded::new(
+            group.clone(),
+            config.sharding,
             bucket_bytes,
-        ))
-    } else {
-        Arc::new(SingleDevice)
+        )));
     }
+    if world == 1 {
+        return Ok(Arc::new(SingleDevice));
+    }
+    let (transport, choice) = transport::select(
+        group,
+        config.gradient_transport,
+        config.collective_timeout(),
+    )?;
+    if group.is_main_process() {
+        log::info!("gradients cross ranks through {choice}");
+    }
+    Ok(Arc::new(DataParallel::new(transport, bucket_bytes)))
 }
 
 /// Owners for `params` balanced by size over `world` ranks: the largest parameter first, each to the rank
@@ -307,6 +329,7 @@ mod tests {
 
     use super::*;
     use crate::accelerator::AcceleratorBuilder;
+    use crate::config::ShardingStrategy;
     use crate::distributed::collectives;
     use crate::distributed::comm::ReduceOp;
     use crate::{Accelerator, StateToSave};
@@ -325,7 +348,7 @@ mod tests {
         calls: Arc<AtomicUsize>,
     }
 
-    impl GradientTransport for DeviceDouble {
+    impl Transport for DeviceDouble {
         fn name(&self) -> &'static str {
             "device double"
         }
@@ -432,6 +455,56 @@ mod tests {
             assert!(diff < 1e-5, "device double vs host all-reduce: {diff}");
         }
         assert_eq!(other[0].0, other[1].0, "ranks agree");
+    }
+
+    #[test]
+    fn the_device_all_reduce_path_trains_the_same_model_as_the_host_all_reduce() {
+        // DeviceAllReduce as NCCL drives it (id from rank 0 over the communicator, asynchronous calls polled
+        // against the timeout), over the host-memory double of the library.
+        let device = AcceleratorBuilder::default().strategy(Arc::new(|group| {
+            let transport = transport::DeviceAllReduce::connect(
+                group.clone(),
+                &transport::double::HostLibrary::default(),
+                std::time::Duration::from_secs(30),
+            )
+            .unwrap();
+            Arc::new(DataParallel::new(Box::new(transport), 25 << 20))
+        }));
+        let host = train(AcceleratorBuilder::default(), 20);
+        let other = train(device, 20);
+        for ((h, _), (o, _)) in host.iter().zip(&other) {
+            let diff = max_relative_difference(h, o);
+            assert!(diff < 1e-5, "device all-reduce vs host all-reduce: {diff}");
+        }
+        assert_eq!(other[0].0, other[1].0, "ranks agree");
+    }
+
+    #[test]
+    fn the_transport_is_chosen_from_the_setting_and_named() {
+        use crate::config::GradientTransport;
+        for preference in [GradientTransport::Auto, GradientTransport::Host] {
+            let names = AcceleratorBuilder::default()
+                .gradient_transport(preference)
+                .launch(2, |acc| Ok(acc.strategy_name()))
+                .unwrap();
+            assert_eq!(names, vec!["data parallel over host all-reduce"; 2]);
+        }
+        // Flex ranks have no device path: asking for one is refused with the reason.
+        let err = AcceleratorBuilder::default()
+            .gradient_transport(GradientTransport::Device)
+            .launch(2, |acc| Ok(acc.strategy_name()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("gradient_transport") && err.contains("device collectives on CUDA only"),
+            "{err}"
+        );
+        // One rank needs no transport, whatever the setting.
+        let single = AcceleratorBuilder::default()
+            .gradient_transport(GradientTransport::Device)
+            .launch(1, |acc| Ok(acc.strategy_name()))
+            .unwrap();
+        assert_eq!(single, vec!["single device"]);
     }
 
     #[test]

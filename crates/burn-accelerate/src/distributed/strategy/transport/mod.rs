@@ -2,15 +2,31 @@
 //!
 //! A [`GradientTransport`] averages one flat buffer across ranks and broadcasts one from a root. [`HostAllReduce`]
 //! copies the buffer to host memory and goes through [`collectives::all_reduce_host`] (so debug mode, call
-//! headers and timeouts see every gradient all-reduce); a device all-reduce (Burn's in-process CUDA collective,
-//! NCCL) is another implementation that keeps the buffer on the device. Bucketing is the strategy's business,
-//! not the transport's.
+//! headers and timeouts see every gradient all-reduce); [`DeviceAllReduce`] keeps the buffer on the device
+//! (NCCL between processes, Burn's CUDA collective between the devices of one process). [`choose`] picks one
+//! from facts every rank gathers ([`TransportFacts`]); bucketing is the strategy's business, not the
+//! transport's.
+
+#[cfg(feature = "cuda-bare")]
+mod burn_collective;
+mod choice;
+// Driven by NCCL in CUDA builds, by its host-memory double in tests.
+#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
+mod device;
+#[cfg(feature = "cuda-bare")]
+mod nccl;
+
+pub(crate) use choice::{TransportChoice, TransportFacts, TransportKind, choose};
+#[cfg(test)]
+pub(crate) use device::{DeviceAllReduce, double};
 
 use std::fmt;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
+use crate::backend::{Backend, probe};
+use crate::config::AcceleratorConfig;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::{ReduceBuffer, ReduceOp};
@@ -117,4 +133,235 @@ impl GradientTransport for HostAllReduce {
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
         collectives::broadcast(&self.group, flat, root)
     }
+}
+
+/// The facts the transport choice rests on, for `group`'s rank.
+pub(crate) fn facts_for(group: &ProcessGroup, sharded: bool) -> TransportFacts {
+    let world = group.num_processes();
+    let in_process = group.comm().engine() == crate::distributed::comm::IN_PROCESS_ENGINE;
+    let local_world = if in_process {
+        world
+    } else {
+        crate::distributed::cluster::LauncherVars::read_lenient()
+            .local_world_size
+            .unwrap_or(world)
+    };
+    facts_from(group.backend(), world, local_world, in_process, sharded)
+}
+
+/// [`TransportFacts`] for ranks on `backend`, probing CUDA when that is the backend.
+pub(crate) fn facts_from(
+    backend: Option<Backend>,
+    world: usize,
+    local_world: usize,
+    in_process: bool,
+    sharded: bool,
+) -> TransportFacts {
+    let probe = (backend == Some(Backend::Cuda)).then(|| probe::probe(Backend::Cuda));
+    TransportFacts {
+        world,
+        local_world,
+        in_process,
+        backend: match backend {
+            Some(Backend::Cuda) => Ok(()),
+            Some(other) => Err(other.to_string()),
+            None => Err("a device given to the builder".into()),
+        },
+        cuda_devices: probe.as_ref().map_or(0, probe::Probe::devices),
+        nccl: probe.as_ref().is_some_and(|p| p.collectives),
+        sharded,
+    }
+}
+
+/// The gradient transport of `group`'s rank under `preference`, and why. Ranks on CUDA agree first (one small
+/// collective), so that every rank takes the same path even when a library loads on some machines only; a
+/// device transport that cannot connect falls back to host memory under `auto` (every rank learns of the
+/// failure together) and is an error under `device`.
+///
+/// # Errors
+/// `preference` is `device` and the device path is not available, or fails to connect.
+pub(crate) fn select(
+    group: &Arc<ProcessGroup>,
+    preference: crate::config::GradientTransport,
+    timeout: std::time::Duration,
+) -> Result<(Box<dyn GradientTransport>, TransportChoice)> {
+    let facts = facts_for(group, false);
+    let mut local = choose(preference, &facts);
+    if facts.backend.is_ok() && facts.world > 1 {
+        // Every rank reaches this exchange, even one whose own choice failed, so none is left waiting.
+        let on_device = matches!(&local, Ok(c) if c.kind.on_device());
+        let anyone_not = collectives::any_rank(group, "gradient transport choice", !on_device)?;
+        if anyone_not && on_device {
+            let reason = "another rank cannot use the device path".to_string();
+            local = match preference {
+                crate::config::GradientTransport::Device => Err(Error::config(
+                    "gradient_transport",
+                    "device",
+                    "configuration",
+                    format!("auto or host: {reason}"),
+                )),
+                _ => Ok(TransportChoice {
+                    kind: TransportKind::Host,
+                    reason,
+                }),
+            };
+        }
+    }
+    let choice = local?;
+    let host = |choice: TransportChoice| -> (Box<dyn GradientTransport>, TransportChoice) {
+        (Box::new(HostAllReduce::new(group.clone())), choice)
+    };
+    if choice.kind == TransportKind::Host {
+        return Ok(host(choice));
+    }
+    // A rank whose device transport cannot start stops (or moves to host memory) every rank with it.
+    match group.agree(
+        "gradient transport start",
+        start_device(choice.kind, group, timeout),
+    ) {
+        Ok(transport) => Ok((transport, choice)),
+        Err(e) if preference != crate::config::GradientTransport::Device => {
+            log::warn!(
+                "{} could not start ({e}); gradients go through host memory",
+                choice.kind.name()
+            );
+            Ok(host(TransportChoice {
+                kind: TransportKind::Host,
+                reason: format!("{} failed to start: {e}", choice.kind.name()),
+            }))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The gradient transport a multi-rank run of `config` would use on this machine, and why: what
+/// `burn-accelerate env` prints. The ranks are the launcher's (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`, ...) when this
+/// process was started by one, else 2 in-process ranks.
+pub fn describe(config: &AcceleratorConfig) -> String {
+    let vars = crate::distributed::cluster::LauncherVars::read_lenient();
+    let in_process = vars.launcher.is_none();
+    let world = vars.world_size.unwrap_or(2).max(2);
+    let local_world = if in_process {
+        world
+    } else {
+        vars.local_world_size.unwrap_or(world)
+    };
+    let request = crate::backend::DeviceRequest {
+        cpu: config.cpu,
+        ..Default::default()
+    };
+    let backend = match crate::backend::select_device(&request, 0) {
+        Ok((_, backend)) => backend,
+        Err(_) => return "none: no compiled backend can run on this machine".into(),
+    };
+    let facts = facts_from(
+        backend,
+        world,
+        local_world,
+        in_process,
+        config.sharding.is_sharded(),
+    );
+    let ranks = if in_process {
+        format!("{world} in-process ranks")
+    } else {
+        format!("{world} processes, {local_world} on this machine")
+    };
+    match choose(config.gradient_transport, &facts) {
+        Ok(choice) => format!("{choice}, for {ranks}"),
+        Err(e) => format!("refused: {e}"),
+    }
+}
+
+/// Starts the device transport `kind` on `group`'s rank.
+#[cfg(feature = "cuda-bare")]
+fn start_device(
+    kind: TransportKind,
+    group: &Arc<ProcessGroup>,
+    timeout: std::time::Duration,
+) -> Result<Box<dyn GradientTransport>> {
+    Ok(match kind {
+        TransportKind::Nccl => Box::new(device::DeviceAllReduce::connect(
+            group.clone(),
+            &nccl::Nccl::new(group.device()),
+            timeout,
+        )?),
+        TransportKind::BurnCollective => {
+            Box::new(burn_collective::BurnCollective::new(group.clone())?)
+        }
+        TransportKind::Host => Box::new(HostAllReduce::new(group.clone())),
+    })
+}
+
+/// Without CUDA there is no device transport ([`choose`] never picks one: no rank runs on CUDA).
+#[cfg(not(feature = "cuda-bare"))]
+fn start_device(
+    kind: TransportKind,
+    _group: &Arc<ProcessGroup>,
+    _timeout: std::time::Duration,
+) -> Result<Box<dyn GradientTransport>> {
+    Err(Error::InvalidArgument(format!(
+        "{} needs the `cuda` feature of burn-accelerate",
+        kind.name()
+    )))
+}
+
+/// The largest difference between averaging the same values (about a million, different on every rank)
+/// through `transport` and through host memory: what `burn-accelerate test` checks a device transport with.
+pub(crate) fn difference_from_host(
+    group: &Arc<ProcessGroup>,
+    transport: &dyn GradientTransport,
+) -> Result<f32> {
+    let rank = group.process_index();
+    let n = (1 << 20) + 3;
+    let values: Vec<f32> = (0..n)
+        .map(|i| ((i * 7 + rank * 13) % 101) as f32 * 0.01 - 0.5)
+        .collect();
+    let device = group.device().clone().without_autodiff();
+    let flat = Tensor::<1>::from_floats(values.as_slice(), &device);
+    let on_device = to_host(transport.average(flat.clone(), 1.0)?, "transport check")?;
+    let on_host = to_host(
+        HostAllReduce::new(group.clone()).average(flat, 1.0)?,
+        "transport check",
+    )?;
+    Ok(on_device
+        .iter()
+        .zip(&on_host)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max))
+}
+
+/// The device transport this run would choose, compared with host memory ([`difference_from_host`]): its
+/// name and the largest difference; `None` when the run's gradients go through host memory anyway.
+pub(crate) fn check_against_host(
+    group: &Arc<ProcessGroup>,
+    preference: crate::config::GradientTransport,
+    timeout: std::time::Duration,
+) -> Result<Option<(String, f32)>> {
+    let (transport, choice) = if group.num_processes() == 1 {
+        // One rank needs no transport, but on CUDA a one-rank NCCL communicator still shows NCCL works here.
+        let facts = TransportFacts {
+            world: 2,
+            local_world: 1,
+            in_process: false,
+            ..facts_for(group, false)
+        };
+        match choose(preference, &facts) {
+            Ok(choice) if choice.kind == TransportKind::Nccl => {
+                let transport = start_device(TransportKind::Nccl, group, timeout)?;
+                let choice = TransportChoice {
+                    reason: "a one-rank NCCL communicator".into(),
+                    ..choice
+                };
+                (transport, choice)
+            }
+            _ => return Ok(None),
+        }
+    } else {
+        select(group, preference, timeout)?
+    };
+    if !choice.kind.on_device() {
+        return Ok(None);
+    }
+    let difference = difference_from_host(group, transport.as_ref())?;
+    Ok(Some((choice.to_string(), difference)))
 }

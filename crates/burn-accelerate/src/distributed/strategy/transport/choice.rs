@@ -1,0 +1,220 @@
+//! Which [`GradientTransport`](super::GradientTransport) a run uses, and why: decided from facts every rank
+//! can gather (the backend, the ranks, the CUDA devices, whether NCCL loads), so that the choice is a pure
+//! function the tests and `burn-accelerate env` share with the run.
+
+use std::fmt;
+
+use crate::config::GradientTransport as Preference;
+use crate::error::{Error, Result};
+
+/// A gradient path between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Host copies through the rank's communicator (every backend).
+    Host,
+    /// Burn's in-process collective between the CUDA devices of one process (NCCL underneath).
+    BurnCollective,
+    /// NCCL between processes, one CUDA device each, its id exchanged over the communicator.
+    Nccl,
+}
+
+impl TransportKind {
+    /// How `env` and the start-up line name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Host => "host all-reduce",
+            TransportKind::BurnCollective => "device all-reduce (Burn's CUDA collective)",
+            TransportKind::Nccl => "device all-reduce (NCCL)",
+        }
+    }
+
+    /// Whether gradients stay in device memory.
+    pub fn on_device(self) -> bool {
+        self != TransportKind::Host
+    }
+}
+
+/// What the choice depends on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportFacts {
+    /// The number of ranks.
+    pub world: usize,
+    /// The ranks on this machine (every rank, for in-process ranks).
+    pub local_world: usize,
+    /// Whether the ranks are threads of this process (else one process each, under `launch`/mpirun).
+    pub in_process: bool,
+    /// Whether the ranks compute on CUDA devices, and the backend's name otherwise.
+    pub backend: std::result::Result<(), String>,
+    /// The CUDA devices this machine shows.
+    pub cuda_devices: usize,
+    /// Whether NCCL (`libnccl.so`) loads.
+    pub nccl: bool,
+    /// Whether the training state is sharded (its exchanges are reduce-scatter and gathers on the host).
+    pub sharded: bool,
+}
+
+/// The transport chosen and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportChoice {
+    /// The path gradients take.
+    pub kind: TransportKind,
+    /// Why, in words (`env` and the start-up line show it).
+    pub reason: String,
+}
+
+impl fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.kind.name(), self.reason)
+    }
+}
+
+/// Chooses the transport `preference` allows on a run described by `facts`.
+///
+/// # Errors
+/// [`Preference::Device`] where no device path exists, with the reason.
+pub fn choose(preference: Preference, facts: &TransportFacts) -> Result<TransportChoice> {
+    let host = |reason: String| TransportChoice {
+        kind: TransportKind::Host,
+        reason,
+    };
+    if facts.world <= 1 {
+        return Ok(host("one rank: no gradient crosses ranks".into()));
+    }
+    if preference == Preference::Host {
+        return Ok(host("gradient_transport = host".into()));
+    }
+    let device = device_path(facts);
+    match (device, preference) {
+        (Ok(choice), _) => Ok(choice),
+        (Err(reason), Preference::Device) => Err(Error::config(
+            "gradient_transport",
+            "device",
+            "configuration",
+            format!("auto or host: no device path between these ranks, {reason}"),
+        )),
+        (Err(reason), _) => Ok(host(reason)),
+    }
+}
+
+/// The device transport these ranks can use, or why none.
+fn device_path(facts: &TransportFacts) -> std::result::Result<TransportChoice, String> {
+    if let Err(backend) = &facts.backend {
+        return Err(format!(
+            "the ranks run on {backend}; Burn 0.22 has device collectives on CUDA only"
+        ));
+    }
+    if facts.sharded {
+        return Err("sharded training exchanges its shards through host memory".into());
+    }
+    if !facts.nccl {
+        return Err("libnccl.so does not load on this machine".into());
+    }
+    if facts.cuda_devices < facts.local_world {
+        return Err(format!(
+            "{} ranks on this machine share {} CUDA device(s), and NCCL needs one device per rank",
+            facts.local_world, facts.cuda_devices
+        ));
+    }
+    Ok(if facts.in_process {
+        TransportChoice {
+            kind: TransportKind::BurnCollective,
+            reason: format!(
+                "{} in-process ranks on {} CUDA devices",
+                facts.world, facts.local_world
+            ),
+        }
+    } else {
+        TransportChoice {
+            kind: TransportKind::Nccl,
+            reason: format!("{} processes, one CUDA device each", facts.world),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cuda(world: usize, local_world: usize, in_process: bool) -> TransportFacts {
+        TransportFacts {
+            world,
+            local_world,
+            in_process,
+            backend: Ok(()),
+            cuda_devices: 8,
+            nccl: true,
+            sharded: false,
+        }
+    }
+
+    #[test]
+    fn cuda_ranks_with_nccl_stay_on_the_device() {
+        let choice = choose(Preference::Auto, &cuda(4, 4, true)).unwrap();
+        assert_eq!(choice.kind, TransportKind::BurnCollective);
+        let choice = choose(Preference::Auto, &cuda(16, 8, false)).unwrap();
+        assert_eq!(choice.kind, TransportKind::Nccl);
+        assert_eq!(
+            choice.to_string(),
+            "device all-reduce (NCCL) (16 processes, one CUDA device each)"
+        );
+        assert_eq!(
+            choose(Preference::Device, &cuda(2, 2, false)).unwrap().kind,
+            TransportKind::Nccl
+        );
+    }
+
+    #[test]
+    fn host_memory_elsewhere_with_the_reason() {
+        let cases: [(TransportFacts, &str); 5] = [
+            (
+                TransportFacts {
+                    backend: Err("flex".into()),
+                    ..cuda(2, 2, true)
+                },
+                "the ranks run on flex; Burn 0.22 has device collectives on CUDA only",
+            ),
+            (
+                TransportFacts {
+                    nccl: false,
+                    ..cuda(2, 2, false)
+                },
+                "libnccl.so does not load on this machine",
+            ),
+            (
+                TransportFacts {
+                    cuda_devices: 1,
+                    ..cuda(2, 2, true)
+                },
+                "2 ranks on this machine share 1 CUDA device(s), and NCCL needs one device per rank",
+            ),
+            (
+                TransportFacts {
+                    sharded: true,
+                    ..cuda(2, 2, false)
+                },
+                "sharded training exchanges its shards through host memory",
+            ),
+            (cuda(1, 1, true), "one rank: no gradient crosses ranks"),
+        ];
+        for (facts, reason) in cases {
+            let choice = choose(Preference::Auto, &facts).unwrap();
+            assert_eq!(choice.kind, TransportKind::Host, "{facts:?}");
+            assert_eq!(choice.reason, reason);
+            if facts.world > 1 {
+                let err = choose(Preference::Device, &facts).unwrap_err().to_string();
+                assert!(
+                    err.contains("gradient_transport") && err.contains(reason),
+                    "{err}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn host_can_be_forced() {
+        let choice = choose(Preference::Host, &cuda(4, 4, false)).unwrap();
+        assert_eq!(choice.kind, TransportKind::Host);
+        assert_eq!(choice.reason, "gradient_transport = host");
+        assert!(!choice.kind.on_device());
+    }
+}

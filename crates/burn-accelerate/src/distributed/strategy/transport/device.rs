@@ -1,0 +1,584 @@
+//! Gradients averaged in device memory by a collective library (NCCL) that one process drives on its own
+//! device, with the guarantees host collectives give: the library's id travels over the rank's communicator,
+//! every call has the collective timeout (a stuck call becomes [`CommError::Timeout`] naming the operation,
+//! then the communicator is aborted so no rank waits forever), debug mode compares every rank's call first
+//! (a mismatch is an error, not a hang), and a rank that cannot connect stops every rank.
+//!
+//! The library sits behind [`DeviceComm`] / [`DeviceCommLibrary`]: NCCL through `cudarc` in CUDA builds
+//! ([`super::nccl`]), a host-memory double in the tests below, which run this whole path on every machine.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, Tensor};
+
+use super::GradientTransport;
+use crate::distributed::ProcessGroup;
+use crate::distributed::collectives;
+use crate::distributed::comm::CommError;
+use crate::error::{Error, Result};
+
+/// How gradient values travel in a device collective: the float types NCCL reduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WireType {
+    F32,
+    F16,
+    BF16,
+    F64,
+}
+
+impl WireType {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            WireType::F32 => 4,
+            WireType::F16 | WireType::BF16 => 2,
+            WireType::F64 => 8,
+        }
+    }
+}
+
+/// The wire type of a gradient dtype (`Flex32` is stored as f32), or why it cannot be reduced on the device.
+pub(crate) fn wire_type(dtype: DType) -> std::result::Result<WireType, String> {
+    match dtype {
+        DType::F32 | DType::Flex32 => Ok(WireType::F32),
+        DType::F16 => Ok(WireType::F16),
+        DType::BF16 => Ok(WireType::BF16),
+        DType::F64 => Ok(WireType::F64),
+        other => Err(format!(
+            "gradients of dtype {other:?} cannot be averaged on the device (f32, f16, bf16 and f64 can); set \
+             ACCELERATE_GRADIENT_TRANSPORT=host"
+        )),
+    }
+}
+
+/// The 128-byte group id (NCCL's `ncclUniqueId`) in `bytes`, as received over the communicator.
+pub(crate) fn group_id(bytes: &[u8]) -> std::result::Result<[u8; 128], String> {
+    bytes.try_into().map_err(|_| {
+        format!(
+            "the group id from rank 0 has {} bytes, NCCL's has 128 (ranks built against different libraries?)",
+            bytes.len()
+        )
+    })
+}
+
+/// Checks that `bytes` of values fit in the source and destination buffers (`read`, `write` bytes, as the
+/// device allocator reports them; a buffer may be larger than the tensor, never smaller).
+pub(crate) fn check_range(bytes: usize, read: u64, write: u64) -> std::result::Result<(), String> {
+    for (what, size) in [("source", read), ("destination", write)] {
+        if (size as u128) < bytes as u128 {
+            return Err(format!(
+                "the {what} buffer holds {size} bytes, the all-reduce needs {bytes}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A device collective library: mints the id a group of ranks connects with, and connects.
+pub(crate) trait DeviceCommLibrary: Send + Sync {
+    /// The library's name for messages (`NCCL`).
+    fn name(&self) -> &'static str;
+
+    /// A new group id (NCCL's `ncclUniqueId`), minted on rank 0 and sent to every rank.
+    fn new_id(&self) -> std::result::Result<Vec<u8>, String>;
+
+    /// Starts connecting `rank` of `world` to the group `id` on this rank's device. Connecting may finish
+    /// later: [`DeviceComm::poll`] says when.
+    fn connect(
+        &self,
+        id: &[u8],
+        rank: usize,
+        world: usize,
+    ) -> std::result::Result<Box<dyn DeviceComm>, String>;
+}
+
+/// One rank's connection to a device collective group. Operations are asynchronous: they are enqueued, then
+/// [`poll`](Self::poll) says whether the last one finished.
+pub(crate) trait DeviceComm: Send + Sync + fmt::Debug {
+    /// Starts averaging `flat` over the group, in `flat`'s own device memory.
+    fn start_average(&self, flat: Tensor<1>) -> std::result::Result<(), String>;
+
+    /// The averaged tensor of the last [`start_average`](Self::start_average), once [`poll`](Self::poll) has
+    /// reported it done.
+    fn finish(&self) -> std::result::Result<Tensor<1>, String>;
+
+    /// `Ok(true)` when everything enqueued so far has finished, `Ok(false)` while it runs, or the library's
+    /// error.
+    fn poll(&self) -> std::result::Result<bool, String>;
+
+    /// Abandons the group's outstanding work (NCCL's `ncclCommAbort`) after a timeout or an error; the
+    /// connection is unusable afterwards.
+    fn abort(&self);
+}
+
+/// Averages gradients through a [`DeviceComm`], keeping them on the device.
+pub(crate) struct DeviceAllReduce {
+    group: Arc<ProcessGroup>,
+    comm: Box<dyn DeviceComm>,
+    library: &'static str,
+    timeout: Duration,
+    seq: AtomicU64,
+}
+
+impl fmt::Debug for DeviceAllReduce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceAllReduce")
+            .field("library", &self.library)
+            .field("rank", &self.group.process_index())
+            .finish()
+    }
+}
+
+impl DeviceAllReduce {
+    /// Connects `group`'s rank through `library`: rank 0 mints the id, the communicator broadcasts it, every
+    /// rank connects and waits (at most `timeout`) until the group is formed. Every rank learns whether every
+    /// rank connected, so a rank whose library fails stops them all with its reason.
+    pub fn connect(
+        group: Arc<ProcessGroup>,
+        library: &dyn DeviceCommLibrary,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let name = library.name();
+        let fail = |what: &str, e: String| Error::Execution {
+            operation: "device all-reduce setup",
+            device: format!("{:?}", group.device()),
+            reason: format!("{name} {what}: {e}"),
+        };
+        let minted = if group.is_main_process() {
+            library
+                .new_id()
+                .map_err(|e| fail("could not mint a group id", e))
+        } else {
+            Ok(Vec::new())
+        };
+        let minted = group.agree("device all-reduce id", minted)?;
+        let id = group.comm().broadcast(minted, 0)?;
+        // Every rank learns whether every rank could start connecting before any waits for the group to form
+        // (a rank whose library failed would otherwise leave the others waiting until the timeout).
+        let started = library
+            .connect(&id, group.process_index(), group.num_processes())
+            .map_err(|e| fail("could not connect", e));
+        let comm = group.agree("device all-reduce connect", started)?;
+        let formed = wait(&*comm, timeout, "device_all_reduce_connect", &group, 0);
+        group.agree("device all-reduce group", formed)?;
+        Ok(Self {
+            group,
+            comm,
+            library: name,
+            timeout,
+            seq: AtomicU64::new(1),
+        })
+    }
+}
+
+/// Polls `comm` until its work is done; past `timeout`, aborts it and returns the timeout error.
+fn wait(
+    comm: &dyn DeviceComm,
+    timeout: Duration,
+    operation: &str,
+    group: &ProcessGroup,
+    seq: u64,
+) -> Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(20);
+    loop {
+        match comm.poll() {
+            Ok(true) => return Ok(()),
+            Ok(false) if start.elapsed() < timeout => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(5));
+            }
+            Ok(false) => {
+                comm.abort();
+                return Err(CommError::Timeout {
+                    operation: operation.to_string(),
+                    seq,
+                    rank: group.process_index(),
+                    missing: Vec::new(),
+                    timeout,
+                }
+                .into());
+            }
+            Err(e) => {
+                comm.abort();
+                return Err(Error::Execution {
+                    operation: "device all-reduce",
+                    device: format!("{:?}", group.device()),
+                    reason: format!("`{operation}` #{seq}: {e}"),
+                });
+            }
+        }
+    }
+}
+
+impl GradientTransport for DeviceAllReduce {
+    fn name(&self) -> &'static str {
+        match self.library {
+            "NCCL" => "device all-reduce (NCCL)",
+            _ => "device all-reduce",
+        }
+    }
+
+    fn rank(&self) -> usize {
+        self.group.process_index()
+    }
+
+    fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let operation = "gradient_all_reduce";
+        wire_type(flat.dtype()).map_err(Error::InvalidArgument)?;
+        collectives::verify_call(&self.group, operation, flat.dtype(), &flat.dims())?;
+        let failed = |e: String| {
+            self.comm.abort();
+            Error::Execution {
+                operation: "device all-reduce",
+                device: format!("{:?}", self.group.device()),
+                reason: format!("`{operation}` #{seq}: {e}"),
+            }
+        };
+        self.comm.start_average(flat).map_err(failed)?;
+        wait(&*self.comm, self.timeout, operation, &self.group, seq)?;
+        let averaged = self.comm.finish().map_err(failed)?;
+        Ok(if scale == 1.0 {
+            averaged
+        } else {
+            averaged.mul_scalar(scale)
+        })
+    }
+
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+        // Only the initial weights are broadcast, once: host memory is fine.
+        collectives::broadcast(&self.group, flat, root)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod double {
+    //! A device collective library in host memory: every rank of a group deposits its values, the last one
+    //! averages them; a rank told to hang never deposits, so the others time out and abort.
+
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    use burn::tensor::Tensor;
+
+    use super::{DeviceComm, DeviceCommLibrary};
+    use crate::distributed::strategy::transport::{from_host, to_host};
+
+    #[derive(Default)]
+    struct Round {
+        deposits: Vec<Option<Vec<f32>>>,
+        result: Option<Vec<f32>>,
+    }
+
+    #[derive(Default)]
+    struct Shared {
+        world: usize,
+        connected: usize,
+        rounds: Vec<Round>,
+        aborted: bool,
+    }
+
+    /// Every group formed so far, by id.
+    type Groups = Mutex<HashMap<Vec<u8>, Arc<Mutex<Shared>>>>;
+
+    fn groups() -> &'static Groups {
+        static GROUPS: OnceLock<Groups> = OnceLock::new();
+        GROUPS.get_or_init(Default::default)
+    }
+
+    /// The library; `hang_rank` never takes part in collectives (a stuck peer), `fail_connect` cannot connect.
+    #[derive(Debug, Default, Clone)]
+    pub struct HostLibrary {
+        pub hang_rank: Option<usize>,
+        pub fail_connect: Option<usize>,
+    }
+
+    impl DeviceCommLibrary for HostLibrary {
+        fn name(&self) -> &'static str {
+            "NCCL"
+        }
+
+        fn new_id(&self) -> Result<Vec<u8>, String> {
+            use std::sync::atomic::{AtomicU64, Ordering};
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            let mut id = vec![0u8; 128];
+            let n = NEXT.fetch_add(1, Ordering::Relaxed) ^ (std::process::id() as u64) << 32;
+            id[..8].copy_from_slice(&n.to_le_bytes());
+            Ok(id)
+        }
+
+        fn connect(
+            &self,
+            id: &[u8],
+            rank: usize,
+            world: usize,
+        ) -> Result<Box<dyn DeviceComm>, String> {
+            if self.fail_connect == Some(rank) {
+                return Err("ncclSystemError: no route to peer".into());
+            }
+            super::group_id(id)?;
+            let shared = groups()
+                .lock()
+                .unwrap()
+                .entry(id.to_vec())
+                .or_insert_with(|| {
+                    Arc::new(Mutex::new(Shared {
+                        world,
+                        ..Default::default()
+                    }))
+                })
+                .clone();
+            shared.lock().unwrap().connected += 1;
+            Ok(Box::new(HostComm {
+                shared,
+                rank,
+                hang: self.hang_rank == Some(rank),
+                state: Mutex::new(State::default()),
+            }))
+        }
+    }
+
+    #[derive(Debug, Default)]
+    struct State {
+        round: usize,
+        pending: Option<(usize, Tensor<1>)>,
+    }
+
+    pub struct HostComm {
+        shared: Arc<Mutex<Shared>>,
+        rank: usize,
+        hang: bool,
+        state: Mutex<State>,
+    }
+
+    impl std::fmt::Debug for HostComm {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "HostComm(rank {})", self.rank)
+        }
+    }
+
+    impl DeviceComm for HostComm {
+        fn start_average(&self, flat: Tensor<1>) -> Result<(), String> {
+            let mut state = self.state.lock().unwrap();
+            let round = state.round;
+            state.round += 1;
+            let device = flat.device();
+            let dtype = flat.dtype();
+            let values = to_host(flat.clone(), "double").map_err(|e| e.to_string())?;
+            if !self.hang {
+                let mut shared = self.shared.lock().unwrap();
+                let world = shared.world;
+                if shared.rounds.len() <= round {
+                    shared.rounds.resize_with(round + 1, Round::default);
+                }
+                let r = &mut shared.rounds[round];
+                r.deposits.resize(world, None);
+                r.deposits[self.rank] = Some(values);
+                if r.deposits.iter().all(Option::is_some) {
+                    let n = r.deposits[0].as_ref().map_or(0, Vec::len);
+                    let mut sum = vec![0f32; n];
+                    for d in r.deposits.iter().flatten() {
+                        if d.len() != n {
+                            return Err(format!(
+                                "ncclInvalidUsage: counts differ ({} vs {n})",
+                                d.len()
+                            ));
+                        }
+                        sum.iter_mut().zip(d).for_each(|(s, x)| *s += x);
+                    }
+                    sum.iter_mut().for_each(|s| *s /= world as f32);
+                    r.result = Some(sum);
+                }
+            }
+            let _ = (device, dtype);
+            state.pending = Some((round, flat));
+            Ok(())
+        }
+
+        fn finish(&self) -> Result<Tensor<1>, String> {
+            let mut state = self.state.lock().unwrap();
+            let (round, flat) = state.pending.take().ok_or("nothing was started")?;
+            let shared = self.shared.lock().unwrap();
+            let values = shared
+                .rounds
+                .get(round)
+                .and_then(|r| r.result.clone())
+                .ok_or("the round has not completed")?;
+            from_host(values, (&flat.device(), flat.dtype()), "double").map_err(|e| e.to_string())
+        }
+
+        fn poll(&self) -> Result<bool, String> {
+            let shared = self.shared.lock().unwrap();
+            if shared.aborted {
+                return Err("ncclRemoteError: a peer aborted the communicator".into());
+            }
+            if shared.connected < shared.world {
+                return Ok(false);
+            }
+            let state = self.state.lock().unwrap();
+            Ok(match &state.pending {
+                None => true,
+                Some((round, _)) => shared
+                    .rounds
+                    .get(*round)
+                    .is_some_and(|r| r.result.is_some()),
+            })
+        }
+
+        fn abort(&self) {
+            self.shared.lock().unwrap().aborted = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use burn::tensor::{DType, Tensor};
+
+    use super::double::HostLibrary;
+    use super::*;
+    use crate::Accelerator;
+    use crate::error::Error;
+
+    /// Each of `world` in-process ranks connects through `library`, then averages `values(rank)`.
+    fn average_on_ranks(
+        world: usize,
+        library: HostLibrary,
+        timeout: Duration,
+        debug: bool,
+        values: impl Fn(usize) -> Vec<f32> + Send + Sync,
+    ) -> Vec<Result<Vec<f32>>> {
+        let results = std::sync::Mutex::new(Vec::new());
+        let _ = Accelerator::builder()
+            .debug(debug)
+            .collective_timeout(timeout)
+            .launch(world, |acc| {
+                let group = acc.group_arc();
+                let rank = group.process_index();
+                let outcome =
+                    DeviceAllReduce::connect(group.clone(), &library, timeout).and_then(|t| {
+                        let flat = Tensor::<1>::from_floats(values(rank).as_slice(), acc.device());
+                        let averaged = t.average(flat, 0.5)?;
+                        assert_eq!(averaged.dtype(), DType::F32);
+                        Ok(averaged.into_data().try_to_vec::<f32>().unwrap())
+                    });
+                results.lock().unwrap().push((rank, outcome));
+                Ok(())
+            });
+        let mut results = results.into_inner().unwrap();
+        results.sort_by_key(|(rank, _)| *rank);
+        results.into_iter().map(|(_, r)| r).collect()
+    }
+
+    #[test]
+    fn the_id_travels_from_rank_0_and_every_rank_gets_the_scaled_mean() {
+        let results = average_on_ranks(
+            3,
+            HostLibrary::default(),
+            Duration::from_secs(20),
+            false,
+            |rank| vec![rank as f32, 2.0 * rank as f32, 6.0],
+        );
+        for result in results {
+            // mean (1, 2, 6) times 0.5
+            assert_eq!(result.unwrap(), vec![0.5, 1.0, 3.0]);
+        }
+    }
+
+    #[test]
+    fn a_stuck_peer_is_a_timeout_naming_the_operation_then_an_abort() {
+        let library = HostLibrary {
+            hang_rank: Some(1),
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let results = average_on_ranks(2, library, Duration::from_millis(300), false, |_| {
+            vec![1.0; 4]
+        });
+        assert!(started.elapsed() < Duration::from_secs(20), "no hang");
+        for result in results {
+            let err = result.unwrap_err();
+            let text = err.to_string();
+            assert!(
+                matches!(err, Error::Comm(CommError::Timeout { .. })) || text.contains("aborted"),
+                "{text}"
+            );
+            if let Error::Comm(CommError::Timeout { operation, .. }) = &err {
+                assert_eq!(operation, "gradient_all_reduce");
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_that_cannot_connect_stops_every_rank_with_its_reason() {
+        let library = HostLibrary {
+            fail_connect: Some(2),
+            ..Default::default()
+        };
+        let results = average_on_ranks(3, library, Duration::from_secs(20), false, |_| vec![1.0]);
+        for (rank, result) in results.into_iter().enumerate() {
+            let text = result.unwrap_err().to_string();
+            assert!(text.contains("no route to peer"), "rank {rank}: {text}");
+        }
+    }
+
+    #[test]
+    fn debug_mode_turns_a_size_mismatch_into_an_error_on_every_rank() {
+        let results = average_on_ranks(
+            2,
+            HostLibrary::default(),
+            Duration::from_secs(20),
+            true,
+            |rank| vec![1.0; 3 + rank],
+        );
+        for result in results {
+            let text = result.unwrap_err().to_string();
+            assert!(
+                text.contains("gradient_all_reduce")
+                    && text.contains("[3]")
+                    && text.contains("[4]"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_transport_check_compares_device_and_host_averages() {
+        let differences = Accelerator::builder()
+            .launch(2, |acc| {
+                let group = acc.group_arc();
+                let transport = DeviceAllReduce::connect(
+                    group.clone(),
+                    &HostLibrary::default(),
+                    Duration::from_secs(20),
+                )?;
+                crate::distributed::strategy::transport::difference_from_host(&group, &transport)
+            })
+            .unwrap();
+        for difference in differences {
+            assert!(difference < 1e-6, "{difference}");
+        }
+    }
+
+    #[test]
+    fn wire_types_ids_and_buffer_ranges() {
+        assert_eq!(wire_type(DType::F32), Ok(WireType::F32));
+        assert_eq!(wire_type(DType::BF16).unwrap().bytes(), 2);
+        assert_eq!(wire_type(DType::F16).unwrap().bytes(), 2);
+        assert_eq!(wire_type(DType::F64).unwrap().bytes(), 8);
+        let err = wire_type(DType::I32).unwrap_err();
+        assert!(err.contains("ACCELERATE_GRADIENT_TRANSPORT=host"), "{err}");
+        assert!(group_id(&[7u8; 128]).is_ok());
+        assert!(group_id(&[7u8; 64]).unwrap_err().contains("64 bytes"));
+        // 1000 f32 values: 4000 bytes; an allocator rounds buffers up, never down.
+        assert!(check_range(4000, 4096, 4000).is_ok());
+        let err = check_range(4000, 4096, 3996).unwrap_err();
+        assert!(err.contains("destination buffer holds 3996 bytes"), "{err}");
+    }
+}
