@@ -11,6 +11,10 @@ use burn_accelerate::{Backend, config};
 pub struct EnvReport {
     version: &'static str,
     backends: Vec<(Backend, Vec<String>)>,
+    /// What each GPU backend's run-time probe found (driver, devices, libraries).
+    probes: Vec<backend::probe::Probe>,
+    /// The gradient transport a multi-rank run would use here, and why.
+    transport: String,
     os: String,
     kernel: Option<String>,
     kernel_warning: Option<String>,
@@ -35,6 +39,11 @@ impl EnvReport {
                 (b, devices)
             })
             .collect();
+        let probes = Backend::compiled()
+            .into_iter()
+            .map(backend::probe::probe)
+            .filter(|p| !p.facts.is_empty() || !p.is_ready())
+            .collect();
         let kernel = sys::kernel_release();
         // `vars_os`: a variable whose name or value is not UTF-8 is shown lossily instead of aborting the report.
         let mut variables: Vec<(String, String)> = std::env::vars_os()
@@ -49,6 +58,10 @@ impl EnvReport {
                     || k == "BURN_DEVICE"
                     || k == "HF_HOME"
                     || k.starts_with("CUBECL_")
+                    || k.starts_with("NCCL_")
+                    || k == "CUDA_PATH"
+                    || k == "CUDA_VISIBLE_DEVICES"
+                    || k == "LD_LIBRARY_PATH"
             })
             .collect();
         variables.sort();
@@ -58,10 +71,16 @@ impl EnvReport {
             .ok()
             .and_then(|c| c.validate().err())
             .map(|e| e.to_string());
+        let transport = match &resolved {
+            Ok(c) => burn_accelerate::distributed::describe_gradient_transport(c),
+            Err(e) => format!("unknown (settings unreadable: {e})"),
+        };
         let settings = resolved.map(|c| c.settings()).map_err(|e| e.to_string());
         Self {
             version: env!("CARGO_PKG_VERSION"),
             backends,
+            probes,
+            transport,
             os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
             kernel_warning: kernel.as_deref().and_then(sys::kernel_warning),
             kernel,
@@ -99,6 +118,22 @@ impl fmt::Display for EnvReport {
                 writeln!(f, "- Devices ({backend}): {}", devices.join(", "))?;
             }
         }
+        for probe in &self.probes {
+            match &probe.status {
+                backend::probe::Availability::Ready { devices } => {
+                    writeln!(f, "- {} runtime: ready, {devices} device(s)", probe.backend)?
+                }
+                backend::probe::Availability::Unavailable { missing, fix } => writeln!(
+                    f,
+                    "- {} runtime: unavailable: {missing}; {fix}",
+                    probe.backend
+                )?,
+            }
+            for (what, finding) in &probe.facts {
+                writeln!(f, "  - {what}: {finding}")?;
+            }
+        }
+        writeln!(f, "- Gradient transport: {}", self.transport)?;
         match &self.config_file {
             Some(path) => {
                 let status = if path.exists() { "found" } else { "not found" };

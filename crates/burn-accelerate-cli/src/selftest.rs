@@ -37,7 +37,7 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
     let (rank, world) = (acc.process_index(), acc.num_processes());
     let device = acc.device().clone();
     // Drawn by the local main rank on a terminal only.
-    let bar = acc.progress_bar(4, "checks");
+    let bar = acc.progress_bar(5, "checks");
     bar.set_message("collectives");
     // Collectives.
     let sum = acc
@@ -106,6 +106,9 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
         ));
     }
     bar.inc(1);
+    bar.set_message("gpu");
+    failures.extend(gpu_checks(&acc)?);
+    bar.inc(1);
     bar.set_message("agreement");
     let failed = acc.reduce(
         Tensor::<1>::from_floats([failures.len() as f32], &device),
@@ -117,6 +120,111 @@ pub fn worker(acc: Accelerator) -> Result<Vec<String>> {
         failures.push(format!("rank {rank} passed, another rank did not"));
     }
     Ok(failures)
+}
+
+/// On a GPU: the device gradient transport against host memory, and a half-precision step (bf16 and fp16
+/// where the device has them) against f32. Prints what ran on the main rank; returns the failures.
+fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
+    let group = acc.process_group();
+    let on_gpu = group
+        .backend()
+        .is_some_and(|b| !b.is_cpu() && b != burn_accelerate::Backend::LibTorch);
+    let main = acc.is_main_process();
+    if !on_gpu {
+        if main {
+            println!(
+                "GPU checks: skipped (the ranks run on {})",
+                describe_backend(group.backend())
+            );
+        }
+        return Ok(Vec::new());
+    }
+    let mut failures = Vec::new();
+    let rank = acc.process_index();
+    match acc.check_gradient_transport()? {
+        Some((transport, difference)) => {
+            if main {
+                println!("GPU: {transport}: max |device - host| = {difference:e}");
+            }
+            if difference.is_nan() || difference > 1e-6 {
+                failures.push(format!(
+                    "device all-reduce: rank {rank} differs from the host all-reduce by {difference}"
+                ));
+            }
+        }
+        None if main && acc.num_processes() > 1 => {
+            println!(
+                "GPU: gradients go through host memory ({})",
+                burn_accelerate::distributed::describe_gradient_transport(acc.config())
+            );
+        }
+        None => {}
+    }
+    let device = acc.device().clone();
+    for dtype in [burn::tensor::DType::BF16, burn::tensor::DType::F16] {
+        if !device.supports_dtype(dtype) {
+            if main {
+                println!("GPU: {dtype:?} not supported by {device:?}, skipped");
+            }
+            continue;
+        }
+        match half_step_difference(&device, dtype) {
+            Ok(relative) if relative <= 2e-2 => {
+                if main {
+                    println!("GPU: {dtype:?} step within {relative:.1e} of f32");
+                }
+            }
+            Ok(relative) => failures.push(format!(
+                "{dtype:?} step: rank {rank} is {relative} (relative) from f32"
+            )),
+            Err(e) => failures.push(format!("{dtype:?} step: rank {rank}: {e}")),
+        }
+    }
+    Ok(failures)
+}
+
+fn describe_backend(backend: Option<burn_accelerate::Backend>) -> String {
+    backend.map_or_else(|| "an explicit device".into(), |b| b.to_string())
+}
+
+/// The gradient of a small matmul loss in `dtype` against f32, as the largest difference relative to the f32
+/// gradient's largest value.
+fn half_step_difference(device: &Device, dtype: burn::tensor::DType) -> Result<f32> {
+    let grad = |dtype: burn::tensor::DType| -> Result<Vec<f32>> {
+        let x: Vec<f32> = (0..64 * 32)
+            .map(|i| ((i * 13) % 17) as f32 * 0.05 - 0.4)
+            .collect();
+        let w: Vec<f32> = (0..32 * 16)
+            .map(|i| ((i * 7) % 11) as f32 * 0.04 - 0.2)
+            .collect();
+        let x = Tensor::<1>::from_floats(x.as_slice(), device)
+            .reshape([64, 32])
+            .cast(dtype);
+        let w = Tensor::<1>::from_floats(w.as_slice(), device)
+            .reshape([32, 16])
+            .cast(dtype)
+            .require_grad();
+        let loss = x.matmul(w.clone()).tanh().powi_scalar(2).mean();
+        let grads = loss.backward();
+        let g = w.grad(&grads).ok_or_else(|| {
+            burn_accelerate::Error::InvalidArgument("no gradient for the weight".into())
+        })?;
+        g.cast(burn::tensor::DType::F32)
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| burn_accelerate::Error::InvalidArgument(format!("{e:?}")))
+    };
+    let reference = grad(burn::tensor::DType::F32)?;
+    let half = grad(dtype)?;
+    let scale = reference
+        .iter()
+        .fold(0.0f32, |m, v| m.max(v.abs()))
+        .max(1e-12);
+    Ok(reference
+        .iter()
+        .zip(&half)
+        .map(|(a, b)| (a - b).abs() / scale)
+        .fold(0.0, f32::max))
 }
 
 /// Batches of sample ids.

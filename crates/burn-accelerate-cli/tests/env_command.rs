@@ -104,3 +104,80 @@ fn env_survives_variables_that_are_not_utf8_and_huge_timeouts() {
         "{text}"
     );
 }
+
+#[test]
+fn env_says_which_gradient_transport_runs_and_why() {
+    let transport = |vars: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+            .arg("env")
+            .env_remove("ACCELERATE_GRADIENT_TRANSPORT")
+            .env_remove("BURN_DEVICE")
+            .env_remove("OMPI_COMM_WORLD_SIZE")
+            .env_remove("SLURM_PROCID")
+            .env_remove("PMIX_RANK")
+            .envs(vars.iter().copied())
+            .output()
+            .expect("the binary runs");
+        let text = String::from_utf8(out.stdout).unwrap();
+        let line = |prefix: &str| {
+            text.lines()
+                .find(|l| l.trim_start().starts_with(prefix))
+                .unwrap_or_else(|| panic!("no `{prefix}` line in {text}"))
+                .trim()
+                .to_string()
+        };
+        (
+            line("- Gradient transport: "),
+            line("- gradient_transport = "),
+        )
+    };
+    // A CPU backend averages in host memory, and says why.
+    let (chosen, setting) = transport(&[]);
+    assert!(
+        chosen.starts_with("- Gradient transport: host all-reduce (the ranks run on ")
+            && chosen.contains("device collectives on CUDA only")
+            && chosen.ends_with("for 2 in-process ranks"),
+        "{chosen}"
+    );
+    assert_eq!(setting, "- gradient_transport = auto (default)");
+    let (chosen, setting) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "host")]);
+    assert!(chosen.contains("(gradient_transport = host)"), "{chosen}");
+    assert_eq!(
+        setting,
+        "- gradient_transport = host (environment ACCELERATE_GRADIENT_TRANSPORT)"
+    );
+    // Asking for the device path where there is none: env shows the refusal a run would meet.
+    let (chosen, _) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "device")]);
+    assert!(
+        chosen.starts_with("- Gradient transport: refused: "),
+        "{chosen}"
+    );
+    // Under a launcher, its ranks are the ones described.
+    let (chosen, _) = transport(&[
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ]);
+    assert!(
+        chosen.ends_with("for 4 processes, 2 on this machine"),
+        "{chosen}"
+    );
+}
+
+#[test]
+fn a_bad_gradient_transport_is_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("ACCELERATE_GRADIENT_TRANSPORT", "nvlink")
+        .output()
+        .expect("the binary runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("ACCELERATE_GRADIENT_TRANSPORT")
+            && text.contains("nvlink")
+            && text.contains("auto, host or device"),
+        "{text}"
+    );
+}
