@@ -230,9 +230,17 @@ pub fn probe(backend: Backend) -> Probe {
     }
 }
 
-/// The CUDA driver's answers on this machine, through `cudarc` (which Burn's CUDA runtime also uses).
+/// The CUDA driver's answers on this machine, asked once per process: device selection, `enumerate`, the
+/// transport choice and `env` all probe, and the driver's answers do not change while the process runs.
 #[cfg(feature = "cuda-bare")]
 fn cuda_facts() -> CudaFacts {
+    static FACTS: std::sync::OnceLock<CudaFacts> = std::sync::OnceLock::new();
+    FACTS.get_or_init(ask_the_driver).clone()
+}
+
+/// Asks the CUDA driver through `cudarc` (which Burn's CUDA runtime also uses).
+#[cfg(feature = "cuda-bare")]
+fn ask_the_driver() -> CudaFacts {
     use cudarc::driver::result;
     // SAFETY: loading a shared library runs its initialisers; the driver and NCCL are the libraries Burn's
     // CUDA runtime loads too.
