@@ -142,14 +142,23 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
     let mut failures = Vec::new();
     let rank = acc.process_index();
     match acc.check_gradient_transport()? {
-        Some((transport, difference)) => {
-            if main {
-                println!("GPU: {transport}: max |device - host| = {difference:e}");
+        Some(check) => {
+            for dtype in &check.dtypes {
+                if main {
+                    println!(
+                        "GPU: {}: {:?} max |device - f64 reference| = {:.2e} (bound {:.2e})",
+                        check.transport, dtype.dtype, dtype.max_error, dtype.bound
+                    );
+                }
+                if !dtype.passed() {
+                    failures.push(format!(
+                        "device all-reduce ({:?}): rank {rank} differs from the exact mean by {} (bound {})",
+                        dtype.dtype, dtype.max_error, dtype.bound
+                    ));
+                }
             }
-            if difference.is_nan() || difference > 1e-6 {
-                failures.push(format!(
-                    "device all-reduce: rank {rank} differs from the host all-reduce by {difference}"
-                ));
+            if check.dtypes.is_empty() {
+                failures.push(format!("device all-reduce: rank {rank} checked no dtype"));
             }
         }
         None if main && acc.num_processes() > 1 => {

@@ -182,11 +182,13 @@ impl Accelerator {
         self.pipeline.strategy().name()
     }
 
-    /// Checks the device gradient transport this run would use against host memory: averages about a million
-    /// values through both and returns the transport (with why it was chosen) and the largest difference;
-    /// `None` where gradients go through host memory anyway (CPU backends, `gradient_transport = host`). A single
-    /// CUDA rank checks a one-rank NCCL communicator. Every rank must call it. `burn-accelerate test` runs it
-    /// wherever a GPU is found.
+    /// Checks the device gradient transport this run would use: every rank averages about a million values
+    /// through it in f32, bf16 and f16 (where the device has them), and each compares the result with the exact
+    /// mean of every rank's values, computed by itself in f64 (no collective, no shared summation order). Returns
+    /// the transport (with why it was chosen) and each dtype's largest error against its rounding bound; `None`
+    /// where gradients go through host memory anyway (CPU backends, `gradient_transport = host`). A single CUDA
+    /// rank checks a one-rank NCCL communicator. Every rank must call it. `burn-accelerate test` runs it wherever a
+    /// GPU is found.
     ///
     /// ```
     /// let checks = burn_accelerate::launch(2, |acc| acc.check_gradient_transport())?;
@@ -196,8 +198,8 @@ impl Accelerator {
     ///
     /// # Errors
     /// A collective fails, or the device transport cannot start.
-    pub fn check_gradient_transport(&self) -> Result<Option<(String, f32)>> {
-        crate::distributed::strategy::check_transport_against_host(
+    pub fn check_gradient_transport(&self) -> Result<Option<crate::distributed::TransportCheck>> {
+        crate::distributed::strategy::check_transport(
             &self.group,
             self.config.gradient_transport,
             self.config.collective_timeout(),

@@ -28,3 +28,4 @@ pub use gatherable::{Gatherable, MetricsGather};
 pub use group::{DistributedType, ProcessGroup, current, current_rank};
 pub(crate) use in_process::launch_ranks;
 pub use strategy::describe as describe_gradient_transport;
+pub use strategy::{DtypeCheck, TransportCheck, rounding_bound};

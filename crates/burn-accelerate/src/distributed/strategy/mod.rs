@@ -32,8 +32,8 @@ pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use sharded::{Sharded, after_prepare, unshard};
 #[cfg(test)]
 use transport::GradientTransport as Transport;
-pub(crate) use transport::check_against_host as check_transport_against_host;
-pub use transport::describe;
+pub(crate) use transport::check_against_reference as check_transport;
+pub use transport::{DtypeCheck, TransportCheck, describe, rounding_bound};
 
 use crate::config::{AcceleratorConfig, GradientTransport};
 use crate::distributed::ProcessGroup;

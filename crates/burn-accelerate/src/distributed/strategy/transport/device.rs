@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Tensor};
@@ -114,10 +114,59 @@ pub(crate) trait DeviceComm: Send + Sync + fmt::Debug {
     fn abort(&self);
 }
 
+/// A [`DeviceComm`] that refuses every call once aborted. NCCL frees an aborted communicator
+/// (`ncclCommAbort`), so a call after a timeout or an error would use freed memory; this guard makes it an error
+/// whatever the library does.
+#[derive(Debug)]
+struct Guarded {
+    inner: Box<dyn DeviceComm>,
+    aborted: AtomicBool,
+}
+
+impl Guarded {
+    fn new(inner: Box<dyn DeviceComm>) -> Self {
+        Self {
+            inner,
+            aborted: AtomicBool::new(false),
+        }
+    }
+
+    fn live(&self) -> std::result::Result<&dyn DeviceComm, String> {
+        if self.aborted.load(Ordering::Acquire) {
+            Err("the device communicator was aborted after an earlier timeout or error and cannot be used \
+                 again: restart the run (`burn-accelerate launch --max-restarts`), or set \
+                 ACCELERATE_GRADIENT_TRANSPORT=host"
+                .into())
+        } else {
+            Ok(&*self.inner)
+        }
+    }
+}
+
+impl DeviceComm for Guarded {
+    fn start_average(&self, flat: Tensor<1>) -> std::result::Result<(), String> {
+        self.live()?.start_average(flat)
+    }
+
+    fn finish(&self) -> std::result::Result<Tensor<1>, String> {
+        self.live()?.finish()
+    }
+
+    fn poll(&self) -> std::result::Result<bool, String> {
+        self.live()?.poll()
+    }
+
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            self.inner.abort();
+        }
+    }
+}
+
 /// Averages gradients through a [`DeviceComm`], keeping them on the device.
 pub(crate) struct DeviceAllReduce {
     group: Arc<ProcessGroup>,
-    comm: Box<dyn DeviceComm>,
+    comm: Guarded,
     library: &'static str,
     timeout: Duration,
     seq: AtomicU64,
@@ -161,8 +210,8 @@ impl DeviceAllReduce {
         let started = library
             .connect(&id, group.process_index(), group.num_processes())
             .map_err(|e| fail("could not connect", e));
-        let comm = group.agree("device all-reduce connect", started)?;
-        let formed = wait(&*comm, timeout, "device_all_reduce_connect", &group, 0);
+        let comm = Guarded::new(group.agree("device all-reduce connect", started)?);
+        let formed = wait(&comm, timeout, "device_all_reduce_connect", &group, 0);
         group.agree("device all-reduce group", formed)?;
         Ok(Self {
             group,
@@ -240,7 +289,7 @@ impl GradientTransport for DeviceAllReduce {
             }
         };
         self.comm.start_average(flat).map_err(failed)?;
-        wait(&*self.comm, self.timeout, operation, &self.group, seq)?;
+        wait(&self.comm, self.timeout, operation, &self.group, seq)?;
         let averaged = self.comm.finish().map_err(failed)?;
         Ok(if scale == 1.0 {
             averaged
@@ -258,9 +307,13 @@ impl GradientTransport for DeviceAllReduce {
 #[cfg(test)]
 pub(crate) mod double {
     //! A device collective library in host memory: every rank of a group deposits its values, the last one
-    //! averages them; a rank told to hang never deposits, so the others time out and abort.
+    //! averages them — in f64 and from the last rank to the first, so it rounds differently from the host
+    //! all-reduce, as a real library does; a rank told to hang never deposits, so the others time out and
+    //! abort. Every call a communicator receives after it was aborted is counted (NCCL frees an aborted
+    //! communicator: such a call would use freed memory).
 
     use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex, OnceLock};
 
     use burn::tensor::Tensor;
@@ -290,11 +343,15 @@ pub(crate) mod double {
         GROUPS.get_or_init(Default::default)
     }
 
-    /// The library; `hang_rank` never takes part in collectives (a stuck peer), `fail_connect` cannot connect.
+    /// The library; `hang_rank` never takes part in collectives (a stuck peer), `fail_connect` cannot connect,
+    /// `sum_only` forgets to divide by the number of ranks (a broken library, for checks that must fail).
     #[derive(Debug, Default, Clone)]
     pub struct HostLibrary {
         pub hang_rank: Option<usize>,
         pub fail_connect: Option<usize>,
+        pub sum_only: bool,
+        /// Calls made on a communicator after it was aborted, over every communicator of this library.
+        pub uses_after_abort: Arc<AtomicUsize>,
     }
 
     impl DeviceCommLibrary for HostLibrary {
@@ -303,7 +360,7 @@ pub(crate) mod double {
         }
 
         fn new_id(&self) -> Result<Vec<u8>, String> {
-            use std::sync::atomic::{AtomicU64, Ordering};
+            use std::sync::atomic::AtomicU64;
             static NEXT: AtomicU64 = AtomicU64::new(1);
             let mut id = vec![0u8; 128];
             let n = NEXT.fetch_add(1, Ordering::Relaxed) ^ (std::process::id() as u64) << 32;
@@ -337,7 +394,10 @@ pub(crate) mod double {
                 shared,
                 rank,
                 hang: self.hang_rank == Some(rank),
+                sum_only: self.sum_only,
                 state: Mutex::new(State::default()),
+                aborted: AtomicBool::new(false),
+                uses_after_abort: self.uses_after_abort.clone(),
             }))
         }
     }
@@ -352,7 +412,10 @@ pub(crate) mod double {
         shared: Arc<Mutex<Shared>>,
         rank: usize,
         hang: bool,
+        sum_only: bool,
         state: Mutex<State>,
+        aborted: AtomicBool,
+        uses_after_abort: Arc<AtomicUsize>,
     }
 
     impl std::fmt::Debug for HostComm {
@@ -361,13 +424,23 @@ pub(crate) mod double {
         }
     }
 
+    impl HostComm {
+        /// Counts a call on this communicator after its abort (NCCL would read freed memory).
+        fn check_live(&self) -> Result<(), String> {
+            if self.aborted.load(Ordering::Acquire) {
+                self.uses_after_abort.fetch_add(1, Ordering::Relaxed);
+                return Err("use after ncclCommAbort".into());
+            }
+            Ok(())
+        }
+    }
+
     impl DeviceComm for HostComm {
         fn start_average(&self, flat: Tensor<1>) -> Result<(), String> {
+            self.check_live()?;
             let mut state = self.state.lock().unwrap();
             let round = state.round;
             state.round += 1;
-            let device = flat.device();
-            let dtype = flat.dtype();
             let values = to_host(flat.clone(), "double").map_err(|e| e.to_string())?;
             if !self.hang {
                 let mut shared = self.shared.lock().unwrap();
@@ -380,26 +453,27 @@ pub(crate) mod double {
                 r.deposits[self.rank] = Some(values);
                 if r.deposits.iter().all(Option::is_some) {
                     let n = r.deposits[0].as_ref().map_or(0, Vec::len);
-                    let mut sum = vec![0f32; n];
-                    for d in r.deposits.iter().flatten() {
+                    let mut sum = vec![0f64; n];
+                    // The last rank first, in f64: another order and precision than the host all-reduce's.
+                    for d in r.deposits.iter().rev().flatten() {
                         if d.len() != n {
                             return Err(format!(
                                 "ncclInvalidUsage: counts differ ({} vs {n})",
                                 d.len()
                             ));
                         }
-                        sum.iter_mut().zip(d).for_each(|(s, x)| *s += x);
+                        sum.iter_mut().zip(d).for_each(|(s, &x)| *s += x as f64);
                     }
-                    sum.iter_mut().for_each(|s| *s /= world as f32);
-                    r.result = Some(sum);
+                    let divisor = if self.sum_only { 1.0 } else { world as f64 };
+                    r.result = Some(sum.iter().map(|s| (s / divisor) as f32).collect());
                 }
             }
-            let _ = (device, dtype);
             state.pending = Some((round, flat));
             Ok(())
         }
 
         fn finish(&self) -> Result<Tensor<1>, String> {
+            self.check_live()?;
             let mut state = self.state.lock().unwrap();
             let (round, flat) = state.pending.take().ok_or("nothing was started")?;
             let shared = self.shared.lock().unwrap();
@@ -412,6 +486,7 @@ pub(crate) mod double {
         }
 
         fn poll(&self) -> Result<bool, String> {
+            self.check_live()?;
             let shared = self.shared.lock().unwrap();
             if shared.aborted {
                 return Err("ncclRemoteError: a peer aborted the communicator".into());
@@ -430,6 +505,9 @@ pub(crate) mod double {
         }
 
         fn abort(&self) {
+            // NCCL's abort of an aborted communicator is itself a use after free.
+            self.check_live().ok();
+            self.aborted.store(true, Ordering::Release);
             self.shared.lock().unwrap().aborted = true;
         }
     }
@@ -437,6 +515,7 @@ pub(crate) mod double {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
     use std::time::Duration;
 
     use burn::tensor::{DType, Tensor};
@@ -446,33 +525,45 @@ mod tests {
     use crate::Accelerator;
     use crate::error::Error;
 
-    /// Each of `world` in-process ranks connects through `library`, then averages `values(rank)`.
+    /// Each of `world` in-process ranks connects through `library`, then averages `values(rank)` `calls`
+    /// times; every rank's outcomes, in rank order. Fails the test unless every rank reported.
     fn average_on_ranks(
         world: usize,
         library: HostLibrary,
         timeout: Duration,
-        debug: bool,
+        (debug, calls): (bool, usize),
         values: impl Fn(usize) -> Vec<f32> + Send + Sync,
-    ) -> Vec<Result<Vec<f32>>> {
+    ) -> Vec<Vec<Result<Vec<f32>>>> {
         let results = std::sync::Mutex::new(Vec::new());
-        let _ = Accelerator::builder()
+        Accelerator::builder()
             .debug(debug)
             .collective_timeout(timeout)
             .launch(world, |acc| {
                 let group = acc.group_arc();
                 let rank = group.process_index();
-                let outcome =
-                    DeviceAllReduce::connect(group.clone(), &library, timeout).and_then(|t| {
-                        let flat = Tensor::<1>::from_floats(values(rank).as_slice(), acc.device());
-                        let averaged = t.average(flat, 0.5)?;
-                        assert_eq!(averaged.dtype(), DType::F32);
-                        Ok(averaged.into_data().try_to_vec::<f32>().unwrap())
-                    });
-                results.lock().unwrap().push((rank, outcome));
+                let outcomes = match DeviceAllReduce::connect(group.clone(), &library, timeout) {
+                    Err(e) => vec![Err(e)],
+                    Ok(t) => (0..calls)
+                        .map(|_| {
+                            let flat =
+                                Tensor::<1>::from_floats(values(rank).as_slice(), acc.device());
+                            let averaged = t.average(flat, 0.5)?;
+                            assert_eq!(averaged.dtype(), DType::F32);
+                            Ok(averaged.into_data().try_to_vec::<f32>().unwrap())
+                        })
+                        .collect(),
+                };
+                results.lock().unwrap().push((rank, outcomes));
                 Ok(())
-            });
+            })
+            .expect("every rank returns");
         let mut results = results.into_inner().unwrap();
         results.sort_by_key(|(rank, _)| *rank);
+        assert_eq!(
+            results.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(),
+            (0..world).collect::<Vec<_>>(),
+            "every rank reports"
+        );
         results.into_iter().map(|(_, r)| r).collect()
     }
 
@@ -482,37 +573,57 @@ mod tests {
             3,
             HostLibrary::default(),
             Duration::from_secs(20),
-            false,
+            (false, 2),
             |rank| vec![rank as f32, 2.0 * rank as f32, 6.0],
         );
-        for result in results {
-            // mean (1, 2, 6) times 0.5
-            assert_eq!(result.unwrap(), vec![0.5, 1.0, 3.0]);
+        for outcomes in results {
+            assert_eq!(outcomes.len(), 2);
+            for result in outcomes {
+                // mean (1, 2, 6) times 0.5
+                assert_eq!(result.unwrap(), vec![0.5, 1.0, 3.0]);
+            }
         }
     }
 
     #[test]
-    fn a_stuck_peer_is_a_timeout_naming_the_operation_then_an_abort() {
+    fn a_stuck_peer_is_a_timeout_naming_the_operation_then_an_abort_and_no_further_use() {
         let library = HostLibrary {
             hang_rank: Some(1),
             ..Default::default()
         };
+        let uses_after_abort = library.uses_after_abort.clone();
         let started = std::time::Instant::now();
-        let results = average_on_ranks(2, library, Duration::from_millis(300), false, |_| {
+        let results = average_on_ranks(2, library, Duration::from_millis(300), (false, 2), |_| {
             vec![1.0; 4]
         });
-        assert!(started.elapsed() < Duration::from_secs(20), "no hang");
-        for result in results {
-            let err = result.unwrap_err();
-            let text = err.to_string();
-            assert!(
-                matches!(err, Error::Comm(CommError::Timeout { .. })) || text.contains("aborted"),
-                "{text}"
-            );
-            if let Error::Comm(CommError::Timeout { operation, .. }) = &err {
-                assert_eq!(operation, "gradient_all_reduce");
+        assert!(started.elapsed() < Duration::from_secs(60), "no hang");
+        let mut timeouts = 0;
+        for (rank, outcomes) in results.into_iter().enumerate() {
+            let mut outcomes = outcomes.into_iter();
+            // The first call: this rank's own timeout, or the abort of the peer that timed out first.
+            match outcomes.next().unwrap().unwrap_err() {
+                Error::Comm(CommError::Timeout { operation, .. }) => {
+                    assert_eq!(operation, "gradient_all_reduce", "rank {rank}");
+                    timeouts += 1;
+                }
+                other => assert!(
+                    other.to_string().contains("aborted"),
+                    "rank {rank}: {other}"
+                ),
             }
+            // The second call is refused before it reaches the freed communicator.
+            let text = outcomes.next().unwrap().unwrap_err().to_string();
+            assert!(
+                text.contains("was aborted after an earlier timeout or error"),
+                "rank {rank}: {text}"
+            );
         }
+        assert!(timeouts >= 1, "at least the waiting rank times out");
+        assert_eq!(
+            uses_after_abort.load(Ordering::Relaxed),
+            0,
+            "an aborted communicator was called again"
+        );
     }
 
     #[test]
@@ -521,8 +632,11 @@ mod tests {
             fail_connect: Some(2),
             ..Default::default()
         };
-        let results = average_on_ranks(3, library, Duration::from_secs(20), false, |_| vec![1.0]);
-        for (rank, result) in results.into_iter().enumerate() {
+        let results = average_on_ranks(3, library, Duration::from_secs(20), (false, 1), |_| {
+            vec![1.0]
+        });
+        for (rank, outcomes) in results.into_iter().enumerate() {
+            let [result] = <[_; 1]>::try_from(outcomes).unwrap();
             let text = result.unwrap_err().to_string();
             assert!(text.contains("no route to peer"), "rank {rank}: {text}");
         }
@@ -534,10 +648,11 @@ mod tests {
             2,
             HostLibrary::default(),
             Duration::from_secs(20),
-            true,
+            (true, 1),
             |rank| vec![1.0; 3 + rank],
         );
-        for result in results {
+        for outcomes in results {
+            let [result] = <[_; 1]>::try_from(outcomes).unwrap();
             let text = result.unwrap_err().to_string();
             assert!(
                 text.contains("gradient_all_reduce")
@@ -548,21 +663,43 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_transport_check_compares_device_and_host_averages() {
-        let differences = Accelerator::builder()
-            .launch(2, |acc| {
+    /// Every rank's check of a device transport over `library` on 3 ranks.
+    fn check_on_ranks(library: HostLibrary) -> Vec<Vec<crate::distributed::DtypeCheck>> {
+        let checks = Accelerator::builder()
+            .launch(3, |acc| {
                 let group = acc.group_arc();
-                let transport = DeviceAllReduce::connect(
-                    group.clone(),
-                    &HostLibrary::default(),
-                    Duration::from_secs(20),
-                )?;
-                crate::distributed::strategy::transport::difference_from_host(&group, &transport)
+                let transport =
+                    DeviceAllReduce::connect(group.clone(), &library, Duration::from_secs(60))?;
+                super::super::check::check_transport(&group, &transport)
             })
             .unwrap();
-        for difference in differences {
-            assert!(difference < 1e-6, "{difference}");
+        assert_eq!(checks.len(), 3, "every rank reports");
+        checks
+    }
+
+    #[test]
+    fn the_transport_check_passes_a_library_that_rounds_differently_in_every_dtype() {
+        for checks in check_on_ranks(HostLibrary::default()) {
+            let dtypes: Vec<DType> = checks.iter().map(|c| c.dtype).collect();
+            assert_eq!(dtypes, vec![DType::F32, DType::BF16, DType::F16]);
+            for check in checks {
+                assert!(check.passed(), "{check:?}");
+                // Not equal by construction: the double sums in another order and precision.
+                if check.dtype == DType::F32 {
+                    assert!(check.max_error > 0.0, "{check:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_transport_check_fails_a_library_that_forgets_the_division() {
+        let library = HostLibrary {
+            sum_only: true,
+            ..Default::default()
+        };
+        for checks in check_on_ranks(library) {
+            assert!(checks.iter().all(|c| !c.passed()), "{checks:?}");
         }
     }
 

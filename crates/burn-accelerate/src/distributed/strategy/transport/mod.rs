@@ -7,8 +7,10 @@
 //! from facts every rank gathers ([`TransportFacts`]); bucketing is the strategy's business, not the
 //! transport's.
 
-#[cfg(feature = "cuda-bare")]
+// Driven by Burn's CUDA collective in CUDA builds, by a function in tests.
+#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
 mod burn_collective;
+mod check;
 mod choice;
 // Driven by NCCL in CUDA builds, by its host-memory double in tests.
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
@@ -16,6 +18,8 @@ mod device;
 #[cfg(feature = "cuda-bare")]
 mod nccl;
 
+pub(crate) use check::check_against_reference;
+pub use check::{DtypeCheck, TransportCheck, rounding_bound};
 pub(crate) use choice::{TransportChoice, TransportFacts, TransportKind, choose};
 #[cfg(test)]
 pub(crate) use device::{DeviceAllReduce, double};
@@ -285,9 +289,10 @@ fn start_device(
             &nccl::Nccl::new(group.device()),
             timeout,
         )?),
-        TransportKind::BurnCollective => {
-            Box::new(burn_collective::BurnCollective::new(group.clone())?)
-        }
+        TransportKind::BurnCollective => Box::new(burn_collective::BurnCollective::new(
+            group.clone(),
+            timeout,
+        )?),
         TransportKind::Host => Box::new(HostAllReduce::new(group.clone())),
     })
 }
@@ -303,65 +308,4 @@ fn start_device(
         "{} needs the `cuda` feature of burn-accelerate",
         kind.name()
     )))
-}
-
-/// The largest difference between averaging the same values (about a million, different on every rank)
-/// through `transport` and through host memory: what `burn-accelerate test` checks a device transport with.
-pub(crate) fn difference_from_host(
-    group: &Arc<ProcessGroup>,
-    transport: &dyn GradientTransport,
-) -> Result<f32> {
-    let rank = group.process_index();
-    let n = (1 << 20) + 3;
-    let values: Vec<f32> = (0..n)
-        .map(|i| ((i * 7 + rank * 13) % 101) as f32 * 0.01 - 0.5)
-        .collect();
-    let device = group.device().clone().without_autodiff();
-    let flat = Tensor::<1>::from_floats(values.as_slice(), &device);
-    let on_device = to_host(transport.average(flat.clone(), 1.0)?, "transport check")?;
-    let on_host = to_host(
-        HostAllReduce::new(group.clone()).average(flat, 1.0)?,
-        "transport check",
-    )?;
-    Ok(on_device
-        .iter()
-        .zip(&on_host)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max))
-}
-
-/// The device transport this run would choose, compared with host memory ([`difference_from_host`]): its
-/// name and the largest difference; `None` when the run's gradients go through host memory anyway.
-pub(crate) fn check_against_host(
-    group: &Arc<ProcessGroup>,
-    preference: crate::config::GradientTransport,
-    timeout: std::time::Duration,
-) -> Result<Option<(String, f32)>> {
-    let (transport, choice) = if group.num_processes() == 1 {
-        // One rank needs no transport, but on CUDA a one-rank NCCL communicator still shows NCCL works here.
-        let facts = TransportFacts {
-            world: 2,
-            local_world: 1,
-            in_process: false,
-            ..facts_for(group, false)
-        };
-        match choose(preference, &facts) {
-            Ok(choice) if choice.kind == TransportKind::Nccl => {
-                let transport = start_device(TransportKind::Nccl, group, timeout)?;
-                let choice = TransportChoice {
-                    reason: "a one-rank NCCL communicator".into(),
-                    ..choice
-                };
-                (transport, choice)
-            }
-            _ => return Ok(None),
-        }
-    } else {
-        select(group, preference, timeout)?
-    };
-    if !choice.kind.on_device() {
-        return Ok(None);
-    }
-    let difference = difference_from_host(group, transport.as_ref())?;
-    Ok(Some((choice.to_string(), difference)))
 }

@@ -212,8 +212,21 @@ fn fused_to_cube(_: Box<dyn std::any::Any>) -> std::result::Result<CubeTensor, S
         .into())
 }
 
+impl NcclComm {
+    /// The communicator, unless it was aborted: `ncclCommAbort` frees it, so any later call would use freed
+    /// memory (the transport's guard refuses such calls first; this is the library's own line of defence).
+    fn live(&self) -> std::result::Result<sys::ncclComm_t, String> {
+        if self.aborted.load(std::sync::atomic::Ordering::Acquire) {
+            Err("the NCCL communicator was aborted".into())
+        } else {
+            Ok(self.comm.0)
+        }
+    }
+}
+
 impl DeviceComm for NcclComm {
     fn start_average(&self, flat: Tensor<1>) -> std::result::Result<(), String> {
+        let comm = self.live()?;
         let dtype = nccl_type(flat.dtype())?;
         let autodiff = flat.is_autodiff();
         let flat = flat.without_autodiff();
@@ -255,7 +268,7 @@ impl DeviceComm for NcclComm {
                 count,
                 dtype,
                 sys::ncclRedOp_t::ncclAvg,
-                self.comm.0,
+                comm,
                 self.stream.cu_stream() as _,
             )
         }
@@ -275,9 +288,10 @@ impl DeviceComm for NcclComm {
     }
 
     fn poll(&self) -> std::result::Result<bool, String> {
+        let comm = self.live()?;
         let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator; `state` outlives the call.
-        unsafe { sys::ncclCommGetAsyncError(self.comm.0, &mut state) }
+        // SAFETY: a live (not aborted) communicator; `state` outlives the call.
+        unsafe { sys::ncclCommGetAsyncError(comm, &mut state) }
             .result()
             .map_err(|e| format!("ncclCommGetAsyncError: {e:?}"))?;
         match state {
@@ -306,6 +320,7 @@ impl DeviceComm for NcclComm {
     }
 
     fn finish(&self) -> std::result::Result<Tensor<1>, String> {
+        self.live()?;
         let in_flight = self
             .pending
             .lock()
@@ -319,10 +334,7 @@ impl DeviceComm for NcclComm {
     }
 
     fn abort(&self) {
-        if !self
-            .aborted
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
+        if !self.aborted.swap(true, std::sync::atomic::Ordering::AcqRel) {
             // SAFETY: a live communicator; aborting is allowed while calls are in progress.
             let _ = unsafe { nccl::comm_abort(self.comm.0) };
         }

@@ -1,0 +1,206 @@
+//! Checking a device gradient transport against an independent reference: what `burn-accelerate test` runs on a
+//! GPU.
+//!
+//! Every rank averages about a million values through the transport in f32, bf16 and f16 (where the device has
+//! them). The values of every rank are a known function of the rank, so each rank computes the exact mean of all
+//! ranks' values (as rounded to the dtype) in f64 by itself, without any collective, and compares: the reference
+//! shares no code and no summation order with any transport, so a transport that drops a rank, forgets the
+//! division or garbles a buffer fails, while one that only rounds differently passes within its dtype's bound.
+
+use std::sync::Arc;
+
+use burn::tensor::{DType, bf16, f16};
+
+use super::{
+    GradientTransport, TransportChoice, TransportKind, choose, facts_for, from_host, select,
+    start_device, to_host,
+};
+use crate::distributed::ProcessGroup;
+use crate::error::Result;
+
+/// How a device transport compares with the exact mean in one dtype.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DtypeCheck {
+    /// The gradient dtype averaged.
+    pub dtype: DType,
+    /// The largest absolute difference between the transport's mean and the f64 reference.
+    pub max_error: f64,
+    /// The largest difference the dtype's rounding allows (see [`rounding_bound`]).
+    pub bound: f64,
+}
+
+impl DtypeCheck {
+    /// Whether the transport's mean is within the bound (a NaN fails).
+    pub fn passed(&self) -> bool {
+        self.max_error <= self.bound
+    }
+}
+
+/// A device gradient transport checked against the f64 reference in every dtype the device supports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransportCheck {
+    /// The transport, with why it was chosen.
+    pub transport: String,
+    /// One result per dtype, f32 first.
+    pub dtypes: Vec<DtypeCheck>,
+}
+
+impl TransportCheck {
+    /// Whether every dtype passed.
+    pub fn passed(&self) -> bool {
+        !self.dtypes.is_empty() && self.dtypes.iter().all(DtypeCheck::passed)
+    }
+}
+
+/// The values rank `rank` averages in the check: in [-0.5, 0.5], different on every rank.
+fn check_value(rank: usize, i: usize) -> f32 {
+    ((i * 7 + rank * 13) % 101) as f32 * 0.01 - 0.5
+}
+
+/// `value` rounded to `dtype` as the device holds it, widened exactly to f64.
+fn as_stored(value: f32, dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => f16::from_f32(value).to_f64(),
+        DType::BF16 => bf16::from_f32(value).to_f64(),
+        _ => value as f64,
+    }
+}
+
+/// The largest difference from the exact mean that a correct all-reduce of `world` ranks' values (at most
+/// `max_abs` in magnitude) may show in `dtype`: one rounding per partial sum a ring or tree stores in the dtype,
+/// and the final one — `(world + 1)` unit roundoffs of `max_abs`.
+pub fn rounding_bound(dtype: DType, world: usize, max_abs: f64) -> f64 {
+    let unit_roundoff = match dtype {
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        DType::F64 => 2f64.powi(-53),
+        _ => 2f64.powi(-24),
+    };
+    (world as f64 + 1.0) * unit_roundoff * max_abs
+}
+
+/// Averages the check's values through `transport` in `dtype` on every rank of `group`, and compares the result
+/// with the exact mean of every rank's values, computed here in f64.
+pub(crate) fn check_dtype(
+    group: &Arc<ProcessGroup>,
+    transport: &dyn GradientTransport,
+    dtype: DType,
+) -> Result<DtypeCheck> {
+    let (rank, world) = (group.process_index(), group.num_processes());
+    let n = (1 << 20) + 3;
+    let values: Vec<f32> = (0..n).map(|i| check_value(rank, i)).collect();
+    let device = group.device().clone().without_autodiff();
+    let flat = from_host(values, (&device, dtype), "transport check")?;
+    let averaged = to_host(transport.average(flat, 1.0)?, "transport check")?;
+    let mut max_error = if averaged.len() == n { 0.0 } else { f64::NAN };
+    for (i, got) in averaged.iter().enumerate() {
+        let exact = (0..world)
+            .map(|r| as_stored(check_value(r, i), dtype))
+            .sum::<f64>()
+            / world as f64;
+        let error = (*got as f64 - exact).abs();
+        // NaN propagates (a NaN result fails the check).
+        if error.is_nan() || error > max_error {
+            max_error = error;
+        }
+    }
+    Ok(DtypeCheck {
+        dtype,
+        max_error,
+        bound: rounding_bound(dtype, world, 0.5),
+    })
+}
+
+/// Checks `transport` in f32, then bf16 and f16 where `group`'s device supports them.
+pub(crate) fn check_transport(
+    group: &Arc<ProcessGroup>,
+    transport: &dyn GradientTransport,
+) -> Result<Vec<DtypeCheck>> {
+    let device = group.device().clone().without_autodiff();
+    [DType::F32, DType::BF16, DType::F16]
+        .into_iter()
+        .filter(|&dtype| dtype == DType::F32 || device.supports_dtype(dtype))
+        .map(|dtype| check_dtype(group, transport, dtype))
+        .collect()
+}
+
+/// The device transport this run would choose, checked against the reference ([`check_transport`]); `None`
+/// when the run's gradients go through host memory anyway.
+pub(crate) fn check_against_reference(
+    group: &Arc<ProcessGroup>,
+    preference: crate::config::GradientTransport,
+    timeout: std::time::Duration,
+) -> Result<Option<TransportCheck>> {
+    let (transport, choice) = if group.num_processes() == 1 {
+        // One rank needs no transport, but on CUDA a one-rank NCCL communicator still shows NCCL works here.
+        let facts = super::TransportFacts {
+            world: 2,
+            local_world: 1,
+            in_process: false,
+            ..facts_for(group, false)
+        };
+        match choose(preference, &facts) {
+            Ok(choice) if choice.kind == TransportKind::Nccl => {
+                let transport = start_device(TransportKind::Nccl, group, timeout)?;
+                let choice = TransportChoice {
+                    reason: "a one-rank NCCL communicator".into(),
+                    ..choice
+                };
+                (transport, choice)
+            }
+            _ => return Ok(None),
+        }
+    } else {
+        select(group, preference, timeout)?
+    };
+    if !choice.kind.on_device() {
+        return Ok(None);
+    }
+    Ok(Some(TransportCheck {
+        transport: choice.to_string(),
+        dtypes: check_transport(group, transport.as_ref())?,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bound_grows_with_ranks_and_coarser_dtypes() {
+        assert!(rounding_bound(DType::BF16, 2, 0.5) > rounding_bound(DType::F16, 2, 0.5));
+        assert!(rounding_bound(DType::F16, 2, 0.5) > rounding_bound(DType::F32, 2, 0.5));
+        assert!(rounding_bound(DType::F32, 8, 0.5) > rounding_bound(DType::F32, 2, 0.5));
+        // bf16 near 0.5 is spaced 2^-8 apart: one rounding (half a spacing) of 2 ranks' mean fits three.
+        assert_eq!(rounding_bound(DType::BF16, 2, 0.5), 3.0 * 2f64.powi(-9));
+    }
+
+    #[test]
+    fn values_are_stored_as_the_dtype_rounds_them() {
+        assert_eq!(as_stored(0.1, DType::F32), 0.1f32 as f64);
+        assert_ne!(as_stored(0.1, DType::BF16), 0.1f32 as f64);
+        assert!((as_stored(0.1, DType::BF16) - 0.1).abs() < 2f64.powi(-10));
+        assert!((as_stored(0.1, DType::F16) - 0.1).abs() < 2f64.powi(-13));
+    }
+
+    #[test]
+    fn a_failed_dtype_or_no_dtype_fails_the_check() {
+        let ok = DtypeCheck {
+            dtype: DType::F32,
+            max_error: 0.0,
+            bound: 1e-7,
+        };
+        let nan = DtypeCheck {
+            max_error: f64::NAN,
+            ..ok.clone()
+        };
+        assert!(ok.passed() && !nan.passed());
+        let check = |dtypes| TransportCheck {
+            transport: "t".into(),
+            dtypes,
+        };
+        assert!(check(vec![ok.clone()]).passed());
+        assert!(!check(vec![ok, nan]).passed());
+        assert!(!check(vec![]).passed());
+    }
+}
