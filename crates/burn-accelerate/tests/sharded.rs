@@ -238,3 +238,76 @@ mod checkpoints {
         std::fs::remove_dir_all(&dir).ok();
     }
 }
+
+/// Fewer parameters than ranks: one `Linear` (a weight and a bias) on 3 and 4 in-process ranks, so that some ranks
+/// own no parameter. Every strategy trains the weights `NO_SHARD` trains (bit for bit: the same reductions).
+mod fewer_parameters_than_ranks {
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::AdamConfig;
+    use burn::tensor::Tensor;
+    use burn_accelerate::{Accelerator, ReduceOp, ShardingStrategy};
+
+    /// The model's weight and bias after 6 Adam steps of `sharding` on `ranks` ranks (global batch 12).
+    fn train(sharding: ShardingStrategy, ranks: usize, initial: &Linear) -> Vec<f32> {
+        let results = Accelerator::builder()
+            .sharding(sharding)
+            .launch(ranks, |acc| {
+                let (rank, rows) = (acc.process_index(), 12 / ranks);
+                let device = acc.device().clone();
+                let mut model = acc.prepare_model(initial.clone())?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                for step in 0..6 {
+                    let x: Vec<f32> = (0..rows * 3)
+                        .map(|i| ((step * 31 + rank * rows * 3 + i) % 17) as f32 * 0.1 - 0.8)
+                        .collect();
+                    let x = Tensor::<1>::from_floats(x.as_slice(), &device).reshape([rows, 3]);
+                    let y = x.clone().sum_dim(1).mul_scalar(0.5);
+                    let whole = acc.unshard(&model)?;
+                    let loss = (whole.forward(x) - y).powi_scalar(2).mean();
+                    acc.reduce(loss.clone().detach(), ReduceOp::Mean)?;
+                    acc.backward(loss, &whole)?;
+                    drop(whole);
+                    model = optimizer.try_step(model)?;
+                }
+                let whole = acc.unshard(&model)?;
+                let mut values = whole.weight.val().into_data().to_vec::<f32>().unwrap();
+                values.extend(
+                    whole
+                        .bias
+                        .unwrap()
+                        .val()
+                        .into_data()
+                        .to_vec::<f32>()
+                        .unwrap(),
+                );
+                Ok(values)
+            })
+            .unwrap_or_else(|e| panic!("{sharding} on {ranks} ranks: {e}"));
+        assert_eq!(results.len(), ranks);
+        for other in &results[1..] {
+            assert_eq!(
+                other, &results[0],
+                "{sharding} on {ranks} ranks: ranks differ"
+            );
+        }
+        results.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn every_strategy_trains_the_unsharded_weights() {
+        let device = burn_accelerate::backend::default_device().unwrap();
+        device.seed(5);
+        let initial: Linear = LinearConfig::new(3, 1).init(&device);
+        for ranks in [3, 4] {
+            let unsharded = train(ShardingStrategy::NoShard, ranks, &initial);
+            assert_eq!(unsharded.len(), 4);
+            for sharding in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+                assert_eq!(
+                    train(sharding, ranks, &initial),
+                    unsharded,
+                    "{sharding} on {ranks} ranks"
+                );
+            }
+        }
+    }
+}
