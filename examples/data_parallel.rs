@@ -87,7 +87,7 @@ fn run(acc: Accelerator, args: &Args, initial: Classifier) -> Result<(f64, f64)>
     classifier::evaluate(&acc, &model, &eval)
 }
 
-fn main() {
+pub fn main() {
     if let Err(error) = run_example() {
         eprintln!("error: {error}");
         std::process::exit(1);

@@ -81,7 +81,7 @@ fn mean_loss(
     Ok(total / count.max(1) as f64)
 }
 
-fn main() {
+pub fn main() {
     if let Err(error) = run_quicktour() {
         eprintln!("error: {error}");
         std::process::exit(1);

@@ -82,7 +82,7 @@ fn train(accelerator: &Accelerator, batch_size: usize, args: &Args) -> Result<f3
     Ok(last)
 }
 
-fn main() {
+pub fn main() {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
     let result = ranks::run_ranks(Accelerator::builder(), args.processes, |accelerator| {

@@ -142,7 +142,7 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     Ok(loss_value)
 }
 
-fn main() {
+pub fn main() {
     ranks::exit_on_error(run());
 }
 

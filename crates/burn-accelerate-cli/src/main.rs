@@ -1,13 +1,13 @@
 //! The `burn-accelerate` command.
 
-mod config_command;
-mod config_file;
-mod env_report;
-mod estimate;
-mod launch;
-mod questionnaire;
-mod restart;
-mod selftest;
+pub(crate) mod config_command;
+pub(crate) mod config_file;
+pub(crate) mod env_report;
+pub(crate) mod estimate;
+pub(crate) mod launch;
+pub(crate) mod questionnaire;
+pub(crate) mod restart;
+pub(crate) mod selftest;
 
 use std::path::PathBuf;
 
@@ -67,7 +67,7 @@ enum Command {
     },
 }
 
-fn main() {
+pub(crate) fn main() {
     let cli = Cli::parse();
     if let Some(path) = &cli.config_file {
         // SAFETY: set before any thread is started; every part of this process reads the file through it.

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use stats::{median, paired_ratio};
 
 use burn::optim::{AdamConfig, GradientsParams};
-use burn::tensor::Device;
 use burn_accelerate::Accelerator;
 use burn_accelerate::data::DataLoaderBuilder;
 use mlp::{Mlp, SampleBatcher};
@@ -27,15 +26,16 @@ const SAMPLES: usize = 2048;
 const BATCH: usize = 32;
 const LR: f64 = 1e-3;
 
-fn main() -> burn_accelerate::Result<()> {
+pub fn main() -> burn_accelerate::Result<()> {
     let rounds: usize = std::env::var("OVERHEAD_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(41);
     let steps_per_epoch = SAMPLES.div_ceil(BATCH);
 
-    // Raw Burn.
-    let device = Device::default().autodiff();
+    // Raw Burn, on the device the Accelerator takes (`BURN_DEVICE` included; Burn's `Device::default()` would
+    // take CUDA wherever it is compiled in).
+    let device = burn_accelerate::backend::default_device()?.autodiff();
     device.seed(0);
     let raw_loader = burn::data::dataloader::DataLoaderBuilder::new(SampleBatcher)
         .batch_size(BATCH)

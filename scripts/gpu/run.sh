@@ -1,0 +1,372 @@
+#!/usr/bin/env bash
+# Runs every GPU check of the packed kit (scripts/gpu/pack.sh) in one call, and writes a report.
+#
+#   scripts/gpu/run.sh [KIT_DIR]        # default target/gpu-kit; the report goes to $OUT (default target/gpu-report)
+#
+# Every step runs under its own timeout (a hang costs one step, not the call), and the whole run keeps to
+# RUN_BUDGET_S seconds (default 400): steps that no longer fit are reported as not run. Steps come in order of
+# what they teach. The report ($OUT/gpu-report.md and $OUT/gpu-report.json, rewritten after every step, so a
+# run cut short still leaves one) has each step's result, its figures and, on failure, its log tail; all logs
+# go to $OUT/gpu-logs.tar.gz.
+#
+# Without a GPU (no NVIDIA driver) every GPU step reports "no GPU: <reason>" and the CPU-side steps still run:
+# that is the rehearsal this project's CI runs.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+kit="$(cd "${1:-$root/target/gpu-kit}" 2>/dev/null && pwd)" || { echo "run: no kit at ${1:-target/gpu-kit}: run scripts/gpu/pack.sh" >&2; exit 2; }
+out="${OUT:-$root/target/gpu-report}"
+budget="${RUN_BUDGET_S:-400}"
+work="${KIT_WORK:-/tmp/burn-accelerate-gpu-kit}"
+mkdir -p "$out" "$work/bin" "$work/lib" "$work/logs"
+start=$(date +%s)
+results="$work/results.jsonl"
+: >"$results"
+python="$(command -v python3 || command -v python || true)"
+
+say() { printf 'run: %s\n' "$*" >&2; }
+elapsed() { echo $(($(date +%s) - start)); }
+
+# One result line: step, status (pass, fail, skip), seconds, figures (key=value;...), detail, log file.
+# The step's kind (cpu, gpu, vulkan, derived) is $kind_now.
+kind_now=cpu
+record() {
+  "$python" - "$results" "$kind_now" "$@" <<'PY'
+import json, sys
+path, kind, step, status, seconds, figures, detail, log = sys.argv[1:9]
+tail = ""
+if status == "fail" and log:
+    try:
+        tail = "".join(open(log, errors="replace").readlines()[-40:])
+    except OSError:
+        pass
+figs = dict(f.split("=", 1) for f in figures.split(";") if "=" in f)
+with open(path, "a") as f:
+    f.write(json.dumps({"step": step, "kind": kind, "status": status, "seconds": int(seconds), "figures": figs,
+                        "detail": detail, "log_tail": tail}) + "\n")
+PY
+  report
+}
+
+report() {
+  "$python" - "$results" "$out" "$gpu_note" "$(elapsed)" "$kit/MANIFEST" <<'PY'
+import json, sys
+results, out, gpu, seconds, manifest = sys.argv[1:6]
+steps = [json.loads(l) for l in open(results) if l.strip()]
+try:
+    manifest = open(manifest).read().strip()
+except OSError:
+    manifest = "(no MANIFEST)"
+counts = {s: sum(1 for x in steps if x["status"] == s) for s in ("pass", "fail", "skip")}
+json.dump({"gpu": gpu, "seconds": int(seconds), "counts": counts, "manifest": manifest, "steps": steps},
+          open(f"{out}/gpu-report.json", "w"), indent=2)
+lines = ["# GPU kit report", "", f"- GPU: {gpu}", f"- wall time: {seconds} s",
+         f"- steps: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped", "",
+         "| step | kind | result | s | figures | detail |", "|---|---|---|---|---|---|"]
+for s in steps:
+    figs = ", ".join(f"{k}={v}" for k, v in s["figures"].items())
+    lines.append(f"| {s['step']} | {s['kind']} | {s['status']} | {s['seconds']} | {figs} | {s['detail']} |")
+for s in steps:
+    if s["log_tail"]:
+        lines += ["", f"## {s['step']}: log tail", "", "```", s["log_tail"].rstrip(), "```"]
+lines += ["", "## Kit", "", "```", manifest, "```", ""]
+open(f"{out}/gpu-report.md", "w").write("\n".join(lines))
+PY
+}
+
+# Figures from a log: the values of `key=` lines (the last of each), for the keys asked.
+figures() {
+  local log=$1; shift
+  local key value acc=""
+  for key in "$@"; do
+    value=$(grep -oE "(^|[ ])$key=[^ ]+" "$log" 2>/dev/null | tail -n1 | sed -E "s/^ ?$key=//")
+    [ -n "$value" ] && acc="$acc$key=$value;"
+  done
+  printf '%s' "$acc"
+}
+
+# run_step NAME KIND TIMEOUT CHECK COMMAND...: KIND gpu steps are skipped without a GPU (or Vulkan, for vulkan);
+# CHECK is a shell function that gets the log and the exit code, prints figures and returns 0 when the step
+# passed; $detail may be set by it.
+run_step() {
+  local name=$1 kind=$2 limit=$3 check=$4; shift 4
+  local log="$work/logs/$name.log" rc t0 figs
+  kind_now=$kind
+  if { [ "$kind" = gpu ] || [ "$kind" = vulkan ]; } && [ -n "$no_gpu" ]; then
+    record "$name" skip 0 "" "no GPU: $no_gpu" ""
+    return
+  fi
+  if [ "$kind" = vulkan ] && [ -n "$no_vulkan" ]; then
+    record "$name" skip 0 "" "no Vulkan: $no_vulkan" ""
+    return
+  fi
+  local left=$((budget - $(elapsed)))
+  if [ "$left" -lt 15 ]; then
+    record "$name" skip 0 "" "not run: the run's budget of ${budget}s is spent" ""
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  say "$name (at most ${limit}s)"
+  t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  detail=""
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    figs=""
+    detail="timed out after ${limit}s"
+    record "$name" fail $(($(date +%s) - t0)) "" "$detail" "$log"
+    return
+  fi
+  # Not in a subshell: the check may set $detail.
+  if "$check" "$log" "$rc" >"$work/figures"; then
+    figs=$(cat "$work/figures")
+    record "$name" pass $(($(date +%s) - t0)) "$figs" "$detail" "$log"
+  else
+    figs=$(cat "$work/figures")
+    [ -n "$detail" ] || detail="exit code $rc"
+    record "$name" fail $(($(date +%s) - t0)) "$figs" "$detail" "$log"
+  fi
+}
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unpack, and find what the image has where it keeps it.
+[ -n "$python" ] || { echo "run: python3 is needed for the report" >&2; exit 2; }
+gpu_note="probing"
+no_gpu=""
+no_vulkan=""
+bin="$work/bin/burn-accelerate-gpu-kit"
+unpack() {
+  if command -v xz >/dev/null 2>&1; then
+    xz -dc "$kit/burn-accelerate-gpu-kit.xz" >"$bin"
+  else
+    "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$kit/burn-accelerate-gpu-kit.xz" "$bin"
+  fi
+  chmod +x "$bin"
+  for program in burn-accelerate quicktour memory data_parallel sharded_training overhead throughput; do
+    ln -sf "$bin" "$work/bin/$program"
+  done
+  cp "$kit/lib/libvulkan.so.1" "$work/lib/"
+  "$work/bin/burn-accelerate" --version
+}
+check_unpack() { grep -q '^burn-accelerate ' "$1" && [ "$2" -eq 0 ]; }
+t0=$(date +%s)
+if unpack >"$work/logs/unpack.log" 2>&1 && check_unpack "$work/logs/unpack.log" 0; then
+  unpack_status=pass
+else
+  unpack_status=fail
+fi
+export PATH="$work/bin:$PATH"
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp/xdg-runtime-$(id -u)}"
+mkdir -p "$XDG_RUNTIME_DIR" && chmod 700 "$XDG_RUNTIME_DIR"
+
+# The GPU: the driver answers nvidia-smi.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  no_gpu="nvidia-smi not found (no NVIDIA driver on this machine)"
+elif ! nvidia-smi -L >"$work/logs/nvidia-smi.log" 2>&1; then
+  no_gpu="nvidia-smi failed: $(head -n1 "$work/logs/nvidia-smi.log")"
+fi
+if [ -z "$no_gpu" ]; then
+  gpu_note="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n1)"
+else
+  gpu_note="none ($no_gpu)"
+fi
+
+# The first file under Python's site-packages (where PyPI's nvidia-* wheels put CUDA's libraries: nvidia/<name>/
+# for CUDA 12, nvidia/cu13/ for CUDA 13) whose path ends with $1.
+in_site_packages() {
+  "$python" - "$1" <<'PY' 2>/dev/null
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for root in roots:
+    hits = sorted(glob.glob(os.path.join(root, "nvidia", "**", sys.argv[1]), recursive=True))
+    if hits:
+        print(hits[0])
+        break
+PY
+}
+
+# libdevice (Burn's CUDA compiler links it for math functions): CUDA_PATH, the usual toolkit folders, PyPI's.
+find_cuda_root() {
+  local c
+  for c in "${CUDA_PATH:-}" "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-13* /usr/local/cuda-12* /opt/cuda \
+    /usr/lib/nvidia-cuda-toolkit; do
+    [ -n "$c" ] && [ -f "$c/nvvm/libdevice/libdevice.10.bc" ] && { echo "$c"; return; }
+  done
+  c=$(in_site_packages 'nvvm/libdevice/libdevice.10.bc')
+  [ -n "$c" ] && { dirname "$(dirname "$(dirname "$c")")"; return; }
+  [ -n "$no_gpu" ] && return
+  c=$(timeout 20 find / -xdev -name libdevice.10.bc -path '*nvvm/libdevice*' 2>/dev/null | head -n1)
+  [ -n "$c" ] && dirname "$(dirname "$(dirname "$c")")"
+}
+cuda_root="$(find_cuda_root)"
+[ -n "$cuda_root" ] && export CUDA_PATH="$cuda_root"
+
+# NCCL: cudarc opens libnccl.so; PyPI's wheel ships only libnccl.so.2, so a link goes into the kit's lib folder.
+find_nccl() {
+  local c
+  c=$(in_site_packages 'lib/libnccl.so.2')
+  [ -n "$c" ] && { echo "$c"; return; }
+  c=$(ldconfig -p 2>/dev/null | grep -oE '/[^ ]*libnccl\.so\.2$' | head -n1)
+  [ -n "$c" ] && { echo "$c"; return; }
+  [ -n "$no_gpu" ] && return
+  timeout 20 find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -n1
+}
+nccl="$(find_nccl)"
+[ -n "$nccl" ] && ln -sf "$nccl" "$work/lib/libnccl.so"
+
+# Vulkan: the kit's loader, and the NVIDIA driver's ICD (written here when the image has the driver's Vulkan
+# library but no ICD file).
+icd=""
+for c in /usr/share/vulkan/icd.d/nvidia_icd*.json /etc/vulkan/icd.d/nvidia_icd*.json; do
+  [ -f "$c" ] && { icd="$c"; break; }
+done
+if [ -z "$icd" ]; then
+  glx=$(ldconfig -p 2>/dev/null | grep -oE '/[^ ]*libGLX_nvidia\.so\.0$' | head -n1)
+  [ -z "$glx" ] && [ -z "$no_gpu" ] && glx=$(timeout 20 find / -xdev -name 'libGLX_nvidia.so.0' 2>/dev/null | head -n1)
+  if [ -n "$glx" ]; then
+    mkdir -p "$work/icd"
+    icd="$work/icd/nvidia_icd.json"
+    printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' "$glx" >"$icd"
+  fi
+fi
+if [ -n "$no_gpu" ]; then
+  no_vulkan="$no_gpu"
+elif [ -z "$icd" ]; then
+  no_vulkan="the NVIDIA driver's Vulkan library (libGLX_nvidia.so.0) and ICD file are not in this image"
+else
+  export VK_ICD_FILENAMES="$icd"
+fi
+export LD_LIBRARY_PATH="$work/lib${nccl:+:$(dirname "$nccl")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+record unpack "$unpack_status" $(($(date +%s) - t0)) \
+  "cuda_path=${cuda_root:-none};nccl=${nccl:-none};vulkan_icd=${icd:-none}" \
+  "GPU: $gpu_note" "$work/logs/unpack.log"
+[ "$unpack_status" = pass ] || { say "the kit did not unpack: see $out/gpu-report.md"; exit 1; }
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks: each prints the step's figures and returns whether it passed.
+ok_exit() { [ "$2" -eq 0 ]; }
+check_env() {
+  detail=$(grep -E '^- (cuda runtime|Gradient transport)' "$1" | tr '\n' ' ' | tr ';|' ',/')
+  [ "$2" -eq 0 ] && grep -q '^- Gradient transport:' "$1"
+}
+check_test() {
+  local gpu_lines
+  gpu_lines=$(grep -E '^GPU' "$1" | tr '\n' ' ' | tr ';|' ',/')
+  detail="$gpu_lines"
+  [ "$2" -eq 0 ] && grep -qx 'Test is a success! You are ready for your distributed training!' "$1"
+}
+check_loss() {
+  local f
+  f=$(figures "$1" initial_loss final_loss)
+  printf '%s' "$f"
+  [ "$2" -eq 0 ] && "$python" - "$1" <<'PY'
+import math, sys
+values = dict(l.strip().split("=", 1) for l in open(sys.argv[1]) if l.startswith(("initial_loss=", "final_loss=")))
+final = float(values["final_loss"])
+sys.exit(0 if math.isfinite(final) and ("initial_loss" not in values or final < float(values["initial_loss"])) else 1)
+PY
+}
+# The final loss within $2 (relative) of the CPU's.
+reference_loss=""
+near_cpu() {
+  local log=$1 rc=$2 bound=$3 f final
+  check_loss "$log" "$rc" || return 1
+  final=$(figures "$log" final_loss | sed -E 's/final_loss=([^;]*);/\1/')
+  [ -n "$reference_loss" ] || { detail="no CPU reference loss"; return 1; }
+  "$python" - "$final" "$reference_loss" "$bound" <<'PY' >&2
+import sys
+final, ref, bound = map(float, sys.argv[1:4])
+rel = abs(final - ref) / abs(ref)
+print(f"relative difference from the CPU: {rel:.4f} (bound {bound})")
+sys.exit(0 if rel <= bound else 1)
+PY
+  local status=$?
+  printf 'cpu_final_loss=%s;' "$reference_loss"
+  detail="vs CPU final_loss=$reference_loss"
+  return $status
+}
+near_cpu_f32() { near_cpu "$1" "$2" 0.05; }
+near_cpu_half() { near_cpu "$1" "$2" 0.10; }
+check_throughput() {
+  figures "$1" accelerate_samples_per_s raw_burn_samples_per_s throughput_overhead_ratio final_loss params
+  [ "$2" -eq 0 ] && grep -q '^accelerate_samples_per_s=' "$1"
+}
+check_torch() {
+  figures "$1" torch_samples_per_s final_loss gpu
+  if [ "$2" -eq 3 ]; then detail="PyTorch or Accelerate missing: $(tail -n1 "$1")"; return 1; fi
+  [ "$2" -eq 0 ] && grep -q '^torch_samples_per_s=' "$1"
+}
+check_overhead() {
+  figures "$1" overhead_ratio raw_step_us accelerated_step_us
+  [ "$2" -eq 0 ] && grep -q '^overhead_ratio=' "$1"
+}
+check_oom() {
+  local retries
+  retries=$(grep -c 'ran out of memory' "$1")
+  figures "$1" batch_size final_loss
+  printf 'oom_retries=%s;' "$retries"
+  local batch
+  batch=$(figures "$1" batch_size | sed -E 's/batch_size=([^;]*);/\1/')
+  [ "$2" -eq 0 ] && [ "$retries" -ge 1 ] && [ -n "$batch" ] && [ "$batch" -lt "$oom_start" ]
+}
+# Two runs' `final_loss`/`accuracy` lines must be equal (the command prints both runs, separated by ---).
+check_same() {
+  local a b
+  a=$(sed -n '1,/^---$/p' "$1" | grep -E '^(final_loss|accuracy)=' | tr '\n' ' ')
+  b=$(sed -n '/^---$/,$p' "$1" | grep -E '^(final_loss|accuracy)=' | tr '\n' ' ')
+  printf 'first=%s;second=%s;' "${a// /,}" "${b// /,}"
+  [ "$2" -eq 0 ] && [ -n "$a" ] && [ "$a" = "$b" ]
+}
+
+# ---------------------------------------------------------------------------------------------------------------
+# Steps, in order of what they teach.
+run_step env cpu 60 check_env burn-accelerate env
+run_step test-cpu cpu 120 check_test env BURN_DEVICE=flex burn-accelerate test --num-processes 2
+run_step quicktour-cpu cpu 120 check_loss env BURN_DEVICE=flex quicktour
+reference_loss=$(figures "$work/logs/quicktour-cpu.log" final_loss | sed -E 's/final_loss=([^;]*);/\1/')
+run_step test-cuda gpu 150 check_test env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
+run_step quicktour-cuda-f32 gpu 120 near_cpu_f32 env BURN_DEVICE=cuda quicktour
+run_step throughput-cuda-f32 gpu 120 check_throughput env BURN_DEVICE=cuda throughput
+run_step torch-cuda-f32 gpu 120 check_torch "$python" "$root/scripts/gpu/torch_throughput.py" --precision no
+run_step throughput-cuda-bf16 gpu 120 check_throughput env BURN_DEVICE=cuda ACCELERATE_MIXED_PRECISION=bf16 throughput
+run_step torch-cuda-bf16 gpu 120 check_torch "$python" "$root/scripts/gpu/torch_throughput.py" --precision bf16
+oom_start=268435456
+run_step oom-cuda gpu 150 check_oom env BURN_DEVICE=cuda memory --start "$oom_start" --steps 3
+run_step ranks-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda data_parallel --processes 1 --epochs 1 && echo --- && BURN_DEVICE=cuda data_parallel --processes 2 --epochs 1'
+run_step shard-grad-op-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding SHARD_GRAD_OP'
+run_step quicktour-cuda-bf16 gpu 120 near_cpu_half env BURN_DEVICE=cuda quicktour --mixed-precision bf16
+run_step quicktour-cuda-fp16 gpu 120 near_cpu_half env BURN_DEVICE=cuda quicktour --mixed-precision fp16
+run_step quicktour-vulkan vulkan 150 near_cpu_f32 env BURN_DEVICE=vulkan quicktour
+run_step overhead-cuda gpu 150 check_overhead env BURN_DEVICE=cuda OVERHEAD_ROUNDS=21 overhead
+# NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
+# need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
+kind_now=gpu
+record nccl-2-processes skip 0 "" \
+  "not run: two processes need mpirun, which neither the kit nor the GPU image has; test-cuda ran a one-rank NCCL communicator" ""
+
+kind_now=derived
+# Derived figures: burn-accelerate's samples/s over PyTorch + Accelerate's on the same GPU.
+ratios=$("$python" - "$results" <<'PY'
+import json, sys
+steps = {s["step"]: s for s in map(json.loads, open(sys.argv[1]))}
+for p in ("f32", "bf16"):
+    ours = steps.get(f"throughput-cuda-{p}", {}).get("figures", {}).get("accelerate_samples_per_s")
+    torch = steps.get(f"torch-cuda-{p}", {}).get("figures", {}).get("torch_samples_per_s")
+    if ours and torch:
+        print(f"vs_torch_{p}={float(ours) / float(torch):.3f};", end="")
+PY
+)
+if [ -n "$ratios" ]; then
+  record vs-torch pass 0 "$ratios" "burn-accelerate samples/s over PyTorch + Accelerate's, same model and GPU" ""
+else
+  record vs-torch skip 0 "" "needs both throughput runs (burn-accelerate and PyTorch)" ""
+fi
+tar -czf "$out/gpu-logs.tar.gz" -C "$work" logs 2>/dev/null
+report
+say "report: $out/gpu-report.md ($(elapsed)s)"
+cat "$out/gpu-report.md"
+if grep -q '"status": "fail"' "$results"; then exit 1; fi
+exit 0
