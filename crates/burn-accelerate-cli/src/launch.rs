@@ -516,15 +516,16 @@ impl Attempt<'_> {
             .name("mpirun-stderr".into())
             .spawn(move || {
                 use std::io::{BufRead, Write};
-                let mut died = None;
+                let mut seen = MpirunSaw::default();
                 for line in std::io::BufReader::new(stderr)
                     .lines()
                     .map_while(|l| l.ok())
                 {
                     let _ = writeln!(std::io::stderr(), "{line}");
-                    died = died.or_else(|| rank_death(&line));
+                    seen.died = seen.died.or_else(|| rank_death(&line));
+                    seen.returned_non_zero |= returned_non_zero(&line);
                 }
-                died
+                seen
             });
         let watcher = match watcher {
             Ok(w) => w,
@@ -540,13 +541,13 @@ impl Attempt<'_> {
         let status = child
             .wait()
             .map_err(|e| fail(format!("waiting for mpirun: {e}")))?;
-        let died = watcher.join().ok().flatten();
+        let seen = watcher.join().unwrap_or_default();
         let reports = rank_reports(&status_dir);
         let _ = std::fs::remove_dir_all(&status_dir);
         if status.success() {
             return Ok(None);
         }
-        Ok(Some(classify(&reports, died, restart::exit_code(status))))
+        Ok(Some(classify(&reports, &seen, restart::exit_code(status))))
     }
 }
 
@@ -558,9 +559,20 @@ struct RankReport {
     timed_out: bool,
 }
 
+/// What mpirun said about the job's processes on its error stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct MpirunSaw {
+    /// A rank it saw die of a signal, and how.
+    died: Option<(usize, String)>,
+    /// Whether it said a process returned a non-zero exit code (ended by itself, not by a signal).
+    returned_non_zero: bool,
+}
+
 /// Why the job failed: a rank's error of its own first (the cause; the others were stopped because of it),
-/// then a collective that timed out (a rank hung), then a rank mpirun saw die of a signal.
-fn classify(reports: &[RankReport], died: Option<(usize, String)>, code: i32) -> Failure {
+/// then a collective that timed out (a rank hung), then a rank mpirun saw die of a signal, then a process that
+/// returned an error status by itself before this library could report it (a program's own early failure: bad
+/// arguments, a missing file), and only then a failure nobody explained.
+fn classify(reports: &[RankReport], seen: &MpirunSaw, code: i32) -> Failure {
     let mut own = reports.iter().filter(|r| !r.timed_out);
     if let Some(first) = own.next() {
         return Failure::Error {
@@ -579,14 +591,26 @@ fn classify(reports: &[RankReport], died: Option<(usize, String)>, code: i32) ->
             code: timeout.status,
         };
     }
-    match died {
+    match &seen.died {
         Some((rank, how)) => Failure::Killed {
-            rank: Some(rank),
-            how,
+            rank: Some(*rank),
+            how: how.clone(),
             code,
+        },
+        // Statuses from 128 on are a shell's report of a signal: not the program's own doing.
+        None if seen.returned_non_zero && (1..128).contains(&code) => Failure::Error {
+            rank: None,
+            status: code,
+            others: Vec::new(),
         },
         None => Failure::Unexplained { code },
     }
+}
+
+/// Whether `line` is Open MPI's report that a process ended by itself with an error status (`Primary job
+/// terminated normally, but 1 process returned` / `a non-zero exit code.`).
+fn returned_non_zero(line: &str) -> bool {
+    line.contains("process returned") || line.contains("processes returned")
 }
 
 /// The rank and the manner of death in Open MPI's report `... process rank 1 with PID 42 on node n exited on
@@ -700,7 +724,7 @@ mod tests {
 
     #[test]
     fn a_rank_error_of_its_own_outranks_the_timeouts_and_deaths_it_caused() {
-        use super::{RankReport, classify, parse_report};
+        use super::{MpirunSaw, RankReport, classify, parse_report};
         use crate::restart::Failure;
         let timeout = parse_report(0, "70 collective-timeout\n").unwrap();
         assert!(timeout.timed_out);
@@ -714,10 +738,13 @@ mod tests {
             }
         );
         assert_eq!(parse_report(1, "garbage"), None);
-        let died = || Some((1, "exited on signal 9 (Killed)".to_string()));
+        let died = MpirunSaw {
+            died: Some((1, "exited on signal 9 (Killed)".to_string())),
+            returned_non_zero: false,
+        };
         let another = parse_report(3, "4").unwrap();
         assert_eq!(
-            classify(&[timeout.clone(), own, another], died(), 1),
+            classify(&[timeout.clone(), own, another], &died, 1),
             Failure::Error {
                 rank: Some(2),
                 status: 1,
@@ -725,17 +752,50 @@ mod tests {
             }
         );
         assert_eq!(
-            classify(&[timeout], died(), 70),
+            classify(&[timeout], &died, 70),
             Failure::Timeout { rank: 0, code: 70 }
         );
         assert!(matches!(
-            classify(&[], died(), 137),
+            classify(&[], &died, 137),
             Failure::Killed {
                 rank: Some(1),
                 code: 137,
                 ..
             }
         ));
-        assert_eq!(classify(&[], None, 3), Failure::Unexplained { code: 3 });
+        let nothing = MpirunSaw::default();
+        assert_eq!(classify(&[], &nothing, 3), Failure::Unexplained { code: 3 });
+    }
+
+    #[test]
+    fn a_program_that_fails_before_reporting_is_its_own_error_unless_a_signal_ended_it() {
+        use super::{MpirunSaw, classify, returned_non_zero};
+        use crate::restart::Failure;
+        // Open MPI's two lines when a process returns an error status by itself.
+        assert!(returned_non_zero(
+            "Primary job  terminated normally, but 1 process returned"
+        ));
+        assert!(!returned_non_zero(
+            "a non-zero exit code. Per user-direction, the job has been aborted."
+        ));
+        let returned = MpirunSaw {
+            died: None,
+            returned_non_zero: true,
+        };
+        let own = classify(&[], &returned, 3);
+        assert_eq!(
+            own,
+            Failure::Error {
+                rank: None,
+                status: 3,
+                others: Vec::new()
+            }
+        );
+        assert!(!own.restartable(false) && own.restartable(true));
+        // 137: a shell's SIGKILL, which a restart may cure.
+        assert_eq!(
+            classify(&[], &returned, 137),
+            Failure::Unexplained { code: 137 }
+        );
     }
 }
