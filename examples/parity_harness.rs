@@ -233,7 +233,7 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
                 let clipped = match case {
                     Case::ClipNorm => acc.clip_grad_norm(&model, 0.5)? > 0.5,
                     Case::ClipValue => {
-                        let largest = max_abs_grad(acc, &model);
+                        let largest = max_abs_grad(acc, &model)?;
                         acc.clip_grad_value(&model, 0.05)?;
                         largest > 0.05
                     }
@@ -276,7 +276,10 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
 
 /// The largest absolute gradient of `model` on any rank (to see whether value clipping had anything to clip;
 /// a sharded rank holds only its own parameters' gradients).
-fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> f32 {
+///
+/// # Errors
+/// The reduction over the ranks failed.
+fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> Result<f32> {
     struct Largest<'a>(&'a Accelerator, f32);
     impl ModuleVisitor for Largest<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -290,7 +293,6 @@ fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> f32 {
     let local = Tensor::<1>::from_floats([largest.1], acc.device());
     acc.reduce(local, burn_accelerate::ReduceOp::Max)
         .map(|t| t.into_scalar::<f32>())
-        .unwrap_or(largest.1)
 }
 
 /// A training sample with its index, for evaluation.

@@ -183,6 +183,11 @@ fn run(accelerator: Accelerator, args: &Args, initial: Mlp) -> Result<f64> {
             accelerator.restart_count()
         ));
         state.finish()?;
+    } else if accelerator.restart_count() > 0 {
+        accelerator.print(format!(
+            "no complete checkpoint: starting from scratch (restart {})",
+            accelerator.restart_count()
+        ));
     }
 
     let mut step = progress.lock().unwrap().step;

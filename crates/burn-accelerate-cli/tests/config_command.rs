@@ -282,7 +282,7 @@ fn pyyaml_reads_the_written_file_as_accelerate_does() {
 #[test]
 fn the_questionnaire_answered_in_a_terminal_writes_the_expected_file() {
     if Command::new("script").arg("--version").output().is_err() {
-        eprintln!("no `script` (util-linux): the terminal questionnaire test is skipped");
+        python::skipped("no `script` (util-linux): the terminal questionnaire test is skipped");
         return;
     }
     let dir = temp_dir("pty");

@@ -249,7 +249,7 @@ fn progress_bars_draw_on_a_terminal_only() {
         .args(["-qefc", &command, "/dev/null"])
         .output()
     else {
-        eprintln!("no `script` command: the terminal check is skipped");
+        python::skipped("no `script` command: the terminal check is skipped");
         return;
     };
     assert!(

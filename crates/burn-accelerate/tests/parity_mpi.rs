@@ -200,6 +200,12 @@ fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill
                 &[&resume[..], &["--kill-at", "14", "--kill-rank", &last]].concat(),
             );
             assert!(!killed.status.success(), "the killed job must fail");
+            // Killed where it was told to (not failed for another reason before the kill).
+            assert!(
+                String::from_utf8_lossy(&killed.stderr).contains("is killed after step 14"),
+                "P={p} {sharding}: {}",
+                String::from_utf8_lossy(&killed.stderr)
+            );
             assert_success(&mpirun(p, &broken, &[&resume[..], &["--resume"]].concat()));
             for rank in 0..p {
                 let file = format!("rank{rank}.safetensors");
@@ -208,7 +214,12 @@ fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill
                     weights(&whole.join("resume").join(&file)),
                     "P={p} {sharding}, rank {rank}: resumed weights differ from the uninterrupted run"
                 );
-                assert_eq!(report(&broken, "resume", rank)["resumed_at"], 10);
+                let resumed = report(&broken, "resume", rank);
+                assert_eq!(resumed["resumed_at"], 10, "P={p} {sharding}, rank {rank}");
+                assert_eq!(
+                    resumed["steps"], 11,
+                    "P={p} {sharding}, rank {rank}: steps 11 to 21"
+                );
             }
         }
     }

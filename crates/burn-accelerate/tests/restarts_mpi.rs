@@ -41,7 +41,9 @@ fn launch(dir: &Path, launch_args: &[&str], example_args: &[&str]) -> Output {
         .args(["--save-every", &SAVE_EVERY.to_string()])
         .args(example_args)
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "6")
+        // Long enough that no collective times out spuriously on a loaded machine (which would add a restart the
+        // trials do not expect); the hung rank's test waits for it once.
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "20")
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("burn-accelerate launch runs")
@@ -93,13 +95,21 @@ impl Random {
     }
 }
 
-/// The step the restarted run resumed at (0: it started from scratch, no checkpoint being complete).
-fn resumed_step(stdout: &str) -> usize {
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("resumed from ")?.split(" at step ").nth(1))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
+/// The step the restarted run resumed at (0: it started from scratch, no checkpoint being complete), or `None`
+/// when it printed neither line (it did not restart, or failed before saying).
+fn resumed_step(stdout: &str) -> Option<usize> {
+    stdout.lines().find_map(|l| {
+        if l.starts_with("no complete checkpoint: starting from scratch") {
+            return Some(0);
+        }
+        l.strip_prefix("resumed from ")?
+            .split(" at step ")
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
 }
 
 #[test]
@@ -152,7 +162,9 @@ fn ranks_killed_at_random_steps_restart_and_end_with_the_uninterrupted_weights()
                 "{context}: the kill landed outside the save\n{stderr}"
             );
         }
-        let resumed = resumed_step(&stdout);
+        let resumed = resumed_step(&stdout).unwrap_or_else(|| {
+            panic!("{context}: the restarted run printed no resume line\n{stdout}")
+        });
         // The latest complete checkpoint: the one before the interrupted save, or before the kill.
         let expected = if *fault == "kill-in-save" {
             step - SAVE_EVERY
@@ -195,7 +207,7 @@ fn a_hung_rank_is_turned_into_a_restart_by_the_collective_timeout() {
         stderr.contains("timed out") && stderr.contains("restart 1 of 2"),
         "{stderr}"
     );
-    assert_eq!(resumed_step(&stdout), 50, "{stdout}");
+    assert_eq!(resumed_step(&stdout), Some(50), "{stdout}");
     assert!(weights(&dir) == reference, "the final weights differ");
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -241,4 +253,25 @@ fn exhausted_restarts_end_the_launch_naming_the_last_failure() {
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_program_that_fails_before_any_rank_reports_is_not_restarted() {
+    // Each rank rejects its arguments (clap's status 2) before the library starts, so no rank can write why it
+    // failed: an error of the program's own all the same, which a restart would only repeat.
+    let out = Command::new(cli())
+        .args(["launch", "--num-processes", "2", "--max-restarts", "2"])
+        .args(["--restart-backoff", "0.1"])
+        .arg(example("checkpointing"))
+        .arg("--no-such-flag")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .expect("burn-accelerate launch runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("exited with status 2") && stderr.contains("--restart-on-error"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restart 1 of"), "restarted: {stderr}");
 }

@@ -490,20 +490,29 @@ mod tests {
         .num_workers(2)
         .prefetch_factor(2)
         .build(InMemDataset::new((0..1000).collect()));
+        // The workers hold the batcher while they run: its count tells whether they are gone.
+        let idle = Arc::strong_count(&loader.batcher);
         let mut iter = loader.iter();
         let _ = iter.next();
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        // One batch taken, and at most 2 workers x 2 batches beyond it.
+        // One batch taken, and the workers fill their window of 2 workers x 2 batches beyond it (waiting as long
+        // as a loaded machine needs, never for a fixed time).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while built.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let ahead = built.load(Ordering::SeqCst);
         assert!((2..=5).contains(&ahead), "{ahead} batches built");
+        assert!(
+            Arc::strong_count(&loader.batcher) > idle,
+            "the workers hold the batcher"
+        );
         drop(iter);
-        let after_drop = built.load(Ordering::SeqCst);
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        // Dropping the epoch ends the workers (their batcher is released), not only blocks them.
         assert_eq!(
-            built.load(Ordering::SeqCst),
-            after_drop,
+            Arc::strong_count(&loader.batcher),
+            idle,
             "the workers stopped"
         );
-        assert!(after_drop <= 5);
+        assert!(built.load(Ordering::SeqCst) <= 5);
     }
 }

@@ -24,8 +24,22 @@ pub fn python_with(modules: &[&str]) -> Option<String> {
         !required,
         "BURN_ACCELERATE_REQUIRE_PYTHON=1 but `{python}` cannot `{imports}` (set BURN_ACCELERATE_PYTHON to a venv's python)"
     );
-    eprintln!("`{python}` cannot `{imports}`: the Python cross-check is skipped");
+    skipped(&format!(
+        "`{python}` cannot `{imports}`: the Python cross-check is skipped (BURN_ACCELERATE_REQUIRE_PYTHON=1 makes \
+         this a failure)"
+    ));
     None
+}
+
+/// Says that a check was skipped, and why, where the test runner shows it: written to the process's standard
+/// error directly, past the capture that hides a passing test's `eprintln!`.
+pub fn skipped(why: &str) {
+    use std::io::Write;
+    let line = format!(
+        "SKIPPED in {}: {why}\n",
+        std::thread::current().name().unwrap_or("a test")
+    );
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// Runs `script` (a path under `tests/python/`) with `args`; panics with its output when it fails.
