@@ -84,20 +84,28 @@ fn gather_shape_mismatch_without_debug_mode_is_an_error_not_a_hang() {
 #[test]
 fn a_rank_that_skips_a_collective_is_named_in_a_timeout() {
     let timeout = Duration::from_millis(500);
+    let reported = std::sync::atomic::AtomicUsize::new(0);
     let results = Accelerator::builder()
         .collective_timeout(timeout)
         .launch(3, |acc| {
             if acc.process_index() == 2 {
-                // Long enough that the others can only have been released by their timeout, even on a loaded
-                // machine.
-                std::thread::sleep(timeout * 10);
+                // Returns only once both others have their error: they can only have been released by their
+                // timeout, however loaded the machine (the deadline only keeps a broken build from hanging).
+                let deadline = Instant::now() + Duration::from_secs(120);
+                while reported.load(std::sync::atomic::Ordering::SeqCst) < 2
+                    && Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 return Ok(None);
             }
             let start = Instant::now();
             let err = acc
                 .reduce(Tensor::<1>::ones([4], acc.device()), ReduceOp::Sum)
                 .unwrap_err();
-            Ok(Some((err, start.elapsed())))
+            let elapsed = start.elapsed();
+            reported.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(Some((err, elapsed)))
         })
         .unwrap();
     let waited: Vec<_> = results.into_iter().flatten().collect();
@@ -106,11 +114,8 @@ fn a_rank_that_skips_a_collective_is_named_in_a_timeout() {
         let text = err.to_string();
         assert!(text.contains("rank(s) [2] did not arrive"), "{text}");
         assert!(text.contains("all_reduce"), "{text}");
-        assert!(
-            // Released by the timeout, before rank 2 returns at 10x the timeout.
-            elapsed >= timeout && elapsed < timeout * 10,
-            "{elapsed:?}"
-        );
+        // Released by the timeout (never before it), while rank 2 was still away.
+        assert!(elapsed >= timeout, "{elapsed:?}");
     }
 }
 
@@ -137,8 +142,10 @@ fn a_panicking_rank_does_not_hang_the_others() {
         let e = waited.expect_err("no barrier can pass without rank 1");
         assert!(e.to_string().contains("rank 1"), "rank {rank}: {e}");
     }
+    // Released by the panic's notice, well before the 60 s collective timeout could have released them (a
+    // bound no loaded machine comes near: these ranks take milliseconds).
     assert!(
-        start.elapsed() < Duration::from_secs(10),
+        start.elapsed() < Duration::from_secs(30),
         "{:?}",
         start.elapsed()
     );
