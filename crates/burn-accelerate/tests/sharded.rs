@@ -270,7 +270,7 @@ mod fewer_parameters_than_ranks {
                     model = optimizer.try_step(model)?;
                 }
                 let whole = acc.unshard(&model)?;
-                let mut values = whole.weight.val().into_data().to_vec::<f32>().unwrap();
+                let mut values = whole.weight.val().into_data().try_to_vec::<f32>().unwrap();
                 values.extend(
                     whole
                         .bias
