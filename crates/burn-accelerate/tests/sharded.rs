@@ -277,7 +277,7 @@ mod fewer_parameters_than_ranks {
                         .unwrap()
                         .val()
                         .into_data()
-                        .to_vec::<f32>()
+                        .try_to_vec::<f32>()
                         .unwrap(),
                 );
                 Ok(values)
