@@ -7,6 +7,10 @@
 //! binary would, arguments included. `scripts/gpu/pack.sh` builds it with `cuda` and `vulkan`;
 //! `scripts/gpu/run.sh` makes the links and runs the checks.
 
+// Each program brings its own support modules (the quicktour and the memory example both load `mlp.rs`), as
+// its own binary does: the same file is a module of each.
+#![allow(clippy::duplicate_mod)]
+
 use std::path::Path;
 
 #[path = "../main.rs"]
