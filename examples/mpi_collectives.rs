@@ -3,7 +3,7 @@
 //! `cargo build --release --features mpi --example mpi_collectives`. Each rank prints `suite passed on rank i of n`
 //! and the program exits non-zero on the first failed check.
 
-#[path = "../crates/burn-accelerate/tests/support/collectives_suite.rs"]
+#[path = "../tests/support/collectives_suite.rs"]
 mod suite;
 
 use burn_accelerate::Accelerator;

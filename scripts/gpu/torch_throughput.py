@@ -1,7 +1,7 @@
 """Training throughput of the GPU kit's wide MLP through PyTorch + Hugging Face Accelerate, in samples per second.
 
 The same model, shapes, loss and optimizer as burn-accelerate's `throughput` bench
-(crates/burn-accelerate/benches/throughput.rs): features -> width -> width -> features with ReLU between, mean
+(benches/throughput.rs): features -> width -> width -> features with ReLU between, mean
 squared error against sin(x), Adam with lr 1e-4, one batch made once on the device, warm-up steps, then rounds
 of `steps` steps each ending by reading the loss; the median round gives `torch_samples_per_s`.
 

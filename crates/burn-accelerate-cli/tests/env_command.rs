@@ -1,6 +1,6 @@
 //! `burn-accelerate env` prints the version, backends, devices and config path.
 
-#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+#[path = "../../../tests/support/isolation.rs"]
 mod isolation;
 
 use std::process::Command;

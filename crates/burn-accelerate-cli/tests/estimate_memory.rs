@@ -1,6 +1,6 @@
 //! `burn-accelerate estimate-memory` on a generated checkpoint gives the hand-computed figures.
 
-#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+#[path = "../../../tests/support/isolation.rs"]
 mod isolation;
 
 use std::collections::HashMap;

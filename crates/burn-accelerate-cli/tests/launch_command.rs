@@ -2,7 +2,7 @@
 //! file > default, printed once with their sources; several processes of a program built without MPI are
 //! refused before anything starts.
 
-#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+#[path = "../../../tests/support/isolation.rs"]
 mod isolation;
 
 use std::path::PathBuf;

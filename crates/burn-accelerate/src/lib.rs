@@ -110,29 +110,6 @@ pub mod accelerator; // the facade and its builder
 // burn-train's Learner through the facade.
 #[cfg(feature = "train")]
 pub mod learner;
-// The user guide's model and data (its pages are compiled as tests below).
-#[doc(hidden)]
-pub mod guide_support;
-
-/// The user guide (`docs/`): `cargo test` compiles and runs every Rust block of its pages, so that they cannot
-/// rot. The burn-train page needs the `train` feature.
-#[cfg(doctest)]
-mod guide {
-    #[doc = include_str!("../../../docs/quicktour.md")]
-    struct Quicktour;
-    #[doc = include_str!("../../../docs/troubleshoot.md")]
-    struct Troubleshoot;
-    #[doc = include_str!("../../../docs/from-accelerate.md")]
-    struct FromAccelerate;
-    #[cfg(feature = "train")]
-    #[doc = include_str!("../../../docs/from-burn-train.md")]
-    struct FromBurnTrain;
-    #[doc = include_str!("../../../docs/concepts.md")]
-    struct Concepts;
-    #[doc = include_str!("../../../docs/weights.md")]
-    struct Weights;
-}
-
 pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
@@ -155,5 +132,5 @@ pub use log;
 
 /// Unit tests start from a clean environment too (see the module).
 #[cfg(test)]
-#[path = "../tests/support/isolation.rs"]
+#[path = "../../../tests/support/isolation.rs"]
 mod test_isolation;

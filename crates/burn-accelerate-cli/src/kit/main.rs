@@ -30,10 +30,10 @@ mod data_parallel;
 #[path = "../../../../examples/by_feature/sharded_training.rs"]
 mod sharded_training;
 
-#[path = "../../../burn-accelerate/benches/overhead.rs"]
+#[path = "../../../../benches/overhead.rs"]
 mod overhead;
 
-#[path = "../../../burn-accelerate/benches/throughput.rs"]
+#[path = "../../../../benches/throughput.rs"]
 mod throughput;
 
 /// The programs this binary holds, by the name it runs them under.

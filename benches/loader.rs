@@ -11,7 +11,7 @@
 //! `burn`, `inline_ratio` = the costly batcher without workers ÷ `free` (what workers save), and
 //! `noise_floor` = `free` against a second `free` loop.
 //!
-//! `cargo bench -p burn-accelerate --bench loader` (`LOADER_ROUNDS` rounds, default 15).
+//! `cargo bench -p burn-accelerate-examples --bench loader` (`LOADER_ROUNDS` rounds, default 15).
 
 #[path = "../tests/support/stats.rs"]
 mod stats;

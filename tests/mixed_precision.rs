@@ -7,7 +7,7 @@ mod isolation;
 
 #[path = "support/fixtures.rs"]
 mod fixtures;
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
 
 use burn::data::dataloader::batcher::Batcher;

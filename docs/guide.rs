@@ -1,5 +1,8 @@
-//! The small model and synthetic data the user guide's pages (`docs/`) train, so that every Rust block of the
-//! guide compiles and runs as a test of this crate. Not part of the API: use your own model and data.
+//! The user guide's support: the small model and synthetic data that README.md and the guide's pages (`docs/`)
+//! train, so that every Rust block of them compiles and runs as a doctest of this crate (`cargo test` runs
+//! them). Not part of burn-accelerate's API: use your own model and data.
+
+#![warn(missing_docs)]
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
@@ -58,7 +61,7 @@ pub struct Batch {
     /// `[batch, 1]`.
     pub y: Tensor<2>,
 }
-crate::impl_batch!(Batch { x, y });
+burn_accelerate::impl_batch!(Batch { x, y });
 
 /// Stacks samples into a [`Batch`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -97,4 +100,25 @@ pub fn batch(n: usize, device: &Device) -> Batch {
     let data = dataset(n);
     let samples: Vec<Sample> = (0..n).filter_map(|i| data.get(i).ok()).collect();
     SampleBatcher.batch(samples, device)
+}
+
+/// README.md and the guide's pages, compiled and run by `cargo test` so that they cannot rot. The burn-train page
+/// needs the `train` feature.
+#[cfg(doctest)]
+mod pages {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("quicktour.md")]
+    struct Quicktour;
+    #[doc = include_str!("troubleshoot.md")]
+    struct Troubleshoot;
+    #[doc = include_str!("from-accelerate.md")]
+    struct FromAccelerate;
+    #[cfg(feature = "train")]
+    #[doc = include_str!("from-burn-train.md")]
+    struct FromBurnTrain;
+    #[doc = include_str!("concepts.md")]
+    struct Concepts;
+    #[doc = include_str!("weights.md")]
+    struct Weights;
 }

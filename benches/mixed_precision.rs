@@ -1,9 +1,9 @@
 //! Training-step time of the quicktour MLP in f32, bf16 and fp16 (autocast, f32 master weights), as ratios to
-//! f32 measured in the same run: `cargo bench -p burn-accelerate --bench mixed_precision`.
+//! f32 measured in the same run: `cargo bench -p burn-accelerate-examples --bench mixed_precision`.
 //! Builds with `--no-default-features --features wgpu` measure the wgpu device the same way (bf16 is skipped
 //! where the device cannot compute it).
 
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
 
 use std::time::{Duration, Instant};

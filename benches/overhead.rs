@@ -5,12 +5,12 @@
 //! `GradientsParams::from_grads`, `optimizer.step`), the other through the Accelerator and its dataloader. Epochs of the two loops alternate, and the median of the per-round ratios is printed as
 //! `overhead_ratio=<accelerated/raw>`.
 //!
-//! `cargo bench -p burn-accelerate --bench overhead` (set `OVERHEAD_ROUNDS` for more or fewer rounds).
+//! `cargo bench -p burn-accelerate-examples --bench overhead` (set `OVERHEAD_ROUNDS` for more or fewer rounds).
 
 #[path = "../tests/support/stats.rs"]
 mod stats;
 
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
 
 use std::time::{Duration, Instant};

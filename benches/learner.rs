@@ -7,14 +7,14 @@
 //! `learner_strategy_ratio` compares with burn-train's strategy reading the same prepared dataloader (the
 //! strategy's cost alone).
 //!
-//! `cargo bench -p burn-accelerate --features train --bench learner` (set `LEARNER_ROUNDS` for more rounds).
+//! `cargo bench -p burn-accelerate-examples --features train --bench learner` (set `LEARNER_ROUNDS` for more rounds).
 
 #[path = "../tests/support/stats.rs"]
 mod stats;
 
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
-#[path = "../../../examples/support/mlp_train_step.rs"]
+#[path = "../examples/support/mlp_train_step.rs"]
 mod mlp_train_step;
 
 use std::sync::Arc;

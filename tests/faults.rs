@@ -3,7 +3,7 @@
 #[path = "support/isolation.rs"]
 mod isolation;
 
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
 
 use std::path::{Path, PathBuf};

@@ -8,9 +8,9 @@ mod isolation;
 mod examples;
 #[path = "support/fixtures.rs"]
 mod fixtures;
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
-#[path = "../../../examples/support/ranks.rs"]
+#[path = "../examples/support/ranks.rs"]
 mod ranks;
 
 use std::collections::BTreeMap;

@@ -7,10 +7,10 @@
 //!   pass and dropped after the step).
 //!
 //! Each round runs the three modes one after the other (paired rounds), each timing its steady steps; the
-//! figure is the median of the rounds' ratios. `cargo bench -p burn-accelerate --bench sharded`
+//! figure is the median of the rounds' ratios. `cargo bench -p burn-accelerate-examples --bench sharded`
 //! (`SHARD_LAYERS`, `SHARD_WIDTH`, `SHARD_BATCH`, `SHARD_STEPS`, `SHARD_ROUNDS` to change the size).
 
-#[path = "../../../examples/support/stack.rs"]
+#[path = "../examples/support/stack.rs"]
 mod stack;
 #[path = "../tests/support/stats.rs"]
 mod stats;

@@ -8,7 +8,7 @@ mod isolation;
 mod examples;
 #[path = "support/fixtures.rs"]
 mod fixtures;
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
 #[path = "support/python.rs"]
 mod python;

@@ -1,7 +1,7 @@
 //! All-reduce bandwidth, as ratios against a baseline measured in the same run.
 //!
 //! - In-process engine (2 ranks as threads) against a plain `memcpy` of the same size:
-//!   `cargo bench -p burn-accelerate --bench collectives`. Prints a table per size, the small-message latency
+//!   `cargo bench -p burn-accelerate-examples --bench collectives`. Prints a table per size, the small-message latency
 //!   (`inproc_allreduce_4k_latency_us`), and `inproc_allreduce_memcpy_ratio` at 16 MiB: busbw over memcpy
 //!   bandwidth, the median of rounds that each time one all-reduce and one memcpy back to back, with the noise
 //!   floor (`noise_floor`: the same pairing of memcpy against memcpy). Then `sync_overhead_ratio`: the gradient
@@ -9,7 +9,7 @@
 //!   25 MB of fresh gradients in 4 tensors, over the communicator's raw all-reduce of the same bytes in one
 //!   reused buffer, with its own noise floor (raw against raw).
 //! - MPI engine against raw rsmpi `all_reduce_into` on the same buffers (feature `mpi`, under `mpirun`):
-//!   `cargo bench -p burn-accelerate --features mpi --bench collectives --no-run`, then
+//!   `cargo bench -p burn-accelerate-examples --features mpi --bench collectives --no-run`, then
 //!   `mpirun -np 2 <the printed bench binary> --bench` (`-x MPI_BENCH_SELF_CHECK=1` runs raw against raw, to
 //!   show the noise floor of the ratio on the machine). The same run times our reduce-scatter against raw
 //!   rsmpi `reduce_scatter_block_into` (16 MiB in equal parts): `mpi_reduce_scatter_ratio`; and our all-gather

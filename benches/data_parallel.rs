@@ -6,9 +6,9 @@
 //!   micro-batch (`sync_each_batch`) / when they are all-reduced only on sync steps (the default, DDP's
 //!   `no_sync`), on 2 ranks.
 //!
-//! `cargo bench -p burn-accelerate --bench data_parallel` (`DP_HIDDEN`, `DP_BATCH`, `DP_STEPS` to change the size).
+//! `cargo bench -p burn-accelerate-examples --bench data_parallel` (`DP_HIDDEN`, `DP_BATCH`, `DP_STEPS` to change the size).
 
-#[path = "../../../examples/support/classifier.rs"]
+#[path = "../examples/support/classifier.rs"]
 mod classifier;
 
 use std::time::{Duration, Instant};

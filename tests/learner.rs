@@ -9,9 +9,9 @@ mod isolation;
 mod examples;
 #[path = "support/fixtures.rs"]
 mod fixtures;
-#[path = "../../../examples/support/mlp.rs"]
+#[path = "../examples/support/mlp.rs"]
 mod mlp;
-#[path = "../../../examples/support/mlp_train_step.rs"]
+#[path = "../examples/support/mlp_train_step.rs"]
 mod mlp_train_step;
 
 use std::path::{Path, PathBuf};

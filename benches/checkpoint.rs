@@ -1,5 +1,5 @@
 //! Checkpoint throughput for a 100 MB model, against plain file I/O of the same bytes in the same run:
-//! `cargo bench -p burn-accelerate --bench checkpoint`.
+//! `cargo bench -p burn-accelerate-examples --bench checkpoint`.
 //!
 //! Each round times the operation and its baseline back to back; the figures are medians of the per-round
 //! ratios (baseline time / operation time, so 1.0 means as fast as plain I/O), with a noise floor from pairing

@@ -9,7 +9,7 @@
 //! / raw time per step: above 1 means slower through the Accelerator); under mixed precision
 //! (`ACCELERATE_MIXED_PRECISION=bf16` or `fp16`) the raw loop, which has none, is not run.
 //!
-//! `cargo bench -p burn-accelerate --bench throughput` (small shapes suit a CPU: set `THROUGHPUT_FEATURES`,
+//! `cargo bench -p burn-accelerate-examples --bench throughput` (small shapes suit a CPU: set `THROUGHPUT_FEATURES`,
 //! `THROUGHPUT_WIDTH`, `THROUGHPUT_BATCH`, `THROUGHPUT_STEPS`, `THROUGHPUT_ROUNDS`; defaults 1024, 4096, 512,
 //! 50, 5).
 
