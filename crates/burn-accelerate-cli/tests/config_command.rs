@@ -1,10 +1,10 @@
 //! `burn-accelerate config` and config files driven through the real binary: where the file lives, round trips,
 //! Accelerate's sample configs (fp8, FSDP, TPU, SageMaker, MPI, legacy keys, unknown keys), precedence.
 
-#[path = "../../burn-accelerate/tests/support/isolation.rs"]
+#[path = "../../../tests/support/isolation.rs"]
 mod isolation;
 
-#[path = "../../burn-accelerate/tests/support/python.rs"]
+#[path = "../../../tests/support/python.rs"]
 mod python;
 
 use std::path::{Path, PathBuf};
@@ -300,21 +300,65 @@ fn the_questionnaire_answered_in_a_terminal_writes_the_expected_file() {
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
+    // The terminal's output, read as it comes: each answer is typed once its question is on the screen, however
+    // slow the machine (no fixed keystroke timing).
+    let screen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let reader = {
+        let screen = screen.clone();
+        let mut stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let mut chunk = [0u8; 4096];
+            while let Ok(n @ 1..) = stdout.read(&mut chunk) {
+                screen
+                    .lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&chunk[..n]));
+            }
+        })
+    };
     // multi-GPU (two downs), 1 machine (default), 3 processes, CPU only: no, checks: no, bf16 (two downs).
-    let keys = [
-        "", "\x1b[B", "\x1b[B", "\r", "\r", "3", "\r", "\r", "\r", "\x1b[B", "\x1b[B", "\r",
+    let answers: [(&str, &[&str]); 6] = [
+        ("Which type of machine", &["\x1b[B", "\x1b[B", "\r"]),
+        ("How many different machines", &["\r"]),
+        ("How many processes", &["3", "\r"]),
+        ("CPU only", &["\r"]),
+        ("checked while running", &["\r"]),
+        ("mixed precision", &["\x1b[B", "\x1b[B", "\r"]),
     ];
-    for key in keys {
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        use std::io::Write;
-        stdin.write_all(key.as_bytes()).unwrap();
-        stdin.flush().unwrap();
+    let mut seen = 0;
+    for (question, keys) in answers {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        loop {
+            let text = screen.lock().unwrap().clone();
+            if let Some(at) = text[seen..].find(question) {
+                seen += at + question.len();
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the question {question:?} never appeared; the screen so far:\n{text}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        for key in keys {
+            // A short pause between keys lets the menu redraw (the wait above is what makes the test robust).
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            use std::io::Write;
+            stdin.write_all(key.as_bytes()).unwrap();
+            stdin.flush().unwrap();
+        }
     }
-    std::thread::sleep(std::time::Duration::from_millis(500));
     drop(stdin);
-    let out = child.wait_with_output().unwrap();
-    let written = std::fs::read_to_string(&file)
-        .unwrap_or_else(|e| panic!("no file ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    let screen = screen.lock().unwrap().clone();
+    assert!(
+        status.success(),
+        "the questionnaire failed: {status}\n{screen}"
+    );
+    let written =
+        std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("no file ({e}): {screen}"));
     for line in [
         "distributed_type: MULTI_GPU",
         "num_processes: 3",
