@@ -223,6 +223,72 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
     assert_eq!(results[1], expected);
 }
 
+/// The output bias, the model's one single-element parameter, as the autodiff graph sees it.
+fn output_bias(model: &Mlp) -> Tensor<1> {
+    struct Find(Option<Tensor<1>>);
+    impl ModuleVisitor for Find {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.val().shape().num_elements() == 1 {
+                self.0 = Some(param.val().reshape([1]));
+            }
+        }
+    }
+    let mut find = Find(None);
+    model.visit(&mut find);
+    find.0.expect("the output bias")
+}
+
+/// Sharded: one rank's gradient of one parameter overflows, so after the reduce-scatter only that parameter's
+/// owner holds an infinite shard; every rank still skips that step and halves its scale, so the shards stay one
+/// model.
+#[test]
+fn an_overflow_in_one_shard_skips_the_step_on_every_rank() {
+    use burn_accelerate::ShardingStrategy;
+    let start = initial();
+    for strategy in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+        let results = Accelerator::builder()
+            .mixed_precision(MixedPrecision::Fp16)
+            .loss_scaler(LossScaler::with_init_scale(256.0))
+            .sharding(strategy)
+            .launch(2, |acc| {
+                let mut model = acc.prepare_model(start.clone())?;
+                let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 0.1);
+                let mut log = Vec::new();
+                for step in 0..3 {
+                    let whole = acc.unshard(&model)?;
+                    let mut loss = scripted_loss(&whole, &acc, false);
+                    if step == 1 && acc.process_index() == 1 {
+                        // d(loss)/d(bias) = f32::MAX, times the loss scale: infinite in rank 1's bias gradient
+                        // alone, which the reduce-scatter hands to the bias's owner only.
+                        loss = loss + output_bias(&whole).sum().mul_scalar(f32::MAX);
+                    }
+                    acc.backward(loss, &whole)?;
+                    model = optimizer.try_step(model)?;
+                    log.push((acc.optimizer_step_was_skipped(), acc.loss_scale()));
+                }
+                let whole = acc.unshard(&model)?;
+                Ok((log, mlp::weights(&whole)))
+            })
+            .unwrap();
+        let expected = vec![
+            (false, Some(256.0)),
+            (true, Some(128.0)),
+            (false, Some(128.0)),
+        ];
+        for (rank, (log, _)) in results.iter().enumerate() {
+            assert_eq!(log, &expected, "{strategy:?}, rank {rank}");
+        }
+        assert_eq!(
+            results[0].1, results[1].1,
+            "{strategy:?}: the ranks' models differ"
+        );
+        assert!(
+            results[0].1.iter().flatten().all(|w| w.is_finite()),
+            "{strategy:?}: a non-finite weight"
+        );
+    }
+}
+
 #[test]
 fn precision_from_the_environment_and_invalid_values() {
     // Parsing only: the environment variable itself is covered by the config tests.
