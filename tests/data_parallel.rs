@@ -535,6 +535,52 @@ fn a_stream_is_dealt_between_ranks_and_gathered_back_whole() {
     }
 }
 
+/// `split_batches`: the stream's batch size is the global batch, split between the ranks, so every number of
+/// ranks takes the same batches (the one-rank run's), each rank a slice; a global batch the ranks cannot split
+/// is refused with both numbers.
+#[test]
+fn a_stream_with_split_batches_deals_the_global_batch() {
+    for ranks in [1, 2, 3] {
+        for (n, global, drop_last) in [(103, 6, false), (103, 6, true), (5, 6, false)] {
+            let case =
+                format!("{ranks} ranks, {n} items, global batch {global}, drop_last {drop_last}");
+            let epochs = Accelerator::builder()
+                .split_batches(true)
+                .launch(ranks, |acc| stream_epoch(&acc, n, global, drop_last, None))
+                .unwrap();
+            let kept = if drop_last {
+                n / global as i64 * global as i64
+            } else {
+                n
+            };
+            let batches = if drop_last {
+                n as usize / global
+            } else {
+                (n as usize).div_ceil(global)
+            };
+            for (rank, (seen, ends, _, error)) in epochs.iter().enumerate() {
+                assert_eq!(error, &None, "{case}");
+                assert_eq!(
+                    seen,
+                    &(0..kept).collect::<Vec<_>>(),
+                    "{case}, rank {rank}: gathered"
+                );
+                assert_eq!(
+                    ends.len(),
+                    batches,
+                    "{case}, rank {rank}: one batch per global batch"
+                );
+            }
+        }
+    }
+    let refused = Accelerator::builder()
+        .split_batches(true)
+        .launch(4, |acc| stream_epoch(&acc, 20, 6, false, None))
+        .expect_err("6 cannot be split between 4 ranks");
+    let message = refused.to_string();
+    assert!(message.contains('6') && message.contains('4'), "{message}");
+}
+
 #[test]
 fn a_stream_error_reaches_every_rank_at_the_same_batch() {
     let epochs = Accelerator::builder()
