@@ -192,6 +192,62 @@ fn ranks_killed_at_random_steps_restart_and_end_with_the_uninterrupted_weights()
     );
 }
 
+/// A sharded job (`SHARD_GRAD_OP` from the launcher's FSDP flags: each rank saves its own slice of the optimizer
+/// state) killed mid-run restarts from its last checkpoint and ends with the uninterrupted unsharded weights.
+#[test]
+fn a_sharded_job_killed_mid_run_restarts_and_ends_with_the_uninterrupted_weights() {
+    let reference = reference();
+    let dir = temp_dir("sharded");
+    let step = SAVE_EVERY + SAVE_EVERY / 2;
+    let out = launch(
+        &dir,
+        &[
+            "--max-restarts",
+            "2",
+            "--use_fsdp",
+            "--fsdp_sharding_strategy",
+            "2",
+        ],
+        &[
+            "--fault",
+            "kill",
+            "--fault-at",
+            &step.to_string(),
+            "--fault-rank",
+            "1",
+        ],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rank 1 exited on signal 9")
+            && stderr.contains("completed after 1 restart"),
+        "the kill and the restart are reported\n{stderr}"
+    );
+    let resumed = resumed_step(&stdout)
+        .unwrap_or_else(|| panic!("the restarted run printed no resume line\n{stdout}"));
+    assert_eq!(resumed, SAVE_EVERY, "{stdout}");
+    let slices = std::fs::read_dir(dir.join("run/checkpoints"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .any(|e| {
+            std::fs::read_dir(e.path())
+                .map(|files| {
+                    files.filter_map(|f| f.ok()).any(|f| {
+                        let name = f.file_name().to_string_lossy().into_owned();
+                        name.contains("optimizer") && name.contains("rank1")
+                    })
+                })
+                .unwrap_or(false)
+        });
+    assert!(slices, "each rank saved its own optimizer slice");
+    assert!(
+        weights(&dir) == reference,
+        "the final weights differ from the uninterrupted unsharded run"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn a_hung_rank_is_turned_into_a_restart_by_the_collective_timeout() {
     let reference = reference();
