@@ -66,7 +66,24 @@ fn default_features_only() -> bool {
 /// crate, adds features), and would rebuild the library and every example. With the default features the
 /// request is made as `cargo test` made it (no `-p`, no features), so it finds that build; otherwise the
 /// package and its features are named, as a `cargo test -p .. --features ..` run selects them.
+///
+/// Each target is built once per test process: later calls return the path the first one found (a test that
+/// runs an example a hundred times asks cargo once, not a hundred times at a second each).
 fn build(package: &str, kind: &str, name: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<Vec<((String, String, String), PathBuf)>> =
+        std::sync::Mutex::new(Vec::new());
+    let key = (package.to_string(), kind.to_string(), name.to_string());
+    // Held across the build: concurrent tests asking for the same target wait for the one build.
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, path)) = built.iter().find(|(k, _)| *k == key) {
+        return path.clone();
+    }
+    let path = build_now(package, kind, name);
+    built.push((key, path.clone()));
+    path
+}
+
+fn build_now(package: &str, kind: &str, name: &str) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = Command::new(cargo);
     command
