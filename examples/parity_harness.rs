@@ -5,7 +5,8 @@
 //!
 //! - `<out>/<case>/rank<r>.safetensors`: rank `r`'s final weights (every float parameter, in visiting order);
 //! - `<out>/<case>/rank<r>.json`: what the run counted (optimizer steps, clipped and skipped steps, the loss
-//!   scale, the settings the rank saw) and, for `eval`, the ids and losses `gather_for_metrics` returned.
+//!   scale, the settings the rank saw), the id of every training sample it used with its micro-step, and, for
+//!   `eval`, the ids and losses `gather_for_metrics` returned.
 //!
 //! The global batch is fixed (`--global-batch`, 24) and divided between the ranks, and the loss of a batch is
 //! its summed squared error over the *nominal* per-rank batch, so that P ranks compute the gradient of one
@@ -25,7 +26,8 @@
 //! `--kill-at` on `--kill-rank`, and resumed with `--resume`), `env` (only writes the settings the rank sees),
 //! `initial` (the weights every case starts from; run by default too).
 //!
-//! `--sharding SHARD_GRAD_OP` or `FULL_SHARD` shards the training state (the loop gathers the model with
+//! `--accumulation K` and `--mixed-precision fp16` apply to any case (the `resume` case with both is how a
+//! resume on another number of ranks is checked). `--sharding SHARD_GRAD_OP` or `FULL_SHARD` shards the training state (the loop gathers the model with
 //! `unshard` for every forward pass, as a sharded loop does; the weights written are the whole model); each
 //! report then also says how many bytes of optimizer state the rank held.
 
@@ -108,7 +110,8 @@ struct Args {
     /// `resume`: the rank that `--kill-at` kills.
     #[arg(long, default_value_t = 0)]
     kill_rank: usize,
-    /// `resume`: continue from the state saved at `--save-at`.
+    /// `resume`: continue from the state saved at `--save-at` (as a job restarted by `launch --max-restarts`
+    /// does; a resumed run neither saves nor is killed).
     #[arg(long)]
     resume: bool,
     /// Shard the training state (`NO_SHARD`, `SHARD_GRAD_OP`, `FULL_SHARD`, or Accelerate's numbers); the
@@ -118,6 +121,12 @@ struct Args {
     /// The gradient bucket in MiB (small buckets make sharded ranks exchange most parameters alone).
     #[arg(long)]
     bucket_size_mb: Option<f64>,
+    /// Micro-batches per optimizer step, whatever the case (`resume` with accumulation).
+    #[arg(long)]
+    accumulation: Option<usize>,
+    /// Mixed precision (`no`, `fp16`, `bf16`), whatever the case (`resume` in fp16).
+    #[arg(long)]
+    mixed_precision: Option<MixedPrecision>,
 }
 
 /// What a rank counted, written beside its weights.
@@ -136,6 +145,8 @@ struct Report {
     optimizer_state_bytes: usize,
     gathered_ids: Vec<i64>,
     gathered_losses: Vec<f32>,
+    /// `(micro-step, sample id)` of every training sample this rank used, in order.
+    trained_ids: Vec<(usize, i64)>,
     env: BTreeMap<String, String>,
 }
 
@@ -148,13 +159,20 @@ fn builder(case: Case, args: &Args) -> AcceleratorBuilder {
     if let Some(mib) = args.bucket_size_mb {
         builder = builder.bucket_size_mb(mib);
     }
-    match case {
+    builder = match case {
         Case::Accumulation => builder.gradient_accumulation_steps(3),
         Case::Bf16 => builder.mixed_precision(MixedPrecision::Bf16),
         Case::Fp16 => builder.mixed_precision(MixedPrecision::Fp16),
         Case::Uneven => builder.even_batches(false),
         _ => builder,
+    };
+    if let Some(steps) = args.accumulation {
+        builder = builder.gradient_accumulation_steps(steps);
     }
+    if let Some(precision) = args.mixed_precision {
+        builder = builder.mixed_precision(precision);
+    }
+    builder
 }
 
 /// Samples in the training set and passes over it, per case.
@@ -200,14 +218,16 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
     let (samples, epochs) = schedule(case);
     let train = acc.prepare_dataloader(
-        DataLoaderBuilder::new(SampleBatcher)
+        DataLoaderBuilder::new(EvalBatcher)
             .batch_size(per_rank)
             .shuffle(5)
-            .build(mlp::dataset(samples, 3)),
+            .build(indexed(mlp::samples(samples, 3))),
     )?;
     let mut report = Report::default();
     let checkpoint = args.out.join("resume-state");
-    if case == Case::Resume && args.resume {
+    // With `--resume`, or when `burn-accelerate launch --max-restarts` restarted the job.
+    let resuming = args.resume || acc.restart_count() > 0;
+    if case == Case::Resume && resuming {
         let mut state = acc.load_state(Some(&checkpoint))?;
         model = state.model(model)?;
         state.optimizer(&mut optimizer)?;
@@ -218,11 +238,16 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
     let mut micro = progress.lock().unwrap().step;
     'training: while micro < total {
         for batch in train.iter() {
-            let batch = batch?;
+            let EvalBatch { batch, ids } = batch?;
+            let ids = ids.into_data();
+            report
+                .trained_ids
+                .extend(ids.iter::<i64>().map(|id| (micro + 1, id)));
             acc.accumulate();
             // Under FULL_SHARD the model holds this rank's parameters only; elsewhere this is a clone.
             let whole = acc.unshard(&model)?;
-            let loss = if matches!(case, Case::Bf16 | Case::Fp16) {
+            let loss = if matches!(case, Case::Bf16 | Case::Fp16) || args.mixed_precision.is_some()
+            {
                 acc.autocast(&whole, batch, |model, batch| loss(model, batch, per_rank))
             } else {
                 loss(&whole, batch, per_rank)
@@ -251,11 +276,11 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
             micro += 1;
             progress.lock().unwrap().step = micro;
             if case == Case::Resume {
-                if micro == args.save_at && !args.resume {
+                if micro == args.save_at && !resuming {
                     let parts = StateToSave::new().model(&model)?.optimizer(&optimizer)?;
                     acc.save_state(Some(&checkpoint), &parts)?;
                 }
-                if micro == args.kill_at && acc.process_index() == args.kill_rank {
+                if micro == args.kill_at && acc.process_index() == args.kill_rank && !resuming {
                     ranks::kill_self(args.kill_rank, &format!("after step {micro}"));
                 }
             }
@@ -295,9 +320,20 @@ fn max_abs_grad(acc: &Accelerator, model: &Mlp) -> Result<f32> {
         .map(|t| t.into_scalar::<f32>())
 }
 
-/// A training sample with its index, for evaluation.
+/// A sample with its index, so that a rank can say which samples it used.
 #[derive(Debug, Clone)]
 struct Indexed(i64, Sample);
+
+/// `samples` numbered in order.
+fn indexed(samples: Vec<Sample>) -> InMemDataset<Indexed> {
+    InMemDataset::new(
+        samples
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| Indexed(i as i64, s))
+            .collect(),
+    )
+}
 
 #[derive(Debug, Clone)]
 struct EvalBatch {
@@ -324,15 +360,10 @@ impl Batcher<Indexed, EvalBatch> for EvalBatcher {
 fn evaluate(acc: &Accelerator, initial: Mlp, report: &mut Report) -> Result<()> {
     let model = acc.prepare_model(initial)?;
     let model = acc.unshard(&model)?;
-    let items: Vec<Indexed> = mlp::samples(103, 41)
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| Indexed(i as i64, s))
-        .collect();
     let eval = acc.prepare_dataloader(
         DataLoaderBuilder::new(EvalBatcher)
             .batch_size(8)
-            .build(InMemDataset::new(items)),
+            .build(indexed(mlp::samples(103, 41))),
     )?;
     for batch in eval.iter() {
         let EvalBatch { batch, ids } = batch?;

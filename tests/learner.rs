@@ -399,6 +399,43 @@ fn a_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights() {
     );
 }
 
+/// A sharded Learner run saved by 2 ranks of 32 samples a batch resumes on 4 ranks of 16 (the same global batch),
+/// each taking its own optimizer slice from the 2 saved ones, and ends with the uninterrupted run's weights
+/// (SGD: the same sums in another order, within 1e-5).
+#[test]
+fn a_learner_run_saved_on_two_ranks_resumes_on_four() {
+    let start = initial();
+    let project = temp_dir("any-ranks-project");
+    let base = Run {
+        ranks: 2,
+        batch: 32,
+        sharding: ShardingStrategy::ShardGradOp,
+        ..Run::new("any-ranks")
+    };
+    let uninterrupted = fit(&base, &start);
+    let stopped = Run {
+        project: Some(project.clone()),
+        save_every: Some(7),
+        max_steps: Some(21),
+        ..base.clone()
+    };
+    fit(&stopped, &start);
+    let resumed = fit(
+        &Run {
+            ranks: 4,
+            batch: 16,
+            project: Some(project),
+            save_every: Some(7),
+            resume: true,
+            ..base.clone()
+        },
+        &initial(),
+    );
+    let diff = max_abs_diff(&uninterrupted.0, &resumed.0);
+    assert!(diff <= 1e-5, "max |Δ| {diff:e}");
+    assert!((uninterrupted.1 - resumed.1).abs() <= 1e-5);
+}
+
 /// The example under `mpirun -np 2` prints what `--processes 2` and `--processes 1` print.
 #[cfg(feature = "mpi")]
 #[test]

@@ -1,7 +1,8 @@
 //! `burn-accelerate launch --max-restarts` (feature `mpi`; needs Open MPI's `mpirun`): the checkpointing example,
 //! on 2 MPI ranks, has a rank SIGKILLed at random steps (one of them during `save_state`), hang, or fail with an
 //! error of its own; each restarted job must end with the weights of an uninterrupted run, bit for bit, and
-//! only the failures a restart can cure are restarted.
+//! only the failures a restart can cure are restarted. A 3-rank job whose hostfile loses a slot while it waits to
+//! restart continues on 2 ranks under `--min-processes 2` (the parity harness, within its bounds).
 
 #[path = "support/isolation.rs"]
 mod isolation;
@@ -12,6 +13,8 @@ use std::sync::OnceLock;
 
 #[path = "support/examples.rs"]
 mod examples;
+#[path = "support/parity.rs"]
+mod parity;
 
 use examples::{cli, example};
 
@@ -330,4 +333,75 @@ fn a_program_that_fails_before_any_rank_reports_is_not_restarted() {
         "{stderr}"
     );
     assert!(!stderr.contains("restart 1 of"), "restarted: {stderr}");
+}
+
+#[test]
+fn a_job_that_loses_a_slot_restarts_on_the_slots_left_and_resumes_its_checkpoint() {
+    use std::io::BufRead;
+    let dir = temp_dir("min-processes");
+    let hostfile = dir.join("hosts");
+    std::fs::write(&hostfile, "localhost slots=3\n").unwrap();
+    let out = dir.join("job");
+    let mut child = Command::new(cli())
+        .arg("launch")
+        .arg("--hostfile")
+        .arg(&hostfile)
+        .args([
+            "--num-processes",
+            "3",
+            "--max-restarts",
+            "2",
+            "--min-processes",
+            "2",
+        ])
+        // Time for the test to take the slot away before the restart reads the hostfile again.
+        .args(["--restart-backoff", "3"])
+        .arg(parity::harness())
+        .arg("--out")
+        .arg(&out)
+        // Saved after step 10; rank 2 killed after step 14.
+        .args(["--case", "resume", "--kill-at", "14", "--kill-rank", "2"])
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "20")
+        .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("burn-accelerate launch runs");
+    let stdout = child.stdout.take().unwrap();
+    let stdout = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap());
+    let mut stderr = String::new();
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if line.contains("restart 1 of 2") {
+            // A machine of the cluster is gone: one slot fewer.
+            std::fs::write(&hostfile, "localhost slots=2\n").unwrap();
+        }
+        stderr.push_str(&line);
+        stderr.push('\n');
+    }
+    let status = child.wait().unwrap();
+    let stdout = stdout.join().unwrap();
+    assert!(status.success(), "{stdout}\n{stderr}");
+    for said in [
+        "rank 2 exited on signal 9",
+        "the job continues on 2 processes (it ran on 3",
+        "completed after 1 restart",
+    ] {
+        assert!(stderr.contains(said), "`{said}` missing:\n{stderr}");
+    }
+    // One process straight through, and the samples 3 ranks used before the save (dealt as in-process ranks).
+    let reference = dir.join("one");
+    parity::run_local(&reference, &["--case", "resume"]);
+    let dealt = dir.join("dealt");
+    parity::run_local(&dealt, &["--case", "resume", "--processes", "3"]);
+    let before = parity::trained_ids(&dealt, 3);
+    let diff = parity::check_resumed(
+        &reference,
+        &before,
+        (&out, 2, "NO_SHARD"),
+        parity::bound("dp"),
+        "3 ranks, one lost, restarted on 2",
+    );
+    println!("3 -> 2 ranks under launch --min-processes: max |Δ| vs one process {diff:e}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -1,6 +1,7 @@
 //! Sharded training (`SHARD_GRAD_OP`, `FULL_SHARD`) on 2, 3 and 4 in-process ranks against the unsharded run of
 //! the same ranks, value by value, in every case of the parity harness (accumulation, clipping, bf16, fp16 and
-//! uneven batches included), and a sharded save / resume bit for bit. The same under `mpirun`, with a SIGKILL in
+//! uneven batches included), and a sharded save / resume bit for bit (on another number of ranks:
+//! `tests/resume_any_ranks.rs`). The same under `mpirun`, with a SIGKILL in
 //! the middle, is in `tests/parity_mpi.rs`.
 
 #[path = "support/isolation.rs"]
@@ -11,7 +12,7 @@ mod examples;
 #[path = "support/parity.rs"]
 mod parity;
 
-use parity::{CASES, compare_sharded, report, run_local, scratch, weights};
+use parity::{CASES, compare_sharded, copy_dir, report, run_local, scratch, weights};
 
 #[test]
 fn sharded_ranks_train_the_weights_of_unsharded_ranks_in_every_case() {
@@ -94,34 +95,8 @@ fn a_sharded_state_saved_mid_run_resumes_bit_for_bit() {
                 "{sharding}, rank {rank}: steps 11 to 21"
             );
         }
-        // The same state on 2 ranks is refused, naming both sizes.
-        let out = std::process::Command::new(parity::harness())
-            .arg("--out")
-            .arg(&resumed)
-            .args([
-                "--processes",
-                "2",
-                "--sharding",
-                sharding,
-                "--case",
-                "resume",
-                "--resume",
-            ])
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(text.contains("saved by 3 ranks, loaded by 2"), "{text}");
     }
     std::fs::remove_dir_all(&dir).ok();
-}
-
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
 }
 
 mod checkpoints {

@@ -208,3 +208,116 @@ pub fn compare_sharded(unsharded: &Path, sharded: &Path, p: usize, case: &str) -
     );
     diff
 }
+
+/// Copies the files of folder `from` into `to` (a saved training state into another run's folder).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+/// The bound of `case` in [`CASES`].
+pub fn bound(case: &str) -> f32 {
+    CASES.iter().find(|(c, _)| *c == case).unwrap().1
+}
+
+/// Samples in the harness's `resume` case (7 steps of 24 an epoch), its epochs, and the micro-step it saves
+/// after (the resumed run goes on to the 21st).
+const RESUME_SAMPLES: i64 = 24 * 7;
+const RESUME_EPOCHS: usize = 3;
+pub const SAVE_AT: usize = 10;
+
+/// `(micro-step, sample id)` of every sample the ranks of the `resume` run in `out` used, from every rank's
+/// report.
+pub fn trained_ids(out: &Path, ranks: usize) -> Vec<(usize, i64)> {
+    (0..ranks)
+        .flat_map(|rank| {
+            let ids = report(out, "resume", rank)["trained_ids"].clone();
+            serde_json::from_value::<Vec<(usize, i64)>>(ids).unwrap()
+        })
+        .collect()
+}
+
+/// Asserts that the samples used up to the save (`before`, by a run that saved) and after it (`after`, by the
+/// resumed run) cover every epoch once: each sample id exactly once per epoch.
+pub fn assert_each_sample_once(before: &[(usize, i64)], after: &[(usize, i64)], what: &str) {
+    let steps_per_epoch = 7;
+    let mut used: std::collections::BTreeMap<(usize, i64), usize> = Default::default();
+    let before = before.iter().filter(|(micro, _)| *micro <= SAVE_AT);
+    for (micro, id) in before.chain(after) {
+        *used
+            .entry(((micro - 1) / steps_per_epoch, *id))
+            .or_default() += 1;
+    }
+    assert!(
+        after.iter().all(|(micro, _)| *micro > SAVE_AT),
+        "{what}: the resumed run used a sample of a step before the save"
+    );
+    for epoch in 0..RESUME_EPOCHS {
+        for id in 0..RESUME_SAMPLES {
+            let n = used.get(&(epoch, id)).copied().unwrap_or(0);
+            assert_eq!(n, 1, "{what}: sample {id} used {n} times in epoch {epoch}");
+        }
+    }
+    assert_eq!(
+        used.len(),
+        RESUME_EPOCHS * RESUME_SAMPLES as usize,
+        "{what}"
+    );
+}
+
+/// Checks a `resume` run under `resumed` on `m` ranks that continued a state saved by another run, whose
+/// samples up to the save were `before`, against one process straight through under `reference`: every rank
+/// ends within `bound` of its weights and resumed at [`SAVE_AT`]; every sample of every epoch was used once; a
+/// sharded rank holds only its own parameters' optimizer state (a replicated one all of it). Returns the
+/// largest |Δ|.
+pub fn check_resumed(
+    reference: &Path,
+    before: &[(usize, i64)],
+    (resumed, m, sharding): (&Path, usize, &str),
+    bound: f32,
+    what: &str,
+) -> f32 {
+    let expected = weights(&reference.join("resume").join("rank0.safetensors"));
+    let whole_state = report(reference, "resume", 0)["optimizer_state_bytes"]
+        .as_u64()
+        .unwrap();
+    let mut worst = 0f32;
+    for rank in 0..m {
+        let file = format!("rank{rank}.safetensors");
+        let diff = max_abs_diff(&weights(&resumed.join("resume").join(file)), &expected);
+        assert!(
+            diff <= bound,
+            "{what}, rank {rank}: max |Δ| {diff:e} vs one process, over the bound {bound:e}"
+        );
+        worst = worst.max(diff);
+        let report = report(resumed, "resume", rank);
+        assert_eq!(report["resumed_at"], SAVE_AT, "{what}, rank {rank}");
+        assert_eq!(report["num_processes"], m, "{what}, rank {rank}");
+    }
+    assert_each_sample_once(before, &trained_ids(resumed, m), what);
+    let held: Vec<u64> = (0..m)
+        .map(|rank| {
+            report(resumed, "resume", rank)["optimizer_state_bytes"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    // A record's size varies by a few hundred bytes with the order Burn writes its entries in.
+    let near = |b: u64| b.abs_diff(whole_state) * 20 <= whole_state;
+    if sharding == "NO_SHARD" || m == 1 {
+        assert!(
+            held.iter().all(|b| near(*b)),
+            "{what}: {held:?} B of optimizer state, one process {whole_state} B"
+        );
+    } else {
+        let total: u64 = held.iter().sum();
+        assert!(
+            total <= whole_state * 21 / 20 + 512 * m as u64,
+            "{what}: the ranks hold {held:?} B of optimizer state, one process {whole_state} B"
+        );
+    }
+    worst
+}

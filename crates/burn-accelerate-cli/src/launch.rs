@@ -87,6 +87,13 @@ pub struct LaunchArgs {
         default_value_t = 1.0
     )]
     pub restart_backoff: f64,
+    /// With --max-restarts and --hostfile: a restart reads the hostfile again, and when it offers fewer slots
+    /// than the job asked for (a machine was lost), the job continues on the slots left, down to this many
+    /// processes (torchrun's `--nnodes MIN:MAX`; back up to --num-processes when slots return). The program
+    /// resumes its latest checkpoint on the new number of ranks, which needs the same global batch (give each
+    /// rank `global / ranks` samples a batch, or use split_batches).
+    #[arg(long = "min-processes", visible_alias = "min_processes")]
+    pub min_processes: Option<usize>,
     /// The program, then its own arguments.
     #[arg(
         required = true,
@@ -351,10 +358,83 @@ fn restart_policy(args: &LaunchArgs) -> Result<RestartPolicy, LaunchError> {
     })
 }
 
+/// The slots a hostfile offers in all (`host slots=N` lines; blank lines and `#` comments skipped), or `None`
+/// when a line gives no `slots=` (Open MPI then counts the machine's cores, which this machine cannot see).
+fn hostfile_slots(hostfile: &Path) -> Result<Option<usize>, LaunchError> {
+    let text = std::fs::read_to_string(hostfile)
+        .map_err(|e| fail(format!("reading the hostfile {}: {e}", hostfile.display())))?;
+    let mut total = 0;
+    for line in text.lines() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let slots = line
+            .split_whitespace()
+            .find_map(|word| word.strip_prefix("slots="))
+            .map(|n| {
+                n.parse::<usize>().map_err(|_| {
+                    fail(format!(
+                        "{}: `{line}`: slots= takes a whole number",
+                        hostfile.display()
+                    ))
+                })
+            })
+            .transpose()?;
+        match slots {
+            Some(n) => total += n,
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(total))
+}
+
+/// The number of processes a restart runs on under `--min-processes`: as many as the hostfile's slots allow, up
+/// to the number asked for; an error when fewer than the minimum are left.
+fn processes_for_restart(
+    asked: usize,
+    now: usize,
+    min: usize,
+    hostfile: &Path,
+) -> Result<usize, String> {
+    let Some(slots) = hostfile_slots(hostfile).map_err(|e| e.to_string())? else {
+        return Ok(now);
+    };
+    let next = slots.min(asked);
+    if next < min {
+        return Err(format!(
+            "the hostfile {} offers {slots} slot(s), fewer than --min-processes {min}",
+            hostfile.display()
+        ));
+    }
+    if next != now {
+        eprintln!(
+            "burn-accelerate launch: the hostfile offers {slots} slot(s); the job continues on {next} processes \
+             (it ran on {now}; --min-processes {min}, --num-processes {asked}), resuming its checkpoint on the new \
+             number of ranks"
+        );
+    }
+    Ok(next)
+}
+
 /// Runs the launch, restarting the job as `--max-restarts` allows; returns the exit code for this process.
 pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
-    let plan = Plan::resolve(args)?;
+    let mut plan = Plan::resolve(args)?;
     let policy = restart_policy(args)?;
+    let asked = plan.num_processes;
+    if let Some(min) = args.min_processes {
+        if min == 0 || min > asked {
+            return Err(fail(format!(
+                "--min-processes {min}: give a number from 1 to --num-processes ({asked})"
+            )));
+        }
+        if plan.hostfile.is_none() || policy.max_restarts == 0 {
+            return Err(fail(
+                "--min-processes takes effect when a restart finds fewer slots in the hostfile: give it with \
+                 --hostfile and --max-restarts",
+            ));
+        }
+    }
     eprintln!("{}", plan.describe());
     let program = &args.program[0];
     let rest = &args.program[1..];
@@ -413,6 +493,17 @@ pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
                 );
                 std::thread::sleep(delay);
                 restarts = restart;
+                if let (Some(min), Some(hostfile)) = (args.min_processes, &plan.hostfile) {
+                    match processes_for_restart(asked, plan.num_processes, min, hostfile) {
+                        Ok(next) => plan.num_processes = next,
+                        Err(why) => {
+                            eprintln!(
+                                "burn-accelerate launch: {failure}{stopped}; {why}: giving up"
+                            );
+                            return Ok(failure.code());
+                        }
+                    }
+                }
             }
             Decision::GiveUp(why) => {
                 // Without --max-restarts the failure is the whole story, as before restarts existed.
@@ -680,7 +771,46 @@ fn is_root() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::threads_per_process;
+    use super::{hostfile_slots, processes_for_restart, threads_per_process};
+
+    #[test]
+    fn a_restart_runs_on_the_slots_the_hostfile_offers_within_the_bounds() {
+        let dir = std::env::temp_dir().join(format!("ba-hostfile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let hosts = dir.join("hosts");
+        let write = |text: &str| std::fs::write(&hosts, text).unwrap();
+        write("# two machines\nnode1 slots=2\n\nnode2 slots=1 max_slots=4\n");
+        assert_eq!(hostfile_slots(&hosts).unwrap(), Some(3));
+        assert_eq!(processes_for_restart(3, 3, 2, &hosts), Ok(3));
+        write("node1 slots=2\n");
+        assert_eq!(
+            processes_for_restart(3, 3, 2, &hosts),
+            Ok(2),
+            "a machine lost"
+        );
+        write("node1 slots=8\n");
+        assert_eq!(
+            processes_for_restart(3, 2, 2, &hosts),
+            Ok(3),
+            "never past --num-processes"
+        );
+        write("node1 slots=1\n");
+        let err = processes_for_restart(3, 3, 2, &hosts).unwrap_err();
+        assert!(
+            err.contains("offers 1 slot(s), fewer than --min-processes 2"),
+            "{err}"
+        );
+        write("node1\nnode2 slots=2\n");
+        assert_eq!(hostfile_slots(&hosts).unwrap(), None, "slots unknown");
+        assert_eq!(
+            processes_for_restart(3, 3, 2, &hosts),
+            Ok(3),
+            "unknown slots change nothing"
+        );
+        write("node1 slots=two\n");
+        assert!(hostfile_slots(&hosts).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     #[test]
     fn each_local_process_gets_its_share_of_the_cores_unless_told_otherwise() {

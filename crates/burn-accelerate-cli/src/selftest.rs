@@ -384,6 +384,7 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             max_restarts: 0,
             restart_on_error: false,
             restart_backoff: 1.0,
+            min_processes: None,
             program: vec![exe.into_os_string(), "test-worker".into()],
         };
         return crate::launch::run(&launch);

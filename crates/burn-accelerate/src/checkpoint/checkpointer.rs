@@ -210,7 +210,7 @@ impl Checkpointer {
         for (i, (cursor, position)) in loaders.iter().zip(loaded.positions()).enumerate() {
             let now = cursor.fingerprint();
             if let Some(saved) = saved.get(i) {
-                let differences = now.differences(saved);
+                let differences = now.differences(saved, position.batch == 0);
                 if !differences.is_empty() {
                     return Err(Error::Checkpoint {
                         path: loaded.dir().to_path_buf(),

@@ -9,7 +9,9 @@ use burn::store::ModuleRecord;
 
 use super::fs::{read, with_suffix};
 use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
+use super::repartition;
 use crate::data::DataPosition;
+use crate::distributed::strategy::StateScope;
 use crate::error::{Error, Result};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use crate::precision::LossScaler;
@@ -23,6 +25,8 @@ pub struct LoadedState {
     rank: RankState,
     objects: BTreeMap<String, serde_json::Value>,
     rank_index: usize,
+    /// The number of ranks loading it (the manifest says how many saved it).
+    num_processes: usize,
     next_model: usize,
     next_optimizer: usize,
     next_scheduler: usize,
@@ -87,16 +91,15 @@ impl LoadedState {
                 format!("format `{}`, expected `{FORMAT}`", manifest.format),
             ));
         }
-        if manifest.num_processes != num_processes {
-            return Err(corrupt(
-                &manifest_path,
-                format!(
-                    "saved by {} ranks, loaded by {num_processes}; resume with the same number of ranks",
-                    manifest.num_processes
-                ),
-            ));
-        }
-        let rank_path = dir.join(format!("rank_{rank_index}.json"));
+        // The same number of ranks: each reads its own file. Another number: every rank reads rank 0's, whose
+        // positions and step counts are the run's (the global batch is the same, so the positions are too:
+        // `Checkpointer::restore_positions` checks it).
+        let saved_rank = if manifest.num_processes == num_processes {
+            rank_index
+        } else {
+            0
+        };
+        let rank_path = dir.join(format!("rank_{saved_rank}.json"));
         let rank: RankState = serde_json::from_slice(&read(&rank_path)?)
             .map_err(|e| corrupt(&rank_path, format!("unreadable: {e}")))?;
         let objects_path = dir.join("objects.json");
@@ -108,6 +111,7 @@ impl LoadedState {
             rank,
             objects,
             rank_index,
+            num_processes,
             next_model: 0,
             next_optimizer: 0,
             next_scheduler: 0,
@@ -146,6 +150,49 @@ impl LoadedState {
         self.objects.keys().cloned().collect()
     }
 
+    /// The number of ranks that saved this state.
+    pub fn saved_num_processes(&self) -> usize {
+        self.manifest.num_processes
+    }
+
+    /// Moves the cursor `next` of the parts of `kind` (`model`, `optimizer`, `scheduler`), of which `saved` were
+    /// saved, to the next one; returns its index.
+    fn advance(dir: &Path, kind: &str, saved: usize, next: &mut usize) -> Result<usize> {
+        let i = *next;
+        if i >= saved {
+            return Err(corrupt(
+                dir,
+                format!("holds {saved} {kind}(s); asked for {kind} #{}", i + 1),
+            ));
+        }
+        *next += 1;
+        Ok(i)
+    }
+
+    /// The bytes of the record file `path`, checked against the CRC-32C the save recorded for it (in
+    /// `checksums`, by file name; files without one are read unchecked).
+    fn checked(
+        path: &Path,
+        checksums: &std::collections::BTreeMap<String, u32>,
+    ) -> Result<burn::tensor::Bytes> {
+        let bytes = read(path)?;
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if let Some(expected) = name.and_then(|n| checksums.get(&n)) {
+            let actual = crc32c::crc32c(&bytes);
+            if actual != *expected {
+                return Err(corrupt(
+                    path,
+                    format!(
+                        "its CRC-32C is {actual:#010x}, but the save recorded {expected:#010x}: the file changed \
+                         after it was written (a damaged disk or an incomplete copy); restore the file or load \
+                         an earlier checkpoint"
+                    ),
+                ));
+            }
+        }
+        Ok(burn::tensor::Bytes::from_bytes_vec(bytes))
+    }
+
     /// The bytes of the next saved part of `kind` (`model`, `optimizer`, `scheduler`), whose count and cursor
     /// are `saved` and `next`, checked against the CRC-32C the save recorded for it; returns its index, file and
     /// bytes.
@@ -155,36 +202,67 @@ impl LoadedState {
         (saved, checksums): (usize, &std::collections::BTreeMap<String, u32>),
         next: &mut usize,
     ) -> Result<(usize, PathBuf, burn::tensor::Bytes)> {
-        let i = *next;
-        if i >= saved {
-            return Err(corrupt(
-                dir,
-                format!("holds {saved} {kind}(s); asked for {kind} #{}", i + 1),
-            ));
-        }
-        *next += 1;
+        let i = Self::advance(dir, kind, saved, next)?;
         let path = file(dir, kind, i, "bpk");
-        let bytes = read(&path)?;
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-        if let Some(expected) = name.and_then(|n| checksums.get(&n)) {
-            let actual = crc32c::crc32c(&bytes);
-            if actual != *expected {
-                return Err(corrupt(
-                    &path,
-                    format!(
-                        "its CRC-32C is {actual:#010x}, but the save recorded {expected:#010x}: the file changed \
-                         after it was written (a damaged disk or an incomplete copy); restore the file or load \
-                         an earlier checkpoint"
-                    ),
-                ));
-            }
-        }
-        Ok((i, path, burn::tensor::Bytes::from_bytes_vec(bytes)))
+        let bytes = Self::checked(&path, checksums)?;
+        Ok((i, path, bytes))
     }
 
-    /// Restores the next saved model into `model` (same architecture), with the saved parameter ids.
+    /// Whether this rank holds the state the strategy scope `now` says it does in the layout the checkpoint was
+    /// saved in (`per_rank`): the same files on the same number of ranks. Otherwise its part is re-cut from
+    /// every saved file.
+    fn same_layout(&self, per_rank: bool, now: Option<StateScope>) -> bool {
+        let wants_per_rank = now == Some(StateScope::PerRank);
+        per_rank == wants_per_rank
+            && (!per_rank || self.manifest.num_processes == self.num_processes)
+    }
+
+    /// The files saved for part `i` of `stem` (`model`, `optimizer`): one per saving rank when `per_rank`, else
+    /// the one; each read and checked in turn.
+    fn saved_files(
+        &self,
+        stem: fn(bool, usize) -> String,
+        per_rank: bool,
+        i: usize,
+    ) -> impl Iterator<Item = Result<repartition::Source>> + '_ {
+        let ranks = if per_rank {
+            self.manifest.num_processes
+        } else {
+            1
+        };
+        (0..ranks).map(move |r| {
+            let path = file(&self.dir, &stem(per_rank, r), i, "bpk");
+            let bytes = Self::checked(&path, &self.manifest.checksums)?;
+            Ok((path, bytes))
+        })
+    }
+
+    /// Restores the next saved model into `model` (same architecture), with the saved parameter ids. A state
+    /// saved by another number of ranks, or under a strategy that keeps the model otherwise (`FULL_SHARD` keeps
+    /// one record per rank), is re-cut: this rank takes each parameter it holds from the file that holds it.
     pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
-        let (path, record) = self.next_model_record()?;
+        let now = self.strategy.as_ref().map(|s| s.model_state());
+        let (path, record) = if self.same_layout(self.manifest.model_per_rank, now) {
+            self.next_model_record()?
+        } else {
+            let i = Self::advance(
+                &self.dir,
+                "model",
+                self.manifest.models,
+                &mut self.next_model,
+            )?;
+            let sources = self.saved_files(model_stem, self.manifest.model_per_rank, i);
+            let bytes = repartition::model_bytes(sources, &model)?;
+            let path = file(
+                &self.dir,
+                &model_stem(self.manifest.model_per_rank, 0),
+                i,
+                "bpk",
+            );
+            let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?
+                .map_err(|e| corrupt(&path, format!("not a model record: {e}")))?;
+            (path, record)
+        };
         let before = crate::grad::param_ids(&model);
         let model = guarded(&path, "model", move || model.try_load_record(record))?
             .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))?;
@@ -253,6 +331,18 @@ impl LoadedState {
         (burn::optim::OptimizerRecord, u64),
         burn::lr_scheduler::LrSchedulerRecord,
     )> {
+        let now = self.strategy.as_ref().map(|s| s.model_state());
+        if !self.same_layout(self.manifest.model_per_rank, now) {
+            return Err(corrupt(
+                &self.dir,
+                format!(
+                    "holds one model record per rank (saved under FULL_SHARD by {} ranks), which the Learner \
+                     cannot load; load it in a training loop (`load_state` then `LoadedState::model`), or merge \
+                     it with `burn-accelerate merge-weights`",
+                    self.manifest.num_processes
+                ),
+            ));
+        }
         let (_, model) = self.next_model_record()?;
         let (_, _, optimizer, steps) = self.next_optimizer_record()?;
         let (_, scheduler) = self.next_scheduler_record()?;
@@ -277,17 +367,39 @@ impl LoadedState {
         Ok((path, record))
     }
 
-    /// The next saved optimizer's index, file, record and step count.
+    /// The next saved optimizer's index, file, record and step count. A state saved by another number of
+    /// ranks, or under a strategy that partitions it otherwise, is re-cut: this rank reads every saved slice in
+    /// turn and keeps the state of the parameters it steps.
     fn next_optimizer_record(
         &mut self,
     ) -> Result<(usize, PathBuf, burn::optim::OptimizerRecord, u64)> {
-        let stem = optimizer_stem(self.manifest.optimizer_per_rank, self.rank_index);
-        let (i, path, bytes) = Self::next_part(
-            &self.dir,
-            &stem,
-            (self.manifest.optimizers, &self.manifest.checksums),
-            &mut self.next_optimizer,
-        )?;
+        let per_rank = self.manifest.optimizer_per_rank;
+        let now = self.strategy.as_ref().map(|s| s.optimizer_state());
+        let (i, path, bytes) = if self.same_layout(per_rank, now) {
+            let stem = optimizer_stem(per_rank, self.rank_index);
+            Self::next_part(
+                &self.dir,
+                &stem,
+                (self.manifest.optimizers, &self.manifest.checksums),
+                &mut self.next_optimizer,
+            )?
+        } else {
+            let i = Self::advance(
+                &self.dir,
+                "optimizer",
+                self.manifest.optimizers,
+                &mut self.next_optimizer,
+            )?;
+            let strategy = self.strategy.clone();
+            let keep = |id| strategy.as_ref().is_none_or(|s| s.owns(id));
+            let bytes =
+                repartition::optimizer_bytes(self.saved_files(optimizer_stem, per_rank, i), keep)?;
+            (
+                i,
+                file(&self.dir, &optimizer_stem(per_rank, 0), i, "bpk"),
+                bytes,
+            )
+        };
         let record = guarded(&path, "optimizer", || {
             burn::optim::OptimizerRecord::from_bytes(bytes)
         })?

@@ -6,7 +6,9 @@
 //!   [`load_state`](crate::Accelerator::load_state): models, optimizers (one state, or one slice per rank
 //!   under a sharded strategy), schedulers, loss scaler, data positions and custom objects for exact
 //!   resumption (`manifest`, `save`, `load`), the [`ProjectConfiguration`] of automatic checkpoints, and the
-//!   checkpointer that ties them to a rank.
+//!   checkpointer that ties them to a rank. A state loads on any number of ranks: each rank re-cuts the saved
+//!   records for its own partition (`repartition`), and the data positions carry over because the global batch
+//!   is the same.
 //!
 //! Every write goes to a temporary name that is renamed into place once complete and synced, so a crash during
 //! a save leaves the previous checkpoint whole; loading a truncated, corrupt or mismatched checkpoint is an error
@@ -18,6 +20,7 @@ mod load;
 mod manifest;
 mod merge;
 mod project;
+mod repartition;
 pub mod safetensors;
 mod save;
 

@@ -29,11 +29,88 @@ pub struct LoaderFingerprint {
     pub drop_last: bool,
     /// Batches per epoch on this rank, after sharding.
     pub batches_per_epoch: usize,
+    /// The number of ranks the loader was prepared for. Absent in older checkpoints.
+    #[serde(default)]
+    pub num_processes: Option<usize>,
+    /// Items per optimizer step over all ranks, without accumulation (the global batch). Absent in older
+    /// checkpoints.
+    #[serde(default)]
+    pub total_batch_size: Option<usize>,
 }
 
 impl LoaderFingerprint {
-    /// What differs from `other` (the saved one), in words; empty when they match.
-    pub(crate) fn differences(&self, saved: &Self) -> Vec<String> {
+    /// What differs from `saved`, in words; empty when they match. On the same number of ranks every rank's
+    /// loader must match its saved self; on another number only the global view must: the dataset, seed,
+    /// `drop_last` and the items per step over all ranks, so that the saved position (the same batch index on
+    /// every rank) points at the same next sample. A loader saved `at_epoch_start` (an evaluation loader, or a
+    /// save between epochs) may change its global batch: the next sample is the epoch's first either way.
+    pub(crate) fn differences(&self, saved: &Self, at_epoch_start: bool) -> Vec<String> {
+        match (saved.num_processes, self.num_processes) {
+            (Some(then), Some(now)) if then != now => {
+                self.global_differences(saved, (then, now), at_epoch_start)
+            }
+            _ => self.rank_differences(saved),
+        }
+    }
+
+    fn global_differences(
+        &self,
+        saved: &Self,
+        (then, now): (usize, usize),
+        at_epoch_start: bool,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |what: &str, saved: String, now: String| {
+            if saved != now {
+                out.push(format!("{what} {saved} when saved, {now} now"));
+            }
+        };
+        check(
+            "dataset length",
+            saved.num_items.to_string(),
+            self.num_items.to_string(),
+        );
+        check(
+            "shuffle seed",
+            format!("{:?}", saved.shuffle_seed),
+            format!("{:?}", self.shuffle_seed),
+        );
+        check(
+            "drop_last",
+            saved.drop_last.to_string(),
+            self.drop_last.to_string(),
+        );
+        match (saved.total_batch_size, self.total_batch_size) {
+            (Some(global), Some(here)) if global != here && at_epoch_start => log::info!(
+                "a prepared dataloader saved at the start of an epoch continues with {here} items per step over \
+                 all ranks ({global} when saved on {then} rank(s))"
+            ),
+            (Some(global), Some(here)) if global != here => {
+                let fix = if global.is_multiple_of(now) {
+                    format!(
+                        "give each of the {now} ranks {} items a batch (or prepare the loader with batch size \
+                         {global} and split_batches)",
+                        global / now
+                    )
+                } else {
+                    format!("{global} items do not divide among {now} ranks: resume on a number of ranks that divides {global}")
+                };
+                out.push(format!(
+                    "items per step over all ranks {global} when saved on {then} rank(s), {here} now on {now}: \
+                     saved in the middle of an epoch, the position would point at other samples (and each step \
+                     would average another batch); {fix}"
+                ));
+            }
+            (None, _) | (_, None) => out.push(format!(
+                "the checkpoint does not record the items per step over all ranks (saved by an older version): \
+                 resume it on the {then} rank(s) that saved it"
+            )),
+            _ => {}
+        }
+        out
+    }
+
+    fn rank_differences(&self, saved: &Self) -> Vec<String> {
         let mut out = Vec::new();
         let mut check = |what: &str, saved: String, now: String| {
             if saved != now {

@@ -69,6 +69,12 @@ impl<I, O> PreparedDataLoader<I, O> {
             shuffle_seed: loader.shuffle_seed(),
             drop_last: loader.drop_last(),
             batches_per_epoch: len,
+            num_processes: Some(spec.num_processes),
+            total_batch_size: Some(if spec.split_batches {
+                loader.batch_size()
+            } else {
+                loader.batch_size() * spec.num_processes
+            }),
         };
         let cursor = Arc::new(LoaderCursor {
             epoch: loader.epoch.clone(),

@@ -89,6 +89,13 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         let _ = renamed;
     }
 
+    /// Whether this rank steps parameter `id` (and so holds its optimizer state): every parameter, unless the
+    /// strategy partitions them between ranks.
+    fn owns(&self, id: ParamId) -> bool {
+        let _ = id;
+        true
+    }
+
     /// The sharded strategy, when this is one.
     fn sharded(&self) -> Option<&Sharded> {
         None

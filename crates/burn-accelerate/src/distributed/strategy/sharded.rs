@@ -306,6 +306,12 @@ impl Strategy for Sharded {
         Some(self)
     }
 
+    fn owns(&self, id: ParamId) -> bool {
+        self.known()
+            .get(&id)
+            .is_none_or(|known| known.owner == self.rank())
+    }
+
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
         let mut known = self.known();
         let moved: Vec<(ParamId, Known)> = renamed
