@@ -249,16 +249,17 @@ fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only(
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max)
     };
-    for rank in 0..4 {
+    assert_eq!(resumed.len(), 4);
+    for (rank, (weights, optimizer, lr)) in resumed.iter().enumerate() {
         assert!(
-            diff(&resumed[rank].0, &straight[0].0) <= 1e-6,
+            diff(weights, &straight[0].0) <= 1e-6,
             "rank {rank}: weights"
         );
         assert!(
-            diff(&resumed[rank].1, &straight[0].1) <= 1e-6,
+            diff(optimizer, &straight[0].1) <= 1e-6,
             "rank {rank}: optimizer state"
         );
-        assert_eq!(resumed[rank].2, straight[0].2, "rank {rank}: learning rate");
+        assert_eq!(*lr, straight[0].2, "rank {rank}: learning rate");
     }
     let refused = Accelerator::builder()
         .launch(3, |acc| {

@@ -70,9 +70,9 @@ fn default_features_only() -> bool {
 /// Each target is built once per test process: later calls return the path the first one found (a test that
 /// runs an example a hundred times asks cargo once, not a hundred times at a second each).
 fn build(package: &str, kind: &str, name: &str) -> PathBuf {
-    static BUILT: std::sync::Mutex<Vec<((String, String, String), PathBuf)>> =
-        std::sync::Mutex::new(Vec::new());
-    let key = (package.to_string(), kind.to_string(), name.to_string());
+    /// `(package kind name, its executable)` of every target built so far.
+    static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let key = format!("{package} {kind} {name}");
     // Held across the build: concurrent tests asking for the same target wait for the one build.
     let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, path)) = built.iter().find(|(k, _)| *k == key) {
