@@ -643,6 +643,68 @@ fn dispatched_streams_are_read_by_the_main_process_alone_and_deal_the_same_batch
     }
 }
 
+/// A stream saved mid-epoch by N ranks continues on M with the same global batch (12 items a round: 12 / N a rank),
+/// read by every rank or dispatched from the main process: the resumed ranks gather exactly the items after the
+/// save, in order, and the next epoch starts the stream from its beginning.
+#[test]
+fn a_stream_saved_mid_epoch_continues_on_another_number_of_ranks() {
+    let dir = std::env::temp_dir().join(format!("ba-stream-resume-{}", std::process::id()));
+    let stream = |acc: &Accelerator, dispatch: bool| {
+        let per_rank = 12 / acc.num_processes();
+        let loader =
+            burn_accelerate::data::StreamLoader::new(Ids, per_rank, false, || (0..60i64).map(Ok))
+                .dispatch_batches(dispatch);
+        acc.prepare_stream(loader)
+    };
+    for dispatch in [false, true] {
+        for (n, m) in [(2, 3), (3, 1), (1, 4), (4, 2), (2, 2)] {
+            let what = format!("{n} -> {m} ranks, dispatch_batches {dispatch}");
+            let _ = std::fs::remove_dir_all(&dir);
+            // Two rounds of the first epoch (items 0..24), then the save.
+            let before = Accelerator::builder()
+                .launch(n, |acc| {
+                    let prepared = stream(&acc, dispatch)?;
+                    let mut seen = Vec::new();
+                    for batch in prepared.iter().take(2) {
+                        seen.extend(host_ids(acc.gather_for_metrics(batch?)?));
+                    }
+                    acc.save_state(Some(&dir), &burn_accelerate::StateToSave::new())?;
+                    Ok(seen)
+                })
+                .unwrap();
+            assert_eq!(before[0], (0..24).collect::<Vec<_>>(), "{what}");
+            let after = Accelerator::builder()
+                .launch(m, |acc| {
+                    let prepared = stream(&acc, dispatch)?;
+                    acc.load_state(Some(&dir))?.finish()?;
+                    let mut epochs = Vec::new();
+                    for _ in 0..2 {
+                        let mut seen = Vec::new();
+                        for batch in prepared.iter() {
+                            seen.extend(host_ids(acc.gather_for_metrics(batch?)?));
+                        }
+                        epochs.push(seen);
+                    }
+                    Ok(epochs)
+                })
+                .unwrap();
+            for (rank, epochs) in after.iter().enumerate() {
+                assert_eq!(
+                    epochs[0],
+                    (24..60).collect::<Vec<_>>(),
+                    "{what}, rank {rank}: the rest of the epoch"
+                );
+                assert_eq!(
+                    epochs[1],
+                    (0..60).collect::<Vec<_>>(),
+                    "{what}, rank {rank}: the next epoch, whole"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn the_examples_agreement_check_names_a_rank_whose_weights_differ() {
     /// Moves the first float parameter by a thousandth.

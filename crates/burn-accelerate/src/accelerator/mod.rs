@@ -405,8 +405,9 @@ impl Accelerator {
     /// Prepares a [`StreamLoader`](crate::data::StreamLoader), a dataset read in order without random access:
     /// every rank reads the stream and keeps its share, dealt as Accelerate's `IterableDatasetShard` deals it
     /// (see [`shard_stream`](crate::data::shard_stream)); batches are built on the accelerator's device, and the
-    /// stream's end drives gradient accumulation and `gather_for_metrics` as a prepared dataloader's does. Its
-    /// position is not saved by `save_state` (a resumed run restarts the stream's epoch).
+    /// stream's end drives gradient accumulation and `gather_for_metrics` as a prepared dataloader's does.
+    /// `save_state` records its position with the prepared dataloaders' (in the order they were prepared), and
+    /// after `load_state` its next epoch skips the rounds already used.
     ///
     /// # Errors
     /// With `split_batches`, a batch size the ranks cannot divide.
@@ -420,13 +421,15 @@ impl Accelerator {
             split_batches: self.config.split_batches,
             even_batches: self.config.even_batches,
         };
-        crate::data::PreparedStreamLoader::new(
+        let prepared = crate::data::PreparedStreamLoader::new(
             loader,
             spec,
             self.device().clone(),
             self.pipeline.shared().clone(),
             self.group.clone(),
-        )
+        )?;
+        self.checkpointer.track_loader(prepared.cursor());
+        Ok(prepared)
     }
 
     /// Moves a batch (any [`ToDevice`] value) to the accelerator's device.

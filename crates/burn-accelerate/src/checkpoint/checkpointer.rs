@@ -223,7 +223,8 @@ impl Checkpointer {
                     });
                 }
             }
-            if position.batch > now.batches_per_epoch || position.epoch >= usize::MAX / 2 {
+            let past_the_end = cursor.has_length() && position.batch > now.batches_per_epoch;
+            if past_the_end || position.epoch >= usize::MAX / 2 {
                 return Err(Error::Checkpoint {
                     path: loaded.dir().to_path_buf(),
                     reason: format!(

@@ -158,7 +158,7 @@ pub(crate) struct LoaderCursor {
     pub(super) yielded: AtomicUsize,
     /// Batches to skip at the start of the next `iter`.
     pub(super) skip: AtomicUsize,
-    /// Batches per epoch on this rank.
+    /// Batches per epoch on this rank ([`usize::MAX`] for a stream, whose length is known only at its end).
     pub(super) len: usize,
     /// The loader's dataset, batch size, seed and sharding.
     pub(super) fingerprint: LoaderFingerprint,
@@ -180,6 +180,37 @@ impl LoaderCursor {
             (in_epoch - 1, yielded)
         };
         DataPosition { epoch, batch }
+    }
+
+    /// A cursor for a stream: its own epoch counter, no known length.
+    pub(super) fn for_stream(fingerprint: LoaderFingerprint) -> Self {
+        Self {
+            epoch: Arc::new(AtomicUsize::new(0)),
+            in_epoch: AtomicUsize::new(0),
+            yielded: AtomicUsize::new(0),
+            skip: AtomicUsize::new(0),
+            len: usize::MAX,
+            fingerprint,
+        }
+    }
+
+    /// Starts the next epoch: returns it and the batches to skip at its start (a restored position).
+    pub(super) fn begin_epoch(&self) -> (usize, usize) {
+        let epoch = self.epoch.fetch_add(1, Ordering::Relaxed);
+        let skip = self.skip.swap(0, Ordering::Relaxed);
+        self.in_epoch.store(epoch + 1, Ordering::Relaxed);
+        self.yielded.store(skip, Ordering::Relaxed);
+        (epoch, skip)
+    }
+
+    /// The epoch of a stream ended: the position is the next epoch's start.
+    pub(super) fn end_epoch(&self) {
+        self.yielded.store(self.len, Ordering::Relaxed);
+    }
+
+    /// Whether the number of batches per epoch is known (not a stream).
+    pub(crate) fn has_length(&self) -> bool {
+        self.len != usize::MAX
     }
 
     /// The loader's dataset, batch size, seed and sharding.

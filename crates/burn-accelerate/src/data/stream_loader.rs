@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::dispatch::{Dispatcher, Progress, dispatched};
+use super::position::{LoaderCursor, LoaderFingerprint};
 use super::shard::ShardSpec;
 use super::stream::shard_stream;
 use crate::distributed::ProcessGroup;
@@ -103,13 +104,16 @@ impl<I: Clone + 'static, O> StreamLoader<I, O> {
 }
 
 /// A [`StreamLoader`] prepared by the accelerator: each rank's batches of the stream, built on the accelerator's
-/// device. Its position is not part of `save_state`: a resumed run starts the stream's epoch from its beginning.
+/// device. `save_state` records its position (the epoch, and the batches of it used); after `load_state` the next
+/// epoch reads the stream again from its start and skips the rounds already used, on any number of ranks with
+/// the same global batch.
 pub struct PreparedStreamLoader<I, O> {
     loader: StreamLoader<I, O>,
     spec: ShardSpec,
     device: Device,
     shared: SharedStep,
     group: Arc<ProcessGroup>,
+    cursor: Arc<LoaderCursor>,
 }
 
 impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
@@ -121,13 +125,32 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
         group: Arc<ProcessGroup>,
     ) -> Result<Self> {
         spec.validate(loader.batch_size)?;
+        let fingerprint = LoaderFingerprint {
+            // A stream's length is unknown: 0 stands for it, as for its batches per epoch.
+            num_items: 0,
+            batch_size: loader.batch_size,
+            shuffle_seed: None,
+            drop_last: loader.drop_last,
+            batches_per_epoch: 0,
+            num_processes: Some(spec.num_processes),
+            total_batch_size: Some(if spec.split_batches {
+                loader.batch_size
+            } else {
+                loader.batch_size * spec.num_processes
+            }),
+        };
         Ok(Self {
             loader,
             spec,
             device,
             shared,
             group,
+            cursor: Arc::new(LoaderCursor::for_stream(fingerprint)),
         })
+    }
+
+    pub(crate) fn cursor(&self) -> Arc<LoaderCursor> {
+        self.cursor.clone()
     }
 
     /// Items per batch on this rank.
@@ -144,9 +167,11 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
         self.batch_size() * self.spec.num_processes
     }
 
-    /// One epoch of this rank's batches: the stream is opened again. While it runs,
-    /// `gradient_state().end_of_dataloader` is true exactly on the last batch (read one batch ahead).
+    /// One epoch of this rank's batches: the stream is opened again (and, after `load_state`, the rounds the
+    /// saved run had used are read and skipped). While it runs, `gradient_state().end_of_dataloader` is true
+    /// exactly on the last batch (read one batch ahead).
     pub fn iter(&self) -> PreparedStreamIter<'_, I, O> {
+        let (_, skip) = self.cursor.begin_epoch();
         let progress = Progress::default();
         let (counter, slot) = (progress.read.clone(), progress.failed.clone());
         let open = move || -> Box<dyn Iterator<Item = I>> {
@@ -185,6 +210,13 @@ impl<I: Clone + 'static, O> PreparedStreamLoader<I, O> {
             progress,
             finished: false,
         };
+        // Every rank skips the same rounds (a dispatched stream's main process sends them all the same).
+        for _ in 0..skip {
+            match iter.take_batch() {
+                Some(Ok(_)) => {}
+                _ => break,
+            }
+        }
         iter.ahead = iter.take_batch();
         let empty = matches!(iter.ahead, None | Some(Err(_)));
         self.shared
@@ -234,6 +266,13 @@ impl<I: Clone + 'static, O> Iterator for PreparedStreamIter<'_, I, O> {
         };
         self.ahead = self.take_batch();
         let last = self.ahead.is_none();
+        self.loader
+            .cursor
+            .yielded
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if last {
+            self.loader.cursor.end_epoch();
+        }
         {
             let mut step = self.loader.shared.lock();
             step.state.batch_yielded(last);
