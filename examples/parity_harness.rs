@@ -121,6 +121,9 @@ struct Args {
     /// The gradient bucket in MiB (small buckets make sharded ranks exchange most parameters alone).
     #[arg(long)]
     bucket_size_mb: Option<f64>,
+    /// Ranks per shard group of a hybrid `--sharding` (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`).
+    #[arg(long)]
+    dp_shard_size: Option<usize>,
     /// Micro-batches per optimizer step, whatever the case (`resume` with accumulation).
     #[arg(long)]
     accumulation: Option<usize>,
@@ -158,6 +161,9 @@ fn builder(case: Case, args: &Args) -> AcceleratorBuilder {
     }
     if let Some(mib) = args.bucket_size_mb {
         builder = builder.bucket_size_mb(mib);
+    }
+    if let Some(size) = args.dp_shard_size {
+        builder = builder.dp_shard_size(size);
     }
     builder = match case {
         Case::Accumulation => builder.gradient_accumulation_steps(3),

@@ -163,6 +163,41 @@ fn a_job_saved_by_n_processes_and_killed_resumes_on_m_processes() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `HYBRID_SHARD` and `_HYBRID_SHARD_ZERO2` on 4 MPI processes as 2 replicas of 2 shards (sub-communicators
+/// from `MPI_Comm_split`): the same bits as 4 in-process ranks of the same mesh, and within 1e-6 of `NO_SHARD`.
+#[test]
+fn hybrid_sharding_under_mpirun_matches_in_process_ranks_and_no_shard() {
+    let dir = scratch("hybrid-mpi");
+    let cases = ["dp", "accumulation", "clip-norm", "fp16"];
+    let case_args: Vec<&str> = cases.iter().flat_map(|c| ["--case", *c]).collect();
+    let unsharded = dir.join("no-shard");
+    assert_success(&mpirun(4, &unsharded, &case_args));
+    for mode in ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] {
+        let args = [
+            &["--sharding", mode, "--dp-shard-size", "2"][..],
+            &case_args,
+        ]
+        .concat();
+        let ranks = dir.join(format!("mpi-{mode}"));
+        assert_success(&mpirun(4, &ranks, &args));
+        let in_process = dir.join(format!("in-{mode}"));
+        run_local(&in_process, &[&["--processes", "4"][..], &args].concat());
+        for case in cases {
+            let diff = compare_case(&unsharded, &ranks, 4, case, 1e-6);
+            let engines = parity::max_abs_diff(
+                &weights(&ranks.join(case).join("rank0.safetensors")),
+                &weights(&in_process.join(case).join("rank0.safetensors")),
+            );
+            println!(
+                "mpirun -np 4 {mode} 2x2 {case}: max |Δ| vs NO_SHARD {diff:e}, vs in-process {engines:e}"
+            );
+            assert_eq!(engines, 0.0, "{mode} {case}: mpirun vs in-process ranks");
+            assert_eq!(report(&ranks, case, 0)["sharding"], mode);
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn launch_with_a_hostfile_forwards_the_settings_to_every_rank() {
     let dir = scratch("hostfile");

@@ -73,3 +73,71 @@ fn with_accumulation_a_state_resumes_on_any_number_of_ranks() {
 fn in_fp16_a_state_resumes_on_any_number_of_ranks_with_its_loss_scale() {
     resume_on_any_number_of_ranks("fp16", &["--mixed-precision", "fp16"], "fp16");
 }
+
+/// A state moves between the hybrid strategies and the others: saved by 4 ranks as 2 replicas of 2 shards, it
+/// resumes as the same mesh (each rank its own file), on 2 ranks under `FULL_SHARD`, on 3 under `NO_SHARD` and on
+/// 1; saved by 2 `FULL_SHARD` ranks, it resumes on 4 and 6 ranks as hybrid meshes.
+#[test]
+fn a_state_moves_between_hybrid_and_other_strategies() {
+    let dir = scratch("any-ranks-hybrid");
+    let reference = dir.join("one");
+    run_local(&reference, &["--case", "resume"]);
+    let hybrid = |shard: usize| {
+        vec![
+            "--sharding".to_string(),
+            "HYBRID_SHARD".into(),
+            "--dp-shard-size".into(),
+            shard.to_string(),
+        ]
+    };
+    let plain = |sharding: &str| vec!["--sharding".to_string(), sharding.into()];
+    let runs: [((usize, Vec<String>), Vec<(usize, Vec<String>)>); 2] = [
+        (
+            (4, hybrid(2)),
+            vec![
+                (4, hybrid(2)),
+                (2, plain("FULL_SHARD")),
+                (3, plain("NO_SHARD")),
+                (1, plain("NO_SHARD")),
+            ],
+        ),
+        (
+            (2, plain("FULL_SHARD")),
+            vec![(4, hybrid(2)), (6, hybrid(3))],
+        ),
+    ];
+    for (i, ((n, saved_with), resumes)) in runs.into_iter().enumerate() {
+        let saved = dir.join(format!("saved{i}"));
+        let procs = n.to_string();
+        let args: Vec<&str> = saved_with.iter().map(String::as_str).collect();
+        run_local(
+            &saved,
+            &[&["--processes", &procs, "--case", "resume"][..], &args].concat(),
+        );
+        let before = trained_ids(&saved, n);
+        for (m, resumed_with) in resumes {
+            let what = format!("{n} ranks {saved_with:?} -> {m} ranks {resumed_with:?}");
+            let resumed = dir.join(format!("saved{i}-m{m}"));
+            copy_dir(&saved.join("resume-state"), &resumed.join("resume-state"));
+            let procs = m.to_string();
+            let args: Vec<&str> = resumed_with.iter().map(String::as_str).collect();
+            run_local(
+                &resumed,
+                &[
+                    &["--processes", &procs, "--case", "resume", "--resume"][..],
+                    &args,
+                ]
+                .concat(),
+            );
+            let diff = check_resumed(
+                &reference,
+                &before,
+                (&resumed, m, args[1]),
+                bound("dp"),
+                &what,
+            );
+            println!("{what}: max |Δ| vs one process {diff:e}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,5 +1,5 @@
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn_accelerate_comm::{
@@ -30,8 +30,9 @@ pub struct MpiComm {
     timeout: Duration,
     seq: AtomicU64,
     broken: AtomicBool,
-    /// MPI calls are serialised: the library is initialised with `Threading::Serialized`.
-    calls: Mutex<Spare>,
+    /// MPI calls are serialised: the library is initialised with `Threading::Serialized`. Sub-groups share
+    /// their world's lock, so that no two threads of the process are inside MPI at once.
+    calls: Arc<Mutex<Spare>>,
 }
 
 /// A receive buffer kept between all-reduces, so that a steady stream of equal-size reductions allocates
@@ -274,7 +275,7 @@ impl MpiComm {
             timeout,
             seq: AtomicU64::new(0),
             broken: AtomicBool::new(false),
-            calls: Mutex::new(Spare::default()),
+            calls: Arc::new(Mutex::new(Spare::default())),
         })
     }
 
@@ -859,6 +860,52 @@ impl Communicator for MpiComm {
             out.divide_by_ranks(n);
         }
         Ok(out)
+    }
+
+    fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
+        // Every rank's (color, key) through a timed collective first: a rank that never arrives is a timeout
+        // here, not a hang in MPI_Comm_split.
+        let mine = [color as u64, key as u64]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let all = self.all_gather(mine)?;
+        let pairs: Vec<(usize, usize)> = all
+            .iter()
+            .map(|b| {
+                let word = |i: usize| {
+                    b.get(i * 8..i * 8 + 8)
+                        .and_then(|w| w.try_into().ok())
+                        .map_or(0, u64::from_le_bytes) as usize
+                };
+                (word(0), word(1))
+            })
+            .collect();
+        let members = burn_accelerate_comm::split_members(&pairs, self.rank);
+        let sub_rank = members.iter().position(|r| *r == self.rank).unwrap_or(0);
+        let too_large = |what: &str, v: usize| {
+            engine_error("split", format!("the {what} {v} does not fit MPI's int"))
+        };
+        let color = mpi::topology::Color::with_value(
+            i32::try_from(color).map_err(|_| too_large("color", color))?,
+        );
+        let key = i32::try_from(sub_rank).map_err(|_| too_large("key", sub_rank))?;
+        let sub = {
+            let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+            self.world.split_by_color_with_key(color, key)
+        }
+        .ok_or_else(|| engine_error("split", "MPI_Comm_split gave this rank no communicator"))?;
+        let (rank, size) = (sub.rank() as usize, sub.size() as usize);
+        Ok(Arc::new(Self {
+            universe: None,
+            world: sub,
+            rank,
+            size,
+            timeout: self.timeout,
+            seq: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
+            calls: self.calls.clone(),
+        }))
     }
 
     fn all_gather(&self, data: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {

@@ -266,7 +266,13 @@ struct GroupState {
 #[derive(Debug)]
 pub struct InProcessGroup {
     size: usize,
+    /// The world rank of each of this group's ranks (`0..size` for a world; a sub-group's members), which
+    /// errors name.
+    members: Vec<usize>,
     timeout: Duration,
+    /// Sub-groups made by `split`, by the splitting collective's sequence number and color, with the world
+    /// ranks of their members: a failure or departure here reaches them too.
+    children: Mutex<HashMap<(u64, usize), Arc<InProcessGroup>>>,
     state: Mutex<GroupState>,
     wake: Condvar,
     /// How many rounds have an outcome (rounds complete in sequence order): read without the lock by ranks
@@ -277,8 +283,16 @@ pub struct InProcessGroup {
 impl InProcessGroup {
     /// A group of `size` ranks whose collectives give up after `timeout`.
     pub fn new(size: usize, timeout: Duration) -> Arc<Self> {
+        Self::with_members((0..size.max(1)).collect(), timeout)
+    }
+
+    /// A group of the world ranks `members` (in this group's rank order).
+    fn with_members(members: Vec<usize>, timeout: Duration) -> Arc<Self> {
+        let size = members.len().max(1);
         Arc::new(Self {
-            size: size.max(1),
+            size,
+            members,
+            children: Mutex::new(HashMap::new()),
             timeout,
             state: Mutex::new(GroupState {
                 left: vec![None; size.max(1)],
@@ -312,20 +326,46 @@ impl InProcessGroup {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records that `rank` failed (`reason`, e.g. "panicked: ..."): every rank waiting now or later gets an error.
+    /// Records that `rank` failed (`reason`, e.g. "panicked: ..."): every rank waiting now or later gets an error,
+    /// in this group and in every sub-group split from it.
     pub fn fail(&self, rank: usize, reason: impl Into<String>) {
+        self.fail_world_rank(
+            self.members.get(rank).copied().unwrap_or(rank),
+            reason.into(),
+        );
+    }
+
+    fn fail_world_rank(&self, world_rank: usize, reason: String) {
         let mut state = self.lock();
         if state.failed.is_none() {
-            state.failed = Some((rank, reason.into()));
+            state.failed = Some((world_rank, reason.clone()));
         }
         drop(state);
         self.wake.notify_all();
+        for child in self.children().values() {
+            child.fail_world_rank(world_rank, reason.clone());
+        }
     }
 
-    /// Records that `rank` finished its work; ranks waiting for it in a collective then fail fast.
+    /// Records that `rank` finished its work; ranks waiting for it in a collective then fail fast (in the
+    /// sub-groups split from this one too).
     pub fn leave(&self, rank: usize, how: impl Into<String>) {
-        self.lock().left[rank] = Some(how.into());
-        self.wake.notify_all();
+        let world_rank = self.members.get(rank).copied().unwrap_or(rank);
+        self.leave_world_rank(world_rank, how.into());
+    }
+
+    fn leave_world_rank(&self, world_rank: usize, how: String) {
+        if let Some(rank) = self.members.iter().position(|m| *m == world_rank) {
+            self.lock().left[rank] = Some(how.clone());
+            self.wake.notify_all();
+        }
+        for child in self.children().values() {
+            child.leave_world_rank(world_rank, how.clone());
+        }
+    }
+
+    fn children(&self) -> MutexGuard<'_, HashMap<(u64, usize), Arc<InProcessGroup>>> {
+        self.children.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -443,7 +483,7 @@ impl InProcessComm {
                 return Err(Error::RankFailed {
                     operation: op.into(),
                     seq,
-                    failed_rank: r,
+                    failed_rank: group.members[r],
                     reason: format!("{how} without joining it"),
                 });
             }
@@ -452,8 +492,8 @@ impl InProcessComm {
                 return Err(Error::Timeout {
                     operation: op.into(),
                     seq,
-                    rank: self.rank,
-                    missing: absent,
+                    rank: group.members[self.rank],
+                    missing: absent.iter().map(|r| group.members[*r]).collect(),
                     timeout: group.timeout,
                 });
             }
@@ -583,6 +623,40 @@ impl Communicator for InProcessComm {
             })
             .collect();
         Ok(reduce_range(&inputs, 0..inputs[0].len(), op))
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        let mine = [color as u64, key as u64]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let all = self.exchange("split", Payload::Bytes(mine))?;
+        let pairs: Vec<(usize, usize)> = all
+            .iter()
+            .map(|slot| match read(slot).as_ref() {
+                Some(Payload::Bytes(b)) if b.len() == 16 => {
+                    let word = |i: usize| {
+                        u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]))
+                            as usize
+                    };
+                    (word(0), word(1))
+                }
+                _ => unreachable!("the round checked the operation"),
+            })
+            .collect();
+        drop(all);
+        let members = crate::split_members(&pairs, self.rank);
+        let sub_rank = members.iter().position(|r| *r == self.rank).unwrap_or(0);
+        let group = &self.group;
+        let child = group
+            .children()
+            .entry((self.last_seq(), color))
+            .or_insert_with(|| {
+                let world: Vec<usize> = members.iter().map(|r| group.members[*r]).collect();
+                InProcessGroup::with_members(world, group.timeout)
+            })
+            .clone();
+        Ok(Arc::new(child.comm(sub_rank)))
     }
 
     fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
@@ -732,6 +806,49 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn split_makes_sub_groups_by_color_ordered_by_key_that_name_world_ranks() {
+        // 6 ranks: colors by rank % 2 (a replicate x shard mesh's columns), keys reversing the order.
+        let out = run(6, Duration::from_secs(10), |c| {
+            let rank = c.rank();
+            let sub = c.split(rank % 2, 10 - rank).unwrap();
+            let sum = sub
+                .all_reduce(ReduceBuffer::I64(vec![rank as i64]), ReduceOp::Sum)
+                .unwrap();
+            // The world keeps its own sequence: a world collective after the sub-group's works.
+            let world = c
+                .all_reduce(ReduceBuffer::I64(vec![1]), ReduceOp::Sum)
+                .unwrap();
+            (sub.rank(), sub.world_size(), sum, world)
+        });
+        let expected_rank = [2, 2, 1, 1, 0, 0];
+        for (rank, (sub_rank, size, sum, world)) in out.into_iter().enumerate() {
+            assert_eq!((sub_rank, size), (expected_rank[rank], 3), "rank {rank}");
+            let members_sum = if rank % 2 == 0 { 0 + 2 + 4 } else { 1 + 3 + 5 };
+            assert_eq!(sum, ReduceBuffer::I64(vec![members_sum]), "rank {rank}");
+            assert_eq!(world, ReduceBuffer::I64(vec![6]));
+        }
+        // A sub-group's timeout names the world ranks missing; a world rank's failure reaches the sub-groups.
+        let out = run(4, Duration::from_millis(300), |c| {
+            let rank = c.rank();
+            let sub = c.split(rank / 2, rank).unwrap();
+            if rank == 3 {
+                return "absent".to_string();
+            }
+            match sub.barrier() {
+                Ok(()) => "ok".to_string(),
+                Err(e) => e.to_string(),
+            }
+        });
+        assert_eq!(out[0], "ok", "ranks 0 and 1 form their own group");
+        assert_eq!(out[1], "ok");
+        assert!(
+            out[2].contains("on rank 2") && out[2].contains("[3]"),
+            "{}",
+            out[2]
+        );
     }
 
     #[test]

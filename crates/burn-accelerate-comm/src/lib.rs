@@ -59,6 +59,21 @@ pub trait Communicator: Send + Sync + Debug {
     /// Returns `root`'s bytes on every rank (`data` is ignored on the other ranks).
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
 
+    /// A sub-group (MPI's `MPI_Comm_split`): every rank calls it; the ranks that pass the same `color` form one
+    /// group, ordered by `key` (then by rank), with its own call sequence and the timeout of this one. Returns
+    /// this rank's communicator in its group.
+    ///
+    /// # Errors
+    /// An engine without sub-groups; the collective's own errors.
+    fn split(&self, color: usize, key: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        let _ = (color, key);
+        Err(CommError::Engine {
+            engine: self.engine(),
+            operation: "split".into(),
+            reason: "this engine has no sub-groups".into(),
+        })
+    }
+
     /// Combines `data` element-wise across ranks with `op`, and gives rank `r` only its own part: the
     /// `counts[r]` elements that follow the first `counts[..r]` (MPI's `MPI_Reduce_scatter`; the parts may
     /// differ in length, and one may be empty). Every rank must pass a buffer of the same kind and length and the
@@ -252,6 +267,10 @@ impl Communicator for SingleProcess {
         Ok(vec![data])
     }
 
+    fn split(&self, _color: usize, _key: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        Ok(std::sync::Arc::new(SingleProcess))
+    }
+
     fn broadcast(&self, data: Vec<u8>, _root: usize) -> Result<Vec<u8>> {
         Ok(data)
     }
@@ -294,4 +313,13 @@ pub const MAX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 *
 /// The instant `timeout` (at most [`MAX_TIMEOUT`]) from now: when an engine gives up waiting.
 pub fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
     std::time::Instant::now() + timeout.min(MAX_TIMEOUT)
+}
+
+/// The members of this rank's group after a split, in their new order, from every rank's `(color, key)` in rank
+/// order: the ranks sharing this rank's color, ordered by key, then by rank.
+pub fn split_members(all: &[(usize, usize)], rank: usize) -> Vec<usize> {
+    let color = all[rank].0;
+    let mut members: Vec<usize> = (0..all.len()).filter(|r| all[*r].0 == color).collect();
+    members.sort_by_key(|r| (all[*r].1, *r));
+    members
 }

@@ -39,6 +39,7 @@ pub struct AcceleratorBuilder {
     loss_normalization: Option<LossNormalization>,
     bucket_size_mb: Option<f64>,
     sharding: Option<ShardingStrategy>,
+    dp_shard_size: Option<usize>,
     gradient_transport: Option<GradientTransport>,
     resume_from_latest: Option<bool>,
     project: Option<ProjectConfiguration>,
@@ -194,6 +195,27 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Ranks in each shard group of a hybrid strategy ([`ShardingStrategy::HybridShard`],
+    /// [`HybridShardZero2`](ShardingStrategy::HybridShardZero2)): the state is sharded within groups of this many
+    /// consecutive ranks and replicated across the groups (default: the processes of one machine;
+    /// `PARALLELISM_CONFIG_DP_SHARD_SIZE`, as Accelerate's `ParallelismConfig.dp_shard_size`). It must divide the
+    /// number of ranks.
+    ///
+    /// ```
+    /// use burn_accelerate::{Accelerator, ShardingStrategy};
+    /// // 4 ranks as 2 replicas of 2 shards: each rank holds half the optimizer state.
+    /// let names = Accelerator::builder()
+    ///     .sharding(ShardingStrategy::HybridShard)
+    ///     .dp_shard_size(2)
+    ///     .launch(4, |acc| Ok(acc.strategy_name()))?;
+    /// assert!(names[0].contains("2 replicas of 2 shards"), "{}", names[0]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn dp_shard_size(mut self, ranks: usize) -> Self {
+        self.dp_shard_size = Some(ranks);
+        self
+    }
+
     /// Which path gradients take between data-parallel ranks (default [`GradientTransport::Auto`]: the device
     /// when every rank is a CUDA device and NCCL loads, host memory otherwise; `ACCELERATE_GRADIENT_TRANSPORT`).
     /// [`GradientTransport::Host`] forces host memory; [`GradientTransport::Device`] makes building fail where the
@@ -297,6 +319,10 @@ impl AcceleratorBuilder {
             gradient_transport,
             resume_from_latest,
         );
+        if let Some(size) = self.dp_shard_size {
+            config.dp_shard_size = Some(size);
+            config.set_source("dp_shard_size", Source::Builder);
+        }
         if let Some(timeout) = self.collective_timeout {
             config.collective_timeout_secs = timeout.as_secs_f64();
             config.set_source("collective_timeout_secs", Source::Builder);

@@ -39,7 +39,7 @@ fn key_id(key: &str) -> Option<u64> {
 
 /// The optimizer state of the parameters `keep` accepts, taken from every file of `sources` in turn: the
 /// slices N ranks saved re-cut for this rank's partition (or joined, when this rank steps every parameter).
-/// Returns the record's burnpack bytes and the number of parameters whose state it holds.
+/// Returns the record's burnpack bytes.
 pub(crate) fn optimizer_bytes(
     sources: impl IntoIterator<Item = Result<Source>>,
     keep: impl Fn(ParamId) -> bool,
@@ -48,6 +48,7 @@ pub(crate) fn optimizer_bytes(
     let mut tensors = Vec::new();
     let mut scalars = BTreeMap::new();
     let mut metadata = BTreeMap::new();
+    let mut names = std::collections::HashSet::new();
     for source in sources {
         let (path, bytes) = source?;
         let reader = reader(&path, bytes, "optimizer")?;
@@ -64,7 +65,12 @@ pub(crate) fn optimizer_bytes(
         let read = reader
             .into_tensors()
             .map_err(|e| corrupt(&path, format!("unreadable optimizer record: {e}")))?;
-        tensors.extend(read.into_iter().filter(|t| t.param_id.is_none_or(kept)));
+        // Ranks that hold the same parameters (the replicas of a hybrid strategy) saved the same state: the
+        // first copy is kept.
+        tensors.extend(
+            read.into_iter()
+                .filter(|t| t.param_id.is_none_or(kept) && names.insert(t.name.clone())),
+        );
     }
     let mut writer = Writer::new(tensors);
     for (key, value) in &scalars {

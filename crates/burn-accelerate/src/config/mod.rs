@@ -55,6 +55,11 @@ pub struct AcceleratorConfig {
     /// `distributed_type: FSDP` and `fsdp_config.fsdp_sharding_strategy`, `ACCELERATE_USE_FSDP` with
     /// `FSDP_SHARDING_STRATEGY`).
     pub sharding: ShardingStrategy,
+    /// Ranks in each shard group of a hybrid strategy (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`): the state is
+    /// sharded within groups of this many consecutive ranks and replicated across the groups (Accelerate's
+    /// `ParallelismConfig.dp_shard_size`; `PARALLELISM_CONFIG_DP_SHARD_SIZE`). Default: the processes on one
+    /// machine.
+    pub dp_shard_size: Option<usize>,
     /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
     /// `ACCELERATE_GRADIENT_TRANSPORT`).
     pub gradient_transport: GradientTransport,
@@ -146,6 +151,7 @@ impl Default for AcceleratorConfig {
             loss_normalization: LossNormalization::ActualMicroBatches,
             bucket_size_mb: 25.0,
             sharding: ShardingStrategy::NoShard,
+            dp_shard_size: None,
             gradient_transport: GradientTransport::Auto,
             collective_timeout_secs: 300.0,
             resume_from_latest: false,
@@ -222,6 +228,10 @@ impl AcceleratorConfig {
             config.sharding = sharding;
             config.set_source("sharding", env_source(FSDP_VARS[0]));
         }
+        if let Some((var, size)) = env::first_usize_named(&[DP_SHARD_SIZE_VAR])? {
+            config.dp_shard_size = Some(size);
+            config.set_source("dp_shard_size", env_source(var));
+        }
         if let Some(value) = env::var(TRANSPORT_VAR) {
             config.gradient_transport = value.parse().map_err(|_| {
                 Error::config(TRANSPORT_VAR, &value, "environment", "auto, host or device")
@@ -257,7 +267,7 @@ impl AcceleratorConfig {
 
     /// The settings a run uses, each with its value and where it came from (what `burn-accelerate env` prints).
     pub fn settings(&self) -> Vec<(&'static str, String, Source)> {
-        let entries: [(&'static str, String); 9] = [
+        let entries: [(&'static str, String); 10] = [
             ("mixed_precision", self.mixed_precision.to_string()),
             ("cpu", self.cpu.to_string()),
             ("debug", self.debug.to_string()),
@@ -272,6 +282,11 @@ impl AcceleratorConfig {
             ("split_batches", self.split_batches.to_string()),
             ("even_batches", self.even_batches.to_string()),
             ("sharding", self.sharding.to_string()),
+            (
+                "dp_shard_size",
+                self.dp_shard_size
+                    .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
+            ),
             ("gradient_transport", self.gradient_transport.to_string()),
         ];
         entries
@@ -344,6 +359,9 @@ impl AcceleratorConfig {
             .min(MAX_COLLECTIVE_TIMEOUT)
     }
 }
+
+/// The size of a hybrid strategy's shard groups, as Accelerate's launcher names it.
+pub const DP_SHARD_SIZE_VAR: &str = "PARALLELISM_CONFIG_DP_SHARD_SIZE";
 
 /// The variables that ask for sharding, as Accelerate's launcher sets them: `ACCELERATE_USE_FSDP=true` and
 /// `FSDP_SHARDING_STRATEGY` (a name or Accelerate's number; `FULL_SHARD` when only the first is set).
@@ -504,7 +522,7 @@ use_cpu: true
             ShardingStrategy::FullShard,
             "Accelerate's default"
         );
-        // Settings that would silently do nothing are refused: CPU offload, a hybrid strategy, FSDP settings
+        // Settings that would silently do nothing are refused: CPU offload; FSDP settings
         // under another distributed type are only warned about.
         let offload = "distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: true\n";
         let mut config = AcceleratorConfig::default();
@@ -516,13 +534,18 @@ use_cpu: true
         );
         let hybrid =
             "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n";
+        let mut config = AcceleratorConfig::default();
+        config.apply_yaml(hybrid, "hybrid.yaml").unwrap();
+        assert_eq!(config.sharding, ShardingStrategy::HybridShard);
         let err = AcceleratorConfig::default()
-            .apply_yaml(hybrid, "hybrid.yaml")
+            .apply_yaml(
+                "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID\n",
+                "typo.yaml",
+            )
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("fsdp_config.fsdp_sharding_strategy")
-                && err.contains("replicate across machines"),
+            err.contains("fsdp_config.fsdp_sharding_strategy") && err.contains("HYBRID_SHARD (4)"),
             "{err}"
         );
         let other =

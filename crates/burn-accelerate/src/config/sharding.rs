@@ -19,6 +19,12 @@ use crate::error::{Error, Result};
 /// | `NoShard` | all, on every rank (all-reduce) | all | all | DDP |
 /// | `ShardGradOp` | this rank's (reduce-scatter) | this rank's | all (all-gathered after the step) | 2 |
 /// | `FullShard` | this rank's (reduce-scatter) | this rank's | this rank's; gathered by [`Accelerator::unshard`](crate::Accelerator::unshard) for forward and backward | 3 |
+/// | `HybridShard` | as `FullShard` within a shard group, then averaged across the groups (all-reduce) | this rank's in its group | as `FullShard`, gathered within the group | 3 within, DDP across |
+/// | `HybridShardZero2` | as `ShardGradOp` within a shard group, then averaged across the groups | this rank's in its group | all | 2 within, DDP across |
+///
+/// The hybrid strategies shard within groups of [`dp_shard_size`](crate::AcceleratorBuilder::dp_shard_size)
+/// consecutive ranks (default: the processes of one machine) and replicate across the groups, as FSDP's
+/// `HYBRID_SHARD` does between machines: the parameter gathers stay inside a machine.
 ///
 /// Set it with [`AcceleratorBuilder::sharding`](crate::AcceleratorBuilder::sharding), the config file
 /// (`distributed_type: FSDP` with `fsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}`),
@@ -29,7 +35,8 @@ use crate::error::{Error, Result};
 /// use burn_accelerate::ShardingStrategy;
 /// assert_eq!("SHARD_GRAD_OP".parse::<ShardingStrategy>()?, ShardingStrategy::ShardGradOp);
 /// assert_eq!("1".parse::<ShardingStrategy>()?, ShardingStrategy::FullShard);
-/// assert!("HYBRID_SHARD".parse::<ShardingStrategy>().is_err());
+/// assert_eq!("4".parse::<ShardingStrategy>()?, ShardingStrategy::HybridShard);
+/// assert_eq!("_HYBRID_SHARD_ZERO2".parse::<ShardingStrategy>()?, ShardingStrategy::HybridShardZero2);
 /// # Ok::<(), burn_accelerate::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -42,6 +49,11 @@ pub enum ShardingStrategy {
     ShardGradOp,
     /// Gradients, optimizer state and parameters sharded (ZeRO-3).
     FullShard,
+    /// `FullShard` within each shard group, replicated across the groups (FSDP's `HYBRID_SHARD`).
+    HybridShard,
+    /// `ShardGradOp` within each shard group, replicated across the groups (FSDP's `_HYBRID_SHARD_ZERO2`).
+    #[serde(rename = "_HYBRID_SHARD_ZERO2", alias = "HYBRID_SHARD_ZERO2")]
+    HybridShardZero2,
 }
 
 impl ShardingStrategy {
@@ -51,7 +63,26 @@ impl ShardingStrategy {
             ShardingStrategy::NoShard => "NO_SHARD",
             ShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
             ShardingStrategy::FullShard => "FULL_SHARD",
+            ShardingStrategy::HybridShard => "HYBRID_SHARD",
+            ShardingStrategy::HybridShardZero2 => "_HYBRID_SHARD_ZERO2",
         }
+    }
+
+    /// Whether each rank drops the parameters it does not own between steps (`FULL_SHARD`, `HYBRID_SHARD`).
+    pub fn reshards_parameters(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        )
+    }
+
+    /// Whether the state is sharded within groups and replicated across them (`HYBRID_SHARD`,
+    /// `_HYBRID_SHARD_ZERO2`).
+    pub fn is_hybrid(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
+        )
     }
 
     /// Whether ranks hold only part of the state.
@@ -79,30 +110,23 @@ impl fmt::Display for ShardingStrategy {
 impl FromStr for ShardingStrategy {
     type Err = Error;
 
-    /// Accelerate's names, in any case, and its numbers: 1 `FULL_SHARD`, 2 `SHARD_GRAD_OP`, 3 `NO_SHARD`;
-    /// the hybrid strategies (4, 5) shard within a machine and replicate across machines, which needs a second
-    /// process group, and are refused.
+    /// Accelerate's names, in any case, and its numbers: 1 `FULL_SHARD`, 2 `SHARD_GRAD_OP`, 3 `NO_SHARD`,
+    /// 4 `HYBRID_SHARD`, 5 `_HYBRID_SHARD_ZERO2`.
     fn from_str(s: &str) -> Result<Self> {
         let text = s.trim();
         match text.to_ascii_uppercase().as_str() {
             "NO_SHARD" | "3" => Ok(ShardingStrategy::NoShard),
             "SHARD_GRAD_OP" | "2" => Ok(ShardingStrategy::ShardGradOp),
             "FULL_SHARD" | "1" => Ok(ShardingStrategy::FullShard),
-            "HYBRID_SHARD" | "_HYBRID_SHARD_ZERO2" | "HYBRID_SHARD_ZERO2" | "4" | "5" => {
-                Err(Error::config(
-                    "fsdp_sharding_strategy",
-                    text,
-                    "configuration",
-                    "FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3): the hybrid strategies shard within a \
-                     machine and replicate across machines, which burn-accelerate does not do; FULL_SHARD \
-                     shards across every rank",
-                ))
+            "HYBRID_SHARD" | "4" => Ok(ShardingStrategy::HybridShard),
+            "_HYBRID_SHARD_ZERO2" | "HYBRID_SHARD_ZERO2" | "5" => {
+                Ok(ShardingStrategy::HybridShardZero2)
             }
             _ => Err(Error::config(
                 "fsdp_sharding_strategy",
                 text,
                 "configuration",
-                "FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3)",
+                "FULL_SHARD (1), SHARD_GRAD_OP (2), NO_SHARD (3), HYBRID_SHARD (4) or _HYBRID_SHARD_ZERO2 (5)",
             )),
         }
     }
@@ -122,6 +146,11 @@ mod tests {
             (" 2 ", ShardingStrategy::ShardGradOp),
             ("NO_SHARD", ShardingStrategy::NoShard),
             ("3", ShardingStrategy::NoShard),
+            ("HYBRID_SHARD", ShardingStrategy::HybridShard),
+            ("4", ShardingStrategy::HybridShard),
+            ("_HYBRID_SHARD_ZERO2", ShardingStrategy::HybridShardZero2),
+            ("hybrid_shard_zero2", ShardingStrategy::HybridShardZero2),
+            ("5", ShardingStrategy::HybridShardZero2),
         ] {
             assert_eq!(
                 text.parse::<ShardingStrategy>().unwrap(),
@@ -133,10 +162,8 @@ mod tests {
                 expected
             );
         }
-        for hybrid in ["HYBRID_SHARD", "4", "5", "_HYBRID_SHARD_ZERO2"] {
-            let err = hybrid.parse::<ShardingStrategy>().unwrap_err().to_string();
-            assert!(err.contains("replicate across machines"), "{err}");
-        }
+        let yaml = serde_json::to_string(&ShardingStrategy::HybridShardZero2).unwrap();
+        assert_eq!(yaml, "\"_HYBRID_SHARD_ZERO2\"");
         let err = "ZERO9".parse::<ShardingStrategy>().unwrap_err().to_string();
         assert!(
             err.contains("ZERO9") && err.contains("SHARD_GRAD_OP (2)"),

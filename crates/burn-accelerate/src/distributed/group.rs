@@ -148,6 +148,34 @@ impl ProcessGroup {
         &self.comm
     }
     /// Makes this the state that logging on the current thread reports.
+    /// The sub-group of the ranks that pass the same `color`, ordered by `key` (then rank): every rank calls it.
+    /// It keeps this rank's device, backend and debug mode; its collectives have their own sequence.
+    pub(crate) fn split(&self, color: usize, key: usize) -> crate::error::Result<Self> {
+        let comm = self.comm.split(color, key)?;
+        Ok(Self {
+            process_index: comm.rank(),
+            local_process_index: self.local_process_index,
+            num_processes: comm.world_size(),
+            device: self.device.clone(),
+            backend: self.backend,
+            distributed_type: self.distributed_type,
+            comm,
+            debug: self.debug,
+        })
+    }
+
+    /// The processes on this machine: every rank for in-process ranks, else what the launcher says (the whole
+    /// group when it says nothing).
+    pub(crate) fn local_world_size(&self) -> usize {
+        let world = self.num_processes;
+        if self.comm.engine() == crate::distributed::comm::IN_PROCESS_ENGINE {
+            return world;
+        }
+        crate::distributed::cluster::LauncherVars::read_lenient()
+            .local_world_size
+            .unwrap_or(world)
+    }
+
     pub(crate) fn install_for_thread(self: &Arc<Self>) {
         CURRENT.with(|c| *c.borrow_mut() = Some(self.clone()));
     }

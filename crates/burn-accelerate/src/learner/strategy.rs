@@ -81,9 +81,7 @@ impl AcceleratedStrategy {
     /// (`FULL_SHARD` on several ranks: the Learner runs the forward pass on its own model, which would hold
     /// only this rank's parameters; `SHARD_GRAD_OP` works).
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
-        if accelerator.num_processes() > 1
-            && accelerator.config().sharding == crate::ShardingStrategy::FullShard
-        {
+        if accelerator.num_processes() > 1 && accelerator.config().sharding.reshards_parameters() {
             return Err(Error::InvalidArgument(
                 "AcceleratedStrategy::new: FULL_SHARD keeps only each rank's own parameters between steps, and \
                  burn-train's Learner runs the forward pass on its model without gathering them; use \

@@ -12,6 +12,7 @@
 //! | [`SingleDevice`] | scaled in place | this rank, everything | one file |
 //! | [`DataParallel`] over a [`GradientTransport`](transport::GradientTransport) | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
 //! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's | each rank, its own parameters; then all-gathered (or dropped: `FULL_SHARD`) | one slice per rank |
+//! | [`Sharded`], hybrid (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`) | reduce-scatter within the shard group, all-reduce across the replicas | as above, within the shard group (a sub-group of the communicator) | one slice per rank (replicas write the same) |
 //!
 //! The [`GradientTransport`](transport::GradientTransport) is chosen per run (`transport::select`, from the `gradient_transport` setting and
 //! what the machine has): host copies through the communicator on every backend, or a device all-reduce on CUDA
@@ -134,6 +135,14 @@ pub(crate) fn for_group(
                 GradientTransport::Device,
                 &transport::facts_for(group, true),
             )?;
+        }
+        if config.sharding.is_hybrid() {
+            let shard_size = config
+                .dp_shard_size
+                .unwrap_or_else(|| group.local_world_size());
+            let strategy =
+                Sharded::hybrid(group.clone(), shard_size, config.sharding, bucket_bytes)?;
+            return Ok(Arc::new(strategy));
         }
         return Ok(Arc::new(Sharded::new(
             group.clone(),

@@ -47,10 +47,17 @@ struct Known {
     dims: Vec<usize>,
 }
 
-/// Sharded data parallelism over the host reduce-scatter and all-gather of the rank's communicator.
+/// Sharded data parallelism over the host reduce-scatter and all-gather of the rank's communicator. Under a
+/// hybrid strategy the state is sharded within `group` (this rank's shard group) and each reduced gradient is then
+/// averaged across `replicas` (the ranks holding the same shard in the other groups).
 #[derive(Debug)]
 pub(crate) struct Sharded {
+    /// The ranks the state is sharded over: every rank, or this rank's shard group.
     group: Arc<ProcessGroup>,
+    /// Every rank: the initial weights come from its rank 0.
+    world: Arc<ProcessGroup>,
+    /// The ranks holding this rank's shard in the other shard groups (hybrid strategies only).
+    replicas: Option<Arc<ProcessGroup>>,
     mode: ShardingStrategy,
     bucket_elems: usize,
     known: Mutex<HashMap<ParamId, Known>>,
@@ -60,15 +67,58 @@ impl Sharded {
     /// The strategy of `group`'s rank; `mode` is `ShardGradOp` or `FullShard`.
     pub fn new(group: Arc<ProcessGroup>, mode: ShardingStrategy, bucket_bytes: usize) -> Self {
         Self {
+            world: group.clone(),
             group,
+            replicas: None,
             mode,
             bucket_elems: (bucket_bytes / 4).max(1),
             known: Mutex::new(HashMap::new()),
         }
     }
 
+    /// A hybrid strategy of `world`'s rank: sharded within consecutive groups of `shard_size` ranks, replicated
+    /// across them. Every rank takes part in making both sub-groups.
+    ///
+    /// # Errors
+    /// A shard size that does not divide the ranks; the sub-groups' collectives.
+    pub fn hybrid(
+        world: Arc<ProcessGroup>,
+        shard_size: usize,
+        mode: ShardingStrategy,
+        bucket_bytes: usize,
+    ) -> Result<Self> {
+        let (rank, ranks) = (world.process_index(), world.num_processes());
+        if shard_size == 0 || !ranks.is_multiple_of(shard_size) {
+            return Err(Error::config(
+                "dp_shard_size",
+                shard_size.to_string(),
+                "configuration",
+                format!(
+                    "a number of ranks per shard group that divides the {ranks} ranks (set it with \
+                     AcceleratorBuilder::dp_shard_size or PARALLELISM_CONFIG_DP_SHARD_SIZE)"
+                ),
+            ));
+        }
+        let shard = Arc::new(world.split(rank / shard_size, rank)?);
+        let replicas = Arc::new(world.split(rank % shard_size, rank)?);
+        Ok(Self {
+            group: shard,
+            replicas: Some(replicas),
+            world,
+            mode,
+            bucket_elems: (bucket_bytes / 4).max(1),
+            known: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Ranks the state is sharded over (a shard group's, under a hybrid strategy).
     fn world(&self) -> usize {
         self.group.num_processes()
+    }
+
+    /// This rank's index among the ranks the state is sharded over: the owner index of its parameters.
+    fn shard_rank(&self) -> usize {
+        self.group.process_index()
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, Known>> {
@@ -159,10 +209,18 @@ impl Sharded {
 
 impl Strategy for Sharded {
     fn name(&self) -> String {
-        format!(
-            "sharded data parallel ({}) over host reduce and broadcast",
-            self.mode
-        )
+        match &self.replicas {
+            Some(replicas) => format!(
+                "hybrid sharded data parallel ({}: {} replicas of {} shards) over host reduce and broadcast",
+                self.mode,
+                replicas.num_processes(),
+                self.world()
+            ),
+            None => format!(
+                "sharded data parallel ({}) over host reduce and broadcast",
+                self.mode
+            ),
+        }
     }
 
     fn is_distributed(&self) -> bool {
@@ -170,7 +228,7 @@ impl Strategy for Sharded {
     }
 
     fn rank(&self) -> usize {
-        self.group.process_index()
+        self.world.process_index()
     }
 
     fn reduce_gradients(
@@ -182,18 +240,41 @@ impl Strategy for Sharded {
         let Some((device, dtype)) = grads.device_and_dtype(params.iter().map(|(id, _)| *id)) else {
             return Ok(());
         };
-        let (me, world) = (self.rank(), self.world());
+        let me = self.shard_rank();
         let owners = self.owners(params);
         // As the data-parallel all-reduce: the mean when unscaled, else the sum times scale / ranks (the same
-        // bits, element for element).
-        let op = if scale == 1.0 {
-            ReduceOp::Mean
-        } else {
-            ReduceOp::Sum
+        // bits, element for element). Under a hybrid strategy: the sum within the shard group, then over the
+        // replicas, times scale / every rank.
+        let (op, factor) = match &self.replicas {
+            Some(_) => (
+                ReduceOp::Sum,
+                Some(scale / self.world.num_processes() as f32),
+            ),
+            None if scale == 1.0 => (ReduceOp::Mean, None),
+            None => (ReduceOp::Sum, Some(scale / self.world() as f32)),
         };
-        let factor = scale / world as f32;
+        // This rank's reduced values summed over the replicas (every replica holds the same shard, so every
+        // member of a replica group makes the same calls).
+        let across_replicas = |values: Vec<f32>| -> Result<Vec<f32>> {
+            let Some(replicas) = &self.replicas else {
+                return Ok(values);
+            };
+            if values.is_empty() {
+                return Ok(values);
+            }
+            match replicas
+                .comm()
+                .all_reduce(ReduceBuffer::F32(values), ReduceOp::Sum)?
+            {
+                ReduceBuffer::F32(values) => Ok(values),
+                other => Err(Error::InvalidArgument(format!(
+                    "gradient all-reduce across replicas: the engine returned {} values",
+                    other.kind()
+                ))),
+            }
+        };
         let to_tensor = |mut values: Vec<f32>| {
-            if scale != 1.0 {
+            if let Some(factor) = factor {
                 values.iter_mut().for_each(|x| *x *= factor);
             }
             from_host(values, (&device, dtype), "gradient reduce-scatter")
@@ -212,7 +293,7 @@ impl Strategy for Sharded {
                 .reduce(ReduceBuffer::F32(host), owners[i], op)?
             {
                 Some(ReduceBuffer::F32(values)) => {
-                    let flat = to_tensor(values)?;
+                    let flat = to_tensor(across_replicas(values)?)?;
                     match shape {
                         Some(shape) => grads.put(id, shape, flat),
                         None => grads.set_flat(id, flat),
@@ -263,6 +344,7 @@ impl Strategy for Sharded {
                     reduced.kind()
                 )));
             };
+            let mine = across_replicas(mine)?;
             let mut store = |id: ParamId, values: Vec<f32>| -> Result<()> {
                 let flat = to_tensor(values)?;
                 match shapes.remove(&id) {
@@ -287,7 +369,7 @@ impl Strategy for Sharded {
     }
 
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
-        collectives::broadcast(&self.group, flat, root)
+        collectives::broadcast(&self.world, flat, root)
     }
 
     fn optimizer_state(&self) -> StateScope {
@@ -295,10 +377,11 @@ impl Strategy for Sharded {
     }
 
     fn model_state(&self) -> StateScope {
-        match self.mode {
+        if self.mode.reshards_parameters() {
             // Between steps each rank holds only its own parameters: each writes and reads its own record.
-            ShardingStrategy::FullShard => StateScope::PerRank,
-            _ => StateScope::Replicated,
+            StateScope::PerRank
+        } else {
+            StateScope::Replicated
         }
     }
 
@@ -309,7 +392,7 @@ impl Strategy for Sharded {
     fn owns(&self, id: ParamId) -> bool {
         self.known()
             .get(&id)
-            .is_none_or(|known| known.owner == self.rank())
+            .is_none_or(|known| known.owner == self.shard_rank())
     }
 
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
@@ -391,7 +474,7 @@ pub(crate) fn after_prepare<M: Module>(strategy: &dyn Strategy, module: M) -> M 
         return module;
     };
     sharded.remember(&module);
-    if sharded.mode == ShardingStrategy::FullShard {
+    if sharded.mode.reshards_parameters() {
         reshard(sharded, module)
     } else {
         module
@@ -427,7 +510,7 @@ fn reshard<M: Module>(sharded: &Sharded, module: M) -> M {
         .zip(sharded.owners(&params))
         .collect();
     module.map(&mut Drop {
-        me: sharded.rank(),
+        me: sharded.shard_rank(),
         owners: &owners,
     })
 }
@@ -542,7 +625,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
             })
         }
     }
-    let (me, world) = (sharded.rank(), sharded.world());
+    let (me, world) = (sharded.shard_rank(), sharded.world());
     if world < 2 {
         return Ok(module);
     }
@@ -652,7 +735,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
 /// every other rank's stepped parameters; under `FULL_SHARD` the other ranks' parameters are dropped again.
 pub(crate) fn share_stepped<M: Module>(sharded: &Sharded, module: M) -> Result<M> {
     match sharded.mode {
-        ShardingStrategy::FullShard => Ok(reshard(sharded, module)),
+        mode if mode.reshards_parameters() => Ok(reshard(sharded, module)),
         _ => gather(sharded, module),
     }
 }
@@ -661,9 +744,7 @@ pub(crate) fn share_stepped<M: Module>(sharded: &Sharded, module: M) -> Result<M
 /// every rank holds them already and `module` is returned as it is (a cheap clone).
 pub(crate) fn unshard<M: Module>(strategy: &dyn Strategy, module: &M) -> Result<M> {
     match strategy.sharded() {
-        Some(sharded) if sharded.mode == ShardingStrategy::FullShard => {
-            gather(sharded, module.clone())
-        }
+        Some(sharded) if sharded.mode.reshards_parameters() => gather(sharded, module.clone()),
         _ => Ok(module.clone()),
     }
 }
