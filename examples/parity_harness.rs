@@ -409,7 +409,11 @@ fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<
     report.mixed_precision = acc.mixed_precision().to_string();
     report.gradient_accumulation_steps = acc.config().gradient_accumulation_steps;
     report.env = std::env::vars()
-        .filter(|(k, _)| k.starts_with("ACCELERATE_") || k == "RAYON_NUM_THREADS")
+        .filter(|(k, _)| {
+            k.starts_with("ACCELERATE_")
+                || k.starts_with("PARALLELISM_CONFIG_")
+                || k == "RAYON_NUM_THREADS"
+        })
         .collect();
     let dir = args.out.join(case.name());
     std::fs::create_dir_all(&dir).map_err(burn_accelerate::Error::other)?;

@@ -195,6 +195,36 @@ fn hybrid_sharding_under_mpirun_matches_in_process_ranks_and_no_shard() {
             assert_eq!(report(&ranks, case, 0)["sharding"], mode);
         }
     }
+    // The same mesh through `burn-accelerate launch` and Accelerate's flag names.
+    let launched = dir.join("launched");
+    let out = Command::new(examples::cli())
+        .args([
+            "launch",
+            "--num-processes",
+            "4",
+            "--use_fsdp",
+            "--fsdp_sharding_strategy",
+            "4",
+        ])
+        .args(["--parallelism_config_dp_shard_size", "2"])
+        .arg(harness())
+        .arg("--out")
+        .arg(&launched)
+        .args(["--case", "dp"])
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    for rank in 0..4 {
+        let file = format!("rank{rank}.safetensors");
+        assert_eq!(
+            weights(&launched.join("dp").join(&file)),
+            weights(&dir.join("mpi-HYBRID_SHARD").join("dp").join(&file)),
+            "rank {rank}: launch --fsdp_sharding_strategy 4 --parallelism_config_dp_shard_size 2"
+        );
+        let env = &report(&launched, "dp", rank)["env"];
+        assert_eq!(env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], "2", "{env}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

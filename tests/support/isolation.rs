@@ -5,9 +5,10 @@
 //! Tests that need a setting give it to the accelerator's builder or to the child process they start.
 
 /// Variables removed by name prefix.
-const PREFIXES: [&str; 8] = [
+const PREFIXES: [&str; 9] = [
     "ACCELERATE_",
     "FSDP_",
+    "PARALLELISM_CONFIG_",
     "TORCHELASTIC_",
     "OMPI_COMM_WORLD_",
     "PMIX_",

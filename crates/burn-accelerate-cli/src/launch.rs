@@ -48,12 +48,20 @@ pub struct LaunchArgs {
     /// unless --fsdp-sharding-strategy or the config file says otherwise.
     #[arg(long = "use-fsdp", visible_alias = "use_fsdp")]
     pub use_fsdp: bool,
-    /// How much each process holds: FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3) (FSDP_SHARDING_STRATEGY).
+    /// How much each process holds: FULL_SHARD (1), SHARD_GRAD_OP (2), NO_SHARD (3), HYBRID_SHARD (4) or
+    /// _HYBRID_SHARD_ZERO2 (5) (FSDP_SHARDING_STRATEGY).
     #[arg(
         long = "fsdp-sharding-strategy",
         visible_alias = "fsdp_sharding_strategy"
     )]
     pub fsdp_sharding_strategy: Option<ShardingStrategy>,
+    /// Processes per shard group of a hybrid strategy (PARALLELISM_CONFIG_DP_SHARD_SIZE); default: the
+    /// processes of one machine.
+    #[arg(
+        long = "parallelism-config-dp-shard-size",
+        visible_alias = "parallelism_config_dp_shard_size"
+    )]
+    pub parallelism_config_dp_shard_size: Option<usize>,
     /// Check every collective across ranks (ACCELERATE_DEBUG_MODE).
     #[arg(long)]
     pub debug: bool,
@@ -217,6 +225,15 @@ impl Plan {
         };
         resolved.sharding = sharding;
         settings.push(setting("sharding", sharding.to_string(), sharding_source));
+        let shard_size = match args.parallelism_config_dp_shard_size {
+            Some(n) => Some((n, cli())),
+            None => config
+                .dp_shard_size
+                .map(|n| (n, config.source("dp_shard_size").to_string())),
+        };
+        if let Some((n, source)) = &shard_size {
+            settings.push(setting("dp_shard_size", n.to_string(), source.clone()));
+        }
         let flag = |on: bool, value: bool, key: &str| -> (bool, String) {
             if on {
                 (true, cli())
@@ -259,6 +276,9 @@ impl Plan {
             ("FSDP_SHARDING_STRATEGY", sharding.to_string()),
             ("ACCELERATE_USE_CPU", cpu.to_string()),
         ];
+        if let Some((n, _)) = shard_size {
+            env.push((burn_accelerate::config::DP_SHARD_SIZE_VAR, n.to_string()));
+        }
         if let Some((n, _)) = threads {
             env.push(("RAYON_NUM_THREADS", n.to_string()));
             env.push(("OMP_NUM_THREADS", n.to_string()));

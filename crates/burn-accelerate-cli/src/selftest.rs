@@ -378,6 +378,7 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             gradient_accumulation_steps: None,
             use_fsdp: false,
             fsdp_sharding_strategy: None,
+            parallelism_config_dp_shard_size: None,
             debug: false,
             cpu: false,
             num_cpu_threads_per_process: None,

@@ -102,7 +102,7 @@ impl AcceleratedOptimizer {
         };
         // A sharded rank that owns no parameter (fewer parameters than ranks) has no gradient to step, but its
         // peers exchange their stepped parameters with it: it must take part in that exchange like every rank.
-        let exchanges = self.strategy.sharded().is_some();
+        let exchanges = self.strategy.shards_state();
         if grads.is_empty() && !exchanges {
             log::debug!("optimizer step without gradients: the model is unchanged");
             return Ok(model);

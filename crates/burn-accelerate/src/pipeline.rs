@@ -168,7 +168,7 @@ impl StepPipeline {
     /// How a gradient norm's parts are combined across ranks, when each rank holds only its own gradients.
     pub fn shard_norms(&self) -> Option<Box<ShardNorms<'_>>> {
         let strategy = self.strategy.as_ref();
-        strategy.sharded().is_some().then(|| {
+        strategy.shards_state().then(|| {
             Box::new(move |partial, op| strategy.combine_norm_parts(partial, op))
                 as Box<ShardNorms<'_>>
         })

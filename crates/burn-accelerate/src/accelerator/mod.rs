@@ -170,7 +170,7 @@ impl Accelerator {
     pub fn distributed_type(&self) -> DistributedType {
         match self.group.distributed_type() {
             DistributedType::No => DistributedType::No,
-            _ if self.pipeline.strategy().sharded().is_some() => DistributedType::Fsdp,
+            _ if self.pipeline.strategy().shards_state() => DistributedType::Fsdp,
             other => other,
         }
     }

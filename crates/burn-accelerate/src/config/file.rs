@@ -41,7 +41,6 @@ const IGNORED_KEYS: &[&str] = &[
     "main_training_function",
     "megatron_lm_config",
     "mpirun_config",
-    "parallelism_config",
     "profile",
     "py_version",
     "pytorch_version",
@@ -84,6 +83,7 @@ const USED_KEYS: &[&str] = &[
     "mixed_precision",
     "num_machines",
     "num_processes",
+    "parallelism_config",
     "use_cpu",
 ];
 
@@ -155,6 +155,55 @@ fn read_fsdp_config(
         }
     }
     Ok(strategy)
+}
+
+/// Reads `parallelism_config` (Accelerate's `ParallelismConfig`): `parallelism_config_dp_shard_size` sets the shard
+/// groups of a hybrid strategy; a replicate size follows from it, and tensor or context parallelism (any size
+/// but 1) is warned about as ignored.
+fn read_parallelism_config(
+    value: &Value,
+    origin: &str,
+    config: &mut AcceleratorConfig,
+    ignored: &mut BTreeSet<String>,
+) -> Result<()> {
+    let Value::Mapping(map) = value else {
+        return match value {
+            Value::Null => Ok(()),
+            _ => Err(Error::config(
+                "parallelism_config",
+                text_of(value),
+                origin,
+                "a mapping of parallelism_config_* keys",
+            )),
+        };
+    };
+    for (key, value) in map {
+        let (key, raw) = (text_of(key), text_of(value));
+        match key.as_str() {
+            "parallelism_config_dp_shard_size" => {
+                let size = raw
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        Error::config(
+                            "parallelism_config.parallelism_config_dp_shard_size",
+                            &raw,
+                            origin,
+                            "a number of ranks per shard group (1 or more)",
+                        )
+                    })?;
+                config.dp_shard_size = Some(size);
+                config.set_source("dp_shard_size", Source::File(origin.to_string()));
+            }
+            "parallelism_config_dp_replicate_size" => {}
+            _ if raw.is_empty() || raw == "1" => {}
+            _ => {
+                ignored.insert(format!("parallelism_config.{key}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A value read from a config file that this crate cannot honour: an error where it would take effect.
@@ -312,6 +361,7 @@ pub(crate) fn apply(
                 config.launch.distributed_type = Some(kind);
             }
             "fsdp_config" => fsdp = read_fsdp_config(&value, origin, config, &mut ignored)?,
+            "parallelism_config" => read_parallelism_config(&value, origin, config, &mut ignored)?,
             "compute_environment" => {
                 if !raw.eq_ignore_ascii_case("LOCAL_MACHINE") {
                     config.unsupported.push(UnsupportedValue {

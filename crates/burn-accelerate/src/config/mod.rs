@@ -532,11 +532,17 @@ use_cpu: true
             err.contains("fsdp_offload_params") && err.contains("offload.yaml"),
             "{err}"
         );
-        let hybrid =
-            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n";
+        let hybrid = "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n\
+                      parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  \
+                      parallelism_config_dp_replicate_size: 3\n";
         let mut config = AcceleratorConfig::default();
         config.apply_yaml(hybrid, "hybrid.yaml").unwrap();
         assert_eq!(config.sharding, ShardingStrategy::HybridShard);
+        assert_eq!(config.dp_shard_size, Some(2));
+        assert_eq!(
+            config.source("dp_shard_size"),
+            Source::File("hybrid.yaml".into())
+        );
         let err = AcceleratorConfig::default()
             .apply_yaml(
                 "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID\n",

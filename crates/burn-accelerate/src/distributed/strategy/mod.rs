@@ -97,7 +97,14 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         true
     }
 
-    /// The sharded strategy, when this is one.
+    /// Whether each rank holds only part of the training state (its own parameters' gradients and optimizer
+    /// state): its stepped parameters then reach the other ranks after every step, every rank taking part even
+    /// when it owns none, and a gradient norm combines every rank's part.
+    fn shards_state(&self) -> bool {
+        false
+    }
+
+    /// The sharded strategy, when this is one (for the generic module hooks of this module only).
     fn sharded(&self) -> Option<&Sharded> {
         None
     }

@@ -389,6 +389,10 @@ impl Strategy for Sharded {
         Some(self)
     }
 
+    fn shards_state(&self) -> bool {
+        true
+    }
+
     fn owns(&self, id: ParamId) -> bool {
         self.known()
             .get(&id)
