@@ -343,3 +343,50 @@ mod fewer_parameters_than_ranks {
         }
     }
 }
+
+/// Debug mode checks a sharded step's collectives as it checks every other: a rank that calls something else in
+/// the middle of a `FULL_SHARD` or `HYBRID_SHARD` step (here a `reduce` of its own, where the others reduce-scatter
+/// gradients) is an error on every rank naming each rank's call, instead of a hang or wrong data.
+#[test]
+fn debug_mode_names_every_ranks_call_inside_a_sharded_and_a_hybrid_step() {
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::AdamConfig;
+    use burn::tensor::Tensor;
+    use burn_accelerate::{Accelerator, ReduceOp, ShardingStrategy};
+    for (sharding, ranks) in [
+        (ShardingStrategy::FullShard, 3),
+        (ShardingStrategy::HybridShard, 4),
+    ] {
+        let device = burn_accelerate::backend::default_device().unwrap();
+        let initial: Linear = LinearConfig::new(3, 2).init(&device);
+        let result = Accelerator::builder()
+            .sharding(sharding)
+            .dp_shard_size(2)
+            .debug(true)
+            // A failure of this test must not wait for the default five minutes.
+            .collective_timeout(std::time::Duration::from_secs(20))
+            .launch(ranks, |acc| {
+                let model = acc.prepare_model(initial.clone())?;
+                let _optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let x = Tensor::<2>::ones([4, 3], acc.device());
+                let whole = acc.unshard(&model)?;
+                let loss = whole.forward(x).sum();
+                if acc.process_index() == 1 {
+                    // The odd one out: a collective of its own where the others sync gradients.
+                    acc.reduce(loss.clone().detach(), ReduceOp::Sum)?;
+                }
+                acc.backward(loss, &whole)?;
+                Ok(())
+            });
+        let err = result.unwrap_err().to_string();
+        assert!(
+            err.contains("ranks called different collectives")
+                && err.contains("rank 0: ")
+                && err.contains("rank 1: ")
+                && err.contains("sharded gradient")
+                && err.contains("::reduce"),
+            "{sharding}: {err}"
+        );
+        println!("{sharding}: {err}");
+    }
+}

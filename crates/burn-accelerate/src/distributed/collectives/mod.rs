@@ -90,9 +90,9 @@ fn verify(
     }
 }
 
-/// Debug mode's check before a collective that does not go through the communicator (a device all-reduce):
-/// ranks compare `operation`, `dtype` and `shape`, and a mismatch is an error on every rank instead of a hang.
-#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
+/// Debug mode's check before a collective that does not go through these tensor collectives (a device
+/// all-reduce, a sharded strategy's reduce-scatter): ranks compare `operation`, `dtype` and `shape`, and a
+/// mismatch is an error on every rank instead of a hang.
 pub(crate) fn verify_call(
     group: &ProcessGroup,
     operation: &str,

@@ -121,6 +121,27 @@ impl Sharded {
         self.group.process_index()
     }
 
+    /// Debug mode, hybrid strategies: every rank of the world first checks that all are in the same step, since a
+    /// rank calling something else outside its sub-groups would leave its group waiting for the timeout.
+    fn check_world(&self, operation: &str, layout: usize) -> Result<()> {
+        if self.replicas.is_some() {
+            Self::checked(&self.world, operation, &[layout])?;
+        }
+        Ok(())
+    }
+
+    /// The communicator of `group` for one collective of a step, checked first in debug mode as every other
+    /// collective is: the ranks compare `operation` and its `layout` (counts, sizes, root), so a rank calling
+    /// something else is an error on every rank naming each rank's call, instead of a hang or wrong data.
+    fn checked<'g>(
+        group: &'g ProcessGroup,
+        operation: &str,
+        layout: &[usize],
+    ) -> Result<&'g dyn crate::distributed::comm::Communicator> {
+        collectives::verify_call(group, operation, burn::tensor::DType::F32, layout)?;
+        Ok(group.comm().as_ref())
+    }
+
     fn known(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, Known>> {
         self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -241,6 +262,7 @@ impl Strategy for Sharded {
             return Ok(());
         };
         let me = self.shard_rank();
+        self.check_world("hybrid sharded gradient sync", params.len())?;
         let owners = self.owners(params);
         // As the data-parallel all-reduce: the mean when unscaled, else the sum times scale / ranks (the same
         // bits, element for element). Under a hybrid strategy: the sum within the shard group, then over the
@@ -262,10 +284,12 @@ impl Strategy for Sharded {
             if values.is_empty() {
                 return Ok(values);
             }
-            match replicas
-                .comm()
-                .all_reduce(ReduceBuffer::F32(values), ReduceOp::Sum)?
-            {
+            let comm = Self::checked(
+                replicas,
+                "hybrid gradient all-reduce across replicas",
+                &[values.len()],
+            )?;
+            match comm.all_reduce(ReduceBuffer::F32(values), ReduceOp::Sum)? {
                 ReduceBuffer::F32(values) => Ok(values),
                 other => Err(Error::InvalidArgument(format!(
                     "gradient all-reduce across replicas: the engine returned {} values",
@@ -287,11 +311,12 @@ impl Strategy for Sharded {
                 // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
                 None => (None, vec![0.0; n]),
             };
-            match self
-                .group
-                .comm()
-                .reduce(ReduceBuffer::F32(host), owners[i], op)?
-            {
+            let comm = Self::checked(
+                &self.group,
+                "sharded gradient reduce to its owner",
+                &[n, owners[i]],
+            )?;
+            match comm.reduce(ReduceBuffer::F32(host), owners[i], op)? {
                 Some(ReduceBuffer::F32(values)) => {
                     let flat = to_tensor(across_replicas(values)?)?;
                     match shape {
@@ -334,10 +359,8 @@ impl Strategy for Sharded {
                     None => send.resize(send.len() + n, 0.0),
                 }
             }
-            let reduced = self
-                .group
-                .comm()
-                .reduce_scatter(ReduceBuffer::F32(send), &counts, op)?;
+            let comm = Self::checked(&self.group, "sharded gradient reduce-scatter", &counts)?;
+            let reduced = comm.reduce_scatter(ReduceBuffer::F32(send), &counts, op)?;
             let ReduceBuffer::F32(mine) = reduced else {
                 return Err(Error::InvalidArgument(format!(
                     "gradient reduce-scatter: the engine returned {} values",
@@ -409,19 +432,14 @@ impl Strategy for Sharded {
     }
 
     fn any_rank(&self, local: bool) -> Result<bool> {
-        let all = self
-            .group
-            .comm()
-            .all_reduce(ReduceBuffer::I64(vec![i64::from(local)]), ReduceOp::Max)?;
+        let comm = Self::checked(&self.group, "sharded overflow verdict", &[1])?;
+        let all = comm.all_reduce(ReduceBuffer::I64(vec![i64::from(local)]), ReduceOp::Max)?;
         Ok(all != ReduceBuffer::I64(vec![0]))
     }
 
     fn combine_norm_parts(&self, partial: f64, op: ReduceOp) -> Result<f64> {
-        match self
-            .group
-            .comm()
-            .all_reduce(ReduceBuffer::F64(vec![partial]), op)?
-        {
+        let comm = Self::checked(&self.group, "sharded gradient norm", &[1])?;
+        match comm.all_reduce(ReduceBuffer::F64(vec![partial]), op)? {
             ReduceBuffer::F64(v) if v.len() == 1 => Ok(v[0]),
             other => Err(Error::InvalidArgument(format!(
                 "gradient norm: the engine returned {} values",
@@ -542,7 +560,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
     /// Large parameters, each broadcast from its owner into this rank's own buffer (its stale value's, when it
     /// holds one), in visiting order: no buffer is allocated or copied for a parameter the module alone holds.
     struct Broadcast<'a> {
-        comm: &'a dyn crate::distributed::comm::Communicator,
+        group: &'a ProcessGroup,
         large: &'a HashMap<ParamId, (usize, usize)>,
         dims: &'a HashMap<ParamId, Vec<usize>>,
         error: Option<Error>,
@@ -566,7 +584,12 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
                     Ok(vec![0.0; n])
                 };
                 let received = host.and_then(|host| {
-                    match self.comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
+                    let comm = Sharded::checked(
+                        self.group,
+                        "sharded parameter broadcast from its owner",
+                        &[n, owner],
+                    )?;
+                    match comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
                         ReduceBuffer::F32(values) => {
                             from_host(values, (&device, dtype), "parameter broadcast")
                         }
@@ -630,6 +653,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
         }
     }
     let (me, world) = (sharded.shard_rank(), sharded.world());
+    sharded.check_world("hybrid sharded parameter gather", world)?;
     if world < 2 {
         return Ok(module);
     }
@@ -651,7 +675,7 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
         .map(|i| (params[i].0, (owners[i], params[i].1)))
         .collect();
     let mut broadcast = Broadcast {
-        comm: sharded.group.comm().as_ref(),
+        group: &sharded.group,
         large: &large,
         dims: &dims,
         error: None,
@@ -690,10 +714,8 @@ fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
                 part.extend(to_host(flat, "parameter all-gather")?);
             }
         }
-        let all = sharded
-            .group
-            .comm()
-            .all_gather_parts(ReduceBuffer::F32(part), &counts)?;
+        let comm = Sharded::checked(&sharded.group, "sharded parameter all-gather", &counts)?;
+        let all = comm.all_gather_parts(ReduceBuffer::F32(part), &counts)?;
         let ReduceBuffer::F32(all) = all else {
             return Err(Error::InvalidArgument(format!(
                 "parameter all-gather: the engine returned {} values",
