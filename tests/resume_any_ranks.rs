@@ -91,7 +91,9 @@ fn a_state_moves_between_hybrid_and_other_strategies() {
         ]
     };
     let plain = |sharding: &str| vec!["--sharding".to_string(), sharding.into()];
-    let runs: [((usize, Vec<String>), Vec<(usize, Vec<String>)>); 2] = [
+    /// A number of ranks and the harness's sharding flags.
+    type Ranks = (usize, Vec<String>);
+    let runs: [(Ranks, Vec<Ranks>); 2] = [
         (
             (4, hybrid(2)),
             vec![

@@ -176,7 +176,6 @@ impl Call {
     }
 }
 
-
 /// MPI's operation for `op` (a mean is a sum, divided afterwards) and its code in the call headers.
 pub(super) fn system_op(op: ReduceOp) -> (SystemOperation, u64) {
     match op {
@@ -194,4 +193,3 @@ pub(super) fn fingerprint(counts: &[usize]) -> u64 {
     }
     hash
 }
-

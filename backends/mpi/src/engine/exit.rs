@@ -92,4 +92,3 @@ pub(super) fn record_status(rank: usize, status: std::ffi::c_int, reason: Option
         );
     }
 }
-

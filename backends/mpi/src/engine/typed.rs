@@ -229,7 +229,12 @@ impl MpiComm {
     }
 
     /// Broadcast of one element type from `root`, into every rank's own buffer.
-    pub(super) fn broadcast_typed<T>(&self, mut data: Vec<T>, kind: u64, root: usize) -> CommResult<Vec<T>>
+    pub(super) fn broadcast_typed<T>(
+        &self,
+        mut data: Vec<T>,
+        kind: u64,
+        root: usize,
+    ) -> CommResult<Vec<T>>
     where
         T: mpi::datatype::Equivalence + 'static,
     {
@@ -252,4 +257,3 @@ impl MpiComm {
         })
     }
 }
-

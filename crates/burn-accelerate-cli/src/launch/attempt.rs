@@ -34,7 +34,11 @@ impl Attempt<'_> {
 
 impl Attempt<'_> {
     /// Runs the job through `mpirun`; returns how it failed, if it did, naming the rank.
-    pub(super) fn mpirun(&self, program: &Path, args: &[OsString]) -> Result<Option<Failure>, LaunchError> {
+    pub(super) fn mpirun(
+        &self,
+        program: &Path,
+        args: &[OsString],
+    ) -> Result<Option<Failure>, LaunchError> {
         let plan = self.plan;
         let open_mpi = Command::new("mpirun")
             .arg("--version")
@@ -229,4 +233,3 @@ pub(super) fn parse_report(rank: usize, text: &str) -> Option<RankReport> {
         timed_out,
     })
 }
-

@@ -159,7 +159,11 @@ pub(super) unsafe fn reduce_buffers(
 /// # Safety
 /// Both hold at least `range.end` elements of one kind; during the call no other thread writes `range` of
 /// `from`, nor reads or writes `range` of `to`.
-pub(super) unsafe fn copy_range(from: &InPlaceBuffer, to: &InPlaceBuffer, range: std::ops::Range<usize>) {
+pub(super) unsafe fn copy_range(
+    from: &InPlaceBuffer,
+    to: &InPlaceBuffer,
+    range: std::ops::Range<usize>,
+) {
     let (bytes, width) = match (from.data, to.data) {
         (RawElements::F32(p), RawElements::F32(_)) => (p.cast::<u8>(), 4),
         (RawElements::F64(p), RawElements::F64(_)) => (p.cast::<u8>(), 8),
@@ -180,4 +184,3 @@ pub(super) unsafe fn copy_range(from: &InPlaceBuffer, to: &InPlaceBuffer, range:
         )
     };
 }
-

@@ -37,7 +37,8 @@ fn split_makes_sub_groups_by_color_ordered_by_key_that_name_world_ranks() {
     let expected_rank = [2, 2, 1, 1, 0, 0];
     for (rank, (sub_rank, size, sum, world)) in out.into_iter().enumerate() {
         assert_eq!((sub_rank, size), (expected_rank[rank], 3), "rank {rank}");
-        let members_sum = if rank % 2 == 0 { 0 + 2 + 4 } else { 1 + 3 + 5 };
+        // Ranks 0, 2, 4 and ranks 1, 3, 5.
+        let members_sum = if rank % 2 == 0 { 6 } else { 9 };
         assert_eq!(sum, ReduceBuffer::I64(vec![members_sum]), "rank {rank}");
         assert_eq!(world, ReduceBuffer::I64(vec![6]));
     }
@@ -73,13 +74,9 @@ fn large_all_reduces_match_the_reference_for_every_op_and_kind() {
         for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
             for kind in ["f32", "f64", "i64"] {
                 let make = move |rank: usize| match kind {
-                    "f32" => {
-                        ReduceBuffer::F32((0..len).map(|i| value(rank, i) as f32).collect())
-                    }
+                    "f32" => ReduceBuffer::F32((0..len).map(|i| value(rank, i) as f32).collect()),
                     "f64" => ReduceBuffer::F64((0..len).map(|i| value(rank, i)).collect()),
-                    _ => ReduceBuffer::I64(
-                        (0..len).map(|i| value(rank, i) as i64 - 500).collect(),
-                    ),
+                    _ => ReduceBuffer::I64((0..len).map(|i| value(rank, i) as i64 - 500).collect()),
                 };
                 let inputs: Vec<ReduceBuffer> = (0..n).map(make).collect();
                 let refs: Vec<&ReduceBuffer> = inputs.iter().collect();
@@ -139,11 +136,7 @@ fn reduce_scatters_give_each_rank_its_part_of_the_all_reduce() {
                         _ => unreachable!(),
                     };
                     if op != ReduceOp::Mean {
-                        assert_eq!(
-                            int_part,
-                            ReduceBuffer::I64(expected),
-                            "n={n} {op} rank {r}"
-                        );
+                        assert_eq!(int_part, ReduceBuffer::I64(expected), "n={n} {op} rank {r}");
                     }
                 }
             }
@@ -246,8 +239,7 @@ fn rooted_reduces_and_typed_broadcasts_match_the_all_reduce_and_the_root() {
                     (whole, reduced, sent, int_sent)
                 });
                 let root_values = ReduceBuffer::F32((0..len).map(|i| value(root, i)).collect());
-                let first_ints =
-                    ReduceBuffer::I64((0..len).map(|i| value(0, i) as i64).collect());
+                let first_ints = ReduceBuffer::I64((0..len).map(|i| value(0, i) as i64).collect());
                 for (r, (whole, reduced, sent, int_sent)) in out.into_iter().enumerate() {
                     let expected = (r == root).then(|| whole.clone());
                     assert_eq!(

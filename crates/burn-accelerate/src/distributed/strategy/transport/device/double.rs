@@ -60,12 +60,7 @@ impl DeviceCommLibrary for HostLibrary {
         Ok(id)
     }
 
-    fn connect(
-        &self,
-        id: &[u8],
-        rank: usize,
-        world: usize,
-    ) -> Result<Box<dyn DeviceComm>, String> {
+    fn connect(&self, id: &[u8], rank: usize, world: usize) -> Result<Box<dyn DeviceComm>, String> {
         if self.fail_connect == Some(rank) {
             return Err("ncclSystemError: no route to peer".into());
         }
