@@ -174,14 +174,32 @@ fn fsdp_flags_choose_the_sharding_and_reach_the_program() {
         settings(&out)
     );
     assert!(fsdp_vars(&out).contains(&"ACCELERATE_USE_FSDP=false".into()));
-    // A hybrid strategy is refused before anything starts, saying why.
+    // A hybrid strategy by Accelerate's number, with its shard groups: both reach the program.
     let out = launch()
-        .args(["--fsdp-sharding-strategy", "HYBRID_SHARD", "env"])
+        .args([
+            "--fsdp-sharding-strategy",
+            "4",
+            "--parallelism_config_dp_shard_size",
+            "2",
+            "env",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        settings(&out).contains("sharding=HYBRID_SHARD (command line)")
+            && settings(&out).contains("dp_shard_size=2 (command line)"),
+        "{}",
+        settings(&out)
+    );
+    assert!(fsdp_vars(&out).contains(&"FSDP_SHARDING_STRATEGY=HYBRID_SHARD".into()));
+    // A strategy that does not exist is refused before anything starts, naming the ones that do.
+    let out = launch()
+        .args(["--fsdp-sharding-strategy", "HYBRID", "env"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("replicate across machines"), "{stderr}");
+    assert!(stderr.contains("HYBRID_SHARD (4)"), "{stderr}");
 }
 
 #[test]
