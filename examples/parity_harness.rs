@@ -22,7 +22,8 @@
 //! run), `accumulation` (3 micro-batches a step, 7 rounds an epoch: every last window is short), `clip-norm`
 //! and `clip-value` (clipping that bites on most steps), `bf16` and `fp16` (mixed precision; fp16 scales the
 //! loss), `uneven` (`even_batches(false)` and a short last round), `eval` (`gather_for_metrics` of an
-//! evaluation set that the ranks do not divide), `resume` (`dp` saved at `--save-at`, killed by SIGKILL at
+//! evaluation set that the ranks do not divide), `stream` (`gather_for_metrics` of a stream of 103 ids, read by
+//! every rank or, with `--dispatch-batches`, by the main process alone), `resume` (`dp` saved at `--save-at`, killed by SIGKILL at
 //! `--kill-at` on `--kill-rank`, and resumed with `--resume`), `env` (only writes the settings the rank sees),
 //! `initial` (the weights every case starts from; run by default too).
 //!
@@ -66,6 +67,7 @@ enum Case {
     Fp16,
     Uneven,
     Eval,
+    Stream,
     Resume,
     Env,
     Initial,
@@ -82,6 +84,7 @@ impl Case {
             Case::Fp16 => "fp16",
             Case::Uneven => "uneven",
             Case::Eval => "eval",
+            Case::Stream => "stream",
             Case::Resume => "resume",
             Case::Env => "env",
             Case::Initial => "initial",
@@ -124,6 +127,9 @@ struct Args {
     /// Ranks per shard group of a hybrid `--sharding` (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`).
     #[arg(long)]
     dp_shard_size: Option<usize>,
+    /// `stream`: only the main process reads the stream and sends each rank its batches (`dispatch_batches`).
+    #[arg(long)]
+    dispatch_batches: bool,
     /// Micro-batches per optimizer step, whatever the case (`resume` with accumulation).
     #[arg(long)]
     accumulation: Option<usize>,
@@ -150,6 +156,8 @@ struct Report {
     gathered_losses: Vec<f32>,
     /// `(micro-step, sample id)` of every training sample this rank used, in order.
     trained_ids: Vec<(usize, i64)>,
+    /// `stream`: how many times this process opened the stream.
+    stream_opened: usize,
     env: BTreeMap<String, String>,
 }
 
@@ -192,7 +200,7 @@ fn schedule(case: Case) -> (usize, usize) {
         Case::Accumulation => (GLOBAL_BATCH * 7, 7),
         // 140 samples: 5 full rounds and one of 20 (12 + 8 on 2 ranks, 8 + 8 + 4 on 3): 24 steps.
         Case::Uneven => (140, 4),
-        Case::Eval | Case::Env | Case::Initial => (0, 0),
+        Case::Eval | Case::Stream | Case::Env | Case::Initial => (0, 0),
     }
 }
 
@@ -385,6 +393,33 @@ fn evaluate(acc: &Accelerator, initial: Mlp, report: &mut Report) -> Result<()> 
     Ok(())
 }
 
+/// A stream of the ids 0..103 in batches of 8 per rank (no number of ranks divides it), read by every rank or,
+/// with `dispatch`, by the main process alone: the ids `gather_for_metrics` returns on this rank, and how many
+/// times this process opened the stream.
+fn read_stream(acc: &Accelerator, dispatch: bool, report: &mut Report) -> Result<()> {
+    #[derive(Clone)]
+    struct Ids;
+    impl Batcher<i64, Tensor<1, Int>> for Ids {
+        fn batch(&self, items: Vec<i64>, device: &Device) -> Tensor<1, Int> {
+            Tensor::from_data(items.as_slice(), device)
+        }
+    }
+    let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = opened.clone();
+    let stream = burn_accelerate::data::StreamLoader::new(Ids, 8, false, move || {
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        (0..103i64).map(Ok)
+    })
+    .dispatch_batches(dispatch);
+    let prepared = acc.prepare_stream(stream)?;
+    for batch in prepared.iter() {
+        let ids = acc.gather_for_metrics(batch?)?;
+        report.gathered_ids.extend(ids.into_data().iter::<i64>());
+    }
+    report.stream_opened = opened.load(std::sync::atomic::Ordering::SeqCst);
+    Ok(())
+}
+
 /// Runs `case` on `acc`'s rank and writes the rank's weights and report.
 fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<()> {
     let mut report = Report::default();
@@ -393,6 +428,10 @@ fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<
         Case::Initial => Some(acc.prepare_model(initial)?),
         Case::Eval => {
             evaluate(acc, initial, &mut report)?;
+            None
+        }
+        Case::Stream => {
+            read_stream(acc, args.dispatch_batches, &mut report)?;
             None
         }
         _ => {

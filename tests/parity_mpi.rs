@@ -79,6 +79,37 @@ fn gather_for_metrics_on_three_processes_returns_every_sample_once_on_every_rank
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A stream under `mpirun -np 3`, read by every process or dispatched from the main process
+/// (`dispatch_batches`): every rank gathers each of its 103 ids once, in order; dispatched, only the main process
+/// opened it.
+#[test]
+fn a_dispatched_stream_under_mpirun_is_read_by_the_main_process_alone() {
+    let dir = scratch("stream-mpi");
+    let ids: Vec<i64> = (0..103).collect();
+    for dispatch in [false, true] {
+        let out = dir.join(format!("dispatch-{dispatch}"));
+        let mut args = vec!["--case", "stream"];
+        if dispatch {
+            args.push("--dispatch-batches");
+        }
+        assert_success(&mpirun(3, &out, &args));
+        for rank in 0..3 {
+            let mine = report(&out, "stream", rank);
+            assert_eq!(
+                mine["gathered_ids"],
+                serde_json::json!(ids),
+                "dispatch {dispatch}, rank {rank}"
+            );
+            let opened = if dispatch && rank > 0 { 0 } else { 1 };
+            assert_eq!(
+                mine["stream_opened"], opened,
+                "dispatch {dispatch}, rank {rank}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn a_job_killed_under_mpirun_resumes_bit_for_bit() {
     let dir = scratch("resume");
