@@ -36,8 +36,9 @@
 //!    the process was started (single, in-process threads from [`launch`], MPI) and hands over its
 //!    [`Communicator`](distributed::comm::Communicator); [`backend`] picks the device of the local rank; the
 //!    [`ProcessGroup`] holds rank, device and communicator. The builder then picks the rank's distribution
-//!    strategy (`distributed::strategy`: one device, data parallelism over the host all-reduce, or sharded data
-//!    parallelism under a [`ShardingStrategy`]), and the
+//!    strategy (`distributed::strategy`: one device, data parallelism over a gradient transport (the host
+//!    all-reduce, or a device all-reduce on CUDA), or sharded data parallelism under a [`ShardingStrategy`], the
+//!    hybrid ones over sub-groups of the communicator), and the
 //!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
 //! 2. **`prepare_model`** — the main process draws the lazily initialised parameters (after every rank arrived,
 //!    in module order), the strategy gives every rank rank 0's weights (the others receive lazy parameters
@@ -55,10 +56,11 @@
 //! 6. **`backward(loss, &model)`** — the step pipeline (`pipeline`) runs, in order: the precision scales the
 //!    loss (fp16), Burn back-propagates, the model's gradients are collected into the gradient buffer, the
 //!    window says whether it ends; if it does, the gradients are normalised by the micro-batches the window had,
-//!    unscaled, reduced across ranks by the strategy (bucketed, through a gradient transport — today the host
-//!    all-reduce of [`distributed::collectives`], the one path to the communicator, so debug mode checks it;
-//!    sharded: reduced into each parameter's owner, which alone keeps it), and the precision returns its verdict
-//!    (skip on an fp16 overflow on any rank).
+//!    unscaled, reduced across ranks by the strategy (bucketed, through a gradient transport: the host all-reduce
+//!    of [`distributed::collectives`], or NCCL / Burn's collective on CUDA, each checked first in debug mode;
+//!    sharded: reduce-scattered so that each parameter's owner alone keeps it, every collective checked in debug
+//!    mode too, and under a hybrid strategy averaged across the shard groups), and the precision returns its
+//!    verdict (skip on an fp16 overflow on any rank).
 //! 7. **`clip_grad_norm`** — the global norm over the buffer's gradients, torch's formula (sharded: every
 //!    rank's part combined).
 //! 8. **`optimizer.step(model)`** — [`AcceleratedOptimizer`] takes the pipeline's outcome: *accumulate* keeps

@@ -11,8 +11,10 @@
 //! | [`comm`] | the [`Communicator`](comm::Communicator) trait and its engines |
 //!
 //! Everything that crosses ranks goes through [`collectives`] (user collectives, the gradient transport, the
-//! Learner's stop flag, save and load agreement, seeds, triggers, batch-size search), so debug mode, the
-//! engines' call headers and timeouts see all of it. Whether the ranks' calls match is decided in one place,
+//! Learner's stop flag, save and load agreement, seeds, triggers, batch-size search) or, for a sharded strategy's
+//! buffers, through the communicator after debug mode's check of the same kind ([`collectives`]' `verify_call`),
+//! so debug mode, the engines' call headers and timeouts see all of it. Sub-groups (a hybrid strategy's shard
+//! and replica groups) are [`Communicator::split`](comm::Communicator::split) of the rank's communicator. Whether the ranks' calls match is decided in one place,
 //! [`comm::check_calls`], for the engines and debug mode alike. Nothing here knows the [`Accelerator`](crate::Accelerator):
 //! the facade composes these parts.
 

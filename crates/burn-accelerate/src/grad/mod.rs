@@ -1,9 +1,10 @@
 //! Gradients owned by the accelerator, from `backward` to the optimizer step.
 //!
 //! Burn returns gradients as values, so the accelerator keeps them between `backward` and the optimizer step, in
-//! a gradient buffer keyed by parameter id. The [`step`](self::step) pipeline moves them through loss scaling,
-//! collection, normalisation, cross-rank averaging ([`sync`](self::sync)), unscaling and the step verdict;
-//! clipping works on the same buffer.
+//! a gradient buffer keyed by parameter id (`buffer`). The step pipeline (`crate::pipeline`) moves them through
+//! loss scaling, collection, normalisation, cross-rank reduction (by the distribution strategy), unscaling and the
+//! step verdict; the accumulation window (`window`) says when a step ends; clipping (`clip`) works on the same
+//! buffer.
 
 mod buffer;
 mod clip;
