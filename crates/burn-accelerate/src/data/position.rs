@@ -53,33 +53,57 @@ impl LoaderFingerprint {
         }
     }
 
+    /// `(what, when saved, now)` of every value that must match on any number of ranks, and, with `per_rank`,
+    /// of those that must match on the same number.
+    fn compared(&self, saved: &Self, per_rank: bool) -> Vec<(&'static str, String, String)> {
+        let mut pairs = vec![
+            (
+                "dataset length",
+                saved.num_items.to_string(),
+                self.num_items.to_string(),
+            ),
+            (
+                "shuffle seed",
+                format!("{:?}", saved.shuffle_seed),
+                format!("{:?}", self.shuffle_seed),
+            ),
+            (
+                "drop_last",
+                saved.drop_last.to_string(),
+                self.drop_last.to_string(),
+            ),
+        ];
+        if per_rank {
+            pairs.push((
+                "batch size",
+                saved.batch_size.to_string(),
+                self.batch_size.to_string(),
+            ));
+            pairs.push((
+                "batches per epoch on this rank",
+                saved.batches_per_epoch.to_string(),
+                self.batches_per_epoch.to_string(),
+            ));
+        }
+        pairs
+    }
+
+    /// The values of [`compared`](Self::compared) that differ, in words.
+    fn mismatches(&self, saved: &Self, per_rank: bool) -> Vec<String> {
+        self.compared(saved, per_rank)
+            .into_iter()
+            .filter(|(_, then, now)| then != now)
+            .map(|(what, then, now)| format!("{what} {then} when saved, {now} now"))
+            .collect()
+    }
+
     fn global_differences(
         &self,
         saved: &Self,
         (then, now): (usize, usize),
         at_epoch_start: bool,
     ) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut check = |what: &str, saved: String, now: String| {
-            if saved != now {
-                out.push(format!("{what} {saved} when saved, {now} now"));
-            }
-        };
-        check(
-            "dataset length",
-            saved.num_items.to_string(),
-            self.num_items.to_string(),
-        );
-        check(
-            "shuffle seed",
-            format!("{:?}", saved.shuffle_seed),
-            format!("{:?}", self.shuffle_seed),
-        );
-        check(
-            "drop_last",
-            saved.drop_last.to_string(),
-            self.drop_last.to_string(),
-        );
+        let mut out = self.mismatches(saved, false);
         match (saved.total_batch_size, self.total_batch_size) {
             (Some(global), Some(here)) if global != here && at_epoch_start => log::info!(
                 "a prepared dataloader saved at the start of an epoch continues with {here} items per step over \
@@ -93,7 +117,10 @@ impl LoaderFingerprint {
                         global / now
                     )
                 } else {
-                    format!("{global} items do not divide among {now} ranks: resume on a number of ranks that divides {global}")
+                    format!(
+                        "{global} items do not divide among {now} ranks: resume on a number of ranks that \
+                         divides {global}"
+                    )
                 };
                 out.push(format!(
                     "items per step over all ranks {global} when saved on {then} rank(s), {here} now on {now}: \
@@ -111,38 +138,7 @@ impl LoaderFingerprint {
     }
 
     fn rank_differences(&self, saved: &Self) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut check = |what: &str, saved: String, now: String| {
-            if saved != now {
-                out.push(format!("{what} {saved} when saved, {now} now"));
-            }
-        };
-        check(
-            "dataset length",
-            saved.num_items.to_string(),
-            self.num_items.to_string(),
-        );
-        check(
-            "batch size",
-            saved.batch_size.to_string(),
-            self.batch_size.to_string(),
-        );
-        check(
-            "shuffle seed",
-            format!("{:?}", saved.shuffle_seed),
-            format!("{:?}", self.shuffle_seed),
-        );
-        check(
-            "drop_last",
-            saved.drop_last.to_string(),
-            self.drop_last.to_string(),
-        );
-        check(
-            "batches per epoch on this rank",
-            saved.batches_per_epoch.to_string(),
-            self.batches_per_epoch.to_string(),
-        );
-        out
+        self.mismatches(saved, true)
     }
 }
 
