@@ -111,6 +111,38 @@ fn optimizer_fingerprint(acc: &Accelerator, run: &Run) -> Result<Vec<Vec<f32>>> 
     Ok(weights(&model))
 }
 
+/// A run's weights, optimizer state (as [`optimizer_fingerprint`]) and learning rate.
+type Outcome = (Vec<Vec<f32>>, Vec<Vec<f32>>, burn::optim::LearningRate);
+
+fn outcome(acc: &Accelerator, run: &Run) -> Result<Outcome> {
+    Ok((
+        weights(&run.model),
+        optimizer_fingerprint(acc, run)?,
+        run.scheduler.lr(),
+    ))
+}
+
+/// Saves `run`'s model, optimizer and scheduler into `dir`.
+fn save(acc: &Accelerator, run: &Run, dir: &Path) -> Result<()> {
+    let parts = StateToSave::new()
+        .model(&run.model)?
+        .optimizer(&run.optimizer)?
+        .scheduler(&run.scheduler)?;
+    acc.save_state(Some(dir), &parts)?;
+    Ok(())
+}
+
+/// Restores `run` from the state in `dir`; returns how many ranks saved it.
+fn restore(acc: &Accelerator, run: &mut Run, dir: &Path) -> Result<usize> {
+    let mut state = acc.load_state(Some(dir))?;
+    let saved_by = state.saved_num_processes();
+    run.model = state.model(run.model.clone())?;
+    state.optimizer(&mut run.optimizer)?;
+    state.scheduler(&mut run.scheduler)?;
+    state.finish()?;
+    Ok(saved_by)
+}
+
 /// A run stopped mid-epoch, saved and resumed (its loaders with `workers` threads) against one straight run
 /// without workers.
 fn exact_resume(ranks: usize) {
@@ -126,40 +158,23 @@ fn exact_resume_with_workers(ranks: usize, workers: usize) {
         .launch(ranks, |acc| {
             let mut run = setup(&acc, &start)?;
             train(&acc, &mut run, total)?;
-            Ok((
-                weights(&run.model),
-                optimizer_fingerprint(&acc, &run)?,
-                run.scheduler.lr(),
-            ))
+            outcome(&acc, &run)
         })
         .unwrap();
     Accelerator::builder()
         .launch(ranks, |acc| {
             let mut run = setup_with_workers(&acc, &start, workers)?;
             train(&acc, &mut run, n)?;
-            let parts = StateToSave::new()
-                .model(&run.model)?
-                .optimizer(&run.optimizer)?
-                .scheduler(&run.scheduler)?;
-            acc.save_state(Some(&dir), &parts)?;
-            Ok(())
+            save(&acc, &run, &dir)
         })
         .unwrap();
     let resumed = Accelerator::builder()
         .launch(ranks, |acc| {
             // Fresh objects, different initial weights: everything must come from the checkpoint.
             let mut run = setup_with_workers(&acc, &initial(), workers)?;
-            let mut state = acc.load_state(Some(&dir))?;
-            run.model = state.model(run.model)?;
-            state.optimizer(&mut run.optimizer)?;
-            state.scheduler(&mut run.scheduler)?;
-            state.finish()?;
+            restore(&acc, &mut run, &dir)?;
             train(&acc, &mut run, total - n)?;
-            Ok((
-                weights(&run.model),
-                optimizer_fingerprint(&acc, &run)?,
-                run.scheduler.lr(),
-            ))
+            outcome(&acc, &run)
         })
         .unwrap();
     for rank in 0..ranks {
@@ -206,40 +221,22 @@ fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only(
         .launch(2, |acc| {
             let mut run = setup(&acc, &start)?;
             train(&acc, &mut run, total)?;
-            Ok((
-                weights(&run.model),
-                optimizer_fingerprint(&acc, &run)?,
-                run.scheduler.lr(),
-            ))
+            outcome(&acc, &run)
         })
         .unwrap();
     Accelerator::builder()
         .launch(2, |acc| {
             let mut run = setup(&acc, &start)?;
             train(&acc, &mut run, n)?;
-            let parts = StateToSave::new()
-                .model(&run.model)?
-                .optimizer(&run.optimizer)?
-                .scheduler(&run.scheduler)?;
-            acc.save_state(Some(&dir), &parts)?;
-            Ok(())
+            save(&acc, &run, &dir)
         })
         .unwrap();
     let resumed = Accelerator::builder()
         .launch(4, |acc| {
             let mut run = setup_with(&acc, &initial(), 0, 4)?;
-            let mut state = acc.load_state(Some(&dir))?;
-            assert_eq!(state.saved_num_processes(), 2);
-            run.model = state.model(run.model)?;
-            state.optimizer(&mut run.optimizer)?;
-            state.scheduler(&mut run.scheduler)?;
-            state.finish()?;
+            assert_eq!(restore(&acc, &mut run, &dir)?, 2, "ranks that saved it");
             train(&acc, &mut run, total - n)?;
-            Ok((
-                weights(&run.model),
-                optimizer_fingerprint(&acc, &run)?,
-                run.scheduler.lr(),
-            ))
+            outcome(&acc, &run)
         })
         .unwrap();
     let diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {

@@ -185,12 +185,10 @@ impl<I, O> PreparedDataLoader<I, O> {
         &self,
         batches_of: impl FnOnce(usize) -> Vec<Vec<usize>>,
     ) -> PreparedIter<'_, I, O> {
-        let epoch = self.loader.next_epoch();
-        let skip = self.cursor.skip.swap(0, Ordering::Relaxed);
+        // The cursor's epoch counter is the loader's own.
+        let (epoch, skip) = self.cursor.begin_epoch();
         let mut batches = batches_of(epoch);
         batches.drain(..skip.min(batches.len()));
-        self.cursor.in_epoch.store(epoch + 1, Ordering::Relaxed);
-        self.cursor.yielded.store(skip, Ordering::Relaxed);
         let inner = self.loader.iter_batches(batches, self.device.clone());
         let remainder =
             (!self.loader.drop_last()).then(|| self.loader.num_items() % self.total_batch_size());
