@@ -121,6 +121,7 @@ pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};
 pub use grad::{GradientState, NormType};
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
+pub use pipeline::Blocks;
 pub use precision::{CastFloats, LossScaler, MixedPrecision};
 
 /// The MPI engine (feature `mpi`).

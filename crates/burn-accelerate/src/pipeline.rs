@@ -39,6 +39,10 @@ use crate::grad::{
 };
 use crate::precision::Precision;
 
+mod blocks;
+
+pub use blocks::Blocks;
+
 /// A rank's step pipeline.
 #[derive(Debug)]
 pub(crate) struct StepPipeline {
@@ -207,9 +211,20 @@ impl StepPipeline {
                     .into(),
             ));
         }
-        let plan = core
-            .state
-            .record_backward(self.sync_each_batch && self.strategy.is_distributed());
+        self.end_backward(&mut core, model, false)
+    }
+
+    /// The window's part of a backward pass whose gradients are in the buffer: on a window's last micro-batch,
+    /// normalise, unscale and average them across ranks (or, when `reduced`, only scale them: a block-wise pass
+    /// reduced each block's gradients as it produced them), then take the fp16 verdict.
+    fn end_backward<M: Module>(
+        &self,
+        core: &mut crate::grad::window::StepCore,
+        model: &M,
+        reduced: bool,
+    ) -> Result<()> {
+        let sync_each_batch = self.sync_each_batch && self.strategy.is_distributed() && !reduced;
+        let plan = core.state.record_backward(sync_each_batch);
         let micro_batches = match plan {
             BackwardPlan::Local => return Ok(()),
             BackwardPlan::SyncOnly => return self.average(&mut core.grads, model, 1.0),
@@ -217,7 +232,11 @@ impl StepPipeline {
         };
         let mut precision = self.precision();
         let scale = precision.unscaled(self.normalisation(micro_batches));
-        self.average(&mut core.grads, model, scale)?;
+        if !reduced {
+            self.average(&mut core.grads, model, scale)?;
+        } else if scale != 1.0 {
+            core.grads.scale_all(scale);
+        }
         if precision.loss_scale().is_some() {
             let grads = &mut core.grads;
             let strategy = &self.strategy;

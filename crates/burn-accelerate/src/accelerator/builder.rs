@@ -40,6 +40,8 @@ pub struct AcceleratorBuilder {
     bucket_size_mb: Option<f64>,
     sharding: Option<ShardingStrategy>,
     dp_shard_size: Option<usize>,
+    activation_checkpointing: Option<bool>,
+    autodiff_checkpointing: Option<bool>,
     gradient_transport: Option<GradientTransport>,
     resume_from_latest: Option<bool>,
     project: Option<ProjectConfiguration>,
@@ -216,6 +218,24 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Recomputes each block's forward pass during backward instead of keeping its activations, in
+    /// [`Accelerator::backward_blocks`] (Accelerate's `fsdp_activation_checkpointing`; default off;
+    /// `FSDP_ACTIVATION_CHECKPOINTING`). Only the activations between blocks are kept, for one more forward pass
+    /// per step. Block-wise `FULL_SHARD` recomputes its blocks whatever this says.
+    pub fn activation_checkpointing(mut self, on: bool) -> Self {
+        self.activation_checkpointing = Some(on);
+        self
+    }
+
+    /// Burn's own gradient checkpointing on the autodiff device (its `Balanced` strategy: memory-bound
+    /// operations are recomputed in backward, compute-bound ones still keep their output; default off;
+    /// `ACCELERATE_AUTODIFF_CHECKPOINTING`). It needs no blocks and combines with
+    /// [`activation_checkpointing`](Self::activation_checkpointing).
+    pub fn autodiff_checkpointing(mut self, on: bool) -> Self {
+        self.autodiff_checkpointing = Some(on);
+        self
+    }
+
     /// Which path gradients take between data-parallel ranks (default [`GradientTransport::Auto`]: the device
     /// when every rank is a CUDA device and NCCL loads, host memory otherwise; `ACCELERATE_GRADIENT_TRANSPORT`).
     /// [`GradientTransport::Host`] forces host memory; [`GradientTransport::Device`] makes building fail where the
@@ -316,6 +336,8 @@ impl AcceleratorBuilder {
             loss_normalization,
             bucket_size_mb,
             sharding,
+            activation_checkpointing,
+            autodiff_checkpointing,
             gradient_transport,
             resume_from_latest,
         );
@@ -392,13 +414,13 @@ impl AcceleratorBuilder {
         config
             .mixed_precision
             .check(&device, |dtype| device.supports_dtype(dtype))?;
-        let state = ProcessGroup::new(
-            cluster.communicator(),
-            local_rank,
-            device.autodiff(),
-            backend,
-        )
-        .with_debug(config.debug);
+        let device = if config.autodiff_checkpointing {
+            device.autodiff().gradient_checkpointing()
+        } else {
+            device.autodiff()
+        };
+        let state = ProcessGroup::new(cluster.communicator(), local_rank, device, backend)
+            .with_debug(config.debug);
         let group = Arc::new(state);
         let strategy = match &self.strategy {
             Some(make) => make(&group),

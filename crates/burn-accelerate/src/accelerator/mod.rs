@@ -7,6 +7,7 @@
 //! Its methods are grouped by concern: identity, preparation, precision and gradients here; collectives,
 //! checkpoints and memory in the files beside this one.
 
+mod blocks;
 mod builder;
 mod checkpointing;
 mod collectives;

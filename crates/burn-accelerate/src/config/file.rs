@@ -99,7 +99,6 @@ const FSDP_NEUTRAL: &[(&str, &str)] = &[
     ("fsdp_cpu_ram_efficient_loading", "yes"),
     ("fsdp_cpu_ram_efficient_loading", "no"),
     ("fsdp_forward_prefetch", "no"),
-    ("fsdp_activation_checkpointing", "no"),
 ];
 
 /// Reads `fsdp_config`: the sharding strategy it asks for (`fsdp_sharding_strategy`, or FSDP2's
@@ -141,6 +140,20 @@ fn read_fsdp_config(
                 strategy = Some(ShardingStrategy::from_reshard_after_forward(reshard));
             }
             "fsdp_reshard_after_forward" => {}
+            "fsdp_activation_checkpointing" => {
+                config.activation_checkpointing = env::parse_bool(&key, &raw).map_err(|_| {
+                    Error::config(
+                        "fsdp_config.fsdp_activation_checkpointing",
+                        &raw,
+                        origin,
+                        "true or false",
+                    )
+                })?;
+                config.set_source(
+                    "activation_checkpointing",
+                    Source::File(origin.to_string()),
+                );
+            }
             "fsdp_offload_params" if raw != "no" => config.unsupported.push(UnsupportedValue {
                 key: "fsdp_config.fsdp_offload_params",
                 value: raw,

@@ -60,6 +60,15 @@ pub struct AcceleratorConfig {
     /// `ParallelismConfig.dp_shard_size`; `PARALLELISM_CONFIG_DP_SHARD_SIZE`). Default: the processes on one
     /// machine.
     pub dp_shard_size: Option<usize>,
+    /// Recompute each block's forward pass during backward instead of keeping its activations, in
+    /// [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks) (default `false`; the config file's
+    /// `fsdp_config.fsdp_activation_checkpointing`, `FSDP_ACTIVATION_CHECKPOINTING`, as Accelerate names it).
+    /// Block-wise `FULL_SHARD` recomputes its blocks whatever this says.
+    pub activation_checkpointing: bool,
+    /// Burn's own gradient checkpointing on the accelerator's autodiff device (its `Balanced` strategy:
+    /// element-wise operations are recomputed in backward instead of kept; default `false`;
+    /// `ACCELERATE_AUTODIFF_CHECKPOINTING`).
+    pub autodiff_checkpointing: bool,
     /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
     /// `ACCELERATE_GRADIENT_TRANSPORT`).
     pub gradient_transport: GradientTransport,
@@ -152,6 +161,8 @@ impl Default for AcceleratorConfig {
             bucket_size_mb: 25.0,
             sharding: ShardingStrategy::NoShard,
             dp_shard_size: None,
+            activation_checkpointing: false,
+            autodiff_checkpointing: false,
             gradient_transport: GradientTransport::Auto,
             collective_timeout_secs: 300.0,
             resume_from_latest: false,
@@ -232,6 +243,20 @@ impl AcceleratorConfig {
             config.dp_shard_size = Some(size);
             config.set_source("dp_shard_size", env_source(var));
         }
+        if let Some(on) = env::flag(ACTIVATION_CHECKPOINTING_VAR)? {
+            config.activation_checkpointing = on;
+            config.set_source(
+                "activation_checkpointing",
+                env_source(ACTIVATION_CHECKPOINTING_VAR),
+            );
+        }
+        if let Some(on) = env::flag(AUTODIFF_CHECKPOINTING_VAR)? {
+            config.autodiff_checkpointing = on;
+            config.set_source(
+                "autodiff_checkpointing",
+                env_source(AUTODIFF_CHECKPOINTING_VAR),
+            );
+        }
         if let Some(value) = env::var(TRANSPORT_VAR) {
             config.gradient_transport = value.parse().map_err(|_| {
                 Error::config(TRANSPORT_VAR, &value, "environment", "auto, host or device")
@@ -267,7 +292,7 @@ impl AcceleratorConfig {
 
     /// The settings a run uses, each with its value and where it came from (what `burn-accelerate env` prints).
     pub fn settings(&self) -> Vec<(&'static str, String, Source)> {
-        let entries: [(&'static str, String); 10] = [
+        let entries: [(&'static str, String); 12] = [
             ("mixed_precision", self.mixed_precision.to_string()),
             ("cpu", self.cpu.to_string()),
             ("debug", self.debug.to_string()),
@@ -286,6 +311,14 @@ impl AcceleratorConfig {
                 "dp_shard_size",
                 self.dp_shard_size
                     .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
+            ),
+            (
+                "activation_checkpointing",
+                self.activation_checkpointing.to_string(),
+            ),
+            (
+                "autodiff_checkpointing",
+                self.autodiff_checkpointing.to_string(),
             ),
             ("gradient_transport", self.gradient_transport.to_string()),
         ];
@@ -359,6 +392,14 @@ impl AcceleratorConfig {
             .min(MAX_COLLECTIVE_TIMEOUT)
     }
 }
+
+/// Turns on per-block activation checkpointing (see [`AcceleratorConfig::activation_checkpointing`]), as
+/// Accelerate's launcher names it.
+pub const ACTIVATION_CHECKPOINTING_VAR: &str = "FSDP_ACTIVATION_CHECKPOINTING";
+
+/// Turns on Burn's own gradient checkpointing on the autodiff device (see
+/// [`AcceleratorConfig::autodiff_checkpointing`]).
+pub const AUTODIFF_CHECKPOINTING_VAR: &str = "ACCELERATE_AUTODIFF_CHECKPOINTING";
 
 /// The size of a hybrid strategy's shard groups, as Accelerate's launcher names it.
 pub const DP_SHARD_SIZE_VAR: &str = "PARALLELISM_CONFIG_DP_SHARD_SIZE";

@@ -50,6 +50,24 @@ impl GradSource for GradientsParams {
     }
 }
 
+impl GradSource for GradientBuffer {
+    fn take<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<Tensor<D>> {
+        let id = param.id;
+        if let Some((shape, flat)) = self.flat.remove(&id) {
+            self.tensor_ranks.remove(&id);
+            let shape = if shape.num_dims() == D {
+                shape
+            } else {
+                param.shape()
+            };
+            return Some(flat.reshape(shape));
+        }
+        let grad = self.shaped.remove::<D>(id)?;
+        self.tensor_ranks.remove(&id);
+        Some(grad)
+    }
+}
+
 /// Moves the gradient of `id` (of rank `rank`) out of `shaped` and flattens it.
 fn take_flat(shaped: &mut GradientsParams, id: ParamId, rank: usize) -> Option<(Shape, Tensor<1>)> {
     macro_rules! ranks {
@@ -161,6 +179,19 @@ impl GradientBuffer {
             self.flat.insert(id, (shape, flat + grad.reshape([numel])));
         } else if let Some(existing) = self.shaped.remove::<D>(id) {
             self.shaped.register::<D>(id, existing + grad);
+        }
+    }
+
+    /// Adds every gradient of `other` to this buffer's (gradients another pass produced, already reduced).
+    pub(crate) fn absorb(&mut self, mut other: GradientBuffer) {
+        for id in other.ids() {
+            let Some((shape, flat)) = other.take(id) else {
+                continue;
+            };
+            match self.flat_mut(id) {
+                Some(existing) => *existing = existing.clone() + flat,
+                None => self.put(id, shape, flat),
+            }
         }
     }
 

@@ -30,7 +30,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
-pub(crate) use sharded::{Sharded, after_prepare, unshard};
+pub(crate) use sharded::{Sharded, after_prepare, unshard, unshard_except};
 #[cfg(test)]
 use transport::GradientTransport as Transport;
 pub(crate) use transport::check_against_reference as check_transport;
@@ -101,6 +101,12 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     /// state): its stepped parameters then reach the other ranks after every step, every rank taking part even
     /// when it owns none, and a gradient norm combines every rank's part.
     fn shards_state(&self) -> bool {
+        false
+    }
+
+    /// Whether each rank holds only its own parameters between steps (`FULL_SHARD`, `HYBRID_SHARD`): a forward
+    /// pass must gather the others first ([`unshard`], or block by block with [`unshard_except`]).
+    fn reshards_parameters(&self) -> bool {
         false
     }
 

@@ -21,7 +21,7 @@
 //! every rank, its `k`-th group of own parameters of at most one bucket divided by the number of ranks. Every
 //! reduction combines the ranks in rank order, so a sharded run has the bits of an unsharded one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -416,6 +416,10 @@ impl Strategy for Sharded {
         Some(self)
     }
 
+    fn reshards_parameters(&self) -> bool {
+        self.mode.reshards_parameters()
+    }
+
     fn shards_state(&self) -> bool {
         true
     }
@@ -546,7 +550,7 @@ fn reshard<M: Module>(sharded: &Sharded, module: M) -> M {
 pub(crate) fn share_stepped<M: Module>(sharded: &Sharded, module: M) -> Result<M> {
     match sharded.mode {
         mode if mode.reshards_parameters() => Ok(reshard(sharded, module)),
-        _ => gather(sharded, module),
+        _ => gather(sharded, module, &HashSet::new()),
     }
 }
 
@@ -554,7 +558,24 @@ pub(crate) fn share_stepped<M: Module>(sharded: &Sharded, module: M) -> Result<M
 /// every rank holds them already and `module` is returned as it is (a cheap clone).
 pub(crate) fn unshard<M: Module>(strategy: &dyn Strategy, module: &M) -> Result<M> {
     match strategy.sharded() {
-        Some(sharded) if sharded.mode.reshards_parameters() => gather(sharded, module.clone()),
+        Some(sharded) if sharded.mode.reshards_parameters() => {
+            gather(sharded, module.clone(), &HashSet::new())
+        }
+        _ => Ok(module.clone()),
+    }
+}
+
+/// [`unshard`] of every trainable parameter of `module` but those in `kept` (a block-wise pass gathers its
+/// blocks one at a time, and the rest of the model with this). Every rank must pass the same `kept`.
+pub(crate) fn unshard_except<M: Module>(
+    strategy: &dyn Strategy,
+    module: &M,
+    kept: &HashSet<ParamId>,
+) -> Result<M> {
+    match strategy.sharded() {
+        Some(sharded) if sharded.mode.reshards_parameters() => {
+            gather(sharded, module.clone(), kept)
+        }
         _ => Ok(module.clone()),
     }
 }

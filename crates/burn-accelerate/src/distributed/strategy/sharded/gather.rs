@@ -22,8 +22,13 @@ fn trainable<const D: usize>(value: Tensor<D>) -> Tensor<D> {
 }
 
 /// `module` with every trainable parameter owned by another rank replaced by that rank's value (all-gathered
-/// in rounds), in its whole shape, keeping ids and gradient settings.
-pub(super) fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
+/// in rounds), in its whole shape, keeping ids and gradient settings; the parameters in `kept` are left as
+/// they are (placeholders stay placeholders).
+pub(super) fn gather<M: Module>(
+    sharded: &Sharded,
+    mut module: M,
+    kept: &HashSet<ParamId>,
+) -> Result<M> {
     /// Large parameters, each broadcast from its owner into this rank's own buffer (its stale value's, when it
     /// holds one), in visiting order: no buffer is allocated or copied for a parameter the module alone holds.
     struct Broadcast<'a> {
@@ -124,7 +129,8 @@ pub(super) fn gather<M: Module>(sharded: &Sharded, mut module: M) -> Result<M> {
     if world < 2 {
         return Ok(module);
     }
-    let params = whole_params(sharded, &module);
+    let mut params = whole_params(sharded, &module);
+    params.retain(|(id, _)| !kept.contains(id));
     let owners = sharded.owners(&params);
     let dims: HashMap<ParamId, Vec<usize>> = {
         let known = sharded.known();

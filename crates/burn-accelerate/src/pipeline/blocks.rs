@@ -1,0 +1,255 @@
+//! Block-wise passes: a model made of a sequence of blocks ([`Blocks`]) runs its forward pass one block at a
+//! time, keeping only the activations between blocks, and its backward pass recomputes each block in reverse
+//! order (activation checkpointing). Under `FULL_SHARD` each block's parameters are gathered just before it
+//! runs and dropped after, and its gradients are reduce-scattered as soon as its backward produced them, so a
+//! rank never holds more than one block's gathered parameters or gradients (FSDP2's `fully_shard(block)`).
+//!
+//! ```text
+//! forward (no graph):  rest = gather(all but the blocks) ─> h0 = before(rest)
+//!                      x[i+1] = block_i(gather(block_i), x[i])          (x[0] = h0, each block dropped after)
+//! head:                loss = after(rest, x[L]) ─> backward ─> the head's gradients, the gradient g of x[L]
+//! blocks, in reverse:  gather(block_i) ─> y = block_i(x[i]) with a graph ─> backward of sum(y * g)
+//!                      ─> block_i's gradients (reduce-scattered at once under FULL_SHARD), g = gradient of x[i]
+//! before:              backward of sum(h0 * g) ─> the embedding's gradients; the rest's reduced last
+//! ```
+//!
+//! Burn 0.22 has no hook that frees a gathered parameter inside a graph: its autodiff graph keeps every input a
+//! step saved until backward reaches it. Recomputing each block in its own short graph is what lets a rank hold
+//! one block at a time, at the cost of one more forward pass per step; a custom backward operation would need
+//! backend primitives and would run the inner backward passes under the outer graph's lock. The device's random
+//! number generator is reseeded with the same value before a block's forward and its recompute, so that dropout
+//! draws the same masks in both.
+
+use std::collections::HashSet;
+
+use burn::module::{Module, ParamId};
+use burn::tensor::{Distribution, Tensor};
+
+use super::StepPipeline;
+use crate::distributed::strategy::{Strategy, trainable_params, unshard, unshard_except};
+use crate::error::{Error, Result};
+use crate::grad::{GradientBuffer, param_ids};
+
+/// A model whose forward pass runs through a sequence of blocks of one type — a transformer's layers — so that
+/// [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks) can gather (under `FULL_SHARD`) and
+/// recompute (with activation checkpointing) one block at a time: FSDP2's `fully_shard(block)` and Accelerate's
+/// `transformer_layer_cls_to_wrap`, as a trait. What is not in a block (embeddings, the head) is gathered whole.
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn_accelerate::Blocks;
+///
+/// #[derive(Module, Debug)]
+/// struct Stack {
+///     layers: Vec<Linear>,
+///     head: Linear,
+/// }
+///
+/// impl Blocks for Stack {
+///     type Block = Linear;
+///     fn blocks(&self) -> &[Linear] {
+///         &self.layers
+///     }
+/// }
+/// # let device = Default::default();
+/// # let stack = Stack { layers: vec![LinearConfig::new(2, 2).init(&device)], head: LinearConfig::new(2, 1).init(&device) };
+/// # assert_eq!(stack.blocks().len(), 1);
+/// ```
+pub trait Blocks: Module {
+    /// One block (a transformer layer).
+    type Block: Module;
+
+    /// The blocks, in the order the forward pass runs them.
+    fn blocks(&self) -> &[Self::Block];
+}
+
+/// The parameter ids of every block of `model`.
+fn block_ids<M: Blocks>(model: &M) -> HashSet<ParamId> {
+    model.blocks().iter().flat_map(param_ids).collect()
+}
+
+/// Where a block-wise pass puts each part's gradients.
+enum Sink {
+    /// Into one local buffer, reduced across ranks as a whole at the end of the pass, as `backward` does.
+    Local(GradientBuffer),
+    /// Reduced across ranks part by part (this rank keeps its own) and added to the accumulated gradients.
+    ReducedPerPart,
+}
+
+impl StepPipeline {
+    /// One micro-batch's forward and backward pass through `model`'s blocks (see the module's documentation):
+    /// `before` runs what precedes the blocks, `block` one block, `after` what follows them and the loss. Without
+    /// `FULL_SHARD` and without `checkpoint` this is a plain forward pass and [`backward`](Self::backward).
+    /// Returns the (unscaled) loss, detached.
+    pub fn backward_blocks<M, const D: usize>(
+        &self,
+        model: &M,
+        before: impl FnOnce(&M) -> Tensor<D>,
+        block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+        after: impl FnOnce(&M, Tensor<D>) -> Tensor<1>,
+        checkpoint: bool,
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+    {
+        let strategy = self.strategy.as_ref();
+        let sharded = strategy.reshards_parameters();
+        if !sharded && !checkpoint {
+            let whole = unshard(strategy, model)?;
+            let mut x = before(&whole);
+            for b in whole.blocks() {
+                x = block(b, x);
+            }
+            let loss = after(&whole, x);
+            let value = loss.clone().detach();
+            self.backward(loss, &whole)?;
+            return Ok(value);
+        }
+        let blocks = block_ids(model);
+        let rest = unshard_except(strategy, model, &blocks)?;
+        let mut sink = if sharded {
+            Sink::ReducedPerPart
+        } else {
+            Sink::Local(GradientBuffer::new())
+        };
+
+        // Forward, without a graph: only the activations between blocks are kept.
+        let h0 = before(&rest);
+        let device = h0.device();
+        let seeds = BlockSeeds::draw(&device);
+        let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
+        boundaries.push(h0.clone().detach());
+        for (i, b) in model.blocks().iter().enumerate() {
+            let whole = gather_block(strategy, b)?.no_grad();
+            let x = boundaries[i].clone();
+            seeds.before_block(&device, i);
+            let y = block(&whole, x).detach();
+            drop(whole);
+            boundaries.push(y);
+        }
+
+        // The head and the loss, with a graph from the last activation on.
+        let top = boundaries
+            .pop()
+            .expect("the first activation is always there")
+            .require_grad();
+        let loss = after(&rest, top.clone());
+        if !loss.is_tracked() {
+            return Err(Error::InvalidArgument(
+                "backward_blocks: the loss is not connected to any parameter that requires a gradient; prepare \
+                 the model with `accelerator.prepare_model(model)` and compute the loss in `after` from the \
+                 activation it is given"
+                    .into(),
+            ));
+        }
+        let value = loss.clone().detach();
+        let mut grads = self.precision().scale_loss(loss).backward();
+        let mut upstream = top.grad_remove(&mut grads).ok_or_else(|| {
+            Error::InvalidArgument(
+                "backward_blocks: the loss `after` returned does not depend on the activation it was given (the \
+                 blocks' output); compute the loss from it"
+                    .into(),
+            )
+        })?;
+        let mut rest_grads = GradientBuffer::new();
+        rest_grads.collect(&rest, &mut grads);
+        drop(grads);
+
+        // The blocks in reverse: recompute with a graph, back-propagate the gradient from above.
+        for (i, b) in model.blocks().iter().enumerate().rev() {
+            let whole = gather_block(strategy, b)?;
+            let input = boundaries.pop().expect("one activation per block");
+            let needs_input_grad = i > 0 || h0.is_tracked();
+            let x = if needs_input_grad {
+                input.require_grad()
+            } else {
+                input
+            };
+            seeds.before_block(&device, i);
+            let y = block(&whole, x.clone());
+            let mut grads = (y * upstream).sum().backward();
+            upstream = if needs_input_grad {
+                x.grad_remove(&mut grads).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "backward_blocks: block {i}'s output does not depend on its input; `block` must compute \
+                         the block's output from the activation it is given"
+                    ))
+                })?
+            } else {
+                Tensor::zeros([1; D], &device)
+            };
+            let mut part = GradientBuffer::new();
+            part.collect(&whole, &mut grads);
+            drop(grads);
+            self.add_part(&mut sink, part, &trainable_params(&whole))?;
+        }
+        seeds.after_pass(&device);
+
+        // What precedes the blocks (embeddings), then the rest's gradients as one part.
+        if h0.is_tracked() {
+            let mut grads = (h0 * upstream).sum().backward();
+            rest_grads.collect(&rest, &mut grads);
+        }
+        let rest_params: Vec<(ParamId, usize)> = trainable_params(&rest)
+            .into_iter()
+            .filter(|(id, _)| !blocks.contains(id))
+            .collect();
+        self.add_part(&mut sink, rest_grads, &rest_params)?;
+        drop(rest);
+
+        match sink {
+            Sink::Local(mut local) => self.process(&mut local, model)?,
+            Sink::ReducedPerPart => {
+                let mut core = self.shared.lock();
+                self.end_backward(&mut core, model, true)?;
+            }
+        }
+        Ok(value)
+    }
+
+    /// Hands one part's gradients to `sink`: kept locally, or reduced across the ranks (each keeps its own
+    /// parameters' mean gradients) and added to the accumulated ones.
+    fn add_part(
+        &self,
+        sink: &mut Sink,
+        mut part: GradientBuffer,
+        params: &[(ParamId, usize)],
+    ) -> Result<()> {
+        match sink {
+            Sink::Local(local) => local.absorb(part),
+            Sink::ReducedPerPart => {
+                self.strategy.reduce_gradients(&mut part, params, 1.0)?;
+                self.shared.lock().grads.absorb(part);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `block` with every parameter whole on this rank: gathered under `FULL_SHARD`, else a cheap clone.
+fn gather_block<B: Module>(strategy: &dyn Strategy, block: &B) -> Result<B> {
+    unshard(strategy, block)
+}
+
+/// The seeds that make a block's recompute draw the same random numbers (dropout masks) as its forward pass.
+struct BlockSeeds(u64);
+
+impl BlockSeeds {
+    /// A base seed drawn from the device's generator, so that runs stay reproducible from the user's seed.
+    fn draw(device: &burn::tensor::Device) -> Self {
+        let draw: Tensor<1> = Tensor::random([2], Distribution::Uniform(0.0, 1.0), device);
+        let values = draw.into_data().try_to_vec::<f32>().unwrap_or_default();
+        let bits = |i: usize| u64::from(values.get(i).copied().unwrap_or(0.0).to_bits());
+        Self((bits(0) << 32) | bits(1))
+    }
+
+    fn before_block(&self, device: &burn::tensor::Device, block: usize) {
+        device.seed(self.0.wrapping_add(block as u64 + 1));
+    }
+
+    /// The generator continues from a seed of its own after the pass.
+    fn after_pass(&self, device: &burn::tensor::Device) {
+        device.seed(self.0.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15);
+    }
+}

@@ -1,0 +1,423 @@
+//! Block-wise passes (`Accelerator::backward_blocks`): block-wise `FULL_SHARD` and `HYBRID_SHARD` on 2, 3 and 4
+//! in-process ranks train the weights of `NO_SHARD` with the plain `backward` on the same ranks (with
+//! accumulation, fp16 loss scaling and both kinds of clipping; a model with fewer parameters than ranks
+//! included), activation checkpointing alone trains the weights of no checkpointing bit for bit, a block-wise
+//! run saved and resumed equals one trained straight through, and a rank holds at most one block's gathered
+//! parameters at a time. The same under `mpirun` is in `tests/parity_mpi.rs`.
+
+#[path = "support/isolation.rs"]
+mod isolation;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::AdamConfig;
+use burn::tensor::{Device, Tensor};
+use burn_accelerate::{
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, Blocks, MixedPrecision, Result,
+    ShardingStrategy, StateToSave,
+};
+
+/// Rows of a global batch, divided between the ranks.
+const GLOBAL_BATCH: usize = 12;
+const WIDTH: usize = 8;
+
+/// An input layer, a stack of square blocks with tanh, and a head: what is outside the blocks is gathered
+/// whole, the blocks one at a time.
+#[derive(Module, Debug)]
+struct Deep {
+    input: Linear,
+    layers: Vec<Linear>,
+    head: Linear,
+}
+
+impl Blocks for Deep {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        &self.layers
+    }
+}
+
+/// How a run trains.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    processes: usize,
+    sharding: ShardingStrategy,
+    checkpointing: bool,
+    blocks: bool,
+    accumulation: usize,
+    fp16: bool,
+    clip: Clip,
+    steps: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Clip {
+    None,
+    Norm,
+    Value,
+}
+
+impl Setup {
+    fn new(processes: usize, sharding: ShardingStrategy) -> Self {
+        Self {
+            processes,
+            sharding,
+            checkpointing: false,
+            blocks: true,
+            accumulation: 1,
+            fp16: false,
+            clip: Clip::None,
+            steps: 20,
+        }
+    }
+
+    fn builder(&self) -> AcceleratorBuilder {
+        let mut builder = Accelerator::builder()
+            .sharding(self.sharding)
+            .activation_checkpointing(self.checkpointing)
+            .gradient_accumulation_steps(self.accumulation);
+        if self.sharding.is_hybrid() {
+            builder = builder.dp_shard_size(2);
+        }
+        if self.fp16 {
+            builder = builder.mixed_precision(MixedPrecision::Fp16);
+        }
+        builder
+    }
+}
+
+fn model(layers: usize, device: &Device) -> Deep {
+    deterministic(Deep {
+        input: LinearConfig::new(6, WIDTH).init(device),
+        layers: (0..layers)
+            .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
+            .collect(),
+        head: LinearConfig::new(WIDTH, 1).init(device),
+    })
+}
+
+/// `module` with weights drawn from a fixed formula, not from the device's generator (which the tests of this
+/// binary share, running at once).
+fn deterministic<M: Module>(module: M) -> M {
+    struct Fill(usize);
+    impl ModuleMapper for Fill {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            self.0 += 1;
+            let salt = self.0 as f32;
+            param.map(|t| {
+                let n = t.shape().num_elements();
+                let values: Vec<f32> = (0..n)
+                    .map(|i| 0.4 * ((i as f32 + 1.0) * 0.731 + salt * 1.37).sin())
+                    .collect();
+                Tensor::<1>::from_floats(values.as_slice(), &t.device()).reshape(t.dims())
+            })
+        }
+    }
+    module.map(&mut Fill(0))
+}
+
+/// Rows `first..first + rows` of the synthetic set: inputs and targets.
+fn batch(first: usize, rows: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let x: Vec<f32> = (0..rows * 6)
+        .map(|k| ((first + k / 6) as f32 * 0.37 + (k % 6) as f32 * 0.11).sin())
+        .collect();
+    let y: Vec<f32> = (0..rows)
+        .map(|i| ((first + i) as f32 * 0.21).cos())
+        .collect();
+    (
+        Tensor::<1>::from_floats(x.as_slice(), device).reshape([rows, 6]),
+        Tensor::<1>::from_floats(y.as_slice(), device).reshape([rows, 1]),
+    )
+}
+
+/// Every float parameter's values, in visiting order.
+fn flatten<M: Module>(model: &M) -> Vec<f32> {
+    struct Values(Vec<f32>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.extend(
+                param
+                    .val()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}
+
+/// Trains `model` for `setup.steps` micro-batches from micro-batch `from`, with `backward_blocks` (or the
+/// plain `backward` when `setup.blocks` is off).
+fn train(
+    acc: &Accelerator,
+    setup: &Setup,
+    mut model: Deep,
+    optimizer: &mut AcceleratedOptimizer,
+    from: usize,
+) -> Result<Deep> {
+    let (rank, ranks) = (acc.process_index(), acc.num_processes());
+    let rows = GLOBAL_BATCH / ranks;
+    let device = acc.device().clone();
+    for step in from..from + setup.steps {
+        let (x, y) = batch(step * GLOBAL_BATCH + rank * rows, rows, &device);
+        acc.accumulate();
+        let loss_of =
+            |out: Tensor<2>, y: Tensor<2>| (out - y).powi_scalar(2).sum().div_scalar(rows as f32);
+        if setup.blocks {
+            acc.backward_blocks(
+                &model,
+                |m| m.input.forward(x.clone()).tanh(),
+                |layer, h| layer.forward(h).tanh(),
+                |m, h| loss_of(m.head.forward(h), y.clone()),
+            )?;
+        } else {
+            let whole = acc.unshard(&model)?;
+            let mut h = whole.input.forward(x).tanh();
+            for layer in &whole.layers {
+                h = layer.forward(h).tanh();
+            }
+            let loss = loss_of(whole.head.forward(h), y);
+            acc.backward(loss, &whole)?;
+        }
+        if acc.sync_gradients() {
+            match setup.clip {
+                Clip::Norm => {
+                    acc.clip_grad_norm(&model, 0.05)?;
+                }
+                Clip::Value => acc.clip_grad_value(&model, 0.01)?,
+                Clip::None => {}
+            }
+        }
+        model = optimizer.try_step(model)?;
+    }
+    Ok(model)
+}
+
+/// The whole weights rank 0 ends with.
+fn run(setup: Setup, layers: usize) -> Vec<f32> {
+    let weights = setup
+        .builder()
+        .launch(setup.processes, |acc| {
+            let model = acc.prepare_model(model(layers, acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let model = train(&acc, &setup, model, &mut optimizer, 0)?;
+            Ok(flatten(&acc.unshard(&model)?))
+        })
+        .unwrap_or_else(|e| panic!("{setup:?}: {e}"));
+    weights.into_iter().next().unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn block_wise_full_shard_trains_the_weights_of_no_shard() {
+    let mut worst = 0.0f32;
+    for processes in [2, 3, 4] {
+        for (accumulation, fp16, clip) in [
+            (1, false, Clip::None),
+            (3, false, Clip::None),
+            (1, true, Clip::None),
+            (2, false, Clip::Norm),
+            (1, false, Clip::Value),
+        ] {
+            let setup = |sharding, blocks| Setup {
+                accumulation,
+                fp16,
+                clip,
+                blocks,
+                ..Setup::new(processes, sharding)
+            };
+            let reference = run(setup(ShardingStrategy::NoShard, false), 4);
+            let initial = run(
+                Setup {
+                    steps: 0,
+                    ..setup(ShardingStrategy::NoShard, false)
+                },
+                4,
+            );
+            assert!(
+                max_diff(&reference, &initial) > 1e-2,
+                "the reference trained"
+            );
+            let mut modes = vec![ShardingStrategy::FullShard];
+            if processes == 4 {
+                modes.push(ShardingStrategy::HybridShard);
+            }
+            for sharding in modes {
+                let blockwise = run(setup(sharding, true), 4);
+                let diff = max_diff(&reference, &blockwise);
+                println!(
+                    "P={processes} {sharding} accumulation {accumulation} fp16 {fp16} clip {clip:?}: \
+                     max |Δ| vs NO_SHARD = {diff:e}"
+                );
+                let bound = if fp16 { 1e-5 } else { 1e-6 };
+                assert!(
+                    diff <= bound,
+                    "P={processes} {sharding} accumulation {accumulation} fp16 {fp16} clip {clip:?}: \
+                     {diff:e} > {bound:e}"
+                );
+                worst = worst.max(diff);
+            }
+        }
+    }
+    println!("block-wise FULL_SHARD vs NO_SHARD, worst: {worst:e}");
+}
+
+#[test]
+fn activation_checkpointing_alone_trains_the_weights_of_no_checkpointing() {
+    for (processes, sharding) in [
+        (1, ShardingStrategy::NoShard),
+        (2, ShardingStrategy::NoShard),
+        (3, ShardingStrategy::ShardGradOp),
+    ] {
+        let plain = run(Setup::new(processes, sharding), 3);
+        let checkpointed = run(
+            Setup {
+                checkpointing: true,
+                ..Setup::new(processes, sharding)
+            },
+            3,
+        );
+        assert_eq!(
+            plain, checkpointed,
+            "P={processes} {sharding}: checkpointing changed the weights"
+        );
+    }
+}
+
+/// One block of one parameter (no bias, no input layer, no head): 1 parameter on 4 ranks, and 2 blocks (2
+/// parameters) on 4 ranks: ranks that own nothing still take part in every collective.
+#[test]
+fn fewer_parameters_than_ranks_train_as_no_shard() {
+    #[derive(Module, Debug)]
+    struct Tiny {
+        layers: Vec<Linear>,
+    }
+    impl Blocks for Tiny {
+        type Block = Linear;
+        fn blocks(&self) -> &[Linear] {
+            &self.layers
+        }
+    }
+    for layers in [1, 2] {
+        let run_tiny = |sharding| {
+            Accelerator::builder()
+                .sharding(sharding)
+                .launch(4, |acc| {
+                    let device = acc.device().clone();
+                    let tiny = deterministic(Tiny {
+                        layers: (0..layers)
+                            .map(|_| LinearConfig::new(4, 4).with_bias(false).init(&device))
+                            .collect(),
+                    });
+                    let mut model = acc.prepare_model(tiny)?;
+                    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                    for step in 0..20 {
+                        let (x, _) = batch(step * 8 + acc.process_index() * 2, 2, &device);
+                        let x = x.narrow(1, 0, 4);
+                        acc.backward_blocks(
+                            &model,
+                            |_| x.clone(),
+                            |layer, h| layer.forward(h),
+                            |_, h| (h - 0.5).powi_scalar(2).mean(),
+                        )?;
+                        model = optimizer.try_step(model)?;
+                    }
+                    Ok(flatten(&acc.unshard(&model)?))
+                })
+                .unwrap()
+                .remove(0)
+        };
+        let diff = max_diff(
+            &run_tiny(ShardingStrategy::NoShard),
+            &run_tiny(ShardingStrategy::FullShard),
+        );
+        assert!(diff <= 1e-6, "{layers} parameters on 4 ranks: {diff:e}");
+    }
+}
+
+/// Saved after 10 block-wise `FULL_SHARD` steps and resumed by new accelerators for 10 more: the weights of 20
+/// steps straight through, bit for bit.
+#[test]
+fn a_block_wise_run_resumes_with_the_weights_of_one_straight_through() {
+    let dir = std::env::temp_dir().join(format!("blockwise-resume-{}", std::process::id()));
+    let setup = Setup::new(3, ShardingStrategy::FullShard);
+    let straight = run(setup, 3);
+    let half = Setup { steps: 10, ..setup };
+    setup
+        .builder()
+        .launch(3, |acc| {
+            let model = acc.prepare_model(model(3, acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let model = train(&acc, &half, model, &mut optimizer, 0)?;
+            let parts = StateToSave::new().model(&model)?.optimizer(&optimizer)?;
+            acc.save_state(Some(&dir), &parts)
+        })
+        .unwrap();
+    let resumed = setup
+        .builder()
+        .launch(3, |acc| {
+            let model = acc.prepare_model(model(3, acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let mut state = acc.load_state(Some(&dir))?;
+            let model = state.model(model)?;
+            state.optimizer(&mut optimizer)?;
+            state.finish()?;
+            let model = train(&acc, &half, model, &mut optimizer, 10)?;
+            Ok(flatten(&acc.unshard(&model)?))
+        })
+        .unwrap()
+        .remove(0);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(straight, resumed, "resumed weights differ");
+}
+
+/// A block-wise `FULL_SHARD` pass gathers what is outside the blocks without them (`before` sees the blocks as
+/// this rank's placeholders) and each block whole only when it runs, once forward and once recomputed.
+#[test]
+fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
+    let calls = AtomicUsize::new(0);
+    Setup::new(2, ShardingStrategy::FullShard)
+        .builder()
+        .launch(2, |acc| {
+            let device = acc.device().clone();
+            let model = acc.prepare_model(model(4, &device))?;
+            let (x, y) = batch(0, 6, &device);
+            acc.accumulate();
+            acc.backward_blocks(
+                &model,
+                |m| {
+                    // Outside the blocks: whole. The blocks: only this rank's own are whole.
+                    assert_eq!(m.input.weight.dims(), [6, WIDTH]);
+                    let whole = m.layers.iter().filter(|l| l.weight.dims()[0] > 0).count();
+                    assert!(
+                        whole < 4,
+                        "{whole} of 4 blocks whole outside the block pass"
+                    );
+                    m.input.forward(x.clone()).tanh()
+                },
+                |layer, h| {
+                    calls.fetch_add(1, Ordering::Relaxed);
+                    assert_eq!(layer.weight.dims(), [WIDTH, WIDTH], "the block is whole");
+                    layer.forward(h).tanh()
+                },
+                |m, h| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    // Each of 2 ranks: 4 blocks forward, 4 recomputed.
+    assert_eq!(calls.load(Ordering::Relaxed), 16);
+}
