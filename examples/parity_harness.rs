@@ -136,6 +136,13 @@ struct Args {
     /// Mixed precision (`no`, `fp16`, `bf16`), whatever the case (`resume` in fp16).
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
+    /// Train through `backward_blocks` (the input layer is the model's one block): block-wise under
+    /// `FULL_SHARD`, recomputed with `--checkpointing`.
+    #[arg(long)]
+    blocks: bool,
+    /// Activation checkpointing (with `--blocks`).
+    #[arg(long)]
+    checkpointing: bool,
 }
 
 /// What a rank counted, written beside its weights.
@@ -186,7 +193,7 @@ fn builder(case: Case, args: &Args) -> AcceleratorBuilder {
     if let Some(precision) = args.mixed_precision {
         builder = builder.mixed_precision(precision);
     }
-    builder
+    builder.activation_checkpointing(args.checkpointing)
 }
 
 /// Samples in the training set and passes over it, per case.
@@ -258,16 +265,34 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
                 .trained_ids
                 .extend(ids.iter::<i64>().map(|id| (micro + 1, id)));
             acc.accumulate();
-            // Under FULL_SHARD the model holds this rank's parameters only; elsewhere this is a clone.
-            let whole = acc.unshard(&model)?;
-            let loss = if matches!(case, Case::Bf16 | Case::Fp16) || args.mixed_precision.is_some()
-            {
-                acc.autocast(&whole, batch, |model, batch| loss(model, batch, per_rank))
+            let mixed = matches!(case, Case::Bf16 | Case::Fp16) || args.mixed_precision.is_some();
+            if args.blocks {
+                // Block by block: the input layer is gathered (FULL_SHARD) and recomputed on its own, each part
+                // under autocast as the whole model would be.
+                let mlp::Batch { x, y } = batch;
+                acc.backward_blocks(
+                    &model,
+                    |_| x,
+                    |layer, x| acc.autocast(layer, x, |layer, x| Mlp::hidden(layer, x)),
+                    |model, h| {
+                        acc.autocast(model, (h, y), |model, (h, y)| {
+                            (model.head(h) - y)
+                                .powi_scalar(2)
+                                .sum()
+                                .div_scalar(per_rank as f32)
+                        })
+                    },
+                )?;
             } else {
-                loss(&whole, batch, per_rank)
-            };
-            acc.backward(loss, &whole)?;
-            drop(whole);
+                // Under FULL_SHARD the model holds this rank's parameters only; elsewhere this is a clone.
+                let whole = acc.unshard(&model)?;
+                let loss = if mixed {
+                    acc.autocast(&whole, batch, |model, batch| loss(model, batch, per_rank))
+                } else {
+                    loss(&whole, batch, per_rank)
+                };
+                acc.backward(loss, &whole)?;
+            }
             if acc.sync_gradients() {
                 let clipped = match case {
                     Case::ClipNorm => acc.clip_grad_norm(&model, 0.5)? > 0.5,

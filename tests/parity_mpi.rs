@@ -300,17 +300,37 @@ fn launch_with_a_hostfile_forwards_the_settings_to_every_rank() {
 
 #[test]
 fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill() {
-    let dir = scratch("sharded-mpi");
-    for p in [2, 3] {
+    sharded_processes_against_unsharded("sharded-mpi", &[2, 3], &[]);
+}
+
+/// Block-wise `FULL_SHARD` (`backward_blocks`, one block gathered at a time) under `mpirun -np 2` and `-np 4`:
+/// every case equals `NO_SHARD`'s in-process ranks (the sharded bounds), and a block-wise job killed by SIGKILL
+/// resumes bit for bit.
+#[test]
+fn block_wise_full_shard_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill() {
+    sharded_processes_against_unsharded("blockwise-mpi", &[2, 4], &["--blocks"]);
+}
+
+/// Under `mpirun -np p` for each of `ranks`, `SHARD_GRAD_OP` and `FULL_SHARD` with the harness's `extra` flags
+/// against `NO_SHARD` on as many in-process ranks, with two bucket sizes, then a kill and resume.
+fn sharded_processes_against_unsharded(name: &str, ranks: &[usize], extra: &[&str]) {
+    let dir = scratch(name);
+    for &p in ranks {
         let procs = p.to_string();
         let unsharded = dir.join(format!("in{p}"));
         run_local(&unsharded, &["--processes", &procs]);
-        for sharding in ["SHARD_GRAD_OP", "FULL_SHARD"] {
+        // Block-wise passes change only FULL_SHARD's path (SHARD_GRAD_OP runs them as a plain pass).
+        let modes: &[&str] = if extra.is_empty() {
+            &["SHARD_GRAD_OP", "FULL_SHARD"]
+        } else {
+            &["FULL_SHARD"]
+        };
+        for &sharding in modes {
             // Grouped rounds (the default bucket) and parameters sent alone (a 4 KiB bucket).
             for bucket in ["25", "0.004"] {
                 let sharded = dir.join(format!("mpi{p}-{sharding}-{bucket}"));
                 let args = ["--sharding", sharding, "--bucket-size-mb", bucket];
-                assert_success(&mpirun(p, &sharded, &args));
+                assert_success(&mpirun(p, &sharded, &[&args[..], extra].concat()));
                 for (case, _) in CASES {
                     let diff = parity::compare_sharded(&unsharded, &sharded, p, case);
                     println!(
@@ -320,7 +340,8 @@ fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill
             }
             // Saved after step 10, the last rank killed by SIGKILL after step 14, resumed: the same bits as
             // the uninterrupted run.
-            let resume = ["--case", "resume", "--sharding", sharding];
+            let resume = [&["--case", "resume", "--sharding", sharding][..], extra].concat();
+            let resume = &resume[..];
             let whole = dir.join(format!("whole{p}-{sharding}"));
             assert_success(&mpirun(p, &whole, &resume));
             let broken = dir.join(format!("broken{p}-{sharding}"));

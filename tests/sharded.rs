@@ -390,3 +390,36 @@ fn debug_mode_names_every_ranks_call_inside_a_sharded_and_a_hybrid_step() {
         println!("{sharding}: {err}");
     }
 }
+
+/// Block-wise `FULL_SHARD` (`--blocks`: the harness trains through `backward_blocks`, its input layer the one
+/// block) on 2, 3 and 4 in-process ranks trains the weights of `NO_SHARD` with the plain `backward` in every case
+/// (accumulation, both clippings, bf16, fp16, uneven batches), and `NO_SHARD` with activation checkpointing the
+/// same; the parity harness's sharded bounds hold (the same bits but for `clip-norm`).
+#[test]
+fn block_wise_passes_train_the_weights_of_the_plain_backward_in_every_case() {
+    let dir = scratch("blockwise");
+    for p in [2, 3, 4] {
+        let procs = p.to_string();
+        let unsharded = dir.join(format!("p{p}"));
+        run_local(&unsharded, &["--processes", &procs]);
+        for (name, args) in [
+            ("FULL_SHARD-blocks", &["--sharding", "FULL_SHARD", "--blocks"][..]),
+            (
+                "NO_SHARD-checkpointing",
+                &["--sharding", "NO_SHARD", "--blocks", "--checkpointing"][..],
+            ),
+        ] {
+            let blockwise = dir.join(format!("p{p}-{name}"));
+            run_local(&blockwise, &[&["--processes", &procs][..], args].concat());
+            for (case, _) in CASES {
+                let diff = if name.starts_with("FULL_SHARD") {
+                    compare_sharded(&unsharded, &blockwise, p, case)
+                } else {
+                    parity::compare_case(&unsharded, &blockwise, p, case, 0.0)
+                };
+                println!("in-process P={p} {name} {case}: max |Δ| vs NO_SHARD = {diff:e}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -9,6 +9,7 @@ use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::tensor::{Device, Tensor};
+use burn_accelerate::Blocks;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -41,9 +42,28 @@ impl Mlp {
             .forward(self.activation.forward(self.input.forward(x)))
     }
 
+    /// The hidden layer on `x`: the model's one block for block-wise passes (see [`Blocks`]).
+    pub fn hidden(layer: &Linear, x: Tensor<2>) -> Tensor<2> {
+        Relu::new().forward(layer.forward(x))
+    }
+
+    /// The output layer on the hidden activation `h`.
+    pub fn head(&self, h: Tensor<2>) -> Tensor<2> {
+        self.output.forward(h)
+    }
+
     /// Mean squared error of the predictions for `batch`.
     pub fn loss(&self, batch: Batch) -> Tensor<1> {
         MseLoss::new().forward(self.forward(batch.x), batch.y, Reduction::Mean)
+    }
+}
+
+/// The input layer is the one block of a block-wise pass (`Accelerator::backward_blocks`); the output layer is
+/// outside the blocks.
+impl Blocks for Mlp {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        std::slice::from_ref(&self.input)
     }
 }
 

@@ -153,6 +153,12 @@ impl fmt::Display for EnvReport {
             }
             Err(e) => writeln!(f, "- Settings: unreadable: {e}")?,
         }
+        if let Ok(settings) = &self.settings
+            && let Some((_, value, _)) = settings.iter().find(|(key, _, _)| *key == "sharding")
+            && let Ok(sharding) = value.parse::<config::ShardingStrategy>()
+        {
+            writeln!(f, "- Peak memory under {sharding}: {}", sharding.peak_memory())?;
+        }
         if let Some(refused) = &self.refused {
             writeln!(f, "- A run refuses these settings: {refused}")?;
         }

@@ -66,6 +66,15 @@ pub struct LaunchArgs {
         visible_alias = "parallelism_config_dp_shard_size"
     )]
     pub parallelism_config_dp_shard_size: Option<usize>,
+    /// Recompute each block in backward instead of keeping its activations, in programs that train with
+    /// `backward_blocks` (FSDP_ACTIVATION_CHECKPOINTING): `--fsdp_activation_checkpointing` or `... true`.
+    #[arg(
+        long = "fsdp-activation-checkpointing",
+        visible_alias = "fsdp_activation_checkpointing",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub fsdp_activation_checkpointing: Option<bool>,
     /// Check every collective across ranks (ACCELERATE_DEBUG_MODE).
     #[arg(long)]
     pub debug: bool,
@@ -238,6 +247,19 @@ impl Plan {
         if let Some((n, source)) = &shard_size {
             settings.push(setting("dp_shard_size", n.to_string(), source.clone()));
         }
+        let (checkpointing, checkpointing_source) = match args.fsdp_activation_checkpointing {
+            Some(on) => (on, cli()),
+            None => (
+                config.activation_checkpointing,
+                config.source("activation_checkpointing").to_string(),
+            ),
+        };
+        resolved.activation_checkpointing = checkpointing;
+        settings.push(setting(
+            "activation_checkpointing",
+            checkpointing.to_string(),
+            checkpointing_source,
+        ));
         let flag = |on: bool, value: bool, key: &str| -> (bool, String) {
             if on {
                 (true, cli())
@@ -283,6 +305,10 @@ impl Plan {
         if let Some((n, _)) = shard_size {
             env.push((burn_accelerate::config::DP_SHARD_SIZE_VAR, n.to_string()));
         }
+        env.push((
+            burn_accelerate::config::ACTIVATION_CHECKPOINTING_VAR,
+            checkpointing.to_string(),
+        ));
         if let Some((n, _)) = threads {
             env.push(("RAYON_NUM_THREADS", n.to_string()));
             env.push(("OMP_NUM_THREADS", n.to_string()));

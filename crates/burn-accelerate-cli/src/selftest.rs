@@ -379,6 +379,7 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             use_fsdp: false,
             fsdp_sharding_strategy: None,
             parallelism_config_dp_shard_size: None,
+            fsdp_activation_checkpointing: None,
             debug: false,
             cpu: false,
             num_cpu_threads_per_process: None,

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 /// |---|---|---|---|---|
 /// | `NoShard` | all, on every rank (all-reduce) | all | all | DDP |
 /// | `ShardGradOp` | this rank's (reduce-scatter) | this rank's | all (all-gathered after the step) | 2 |
-/// | `FullShard` | this rank's (reduce-scatter) | this rank's | this rank's; gathered by [`Accelerator::unshard`](crate::Accelerator::unshard) for forward and backward | 3 |
+/// | `FullShard` | this rank's (reduce-scatter) | this rank's | this rank's; gathered block by block by [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks), or whole by [`Accelerator::unshard`](crate::Accelerator::unshard) | 3 |
 /// | `HybridShard` | as `FullShard` within a shard group, then averaged across the groups (all-reduce) | this rank's in its group | as `FullShard`, gathered within the group | 3 within, DDP across |
 /// | `HybridShardZero2` | as `ShardGradOp` within a shard group, then averaged across the groups | this rank's in its group | all | 2 within, DDP across |
 ///
@@ -65,6 +65,26 @@ impl ShardingStrategy {
             ShardingStrategy::FullShard => "FULL_SHARD",
             ShardingStrategy::HybridShard => "HYBRID_SHARD",
             ShardingStrategy::HybridShardZero2 => "_HYBRID_SHARD_ZERO2",
+        }
+    }
+
+    /// What a rank holds at its peak, in a training step under this strategy, with `P` ranks (or `P` in a shard
+    /// group): what `burn-accelerate env` says of it.
+    pub fn peak_memory(self) -> &'static str {
+        match self {
+            ShardingStrategy::NoShard => {
+                "every rank holds the whole model, its gradients and its optimizer state (16 bytes a parameter \
+                 with f32 Adam) and the activations of the whole forward pass"
+            }
+            ShardingStrategy::ShardGradOp | ShardingStrategy::HybridShardZero2 => {
+                "every rank holds the whole model and, during backward, every gradient; between steps only its \
+                 own gradients and optimizer state (1/P)"
+            }
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard => {
+                "with backward_blocks: 1/P of the parameters, gradients and optimizer state, one block gathered \
+                 at a time and the activations between blocks, for one more forward pass per step; with unshard \
+                 and backward: the whole model and every gradient at the peak (only 1/P between steps)"
+            }
         }
     }
 

@@ -1,0 +1,350 @@
+//! A small causal transformer language model, trained byte by byte on `examples/data/corpus.txt`: the model people
+//! shard. Its layers (Burn's own `TransformerEncoderLayer`: multi-head attention and a feed-forward network, with a
+//! causal mask) are the blocks that block-wise `FULL_SHARD` gathers one at a time and that activation
+//! checkpointing recomputes (Accelerate's `transformer_layer_cls_to_wrap`); the embeddings and the head are
+//! gathered whole. The loop is the same in every mode:
+//!
+//! ```text
+//! let loss = accelerator.backward_blocks(
+//!     &model,
+//!     |m| m.embed(tokens.clone()),                      // before the blocks
+//!     |layer, x| layer.forward(x, None, Some(mask.clone())), // one block
+//!     |m, x| m.loss(x, targets.clone()),                // after them: the head and the loss
+//! )?;
+//! model = optimizer.try_step(model)?;
+//! ```
+//!
+//! ```text
+//! cargo run --release --example transformer_lm                                   # 4 layers, one process
+//! cargo run --release --example transformer_lm -- --processes 2 --sharding FULL_SHARD
+//! mpirun -np 4 target/release/examples/transformer_lm --sharding FULL_SHARD \
+//!     --layers 24 --d-model 896 --steps 3                 # 231 M parameters; built with --features mpi
+//! ```
+//!
+//! `--whole` gathers the whole model for the forward pass instead (`unshard` and `backward`: today's `FULL_SHARD`
+//! without blocks), `--checkpointing` turns activation checkpointing on. Every rank prints what it held:
+//! `rank r/P mode=... params=N params_at_rest=B grads=B optimizer_state=B peak_rss=B peak_vm=B step_secs=S`; the main
+//! process prints `final_loss=<x>`, and `--weights <file>` writes the final weights (every float parameter in
+//! visiting order, little-endian f32) for comparing runs.
+
+#[path = "support/ranks.rs"]
+mod ranks;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::attention::generate_autoregressive_mask;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::optim::AdamConfig;
+use burn::tensor::{Bool, Device, Int, Tensor};
+use burn_accelerate::{Accelerator, Blocks, ReduceOp, Result, ShardingStrategy};
+use clap::Parser;
+
+/// The corpus, one token per byte.
+const CORPUS: &str = include_str!("data/corpus.txt");
+const VOCAB: usize = 256;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// In-process ranks (ignored under a launcher, which decides).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, ... (or Accelerate's numbers); the config file's or the
+    /// environment's setting when absent.
+    #[arg(long)]
+    sharding: Option<ShardingStrategy>,
+    /// Gather the whole model for the forward pass (`unshard` + `backward`) instead of block by block.
+    #[arg(long)]
+    whole: bool,
+    /// Activation checkpointing: recompute each layer in backward instead of keeping its activations.
+    #[arg(long)]
+    checkpointing: bool,
+    /// Transformer layers (the blocks).
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 64)]
+    d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Bytes per sequence.
+    #[arg(long, default_value_t = 32)]
+    seq: usize,
+    /// Sequences per step over all ranks (divided between them).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// Adam's learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Write the final weights here (main process), gathered one layer at a time.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Do not measure the optimizer state by serialising it (a copy of the state: under a memory limit, more
+    /// than training needs).
+    #[arg(long)]
+    skip_state_bytes: bool,
+}
+
+/// A decoder-only transformer over bytes: token and position embeddings, `layers` causal self-attention layers,
+/// a final norm and a head onto the 256 byte values.
+#[derive(Module, Debug)]
+struct ByteLm {
+    tokens: Embedding,
+    positions: Embedding,
+    layers: Vec<TransformerEncoderLayer>,
+    norm: LayerNorm,
+    head: Linear,
+}
+
+impl Blocks for ByteLm {
+    type Block = TransformerEncoderLayer;
+    fn blocks(&self) -> &[TransformerEncoderLayer] {
+        &self.layers
+    }
+}
+
+impl ByteLm {
+    fn new(args: &Args, device: &Device) -> Self {
+        let config = TransformerEncoderConfig::new(args.d_model, 4 * args.d_model, args.heads, 1)
+            .with_dropout(0.0)
+            .with_norm_first(true);
+        Self {
+            tokens: EmbeddingConfig::new(VOCAB, args.d_model).init(device),
+            positions: EmbeddingConfig::new(args.seq, args.d_model).init(device),
+            layers: (0..args.layers)
+                .map(|_| TransformerEncoderLayer::new(&config, device))
+                .collect(),
+            norm: LayerNormConfig::new(args.d_model).init(device),
+            head: LinearConfig::new(args.d_model, VOCAB).init(device),
+        }
+    }
+
+    /// The first activation: token plus position embeddings, `[batch, seq, d_model]`.
+    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [batch, seq] = tokens.dims();
+        let device = tokens.device();
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &device)
+            .reshape([1, seq])
+            .repeat_dim(0, batch);
+        self.tokens.forward(tokens) + self.positions.forward(positions)
+    }
+
+    /// The mean cross-entropy of the next byte after the last layer's activation `x`.
+    fn loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let [batch, seq, _] = x.dims();
+        let logits = self.head.forward(self.norm.forward(x)).reshape([batch * seq, VOCAB]);
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, targets.reshape([batch * seq]))
+    }
+}
+
+/// Sequences `first..first + rows` of the corpus (wrapping around): inputs and next-byte targets.
+fn batch(
+    (first, rows): (usize, usize),
+    seq: usize,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let bytes = CORPUS.as_bytes();
+    let stride = 7;
+    let window = |i: usize, shift: usize| -> Vec<i64> {
+        (0..seq)
+            .map(|j| i64::from(bytes[(i * stride + j + shift) % bytes.len()]))
+            .collect()
+    };
+    let (inputs, targets): (Vec<i64>, Vec<i64>) = (first..first + rows)
+        .map(|i| (window(i, 0), window(i, 1)))
+        .fold((Vec::new(), Vec::new()), |(mut a, mut b), (x, y)| {
+            a.extend(x);
+            b.extend(y);
+            (a, b)
+        });
+    let tensor = |values: Vec<i64>| {
+        Tensor::<1, Int>::from_ints(values.as_slice(), device).reshape([rows, seq])
+    };
+    (tensor(inputs), tensor(targets))
+}
+
+/// Elements and bytes of the float parameters of `model` this rank holds (a `FULL_SHARD` placeholder holds none).
+fn param_bytes<M: Module>(model: &M) -> usize {
+    struct Bytes(usize);
+    impl ModuleVisitor for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            self.0 += value.shape().num_elements() * value.dtype().size();
+        }
+    }
+    let mut bytes = Bytes(0);
+    model.visit(&mut bytes);
+    bytes.0
+}
+
+/// Bytes of the gradients of `model`'s parameters this rank holds.
+fn grad_bytes<M: Module>(acc: &Accelerator, model: &M) -> usize {
+    struct Bytes<'a>(&'a Accelerator, usize);
+    impl ModuleVisitor for Bytes<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.grad(param) {
+                self.1 += grad.shape().num_elements() * grad.dtype().size();
+            }
+        }
+    }
+    let mut bytes = Bytes(acc, 0);
+    model.visit(&mut bytes);
+    bytes.1
+}
+
+/// The process's peak resident memory (`VmHWM`) or peak address space (`VmPeak`), in bytes (Linux; 0
+/// elsewhere).
+fn peak(what: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(what))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+fn mode(acc: &Accelerator, args: &Args) -> String {
+    let sharding = acc.config().sharding;
+    let how = if !sharding.reshards_parameters() {
+        ""
+    } else if args.whole {
+        " (whole)"
+    } else {
+        " (block-wise)"
+    };
+    let checkpointing = if args.checkpointing { " + checkpointing" } else { "" };
+    format!("{sharding}{how}{checkpointing}")
+}
+
+fn train(acc: Accelerator, args: &Args) -> Result<f32> {
+    let (rank, ranks) = (acc.process_index(), acc.num_processes());
+    if !args.batch.is_multiple_of(ranks) {
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "--batch {} is not divisible by {ranks} ranks",
+            args.batch
+        )));
+    }
+    let device = acc.device().clone();
+    let initial = ByteLm::new(args, &device);
+    let params = initial.num_params();
+    let mut model = acc.prepare_model(initial)?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), args.lr);
+    let mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, &device);
+    let rows = args.batch / ranks;
+    let (mut loss_value, mut grads, mut step_secs) = (0.0, 0, 0.0);
+    for step in 0..args.steps {
+        let started = Instant::now();
+        let (inputs, targets) = batch((step * args.batch + rank * rows, rows), args.seq, &device);
+        let mask = mask.clone().repeat_dim(0, rows);
+        let loss = if args.whole {
+            let whole = acc.unshard(&model)?;
+            let mut x = whole.embed(inputs);
+            for layer in &whole.layers {
+                x = layer.forward(x, None, Some(mask.clone()));
+            }
+            let loss = whole.loss(x, targets);
+            acc.backward(loss.clone(), &whole)?;
+            loss.detach()
+        } else {
+            acc.backward_blocks(
+                &model,
+                |m| m.embed(inputs.clone()),
+                |layer, x| layer.forward(x, None, Some(mask.clone())),
+                |m, x| m.loss(x, targets.clone()),
+            )?
+        };
+        grads = grad_bytes(&acc, &model);
+        model = optimizer.try_step(model)?;
+        loss_value = acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>();
+        step_secs = started.elapsed().as_secs_f64();
+        if acc.is_main_process() && (step == 0 || (step + 1) % 10 == 0) {
+            println!("step {:>3} loss {loss_value:.4} ({step_secs:.2} s)", step + 1);
+        }
+    }
+    let (peak_rss, peak_vm) = (peak("VmHWM:"), peak("VmPeak:"));
+    let at_rest = param_bytes(&model);
+    let state = if args.skip_state_bytes {
+        0
+    } else {
+        optimizer
+            .inner()
+            .to_record()
+            .into_bytes()
+            .map_err(burn_accelerate::Error::other)?
+            .len()
+    };
+    println!(
+        "rank {rank}/{ranks} mode={} params={params} params_at_rest={at_rest} grads={grads} \
+         optimizer_state={state} peak_rss={peak_rss} peak_vm={peak_vm} step_secs={step_secs:.3}",
+        mode(&acc, args).replace(' ', "_")
+    );
+    if let Some(path) = &args.weights {
+        write_weights(&acc, &model, path)?;
+    }
+    Ok(loss_value)
+}
+
+/// Every float parameter of `model`, in visiting order, as little-endian f32, written by the main process; under
+/// `FULL_SHARD` gathered one part (an embedding, a layer, the head) at a time.
+fn write_weights(acc: &Accelerator, model: &ByteLm, path: &std::path::Path) -> Result<()> {
+    struct Values(Vec<u8>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            for v in data.iter::<f32>() {
+                self.0.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+    let mut file = acc
+        .is_main_process()
+        .then(|| std::fs::File::create(path))
+        .transpose()
+        .map_err(burn_accelerate::Error::other)?;
+    let mut write = |part: &dyn Fn(&mut Values) -> Result<()>| -> Result<()> {
+        let mut values = Values(Vec::new());
+        part(&mut values)?;
+        if let Some(file) = &mut file {
+            std::io::Write::write_all(file, &values.0).map_err(burn_accelerate::Error::other)?;
+        }
+        Ok(())
+    };
+    write(&|v| Ok(acc.unshard(&model.tokens)?.visit(v)))?;
+    write(&|v| Ok(acc.unshard(&model.positions)?.visit(v)))?;
+    for layer in &model.layers {
+        write(&|v| Ok(acc.unshard(layer)?.visit(v)))?;
+    }
+    write(&|v| Ok(acc.unshard(&model.norm)?.visit(v)))?;
+    write(&|v| Ok(acc.unshard(&model.head)?.visit(v)))
+}
+
+fn main() {
+    ranks::exit_on_error(run());
+}
+
+fn run() -> Result<()> {
+    burn_accelerate::logging::init(None);
+    let args = Args::parse();
+    // The main process draws the initial weights (at `prepare_model`) from this seed.
+    ranks::default_device().seed(42);
+    let mut builder = Accelerator::builder().activation_checkpointing(args.checkpointing);
+    if let Some(sharding) = args.sharding {
+        builder = builder.sharding(sharding);
+    }
+    if let Some(loss) = ranks::run_ranks(builder, args.processes, |acc| train(acc, &args))? {
+        println!("final_loss={loss:.6}");
+    }
+    Ok(())
+}
