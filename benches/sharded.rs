@@ -4,7 +4,12 @@
 //! - `shard_grad_op_step_ratio` = time per step with `SHARD_GRAD_OP` / with `NO_SHARD` (reduce-scatter, half the
 //!   Adam work, all-gather of the stepped parameters, against an all-reduce and the whole Adam step);
 //! - `full_shard_step_ratio` = the same for `FULL_SHARD` (the parameters are all-gathered before every forward
-//!   pass and dropped after the step).
+//!   pass and dropped after the step);
+//! - `block_wise_full_shard_step_ratio` = `FULL_SHARD` through `backward_blocks` (each layer gathered before its
+//!   forward pass and again before its recompute, its gradients reduce-scattered at once) / `NO_SHARD`;
+//! - `checkpointing_step_ratio` = `NO_SHARD` with activation checkpointing (every layer recomputed in backward)
+//!   / without: the recompute's cost, whose theory is one more forward pass (a forward is about a third of a
+//!   forward and backward, so about 1.33 of the compute, less of a step that also steps Adam).
 //!
 //! Each round runs the three modes one after the other (paired rounds), each timing its steady steps; the
 //! figure is the median of the rounds' ratios. `cargo bench -p burn-accelerate-examples --bench sharded`
@@ -33,7 +38,7 @@ fn env(key: &str, default: usize) -> usize {
 /// Median time of one training step (unshard, forward, backward, optimizer step) on 2 ranks under `sharding`,
 /// after one warm-up step (Flex computes eagerly: the step is done when `try_step` returns).
 fn time_per_step(
-    sharding: ShardingStrategy,
+    (sharding, mode): (ShardingStrategy, Mode),
     initial: &Stack,
     width: usize,
     batch: usize,
@@ -41,6 +46,7 @@ fn time_per_step(
 ) -> Duration {
     let times = Accelerator::builder()
         .sharding(sharding)
+        .activation_checkpointing(mode == Mode::Checkpointing)
         .launch(2, |acc| {
             let device = acc.device().clone();
             let rows = batch / 2;
@@ -55,10 +61,19 @@ fn time_per_step(
                 );
                 acc.wait_for_everyone()?;
                 let start = Instant::now();
-                let whole = acc.unshard(&model)?;
-                let loss = (whole.forward(x) - y).powi_scalar(2).mean();
-                acc.backward(loss, &whole)?;
-                drop(whole);
+                if mode == Mode::Whole {
+                    let whole = acc.unshard(&model)?;
+                    let loss = (whole.forward(x) - y).powi_scalar(2).mean();
+                    acc.backward(loss, &whole)?;
+                    drop(whole);
+                } else {
+                    acc.backward_blocks(
+                        &model,
+                        |_| x,
+                        |layer, h| layer.forward(h).tanh(),
+                        |_, h| (h - y).powi_scalar(2).mean(),
+                    )?;
+                }
                 model = optimizer.try_step(model)?;
                 if step > 0 {
                     times.push(start.elapsed());
@@ -68,6 +83,17 @@ fn time_per_step(
         })
         .expect("benchmark run");
     times.into_iter().max().unwrap()
+}
+
+/// How a step runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `unshard`, the forward pass and `backward`.
+    Whole,
+    /// `backward_blocks`, each layer a block (block-wise under `FULL_SHARD`).
+    Blocks,
+    /// `backward_blocks` with activation checkpointing.
+    Checkpointing,
 }
 
 fn main() {
@@ -83,40 +109,46 @@ fn main() {
         "model=stack layers={layers} width={width} params={} global_batch={batch} steps={steps} rounds={rounds} ranks=2",
         layers * (width * width + width)
     );
-    let (mut plain, mut grad_op, mut full) = (Vec::new(), Vec::new(), Vec::new());
+    let modes = [
+        (ShardingStrategy::NoShard, Mode::Whole),
+        (ShardingStrategy::ShardGradOp, Mode::Whole),
+        (ShardingStrategy::FullShard, Mode::Whole),
+        (ShardingStrategy::FullShard, Mode::Blocks),
+        (ShardingStrategy::NoShard, Mode::Blocks),
+        (ShardingStrategy::NoShard, Mode::Checkpointing),
+    ];
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); modes.len()];
     for _ in 0..rounds {
-        plain.push(time_per_step(
-            ShardingStrategy::NoShard,
-            &initial,
-            width,
-            batch,
-            steps,
-        ));
-        grad_op.push(time_per_step(
-            ShardingStrategy::ShardGradOp,
-            &initial,
-            width,
-            batch,
-            steps,
-        ));
-        full.push(time_per_step(
-            ShardingStrategy::FullShard,
-            &initial,
-            width,
-            batch,
-            steps,
-        ));
+        for (mode, times) in modes.iter().zip(&mut times) {
+            times.push(time_per_step(*mode, &initial, width, batch, steps));
+        }
     }
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let ms = |d: &[Duration]| median(d.to_vec()).as_secs_f64() * 1e3;
     println!(
-        "step_ms no_shard={:.2} shard_grad_op={:.2} full_shard={:.2}",
-        ms(median(plain.clone())),
-        ms(median(grad_op.clone())),
-        ms(median(full.clone()))
+        "step_ms no_shard={:.2} shard_grad_op={:.2} full_shard={:.2} full_shard_blocks={:.2} no_shard_blocks={:.2} \
+         no_shard_checkpointing={:.2}",
+        ms(&times[0]),
+        ms(&times[1]),
+        ms(&times[2]),
+        ms(&times[3]),
+        ms(&times[4]),
+        ms(&times[5])
     );
     println!(
         "shard_grad_op_step_ratio={:.3}",
-        paired_ratio(&grad_op, &plain)
+        paired_ratio(&times[1], &times[0])
     );
-    println!("full_shard_step_ratio={:.3}", paired_ratio(&full, &plain));
+    println!(
+        "full_shard_step_ratio={:.3}",
+        paired_ratio(&times[2], &times[0])
+    );
+    // Against NO_SHARD through the same closures (the last layer with tanh too).
+    println!(
+        "block_wise_full_shard_step_ratio={:.3}",
+        paired_ratio(&times[3], &times[4])
+    );
+    println!(
+        "checkpointing_step_ratio={:.3}",
+        paired_ratio(&times[5], &times[4])
+    );
 }

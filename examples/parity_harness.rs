@@ -273,7 +273,7 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
                 acc.backward_blocks(
                     &model,
                     |_| x,
-                    |layer, x| acc.autocast(layer, x, |layer, x| Mlp::hidden(layer, x)),
+                    |layer, x| acc.autocast(layer, x, Mlp::hidden),
                     |model, h| {
                         acc.autocast(model, (h, y), |model, (h, y)| {
                             (model.head(h) - y)

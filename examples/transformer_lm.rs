@@ -139,7 +139,10 @@ impl ByteLm {
     /// The mean cross-entropy of the next byte after the last layer's activation `x`.
     fn loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [batch, seq, _] = x.dims();
-        let logits = self.head.forward(self.norm.forward(x)).reshape([batch * seq, VOCAB]);
+        let logits = self
+            .head
+            .forward(self.norm.forward(x))
+            .reshape([batch * seq, VOCAB]);
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, targets.reshape([batch * seq]))
@@ -224,7 +227,11 @@ fn mode(acc: &Accelerator, args: &Args) -> String {
     } else {
         " (block-wise)"
     };
-    let checkpointing = if args.checkpointing { " + checkpointing" } else { "" };
+    let checkpointing = if args.checkpointing {
+        " + checkpointing"
+    } else {
+        ""
+    };
     format!("{sharding}{how}{checkpointing}")
 }
 
@@ -270,7 +277,10 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         loss_value = acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>();
         step_secs = started.elapsed().as_secs_f64();
         if acc.is_main_process() && (step == 0 || (step + 1) % 10 == 0) {
-            println!("step {:>3} loss {loss_value:.4} ({step_secs:.2} s)", step + 1);
+            println!(
+                "step {:>3} loss {loss_value:.4} ({step_secs:.2} s)",
+                step + 1
+            );
         }
     }
     let (peak_rss, peak_vm) = (peak("VmHWM:"), peak("VmPeak:"));
@@ -299,6 +309,26 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
 /// Every float parameter of `model`, in visiting order, as little-endian f32, written by the main process; under
 /// `FULL_SHARD` gathered one part (an embedding, a layer, the head) at a time.
 fn write_weights(acc: &Accelerator, model: &ByteLm, path: &std::path::Path) -> Result<()> {
+    let mut file = acc
+        .is_main_process()
+        .then(|| std::fs::File::create(path))
+        .transpose()
+        .map_err(burn_accelerate::Error::other)?;
+    write_part(acc, &model.tokens, &mut file)?;
+    write_part(acc, &model.positions, &mut file)?;
+    for layer in &model.layers {
+        write_part(acc, layer, &mut file)?;
+    }
+    write_part(acc, &model.norm, &mut file)?;
+    write_part(acc, &model.head, &mut file)
+}
+
+/// Gathers `part` whole (every rank takes part) and appends its values to `file` (the main process's).
+fn write_part<M: Module>(
+    acc: &Accelerator,
+    part: &M,
+    file: &mut Option<std::fs::File>,
+) -> Result<()> {
     struct Values(Vec<u8>);
     impl ModuleVisitor for Values {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -308,26 +338,14 @@ fn write_weights(acc: &Accelerator, model: &ByteLm, path: &std::path::Path) -> R
             }
         }
     }
-    let mut file = acc
-        .is_main_process()
-        .then(|| std::fs::File::create(path))
-        .transpose()
-        .map_err(burn_accelerate::Error::other)?;
-    let mut write = |part: &dyn Fn(&mut Values) -> Result<()>| -> Result<()> {
-        let mut values = Values(Vec::new());
-        part(&mut values)?;
-        if let Some(file) = &mut file {
-            std::io::Write::write_all(file, &values.0).map_err(burn_accelerate::Error::other)?;
+    let mut values = Values(Vec::new());
+    acc.unshard(part)?.visit(&mut values);
+    match file {
+        Some(file) => {
+            std::io::Write::write_all(file, &values.0).map_err(burn_accelerate::Error::other)
         }
-        Ok(())
-    };
-    write(&|v| Ok(acc.unshard(&model.tokens)?.visit(v)))?;
-    write(&|v| Ok(acc.unshard(&model.positions)?.visit(v)))?;
-    for layer in &model.layers {
-        write(&|v| Ok(acc.unshard(layer)?.visit(v)))?;
+        None => Ok(()),
     }
-    write(&|v| Ok(acc.unshard(&model.norm)?.visit(v)))?;
-    write(&|v| Ok(acc.unshard(&model.head)?.visit(v)))
 }
 
 fn main() {

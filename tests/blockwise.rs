@@ -50,6 +50,8 @@ struct Setup {
     fp16: bool,
     clip: Clip,
     steps: usize,
+    /// Burn's own gradient checkpointing on the autodiff device.
+    autodiff: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,6 +72,7 @@ impl Setup {
             fp16: false,
             clip: Clip::None,
             steps: 20,
+            autodiff: false,
         }
     }
 
@@ -77,6 +80,7 @@ impl Setup {
         let mut builder = Accelerator::builder()
             .sharding(self.sharding)
             .activation_checkpointing(self.checkpointing)
+            .autodiff_checkpointing(self.autodiff)
             .gradient_accumulation_steps(self.accumulation);
         if self.sharding.is_hybrid() {
             builder = builder.dp_shard_size(2);
@@ -295,6 +299,36 @@ fn activation_checkpointing_alone_trains_the_weights_of_no_checkpointing() {
             "P={processes} {sharding}: checkpointing changed the weights"
         );
     }
+}
+
+/// Burn's own gradient checkpointing (`autodiff_checkpointing`: element-wise operations recomputed in backward)
+/// trains the weights of plain autodiff, alone and with activation checkpointing.
+#[test]
+fn burns_gradient_checkpointing_trains_the_weights_of_plain_autodiff() {
+    let plain = run(Setup::new(2, ShardingStrategy::NoShard), 3);
+    for checkpointing in [false, true] {
+        let autodiff = run(
+            Setup {
+                autodiff: true,
+                checkpointing,
+                ..Setup::new(2, ShardingStrategy::NoShard)
+            },
+            3,
+        );
+        assert_eq!(plain, autodiff, "checkpointing {checkpointing}");
+    }
+    let checkpointed = Accelerator::builder()
+        .autodiff_checkpointing(true)
+        .build()
+        .unwrap();
+    assert!(
+        checkpointed
+            .device()
+            .gradient_checkpointing_strategy()
+            .is_some_and(|s| format!("{s:?}").contains("Balanced")),
+        "{:?}",
+        checkpointed.device().gradient_checkpointing_strategy()
+    );
 }
 
 /// One block of one parameter (no bias, no input layer, no head): 1 parameter on 4 ranks, and 2 blocks (2

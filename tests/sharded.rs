@@ -394,7 +394,8 @@ fn debug_mode_names_every_ranks_call_inside_a_sharded_and_a_hybrid_step() {
 /// Block-wise `FULL_SHARD` (`--blocks`: the harness trains through `backward_blocks`, its input layer the one
 /// block) on 2, 3 and 4 in-process ranks trains the weights of `NO_SHARD` with the plain `backward` in every case
 /// (accumulation, both clippings, bf16, fp16, uneven batches), and `NO_SHARD` with activation checkpointing the
-/// same; the parity harness's sharded bounds hold (the same bits but for `clip-norm`).
+/// same: block-wise within 1e-6 (accumulation reduces each micro-batch as it ends, so the sums are taken in
+/// another order; the other cases give the same bits), checkpointing alone bit for bit.
 #[test]
 fn block_wise_passes_train_the_weights_of_the_plain_backward_in_every_case() {
     let dir = scratch("blockwise");
@@ -403,7 +404,10 @@ fn block_wise_passes_train_the_weights_of_the_plain_backward_in_every_case() {
         let unsharded = dir.join(format!("p{p}"));
         run_local(&unsharded, &["--processes", &procs]);
         for (name, args) in [
-            ("FULL_SHARD-blocks", &["--sharding", "FULL_SHARD", "--blocks"][..]),
+            (
+                "FULL_SHARD-blocks",
+                &["--sharding", "FULL_SHARD", "--blocks"][..],
+            ),
             (
                 "NO_SHARD-checkpointing",
                 &["--sharding", "NO_SHARD", "--blocks", "--checkpointing"][..],
@@ -412,11 +416,12 @@ fn block_wise_passes_train_the_weights_of_the_plain_backward_in_every_case() {
             let blockwise = dir.join(format!("p{p}-{name}"));
             run_local(&blockwise, &[&["--processes", &procs][..], args].concat());
             for (case, _) in CASES {
-                let diff = if name.starts_with("FULL_SHARD") {
-                    compare_sharded(&unsharded, &blockwise, p, case)
+                let bound = if name.starts_with("FULL_SHARD") {
+                    1e-6
                 } else {
-                    parity::compare_case(&unsharded, &blockwise, p, case, 0.0)
+                    0.0
                 };
+                let diff = parity::compare_case(&unsharded, &blockwise, p, case, bound);
                 println!("in-process P={p} {name} {case}: max |Δ| vs NO_SHARD = {diff:e}");
             }
         }

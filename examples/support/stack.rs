@@ -34,6 +34,14 @@ impl Stack {
     }
 }
 
+/// Each layer is a block of block-wise passes (`Accelerator::backward_blocks`).
+impl burn_accelerate::Blocks for Stack {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        &self.layers
+    }
+}
+
 /// Samples `first..first + rows` of the endless synthetic set (the same for any number of ranks: rank `r` of
 /// `P` takes its rows of a global batch) and their targets, of `width` features.
 pub fn batch(

@@ -157,7 +157,11 @@ impl fmt::Display for EnvReport {
             && let Some((_, value, _)) = settings.iter().find(|(key, _, _)| *key == "sharding")
             && let Ok(sharding) = value.parse::<config::ShardingStrategy>()
         {
-            writeln!(f, "- Peak memory under {sharding}: {}", sharding.peak_memory())?;
+            writeln!(
+                f,
+                "- Peak memory under {sharding}: {}",
+                sharding.peak_memory()
+            )?;
         }
         if let Some(refused) = &self.refused {
             writeln!(f, "- A run refuses these settings: {refused}")?;

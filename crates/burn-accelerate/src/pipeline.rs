@@ -43,6 +43,18 @@ mod blocks;
 
 pub use blocks::Blocks;
 
+/// Whether the gradients a backward pass left in the buffer were reduced across ranks already (a block-wise pass
+/// reduces each part as it produces it), and scaled for the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reduced {
+    /// Not reduced: the window's end reduces them.
+    No,
+    /// Reduced (the mean over the ranks), not yet normalised or unscaled.
+    Unscaled,
+    /// Reduced with the window's normalisation and unscaling already (the backward pass was the whole window).
+    Scaled,
+}
+
 /// A rank's step pipeline.
 #[derive(Debug)]
 pub(crate) struct StepPipeline {
@@ -211,19 +223,21 @@ impl StepPipeline {
                     .into(),
             ));
         }
-        self.end_backward(&mut core, model, false)
+        self.end_backward(&mut core, model, Reduced::No)
     }
 
     /// The window's part of a backward pass whose gradients are in the buffer: on a window's last micro-batch,
-    /// normalise, unscale and average them across ranks (or, when `reduced`, only scale them: a block-wise pass
-    /// reduced each block's gradients as it produced them), then take the fp16 verdict.
+    /// normalise, unscale and average them across ranks (or, when they were reduced already, as a block-wise
+    /// pass reduces each block's gradients as it produces them, only scale them unless that was done too), then
+    /// take the fp16 verdict.
     fn end_backward<M: Module>(
         &self,
         core: &mut crate::grad::window::StepCore,
         model: &M,
-        reduced: bool,
+        reduced: Reduced,
     ) -> Result<()> {
-        let sync_each_batch = self.sync_each_batch && self.strategy.is_distributed() && !reduced;
+        let sync_each_batch =
+            self.sync_each_batch && self.strategy.is_distributed() && reduced == Reduced::No;
         let plan = core.state.record_backward(sync_each_batch);
         let micro_batches = match plan {
             BackwardPlan::Local => return Ok(()),
@@ -232,10 +246,10 @@ impl StepPipeline {
         };
         let mut precision = self.precision();
         let scale = precision.unscaled(self.normalisation(micro_batches));
-        if !reduced {
-            self.average(&mut core.grads, model, scale)?;
-        } else if scale != 1.0 {
-            core.grads.scale_all(scale);
+        match reduced {
+            Reduced::No => self.average(&mut core.grads, model, scale)?,
+            Reduced::Unscaled if scale != 1.0 => core.grads.scale_all(scale),
+            Reduced::Unscaled | Reduced::Scaled => {}
         }
         if precision.loss_scale().is_some() {
             let grads = &mut core.grads;

@@ -74,6 +74,32 @@ pub struct Accelerator {
     applied: SettingsApplied,
 }
 
+/// `model` with every float parameter carrying `device`'s gradient-checkpointing strategy (Burn's
+/// `autodiff_checkpointing` setting): Burn refuses an operation between tensors of different strategies, and a
+/// parameter made before the setting, or moved by `fork` to an equal device, keeps its own.
+fn with_device_checkpointing<M: Module>(model: M, device: &Device) -> M {
+    struct Align(burn::tensor::GradientCheckpointingStrategy);
+    impl burn::module::ModuleMapper for Align {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<D>>,
+        ) -> burn::module::Param<Tensor<D>> {
+            let strategy = self.0;
+            param.map(|t| {
+                if t.is_autodiff() && t.gradient_checkpointing_strategy() != Some(strategy) {
+                    t.with_gradient_checkpointing_strategy(strategy)
+                } else {
+                    t
+                }
+            })
+        }
+    }
+    match device.gradient_checkpointing_strategy() {
+        Some(strategy) => model.map(&mut Align(strategy)),
+        None => model,
+    }
+}
+
 impl fmt::Debug for Accelerator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Accelerator")
@@ -300,6 +326,7 @@ impl Accelerator {
         } else {
             model
         };
+        let model = with_device_checkpointing(model, self.device());
         Ok(self.pipeline.after_prepare(model))
     }
 

@@ -147,6 +147,12 @@ impl StepState {
         }
     }
 
+    /// Whether the next `backward` is alone in its window and ends it (no accumulation in progress): its
+    /// gradients are then the window's, and may be scaled as they are reduced.
+    pub fn next_backward_is_whole_window(&self) -> bool {
+        self.sync_gradients && self.backward_calls == 0
+    }
+
     /// The overflow check of the window's end: `true` makes every optimizer skip this step.
     pub fn record_overflow(&mut self, overflow: bool) {
         self.overflow = overflow;

@@ -25,7 +25,7 @@ use std::collections::HashSet;
 use burn::module::{Module, ParamId};
 use burn::tensor::{Distribution, Tensor};
 
-use super::StepPipeline;
+use super::{Reduced, StepPipeline};
 use crate::distributed::strategy::{Strategy, trainable_params, unshard, unshard_except};
 use crate::error::{Error, Result};
 use crate::grad::{GradientBuffer, param_ids};
@@ -73,8 +73,9 @@ fn block_ids<M: Blocks>(model: &M) -> HashSet<ParamId> {
 enum Sink {
     /// Into one local buffer, reduced across ranks as a whole at the end of the pass, as `backward` does.
     Local(GradientBuffer),
-    /// Reduced across ranks part by part (this rank keeps its own) and added to the accumulated gradients.
-    ReducedPerPart,
+    /// Reduced across ranks part by part (this rank keeps its own), times `scale`, and added to the accumulated
+    /// gradients.
+    ReducedPerPart { scale: f32, reduced: Reduced },
 }
 
 impl StepPipeline {
@@ -109,7 +110,21 @@ impl StepPipeline {
         let blocks = block_ids(model);
         let rest = unshard_except(strategy, model, &blocks)?;
         let mut sink = if sharded {
-            Sink::ReducedPerPart
+            // A pass that is its window (no accumulation) reduces with the window's normalisation and unscaling,
+            // as `backward` does: the same bits. Inside a window, each pass adds its mean over the ranks.
+            let whole_window = self.shared.lock().state.next_backward_is_whole_window();
+            if whole_window {
+                let scale = self.precision().unscaled(self.normalisation(1));
+                Sink::ReducedPerPart {
+                    scale,
+                    reduced: Reduced::Scaled,
+                }
+            } else {
+                Sink::ReducedPerPart {
+                    scale: 1.0,
+                    reduced: Reduced::Unscaled,
+                }
+            }
         } else {
             Sink::Local(GradientBuffer::new())
         };
@@ -200,9 +215,9 @@ impl StepPipeline {
 
         match sink {
             Sink::Local(mut local) => self.process(&mut local, model)?,
-            Sink::ReducedPerPart => {
+            Sink::ReducedPerPart { reduced, .. } => {
                 let mut core = self.shared.lock();
-                self.end_backward(&mut core, model, true)?;
+                self.end_backward(&mut core, model, reduced)?;
             }
         }
         Ok(value)
@@ -218,8 +233,8 @@ impl StepPipeline {
     ) -> Result<()> {
         match sink {
             Sink::Local(local) => local.absorb(part),
-            Sink::ReducedPerPart => {
-                self.strategy.reduce_gradients(&mut part, params, 1.0)?;
+            Sink::ReducedPerPart { scale, .. } => {
+                self.strategy.reduce_gradients(&mut part, params, *scale)?;
                 self.shared.lock().grads.absorb(part);
             }
         }
