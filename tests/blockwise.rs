@@ -332,7 +332,8 @@ fn burns_gradient_checkpointing_trains_the_weights_of_plain_autodiff() {
 }
 
 /// One block of one parameter (no bias, no input layer, no head): 1 parameter on 4 ranks, and 2 blocks (2
-/// parameters) on 4 ranks: ranks that own nothing still take part in every collective.
+/// parameters) on 4 ranks, under `FULL_SHARD` and as 2 x 2 `HYBRID_SHARD`: ranks that own nothing still take
+/// part in every collective.
 #[test]
 fn fewer_parameters_than_ranks_train_as_no_shard() {
     #[derive(Module, Debug)]
@@ -349,6 +350,7 @@ fn fewer_parameters_than_ranks_train_as_no_shard() {
         let run_tiny = |sharding| {
             Accelerator::builder()
                 .sharding(sharding)
+                .dp_shard_size(2)
                 .launch(4, |acc| {
                     let device = acc.device().clone();
                     let tiny = deterministic(Tiny {
@@ -374,11 +376,14 @@ fn fewer_parameters_than_ranks_train_as_no_shard() {
                 .unwrap()
                 .remove(0)
         };
-        let diff = max_diff(
-            &run_tiny(ShardingStrategy::NoShard),
-            &run_tiny(ShardingStrategy::FullShard),
-        );
-        assert!(diff <= 1e-6, "{layers} parameters on 4 ranks: {diff:e}");
+        let plain = run_tiny(ShardingStrategy::NoShard);
+        for sharding in [ShardingStrategy::FullShard, ShardingStrategy::HybridShard] {
+            let diff = max_diff(&plain, &run_tiny(sharding));
+            assert!(
+                diff <= 1e-6,
+                "{layers} parameters on 4 ranks, {sharding}: {diff:e}"
+            );
+        }
     }
 }
 

@@ -201,29 +201,39 @@ fn hybrid_sharding_under_mpirun_matches_in_process_ranks_and_no_shard() {
     let dir = scratch("hybrid-mpi");
     let cases = ["dp", "accumulation", "clip-norm", "fp16"];
     let case_args: Vec<&str> = cases.iter().flat_map(|c| ["--case", *c]).collect();
-    let unsharded = dir.join("no-shard");
-    assert_success(&mpirun(4, &unsharded, &case_args));
-    for mode in ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] {
-        let args = [
-            &["--sharding", mode, "--dp-shard-size", "2"][..],
-            &case_args,
-        ]
-        .concat();
-        let ranks = dir.join(format!("mpi-{mode}"));
-        assert_success(&mpirun(4, &ranks, &args));
-        let in_process = dir.join(format!("in-{mode}"));
-        run_local(&in_process, &[&["--processes", "4"][..], &args].concat());
-        for case in cases {
-            let diff = compare_case(&unsharded, &ranks, 4, case, 1e-6);
-            let engines = parity::max_abs_diff(
-                &weights(&ranks.join(case).join("rank0.safetensors")),
-                &weights(&in_process.join(case).join("rank0.safetensors")),
-            );
-            println!(
-                "mpirun -np 4 {mode} 2x2 {case}: max |Δ| vs NO_SHARD {diff:e}, vs in-process {engines:e}"
-            );
-            assert_eq!(engines, 0.0, "{mode} {case}: mpirun vs in-process ranks");
-            assert_eq!(report(&ranks, case, 0)["sharding"], mode);
+    // 2 replicas of 2 shards on 4 processes; on 2 processes, 1 x 2 (all shards: FULL_SHARD's layout) and 2 x 1
+    // (all replicas: data parallelism's).
+    for (p, shard) in [(4, 2), (2, 2), (2, 1)] {
+        let unsharded = dir.join(format!("no-shard-{p}"));
+        if !unsharded.exists() {
+            assert_success(&mpirun(p, &unsharded, &case_args));
+        }
+        for mode in ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] {
+            let size = shard.to_string();
+            let args = [
+                &["--sharding", mode, "--dp-shard-size", &size][..],
+                &case_args,
+            ]
+            .concat();
+            let ranks = dir.join(format!("mpi-{mode}-{p}x{shard}"));
+            assert_success(&mpirun(p, &ranks, &args));
+            let in_process = dir.join(format!("in-{mode}-{p}x{shard}"));
+            let procs = p.to_string();
+            run_local(&in_process, &[&["--processes", &procs][..], &args].concat());
+            for case in cases {
+                let diff = compare_case(&unsharded, &ranks, p, case, 1e-6);
+                let engines = parity::max_abs_diff(
+                    &weights(&ranks.join(case).join("rank0.safetensors")),
+                    &weights(&in_process.join(case).join("rank0.safetensors")),
+                );
+                println!(
+                    "mpirun -np {p} {mode} {}x{shard} {case}: max |Δ| vs NO_SHARD {diff:e}, vs in-process \
+                     {engines:e}",
+                    p / shard
+                );
+                assert_eq!(engines, 0.0, "{mode} {case}: mpirun vs in-process ranks");
+                assert_eq!(report(&ranks, case, 0)["sharding"], mode);
+            }
         }
     }
     // The same mesh through `burn-accelerate launch` and Accelerate's flag names.
@@ -250,7 +260,7 @@ fn hybrid_sharding_under_mpirun_matches_in_process_ranks_and_no_shard() {
         let file = format!("rank{rank}.safetensors");
         assert_eq!(
             weights(&launched.join("dp").join(&file)),
-            weights(&dir.join("mpi-HYBRID_SHARD").join("dp").join(&file)),
+            weights(&dir.join("mpi-HYBRID_SHARD-4x2").join("dp").join(&file)),
             "rank {rank}: launch --fsdp_sharding_strategy 4 --parallelism_config_dp_shard_size 2"
         );
         let env = &report(&launched, "dp", rank)["env"];
@@ -332,7 +342,16 @@ fn sharded_processes_against_unsharded(name: &str, ranks: &[usize], extra: &[&st
                 let args = ["--sharding", sharding, "--bucket-size-mb", bucket];
                 assert_success(&mpirun(p, &sharded, &[&args[..], extra].concat()));
                 for (case, _) in CASES {
-                    let diff = parity::compare_sharded(&unsharded, &sharded, p, case);
+                    // Open MPI sums 4 ranks' contributions in another order than in-process ranks do (a tree,
+                    // not rank order): the same bits are not promised there, the parity bound is.
+                    let bound = if p > 3 {
+                        1e-6
+                    } else if extra.contains(&"--blocks") {
+                        parity::blockwise_bound(case)
+                    } else {
+                        parity::sharded_bound(case)
+                    };
+                    let diff = parity::compare_sharded_within(&unsharded, &sharded, p, case, bound);
                     println!(
                         "mpirun -np {p} {sharding} bucket {bucket} MiB {case}: max |Δ| vs NO_SHARD = {diff:e}"
                     );

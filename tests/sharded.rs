@@ -394,8 +394,9 @@ fn debug_mode_names_every_ranks_call_inside_a_sharded_and_a_hybrid_step() {
 /// Block-wise `FULL_SHARD` (`--blocks`: the harness trains through `backward_blocks`, its input layer the one
 /// block) on 2, 3 and 4 in-process ranks trains the weights of `NO_SHARD` with the plain `backward` in every case
 /// (accumulation, both clippings, bf16, fp16, uneven batches), and `NO_SHARD` with activation checkpointing the
-/// same: block-wise within 1e-6 (accumulation reduces each micro-batch as it ends, so the sums are taken in
-/// another order; the other cases give the same bits), checkpointing alone bit for bit.
+/// same: block-wise within the sharded bounds, 1e-6 with accumulation (each micro-batch is reduced as it ends,
+/// so the sums are taken in another order; the other cases give the same bits as unsharded, and each rank holds
+/// its share of the optimizer state), checkpointing alone bit for bit.
 #[test]
 fn block_wise_passes_train_the_weights_of_the_plain_backward_in_every_case() {
     let dir = scratch("blockwise");
