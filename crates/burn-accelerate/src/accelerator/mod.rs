@@ -346,8 +346,9 @@ impl Accelerator {
     ///
     /// Pass the whole model to `backward`; drop it after the step, or it keeps the other ranks' parameters
     /// alive. Burn's autodiff graph holds every parameter used in the forward pass until the backward pass, so
-    /// gathering layer by layer would not lower the peak: the peak holds the whole parameters; between steps
-    /// only this rank's.
+    /// with `unshard` the peak holds the whole parameters and gradients; between steps only this rank's. For a
+    /// model made of blocks, [`backward_blocks`](Self::backward_blocks) gathers one block at a time instead, and
+    /// the peak holds this rank's share.
     ///
     /// # Errors
     /// A failed all-gather (a rank died, a timeout).
