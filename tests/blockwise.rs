@@ -460,3 +460,78 @@ fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
     // Each of 2 ranks: 4 blocks forward, 4 recomputed.
     assert_eq!(calls.load(Ordering::Relaxed), 16);
 }
+
+/// A model mixing f32 and f16 parameters (its blocks in f16) trains under `SHARD_GRAD_OP` and `FULL_SHARD`
+/// (whole and block-wise) to the weights of `NO_SHARD`, each gradient reduced back into its own dtype.
+#[test]
+fn mixed_dtypes_shard_as_no_shard() {
+    use burn::tensor::DType;
+    /// Every parameter of the blocks in f16.
+    struct Half;
+    impl ModuleMapper for Half {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.map(|t| t.cast(DType::F16))
+        }
+    }
+    let run_mixed = |processes: usize, sharding: ShardingStrategy, blocks: bool| {
+        Accelerator::builder()
+            .sharding(sharding)
+            .launch(processes, |acc| {
+                let device = acc.device().clone();
+                let mut deep = model(3, &device);
+                deep.layers = deep.layers.into_iter().map(|l| l.map(&mut Half)).collect();
+                let mut model = acc.prepare_model(deep)?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let rows = GLOBAL_BATCH / processes;
+                let half = |layer: &Linear, h: Tensor<2>| {
+                    layer.forward(h.cast(DType::F16)).tanh().cast(DType::F32)
+                };
+                for step in 0..10 {
+                    let (x, y) = batch(
+                        step * GLOBAL_BATCH + acc.process_index() * rows,
+                        rows,
+                        &device,
+                    );
+                    let loss_of = |out: Tensor<2>, y: Tensor<2>| {
+                        (out - y).powi_scalar(2).sum().div_scalar(rows as f32)
+                    };
+                    if blocks {
+                        acc.backward_blocks(
+                            &model,
+                            |m| m.input.forward(x.clone()).tanh(),
+                            half,
+                            |m, h| loss_of(m.head.forward(h), y.clone()),
+                        )?;
+                    } else {
+                        let whole = acc.unshard(&model)?;
+                        let mut h = whole.input.forward(x).tanh();
+                        for layer in &whole.layers {
+                            h = half(layer, h);
+                        }
+                        acc.backward(loss_of(whole.head.forward(h), y), &whole)?;
+                    }
+                    model = optimizer.try_step(model)?;
+                }
+                let whole = acc.unshard(&model)?;
+                assert_eq!(whole.layers[0].weight.val().dtype(), DType::F16);
+                assert_eq!(whole.head.weight.val().dtype(), DType::F32);
+                Ok(flatten(&whole))
+            })
+            .unwrap_or_else(|e| panic!("P={processes} {sharding} blocks {blocks}: {e}"))
+            .remove(0)
+    };
+    for processes in [2, 3] {
+        let plain = run_mixed(processes, ShardingStrategy::NoShard, false);
+        for (sharding, blocks) in [
+            (ShardingStrategy::ShardGradOp, false),
+            (ShardingStrategy::FullShard, false),
+            (ShardingStrategy::FullShard, true),
+        ] {
+            let diff = max_diff(&plain, &run_mixed(processes, sharding, blocks));
+            assert!(
+                diff <= 1e-6,
+                "P={processes} {sharding} blocks {blocks}: {diff:e}"
+            );
+        }
+    }
+}

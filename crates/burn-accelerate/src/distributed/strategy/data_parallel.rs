@@ -79,14 +79,25 @@ impl DataParallel {
             }
             return Ok(());
         }
-        let parts: Vec<Tensor<1>> = bucket
+        // A model may mix dtypes (f32 and f16 parameters): a bucket travels in the first gradient's dtype and
+        // each gradient comes back in its own.
+        let (parts, dtypes): (Vec<Tensor<1>>, Vec<DType>) = bucket
             .iter()
-            .map(|(id, n)| grads.flat(&[*id]).pop().unwrap_or_else(|| zeros(*n)))
-            .collect();
+            .map(|(id, n)| {
+                let part = grads.flat(&[*id]).pop().unwrap_or_else(|| zeros(*n));
+                let own = part.dtype();
+                let part = if own == dtype { part } else { part.cast(dtype) };
+                (part, own)
+            })
+            .unzip();
         let all = self.transport.average(Tensor::cat(parts, 0), scale)?;
         let sizes: Vec<usize> = bucket.iter().map(|(_, n)| *n).collect();
-        for ((id, _), grad) in bucket.iter().zip(all.split_with_sizes(sizes, 0)) {
-            grads.set_flat(*id, grad);
+        for (((id, _), grad), own) in bucket
+            .iter()
+            .zip(all.split_with_sizes(sizes, 0))
+            .zip(dtypes)
+        {
+            grads.set_flat(*id, if own == dtype { grad } else { grad.cast(own) });
         }
         Ok(())
     }

@@ -301,7 +301,10 @@ impl Strategy for Sharded {
                 ))),
             }
         };
-        let to_tensor = |mut values: Vec<f32>| {
+        // Each gradient comes back in its own dtype (a model may mix f32 and half-precision parameters); one this
+        // rank lacked takes the first gradient's.
+        let mut dtypes: HashMap<ParamId, burn::tensor::DType> = HashMap::new();
+        let to_tensor = |mut values: Vec<f32>, dtype: burn::tensor::DType| {
             if let Some(factor) = factor {
                 values.iter_mut().for_each(|x| *x *= factor);
             }
@@ -311,7 +314,10 @@ impl Strategy for Sharded {
         for i in self.large(params) {
             let (id, n) = params[i];
             let (shape, host) = match grads.take(id) {
-                Some((shape, grad)) => (Some(shape), to_host(grad, "gradient reduce")?),
+                Some((shape, grad)) => {
+                    dtypes.insert(id, grad.dtype());
+                    (Some(shape), to_host(grad, "gradient reduce")?)
+                }
                 // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
                 None => (None, vec![0.0; n]),
             };
@@ -322,7 +328,8 @@ impl Strategy for Sharded {
             )?;
             match comm.reduce(ReduceBuffer::F32(host), owners[i], op)? {
                 Some(ReduceBuffer::F32(values)) => {
-                    let flat = to_tensor(across_replicas(values)?)?;
+                    let own = dtypes.get(&id).copied().unwrap_or(dtype);
+                    let flat = to_tensor(across_replicas(values)?, own)?;
                     match shape {
                         Some(shape) => grads.put(id, shape, flat),
                         None => grads.set_flat(id, flat),
@@ -351,6 +358,7 @@ impl Strategy for Sharded {
                 let taken = grads.take(id).map(|(shape, grad)| {
                     if owners[i] == me {
                         shapes.insert(id, shape);
+                        dtypes.insert(id, grad.dtype());
                     }
                     grad
                 });
@@ -373,7 +381,7 @@ impl Strategy for Sharded {
             };
             let mine = across_replicas(mine)?;
             let mut store = |id: ParamId, values: Vec<f32>| -> Result<()> {
-                let flat = to_tensor(values)?;
+                let flat = to_tensor(values, dtypes.get(&id).copied().unwrap_or(dtype))?;
                 match shapes.remove(&id) {
                     Some(shape) => grads.put(id, shape, flat),
                     // Unused on this rank: it gets its shape when the optimizer takes it.
