@@ -472,6 +472,52 @@ pub fn rooted(acc: &Accelerator) -> Result<()> {
     Ok(())
 }
 
+/// Sub-groups (`Communicator::split`): the ranks of each parity form a group, reduce within it, and a mismatch
+/// inside the odd group is an error on its ranks naming them by their world ranks (the even group is untouched
+/// and goes on). Needs at least 4 ranks.
+pub fn sub_groups(acc: &Accelerator) -> Result<()> {
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    if p < 4 {
+        return Ok(());
+    }
+    let comm = acc.process_group().comm();
+    let sub = comm.split(r % 2, r)?;
+    let members: Vec<usize> = (r % 2..p).step_by(2).collect();
+    check(sub.world_size() == members.len(), || {
+        format!("sub-group of rank {r}: {} ranks", sub.world_size())
+    })?;
+    let sum = sub.all_reduce(
+        burn_accelerate::distributed::comm::ReduceBuffer::F64(vec![r as f64]),
+        ReduceOp::Sum,
+    )?;
+    let expected: f64 = members.iter().map(|m| *m as f64).sum();
+    check(
+        sum == burn_accelerate::distributed::comm::ReduceBuffer::F64(vec![expected]),
+        || format!("sub-group sum on rank {r}: {sum:?}, expected {expected}"),
+    )?;
+    if r % 2 == 1 {
+        // The odd group's first member calls something else than the others.
+        let outcome = if r == 1 {
+            sub.barrier().map(|_| ())
+        } else {
+            sub.broadcast(vec![1, 2, 3], 0).map(|_| ())
+        };
+        let err = match outcome {
+            Ok(()) => {
+                return check(false, || {
+                    format!("rank {r}: a mismatch in a sub-group passed")
+                });
+            }
+            Err(e) => e.to_string(),
+        };
+        let names_world = members.iter().all(|m| err.contains(&format!("rank {m}:")));
+        check(names_world, || {
+            format!("rank {r}: the sub-group's error does not name world ranks {members:?}: {err}")
+        })?;
+    }
+    acc.wait_for_everyone()
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -488,5 +534,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     reduce_scatter(acc)?;
     all_gather_parts(acc)?;
     rooted(acc)?;
+    sub_groups(acc)?;
     acc.wait_for_everyone()
 }

@@ -3,7 +3,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn_accelerate_comm::{
-    CallSignature, CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, check_calls,
+    CallSignature, CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, check_calls_of,
 };
 use mpi::Threading;
 use mpi::collective::SystemOperation;
@@ -40,6 +40,9 @@ pub struct MpiComm {
     /// MPI calls are serialised: the library is initialised with `Threading::Serialized`. Sub-groups share
     /// their world's lock, so that no two threads of the process are inside MPI at once.
     calls: Arc<Mutex<Spare>>,
+    /// The world rank of each rank of this communicator (`0..size` for the world; a sub-group's members), so
+    /// that errors name the ranks `mpirun` started.
+    members: Vec<usize>,
 }
 
 /// A receive buffer kept between all-reduces, so that a steady stream of equal-size reductions allocates
@@ -110,6 +113,7 @@ impl MpiComm {
             seq: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             calls: Arc::new(Mutex::new(Spare::default())),
+            members: (0..size).collect(),
         })
     }
 
@@ -127,6 +131,11 @@ impl MpiComm {
             ));
         }
         Ok(())
+    }
+
+    /// The world rank of this communicator's rank `rank`.
+    fn world_rank(&self, rank: usize) -> usize {
+        self.members.get(rank).copied().unwrap_or(rank)
     }
 
     /// Polls `request` until it completes or the timeout expires.
@@ -156,8 +165,8 @@ impl MpiComm {
                 return Err(CommError::Timeout {
                     operation: operation.into(),
                     seq,
-                    rank: self.rank,
-                    missing,
+                    rank: self.world_rank(self.rank),
+                    missing: missing.into_iter().map(|r| self.world_rank(r)).collect(),
                     timeout: self.timeout,
                 });
             }
@@ -246,7 +255,7 @@ impl MpiComm {
         )?;
         let calls: Vec<Option<Call>> = words.chunks(CALL_WORDS).map(Call::decode).collect();
         let signatures: Vec<_> = calls.iter().map(|c| c.map(Call::signature)).collect();
-        check_calls(seq, &signatures)?;
+        check_calls_of(seq, &signatures, &self.members)?;
         Ok((seq, calls.into_iter().flatten().collect()))
     }
 
@@ -381,6 +390,7 @@ impl Communicator for MpiComm {
             seq: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             calls: self.calls.clone(),
+            members: members.iter().map(|r| self.world_rank(*r)).collect(),
         }))
     }
 

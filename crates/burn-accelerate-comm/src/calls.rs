@@ -37,10 +37,21 @@ impl CallSignature {
 /// # Errors
 /// As above.
 pub fn check_calls(seq: u64, calls: &[Option<CallSignature>]) -> CommResult<()> {
+    check_calls_of(seq, calls, &[])
+}
+
+/// [`check_calls`] in a sub-group whose rank `r` is world rank `members[r]`: the error names world ranks (an
+/// empty `members` is the world itself).
+pub fn check_calls_of(
+    seq: u64,
+    calls: &[Option<CallSignature>],
+    members: &[usize],
+) -> CommResult<()> {
     let described = || {
         calls
             .iter()
             .enumerate()
+            .map(|(r, c)| (members.get(r).copied().unwrap_or(r), c))
             .map(|(r, c)| match c {
                 Some(c) => format!("rank {r}: {}", c.described),
                 None => format!("rank {r}: an unreadable call header"),
@@ -87,6 +98,17 @@ mod tests {
             must_agree: must_agree.into(),
             described: format!("{collective} {must_agree}"),
         })
+    }
+
+    #[test]
+    fn a_sub_group_names_world_ranks() {
+        let err = check_calls_of(2, &[call("barrier", ""), call("all_gather", "")], &[1, 3])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 1: barrier") && err.contains("rank 3: all_gather"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use super::Communicator;
 use super::reduce::{self, ReduceBuffer, ReduceOp, check_shapes, reduce_range};
 use crate::error::CommError as Error;
-use crate::{CallSignature, check_calls};
+use crate::{CallSignature, check_calls_of};
 
 type Result<T> = crate::CommResult<T>;
 
@@ -252,7 +252,7 @@ impl InProcessComm {
                 .iter()
                 .map(|o| Some(CallSignature::named(o.unwrap_or("?"))))
                 .collect();
-            round.outcome = Some(check_calls(seq, &calls).map(|()| {
+            round.outcome = Some(check_calls_of(seq, &calls, &group.members).map(|()| {
                 Arc::new(
                     round
                         .payloads
@@ -405,7 +405,7 @@ impl InProcessComm {
                 _ => unreachable!("the round checked the operation"),
             })
             .unzip();
-        check_calls(self.last_seq(), &calls)?;
+        check_calls_of(self.last_seq(), &calls, &self.group.members)?;
         Ok(buffers)
     }
 
@@ -515,7 +515,7 @@ impl Communicator for InProcessComm {
                 _ => unreachable!("the round checked the operation"),
             })
             .collect();
-        check_calls(self.last_seq(), &calls)?;
+        check_calls_of(self.last_seq(), &calls, &self.group.members)?;
         // Every rank passed the same counts and length, so every rank's split is valid or none is.
         let part = part?;
         let inputs: Vec<&ReduceBuffer> = guards
@@ -541,7 +541,7 @@ impl Communicator for InProcessComm {
                 _ => unreachable!("the round checked the operation"),
             })
             .unzip();
-        check_calls(self.last_seq(), &calls)?;
+        check_calls_of(self.last_seq(), &calls, &self.group.members)?;
         // Every rank passed the same counts, so every rank's own length is right or some rank's error names it;
         // the signatures agree, so the kinds do too.
         total?;

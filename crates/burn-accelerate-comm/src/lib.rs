@@ -18,7 +18,7 @@ mod reduce;
 
 use std::fmt::Debug;
 
-pub use calls::{CallSignature, check_calls};
+pub use calls::{CallSignature, check_calls, check_calls_of};
 pub use error::{CommError, CommResult};
 pub use in_process::{IN_PROCESS_ENGINE, InProcessComm, InProcessGroup};
 pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of};
