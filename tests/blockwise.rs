@@ -535,3 +535,51 @@ fn mixed_dtypes_shard_as_no_shard() {
         }
     }
 }
+
+/// `find_executable_batch_size` around a block-wise `FULL_SHARD` step: an out-of-memory failure in the middle of
+/// the backward pass (the second block's recompute, on every rank, as a GPU fails on every rank of a too large
+/// batch, after the last block's gradients were reduced) drops what the failed attempt had reduced, and the
+/// smaller batch that fits trains to the weights of `NO_SHARD` (failing in its forward pass) with that batch.
+#[test]
+fn find_executable_batch_size_retries_a_block_wise_step() {
+    // Block calls: 3 forward, then the recomputes of blocks 2, 1, 0 (block-wise); 3 forward only (plain).
+    let train_fitted = |sharding: ShardingStrategy, failing_call: usize| {
+        Setup::new(2, sharding)
+            .builder()
+            .launch(2, |acc| {
+                let device = acc.device().clone();
+                let mut model = acc.prepare_model(model(3, &device))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let fitted = acc
+                    .find_executable_batch_size(32, |batch_size| {
+                        let rows = batch_size / 2;
+                        let (x, y) = batch(acc.process_index() * rows, rows, &device);
+                        let calls = AtomicUsize::new(0);
+                        acc.accumulate();
+                        acc.backward_blocks(
+                            &model,
+                            |m| m.input.forward(x.clone()).tanh(),
+                            |layer, h| {
+                                let call = calls.fetch_add(1, Ordering::Relaxed);
+                                if call == failing_call && batch_size > 20 {
+                                    panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+                                }
+                                layer.forward(h).tanh()
+                            },
+                            |m, h| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
+                        )?;
+                        Ok::<_, burn_accelerate::Error>(batch_size)
+                    })
+                    .map_err(|e| burn_accelerate::Error::InvalidArgument(e.to_string()))?;
+                model = optimizer.try_step(model)?;
+                Ok((fitted, flatten(&acc.unshard(&model)?)))
+            })
+            .unwrap()
+            .remove(0)
+    };
+    let (fitted, blockwise) = train_fitted(ShardingStrategy::FullShard, 4);
+    let (plain_fitted, plain) = train_fitted(ShardingStrategy::NoShard, 1);
+    assert_eq!((fitted, plain_fitted), (19, 19));
+    let diff = max_diff(&plain, &blockwise);
+    assert!(diff <= 1e-6, "{diff:e}");
+}

@@ -313,12 +313,12 @@ fn sharded_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill
     sharded_processes_against_unsharded("sharded-mpi", &[2, 3], &[]);
 }
 
-/// Block-wise `FULL_SHARD` (`backward_blocks`, one block gathered at a time) under `mpirun -np 2` and `-np 4`:
+/// Block-wise `FULL_SHARD` (`backward_blocks`, one block gathered at a time) under `mpirun -np 2`, `3` and `4`:
 /// every case equals `NO_SHARD`'s in-process ranks (the sharded bounds), and a block-wise job killed by SIGKILL
 /// resumes bit for bit.
 #[test]
 fn block_wise_full_shard_processes_train_the_weights_of_unsharded_ones_and_resume_after_a_kill() {
-    sharded_processes_against_unsharded("blockwise-mpi", &[2, 4], &["--blocks"]);
+    sharded_processes_against_unsharded("blockwise-mpi", &[2, 3, 4], &["--blocks"]);
 }
 
 /// Under `mpirun -np p` for each of `ranks`, `SHARD_GRAD_OP` and `FULL_SHARD` with the harness's `extra` flags
