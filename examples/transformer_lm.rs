@@ -86,6 +86,9 @@ struct Args {
     /// Write the final weights here (main process), gathered one layer at a time.
     #[arg(long)]
     weights: Option<PathBuf>,
+    /// Save the trained model here with `save_model` (safetensors; under `FULL_SHARD` one parameter at a time).
+    #[arg(long)]
+    save_model: Option<PathBuf>,
     /// Do not measure the optimizer state by serialising it (a copy of the state: under a memory limit, more
     /// than training needs).
     #[arg(long)]
@@ -302,6 +305,20 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     );
     if let Some(path) = &args.weights {
         write_weights(&acc, &model, path)?;
+    }
+    if let Some(dir) = &args.save_model {
+        let files = acc.save_model(&model, dir, "10GB", true)?;
+        if acc.is_main_process() {
+            println!(
+                "saved {} (peak RSS then {} B)",
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                peak("VmHWM:")
+            );
+        }
     }
     Ok(loss_value)
 }

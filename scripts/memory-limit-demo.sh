@@ -26,7 +26,11 @@ echo "== 4 ranks, each limited to $limit_mib MiB of address space"
 for mode in "NO_SHARD" "FULL_SHARD --whole" "FULL_SHARD"; do
   printf -- '-- %s: ' "$mode"
   # shellcheck disable=SC2086
-  if limited --sharding $mode --weights "$out/limited.bin"; then echo "   trained to the end"; else echo "   failed"; fi
+  if limited --sharding $mode --weights "$out/limited.bin" --save-model "$out/saved"; then
+    echo "   trained to the end; saved: $(grep -o 'saved .*' "$out/log")"
+  else
+    echo "   failed"
+  fi
 done
 echo "== NO_SHARD, one process, no limit"
 "$bin" "${model[@]}" --sharding NO_SHARD --weights "$out/reference.bin" | grep final_loss=

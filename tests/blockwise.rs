@@ -583,3 +583,49 @@ fn find_executable_batch_size_retries_a_block_wise_step() {
     let diff = max_diff(&plain, &blockwise);
     assert!(diff <= 1e-6, "{diff:e}");
 }
+
+/// `save_model` under `FULL_SHARD` fetches one parameter at a time from its owner while the main process writes
+/// it (never the whole model on one rank): the files, in one piece or in shards of 1 KB, in PyTorch's layout
+/// (weights transposed) or Burn's, load back into the whole model's weights exactly.
+#[test]
+fn save_model_under_full_shard_writes_the_whole_model_tensor_by_tensor() {
+    use burn_accelerate::checkpoint::{LoadOptions, SaveOptions, WeightLayout};
+    let dir = std::env::temp_dir().join(format!("blockwise-save-{}", std::process::id()));
+    let setup = Setup {
+        steps: 5,
+        ..Setup::new(3, ShardingStrategy::FullShard)
+    };
+    for (layout, shard) in [(WeightLayout::PyTorch, "10GB"), (WeightLayout::Burn, "1KB")] {
+        let out = dir.join(format!("{layout:?}-{shard}"));
+        let (whole, files) = setup
+            .builder()
+            .launch(3, |acc| {
+                let model = acc.prepare_model(model(3, acc.device()))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let model = train(&acc, &setup, model, &mut optimizer, 0)?;
+                let options = SaveOptions {
+                    layout,
+                    max_shard_size: shard.into(),
+                    ..SaveOptions::default()
+                };
+                let files = acc.save_model_with(&model, &out, &options)?;
+                Ok((flatten(&acc.unshard(&model)?), files.len()))
+            })
+            .unwrap()
+            .remove(0);
+        assert!(files >= if shard == "1KB" { 3 } else { 1 }, "{files} files");
+        let acc = Accelerator::new().unwrap();
+        let (loaded, report) = acc
+            .load_checkpoint_in_model(
+                model(3, acc.device()),
+                &out,
+                &LoadOptions {
+                    strict: true,
+                    ..LoadOptions::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(flatten(&loaded), whole, "{layout:?} {shard}: {report:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

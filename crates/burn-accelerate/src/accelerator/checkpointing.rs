@@ -72,8 +72,16 @@ impl Accelerator {
     ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
         let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
-        // Under FULL_SHARD each rank holds its own parameters: every rank takes part in gathering them whole
-        // (the peak of a training step), and the main process writes them.
+        if options.safe_serialization
+            && let Some(fetcher) = crate::distributed::strategy::param_fetcher(
+                self.pipeline.strategy().as_ref(),
+                model,
+            )
+        {
+            return self.save_sharded_model(model, dir, max, options, fetcher);
+        }
+        // Every rank holds the whole model (or, under FULL_SHARD with Burn's record format, takes part in
+        // gathering it), and the main process writes it.
         let whole = self.unshard(model)?;
         let model = &whole;
         let write = || -> Result<Vec<PathBuf>> {
@@ -100,6 +108,65 @@ impl Accelerator {
         } else {
             Ok(Vec::new())
         };
+        self.group.agree("save_model", written)
+    }
+
+    /// `save_model` under `FULL_SHARD`: the main process writes each parameter as it is fetched from its owner, one
+    /// at a time, while the other ranks take part in the same fetches: no rank ever holds the whole model.
+    fn save_sharded_model<M: Module>(
+        &self,
+        model: &M,
+        dir: &Path,
+        max: u64,
+        options: &SaveOptions,
+        fetcher: crate::distributed::strategy::ParamFetcher,
+    ) -> Result<Vec<PathBuf>> {
+        let fetcher = std::rc::Rc::new(fetcher);
+        let lazy = || -> std::rc::Rc<dyn crate::checkpoint::safetensors::write::LazyParams> {
+            fetcher.clone()
+        };
+        // Every rank plans the same file (a bad key remapping fails everywhere alike); the main process also
+        // takes the folder's lock. All agree before the first fetch, so that no rank waits on one that stopped.
+        let planned = crate::checkpoint::safetensors::plan(
+            model,
+            options.layout,
+            &options.remap,
+            Some(lazy()),
+        );
+        let prepared = planned.and_then(|tensors| {
+            if !self.is_main_process() {
+                return Ok((tensors, None));
+            }
+            let parent = crate::checkpoint::fs::parent_dir(dir);
+            std::fs::create_dir_all(parent).map_err(crate::error::io("creating", parent))?;
+            let lock = crate::checkpoint::fs::FolderLock::acquire(parent, dir)?;
+            Ok((tensors, Some(lock)))
+        });
+        let (ready, prepared) = match prepared {
+            Ok(p) => (Ok(()), Some(p)),
+            Err(e) => (Err(e), None),
+        };
+        self.group.agree("save_model", ready)?;
+        let Some((tensors, lock)) = prepared else {
+            return Err(crate::error::Error::InvalidArgument(
+                "save_model: the ranks agreed on a plan this rank did not make".into(),
+            ));
+        };
+        // The writer fetches each parameter at its first band; the other ranks make the same fetches in the
+        // same order.
+        let written = match lock {
+            Some(_lock) => crate::checkpoint::safetensors::write_planned(
+                tensors,
+                dir,
+                max,
+                options.layout,
+                &mut || {},
+            ),
+            None => {
+                crate::checkpoint::safetensors::drain_planned(&tensors, max).map(|()| Vec::new())
+            }
+        };
+        drop(fetcher);
         self.group.agree("save_model", written)
     }
 

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 pub use layout::{KeyRemap, WeightLayout};
 pub use read::{LoadOptions, LoadReport, load_weights};
 pub use write::{SaveOptions, write_burnpack, write_safetensors};
+pub(crate) use write::{drain_planned, plan, write_planned};
 
 /// Name of a single-file checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";

@@ -142,6 +142,8 @@ pub(crate) struct TensorToWrite {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub content: Content,
+    /// Whether its first band fetches it from another rank (`FULL_SHARD`), a collective.
+    pub fetched: bool,
 }
 
 impl TensorToWrite {
@@ -174,14 +176,11 @@ pub(crate) fn safetensors_dtype(dtype: DType) -> Option<Dtype> {
     })
 }
 
-/// Writes `tensors` with `metadata` as a safetensors file into `file` (at `path`, for messages), then syncs
-/// it. The tensors are laid out as the `safetensors` crate lays them out: by descending dtype, then by key.
-pub(crate) fn write_file(
-    file: std::fs::File,
-    path: &Path,
-    tensors: &[&TensorToWrite],
-    metadata: HashMap<String, String>,
-) -> Result<()> {
+/// `tensors` in the order a file holds (and [`write_file`] reads) them, as the `safetensors` crate lays them out:
+/// by descending dtype, then by key.
+pub(crate) fn file_order<'t>(
+    tensors: &[&'t TensorToWrite],
+) -> Result<Vec<(&'t TensorToWrite, Dtype)>> {
     let mut order: Vec<(&TensorToWrite, Dtype)> = Vec::with_capacity(tensors.len());
     for t in tensors {
         let dtype = safetensors_dtype(t.dtype).ok_or_else(|| {
@@ -193,6 +192,18 @@ pub(crate) fn write_file(
         order.push((t, dtype));
     }
     order.sort_by(|(l, ld), (r, rd)| rd.cmp(ld).then_with(|| l.key.cmp(&r.key)));
+    Ok(order)
+}
+
+/// Writes `tensors` with `metadata` as a safetensors file into `file` (at `path`, for messages), then syncs
+/// it. The tensors are laid out as the `safetensors` crate lays them out: by descending dtype, then by key.
+pub(crate) fn write_file(
+    file: std::fs::File,
+    path: &Path,
+    tensors: &[&TensorToWrite],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
+    let order = file_order(tensors)?;
     let mut infos = Vec::with_capacity(order.len());
     let mut offset = 0;
     for (t, dtype) in &order {
@@ -383,6 +394,7 @@ mod tests {
                 read: reader(tensor),
                 transposed,
             },
+            fetched: false,
         }
     }
 
@@ -424,6 +436,7 @@ mod tests {
             dtype: DType::I64,
             shape: vec![3],
             content: Content::Host(TensorData::new(vec![1i64, -2, 3], [3])),
+            fetched: false,
         });
         reference.push(("ints".into(), TensorData::new(vec![1i64, -2, 3], [3])));
         let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
@@ -471,6 +484,7 @@ mod tests {
                 read: Box::new(|_, _| Ok(Band::Copied(TensorData::new(vec![0f32; 3], [3])))),
                 transposed: false,
             },
+            fetched: false,
         };
         let file = std::fs::File::create(&path).unwrap();
         let err = write_file(file, &path, &[&bad], HashMap::new())
@@ -491,6 +505,7 @@ mod tests {
             dtype: DType::F32,
             shape: vec![2],
             content: Content::Host(TensorData::new(vec![1f32, 2.0], [2])),
+            fetched: false,
         };
         let keys = ["format", "layout", "a", "z", "m"];
         let files: Vec<Vec<u8>> = (0..8)

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
@@ -28,17 +28,79 @@ enum Held {
         dtype: DType,
         shape: Vec<usize>,
         read: BandReader,
+        /// Fetched from another rank at its first band (see [`LazyParams`]).
+        fetched: bool,
     },
 }
 
+/// Parameters a rank does not hold whole (`FULL_SHARD`), fetched one at a time while the file is written: every
+/// rank fetches the same parameters in visiting order, the writer's one when it reaches each.
+pub(crate) trait LazyParams {
+    /// The whole shape of `id` when it is fetched rather than read from the module.
+    fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>>;
+    /// The whole value of `id`, flat (a collective: every rank fetches the same parameters in the same order).
+    fn fetch(&self, id: ParamId) -> Result<Tensor<1>>;
+}
+
+impl LazyParams for crate::distributed::strategy::ParamFetcher {
+    fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>> {
+        crate::distributed::strategy::ParamFetcher::whole_dims(self, id)
+    }
+    fn fetch(&self, id: ParamId) -> Result<Tensor<1>> {
+        crate::distributed::strategy::ParamFetcher::fetch(self, id)
+    }
+}
+
+/// The one fetched parameter held at a time (dropped when the next is fetched).
+type Fetched = std::rc::Rc<std::cell::RefCell<Option<(ParamId, Tensor<1>)>>>;
+
+/// A reader of bands of parameter `id` (of whole shape `dims`), fetched through `lazy` at the first band.
+fn lazy_band_reader<const D: usize>(
+    lazy: std::rc::Rc<dyn LazyParams>,
+    held: Fetched,
+    id: ParamId,
+    dims: Vec<usize>,
+) -> BandReader {
+    Box::new(move |transposed, range| {
+        let mut slot = held.borrow_mut();
+        if slot.as_ref().is_none_or(|(current, _)| *current != id) {
+            // Drop the previous parameter before fetching this one: one at a time.
+            *slot = None;
+            let flat = lazy.fetch(id).map_err(|e| e.to_string())?;
+            *slot = Some((id, flat));
+        }
+        let flat = slot
+            .as_ref()
+            .map(|(_, t)| t.clone())
+            .expect("fetched above");
+        let dims: [usize; D] = dims
+            .clone()
+            .try_into()
+            .map_err(|_| format!("parameter {id}: {} dimensions, not {D}", dims.len()))?;
+        let tensor: Tensor<D> = flat.reshape(dims);
+        let tensor = if tensor.is_autodiff() {
+            tensor.inner()
+        } else {
+            tensor
+        };
+        band_reader(tensor)(transposed, range)
+    })
+}
+
 /// Every parameter of `module` with its dotted path (`encoder.layers.0.weight`), in visiting order. Float
-/// parameters stay on their device (a save reads them band by band); others are copied to the host now.
-fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
+/// parameters stay on their device (a save reads them band by band); others are copied to the host now. Those
+/// `lazy` names are fetched through it when written.
+fn named_tensors<M: Module>(
+    module: &M,
+    lazy: Option<std::rc::Rc<dyn LazyParams>>,
+) -> Result<Vec<Named>> {
     struct Collect {
         out: Vec<Named>,
         stack: Vec<String>,
         containers: Vec<String>,
         error: Option<Error>,
+        lazy: Option<std::rc::Rc<dyn LazyParams>>,
+        held: Fetched,
     }
     impl Collect {
         fn push<const D: usize, K: burn::tensor::kind::Basic>(&mut self, tensor: &Tensor<D, K>) {
@@ -77,6 +139,20 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
             if self.error.is_some() {
                 return;
             }
+            if let Some(lazy) = &self.lazy
+                && let Some(dims) = lazy.whole_dims(param.id)
+            {
+                let dtype = param.val().dtype();
+                let read =
+                    lazy_band_reader::<D>(lazy.clone(), self.held.clone(), param.id, dims.clone());
+                self.push_held(Held::Device {
+                    dtype,
+                    shape: dims,
+                    read,
+                    fetched: true,
+                });
+                return;
+            }
             let tensor = param.val();
             // The plain values: reading bands must not add operations to an autodiff graph.
             let tensor = if tensor.is_autodiff() {
@@ -90,6 +166,7 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
                         dtype,
                         shape: tensor.dims().to_vec(),
                         read: band_reader(tensor),
+                        fetched: false,
                     })
                 }
                 // Quantized and other packed floats are copied whole (and refused by the writer if unsupported).
@@ -108,6 +185,8 @@ fn named_tensors<M: Module>(module: &M) -> Result<Vec<Named>> {
         stack: Vec::new(),
         containers: Vec::new(),
         error: None,
+        lazy,
+        held: Fetched::default(),
     };
     module.visit(&mut collect);
     match collect.error {
@@ -143,23 +222,21 @@ pub fn write_safetensors<M: Module>(
     layout: WeightLayout,
     remap: &KeyRemap,
 ) -> Result<Vec<PathBuf>> {
-    write_safetensors_observed(module, dir, max_shard_size, layout, remap, &mut || {})
+    let tensors = plan(module, layout, remap, None)?;
+    write_planned(tensors, dir, max_shard_size, layout, &mut || {})
 }
 
-/// [`write_safetensors`], calling `after_step` after every change to what the folder's loader would see (the
-/// tests load the folder there, to show that no instant mixes two saves).
-fn write_safetensors_observed<M: Module>(
+/// The tensors a save of `module` writes, in order, with their keys in `layout` renamed by `remap`; nothing is
+/// read yet. Fails as the save would (two tensors under one key, no parameters), the same on every rank.
+pub(crate) fn plan<M: Module>(
     module: &M,
-    dir: &Path,
-    max_shard_size: u64,
     layout: WeightLayout,
     remap: &KeyRemap,
-    after_step: &mut dyn FnMut(),
-) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    lazy: Option<std::rc::Rc<dyn LazyParams>>,
+) -> Result<Vec<TensorToWrite>> {
     let mut tensors: Vec<TensorToWrite> = Vec::new();
     let mut keys = std::collections::HashSet::new();
-    for t in named_tensors(module)? {
+    for t in named_tensors(module, lazy)? {
         let stored = match t.tensor {
             Held::Host(data) => {
                 let (key, data) = layout.stored(t.name.clone(), data, &t.containers)?;
@@ -168,9 +245,15 @@ fn write_safetensors_observed<M: Module>(
                     dtype: data.dtype(),
                     shape: data.shape().to_vec(),
                     content: Content::Host(data),
+                    fetched: false,
                 }
             }
-            Held::Device { dtype, shape, read } => {
+            Held::Device {
+                dtype,
+                shape,
+                read,
+                fetched,
+            } => {
                 let transposed = layout.transposes(&t.name, dtype, &shape, &t.containers);
                 let (key, shape) = layout.file_key(&t.name, dtype, &shape, &t.containers);
                 TensorToWrite {
@@ -178,6 +261,7 @@ fn write_safetensors_observed<M: Module>(
                     dtype,
                     shape,
                     content: Content::Bands { read, transposed },
+                    fetched,
                 }
             }
         };
@@ -195,9 +279,14 @@ fn write_safetensors_observed<M: Module>(
             "save_model: the model has no parameters to save".into(),
         ));
     }
+    Ok(tensors)
+}
+
+/// `tensors` in files of at most `max_shard_size` bytes, in order (greedily; a tensor larger than that alone).
+fn shards_of(tensors: &[TensorToWrite], max_shard_size: u64) -> Vec<Vec<&TensorToWrite>> {
     let mut shards: Vec<Vec<&TensorToWrite>> = vec![Vec::new()];
     let mut current = 0u64;
-    for t in &tensors {
+    for t in tensors {
         let size = t.byte_len() as u64;
         if current + size > max_shard_size && !shards.last().expect("one shard").is_empty() {
             shards.push(Vec::new());
@@ -206,6 +295,39 @@ fn write_safetensors_observed<M: Module>(
         shards.last_mut().expect("one shard").push(t);
         current += size;
     }
+    shards
+}
+
+/// On a rank that does not write: takes part in every fetch the writer of the same planned `tensors` makes, in
+/// the order it makes them (file by file, each file's tensors in the order the file holds them), dropping each
+/// fetched parameter at once.
+pub(crate) fn drain_planned(tensors: &[TensorToWrite], max_shard_size: u64) -> Result<()> {
+    for shard in shards_of(tensors, max_shard_size) {
+        for (t, _) in super::stream::file_order(&shard)? {
+            if let (true, Content::Bands { read, .. }) = (t.fetched, &t.content) {
+                read(false, 0..1).map_err(|reason| Error::Execution {
+                    operation: "save_model",
+                    device: format!("fetching `{}`", t.key),
+                    reason,
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes the planned `tensors` into `dir` (see [`write_safetensors`]), calling `after_step` after every change
+/// to what the folder's loader would see (the tests load the folder there, to show that no instant mixes two
+/// saves).
+pub(crate) fn write_planned(
+    tensors: Vec<TensorToWrite>,
+    dir: &Path,
+    max_shard_size: u64,
+    layout: WeightLayout,
+    after_step: &mut dyn FnMut(),
+) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    let shards = shards_of(&tensors, max_shard_size);
     let n = shards.len();
     let name_of = |i: usize| {
         if n == 1 {
@@ -439,12 +561,11 @@ mod tests {
             let (layout, remap) = (WeightLayout::PyTorch, KeyRemap::new());
             write_safetensors(&net(1.0), &dir, shardings[before], layout, &remap).unwrap();
             let mut seen = Vec::new();
-            write_safetensors_observed(
-                &net(2.0),
+            write_planned(
+                plan(&net(2.0), layout, &remap, None).unwrap(),
                 &dir,
                 shardings[after],
                 layout,
-                &remap,
                 &mut || seen.push(loaded_value(&dir)),
             )
             .unwrap();

@@ -30,7 +30,9 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
-pub(crate) use sharded::{Sharded, after_prepare, unshard, unshard_except};
+pub(crate) use sharded::{
+    ParamFetcher, Sharded, after_prepare, param_fetcher, unshard, unshard_except,
+};
 #[cfg(test)]
 use transport::GradientTransport as Transport;
 pub(crate) use transport::check_against_reference as check_transport;
