@@ -36,8 +36,10 @@ use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 
+mod fetch;
 mod gather;
 
+pub(crate) use fetch::{ParamFetcher, param_fetcher};
 use gather::gather;
 
 /// Parameters of at least this many elements (1 MiB of f32) cross ranks alone, as data parallelism's buckets do.
@@ -586,133 +588,4 @@ pub(crate) fn unshard_except<M: Module>(
         }
         _ => Ok(module.clone()),
     }
-}
-
-/// The parameters of a `FULL_SHARD` model fetched one at a time from their owners, for a save that never holds
-/// the whole model on one rank (`save_model`): every rank of the shard group fetches the same parameters in
-/// visiting order, each a broadcast from its owner.
-pub(crate) struct ParamFetcher {
-    group: Arc<ProcessGroup>,
-    me: usize,
-    /// Every trainable parameter in visiting order, with its whole size.
-    order: Vec<(ParamId, usize)>,
-    owners: HashMap<ParamId, usize>,
-    dims: HashMap<ParamId, Vec<usize>>,
-    /// This rank's own parameters' values, flat (handles on the module's tensors: no copy).
-    own: HashMap<ParamId, Tensor<1>>,
-    /// Each parameter's device and dtype (a placeholder's are its parameter's).
-    placement: HashMap<ParamId, (burn::tensor::Device, burn::tensor::DType)>,
-}
-
-impl std::fmt::Debug for ParamFetcher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ParamFetcher")
-            .field("params", &self.order.len())
-            .finish()
-    }
-}
-
-impl ParamFetcher {
-    /// The whole shape of `id`, when it is one of the fetched parameters.
-    pub fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>> {
-        self.dims.get(&id).cloned()
-    }
-
-    /// The whole value of `id`, flat, on every rank of the shard group (a collective: every rank fetches the same
-    /// parameters in the same order).
-    ///
-    /// # Errors
-    /// `id` is not a fetched parameter; the broadcast failed.
-    pub fn fetch(&self, id: ParamId) -> Result<Tensor<1>> {
-        let (Some(&owner), Some(&(_, n)), Some(placement)) = (
-            self.owners.get(&id),
-            self.order.iter().find(|(p, _)| *p == id),
-            self.placement.get(&id),
-        ) else {
-            return Err(Error::InvalidArgument(format!(
-                "save_model: parameter {id} is not one of the sharded model's"
-            )));
-        };
-        let host = match self.own.get(&id) {
-            Some(value) if owner == self.me => to_host(value.clone(), "parameter save")?,
-            _ => vec![0.0; n],
-        };
-        let comm = Sharded::checked(
-            &self.group,
-            "sharded parameter fetch for a save",
-            &[n, owner],
-        )?;
-        match comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
-            ReduceBuffer::F32(values) => {
-                from_host(values, (&placement.0, placement.1), "parameter save")
-            }
-            other => Err(Error::InvalidArgument(format!(
-                "parameter save: the engine returned {} values",
-                other.kind()
-            ))),
-        }
-    }
-}
-
-/// Under a strategy that reshards parameters (`FULL_SHARD`, `HYBRID_SHARD`), the fetcher of `module`'s
-/// parameters (see [`ParamFetcher`]); `None` under any other, where every rank holds the whole model.
-pub(crate) fn param_fetcher<M: Module>(
-    strategy: &dyn Strategy,
-    module: &M,
-) -> Option<ParamFetcher> {
-    struct Values<'a> {
-        mine: &'a HashSet<ParamId>,
-        own: HashMap<ParamId, Tensor<1>>,
-        placement: HashMap<ParamId, (burn::tensor::Device, burn::tensor::DType)>,
-    }
-    impl ModuleVisitor for Values<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            self.placement
-                .insert(param.id, (value.device(), value.dtype()));
-            if self.mine.contains(&param.id) {
-                let n = value.shape().num_elements();
-                self.own.insert(param.id, value.reshape([n]));
-            }
-        }
-    }
-    let sharded = strategy.sharded()?;
-    if !sharded.mode.reshards_parameters() {
-        return None;
-    }
-    let order = whole_params(sharded, module);
-    let owners: HashMap<ParamId, usize> = order
-        .iter()
-        .map(|(id, _)| *id)
-        .zip(sharded.owners(&order))
-        .collect();
-    let me = sharded.shard_rank();
-    let mine: HashSet<ParamId> = owners
-        .iter()
-        .filter(|(_, o)| **o == me)
-        .map(|(id, _)| *id)
-        .collect();
-    let mut values = Values {
-        mine: &mine,
-        own: HashMap::new(),
-        placement: HashMap::new(),
-    };
-    module.visit(&mut values);
-    let known = sharded.known();
-    let mut dims = param_dims(module);
-    dims.retain(|id, _| owners.contains_key(id));
-    for (id, d) in dims.iter_mut() {
-        if let Some(k) = known.get(id) {
-            *d = k.dims.clone();
-        }
-    }
-    Some(ParamFetcher {
-        group: sharded.group.clone(),
-        me,
-        order,
-        owners,
-        dims,
-        own: values.own,
-        placement: values.placement,
-    })
 }
