@@ -27,6 +27,8 @@
 //! process prints `final_loss=<x>`, and `--weights <file>` writes the final weights (every float parameter in
 //! visiting order, little-endian f32) for comparing runs.
 
+#[path = "support/held.rs"]
+mod held;
 #[path = "support/ranks.rs"]
 mod ranks;
 
@@ -178,49 +180,6 @@ fn batch(
     (tensor(inputs), tensor(targets))
 }
 
-/// Elements and bytes of the float parameters of `model` this rank holds (a `FULL_SHARD` placeholder holds none).
-fn param_bytes<M: Module>(model: &M) -> usize {
-    struct Bytes(usize);
-    impl ModuleVisitor for Bytes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            self.0 += value.shape().num_elements() * value.dtype().size();
-        }
-    }
-    let mut bytes = Bytes(0);
-    model.visit(&mut bytes);
-    bytes.0
-}
-
-/// Bytes of the gradients of `model`'s parameters this rank holds.
-fn grad_bytes<M: Module>(acc: &Accelerator, model: &M) -> usize {
-    struct Bytes<'a>(&'a Accelerator, usize);
-    impl ModuleVisitor for Bytes<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(grad) = self.0.grad(param) {
-                self.1 += grad.shape().num_elements() * grad.dtype().size();
-            }
-        }
-    }
-    let mut bytes = Bytes(acc, 0);
-    model.visit(&mut bytes);
-    bytes.1
-}
-
-/// The process's peak resident memory (`VmHWM`) or peak address space (`VmPeak`), in bytes (Linux; 0
-/// elsewhere).
-fn peak(what: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(what))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 fn mode(acc: &Accelerator, args: &Args) -> String {
     let sharding = acc.config().sharding;
     let how = if !sharding.reshards_parameters() {
@@ -275,7 +234,7 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 |m, x| m.loss(x, targets.clone()),
             )?
         };
-        grads = grad_bytes(&acc, &model);
+        grads = held::grad_bytes(&acc, &model);
         model = optimizer.try_step(model)?;
         loss_value = acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>();
         step_secs = started.elapsed().as_secs_f64();
@@ -286,8 +245,8 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             );
         }
     }
-    let (peak_rss, peak_vm) = (peak("VmHWM:"), peak("VmPeak:"));
-    let at_rest = param_bytes(&model);
+    let (peak_rss, peak_vm) = (held::peak("VmHWM:"), held::peak("VmPeak:"));
+    let at_rest = held::param_bytes(&model);
     let state = if args.skip_state_bytes {
         0
     } else {
@@ -316,7 +275,7 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                     .map(|f| f.display().to_string())
                     .collect::<Vec<_>>()
                     .join(", "),
-                peak("VmHWM:")
+                held::peak("VmHWM:")
             );
         }
     }

@@ -362,13 +362,13 @@ fn sharded_processes_against_unsharded(name: &str, ranks: &[usize], extra: &[&st
             let resume = [&["--case", "resume", "--sharding", sharding][..], extra].concat();
             let resume = &resume[..];
             let whole = dir.join(format!("whole{p}-{sharding}"));
-            assert_success(&mpirun(p, &whole, &resume));
+            assert_success(&mpirun(p, &whole, resume));
             let broken = dir.join(format!("broken{p}-{sharding}"));
             let last = (p - 1).to_string();
             let killed = mpirun(
                 p,
                 &broken,
-                &[&resume[..], &["--kill-at", "14", "--kill-rank", &last]].concat(),
+                &[resume, &["--kill-at", "14", "--kill-rank", &last]].concat(),
             );
             assert!(!killed.status.success(), "the killed job must fail");
             // Killed where it was told to (not failed for another reason before the kill).
@@ -377,7 +377,7 @@ fn sharded_processes_against_unsharded(name: &str, ranks: &[usize], extra: &[&st
                 "P={p} {sharding}: {}",
                 String::from_utf8_lossy(&killed.stderr)
             );
-            assert_success(&mpirun(p, &broken, &[&resume[..], &["--resume"]].concat()));
+            assert_success(&mpirun(p, &broken, &[resume, &["--resume"]].concat()));
             for rank in 0..p {
                 let file = format!("rank{rank}.safetensors");
                 assert_eq!(

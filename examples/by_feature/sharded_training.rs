@@ -24,14 +24,14 @@
 //! state as Burn serialises it, peak RSS of the process from `/proc/self/status`); the main process prints
 //! `final_loss=<x>`, the same with and without sharding.
 
+#[path = "../support/held.rs"]
+mod held;
 #[path = "../support/ranks.rs"]
 mod ranks;
 #[path = "../support/stack.rs"]
 mod stack;
 
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamConfig;
-use burn::tensor::Tensor;
 use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy};
 use clap::Parser;
 use stack::Stack;
@@ -59,48 +59,6 @@ struct Args {
     batch: usize,
 }
 
-/// Bytes of the float parameters of `model` this rank holds (a `FULL_SHARD` placeholder holds none).
-fn param_bytes<M: Module>(model: &M) -> usize {
-    struct Bytes(usize);
-    impl ModuleVisitor for Bytes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            self.0 += value.shape().num_elements() * value.dtype().size();
-        }
-    }
-    let mut bytes = Bytes(0);
-    model.visit(&mut bytes);
-    bytes.0
-}
-
-/// Bytes of the gradients of `model`'s parameters this rank holds.
-fn grad_bytes<M: Module>(acc: &Accelerator, model: &M) -> usize {
-    struct Bytes<'a>(&'a Accelerator, usize);
-    impl ModuleVisitor for Bytes<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(grad) = self.0.grad(param) {
-                self.1 += grad.shape().num_elements() * grad.dtype().size();
-            }
-        }
-    }
-    let mut bytes = Bytes(acc, 0);
-    model.visit(&mut bytes);
-    bytes.1
-}
-
-/// The process's peak resident memory, in bytes (Linux; 0 elsewhere).
-fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     let (rank, ranks) = (acc.process_index(), acc.num_processes());
     if !args.batch.is_multiple_of(ranks) {
@@ -123,12 +81,12 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
             .into_scalar::<f32>();
         acc.backward(loss, &whole)?;
         drop(whole);
-        grads = grad_bytes(&acc, &model);
+        grads = held::grad_bytes(&acc, &model);
         model = optimizer.try_step(model)?;
     }
     // Measured before anything below copies the state.
-    let peak = peak_rss();
-    let at_rest = param_bytes(&model);
+    let peak = held::peak("VmHWM:");
+    let at_rest = held::param_bytes(&model);
     let state = optimizer
         .inner()
         .to_record()
