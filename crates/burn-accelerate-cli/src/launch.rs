@@ -67,12 +67,10 @@ pub struct LaunchArgs {
     )]
     pub parallelism_config_dp_shard_size: Option<usize>,
     /// Recompute each block in backward instead of keeping its activations, in programs that train with
-    /// `backward_blocks` (FSDP_ACTIVATION_CHECKPOINTING): `--fsdp_activation_checkpointing` or `... true`.
+    /// `backward_blocks`: true or false, as Accelerate's flag (FSDP_ACTIVATION_CHECKPOINTING).
     #[arg(
         long = "fsdp-activation-checkpointing",
-        visible_alias = "fsdp_activation_checkpointing",
-        num_args = 0..=1,
-        default_missing_value = "true"
+        visible_alias = "fsdp_activation_checkpointing"
     )]
     pub fsdp_activation_checkpointing: Option<bool>,
     /// Check every collective across ranks (ACCELERATE_DEBUG_MODE).

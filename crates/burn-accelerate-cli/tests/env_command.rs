@@ -68,6 +68,28 @@ fn env_names_the_launcher_that_started_it() {
     );
 }
 
+/// Activation checkpointing, Burn's own checkpointing and what the sharding strategy holds at its peak.
+#[test]
+fn env_shows_checkpointing_and_what_full_shard_costs() {
+    let dir = std::env::temp_dir().join(format!("ba-env-fsdp-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("HF_HOME", &dir)
+        .env("ACCELERATE_USE_FSDP", "true")
+        .env("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+        .env("FSDP_ACTIVATION_CHECKPOINTING", "true")
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "activation_checkpointing = true (environment FSDP_ACTIVATION_CHECKPOINTING)",
+        "autodiff_checkpointing = false (default)",
+        "- Peak memory under FULL_SHARD: with backward_blocks: 1/P",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
+}
+
 #[test]
 fn unknown_subcommand_is_a_usage_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))

@@ -192,6 +192,24 @@ fn fsdp_flags_choose_the_sharding_and_reach_the_program() {
         settings(&out)
     );
     assert!(fsdp_vars(&out).contains(&"FSDP_SHARDING_STRATEGY=HYBRID_SHARD".into()));
+    assert!(fsdp_vars(&out).contains(&"FSDP_ACTIVATION_CHECKPOINTING=false".into()));
+    // Activation checkpointing, with Accelerate's value (a value is required, so the program's name is never
+    // taken for one).
+    for args in [
+        &["--fsdp_activation_checkpointing", "true", "env"][..],
+        &["--fsdp-activation-checkpointing", "true", "env"][..],
+    ] {
+        let out = launch().args(args).output().unwrap();
+        assert!(
+            settings(&out).contains("activation_checkpointing=true (command line)"),
+            "{args:?}: {}",
+            settings(&out)
+        );
+        assert!(
+            fsdp_vars(&out).contains(&"FSDP_ACTIVATION_CHECKPOINTING=true".into()),
+            "{args:?}"
+        );
+    }
     // A strategy that does not exist is refused before anything starts, naming the ones that do.
     let out = launch()
         .args(["--fsdp-sharding-strategy", "HYBRID", "env"])
