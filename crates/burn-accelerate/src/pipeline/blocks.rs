@@ -26,7 +26,7 @@ use burn::module::{Module, ParamId};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{Reduced, StepPipeline};
-use crate::distributed::strategy::{Strategy, trainable_params, unshard, unshard_except};
+use crate::distributed::strategy::{trainable_params, unshard, unshard_except};
 use crate::error::{Error, Result};
 use crate::grad::{GradientBuffer, param_ids};
 
@@ -109,24 +109,21 @@ impl StepPipeline {
         }
         let blocks = block_ids(model);
         let rest = unshard_except(strategy, model, &blocks)?;
-        let mut sink = if sharded {
+        let mut sink = if !sharded {
+            Sink::Local(GradientBuffer::new())
+        } else if self.shared.lock().state.next_backward_is_whole_window() {
             // A pass that is its window (no accumulation) reduces with the window's normalisation and unscaling,
-            // as `backward` does: the same bits. Inside a window, each pass adds its mean over the ranks.
-            let whole_window = self.shared.lock().state.next_backward_is_whole_window();
-            if whole_window {
-                let scale = self.precision().unscaled(self.normalisation(1));
-                Sink::ReducedPerPart {
-                    scale,
-                    reduced: Reduced::Scaled,
-                }
-            } else {
-                Sink::ReducedPerPart {
-                    scale: 1.0,
-                    reduced: Reduced::Unscaled,
-                }
+            // as `backward` does: the same bits.
+            Sink::ReducedPerPart {
+                scale: self.precision().unscaled(self.normalisation(1)),
+                reduced: Reduced::Scaled,
             }
         } else {
-            Sink::Local(GradientBuffer::new())
+            // Inside a window, each pass adds its mean over the ranks; the window's end scales the sum.
+            Sink::ReducedPerPart {
+                scale: 1.0,
+                reduced: Reduced::Unscaled,
+            }
         };
 
         // Forward, without a graph: only the activations between blocks are kept.
@@ -136,7 +133,7 @@ impl StepPipeline {
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
         for (i, b) in model.blocks().iter().enumerate() {
-            let whole = gather_block(strategy, b)?.no_grad();
+            let whole = unshard(strategy, b)?.no_grad();
             let x = boundaries[i].clone();
             seeds.before_block(&device, i);
             let y = block(&whole, x).detach();
@@ -173,7 +170,7 @@ impl StepPipeline {
 
         // The blocks in reverse: recompute with a graph, back-propagate the gradient from above.
         for (i, b) in model.blocks().iter().enumerate().rev() {
-            let whole = gather_block(strategy, b)?;
+            let whole = unshard(strategy, b)?;
             let input = boundaries.pop().expect("one activation per block");
             let needs_input_grad = i > 0 || h0.is_tracked();
             let x = if needs_input_grad {
@@ -240,11 +237,6 @@ impl StepPipeline {
         }
         Ok(())
     }
-}
-
-/// `block` with every parameter whole on this rank: gathered under `FULL_SHARD`, else a cheap clone.
-fn gather_block<B: Module>(strategy: &dyn Strategy, block: &B) -> Result<B> {
-    unshard(strategy, block)
 }
 
 /// The seeds that make a block's recompute draw the same random numbers (dropout masks) as its forward pass.
