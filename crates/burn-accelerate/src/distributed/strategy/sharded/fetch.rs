@@ -9,8 +9,8 @@ use super::*;
 pub(crate) struct ParamFetcher {
     group: Arc<ProcessGroup>,
     me: usize,
-    /// Every trainable parameter in visiting order, with its whole size.
-    order: Vec<(ParamId, usize)>,
+    /// Every trainable parameter's whole number of elements.
+    sizes: HashMap<ParamId, usize>,
     owners: HashMap<ParamId, usize>,
     dims: HashMap<ParamId, Vec<usize>>,
     /// This rank's own parameters' values, flat (handles on the module's tensors: no copy).
@@ -22,7 +22,7 @@ pub(crate) struct ParamFetcher {
 impl std::fmt::Debug for ParamFetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ParamFetcher")
-            .field("params", &self.order.len())
+            .field("params", &self.sizes.len())
             .finish()
     }
 }
@@ -39,9 +39,9 @@ impl ParamFetcher {
     /// # Errors
     /// `id` is not a fetched parameter; the broadcast failed.
     pub fn fetch(&self, id: ParamId) -> Result<Tensor<1>> {
-        let (Some(&owner), Some(&(_, n)), Some(placement)) = (
+        let (Some(&owner), Some(&n), Some(placement)) = (
             self.owners.get(&id),
-            self.order.iter().find(|(p, _)| *p == id),
+            self.sizes.get(&id),
             self.placement.get(&id),
         ) else {
             return Err(Error::InvalidArgument(format!(
@@ -124,7 +124,7 @@ pub(crate) fn param_fetcher<M: Module>(
     Some(ParamFetcher {
         group: sharded.group.clone(),
         me,
-        order,
+        sizes: order.into_iter().collect(),
         owners,
         dims,
         own: values.own,
