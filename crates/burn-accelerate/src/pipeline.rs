@@ -29,7 +29,7 @@ use burn::optim::GradientsParams;
 
 use crate::config::{AcceleratorConfig, LossNormalization};
 use crate::distributed::strategy::{
-    StateScope, Strategy, after_prepare, broadcast_module, share_stepped, trainable_params, unshard,
+    Strategy, after_prepare, broadcast_module, share_stepped, trainable_params, unshard,
 };
 use crate::error::{Error, Result};
 pub(crate) use crate::grad::window::StepOutcome;
@@ -120,7 +120,7 @@ impl StepPipeline {
 
     /// The last step of `prepare_model`: a sharded strategy learns the model's parameters, and under
     /// `FULL_SHARD` this rank keeps only its own.
-    pub fn after_prepare<M: Module>(&self, module: M) -> M {
+    pub fn after_prepare<M: Module>(&self, module: M) -> Result<M> {
         after_prepare(self.strategy.as_ref(), module)
     }
 
@@ -133,7 +133,7 @@ impl StepPipeline {
     /// [`share_stepped`] (never for data parallelism or a single device).
     #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub fn shares_stepped_parameters(&self) -> bool {
-        self.strategy.optimizer_state() == StateScope::PerRank
+        self.strategy.shards_state()
     }
 
     /// After an optimizer applied [`StepOutcome::Apply`]'s gradients to `model`: see [`share_stepped`].

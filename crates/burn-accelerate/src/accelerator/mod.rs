@@ -327,7 +327,7 @@ impl Accelerator {
             model
         };
         let model = with_device_checkpointing(model, self.device());
-        Ok(self.pipeline.after_prepare(model))
+        self.pipeline.after_prepare(model)
     }
 
     /// `model` with every parameter whole on this rank, for the forward and backward pass.

@@ -20,9 +20,11 @@
 //! and through the device path's test double, end to end.
 
 mod data_parallel;
+mod params;
 mod sharded;
 mod transport;
 
+use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -30,9 +32,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
-pub(crate) use sharded::{
-    ParamFetcher, Sharded, after_prepare, param_fetcher, unshard, unshard_except,
-};
+pub(crate) use params::ParamTable;
+pub(crate) use sharded::{ParamFetcher, Sharded};
 #[cfg(test)]
 use transport::GradientTransport as Transport;
 pub(crate) use transport::check_against_reference as check_transport;
@@ -112,8 +113,39 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         false
     }
 
-    /// The sharded strategy, when this is one (for the generic module hooks of this module only).
-    fn sharded(&self) -> Option<&Sharded> {
+    /// Whether the lifecycle hooks below place parameters ([`setup`](Self::setup), [`unshard`](Self::unshard),
+    /// [`after_step`](Self::after_step), [`fetcher`](Self::fetcher)): the pipeline reads the model's parameter
+    /// table for them only then. A strategy whose every rank holds every parameter, stepped by itself, has nothing
+    /// to place.
+    fn places_parameters(&self) -> bool {
+        false
+    }
+
+    /// The last step of `prepare_model`: the strategy learns the model's parameters (owners, whole shapes) and
+    /// drops from `params` what this rank does not hold between steps.
+    fn setup(&self, params: &mut ParamTable) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
+    /// Before a forward pass: gives `params` every parameter whole, but those in `kept` (a block-wise pass
+    /// gathers its blocks one at a time). Every rank runs the same collectives, whatever it holds.
+    fn unshard(&self, params: &mut ParamTable, kept: &HashSet<ParamId>) -> Result<()> {
+        let _ = (params, kept);
+        Ok(())
+    }
+
+    /// After an optimizer stepped this rank's parameters: shares them with the other ranks, or drops again what
+    /// this rank does not hold between steps.
+    fn after_step(&self, params: &mut ParamTable) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
+    /// A fetcher of `params`' whole values, one at a time, for a save that never holds the whole model on one
+    /// rank; `None` where every rank holds every parameter.
+    fn fetcher(&self, params: &ParamTable) -> Option<ParamFetcher> {
+        let _ = params;
         None
     }
 
@@ -339,14 +371,62 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
     }
 }
 
-/// After an optimizer stepped `module`: under a sharded strategy, whose ranks step only the parameters they own,
-/// the stepped parameters are shared (see [`sharded`]); under a replicated strategy the module comes back as it
-/// is.
-pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
-    match strategy.sharded() {
-        Some(sharded) => sharded::share_stepped(sharded, module),
-        None => Ok(module),
+/// `module` after `hook` placed its parameters: the parameter table is read, handed to the strategy's hook and
+/// written back. A strategy that places no parameters gets nothing to do.
+fn placed<M: Module>(
+    strategy: &dyn Strategy,
+    module: M,
+    hook: impl FnOnce(&dyn Strategy, &mut ParamTable) -> Result<()>,
+) -> Result<M> {
+    if !strategy.places_parameters() {
+        return Ok(module);
     }
+    let mut params = ParamTable::of(&module);
+    hook(strategy, &mut params)?;
+    params.apply(module)
+}
+
+/// The last step of `prepare_model` (see [`Strategy::setup`]): under `FULL_SHARD` this rank keeps only its own
+/// parameters.
+pub(crate) fn after_prepare<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    placed(strategy, module, |s, params| s.setup(params))
+}
+
+/// `module` whole on this rank (see [`Strategy::unshard`]): under `FULL_SHARD` the other ranks' parameters are
+/// gathered; otherwise every rank holds them already and `module` comes back as it is (a cheap clone).
+pub(crate) fn unshard<M: Module>(strategy: &dyn Strategy, module: &M) -> Result<M> {
+    unshard_except(strategy, module, &HashSet::new())
+}
+
+/// [`unshard`] of every parameter of `module` but those in `kept` (a block-wise pass gathers its blocks one at a
+/// time, and the rest of the model with this). Every rank must pass the same `kept`.
+pub(crate) fn unshard_except<M: Module>(
+    strategy: &dyn Strategy,
+    module: &M,
+    kept: &HashSet<ParamId>,
+) -> Result<M> {
+    placed(strategy, module.clone(), |s, params| {
+        s.unshard(params, kept)
+    })
+}
+
+/// After an optimizer stepped `module` (see [`Strategy::after_step`]): under a sharded strategy, whose ranks step
+/// only the parameters they own, the stepped parameters are shared (or dropped again under `FULL_SHARD`); under
+/// a replicated strategy the module comes back as it is.
+pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    placed(strategy, module, |s, params| s.after_step(params))
+}
+
+/// The fetcher of `module`'s parameters for a save that never holds the whole model (see
+/// [`Strategy::fetcher`]); `None` where every rank holds the whole model.
+pub(crate) fn param_fetcher<M: Module>(
+    strategy: &dyn Strategy,
+    module: &M,
+) -> Option<ParamFetcher> {
+    if !strategy.places_parameters() {
+        return None;
+    }
+    strategy.fetcher(&ParamTable::of(module))
 }
 
 #[cfg(test)]

@@ -9,24 +9,29 @@
 //!                   rounds of at most one bucket ─> each rank keeps its own parameters' mean gradients only
 //! optimizer step:   Burn's optimizer steps only the parameters it has gradients for: this rank's, whose
 //!                   state is all it ever holds
-//! share_stepped:    SHARD_GRAD_OP: each large parameter broadcast from its owner into the buffer every rank
-//!                   holds it in; the smaller ones all-gathered in rounds
+//! after_step:       SHARD_GRAD_OP: each large parameter broadcast from its owner; the smaller ones all-gathered
+//!                   in rounds
 //!                   FULL_SHARD:    drop the other ranks' parameters again (empty placeholders)
 //! unshard:          FULL_SHARD: gather the other ranks' parameters (as above) for forward and backward
 //! ```
 //!
 //! Burn's optimizers step only the parameters present in the gradients they are given, so nothing of Burn
-//! changes. Large parameters (1 MiB and up) move in place, nothing allocated or copied for them, as data
-//! parallelism's large buckets; the rounds of the smaller ones bound the host buffers: round `k` carries, from
-//! every rank, its `k`-th group of own parameters of at most one bucket divided by the number of ranks. Every
-//! reduction combines the ranks in rank order, so a sharded run has the bits of an unsharded one.
+//! changes. Large gradients (1 MiB and up) are reduced in place, as data parallelism's large buckets, and large
+//! parameters cross alone, each broadcast from its owner; the rounds of the smaller ones bound the host buffers:
+//! round `k` carries, from every rank, its `k`-th group of own parameters of at most one bucket divided by the
+//! number of ranks. Every reduction combines the ranks in rank order, so a sharded run has the bits of an
+//! unsharded one.
+//!
+//! The strategy never sees the model's type: the pipeline hands its lifecycle hooks (`setup`, `unshard`,
+//! `after_step`, `fetcher`) the model's [`ParamTable`] and writes back the values they replace.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
+use burn::module::ParamId;
+use burn::tensor::{DType, Device, Tensor};
 
+use super::params::{ParamEntry, ParamTable};
 use super::transport::{from_host, to_host};
 use super::{StateScope, Strategy, balanced_owners};
 use crate::config::ShardingStrategy;
@@ -39,18 +44,21 @@ use crate::grad::GradientBuffer;
 mod fetch;
 mod gather;
 
-pub(crate) use fetch::{ParamFetcher, param_fetcher};
+pub(crate) use fetch::ParamFetcher;
 use gather::gather;
 
 /// Parameters of at least this many elements (1 MiB of f32) cross ranks alone, as data parallelism's buckets do.
 const ALONE_ELEMENTS: usize = 1 << 18;
 
 /// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): its owner and
-/// shape, which a `FULL_SHARD` placeholder no longer shows.
+/// shape, which a `FULL_SHARD` placeholder no longer shows, and where it lives (a rank that holds none of the
+/// gradients still takes part in their reduction with zeros of the right kind).
 #[derive(Debug, Clone)]
 struct Known {
     owner: usize,
     dims: Vec<usize>,
+    device: Device,
+    dtype: DType,
 }
 
 /// Sharded data parallelism over the host reduce-scatter and all-gather of the rank's communicator. Under a
@@ -167,8 +175,8 @@ impl Sharded {
     }
 
     /// The indices into `params` of the parameters that cross ranks alone: [`ALONE_ELEMENTS`] or more (or past
-    /// a round's size). Each is reduced into its owner's own buffer and broadcast from it, in place: no buffer is
-    /// allocated or copied for it (as data parallelism's all-reduce of a large gradient).
+    /// a round's size). Each gradient is reduced into its owner's own buffer, in place (as data parallelism's
+    /// all-reduce of a large gradient), and each parameter broadcast from its owner.
     fn large(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
         let alone = self.alone_elements();
         (0..params.len())
@@ -214,23 +222,64 @@ impl Sharded {
             .collect()
     }
 
-    /// Remembers the owner and shape of every trainable parameter of `module` (seen whole).
-    fn remember<M: Module>(&self, module: &M) {
-        let params = super::trainable_params(module);
-        let owners = balanced_owners(&params, self.world());
-        let dims = param_dims(module);
+    /// Remembers the owner, shape and placement of every trainable parameter of `params` (seen whole).
+    fn remember(&self, params: &ParamTable) {
+        let trainable = params.trainable();
+        let owners = balanced_owners(&trainable, self.world());
         let mut known = self.known();
-        for ((id, _), owner) in params.iter().zip(owners) {
-            if let Some(dims) = dims.get(id) {
+        for ((id, _), owner) in trainable.iter().zip(owners) {
+            if let Some(entry) = params.get(*id) {
                 known.insert(
                     *id,
                     Known {
                         owner,
-                        dims: dims.clone(),
+                        dims: entry.dims.clone(),
+                        device: entry.device.clone(),
+                        dtype: entry.dtype,
                     },
                 );
             }
         }
+    }
+
+    /// The trainable parameters of `params` with their whole sizes, in visiting order: a placeholder (which
+    /// tracks no gradient) counts as the parameter it stands for.
+    fn whole_params(&self, params: &ParamTable) -> Vec<(ParamId, usize)> {
+        let known = self.known();
+        params
+            .entries()
+            .iter()
+            .filter_map(|entry| match known.get(&entry.id) {
+                Some(k) => Some((entry.id, k.dims.iter().product())),
+                None => entry.trainable.then(|| (entry.id, entry.num_elements())),
+            })
+            .collect()
+    }
+
+    /// The whole shape of `entry`: the one remembered for it (a placeholder's is empty), else its own.
+    fn whole_dims(&self, entry: &ParamEntry) -> Vec<usize> {
+        self.known()
+            .get(&entry.id)
+            .map_or_else(|| entry.dims.clone(), |k| k.dims.clone())
+    }
+
+    /// Drops from `params` every trainable parameter owned by another rank (an empty placeholder of its kind
+    /// takes its place, keeping its id and gradient setting).
+    fn reshard(&self, params: &mut ParamTable) {
+        let whole = self.whole_params(params);
+        let me = self.shard_rank();
+        for ((id, _), owner) in whole.iter().zip(self.owners(&whole)) {
+            if owner != me {
+                params.drop_value(*id);
+            }
+        }
+    }
+
+    /// Where the gradients of `ids` live, from the first remembered one (for a rank that holds none of them).
+    fn placement_of(&self, ids: impl IntoIterator<Item = ParamId>) -> Option<(Device, DType)> {
+        let known = self.known();
+        ids.into_iter()
+            .find_map(|id| known.get(&id).map(|k| (k.device.clone(), k.dtype)))
     }
 }
 
@@ -264,7 +313,12 @@ impl Strategy for Sharded {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
-        let Some((device, dtype)) = grads.device_and_dtype(params.iter().map(|(id, _)| *id)) else {
+        // A rank that holds none of these gradients (its part of the batch used none of them) still takes part,
+        // with zeros where the model keeps them.
+        let Some((device, dtype)) = grads
+            .device_and_dtype(params.iter().map(|(id, _)| *id))
+            .or_else(|| self.placement_of(params.iter().map(|(id, _)| *id)))
+        else {
             return Ok(());
         };
         let me = self.shard_rank();
@@ -422,8 +476,36 @@ impl Strategy for Sharded {
         }
     }
 
-    fn sharded(&self) -> Option<&Sharded> {
-        Some(self)
+    fn places_parameters(&self) -> bool {
+        true
+    }
+
+    fn setup(&self, params: &mut ParamTable) -> Result<()> {
+        self.remember(params);
+        if self.mode.reshards_parameters() {
+            self.reshard(params);
+        }
+        Ok(())
+    }
+
+    fn unshard(&self, params: &mut ParamTable, kept: &HashSet<ParamId>) -> Result<()> {
+        if self.mode.reshards_parameters() {
+            gather(self, params, kept)?;
+        }
+        Ok(())
+    }
+
+    fn after_step(&self, params: &mut ParamTable) -> Result<()> {
+        if self.mode.reshards_parameters() {
+            self.reshard(params);
+            Ok(())
+        } else {
+            gather(self, params, &HashSet::new())
+        }
+    }
+
+    fn fetcher(&self, params: &ParamTable) -> Option<ParamFetcher> {
+        fetch::fetcher(self, params)
     }
 
     fn reshards_parameters(&self) -> bool {
@@ -464,128 +546,5 @@ impl Strategy for Sharded {
                 other.kind()
             ))),
         }
-    }
-}
-
-/// The shape of every float parameter of `module`, by id, without drawing lazy ones.
-fn param_dims<M: Module>(module: &M) -> HashMap<ParamId, Vec<usize>> {
-    struct Dims(HashMap<ParamId, Vec<usize>>);
-    impl ModuleVisitor for Dims {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0
-                .insert(param.id, param.lazy_shape().dims::<D>().to_vec());
-        }
-    }
-    let mut dims = Dims(HashMap::new());
-    module.visit(&mut dims);
-    dims.0
-}
-
-/// The trainable parameters of `module` with their whole sizes, in visiting order: a placeholder (which
-/// tracks no gradient) counts as the parameter it stands for.
-fn whole_params<M: Module>(sharded: &Sharded, module: &M) -> Vec<(ParamId, usize)> {
-    struct Whole<'a> {
-        known: &'a HashMap<ParamId, Known>,
-        params: Vec<(ParamId, usize)>,
-    }
-    impl ModuleVisitor for Whole<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(known) = self.known.get(&param.id) {
-                self.params.push((param.id, known.dims.iter().product()));
-            } else if param.is_require_grad() {
-                self.params
-                    .push((param.id, param.lazy_shape().num_elements()));
-            }
-        }
-    }
-    let known = sharded.known();
-    let mut whole = Whole {
-        known: &known,
-        params: Vec::new(),
-    };
-    module.visit(&mut whole);
-    whole.params
-}
-
-/// Called once a model is prepared: a sharded strategy remembers its parameters' owners and shapes, and under
-/// `FULL_SHARD` this rank drops the other ranks' parameters.
-pub(crate) fn after_prepare<M: Module>(strategy: &dyn Strategy, module: M) -> M {
-    let Some(sharded) = strategy.sharded() else {
-        return module;
-    };
-    sharded.remember(&module);
-    if sharded.mode.reshards_parameters() {
-        reshard(sharded, module)
-    } else {
-        module
-    }
-}
-
-/// `module` with every trainable parameter owned by another rank replaced by an empty placeholder of its kind
-/// (first dimension 0: no memory), keeping ids and gradient settings.
-fn reshard<M: Module>(sharded: &Sharded, module: M) -> M {
-    struct Drop<'a> {
-        me: usize,
-        owners: &'a HashMap<ParamId, usize>,
-    }
-    impl ModuleMapper for Drop<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            match self.owners.get(&param.id) {
-                Some(owner) if *owner != self.me => param.map(|tensor| {
-                    let mut dims = tensor.dims();
-                    if dims[0] == 0 {
-                        return tensor;
-                    }
-                    dims[0] = 0;
-                    Tensor::zeros(dims, (&tensor.device(), tensor.dtype()))
-                }),
-                _ => param,
-            }
-        }
-    }
-    let params = whole_params(sharded, &module);
-    let owners: HashMap<ParamId, usize> = params
-        .iter()
-        .map(|(id, _)| *id)
-        .zip(sharded.owners(&params))
-        .collect();
-    module.map(&mut Drop {
-        me: sharded.shard_rank(),
-        owners: &owners,
-    })
-}
-
-/// After an optimizer stepped `module` (this rank's parameters only): under `SHARD_GRAD_OP` every rank gets
-/// every other rank's stepped parameters; under `FULL_SHARD` the other ranks' parameters are dropped again.
-pub(crate) fn share_stepped<M: Module>(sharded: &Sharded, module: M) -> Result<M> {
-    match sharded.mode {
-        mode if mode.reshards_parameters() => Ok(reshard(sharded, module)),
-        _ => gather(sharded, module, &HashSet::new()),
-    }
-}
-
-/// `module` whole on every rank: under `FULL_SHARD` the other ranks' parameters are all-gathered; otherwise
-/// every rank holds them already and `module` is returned as it is (a cheap clone).
-pub(crate) fn unshard<M: Module>(strategy: &dyn Strategy, module: &M) -> Result<M> {
-    match strategy.sharded() {
-        Some(sharded) if sharded.mode.reshards_parameters() => {
-            gather(sharded, module.clone(), &HashSet::new())
-        }
-        _ => Ok(module.clone()),
-    }
-}
-
-/// [`unshard`] of every trainable parameter of `module` but those in `kept` (a block-wise pass gathers its
-/// blocks one at a time, and the rest of the model with this). Every rank must pass the same `kept`.
-pub(crate) fn unshard_except<M: Module>(
-    strategy: &dyn Strategy,
-    module: &M,
-    kept: &HashSet<ParamId>,
-) -> Result<M> {
-    match strategy.sharded() {
-        Some(sharded) if sharded.mode.reshards_parameters() => {
-            gather(sharded, module.clone(), kept)
-        }
-        _ => Ok(module.clone()),
     }
 }

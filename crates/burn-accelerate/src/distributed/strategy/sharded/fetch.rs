@@ -69,56 +69,29 @@ impl ParamFetcher {
     }
 }
 
-/// Under a strategy that reshards parameters (`FULL_SHARD`, `HYBRID_SHARD`), the fetcher of `module`'s
-/// parameters (see [`ParamFetcher`]); `None` under any other, where every rank holds the whole model.
-pub(crate) fn param_fetcher<M: Module>(
-    strategy: &dyn Strategy,
-    module: &M,
-) -> Option<ParamFetcher> {
-    struct Values<'a> {
-        mine: &'a HashSet<ParamId>,
-        own: HashMap<ParamId, Tensor<1>>,
-        placement: HashMap<ParamId, (burn::tensor::Device, burn::tensor::DType)>,
-    }
-    impl ModuleVisitor for Values<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            self.placement
-                .insert(param.id, (value.device(), value.dtype()));
-            if self.mine.contains(&param.id) {
-                let n = value.shape().num_elements();
-                self.own.insert(param.id, value.reshape([n]));
-            }
-        }
-    }
-    let sharded = strategy.sharded()?;
+/// Under `FULL_SHARD` / `HYBRID_SHARD`, the fetcher of the parameters of `params` (see [`ParamFetcher`]);
+/// `None` under `SHARD_GRAD_OP`, where every rank holds the whole model.
+pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> Option<ParamFetcher> {
     if !sharded.mode.reshards_parameters() {
         return None;
     }
-    let order = whole_params(sharded, module);
+    let order = sharded.whole_params(params);
     let owners: HashMap<ParamId, usize> = order
         .iter()
         .map(|(id, _)| *id)
         .zip(sharded.owners(&order))
         .collect();
     let me = sharded.shard_rank();
-    let mine: HashSet<ParamId> = owners
-        .iter()
-        .filter(|(_, o)| **o == me)
-        .map(|(id, _)| *id)
-        .collect();
-    let mut values = Values {
-        mine: &mine,
-        own: HashMap::new(),
-        placement: HashMap::new(),
-    };
-    module.visit(&mut values);
-    let known = sharded.known();
-    let mut dims = param_dims(module);
-    dims.retain(|id, _| owners.contains_key(id));
-    for (id, d) in dims.iter_mut() {
-        if let Some(k) = known.get(id) {
-            *d = k.dims.clone();
+    let mut own = HashMap::new();
+    let mut placement = HashMap::new();
+    let mut dims = HashMap::new();
+    for entry in params.entries() {
+        placement.insert(entry.id, (entry.device.clone(), entry.dtype));
+        if let Some(&owner) = owners.get(&entry.id) {
+            dims.insert(entry.id, sharded.whole_dims(entry));
+            if owner == me {
+                own.insert(entry.id, entry.value());
+            }
         }
     }
     Some(ParamFetcher {
@@ -127,7 +100,7 @@ pub(crate) fn param_fetcher<M: Module>(
         sizes: order.into_iter().collect(),
         owners,
         dims,
-        own: values.own,
-        placement: values.placement,
+        own,
+        placement,
     })
 }
