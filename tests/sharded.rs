@@ -1,6 +1,6 @@
-//! Sharded training (`SHARD_GRAD_OP`, `FULL_SHARD`) on 2, 3 and 4 in-process ranks against the unsharded run of
-//! the same ranks, value by value, in every case of the parity harness (accumulation, clipping, bf16, fp16 and
-//! uneven batches included), and a sharded save / resume bit for bit (on another number of ranks:
+//! Sharded training (`SHARD_GRAD_OP`, `FULL_SHARD`) on 2, 3, 4, 6 and 8 in-process ranks against the unsharded run
+//! of the same ranks, value by value, in every case of the parity harness (accumulation, clipping, bf16, fp16 and,
+//! up to 4 ranks, uneven batches included), and a sharded save / resume bit for bit (on another number of ranks:
 //! `tests/resume_any_ranks.rs`). The same under `mpirun`, with a SIGKILL in
 //! the middle, is in `tests/parity_mpi.rs`.
 
@@ -17,10 +17,20 @@ use parity::{CASES, compare_sharded, copy_dir, report, run_local, scratch, weigh
 #[test]
 fn sharded_ranks_train_the_weights_of_unsharded_ranks_in_every_case() {
     let dir = scratch("sharded");
-    for p in [2, 3, 4] {
+    for p in [2, 3, 4, 6, 8] {
         let procs = p.to_string();
+        // `uneven` leaves ranks without a last batch beyond 4 ranks, for `NO_SHARD` too.
+        let cases: Vec<&str> = CASES
+            .iter()
+            .map(|(case, _)| *case)
+            .filter(|case| p <= 4 || *case != "uneven")
+            .collect();
+        let case_args: Vec<&str> = cases.iter().flat_map(|c| ["--case", *c]).collect();
         let unsharded = dir.join(format!("p{p}"));
-        run_local(&unsharded, &["--processes", &procs]);
+        run_local(
+            &unsharded,
+            &[&["--processes", &procs][..], &case_args].concat(),
+        );
         // The default bucket sends the harness's parameters in grouped rounds; a 4 KiB one sends most alone
         // (reduced into the owner's buffer and broadcast from it).
         for (sharding, bucket) in [
@@ -34,8 +44,9 @@ fn sharded_ranks_train_the_weights_of_unsharded_ranks_in_every_case() {
             if let Some(mib) = bucket {
                 args.extend(["--bucket-size-mb", mib]);
             }
+            args.extend(&case_args);
             run_local(&sharded, &args);
-            for (case, _) in CASES {
+            for &case in &cases {
                 let diff = compare_sharded(&unsharded, &sharded, p, case);
                 println!(
                     "in-process P={p} {sharding} bucket {bucket:?} {case}: max |Δ| vs NO_SHARD = {diff:e}"
@@ -330,7 +341,7 @@ mod fewer_parameters_than_ranks {
         let device = burn_accelerate::backend::default_device().unwrap();
         device.seed(5);
         let initial: Linear = LinearConfig::new(3, 1).init(&device);
-        for ranks in [3, 4] {
+        for ranks in [3, 4, 6, 8] {
             let unsharded = train(ShardingStrategy::NoShard, ranks, &initial);
             assert_eq!(unsharded.len(), 4);
             for sharding in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {

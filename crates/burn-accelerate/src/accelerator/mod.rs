@@ -568,10 +568,17 @@ impl Accelerator {
         grad::clip_grad_norm(grads, &ids, max_norm, norm_type, shards.as_deref())
     }
 
-    /// Clamps every gradient of `model` into `[-clip_value, clip_value]` (torch's `clip_grad_value_`).
+    /// Clamps every gradient of `model` into `[-clip_value, clip_value]` (torch's `clip_grad_value_`). Under a
+    /// sharded strategy each rank clamps the gradients it holds (a rank that owns no parameter holds none).
     pub fn clip_grad_value<M: Module>(&self, model: &M, clip_value: f64) -> Result<()> {
         let ids = grad::param_ids(model);
-        grad::clip_grad_value(&mut self.pipeline.shared().lock().grads, &ids, clip_value)
+        let sharded = self.pipeline.strategy().shards_state();
+        grad::clip_grad_value(
+            &mut self.pipeline.shared().lock().grads,
+            &ids,
+            clip_value,
+            sharded,
+        )
     }
 
     /// The stored gradient of one parameter, in its shape (e.g. to inspect or log it).

@@ -160,18 +160,20 @@ pub(crate) fn check_executed<const D: usize>(
         })
 }
 
-/// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`.
+/// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`. A `sharded` rank holds only its
+/// own gradients, and may hold none: it has nothing to clamp.
 pub(crate) fn clip_grad_value(
     buffer: &mut GradientBuffer,
     ids: &[ParamId],
     clip_value: f64,
+    sharded: bool,
 ) -> Result<()> {
     if !(clip_value.is_finite() && clip_value >= 0.0) {
         return Err(Error::InvalidArgument(format!(
             "clip_grad_value: clip_value={clip_value} must be a finite number >= 0"
         )));
     }
-    if buffer.flat(ids).is_empty() {
+    if buffer.flat(ids).is_empty() && !sharded {
         return Err(Error::NoGradients {
             operation: "clip_grad_value",
         });
@@ -258,12 +260,14 @@ mod tests {
     fn value_clipping_clamps_each_element() {
         let grads: &[&[f32]] = &[&[0.5, -3.0], &[2.0, 0.1]];
         let (mut buffer, ids) = buffer_with(grads);
-        clip_grad_value(&mut buffer, &ids, 1.0).unwrap();
+        clip_grad_value(&mut buffer, &ids, 1.0, false).unwrap();
         assert_eq!(
             values(&mut buffer, &ids),
             vec![vec![0.5, -1.0], vec![1.0, 0.1]]
         );
-        assert!(clip_grad_value(&mut buffer, &ids, -1.0).is_err());
+        assert!(clip_grad_value(&mut buffer, &ids, -1.0, false).is_err());
+        assert!(clip_grad_value(&mut GradientBuffer::new(), &ids, 1.0, false).is_err());
+        clip_grad_value(&mut GradientBuffer::new(), &ids, 1.0, true).unwrap();
     }
 
     #[test]
