@@ -46,9 +46,18 @@ impl ParamEntry {
     }
 }
 
+/// How a replaced parameter gets its new value.
+enum NewValue {
+    /// This value, flat.
+    Given(Tensor<1>),
+    /// Computed from the parameter's own value, flat, moved out of the model when the table is applied (so a
+    /// buffer the model alone holds is handed over, not copied).
+    FromOwn(Box<dyn FnOnce(Tensor<1>) -> Result<Tensor<1>>>),
+}
+
 /// A new value for one parameter, written back by [`ParamTable::apply`].
 struct Replacement {
-    flat: Tensor<1>,
+    value: NewValue,
     dims: Vec<usize>,
     /// Whether the new value tracks a gradient (on an autodiff device): a gathered parameter does, a placeholder
     /// does not.
@@ -125,7 +134,37 @@ impl ParamTable {
     /// Gives parameter `id` the value `flat` in the shape `dims`; a value that `trains` tracks a gradient on an
     /// autodiff device.
     pub fn replace(&mut self, id: ParamId, flat: Tensor<1>, dims: Vec<usize>, trains: bool) {
-        self.replaced.insert(id, Replacement { flat, dims, trains });
+        let value = NewValue::Given(flat);
+        self.replaced.insert(
+            id,
+            Replacement {
+                value,
+                dims,
+                trains,
+            },
+        );
+    }
+
+    /// Gives parameter `id` the value `compute` makes of its own value (flat) in the shape `dims`, when the table
+    /// is applied: the parameter's buffer is moved out of the model into `compute`, not copied, when the model
+    /// alone holds it. [`apply`](Self::apply) runs these in visiting order, after the hook that asked for them, so
+    /// collectives inside `compute` are called in the same order on every rank.
+    pub fn replace_from_own(
+        &mut self,
+        id: ParamId,
+        dims: Vec<usize>,
+        trains: bool,
+        compute: impl FnOnce(Tensor<1>) -> Result<Tensor<1>> + 'static,
+    ) {
+        let value = NewValue::FromOwn(Box::new(compute));
+        self.replaced.insert(
+            id,
+            Replacement {
+                value,
+                dims,
+                trains,
+            },
+        );
     }
 
     /// Replaces parameter `id` by an empty placeholder of its kind (first dimension 0: no memory) that tracks no
@@ -143,10 +182,13 @@ impl ParamTable {
         self.replace(id, flat, dims, false);
     }
 
-    /// `module` with the replaced parameters' new values, keeping ids and gradient settings.
+    /// `module` with the replaced parameters' new values, keeping ids and gradient settings. The table's own
+    /// handles on the values are dropped first, so that a value computed from a parameter's own
+    /// ([`replace_from_own`](Self::replace_from_own)) receives the model's buffer itself.
     ///
     /// # Errors
-    /// A replacement whose shape has another number of dimensions than its parameter.
+    /// A replacement whose shape has another number of dimensions than its parameter; the first error of a
+    /// computed value (the ones after it are not computed).
     pub fn apply<M: Module>(self, module: M) -> Result<M> {
         struct Write {
             replaced: HashMap<ParamId, Replacement>,
@@ -166,22 +208,49 @@ impl ParamTable {
                     });
                     return param;
                 };
+                if self.error.is_some() {
+                    return param;
+                }
                 param.map(|old| {
-                    drop(old);
-                    let value = new.flat.reshape(dims);
-                    if new.trains && value.device().is_autodiff() {
-                        value.require_grad()
-                    } else {
-                        value
+                    let (device, dtype) = (old.device(), old.dtype());
+                    let flat = match new.value {
+                        NewValue::Given(flat) => {
+                            drop(old);
+                            Ok(flat)
+                        }
+                        NewValue::FromOwn(compute) => {
+                            let n = old.shape().num_elements();
+                            compute(old.reshape([n]))
+                        }
+                    };
+                    match flat {
+                        Ok(flat) => {
+                            let value = flat.reshape(dims);
+                            if new.trains && value.device().is_autodiff() {
+                                // A new leaf, whatever graph the value came from.
+                                value.detach().require_grad()
+                            } else {
+                                value
+                            }
+                        }
+                        Err(e) => {
+                            self.error = Some(e);
+                            Tensor::zeros(dims, (&device, dtype))
+                        }
                     }
                 })
             }
         }
-        if self.replaced.is_empty() {
+        let Self {
+            entries, replaced, ..
+        } = self;
+        // The entries hold handles on the model's values: gone before a computed value takes its buffer.
+        drop(entries);
+        if replaced.is_empty() {
             return Ok(module);
         }
         let mut write = Write {
-            replaced: self.replaced,
+            replaced,
             error: None,
         };
         let module = module.map(&mut write);
@@ -253,6 +322,33 @@ mod tests {
         assert_eq!(bias.val().dims(), [0]);
         let again = ParamTable::of(&out);
         assert!(again.get(ids[1]).unwrap().is_placeholder());
+    }
+
+    #[test]
+    fn a_value_computed_from_a_parameters_own_is_written_back_and_an_error_stops_the_rest() {
+        let net = net();
+        let (a, b) = (net.a.weight.id, net.b.weight.id);
+        let a_weight = values(net.a.weight.val().reshape([6]));
+        let mut table = ParamTable::of(&net);
+        table.replace_from_own(a, vec![3, 2], true, |own| Ok(own.mul_scalar(2.0)));
+        let out = table.apply(net).unwrap();
+        let doubled: Vec<f32> = a_weight.iter().map(|x| x * 2.0).collect();
+        assert_eq!(values(out.a.weight.val().reshape([6])), doubled);
+        assert!(out.a.weight.val().is_require_grad());
+
+        let mut table = ParamTable::of(&out);
+        let ran = std::rc::Rc::new(std::cell::Cell::new(false));
+        let later = ran.clone();
+        table.replace_from_own(a, vec![3, 2], true, |_| {
+            Err(Error::InvalidArgument("broadcast failed".into()))
+        });
+        table.replace_from_own(b, vec![2, 1], true, move |own| {
+            later.set(true);
+            Ok(own)
+        });
+        let err = table.apply(out).unwrap_err().to_string();
+        assert!(err.contains("broadcast failed"), "{err}");
+        assert!(!ran.get(), "a computed value after an error must not run");
     }
 
     #[test]

@@ -16,10 +16,10 @@
 //! ```
 //!
 //! Burn's optimizers step only the parameters present in the gradients they are given, so nothing of Burn
-//! changes. Large gradients (1 MiB and up) are reduced in place, as data parallelism's large buckets, and large
-//! parameters cross alone, each broadcast from its owner; the rounds of the smaller ones bound the host buffers:
-//! round `k` carries, from every rank, its `k`-th group of own parameters of at most one bucket divided by the
-//! number of ranks. Every reduction combines the ranks in rank order, so a sharded run has the bits of an
+//! changes. Large parameters and their gradients (1 MiB and up) move in place, nothing allocated or copied for
+//! them where the model or the gradient buffer alone holds them, as data parallelism's large buckets; the rounds of
+//! the smaller ones bound the host buffers: round `k` carries, from every rank, its `k`-th group of own parameters
+//! of at most one bucket divided by the number of ranks. Every reduction combines the ranks in rank order, so a sharded run has the bits of an
 //! unsharded one.
 //!
 //! The strategy never sees the model's type: the pipeline hands its lifecycle hooks (`setup`, `unshard`,
@@ -175,8 +175,9 @@ impl Sharded {
     }
 
     /// The indices into `params` of the parameters that cross ranks alone: [`ALONE_ELEMENTS`] or more (or past
-    /// a round's size). Each gradient is reduced into its owner's own buffer, in place (as data parallelism's
-    /// all-reduce of a large gradient), and each parameter broadcast from its owner.
+    /// a round's size). Each is reduced into its owner's own buffer and broadcast from it, in place: no buffer is
+    /// allocated or copied for it where the model or the gradient buffer alone holds it (as data parallelism's
+    /// all-reduce of a large gradient).
     fn large(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
         let alone = self.alone_elements();
         (0..params.len())

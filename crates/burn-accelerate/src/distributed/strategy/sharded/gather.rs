@@ -26,37 +26,38 @@ pub(super) fn gather(
             "parameter all-gather: parameter {id} is missing from the model"
         ))
     };
-    // Large parameters, each broadcast from its owner, in visiting order.
+    // Large parameters, each broadcast from its owner into the buffer this rank holds it in (moved out of the
+    // model when the table is applied: nothing copied when the model alone holds it; a placeholder's rank
+    // receives into a new one). The table runs these after the rounds below, in visiting order.
     let large = sharded.large(&order);
     for &i in &large {
         let (id, n) = order[i];
         let owner = owners[i];
         let entry = params.get(id).ok_or_else(|| missing(id))?;
         let (device, dtype, dims) = (entry.device.clone(), entry.dtype, sharded.whole_dims(entry));
-        let host = if owner == me {
-            to_host(entry.value(), "parameter broadcast")?
-        } else {
-            vec![0.0; n]
-        };
-        let comm = Sharded::checked(
-            &sharded.group,
-            "sharded parameter broadcast from its owner",
-            &[n, owner],
-        )?;
-        match comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
-            // The owner holds its value already.
-            ReduceBuffer::F32(_) if owner == me => {}
-            ReduceBuffer::F32(values) => {
-                let flat = from_host(values, (&device, dtype), "parameter broadcast")?;
-                params.replace(id, flat, dims, true);
-            }
-            other => {
-                return Err(Error::InvalidArgument(format!(
+        let group = sharded.group.clone();
+        params.replace_from_own(id, dims, true, move |own| {
+            let host = if own.shape().num_elements() == n {
+                to_host(own, "parameter broadcast")?
+            } else {
+                // A placeholder (FULL_SHARD): nothing to reuse.
+                vec![0.0; n]
+            };
+            let comm = Sharded::checked(
+                &group,
+                "sharded parameter broadcast from its owner",
+                &[n, owner],
+            )?;
+            match comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
+                ReduceBuffer::F32(values) => {
+                    from_host(values, (&device, dtype), "parameter broadcast")
+                }
+                other => Err(Error::InvalidArgument(format!(
                     "parameter broadcast: the engine returned {} values",
                     other.kind()
-                )));
+                ))),
             }
-        }
+        });
     }
     // The smaller ones, all-gathered in rounds.
     for round in sharded.rounds(&order, &owners) {
