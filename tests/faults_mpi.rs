@@ -44,7 +44,7 @@ fn run(fault: &str, bytes: usize) -> Run {
     };
     let program = examples::example("mpi_faults");
     let start = Instant::now();
-    let out = Command::new("mpirun")
+    let out = examples::own_mpi_session(&mut Command::new("mpirun"))
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "3"])
         .arg(&program)
         .args(["--fault", fault, "--bytes", &bytes.to_string()])

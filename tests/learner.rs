@@ -447,7 +447,7 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
     let one = run(Command::new(&program).args(["--processes", "1"]));
     assert_eq!(one.len(), 1, "{one:?}");
     let two = run(Command::new(&program).args(["--processes", "2"]));
-    let launched = run(Command::new("mpirun")
+    let launched = run(examples::own_mpi_session(&mut Command::new("mpirun"))
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
         .arg(&program)
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1"));

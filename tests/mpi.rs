@@ -103,7 +103,7 @@ fn hostfile_launch_works() {
     std::fs::create_dir_all(&dir).unwrap();
     let hostfile = dir.join("hosts");
     std::fs::write(&hostfile, "localhost slots=3\n").unwrap();
-    let out = Command::new("mpirun")
+    let out = examples::own_mpi_session(&mut Command::new("mpirun"))
         .args(["--allow-run-as-root", "--hostfile"])
         .arg(&hostfile)
         .args(["-np", "3"])

@@ -274,7 +274,7 @@ fn launch_with_a_hostfile_forwards_the_settings_to_every_rank() {
     let dir = scratch("hostfile");
     let hostfile = dir.join("hosts");
     std::fs::write(&hostfile, "localhost slots=3\n").unwrap();
-    let out = Command::new(examples::cli())
+    let out = examples::own_mpi_session(&mut Command::new(examples::cli()))
         .arg("launch")
         .arg("--hostfile")
         .arg(&hostfile)

@@ -5,6 +5,18 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// `command` (an `mpirun`, or a program that starts one) with an Open MPI session folder of its own. Open MPI 4
+/// keeps every job's session files under one folder per user (`/tmp/ompi.<host>.<uid>`), and the tests start and
+/// end jobs at once, which race on creating and removing it ("A call to mkdir was unable to create the desired
+/// directory ... File exists"). `burn-accelerate launch` does the same for the jobs it starts on one machine.
+pub fn own_mpi_session(command: &mut Command) -> &mut Command {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("ba-ompi-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a session folder for mpirun");
+    command.env("OMPI_MCA_orte_tmpdir_base", dir)
+}
+
 /// The features this test binary was compiled with, which the examples it runs must share (`default`
 /// included: cargo keys builds by the exact feature set, so leaving it out would build the library again).
 fn enabled_features() -> Vec<&'static str> {
@@ -152,7 +164,7 @@ pub fn result_lines(out: Output, prefixes: &[&str]) -> Vec<String> {
 /// `mpirun -np <np> <program> <args>` on this machine, as many ranks as asked whatever its cores.
 pub fn mpirun(np: usize, program: &Path, args: &[&str]) -> Output {
     assert!(program.exists(), "{} is not built", program.display());
-    Command::new("mpirun")
+    own_mpi_session(&mut Command::new("mpirun"))
         .args([
             "--allow-run-as-root",
             "--oversubscribe",

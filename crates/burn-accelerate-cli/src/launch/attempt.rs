@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Open MPI 4's setting of the folder under which a job keeps its session files.
+const SESSION_DIR_VAR: &str = "OMPI_MCA_orte_tmpdir_base";
+
 /// One run of the job: restart number `restart` of `plan`.
 pub(super) struct Attempt<'a> {
     pub(super) plan: &'a Plan,
@@ -81,6 +84,13 @@ impl Attempt<'_> {
                 command.arg("-x").arg(key);
             }
             allow_root(&mut command);
+            if plan.hostfile.is_none() && std::env::var_os(SESSION_DIR_VAR).is_none() {
+                // Open MPI 4 keeps every job's session files under one folder per user
+                // (`/tmp/ompi.<host>.<uid>`), and jobs that start and end at once race on creating and removing
+                // it ("A call to mkdir was unable to create the desired directory ... File exists"): on one
+                // machine, this launch's own folder, removed with the status files.
+                command.env(SESSION_DIR_VAR, &status_dir);
+            }
         }
         command.envs(env.iter().map(|(k, v)| (*k, v)));
         command.arg(program).args(args);
