@@ -228,7 +228,12 @@ impl ParamTable {
                             let value = flat.reshape(dims);
                             if new.trains && value.device().is_autodiff() {
                                 // A new leaf, whatever graph the value came from.
-                                value.detach().require_grad()
+                                let value = if value.is_tracked() {
+                                    value.detach()
+                                } else {
+                                    value
+                                };
+                                value.require_grad()
                             } else {
                                 value
                             }
