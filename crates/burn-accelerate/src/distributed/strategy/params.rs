@@ -49,7 +49,7 @@ impl ParamEntry {
 /// How a replaced parameter gets its new value.
 enum NewValue {
     /// This value, flat.
-    Given(Tensor<1>),
+    Given(Box<Tensor<1>>),
     /// Computed from the parameter's own value, flat, moved out of the model when the table is applied (so a
     /// buffer the model alone holds is handed over, not copied).
     FromOwn(Box<dyn FnOnce(Tensor<1>) -> Result<Tensor<1>>>),
@@ -134,7 +134,7 @@ impl ParamTable {
     /// Gives parameter `id` the value `flat` in the shape `dims`; a value that `trains` tracks a gradient on an
     /// autodiff device.
     pub fn replace(&mut self, id: ParamId, flat: Tensor<1>, dims: Vec<usize>, trains: bool) {
-        let value = NewValue::Given(flat);
+        let value = NewValue::Given(Box::new(flat));
         self.replaced.insert(
             id,
             Replacement {
@@ -216,7 +216,7 @@ impl ParamTable {
                     let flat = match new.value {
                         NewValue::Given(flat) => {
                             drop(old);
-                            Ok(flat)
+                            Ok(*flat)
                         }
                         NewValue::FromOwn(compute) => {
                             let n = old.shape().num_elements();
