@@ -14,18 +14,24 @@ mod parity;
 
 use parity::{CASES, compare_sharded, copy_dir, report, run_local, scratch, weights};
 
+/// The harness's cases on `p` ranks, and the flags that ask for them: `uneven` leaves ranks without a last batch
+/// beyond 4 ranks, for `NO_SHARD` too, so it is left out there.
+fn cases_on(p: usize) -> (Vec<&'static str>, Vec<&'static str>) {
+    let cases: Vec<&str> = CASES
+        .iter()
+        .map(|(case, _)| *case)
+        .filter(|case| p <= 4 || *case != "uneven")
+        .collect();
+    let args = cases.iter().flat_map(|c| ["--case", *c]).collect();
+    (cases, args)
+}
+
 #[test]
 fn sharded_ranks_train_the_weights_of_unsharded_ranks_in_every_case() {
     let dir = scratch("sharded");
     for p in [2, 3, 4, 6, 8] {
         let procs = p.to_string();
-        // `uneven` leaves ranks without a last batch beyond 4 ranks, for `NO_SHARD` too.
-        let cases: Vec<&str> = CASES
-            .iter()
-            .map(|(case, _)| *case)
-            .filter(|case| p <= 4 || *case != "uneven")
-            .collect();
-        let case_args: Vec<&str> = cases.iter().flat_map(|c| ["--case", *c]).collect();
+        let (cases, case_args) = cases_on(p);
         let unsharded = dir.join(format!("p{p}"));
         run_local(
             &unsharded,
@@ -68,12 +74,7 @@ fn hybrid_strategies_train_the_weights_of_unsharded_ranks() {
     let dir = scratch("hybrid");
     for (p, shard) in [(4, 2), (6, 2), (6, 3), (8, 4), (8, 2)] {
         let procs = p.to_string();
-        let cases: Vec<&str> = CASES
-            .iter()
-            .map(|(case, _)| *case)
-            .filter(|case| p <= 4 || *case != "uneven")
-            .collect();
-        let case_args: Vec<&str> = cases.iter().flat_map(|c| ["--case", *c]).collect();
+        let (cases, case_args) = cases_on(p);
         let unsharded = dir.join(format!("p{p}"));
         run_local(
             &unsharded,
