@@ -134,15 +134,7 @@ impl ParamTable {
     /// Gives parameter `id` the value `flat` in the shape `dims`; a value that `trains` tracks a gradient on an
     /// autodiff device.
     pub fn replace(&mut self, id: ParamId, flat: Tensor<1>, dims: Vec<usize>, trains: bool) {
-        let value = NewValue::Given(Box::new(flat));
-        self.replaced.insert(
-            id,
-            Replacement {
-                value,
-                dims,
-                trains,
-            },
-        );
+        self.set(id, NewValue::Given(Box::new(flat)), dims, trains);
     }
 
     /// Gives parameter `id` the value `compute` makes of its own value (flat) in the shape `dims`, when the table
@@ -156,15 +148,16 @@ impl ParamTable {
         trains: bool,
         compute: impl FnOnce(Tensor<1>) -> Result<Tensor<1>> + 'static,
     ) {
-        let value = NewValue::FromOwn(Box::new(compute));
-        self.replaced.insert(
-            id,
-            Replacement {
-                value,
-                dims,
-                trains,
-            },
-        );
+        self.set(id, NewValue::FromOwn(Box::new(compute)), dims, trains);
+    }
+
+    fn set(&mut self, id: ParamId, value: NewValue, dims: Vec<usize>, trains: bool) {
+        let replacement = Replacement {
+            value,
+            dims,
+            trains,
+        };
+        self.replaced.insert(id, replacement);
     }
 
     /// Replaces parameter `id` by an empty placeholder of its kind (first dimension 0: no memory) that tracks no
