@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use burn_accelerate::config::{AcceleratorConfig, Source};
+use burn_accelerate::config::{AcceleratorConfig, Key, Source};
 use burn_accelerate::{MixedPrecision, ShardingStrategy};
 use clap::Args;
 
@@ -144,6 +144,16 @@ struct Setting {
     source: String,
 }
 
+impl Setting {
+    fn new(name: &'static str, value: impl ToString, source: String) -> Self {
+        Self {
+            name,
+            value: value.to_string(),
+            source,
+        }
+    }
+}
+
 /// The launch settings: command line > environment > config file > default.
 pub struct Plan {
     num_processes: usize,
@@ -156,13 +166,13 @@ impl Plan {
     /// Resolves `args` over the environment and the config file.
     pub fn resolve(args: &LaunchArgs) -> Result<Self, LaunchError> {
         let config = AcceleratorConfig::read_file_and_env().map_err(|e| fail(e.to_string()))?;
-        let cli = || "command line".to_string();
+        let cli = || Source::CommandLine.to_string();
         let pick =
             |cli_value: Option<usize>, file: Option<usize>, default: usize| -> (usize, String) {
                 match (cli_value, file) {
                     (Some(v), _) => (v, cli()),
                     (None, Some(v)) => (v, Source::File(file_name()).to_string()),
-                    _ => (default, "default".into()),
+                    _ => (default, Source::Default.to_string()),
                 }
             };
         let (num_processes, np_source) = pick(args.num_processes, config.launch.num_processes, 1);
@@ -192,85 +202,61 @@ impl Plan {
                  ranks on every machine from this one"
             )));
         }
-        let mut resolved = config.clone();
-        let setting = |name: &'static str, value: String, source: String| Setting {
-            name,
-            value,
-            source,
-        };
         let mut settings = vec![
-            setting("num_processes", num_processes.to_string(), np_source),
-            setting("num_machines", num_machines.to_string(), nm_source),
+            Setting::new("num_processes", num_processes, np_source),
+            Setting::new("num_machines", num_machines, nm_source),
         ];
-        let mp_source = match args.mixed_precision {
-            Some(p) => {
-                resolved.mixed_precision = p;
-                resolved
-                    .sources
-                    .insert("mixed_precision".into(), Source::Builder);
-                cli()
-            }
-            None => config.source("mixed_precision").to_string(),
-        };
-        settings.push(setting(
-            "mixed_precision",
-            resolved.mixed_precision.to_string(),
-            mp_source,
-        ));
-        let gas_source = match args.gradient_accumulation_steps {
-            Some(n) => {
-                resolved.gradient_accumulation_steps = n;
-                cli()
-            }
-            None => config.source("gradient_accumulation_steps").to_string(),
-        };
-        settings.push(setting(
-            "gradient_accumulation_steps",
-            resolved.gradient_accumulation_steps.to_string(),
-            gas_source,
-        ));
-        let (sharding, sharding_source) = match (args.fsdp_sharding_strategy, args.use_fsdp) {
-            (Some(strategy), _) => (strategy, cli()),
-            (None, true) if !config.sharding.is_sharded() => (ShardingStrategy::FullShard, cli()),
-            _ => (config.sharding, config.source("sharding").to_string()),
-        };
-        resolved.sharding = sharding;
-        settings.push(setting("sharding", sharding.to_string(), sharding_source));
-        let shard_size = match args.parallelism_config_dp_shard_size {
-            Some(n) => Some((n, cli())),
-            None => config
-                .dp_shard_size
-                .map(|n| (n, config.source("dp_shard_size").to_string())),
-        };
-        if let Some((n, source)) = &shard_size {
-            settings.push(setting("dp_shard_size", n.to_string(), source.clone()));
+        // The flags override what the library resolved from the environment and the config file; each process
+        // then resolves the same settings from the variables the library writes for it.
+        let mut resolved = config;
+        let flag =
+            |key: Key, config: &mut AcceleratorConfig| config.set_source(key, Source::CommandLine);
+        if let Some(precision) = args.mixed_precision {
+            resolved.mixed_precision = precision;
+            flag(Key::MixedPrecision, &mut resolved);
         }
-        let (checkpointing, checkpointing_source) = match args.fsdp_activation_checkpointing {
-            Some(on) => (on, cli()),
-            None => (
-                config.activation_checkpointing,
-                config.source("activation_checkpointing").to_string(),
-            ),
-        };
-        resolved.activation_checkpointing = checkpointing;
-        settings.push(setting(
-            "activation_checkpointing",
-            checkpointing.to_string(),
-            checkpointing_source,
-        ));
-        let flag = |on: bool, value: bool, key: &str| -> (bool, String) {
-            if on {
-                (true, cli())
-            } else {
-                (value, config.source(key).to_string())
+        if let Some(steps) = args.gradient_accumulation_steps {
+            resolved.gradient_accumulation_steps = steps;
+            flag(Key::GradientAccumulationSteps, &mut resolved);
+        }
+        match (args.fsdp_sharding_strategy, args.use_fsdp) {
+            (Some(strategy), _) => {
+                resolved.sharding = strategy;
+                flag(Key::Sharding, &mut resolved);
             }
-        };
-        let (debug, debug_source) = flag(args.debug, config.debug, "debug");
-        let (cpu, cpu_source) = flag(args.cpu, config.cpu, "cpu");
-        resolved.debug = debug;
-        resolved.cpu = cpu;
-        settings.push(setting("debug", debug.to_string(), debug_source));
-        settings.push(setting("cpu", cpu.to_string(), cpu_source));
+            // `--use_fsdp` alone shards fully, unless the environment or the file already chose a sharding.
+            (None, true) if !resolved.sharding.is_sharded() => {
+                resolved.sharding = ShardingStrategy::FullShard;
+                flag(Key::Sharding, &mut resolved);
+            }
+            _ => {}
+        }
+        if let Some(size) = args.parallelism_config_dp_shard_size {
+            resolved.dp_shard_size = Some(size);
+            flag(Key::DpShardSize, &mut resolved);
+        }
+        if let Some(on) = args.fsdp_activation_checkpointing {
+            resolved.activation_checkpointing = on;
+            flag(Key::ActivationCheckpointing, &mut resolved);
+        }
+        if args.debug {
+            resolved.debug = true;
+            flag(Key::Debug, &mut resolved);
+        }
+        if args.cpu {
+            resolved.cpu = true;
+            flag(Key::Cpu, &mut resolved);
+        }
+        settings.extend(
+            resolved
+                .launch_settings()
+                .into_iter()
+                .map(|(name, value, source)| Setting {
+                    name,
+                    value,
+                    source: source.to_string(),
+                }),
+        );
         // A value of the file this crate cannot honour, still in effect, stops the launch before it starts.
         resolved.validate().map_err(|e| fail(e.to_string()))?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -280,33 +266,9 @@ impl Plan {
             (cores, num_processes, num_machines),
         )?;
         if let Some((n, source)) = &threads {
-            settings.push(setting(
-                "threads_per_process",
-                n.to_string(),
-                source.clone(),
-            ));
+            settings.push(Setting::new("threads_per_process", n, source.clone()));
         }
-        let mut env = vec![
-            (
-                "ACCELERATE_MIXED_PRECISION",
-                resolved.mixed_precision.to_string(),
-            ),
-            (
-                "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-                resolved.gradient_accumulation_steps.to_string(),
-            ),
-            ("ACCELERATE_DEBUG_MODE", debug.to_string()),
-            ("ACCELERATE_USE_FSDP", sharding.is_sharded().to_string()),
-            ("FSDP_SHARDING_STRATEGY", sharding.to_string()),
-            ("ACCELERATE_USE_CPU", cpu.to_string()),
-        ];
-        if let Some((n, _)) = shard_size {
-            env.push((burn_accelerate::config::DP_SHARD_SIZE_VAR, n.to_string()));
-        }
-        env.push((
-            burn_accelerate::config::ACTIVATION_CHECKPOINTING_VAR,
-            checkpointing.to_string(),
-        ));
+        let mut env = resolved.launch_env();
         if let Some((n, _)) = threads {
             env.push(("RAYON_NUM_THREADS", n.to_string()));
             env.push(("OMP_NUM_THREADS", n.to_string()));

@@ -10,7 +10,7 @@ use crate::accelerator::Accelerator;
 use crate::backend::{Backend, DeviceRequest, select_device};
 use crate::checkpoint::ProjectConfiguration;
 use crate::config::{
-    AcceleratorConfig, GradientTransport, LossNormalization, SchedulerRule, ShardingStrategy,
+    AcceleratorConfig, GradientTransport, Key, LossNormalization, SchedulerRule, ShardingStrategy,
     Source,
 };
 use crate::distributed::ProcessGroup;
@@ -315,43 +315,43 @@ impl AcceleratorBuilder {
         let mut config = AcceleratorConfig::read_file_and_env()?;
         // Each builder value replaces the resolved one, and the field's name is recorded as coming from here.
         macro_rules! override_with_builder {
-            ($($field:ident),* $(,)?) => {$(
+            ($($field:ident => $key:ident),* $(,)?) => {$(
                 if let Some(v) = self.$field.clone() {
                     config.$field = v;
-                    config.set_source(stringify!($field), Source::Builder);
+                    config.set_source(Key::$key, Source::Builder);
                 }
             )*};
         }
         override_with_builder!(
-            device_placement,
-            step_scheduler_with_optimizer,
-            split_batches,
-            scheduler_rule,
-            gradient_accumulation_steps,
-            debug,
-            even_batches,
-            mixed_precision,
-            loss_scaler,
-            sync_each_batch,
-            loss_normalization,
-            bucket_size_mb,
-            sharding,
-            activation_checkpointing,
-            autodiff_checkpointing,
-            gradient_transport,
-            resume_from_latest,
+            device_placement => DevicePlacement,
+            step_scheduler_with_optimizer => StepSchedulerWithOptimizer,
+            split_batches => SplitBatches,
+            scheduler_rule => SchedulerRule,
+            gradient_accumulation_steps => GradientAccumulationSteps,
+            debug => Debug,
+            even_batches => EvenBatches,
+            mixed_precision => MixedPrecision,
+            loss_scaler => LossScaler,
+            sync_each_batch => SyncEachBatch,
+            loss_normalization => LossNormalization,
+            bucket_size_mb => BucketSizeMb,
+            sharding => Sharding,
+            activation_checkpointing => ActivationCheckpointing,
+            autodiff_checkpointing => AutodiffCheckpointing,
+            gradient_transport => GradientTransport,
+            resume_from_latest => ResumeFromLatest,
         );
         if let Some(size) = self.dp_shard_size {
             config.dp_shard_size = Some(size);
-            config.set_source("dp_shard_size", Source::Builder);
+            config.set_source(Key::DpShardSize, Source::Builder);
         }
         if let Some(timeout) = self.collective_timeout {
             config.collective_timeout_secs = timeout.as_secs_f64();
-            config.set_source("collective_timeout_secs", Source::Builder);
+            config.set_source(Key::CollectiveTimeoutSecs, Source::Builder);
         }
         if self.device.cpu {
             config.cpu = true;
-            config.set_source("cpu", Source::Builder);
+            config.set_source(Key::Cpu, Source::Builder);
         }
         config.validate()?;
         Ok(config)

@@ -7,6 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::Accelerator;
+use crate::config::Key;
 use crate::precision::MixedPrecision;
 
 /// Which applying calls a rank has made, and which warnings it gave.
@@ -43,7 +44,7 @@ impl SettingsApplied {
                      `accelerator.accumulate()` at the start of each batch, before `backward` (Accelerate's \
                      `with accelerator.accumulate(model):`)",
                 config.gradient_accumulation_steps,
-                config.source("gradient_accumulation_steps")
+                config.source(Key::GradientAccumulationSteps)
             );
         }
         if config.mixed_precision != MixedPrecision::No
@@ -56,7 +57,7 @@ impl SettingsApplied {
                      and the setting does nothing; compute the loss inside `accelerator.autocast(&model, batch, \
                      |model, batch| model.loss(batch))`",
                 config.mixed_precision,
-                config.source("mixed_precision")
+                config.source(Key::MixedPrecision)
             );
         }
     }

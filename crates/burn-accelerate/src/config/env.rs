@@ -42,24 +42,6 @@ pub fn var(key: &str) -> Option<String> {
         .filter(|v| !v.is_empty())
 }
 
-/// Reads the first of `keys` that is set, as an unsigned integer.
-pub(crate) fn first_usize(keys: &[&str]) -> Result<Option<usize>> {
-    Ok(first_usize_named(keys)?.map(|(_, n)| n))
-}
-
-/// [`first_usize`], with the name of the variable it was read from.
-pub(crate) fn first_usize_named<'k>(keys: &[&'k str]) -> Result<Option<(&'k str, usize)>> {
-    for key in keys {
-        if let Some(value) = var(key) {
-            return value
-                .parse()
-                .map(|n| Some((*key, n)))
-                .map_err(|_| Error::config(*key, value, "environment", "a non-negative integer"));
-        }
-    }
-    Ok(None)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use serde_yaml_ng::Value;
 
-use super::{AcceleratorConfig, Source};
+use super::{AcceleratorConfig, Key, Source};
 use crate::config::ShardingStrategy;
 use crate::config::env;
 use crate::error::{Error, Result};
@@ -150,7 +150,7 @@ fn read_fsdp_config(
                     )
                 })?;
                 config.set_source(
-                    "activation_checkpointing",
+                    Key::ActivationCheckpointing,
                     Source::File(origin.to_string()),
                 );
             }
@@ -207,7 +207,7 @@ fn read_parallelism_config(
                         )
                     })?;
                 config.dp_shard_size = Some(size);
-                config.set_source("dp_shard_size", Source::File(origin.to_string()));
+                config.set_source(Key::DpShardSize, Source::File(origin.to_string()));
             }
             "parallelism_config_dp_replicate_size" => {}
             _ if raw.is_empty() || raw == "1" => {}
@@ -341,23 +341,23 @@ pub(crate) fn apply(
                     config.mixed_precision =
                         raw.parse().map_err(|_| bad("one of no, fp16, bf16"))?;
                 }
-                config.set_source("mixed_precision", source.clone());
+                config.set_source(Key::MixedPrecision, source.clone());
             }
             "fp16" => {
                 legacy_fp16 = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?
             }
             "debug" => {
                 config.debug = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
-                config.set_source("debug", source.clone());
+                config.set_source(Key::Debug, source.clone());
             }
             "use_cpu" => {
                 config.cpu = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
-                config.set_source("cpu", source.clone());
+                config.set_source(Key::Cpu, source.clone());
             }
             "gradient_accumulation_steps" => {
                 config.gradient_accumulation_steps =
                     raw.parse().map_err(|_| bad("an integer >= 1"))?;
-                config.set_source("gradient_accumulation_steps", source.clone());
+                config.set_source(Key::GradientAccumulationSteps, source.clone());
             }
             "distributed_type" => {
                 let kind = raw.to_ascii_uppercase();
@@ -430,7 +430,7 @@ pub(crate) fn apply(
     if distributed.as_deref() == Some("FSDP") {
         // Accelerate's FSDP plugin defaults to FULL_SHARD.
         config.sharding = fsdp.unwrap_or(ShardingStrategy::FullShard);
-        config.set_source("sharding", source.clone());
+        config.set_source(Key::Sharding, source.clone());
     } else if fsdp.is_some_and(|s| s.is_sharded()) {
         ignored.insert("fsdp_config (distributed_type is not FSDP)".into());
     }
@@ -440,7 +440,7 @@ pub(crate) fn apply(
     if legacy_fp16 && !has_mixed_precision {
         // Accelerate's loader turns the old `fp16: true` into `mixed_precision: fp16`.
         config.mixed_precision = MixedPrecision::Fp16;
-        config.set_source("mixed_precision", source);
+        config.set_source(Key::MixedPrecision, source);
     }
     warn_ignored(origin, &ignored);
     Ok(())

@@ -2,10 +2,13 @@
 
 pub mod env;
 mod file;
+mod key;
 mod sharding;
 mod transport;
+mod variables;
 
 pub use file::UnsupportedValue;
+pub use key::Key;
 pub use sharding::ShardingStrategy;
 pub use transport::{GradientTransport, TRANSPORT_VAR};
 
@@ -86,7 +89,7 @@ pub struct AcceleratorConfig {
     pub launch: LaunchSettings,
     /// Where each setting that did not keep its default came from (see [`source`](Self::source)).
     #[serde(skip)]
-    pub sources: BTreeMap<String, Source>,
+    pub sources: BTreeMap<Key, Source>,
     /// Values of the config file this crate cannot honour; [`validate`](Self::validate) refuses those still in
     /// effect.
     #[serde(skip)]
@@ -122,8 +125,10 @@ pub struct LaunchSettings {
 /// Where a resolved setting came from, highest precedence first.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Source {
-    /// An [`AcceleratorBuilder`](crate::AcceleratorBuilder) call (or a command-line flag).
+    /// An [`AcceleratorBuilder`](crate::AcceleratorBuilder) call.
     Builder,
+    /// A launcher's command-line flag (`burn-accelerate launch --mixed-precision bf16`).
+    CommandLine,
     /// An environment variable, named.
     Env(String),
     /// The config file, named.
@@ -136,6 +141,7 @@ impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Source::Builder => f.write_str("builder"),
+            Source::CommandLine => f.write_str("command line"),
             Source::Env(var) => write!(f, "environment {var}"),
             Source::File(path) => write!(f, "config file {path}"),
             Source::Default => f.write_str("default"),
@@ -193,83 +199,7 @@ impl AcceleratorConfig {
         if let Some(path) = config_file() {
             config.apply_file(&path)?;
         }
-        let env_source = |var: &str| Source::Env(var.to_string());
-        if let Some(cpu) = env::flag("ACCELERATE_USE_CPU")? {
-            config.cpu = cpu;
-            config.set_source("cpu", env_source("ACCELERATE_USE_CPU"));
-        }
-        if let Some(value) = env::var("ACCELERATE_MIXED_PRECISION") {
-            config.mixed_precision = value.parse().map_err(|_| {
-                Error::config(
-                    "ACCELERATE_MIXED_PRECISION",
-                    &value,
-                    "environment",
-                    "one of no, fp16, bf16",
-                )
-            })?;
-            config.set_source("mixed_precision", env_source("ACCELERATE_MIXED_PRECISION"));
-        }
-        if let Some(debug) = env::flag("ACCELERATE_DEBUG_MODE")? {
-            config.debug = debug;
-            config.set_source("debug", env_source("ACCELERATE_DEBUG_MODE"));
-        }
-        if let Some(value) = env::var("ACCELERATE_COLLECTIVE_TIMEOUT") {
-            config.collective_timeout_secs = value.parse().map_err(|_| {
-                Error::config(
-                    "ACCELERATE_COLLECTIVE_TIMEOUT",
-                    &value,
-                    "environment",
-                    "a number of seconds",
-                )
-            })?;
-            config.set_source(
-                "collective_timeout_secs",
-                env_source("ACCELERATE_COLLECTIVE_TIMEOUT"),
-            );
-        }
-        if let Some(resume) = env::flag(RESUME_VAR)? {
-            config.resume_from_latest = resume;
-            config.set_source("resume_from_latest", env_source(RESUME_VAR));
-        }
-        if let Some((var, count)) = env::first_usize_named(RESTART_COUNT_VARS)? {
-            config.restart_count = count;
-            config.set_source("restart_count", env_source(var));
-        }
-        if let Some(sharding) = sharding_from_env()? {
-            config.sharding = sharding;
-            config.set_source("sharding", env_source(FSDP_VARS[0]));
-        }
-        if let Some((var, size)) = env::first_usize_named(&[DP_SHARD_SIZE_VAR])? {
-            config.dp_shard_size = Some(size);
-            config.set_source("dp_shard_size", env_source(var));
-        }
-        if let Some(on) = env::flag(ACTIVATION_CHECKPOINTING_VAR)? {
-            config.activation_checkpointing = on;
-            config.set_source(
-                "activation_checkpointing",
-                env_source(ACTIVATION_CHECKPOINTING_VAR),
-            );
-        }
-        if let Some(on) = env::flag(AUTODIFF_CHECKPOINTING_VAR)? {
-            config.autodiff_checkpointing = on;
-            config.set_source(
-                "autodiff_checkpointing",
-                env_source(AUTODIFF_CHECKPOINTING_VAR),
-            );
-        }
-        if let Some(value) = env::var(TRANSPORT_VAR) {
-            config.gradient_transport = value.parse().map_err(|_| {
-                Error::config(TRANSPORT_VAR, &value, "environment", "auto, host or device")
-            })?;
-            config.set_source("gradient_transport", env_source(TRANSPORT_VAR));
-        }
-        if let Some(steps) = env::first_usize(&["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])? {
-            config.gradient_accumulation_steps = steps;
-            config.set_source(
-                "gradient_accumulation_steps",
-                env_source("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
-            );
-        }
+        variables::read(&mut config)?;
         Ok(config)
     }
 
@@ -280,52 +210,88 @@ impl AcceleratorConfig {
         file::apply_path(self, path)
     }
 
-    /// Where `key` (a field name) got its value.
-    pub fn source(&self, key: &str) -> Source {
-        self.sources.get(key).cloned().unwrap_or(Source::Default)
+    /// Where the setting `key` got its value.
+    pub fn source(&self, key: Key) -> Source {
+        self.sources.get(&key).cloned().unwrap_or(Source::Default)
     }
 
-    /// Records where `key` got its value.
-    pub(crate) fn set_source(&mut self, key: &str, source: Source) {
-        self.sources.insert(key.to_string(), source);
+    /// Records where the setting `key` got its value: a launcher that sets a field from its own flag records
+    /// [`Source::CommandLine`], so that [`validate`](Self::validate) and what it prints know the flag won.
+    pub fn set_source(&mut self, key: Key, source: Source) {
+        self.sources.insert(key, source);
+    }
+
+    /// The environment variables that carry this configuration's launch settings ([`launch_settings`]) to the
+    /// processes a launcher starts: the same variables every run reads, so each process resolves what the
+    /// launcher resolved from its flags, the environment and the config file.
+    ///
+    /// [`launch_settings`]: Self::launch_settings
+    ///
+    /// ```
+    /// use burn_accelerate::config::{AcceleratorConfig, Key, Source};
+    /// use burn_accelerate::MixedPrecision;
+    /// let mut config = AcceleratorConfig::default();
+    /// config.mixed_precision = MixedPrecision::Bf16;
+    /// config.set_source(Key::MixedPrecision, Source::CommandLine);
+    /// let env = config.launch_env();
+    /// assert!(env.contains(&("ACCELERATE_MIXED_PRECISION", "bf16".to_string())));
+    /// assert!(env.contains(&("ACCELERATE_USE_FSDP", "false".to_string())));
+    /// ```
+    pub fn launch_env(&self) -> Vec<(&'static str, String)> {
+        variables::write(self)
+    }
+
+    /// The settings a launcher carries to its processes ([`launch_env`](Self::launch_env)), each with its value
+    /// and where it came from, as [`settings`](Self::settings) gives them.
+    pub fn launch_settings(&self) -> Vec<(&'static str, String, Source)> {
+        let carried: Vec<Key> = variables::carried().collect();
+        self.values()
+            .into_iter()
+            .filter(|(key, _)| carried.contains(key))
+            .map(|(key, value)| (key.name(), value, self.source(key)))
+            .collect()
     }
 
     /// The settings a run uses, each with its value and where it came from (what `burn-accelerate env` prints).
     pub fn settings(&self) -> Vec<(&'static str, String, Source)> {
-        let entries: [(&'static str, String); 12] = [
-            ("mixed_precision", self.mixed_precision.to_string()),
-            ("cpu", self.cpu.to_string()),
-            ("debug", self.debug.to_string()),
+        self.values()
+            .into_iter()
+            .map(|(key, value)| (key.name(), value, self.source(key)))
+            .collect()
+    }
+
+    /// The values [`settings`](Self::settings) shows, in its order.
+    fn values(&self) -> [(Key, String); 12] {
+        [
+            (Key::MixedPrecision, self.mixed_precision.to_string()),
+            (Key::Cpu, self.cpu.to_string()),
+            (Key::Debug, self.debug.to_string()),
             (
-                "gradient_accumulation_steps",
+                Key::GradientAccumulationSteps,
                 self.gradient_accumulation_steps.to_string(),
             ),
             (
-                "collective_timeout_secs",
+                Key::CollectiveTimeoutSecs,
                 self.collective_timeout_secs.to_string(),
             ),
-            ("split_batches", self.split_batches.to_string()),
-            ("even_batches", self.even_batches.to_string()),
-            ("sharding", self.sharding.to_string()),
+            (Key::SplitBatches, self.split_batches.to_string()),
+            (Key::EvenBatches, self.even_batches.to_string()),
+            (Key::Sharding, self.sharding.to_string()),
             (
-                "dp_shard_size",
+                Key::DpShardSize,
                 self.dp_shard_size
                     .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
             ),
             (
-                "activation_checkpointing",
+                Key::ActivationCheckpointing,
                 self.activation_checkpointing.to_string(),
             ),
             (
-                "autodiff_checkpointing",
+                Key::AutodiffCheckpointing,
                 self.autodiff_checkpointing.to_string(),
             ),
-            ("gradient_transport", self.gradient_transport.to_string()),
-        ];
-        entries
-            .into_iter()
-            .map(|(key, value)| (key, value, self.source(key)))
-            .collect()
+            (Key::GradientTransport, self.gradient_transport.to_string()),
+        ]
     }
 
     /// [`apply_file`](Self::apply_file) on the text of a file (`origin` names it in errors, and a name ending
@@ -338,7 +304,7 @@ impl AcceleratorConfig {
     pub fn validate(&self) -> Result<()> {
         for unsupported in &self.unsupported {
             let overridden = unsupported.key == "mixed_precision"
-                && !matches!(self.source("mixed_precision"), Source::File(_));
+                && !matches!(self.source(Key::MixedPrecision), Source::File(_));
             if !overridden {
                 return Err(unsupported.error());
             }
@@ -407,27 +373,6 @@ pub const DP_SHARD_SIZE_VAR: &str = "PARALLELISM_CONFIG_DP_SHARD_SIZE";
 /// The variables that ask for sharding, as Accelerate's launcher sets them: `ACCELERATE_USE_FSDP=true` and
 /// `FSDP_SHARDING_STRATEGY` (a name or Accelerate's number; `FULL_SHARD` when only the first is set).
 pub const FSDP_VARS: [&str; 2] = ["ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY"];
-
-/// The sharding the environment asks for, if any.
-fn sharding_from_env() -> Result<Option<ShardingStrategy>> {
-    let strategy = env::var(FSDP_VARS[1])
-        .map(|value| {
-            value.parse::<ShardingStrategy>().map_err(|_| {
-                Error::config(
-                    FSDP_VARS[1],
-                    &value,
-                    "environment",
-                    "FULL_SHARD (1), SHARD_GRAD_OP (2) or NO_SHARD (3)",
-                )
-            })
-        })
-        .transpose()?;
-    Ok(match env::flag(FSDP_VARS[0])? {
-        Some(true) => Some(strategy.unwrap_or(ShardingStrategy::FullShard)),
-        Some(false) => Some(ShardingStrategy::NoShard),
-        None => strategy,
-    })
-}
 
 /// The longest collective timeout: 30 days. Longer requests are cut to it, so that deadlines never overflow.
 pub const MAX_COLLECTIVE_TIMEOUT: std::time::Duration = burn_accelerate_comm::MAX_TIMEOUT;

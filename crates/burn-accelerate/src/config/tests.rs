@@ -31,7 +31,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     assert!(config.validate().is_err(), "fp8 in effect");
     config.mixed_precision = MixedPrecision::Bf16;
     config.set_source(
-        "mixed_precision",
+        Key::MixedPrecision,
         Source::Env("ACCELERATE_MIXED_PRECISION".into()),
     );
     config
@@ -48,7 +48,10 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     config.apply_yaml(fsdp, "fsdp.yaml").unwrap();
     config.validate().unwrap();
     assert_eq!(config.sharding, ShardingStrategy::ShardGradOp);
-    assert_eq!(config.source("sharding"), Source::File("fsdp.yaml".into()));
+    assert_eq!(
+        config.source(Key::Sharding),
+        Source::File("fsdp.yaml".into())
+    );
     let fsdp2 = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(fsdp2, "fsdp2.yaml").unwrap();
@@ -79,7 +82,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     assert_eq!(config.sharding, ShardingStrategy::HybridShard);
     assert_eq!(config.dp_shard_size, Some(2));
     assert_eq!(
-        config.source("dp_shard_size"),
+        config.source(Key::DpShardSize),
         Source::File("hybrid.yaml".into())
     );
     let err = AcceleratorConfig::default()
@@ -133,7 +136,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
         "Accelerate's legacy fp16 key"
     );
     assert_eq!(
-        config.source("mixed_precision"),
+        config.source(Key::MixedPrecision),
         Source::File("old.yaml".into())
     );
 }

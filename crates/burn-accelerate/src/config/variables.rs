@@ -1,0 +1,265 @@
+//! The environment variables that carry settings, each paired with the setting it sets. Every run reads them
+//! ([`AcceleratorConfig::read_file_and_env`]) and a launcher writes them for the processes it starts
+//! ([`AcceleratorConfig::launch_env`]) from this one table, so the two cannot drift apart.
+
+use super::{
+    ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, DP_SHARD_SIZE_VAR,
+    FSDP_VARS, Key, RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR, env,
+};
+use crate::error::{Error, Result};
+
+/// One variable: its name, the setting it carries, how its text sets that setting, and what a launcher writes
+/// into it (`None`: a launcher leaves it as it finds it).
+struct Variable {
+    name: &'static str,
+    key: Key,
+    read: fn(&mut AcceleratorConfig, &str, &str) -> Result<()>,
+    write: Option<fn(&AcceleratorConfig) -> Option<String>>,
+}
+
+/// Parses `text`, or says what the variable `name` should hold.
+fn parse<T: std::str::FromStr>(name: &str, text: &str, expected: &str) -> Result<T> {
+    text.parse()
+        .map_err(|_| Error::config(name, text, "environment", expected))
+}
+
+const COUNT: &str = "a non-negative integer";
+
+/// The variables with one setting each (sharding and the restart count, read from two variables, are below).
+const VARIABLES: &[Variable] = &[
+    Variable {
+        name: "ACCELERATE_USE_CPU",
+        key: Key::Cpu,
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.cpu = v),
+        write: Some(|c| Some(c.cpu.to_string())),
+    },
+    Variable {
+        name: "ACCELERATE_MIXED_PRECISION",
+        key: Key::MixedPrecision,
+        read: |c, name, text| {
+            parse(name, text, "one of no, fp16, bf16").map(|v| c.mixed_precision = v)
+        },
+        write: Some(|c| Some(c.mixed_precision.to_string())),
+    },
+    Variable {
+        name: "ACCELERATE_DEBUG_MODE",
+        key: Key::Debug,
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.debug = v),
+        write: Some(|c| Some(c.debug.to_string())),
+    },
+    Variable {
+        name: "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+        key: Key::GradientAccumulationSteps,
+        read: |c, name, text| parse(name, text, COUNT).map(|v| c.gradient_accumulation_steps = v),
+        write: Some(|c| Some(c.gradient_accumulation_steps.to_string())),
+    },
+    Variable {
+        name: DP_SHARD_SIZE_VAR,
+        key: Key::DpShardSize,
+        read: |c, name, text| parse(name, text, COUNT).map(|v| c.dp_shard_size = Some(v)),
+        write: Some(|c| c.dp_shard_size.map(|n| n.to_string())),
+    },
+    Variable {
+        name: ACTIVATION_CHECKPOINTING_VAR,
+        key: Key::ActivationCheckpointing,
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.activation_checkpointing = v),
+        write: Some(|c| Some(c.activation_checkpointing.to_string())),
+    },
+    Variable {
+        name: AUTODIFF_CHECKPOINTING_VAR,
+        key: Key::AutodiffCheckpointing,
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.autodiff_checkpointing = v),
+        write: None,
+    },
+    Variable {
+        name: "ACCELERATE_COLLECTIVE_TIMEOUT",
+        key: Key::CollectiveTimeoutSecs,
+        read: |c, name, text| {
+            parse(name, text, "a number of seconds").map(|v| c.collective_timeout_secs = v)
+        },
+        write: None,
+    },
+    Variable {
+        name: TRANSPORT_VAR,
+        key: Key::GradientTransport,
+        read: |c, name, text| {
+            parse(name, text, "auto, host or device").map(|v| c.gradient_transport = v)
+        },
+        write: None,
+    },
+    Variable {
+        name: RESUME_VAR,
+        key: Key::ResumeFromLatest,
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.resume_from_latest = v),
+        write: None,
+    },
+];
+
+/// Sets every setting the environment carries, recording each variable as its source.
+pub(super) fn read(config: &mut AcceleratorConfig) -> Result<()> {
+    read_from(config, &env::var)
+}
+
+/// [`read`], with `lookup` giving each variable's trimmed, non-empty text.
+fn read_from(
+    config: &mut AcceleratorConfig,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<()> {
+    for variable in VARIABLES {
+        if let Some(text) = lookup(variable.name) {
+            (variable.read)(config, variable.name, &text)?;
+            config.set_source(variable.key, Source::Env(variable.name.to_string()));
+        }
+    }
+    if let Some(name) = RESTART_COUNT_VARS
+        .iter()
+        .find(|name| lookup(name).is_some())
+    {
+        config.restart_count = parse(name, &lookup(name).unwrap_or_default(), COUNT)?;
+        config.set_source(Key::RestartCount, Source::Env(name.to_string()));
+    }
+    if let Some(sharding) = sharding(lookup)? {
+        config.sharding = sharding;
+        config.set_source(Key::Sharding, Source::Env(FSDP_VARS[0].to_string()));
+    }
+    Ok(())
+}
+
+/// The sharding the environment asks for, if any: `ACCELERATE_USE_FSDP=true` alone means `FULL_SHARD`.
+fn sharding(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<ShardingStrategy>> {
+    let strategy = lookup(FSDP_VARS[1])
+        .map(|text| {
+            parse::<ShardingStrategy>(
+                FSDP_VARS[1],
+                &text,
+                "FULL_SHARD (1), SHARD_GRAD_OP (2), NO_SHARD (3), HYBRID_SHARD (4) or _HYBRID_SHARD_ZERO2 (5)",
+            )
+        })
+        .transpose()?;
+    let used = lookup(FSDP_VARS[0])
+        .map(|text| env::parse_bool(FSDP_VARS[0], &text))
+        .transpose()?;
+    Ok(match used {
+        Some(true) => Some(strategy.unwrap_or(ShardingStrategy::FullShard)),
+        Some(false) => Some(ShardingStrategy::NoShard),
+        None => strategy,
+    })
+}
+
+/// The settings a launcher carries, in the order it writes them.
+pub(super) fn carried() -> impl Iterator<Item = Key> {
+    VARIABLES
+        .iter()
+        .filter(|v| v.write.is_some())
+        .map(|v| v.key)
+        .chain([Key::Sharding])
+}
+
+/// The variables a launcher sets for its processes, with this configuration's values.
+pub(super) fn write(config: &AcceleratorConfig) -> Vec<(&'static str, String)> {
+    let mut vars: Vec<(&'static str, String)> = VARIABLES
+        .iter()
+        .filter_map(|v| Some((v.name, (v.write?)(config)?)))
+        .collect();
+    vars.push((FSDP_VARS[0], config.sharding.is_sharded().to_string()));
+    vars.push((FSDP_VARS[1], config.sharding.to_string()));
+    vars
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MixedPrecision;
+    use crate::config::GradientTransport;
+
+    fn read_back(vars: &[(&'static str, String)]) -> AcceleratorConfig {
+        let mut config = AcceleratorConfig::default();
+        let lookup = |name: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.clone())
+        };
+        read_from(&mut config, &lookup).unwrap();
+        config
+    }
+
+    #[test]
+    fn what_a_launcher_writes_every_process_reads_back() {
+        let mut launched = AcceleratorConfig {
+            mixed_precision: MixedPrecision::Bf16,
+            gradient_accumulation_steps: 4,
+            debug: true,
+            cpu: true,
+            sharding: ShardingStrategy::HybridShardZero2,
+            dp_shard_size: Some(3),
+            activation_checkpointing: true,
+            ..AcceleratorConfig::default()
+        };
+        launched.set_source(Key::MixedPrecision, Source::CommandLine);
+        let vars = launched.launch_env();
+        let read = read_back(&vars);
+        for key in carried() {
+            assert_eq!(
+                read.settings()
+                    .iter()
+                    .find(|s| s.0 == key.name())
+                    .map(|s| &s.1),
+                launched
+                    .settings()
+                    .iter()
+                    .find(|s| s.0 == key.name())
+                    .map(|s| &s.1),
+                "{key}"
+            );
+            assert!(matches!(read.source(key), Source::Env(_)), "{key}");
+        }
+        // Every setting a launcher carries differs from its default here, so a variable it forgot fails above.
+        let defaults = AcceleratorConfig::default();
+        for key in carried() {
+            let value = |c: &AcceleratorConfig| {
+                c.settings()
+                    .into_iter()
+                    .find(|s| s.0 == key.name())
+                    .map(|s| s.1)
+            };
+            assert_ne!(
+                value(&launched),
+                value(&defaults),
+                "{key} keeps its default in this test"
+            );
+        }
+        // Without a shard size the variable is left out, and each process takes its machine's processes.
+        launched.dp_shard_size = None;
+        let vars = launched.launch_env();
+        assert!(vars.iter().all(|(name, _)| *name != DP_SHARD_SIZE_VAR));
+        assert_eq!(read_back(&vars).dp_shard_size, None);
+    }
+
+    #[test]
+    fn the_variables_are_read_with_their_names_in_errors_and_sources() {
+        let vars = [
+            ("ACCELERATE_GRADIENT_TRANSPORT", "host".to_string()),
+            ("TORCHELASTIC_RESTART_COUNT", "2".to_string()),
+            ("ACCELERATE_USE_FSDP", "yes".to_string()),
+        ];
+        let config = read_back(&vars);
+        assert_eq!(config.gradient_transport, GradientTransport::Host);
+        assert_eq!(config.restart_count, 2);
+        assert_eq!(
+            config.source(Key::RestartCount),
+            Source::Env("TORCHELASTIC_RESTART_COUNT".into())
+        );
+        assert_eq!(
+            config.sharding,
+            ShardingStrategy::FullShard,
+            "USE_FSDP alone"
+        );
+        let mut config = AcceleratorConfig::default();
+        let bad = |name: &str| (name == "FSDP_SHARDING_STRATEGY").then(|| "6".to_string());
+        let err = read_from(&mut config, &bad).unwrap_err().to_string();
+        assert!(
+            err.contains("FSDP_SHARDING_STRATEGY") && err.contains("HYBRID_SHARD (4)"),
+            "{err}"
+        );
+    }
+}
