@@ -79,7 +79,7 @@ pub fn main() -> burn_accelerate::Result<()> {
 
     let accelerator = Accelerator::new()?;
     let device = accelerator.device().clone();
-    let precision = accelerator.config().mixed_precision;
+    let precision = accelerator.config().precision.mixed_precision;
     device.seed(0);
     let initial = WideMlp::new(features, width, &device);
     let x = Tensor::<2>::random([batch, features], Distribution::Normal(0.0, 1.0), &device);

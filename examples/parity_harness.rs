@@ -469,9 +469,9 @@ fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<
     let model = model.map(|m| acc.unshard(&m)).transpose()?;
     report.rank = acc.process_index();
     report.num_processes = acc.num_processes();
-    report.sharding = acc.config().sharding.to_string();
+    report.sharding = acc.config().distributed.sharding.to_string();
     report.mixed_precision = acc.mixed_precision().to_string();
-    report.gradient_accumulation_steps = acc.config().gradient_accumulation_steps;
+    report.gradient_accumulation_steps = acc.config().accumulation.gradient_accumulation_steps;
     report.env = std::env::vars()
         .filter(|(k, _)| {
             k.starts_with("ACCELERATE_")

@@ -181,7 +181,7 @@ fn batch(
 }
 
 fn mode(acc: &Accelerator, args: &Args) -> String {
-    let sharding = acc.config().sharding;
+    let sharding = acc.config().distributed.sharding;
     let how = if !sharding.reshards_parameters() {
         ""
     } else if args.whole {

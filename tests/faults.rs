@@ -29,16 +29,11 @@ fn an_unbounded_collective_timeout_is_capped_not_an_overflow() {
         .unwrap();
     assert_eq!(sums, vec![2.0, 2.0]);
     // ACCELERATE_COLLECTIVE_TIMEOUT=1e20 (seconds) resolves to the same cap.
-    let config = AcceleratorConfig {
-        collective_timeout_secs: 1e20,
-        ..AcceleratorConfig::default()
-    };
+    let mut config = AcceleratorConfig::default();
+    config.distributed.collective_timeout_secs = 1e20;
     config.validate().unwrap();
     assert_eq!(config.collective_timeout(), MAX_COLLECTIVE_TIMEOUT);
-    let config = AcceleratorConfig {
-        collective_timeout_secs: 2.5,
-        ..AcceleratorConfig::default()
-    };
+    config.distributed.collective_timeout_secs = 2.5;
     assert_eq!(config.collective_timeout(), Duration::from_millis(2500));
 }
 

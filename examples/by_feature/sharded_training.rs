@@ -95,7 +95,7 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
         .len();
     println!(
         "rank {rank}/{ranks} sharding={} params_at_rest={at_rest} grads={grads} optimizer_state={state} peak_rss={peak}",
-        acc.config().sharding
+        acc.config().distributed.sharding
     );
     Ok(loss_value)
 }

@@ -212,39 +212,39 @@ impl Plan {
         let flag =
             |key: Key, config: &mut AcceleratorConfig| config.set_source(key, Source::CommandLine);
         if let Some(precision) = args.mixed_precision {
-            resolved.mixed_precision = precision;
+            resolved.precision.mixed_precision = precision;
             flag(Key::MixedPrecision, &mut resolved);
         }
         if let Some(steps) = args.gradient_accumulation_steps {
-            resolved.gradient_accumulation_steps = steps;
+            resolved.accumulation.gradient_accumulation_steps = steps;
             flag(Key::GradientAccumulationSteps, &mut resolved);
         }
         match (args.fsdp_sharding_strategy, args.use_fsdp) {
             (Some(strategy), _) => {
-                resolved.sharding = strategy;
+                resolved.distributed.sharding = strategy;
                 flag(Key::Sharding, &mut resolved);
             }
             // `--use_fsdp` alone shards fully, unless the environment or the file already chose a sharding.
-            (None, true) if !resolved.sharding.is_sharded() => {
-                resolved.sharding = ShardingStrategy::FullShard;
+            (None, true) if !resolved.distributed.sharding.is_sharded() => {
+                resolved.distributed.sharding = ShardingStrategy::FullShard;
                 flag(Key::Sharding, &mut resolved);
             }
             _ => {}
         }
         if let Some(size) = args.parallelism_config_dp_shard_size {
-            resolved.dp_shard_size = Some(size);
+            resolved.distributed.dp_shard_size = Some(size);
             flag(Key::DpShardSize, &mut resolved);
         }
         if let Some(on) = args.fsdp_activation_checkpointing {
-            resolved.activation_checkpointing = on;
+            resolved.memory.activation_checkpointing = on;
             flag(Key::ActivationCheckpointing, &mut resolved);
         }
         if args.debug {
-            resolved.debug = true;
+            resolved.distributed.debug = true;
             flag(Key::Debug, &mut resolved);
         }
         if args.cpu {
-            resolved.cpu = true;
+            resolved.device.cpu = true;
             flag(Key::Cpu, &mut resolved);
         }
         settings.extend(

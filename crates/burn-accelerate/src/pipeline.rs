@@ -70,15 +70,15 @@ impl StepPipeline {
     /// The pipeline of a rank configured by `config`, distributed by `strategy`.
     pub fn new(config: &AcceleratorConfig, strategy: Arc<dyn Strategy>) -> Self {
         Self {
-            shared: SharedStep::new(config.gradient_accumulation_steps),
+            shared: SharedStep::new(config.accumulation.gradient_accumulation_steps),
             precision: Mutex::new(Precision::new(
-                config.mixed_precision,
-                config.loss_scaler.clone(),
+                config.precision.mixed_precision,
+                config.precision.loss_scaler.clone(),
             )),
             strategy,
-            normalization: config.loss_normalization,
-            accumulation_steps: config.gradient_accumulation_steps,
-            sync_each_batch: config.sync_each_batch,
+            normalization: config.accumulation.loss_normalization,
+            accumulation_steps: config.accumulation.gradient_accumulation_steps,
+            sync_each_batch: config.accumulation.sync_each_batch,
         }
     }
 
@@ -337,12 +337,10 @@ mod tests {
 
     #[test]
     fn the_sync_seam_is_called_once_per_window_with_normalisation_and_unscaling() {
-        let config = AcceleratorConfig {
-            gradient_accumulation_steps: 2,
-            mixed_precision: MixedPrecision::Fp16,
-            loss_scaler: LossScaler::with_init_scale(4.0),
-            ..AcceleratorConfig::default()
-        };
+        let mut config = AcceleratorConfig::default();
+        config.accumulation.gradient_accumulation_steps = 2;
+        config.precision.mixed_precision = MixedPrecision::Fp16;
+        config.precision.loss_scaler = LossScaler::with_init_scale(4.0);
         let (pipeline, calls) = pipeline(config);
         let model: Linear = LinearConfig::new(3, 1).init(&Device::default().autodiff());
         for _ in 0..4 {
@@ -355,11 +353,9 @@ mod tests {
 
     #[test]
     fn sync_each_batch_averages_inside_the_window_without_normalising() {
-        let config = AcceleratorConfig {
-            gradient_accumulation_steps: 3,
-            sync_each_batch: true,
-            ..AcceleratorConfig::default()
-        };
+        let mut config = AcceleratorConfig::default();
+        config.accumulation.gradient_accumulation_steps = 3;
+        config.accumulation.sync_each_batch = true;
         let (pipeline, calls) = pipeline(config);
         let model: Linear = LinearConfig::new(3, 1).init(&Device::default().autodiff());
         for _ in 0..3 {

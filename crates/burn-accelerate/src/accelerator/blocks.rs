@@ -98,7 +98,7 @@ impl Accelerator {
             before,
             block,
             after,
-            self.config.activation_checkpointing,
+            self.config.memory.activation_checkpointing,
         )
     }
 }

@@ -315,42 +315,42 @@ impl AcceleratorBuilder {
         let mut config = AcceleratorConfig::read_file_and_env()?;
         // Each builder value replaces the resolved one, and the field's name is recorded as coming from here.
         macro_rules! override_with_builder {
-            ($($field:ident => $key:ident),* $(,)?) => {$(
+            ($($group:ident . $field:ident => $key:ident),* $(,)?) => {$(
                 if let Some(v) = self.$field.clone() {
-                    config.$field = v;
+                    config.$group.$field = v;
                     config.set_source(Key::$key, Source::Builder);
                 }
             )*};
         }
         override_with_builder!(
-            device_placement => DevicePlacement,
-            step_scheduler_with_optimizer => StepSchedulerWithOptimizer,
-            split_batches => SplitBatches,
-            scheduler_rule => SchedulerRule,
-            gradient_accumulation_steps => GradientAccumulationSteps,
-            debug => Debug,
-            even_batches => EvenBatches,
-            mixed_precision => MixedPrecision,
-            loss_scaler => LossScaler,
-            sync_each_batch => SyncEachBatch,
-            loss_normalization => LossNormalization,
-            bucket_size_mb => BucketSizeMb,
-            sharding => Sharding,
-            activation_checkpointing => ActivationCheckpointing,
-            autodiff_checkpointing => AutodiffCheckpointing,
-            gradient_transport => GradientTransport,
-            resume_from_latest => ResumeFromLatest,
+            device.device_placement => DevicePlacement,
+            scheduler.step_scheduler_with_optimizer => StepSchedulerWithOptimizer,
+            data.split_batches => SplitBatches,
+            scheduler.scheduler_rule => SchedulerRule,
+            accumulation.gradient_accumulation_steps => GradientAccumulationSteps,
+            distributed.debug => Debug,
+            data.even_batches => EvenBatches,
+            precision.mixed_precision => MixedPrecision,
+            precision.loss_scaler => LossScaler,
+            accumulation.sync_each_batch => SyncEachBatch,
+            accumulation.loss_normalization => LossNormalization,
+            distributed.bucket_size_mb => BucketSizeMb,
+            distributed.sharding => Sharding,
+            memory.activation_checkpointing => ActivationCheckpointing,
+            memory.autodiff_checkpointing => AutodiffCheckpointing,
+            distributed.gradient_transport => GradientTransport,
+            recovery.resume_from_latest => ResumeFromLatest,
         );
         if let Some(size) = self.dp_shard_size {
-            config.dp_shard_size = Some(size);
+            config.distributed.dp_shard_size = Some(size);
             config.set_source(Key::DpShardSize, Source::Builder);
         }
         if let Some(timeout) = self.collective_timeout {
-            config.collective_timeout_secs = timeout.as_secs_f64();
+            config.distributed.collective_timeout_secs = timeout.as_secs_f64();
             config.set_source(Key::CollectiveTimeoutSecs, Source::Builder);
         }
         if self.device.cpu {
-            config.cpu = true;
+            config.device.cpu = true;
             config.set_source(Key::Cpu, Source::Builder);
         }
         config.validate()?;
@@ -406,21 +406,22 @@ impl AcceleratorBuilder {
             ));
         }
         let request = DeviceRequest {
-            cpu: config.cpu,
+            cpu: config.device.cpu,
             ..self.device.clone()
         };
         let local_rank = cluster.local_rank();
         let (device, backend) = select_device(&request, local_rank)?;
         config
+            .precision
             .mixed_precision
             .check(&device, |dtype| device.supports_dtype(dtype))?;
-        let device = if config.autodiff_checkpointing {
+        let device = if config.memory.autodiff_checkpointing {
             device.autodiff().gradient_checkpointing()
         } else {
             device.autodiff()
         };
         let state = ProcessGroup::new(cluster.communicator(), local_rank, device, backend)
-            .with_debug(config.debug);
+            .with_debug(config.distributed.debug);
         let group = Arc::new(state);
         let strategy = match &self.strategy {
             Some(make) => make(&group),

@@ -232,13 +232,13 @@ impl Accelerator {
     /// How many times a launcher restarted this job after a failure: 0 on the first run, `k` on the `k`-th
     /// restart of `burn-accelerate launch --max-restarts` (or torchrun's).
     pub fn restart_count(&self) -> usize {
-        self.config().restart_count
+        self.config().recovery.restart_count
     }
 
     /// Whether [`resume`](Self::resume) continues from a checkpoint: the run asked for it
     /// ([`resume_from_latest`](crate::AcceleratorBuilder::resume_from_latest)), or a launcher restarted it.
     pub fn resumes(&self) -> bool {
-        self.config().resume_from_latest || self.restart_count() > 0
+        self.config().recovery.resume_from_latest || self.restart_count() > 0
     }
 
     /// Loads the latest complete automatic checkpoint when this run [`resumes`](Self::resumes) and one exists;
@@ -275,7 +275,7 @@ impl Accelerator {
         }
         let project = self.project_configuration();
         if project.checkpoints_dir().is_none() {
-            if self.config().resume_from_latest {
+            if self.config().recovery.resume_from_latest {
                 return Err(crate::Error::InvalidArgument(
                     "resume: resume_from_latest(true) continues from the latest automatic checkpoint of the \
                      project folder, but none is set; build the accelerator with \

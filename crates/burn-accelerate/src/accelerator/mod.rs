@@ -228,7 +228,7 @@ impl Accelerator {
     pub fn check_gradient_transport(&self) -> Result<Option<crate::distributed::TransportCheck>> {
         crate::distributed::strategy::check_transport(
             &self.group,
-            self.config.gradient_transport,
+            self.config.distributed.gradient_transport,
             self.config.collective_timeout(),
         )
     }
@@ -321,7 +321,7 @@ impl Accelerator {
             let ids = self.broadcast_object(&ids, 0)?;
             crate::distributed::strategy::with_param_ids(model, &ids)
         };
-        let model = if self.config.device_placement {
+        let model = if self.config.device.device_placement {
             model.fork(self.device()).train()
         } else {
             model
@@ -385,7 +385,7 @@ impl Accelerator {
     ) -> AcceleratedScheduler {
         let steps = self.scheduler_steps_per_optimizer_step();
         let rule = SchedulerPolicy {
-            step_with_optimizer: self.config.step_scheduler_with_optimizer,
+            step_with_optimizer: self.config.scheduler.step_scheduler_with_optimizer,
             steps_per_optimizer_step: steps,
         };
         let shared = self.pipeline.shared().clone();
@@ -398,8 +398,9 @@ impl Accelerator {
     pub(crate) fn scheduler_steps_per_optimizer_step(&self) -> usize {
         let steps = self
             .config
+            .scheduler
             .scheduler_rule
-            .steps_per_optimizer_step(self.num_processes(), self.config.split_batches);
+            .steps_per_optimizer_step(self.num_processes(), self.config.data.split_batches);
         if steps > 1 && self.is_main_process() {
             static WARNED: Once = Once::new();
             WARNED.call_once(|| {
@@ -447,8 +448,8 @@ impl Accelerator {
         let spec = crate::data::ShardSpec {
             num_processes: self.num_processes(),
             rank: self.process_index(),
-            split_batches: self.config.split_batches,
-            even_batches: self.config.even_batches,
+            split_batches: self.config.data.split_batches,
+            even_batches: self.config.data.even_batches,
         };
         let prepared = crate::data::PreparedStreamLoader::new(
             loader,
@@ -470,7 +471,7 @@ impl Accelerator {
 
     /// The configured forward precision.
     pub fn mixed_precision(&self) -> MixedPrecision {
-        self.config.mixed_precision
+        self.config.precision.mixed_precision
     }
 
     /// Runs `f` under autocast: with mixed precision on, `f` gets a copy of `model` whose float parameters are
@@ -500,7 +501,7 @@ impl Accelerator {
         f: impl FnOnce(&M, I) -> O,
     ) -> O {
         self.applied.note_autocast();
-        precision::autocast(self.config.mixed_precision, model, inputs, f)
+        precision::autocast(self.config.precision.mixed_precision, model, inputs, f)
     }
 
     /// Which settings were applied by their calls in the loop (for the Learner strategy).

@@ -43,11 +43,11 @@ impl SettingsApplied {
                      called, so every batch steps the optimizer and the setting does nothing; call \
                      `accelerator.accumulate()` at the start of each batch, before `backward` (Accelerate's \
                      `with accelerator.accumulate(model):`)",
-                config.gradient_accumulation_steps,
+                config.accumulation.gradient_accumulation_steps,
                 config.source(Key::GradientAccumulationSteps)
             );
         }
-        if config.mixed_precision != MixedPrecision::No
+        if config.precision.mixed_precision != MixedPrecision::No
             && !self.autocast.load(Ordering::Relaxed)
             && !self.precision_warned.swap(true, Ordering::Relaxed)
         {
@@ -56,7 +56,7 @@ impl SettingsApplied {
                      (`burn_accelerate::learner::autocast` in a burn-train step), so the model computes in f32 \
                      and the setting does nothing; compute the loss inside `accelerator.autocast(&model, batch, \
                      |model, batch| model.loss(batch))`",
-                config.mixed_precision,
+                config.precision.mixed_precision,
                 config.source(Key::MixedPrecision)
             );
         }

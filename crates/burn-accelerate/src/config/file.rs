@@ -141,7 +141,7 @@ fn read_fsdp_config(
             }
             "fsdp_reshard_after_forward" => {}
             "fsdp_activation_checkpointing" => {
-                config.activation_checkpointing = env::parse_bool(&key, &raw).map_err(|_| {
+                config.memory.activation_checkpointing = env::parse_bool(&key, &raw).map_err(|_| {
                     Error::config(
                         "fsdp_config.fsdp_activation_checkpointing",
                         &raw,
@@ -206,7 +206,7 @@ fn read_parallelism_config(
                             "a number of ranks per shard group (1 or more)",
                         )
                     })?;
-                config.dp_shard_size = Some(size);
+                config.distributed.dp_shard_size = Some(size);
                 config.set_source(Key::DpShardSize, Source::File(origin.to_string()));
             }
             "parallelism_config_dp_replicate_size" => {}
@@ -338,7 +338,7 @@ pub(crate) fn apply(
                         why: "no, fp16 or bf16 (Burn has no fp8 kernels)",
                     });
                 } else {
-                    config.mixed_precision =
+                    config.precision.mixed_precision =
                         raw.parse().map_err(|_| bad("one of no, fp16, bf16"))?;
                 }
                 config.set_source(Key::MixedPrecision, source.clone());
@@ -347,15 +347,17 @@ pub(crate) fn apply(
                 legacy_fp16 = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?
             }
             "debug" => {
-                config.debug = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
+                config.distributed.debug =
+                    env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
                 config.set_source(Key::Debug, source.clone());
             }
             "use_cpu" => {
-                config.cpu = env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
+                config.device.cpu =
+                    env::parse_bool(&key, &raw).map_err(|_| bad("true or false"))?;
                 config.set_source(Key::Cpu, source.clone());
             }
             "gradient_accumulation_steps" => {
-                config.gradient_accumulation_steps =
+                config.accumulation.gradient_accumulation_steps =
                     raw.parse().map_err(|_| bad("an integer >= 1"))?;
                 config.set_source(Key::GradientAccumulationSteps, source.clone());
             }
@@ -429,7 +431,7 @@ pub(crate) fn apply(
     }
     if distributed.as_deref() == Some("FSDP") {
         // Accelerate's FSDP plugin defaults to FULL_SHARD.
-        config.sharding = fsdp.unwrap_or(ShardingStrategy::FullShard);
+        config.distributed.sharding = fsdp.unwrap_or(ShardingStrategy::FullShard);
         config.set_source(Key::Sharding, source.clone());
     } else if fsdp.is_some_and(|s| s.is_sharded()) {
         ignored.insert("fsdp_config (distributed_type is not FSDP)".into());
@@ -439,7 +441,7 @@ pub(crate) fn apply(
     });
     if legacy_fp16 && !has_mixed_precision {
         // Accelerate's loader turns the old `fp16: true` into `mixed_precision: fp16`.
-        config.mixed_precision = MixedPrecision::Fp16;
+        config.precision.mixed_precision = MixedPrecision::Fp16;
         config.set_source(Key::MixedPrecision, source);
     }
     warn_ignored(origin, &ignored);

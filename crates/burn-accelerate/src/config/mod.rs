@@ -2,12 +2,17 @@
 
 pub mod env;
 mod file;
+mod groups;
 mod key;
 mod sharding;
 mod transport;
 mod variables;
 
 pub use file::UnsupportedValue;
+pub use groups::{
+    AccumulationSettings, DataSettings, DeviceSettings, DistributedSettings, MemorySettings,
+    PrecisionSettings, RecoverySettings, SchedulerSettings,
+};
 pub use key::Key;
 pub use sharding::ShardingStrategy;
 pub use transport::{GradientTransport, TRANSPORT_VAR};
@@ -19,72 +24,36 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::precision::{LossScaler, MixedPrecision};
 
 /// Settings of an [`Accelerator`](crate::Accelerator), resolved from (highest first) builder calls,
-/// `ACCELERATE_*` environment variables and defaults.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `ACCELERATE_*` environment variables, the config file and defaults, grouped by concern.
+///
+/// ```
+/// use burn_accelerate::config::{AcceleratorConfig, Key, Source};
+/// let config = AcceleratorConfig::default();
+/// assert_eq!(config.accumulation.gradient_accumulation_steps, 1);
+/// assert!(config.data.even_batches);
+/// assert_eq!(config.source(Key::GradientAccumulationSteps), Source::Default);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AcceleratorConfig {
-    /// Place models and batches on the accelerator's device (default `true`).
-    pub device_placement: bool,
-    /// Advance prepared schedulers with the optimizer, Accelerate's rule (default `true`).
-    pub step_scheduler_with_optimizer: bool,
-    /// Split each batch between ranks instead of giving each rank its own batch (default `false`).
-    pub split_batches: bool,
-    /// How many times a prepared scheduler (and the Learner's) advances per optimizer step (default: once).
-    pub scheduler_rule: SchedulerRule,
-    /// Micro-batches per optimizer step (default 1; `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
-    pub gradient_accumulation_steps: usize,
-    /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
-    pub cpu: bool,
-    /// Precision of the forward pass (default `no`; `ACCELERATE_MIXED_PRECISION`).
-    pub mixed_precision: MixedPrecision,
-    /// Loss scaling for fp16 (torch's GradScaler defaults).
-    pub loss_scaler: LossScaler,
-    /// Check operations and shapes across ranks before every collective (default `false`;
-    /// `ACCELERATE_DEBUG_MODE`).
-    pub debug: bool,
-    /// Complete the last round of a prepared dataloader by cycling samples from the start of the epoch, so every
-    /// rank gets the same number of full batches (default `true`).
-    pub even_batches: bool,
-    /// All-reduce gradients after every micro-batch instead of only on sync steps (default `false`).
-    pub sync_each_batch: bool,
-    /// How accumulated gradients are normalised (default: by the micro-batches actually accumulated).
-    pub loss_normalization: LossNormalization,
-    /// Size of one gradient all-reduce bucket in MiB (default 25).
-    pub bucket_size_mb: f64,
-    /// How much of the training state each rank holds (default [`ShardingStrategy::NoShard`]; the config file's
-    /// `distributed_type: FSDP` and `fsdp_config.fsdp_sharding_strategy`, `ACCELERATE_USE_FSDP` with
-    /// `FSDP_SHARDING_STRATEGY`).
-    pub sharding: ShardingStrategy,
-    /// Ranks in each shard group of a hybrid strategy (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`): the state is
-    /// sharded within groups of this many consecutive ranks and replicated across the groups (Accelerate's
-    /// `ParallelismConfig.dp_shard_size`; `PARALLELISM_CONFIG_DP_SHARD_SIZE`). Default: the processes on one
-    /// machine.
-    pub dp_shard_size: Option<usize>,
-    /// Recompute each block's forward pass during backward instead of keeping its activations, in
-    /// [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks) (default `false`; the config file's
-    /// `fsdp_config.fsdp_activation_checkpointing`, `FSDP_ACTIVATION_CHECKPOINTING`, as Accelerate names it).
-    /// Block-wise `FULL_SHARD` recomputes its blocks whatever this says.
-    pub activation_checkpointing: bool,
-    /// Burn's own gradient checkpointing on the accelerator's autodiff device (its `Balanced` strategy:
-    /// element-wise operations are recomputed in backward instead of kept; default `false`;
-    /// `ACCELERATE_AUTODIFF_CHECKPOINTING`).
-    pub autodiff_checkpointing: bool,
-    /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
-    /// `ACCELERATE_GRADIENT_TRANSPORT`).
-    pub gradient_transport: GradientTransport,
-    /// Seconds a collective waits for the other ranks before failing (default 300;
-    /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
-    pub collective_timeout_secs: f64,
-    /// Continue from the latest automatic checkpoint when [`Accelerator::resume`](crate::Accelerator::resume)
-    /// is called (default `false`; `ACCELERATE_RESUME_FROM_LATEST`). A restarted job resumes whatever this says.
-    pub resume_from_latest: bool,
-    /// How many times a launcher has restarted this job after a failure (0 on the first run): set by
-    /// `burn-accelerate launch --max-restarts` (`ACCELERATE_RESTART_COUNT`) or torchrun
-    /// (`TORCHELASTIC_RESTART_COUNT`); a run with a count above 0 resumes from its latest checkpoint.
-    pub restart_count: usize,
+    /// Where the accelerator computes and what it moves there.
+    pub device: DeviceSettings,
+    /// The forward pass's precision and fp16's loss scaling.
+    pub precision: PrecisionSettings,
+    /// Gradient accumulation.
+    pub accumulation: AccumulationSettings,
+    /// How prepared dataloaders deal batches to the ranks.
+    pub data: DataSettings,
+    /// How prepared schedulers advance.
+    pub scheduler: SchedulerSettings,
+    /// Sharding, the gradient transport and the collectives.
+    pub distributed: DistributedSettings,
+    /// What backward recomputes instead of keeping.
+    pub memory: MemorySettings,
+    /// Continuing after an interruption.
+    pub recovery: RecoverySettings,
     /// What the config file says about launching (read by `burn-accelerate launch`).
     pub launch: LaunchSettings,
     /// Where each setting that did not keep its default came from (see [`source`](Self::source)).
@@ -97,7 +66,7 @@ pub struct AcceleratorConfig {
 }
 
 /// The variable that asks every run to continue from its latest checkpoint
-/// ([`AcceleratorConfig::resume_from_latest`]).
+/// ([`RecoverySettings::resume_from_latest`]).
 pub const RESUME_VAR: &str = "ACCELERATE_RESUME_FROM_LATEST";
 
 /// The variables a launcher tells a restarted job its restart count in, first found wins: `burn-accelerate
@@ -145,37 +114,6 @@ impl fmt::Display for Source {
             Source::Env(var) => write!(f, "environment {var}"),
             Source::File(path) => write!(f, "config file {path}"),
             Source::Default => f.write_str("default"),
-        }
-    }
-}
-
-impl Default for AcceleratorConfig {
-    fn default() -> Self {
-        Self {
-            device_placement: true,
-            step_scheduler_with_optimizer: true,
-            split_batches: false,
-            scheduler_rule: SchedulerRule::OncePerOptimizerStep,
-            gradient_accumulation_steps: 1,
-            cpu: false,
-            mixed_precision: MixedPrecision::No,
-            loss_scaler: LossScaler::default(),
-            debug: false,
-            even_batches: true,
-            sync_each_batch: false,
-            loss_normalization: LossNormalization::ActualMicroBatches,
-            bucket_size_mb: 25.0,
-            sharding: ShardingStrategy::NoShard,
-            dp_shard_size: None,
-            activation_checkpointing: false,
-            autodiff_checkpointing: false,
-            gradient_transport: GradientTransport::Auto,
-            collective_timeout_secs: 300.0,
-            resume_from_latest: false,
-            restart_count: 0,
-            launch: LaunchSettings::default(),
-            sources: BTreeMap::new(),
-            unsupported: Vec::new(),
         }
     }
 }
@@ -231,7 +169,7 @@ impl AcceleratorConfig {
     /// use burn_accelerate::config::{AcceleratorConfig, Key, Source};
     /// use burn_accelerate::MixedPrecision;
     /// let mut config = AcceleratorConfig::default();
-    /// config.mixed_precision = MixedPrecision::Bf16;
+    /// config.precision.mixed_precision = MixedPrecision::Bf16;
     /// config.set_source(Key::MixedPrecision, Source::CommandLine);
     /// let env = config.launch_env();
     /// assert!(env.contains(&("ACCELERATE_MIXED_PRECISION", "bf16".to_string())));
@@ -263,34 +201,41 @@ impl AcceleratorConfig {
     /// The values [`settings`](Self::settings) shows, in its order.
     fn values(&self) -> [(Key, String); 12] {
         [
-            (Key::MixedPrecision, self.mixed_precision.to_string()),
-            (Key::Cpu, self.cpu.to_string()),
-            (Key::Debug, self.debug.to_string()),
+            (
+                Key::MixedPrecision,
+                self.precision.mixed_precision.to_string(),
+            ),
+            (Key::Cpu, self.device.cpu.to_string()),
+            (Key::Debug, self.distributed.debug.to_string()),
             (
                 Key::GradientAccumulationSteps,
-                self.gradient_accumulation_steps.to_string(),
+                self.accumulation.gradient_accumulation_steps.to_string(),
             ),
             (
                 Key::CollectiveTimeoutSecs,
-                self.collective_timeout_secs.to_string(),
+                self.distributed.collective_timeout_secs.to_string(),
             ),
-            (Key::SplitBatches, self.split_batches.to_string()),
-            (Key::EvenBatches, self.even_batches.to_string()),
-            (Key::Sharding, self.sharding.to_string()),
+            (Key::SplitBatches, self.data.split_batches.to_string()),
+            (Key::EvenBatches, self.data.even_batches.to_string()),
+            (Key::Sharding, self.distributed.sharding.to_string()),
             (
                 Key::DpShardSize,
-                self.dp_shard_size
+                self.distributed
+                    .dp_shard_size
                     .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
             ),
             (
                 Key::ActivationCheckpointing,
-                self.activation_checkpointing.to_string(),
+                self.memory.activation_checkpointing.to_string(),
             ),
             (
                 Key::AutodiffCheckpointing,
-                self.autodiff_checkpointing.to_string(),
+                self.memory.autodiff_checkpointing.to_string(),
             ),
-            (Key::GradientTransport, self.gradient_transport.to_string()),
+            (
+                Key::GradientTransport,
+                self.distributed.gradient_transport.to_string(),
+            ),
         ]
     }
 
@@ -309,7 +254,7 @@ impl AcceleratorConfig {
                 return Err(unsupported.error());
             }
         }
-        if self.gradient_accumulation_steps == 0 {
+        if self.accumulation.gradient_accumulation_steps == 0 {
             return Err(Error::config(
                 "gradient_accumulation_steps",
                 "0",
@@ -317,8 +262,8 @@ impl AcceleratorConfig {
                 "an integer >= 1",
             ));
         }
-        self.loss_scaler.validate()?;
-        if self.sharding.is_sharded() && self.sync_each_batch {
+        self.precision.loss_scaler.validate()?;
+        if self.distributed.sharding.is_sharded() && self.accumulation.sync_each_batch {
             return Err(Error::config(
                 "sync_each_batch",
                 "true",
@@ -327,22 +272,24 @@ impl AcceleratorConfig {
                     "false with sharding {}: a sharded rank keeps only its own reduced gradients, so \
                      accumulating after a reduction would count the other ranks' shares again; leave \
                      sync_each_batch off (gradients are reduced once per accumulation window) or use NO_SHARD",
-                    self.sharding
+                    self.distributed.sharding
                 ),
             ));
         }
-        if !(self.bucket_size_mb.is_finite() && self.bucket_size_mb > 0.0) {
+        if !(self.distributed.bucket_size_mb.is_finite() && self.distributed.bucket_size_mb > 0.0) {
             return Err(Error::config(
                 "bucket_size_mb",
-                self.bucket_size_mb.to_string(),
+                self.distributed.bucket_size_mb.to_string(),
                 "configuration",
                 "a positive number of MiB",
             ));
         }
-        if !(self.collective_timeout_secs.is_finite() && self.collective_timeout_secs > 0.0) {
+        if !(self.distributed.collective_timeout_secs.is_finite()
+            && self.distributed.collective_timeout_secs > 0.0)
+        {
             return Err(Error::config(
                 "collective_timeout_secs",
-                self.collective_timeout_secs.to_string(),
+                self.distributed.collective_timeout_secs.to_string(),
                 "configuration",
                 "a positive number of seconds",
             ));
@@ -353,18 +300,18 @@ impl AcceleratorConfig {
     /// The collective timeout as a duration, at most [`MAX_COLLECTIVE_TIMEOUT`] (a longer one, up to
     /// `Duration::MAX` or `ACCELERATE_COLLECTIVE_TIMEOUT=1e20`, means "as long as possible", not an overflow).
     pub fn collective_timeout(&self) -> std::time::Duration {
-        std::time::Duration::try_from_secs_f64(self.collective_timeout_secs)
+        std::time::Duration::try_from_secs_f64(self.distributed.collective_timeout_secs)
             .unwrap_or(MAX_COLLECTIVE_TIMEOUT)
             .min(MAX_COLLECTIVE_TIMEOUT)
     }
 }
 
-/// Turns on per-block activation checkpointing (see [`AcceleratorConfig::activation_checkpointing`]), as
+/// Turns on per-block activation checkpointing (see [`MemorySettings::activation_checkpointing`]), as
 /// Accelerate's launcher names it.
 pub const ACTIVATION_CHECKPOINTING_VAR: &str = "FSDP_ACTIVATION_CHECKPOINTING";
 
 /// Turns on Burn's own gradient checkpointing on the autodiff device (see
-/// [`AcceleratorConfig::autodiff_checkpointing`]).
+/// [`MemorySettings::autodiff_checkpointing`]).
 pub const AUTODIFF_CHECKPOINTING_VAR: &str = "ACCELERATE_AUTODIFF_CHECKPOINTING";
 
 /// The size of a hybrid strategy's shard groups, as Accelerate's launcher names it.

@@ -1,6 +1,7 @@
 //! The configuration's tests: sources, precedence, the config file's keys, validation.
 
 use super::*;
+use crate::precision::MixedPrecision;
 
 const ACCELERATE_FILE: &str = "compute_environment: LOCAL_MACHINE
 debug: true
@@ -29,7 +30,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     config.apply_yaml(fp8, "fp8.yaml").unwrap();
     assert_eq!(config.launch.num_processes, Some(2));
     assert!(config.validate().is_err(), "fp8 in effect");
-    config.mixed_precision = MixedPrecision::Bf16;
+    config.precision.mixed_precision = MixedPrecision::Bf16;
     config.set_source(
         Key::MixedPrecision,
         Source::Env("ACCELERATE_MIXED_PRECISION".into()),
@@ -47,7 +48,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(fsdp, "fsdp.yaml").unwrap();
     config.validate().unwrap();
-    assert_eq!(config.sharding, ShardingStrategy::ShardGradOp);
+    assert_eq!(config.distributed.sharding, ShardingStrategy::ShardGradOp);
     assert_eq!(
         config.source(Key::Sharding),
         Source::File("fsdp.yaml".into())
@@ -55,12 +56,12 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     let fsdp2 = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(fsdp2, "fsdp2.yaml").unwrap();
-    assert_eq!(config.sharding, ShardingStrategy::FullShard);
+    assert_eq!(config.distributed.sharding, ShardingStrategy::FullShard);
     let bare = "distributed_type: FSDP\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(bare, "bare.yaml").unwrap();
     assert_eq!(
-        config.sharding,
+        config.distributed.sharding,
         ShardingStrategy::FullShard,
         "Accelerate's default"
     );
@@ -79,8 +80,8 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
                   parallelism_config_dp_replicate_size: 3\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(hybrid, "hybrid.yaml").unwrap();
-    assert_eq!(config.sharding, ShardingStrategy::HybridShard);
-    assert_eq!(config.dp_shard_size, Some(2));
+    assert_eq!(config.distributed.sharding, ShardingStrategy::HybridShard);
+    assert_eq!(config.distributed.dp_shard_size, Some(2));
     assert_eq!(
         config.source(Key::DpShardSize),
         Source::File("hybrid.yaml".into())
@@ -99,7 +100,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     let other = "distributed_type: MULTI_CPU\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(other, "other.yaml").unwrap();
-    assert_eq!(config.sharding, ShardingStrategy::NoShard);
+    assert_eq!(config.distributed.sharding, ShardingStrategy::NoShard);
     let deepspeed = "distributed_type: DEEPSPEED\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(deepspeed, "ds.yaml").unwrap();
@@ -131,7 +132,7 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(legacy, "old.yaml").unwrap();
     assert_eq!(
-        config.mixed_precision,
+        config.precision.mixed_precision,
         MixedPrecision::Fp16,
         "Accelerate's legacy fp16 key"
     );
@@ -151,8 +152,8 @@ fn json_files_are_read_as_json_and_unknown_keys_are_named() {
             "cfg.json",
         )
         .unwrap();
-    assert_eq!(config.mixed_precision, MixedPrecision::Bf16);
-    assert!(config.cpu);
+    assert_eq!(config.precision.mixed_precision, MixedPrecision::Bf16);
+    assert!(config.device.cpu);
     assert!(
         config
             .apply_yaml("{not json", "cfg.json")
@@ -179,8 +180,8 @@ fn reads_accelerate_files() {
     config
         .apply_yaml(ACCELERATE_FILE, "default_config.yaml")
         .unwrap();
-    assert_eq!(config.mixed_precision, MixedPrecision::Bf16);
-    assert!(config.debug && config.cpu);
+    assert_eq!(config.precision.mixed_precision, MixedPrecision::Bf16);
+    assert!(config.distributed.debug && config.device.cpu);
 }
 
 #[test]

@@ -30,52 +30,61 @@ const VARIABLES: &[Variable] = &[
     Variable {
         name: "ACCELERATE_USE_CPU",
         key: Key::Cpu,
-        read: |c, name, text| env::parse_bool(name, text).map(|v| c.cpu = v),
-        write: Some(|c| Some(c.cpu.to_string())),
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.device.cpu = v),
+        write: Some(|c| Some(c.device.cpu.to_string())),
     },
     Variable {
         name: "ACCELERATE_MIXED_PRECISION",
         key: Key::MixedPrecision,
         read: |c, name, text| {
-            parse(name, text, "one of no, fp16, bf16").map(|v| c.mixed_precision = v)
+            parse(name, text, "one of no, fp16, bf16").map(|v| c.precision.mixed_precision = v)
         },
-        write: Some(|c| Some(c.mixed_precision.to_string())),
+        write: Some(|c| Some(c.precision.mixed_precision.to_string())),
     },
     Variable {
         name: "ACCELERATE_DEBUG_MODE",
         key: Key::Debug,
-        read: |c, name, text| env::parse_bool(name, text).map(|v| c.debug = v),
-        write: Some(|c| Some(c.debug.to_string())),
+        read: |c, name, text| env::parse_bool(name, text).map(|v| c.distributed.debug = v),
+        write: Some(|c| Some(c.distributed.debug.to_string())),
     },
     Variable {
         name: "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
         key: Key::GradientAccumulationSteps,
-        read: |c, name, text| parse(name, text, COUNT).map(|v| c.gradient_accumulation_steps = v),
-        write: Some(|c| Some(c.gradient_accumulation_steps.to_string())),
+        read: |c, name, text| {
+            parse(name, text, COUNT).map(|v| c.accumulation.gradient_accumulation_steps = v)
+        },
+        write: Some(|c| Some(c.accumulation.gradient_accumulation_steps.to_string())),
     },
     Variable {
         name: DP_SHARD_SIZE_VAR,
         key: Key::DpShardSize,
-        read: |c, name, text| parse(name, text, COUNT).map(|v| c.dp_shard_size = Some(v)),
-        write: Some(|c| c.dp_shard_size.map(|n| n.to_string())),
+        read: |c, name, text| {
+            parse(name, text, COUNT).map(|v| c.distributed.dp_shard_size = Some(v))
+        },
+        write: Some(|c| c.distributed.dp_shard_size.map(|n| n.to_string())),
     },
     Variable {
         name: ACTIVATION_CHECKPOINTING_VAR,
         key: Key::ActivationCheckpointing,
-        read: |c, name, text| env::parse_bool(name, text).map(|v| c.activation_checkpointing = v),
-        write: Some(|c| Some(c.activation_checkpointing.to_string())),
+        read: |c, name, text| {
+            env::parse_bool(name, text).map(|v| c.memory.activation_checkpointing = v)
+        },
+        write: Some(|c| Some(c.memory.activation_checkpointing.to_string())),
     },
     Variable {
         name: AUTODIFF_CHECKPOINTING_VAR,
         key: Key::AutodiffCheckpointing,
-        read: |c, name, text| env::parse_bool(name, text).map(|v| c.autodiff_checkpointing = v),
+        read: |c, name, text| {
+            env::parse_bool(name, text).map(|v| c.memory.autodiff_checkpointing = v)
+        },
         write: None,
     },
     Variable {
         name: "ACCELERATE_COLLECTIVE_TIMEOUT",
         key: Key::CollectiveTimeoutSecs,
         read: |c, name, text| {
-            parse(name, text, "a number of seconds").map(|v| c.collective_timeout_secs = v)
+            parse(name, text, "a number of seconds")
+                .map(|v| c.distributed.collective_timeout_secs = v)
         },
         write: None,
     },
@@ -83,14 +92,16 @@ const VARIABLES: &[Variable] = &[
         name: TRANSPORT_VAR,
         key: Key::GradientTransport,
         read: |c, name, text| {
-            parse(name, text, "auto, host or device").map(|v| c.gradient_transport = v)
+            parse(name, text, "auto, host or device").map(|v| c.distributed.gradient_transport = v)
         },
         write: None,
     },
     Variable {
         name: RESUME_VAR,
         key: Key::ResumeFromLatest,
-        read: |c, name, text| env::parse_bool(name, text).map(|v| c.resume_from_latest = v),
+        read: |c, name, text| {
+            env::parse_bool(name, text).map(|v| c.recovery.resume_from_latest = v)
+        },
         write: None,
     },
 ];
@@ -115,11 +126,11 @@ fn read_from(
         .iter()
         .find(|name| lookup(name).is_some())
     {
-        config.restart_count = parse(name, &lookup(name).unwrap_or_default(), COUNT)?;
+        config.recovery.restart_count = parse(name, &lookup(name).unwrap_or_default(), COUNT)?;
         config.set_source(Key::RestartCount, Source::Env(name.to_string()));
     }
     if let Some(sharding) = sharding(lookup)? {
-        config.sharding = sharding;
+        config.distributed.sharding = sharding;
         config.set_source(Key::Sharding, Source::Env(FSDP_VARS[0].to_string()));
     }
     Ok(())
@@ -161,8 +172,11 @@ pub(super) fn write(config: &AcceleratorConfig) -> Vec<(&'static str, String)> {
         .iter()
         .filter_map(|v| Some((v.name, (v.write?)(config)?)))
         .collect();
-    vars.push((FSDP_VARS[0], config.sharding.is_sharded().to_string()));
-    vars.push((FSDP_VARS[1], config.sharding.to_string()));
+    vars.push((
+        FSDP_VARS[0],
+        config.distributed.sharding.is_sharded().to_string(),
+    ));
+    vars.push((FSDP_VARS[1], config.distributed.sharding.to_string()));
     vars
 }
 
@@ -185,16 +199,14 @@ mod tests {
 
     #[test]
     fn what_a_launcher_writes_every_process_reads_back() {
-        let mut launched = AcceleratorConfig {
-            mixed_precision: MixedPrecision::Bf16,
-            gradient_accumulation_steps: 4,
-            debug: true,
-            cpu: true,
-            sharding: ShardingStrategy::HybridShardZero2,
-            dp_shard_size: Some(3),
-            activation_checkpointing: true,
-            ..AcceleratorConfig::default()
-        };
+        let mut launched = AcceleratorConfig::default();
+        launched.precision.mixed_precision = MixedPrecision::Bf16;
+        launched.accumulation.gradient_accumulation_steps = 4;
+        launched.distributed.debug = true;
+        launched.device.cpu = true;
+        launched.distributed.sharding = ShardingStrategy::HybridShardZero2;
+        launched.distributed.dp_shard_size = Some(3);
+        launched.memory.activation_checkpointing = true;
         launched.set_source(Key::MixedPrecision, Source::CommandLine);
         let vars = launched.launch_env();
         let read = read_back(&vars);
@@ -229,10 +241,10 @@ mod tests {
             );
         }
         // Without a shard size the variable is left out, and each process takes its machine's processes.
-        launched.dp_shard_size = None;
+        launched.distributed.dp_shard_size = None;
         let vars = launched.launch_env();
         assert!(vars.iter().all(|(name, _)| *name != DP_SHARD_SIZE_VAR));
-        assert_eq!(read_back(&vars).dp_shard_size, None);
+        assert_eq!(read_back(&vars).distributed.dp_shard_size, None);
     }
 
     #[test]
@@ -243,14 +255,17 @@ mod tests {
             ("ACCELERATE_USE_FSDP", "yes".to_string()),
         ];
         let config = read_back(&vars);
-        assert_eq!(config.gradient_transport, GradientTransport::Host);
-        assert_eq!(config.restart_count, 2);
+        assert_eq!(
+            config.distributed.gradient_transport,
+            GradientTransport::Host
+        );
+        assert_eq!(config.recovery.restart_count, 2);
         assert_eq!(
             config.source(Key::RestartCount),
             Source::Env("TORCHELASTIC_RESTART_COUNT".into())
         );
         assert_eq!(
-            config.sharding,
+            config.distributed.sharding,
             ShardingStrategy::FullShard,
             "USE_FSDP alone"
         );

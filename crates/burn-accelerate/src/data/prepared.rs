@@ -41,10 +41,13 @@ impl<I, O> PreparedDataLoader<I, O> {
         let spec = ShardSpec {
             num_processes: group.num_processes(),
             rank: group.process_index(),
-            split_batches: config.split_batches,
-            even_batches: config.even_batches,
+            split_batches: config.data.split_batches,
+            even_batches: config.data.even_batches,
         };
-        let device = config.device_placement.then(|| group.device().clone());
+        let device = config
+            .device
+            .device_placement
+            .then(|| group.device().clone());
         Self::new(loader, device, shared, spec)
     }
 

@@ -81,7 +81,13 @@ impl AcceleratedStrategy {
     /// (`FULL_SHARD` on several ranks: the Learner runs the forward pass on its own model, which would hold
     /// only this rank's parameters; `SHARD_GRAD_OP` works).
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
-        if accelerator.num_processes() > 1 && accelerator.config().sharding.reshards_parameters() {
+        if accelerator.num_processes() > 1
+            && accelerator
+                .config()
+                .distributed
+                .sharding
+                .reshards_parameters()
+        {
             return Err(Error::InvalidArgument(
                 "AcceleratedStrategy::new: FULL_SHARD keeps only each rank's own parameters between steps, and \
                  burn-train's Learner runs the forward pass on its model without gathering them; use \
@@ -238,13 +244,13 @@ impl AcceleratedStrategy {
     ) -> Result<()> {
         let acc = &self.accelerator;
         if let Some(n) = grad_accumulation
-            && n != acc.config().gradient_accumulation_steps
+            && n != acc.config().accumulation.gradient_accumulation_steps
         {
             return Err(Error::InvalidArgument(format!(
                 "SupervisedTraining::grads_accumulation({n}) differs from the accelerator's \
                  gradient_accumulation_steps ({}); set it on the accelerator \
                  (AcceleratorBuilder::gradient_accumulation_steps) and leave burn-train's unset",
-                acc.config().gradient_accumulation_steps
+                acc.config().accumulation.gradient_accumulation_steps
             )));
         }
         let model = acc.prepare_model(learner.model())?;
@@ -268,7 +274,7 @@ impl AcceleratedStrategy {
     ) -> bool {
         let acc = &self.accelerator;
         let main = acc.is_main_process();
-        let precision = acc.config().mixed_precision;
+        let precision = acc.config().precision.mixed_precision;
         let pipeline = acc.pipeline();
         super::loader::reset_prepared_flag();
         let mut iterator = loader.iter();
@@ -430,7 +436,7 @@ impl AcceleratedStrategy {
         interrupter: &Interrupter,
         between_batches: impl Fn() -> Result<()>,
     ) {
-        let precision = self.accelerator.config().mixed_precision;
+        let precision = self.accelerator.config().precision.mixed_precision;
         let model = learner.model().valid();
         let mut iterator = loader.iter();
         let mut iteration = 0;

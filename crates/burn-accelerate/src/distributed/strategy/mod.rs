@@ -165,7 +165,7 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
 }
 
 /// The strategy of `group`'s rank under `config`: [`SingleDevice`] for one rank; for several, [`Sharded`] when
-/// `config.sharding` asks for it, else [`DataParallel`] over the gradient transport [`transport::select`]
+/// `config.distributed.sharding` asks for it, else [`DataParallel`] over the gradient transport [`transport::select`]
 /// picks; with buckets of at most `config.bucket_size_mb`. The main process logs the transport and why.
 ///
 /// # Errors
@@ -174,26 +174,31 @@ pub(crate) fn for_group(
     group: &Arc<ProcessGroup>,
     config: &AcceleratorConfig,
 ) -> Result<Arc<dyn Strategy>> {
-    let bucket_bytes = (config.bucket_size_mb * 1024.0 * 1024.0) as usize;
+    let bucket_bytes = (config.distributed.bucket_size_mb * 1024.0 * 1024.0) as usize;
     let world = group.num_processes();
-    if world > 1 && config.sharding.is_sharded() {
-        if config.gradient_transport == GradientTransport::Device {
+    if world > 1 && config.distributed.sharding.is_sharded() {
+        if config.distributed.gradient_transport == GradientTransport::Device {
             transport::choose(
                 GradientTransport::Device,
                 &transport::facts_for(group, true),
             )?;
         }
-        if config.sharding.is_hybrid() {
+        if config.distributed.sharding.is_hybrid() {
             let shard_size = config
+                .distributed
                 .dp_shard_size
                 .unwrap_or_else(|| group.local_world_size());
-            let strategy =
-                Sharded::hybrid(group.clone(), shard_size, config.sharding, bucket_bytes)?;
+            let strategy = Sharded::hybrid(
+                group.clone(),
+                shard_size,
+                config.distributed.sharding,
+                bucket_bytes,
+            )?;
             return Ok(Arc::new(strategy));
         }
         return Ok(Arc::new(Sharded::new(
             group.clone(),
-            config.sharding,
+            config.distributed.sharding,
             bucket_bytes,
         )));
     }
@@ -202,7 +207,7 @@ pub(crate) fn for_group(
     }
     let (transport, choice) = transport::select(
         group,
-        config.gradient_transport,
+        config.distributed.gradient_transport,
         config.collective_timeout(),
     )?;
     if group.is_main_process() {

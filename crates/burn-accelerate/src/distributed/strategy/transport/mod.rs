@@ -251,7 +251,7 @@ pub fn describe(config: &AcceleratorConfig) -> String {
         vars.local_world_size.unwrap_or(world)
     };
     let request = crate::backend::DeviceRequest {
-        cpu: config.cpu,
+        cpu: config.device.cpu,
         ..Default::default()
     };
     let backend = match crate::backend::select_device(&request, 0) {
@@ -263,14 +263,14 @@ pub fn describe(config: &AcceleratorConfig) -> String {
         world,
         local_world,
         in_process,
-        config.sharding.is_sharded(),
+        config.distributed.sharding.is_sharded(),
     );
     let ranks = if in_process {
         format!("{world} in-process ranks")
     } else {
         format!("{world} processes, {local_world} on this machine")
     };
-    match choose(config.gradient_transport, &facts) {
+    match choose(config.distributed.gradient_transport, &facts) {
         Ok(choice) => format!("{choice}, for {ranks}"),
         Err(e) => format!("refused: {e}"),
     }

@@ -1,0 +1,165 @@
+//! The groups of an [`AcceleratorConfig`](super::AcceleratorConfig), one per concern: the device, precision,
+//! gradient accumulation, data, schedulers, distribution, memory and recovery. Each field keeps the name
+//! Accelerate's settings and [`Key`](super::Key) give it.
+
+use serde::{Deserialize, Serialize};
+
+use super::{GradientTransport, LossNormalization, SchedulerRule, ShardingStrategy};
+use crate::precision::{LossScaler, MixedPrecision};
+
+/// Where the accelerator computes and what it moves there.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DeviceSettings {
+    /// Force a CPU backend (default `false`; `ACCELERATE_USE_CPU`).
+    pub cpu: bool,
+    /// Place models and batches on the accelerator's device (default `true`).
+    pub device_placement: bool,
+}
+
+impl Default for DeviceSettings {
+    fn default() -> Self {
+        Self {
+            cpu: false,
+            device_placement: true,
+        }
+    }
+}
+
+/// The precision of the forward pass and fp16's loss scaling.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PrecisionSettings {
+    /// Precision of the forward pass (default `no`; `ACCELERATE_MIXED_PRECISION`).
+    pub mixed_precision: MixedPrecision,
+    /// Loss scaling for fp16 (torch's GradScaler defaults).
+    pub loss_scaler: LossScaler,
+}
+
+/// Gradient accumulation, as Accelerate's `GradientAccumulationPlugin`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AccumulationSettings {
+    /// Micro-batches per optimizer step (default 1; `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
+    pub gradient_accumulation_steps: usize,
+    /// All-reduce gradients after every micro-batch instead of only on sync steps (default `false`).
+    pub sync_each_batch: bool,
+    /// How accumulated gradients are normalised (default: by the micro-batches actually accumulated).
+    pub loss_normalization: LossNormalization,
+}
+
+impl Default for AccumulationSettings {
+    fn default() -> Self {
+        Self {
+            gradient_accumulation_steps: 1,
+            sync_each_batch: false,
+            loss_normalization: LossNormalization::ActualMicroBatches,
+        }
+    }
+}
+
+/// How prepared dataloaders deal batches to the ranks, as Accelerate's `DataLoaderConfiguration`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DataSettings {
+    /// Split each batch between ranks instead of giving each rank its own batch (default `false`).
+    pub split_batches: bool,
+    /// Complete the last round of a prepared dataloader by cycling samples from the start of the epoch, so every
+    /// rank gets the same number of full batches (default `true`).
+    pub even_batches: bool,
+}
+
+impl Default for DataSettings {
+    fn default() -> Self {
+        Self {
+            split_batches: false,
+            even_batches: true,
+        }
+    }
+}
+
+/// How prepared schedulers (and the Learner's) advance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerSettings {
+    /// Advance prepared schedulers with the optimizer, Accelerate's rule (default `true`).
+    pub step_scheduler_with_optimizer: bool,
+    /// How many times a prepared scheduler (and the Learner's) advances per optimizer step (default: once).
+    pub scheduler_rule: SchedulerRule,
+}
+
+impl Default for SchedulerSettings {
+    fn default() -> Self {
+        Self {
+            step_scheduler_with_optimizer: true,
+            scheduler_rule: SchedulerRule::OncePerOptimizerStep,
+        }
+    }
+}
+
+/// How the ranks share the training state and talk to each other.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DistributedSettings {
+    /// How much of the training state each rank holds (default [`ShardingStrategy::NoShard`]; the config file's
+    /// `distributed_type: FSDP` and `fsdp_config.fsdp_sharding_strategy`, `ACCELERATE_USE_FSDP` with
+    /// `FSDP_SHARDING_STRATEGY`).
+    pub sharding: ShardingStrategy,
+    /// Ranks in each shard group of a hybrid strategy (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`): the state is
+    /// sharded within groups of this many consecutive ranks and replicated across the groups (Accelerate's
+    /// `ParallelismConfig.dp_shard_size`; `PARALLELISM_CONFIG_DP_SHARD_SIZE`). Default: the processes on one
+    /// machine.
+    pub dp_shard_size: Option<usize>,
+    /// Size of one gradient all-reduce bucket in MiB (default 25).
+    pub bucket_size_mb: f64,
+    /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
+    /// `ACCELERATE_GRADIENT_TRANSPORT`).
+    pub gradient_transport: GradientTransport,
+    /// Seconds a collective waits for the other ranks before failing (default 300;
+    /// `ACCELERATE_COLLECTIVE_TIMEOUT`).
+    pub collective_timeout_secs: f64,
+    /// Check operations and shapes across ranks before every collective (default `false`;
+    /// `ACCELERATE_DEBUG_MODE`).
+    pub debug: bool,
+}
+
+impl Default for DistributedSettings {
+    fn default() -> Self {
+        Self {
+            sharding: ShardingStrategy::NoShard,
+            dp_shard_size: None,
+            bucket_size_mb: 25.0,
+            gradient_transport: GradientTransport::Auto,
+            collective_timeout_secs: 300.0,
+            debug: false,
+        }
+    }
+}
+
+/// What backward recomputes instead of keeping.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MemorySettings {
+    /// Recompute each block's forward pass during backward instead of keeping its activations, in
+    /// [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks) (default `false`; the config file's
+    /// `fsdp_config.fsdp_activation_checkpointing`, `FSDP_ACTIVATION_CHECKPOINTING`, as Accelerate names it).
+    /// Block-wise `FULL_SHARD` recomputes its blocks whatever this says.
+    pub activation_checkpointing: bool,
+    /// Burn's own gradient checkpointing on the accelerator's autodiff device (its `Balanced` strategy:
+    /// element-wise operations are recomputed in backward instead of kept; default `false`;
+    /// `ACCELERATE_AUTODIFF_CHECKPOINTING`).
+    pub autodiff_checkpointing: bool,
+}
+
+/// Continuing after an interruption.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RecoverySettings {
+    /// Continue from the latest automatic checkpoint when [`Accelerator::resume`](crate::Accelerator::resume)
+    /// is called (default `false`; `ACCELERATE_RESUME_FROM_LATEST`). A restarted job resumes whatever this says.
+    pub resume_from_latest: bool,
+    /// How many times a launcher has restarted this job after a failure (0 on the first run): set by
+    /// `burn-accelerate launch --max-restarts` (`ACCELERATE_RESTART_COUNT`) or torchrun
+    /// (`TORCHELASTIC_RESTART_COUNT`); a run with a count above 0 resumes from its latest checkpoint.
+    pub restart_count: usize,
+}
