@@ -3,6 +3,11 @@
 //! developer's shell reaches the code under test, and `HF_HOME` names an empty folder of this process, so a
 //! developer's own Accelerate config file (`~/.cache/huggingface/accelerate/default_config.yaml`) is never read.
 //! Tests that need a setting give it to the accelerator's builder or to the child process they start.
+//!
+//! Each test process also writes in a folder of its own: `TMPDIR` names it for the process and every child it
+//! starts (examples, `mpirun` and its ranks, the CLI), so `std::env::temp_dir()` is that folder, and it is removed
+//! when the process exits, whatever the tests left in it. Set `BURN_ACCELERATE_KEEP_TEST_FILES=1` to keep it
+//! (its path is `bat-<pid>` in the system's temporary folder).
 
 /// Variables removed by name prefix.
 const PREFIXES: [&str; 9] = [
@@ -33,6 +38,19 @@ const NAMES: [&str; 12] = [
     "XDG_CACHE_HOME",
 ];
 
+/// The variable that keeps each test process's folder after it exits.
+const KEEP_VAR: &str = "BURN_ACCELERATE_KEEP_TEST_FILES";
+
+/// This process's folder, removed at exit.
+static SCRATCH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+#[cfg(unix)]
+extern "C" fn remove_scratch() {
+    if let Some(dir) = SCRATCH.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 #[ctor::ctor(unsafe)]
 fn isolate_from_the_developers_environment() {
     let remove: Vec<std::ffi::OsString> = std::env::vars_os()
@@ -42,11 +60,9 @@ fn isolate_from_the_developers_environment() {
             PREFIXES.iter().any(|p| key.starts_with(p)) || NAMES.contains(&key.as_ref())
         })
         .collect();
-    let hf_home = std::env::temp_dir().join(format!(
-        "burn-accelerate-test-hf-home-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&hf_home);
+    let scratch = std::env::temp_dir().join(format!("bat-{}", std::process::id()));
+    let hf_home = scratch.join("hf-home");
+    let _ = std::fs::remove_dir_all(&scratch);
     let _ = std::fs::create_dir_all(&hf_home);
     // SAFETY: this runs before `main`, while the process has a single thread.
     unsafe {
@@ -54,5 +70,16 @@ fn isolate_from_the_developers_environment() {
             std::env::remove_var(key);
         }
         std::env::set_var("HF_HOME", &hf_home);
+        std::env::set_var("TMPDIR", &scratch);
     }
+    let keep = std::env::var_os(KEEP_VAR).is_some_and(|v| !v.is_empty() && v != "0");
+    #[cfg(unix)]
+    if !keep && SCRATCH.set(scratch).is_ok() {
+        // SAFETY: `remove_scratch` is an `extern "C" fn()` that does not unwind.
+        unsafe {
+            libc::atexit(remove_scratch);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = keep;
 }
