@@ -165,8 +165,9 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
 }
 
 /// The strategy of `group`'s rank under `config`: [`SingleDevice`] for one rank; for several, [`Sharded`] when
-/// `config.distributed.sharding` asks for it, else [`DataParallel`] over the gradient transport [`transport::select`]
-/// picks; with buckets of at most `config.bucket_size_mb`. The main process logs the transport and why.
+/// `config.distributed.sharding` asks for it, else [`DataParallel`] over the gradient transport
+/// [`transport::select`] picks; with buckets of at most `config.distributed.bucket_size_mb`. The main process logs
+/// the transport and why.
 ///
 /// # Errors
 /// `gradient_transport = device` where the device path is not available.
