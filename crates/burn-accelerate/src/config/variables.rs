@@ -122,11 +122,12 @@ fn read_from(
             config.set_source(variable.key, Source::Env(variable.name.to_string()));
         }
     }
-    if let Some(name) = RESTART_COUNT_VARS
+    // The first restart-count variable set wins.
+    let restart = RESTART_COUNT_VARS
         .iter()
-        .find(|name| lookup(name).is_some())
-    {
-        config.recovery.restart_count = parse(name, &lookup(name).unwrap_or_default(), COUNT)?;
+        .find_map(|name| lookup(name).map(|text| (*name, text)));
+    if let Some((name, text)) = restart {
+        config.recovery.restart_count = parse(name, &text, COUNT)?;
         config.set_source(Key::RestartCount, Source::Env(name.to_string()));
     }
     if let Some(sharding) = sharding(lookup)? {
