@@ -33,7 +33,7 @@ use crate::distributed::strategy::{
 };
 use crate::error::{Error, Result};
 pub(crate) use crate::grad::window::StepOutcome;
-use crate::grad::window::{BackwardPlan, SharedStep};
+use crate::grad::window::{BackwardPlan, SharedStep, model_key};
 use crate::grad::{
     GradSource, GradientBuffer, NormType, ShardNorms, clip_grad_norm, has_non_finite, param_ids,
 };
@@ -161,7 +161,7 @@ impl StepPipeline {
             && self.precision().loss_scale().is_none();
         if passthrough {
             let mut core = self.shared.lock();
-            core.state.record_backward(false);
+            core.state.record_backward(None, false);
             return Ok(core.state.take_verdict().with(grads));
         }
         let model = model();
@@ -216,7 +216,9 @@ impl StepPipeline {
         let mut core = self.shared.lock();
         let before = core.grads.len();
         core.grads.collect(model, grads);
-        if before == 0 && core.grads.is_empty() {
+        // On several ranks, a rank whose part of the batch reached none of the parameters (data-dependent routing)
+        // takes part in the reduction with zeros: an error here would leave its peers waiting in the collective.
+        if before == 0 && core.grads.is_empty() && !self.strategy.is_distributed() {
             return Err(Error::InvalidArgument(
                 "backward: none of the model's parameters received a gradient; pass the model the loss was \
                  computed with"
@@ -238,7 +240,9 @@ impl StepPipeline {
     ) -> Result<()> {
         let sync_each_batch =
             self.sync_each_batch && self.strategy.is_distributed() && reduced == Reduced::No;
-        let plan = core.state.record_backward(sync_each_batch);
+        let plan = core
+            .state
+            .record_backward(model_key(model), sync_each_batch);
         let micro_batches = match plan {
             BackwardPlan::Local => return Ok(()),
             BackwardPlan::SyncOnly => return self.average(&mut core.grads, model, 1.0),
@@ -248,7 +252,10 @@ impl StepPipeline {
         let scale = precision.unscaled(self.normalisation(micro_batches));
         match reduced {
             Reduced::No => self.average(&mut core.grads, model, scale)?,
-            Reduced::Unscaled if scale != 1.0 => core.grads.scale_all(scale),
+            // Only this model's gradients: another model's window goes on (a GAN's other half).
+            Reduced::Unscaled if scale != 1.0 => core
+                .grads
+                .map_flat(&param_ids(model), |g| g.mul_scalar(scale)),
             Reduced::Unscaled | Reduced::Scaled => {}
         }
         if precision.loss_scale().is_some() {
@@ -269,12 +276,13 @@ impl StepPipeline {
         }
     }
 
+    /// Averages the gradients of `model`'s trainable parameters across ranks, times `scale`; the gradients of
+    /// other models (a GAN's other half, inside its own window) are left as they are.
     fn average<M: Module>(&self, grads: &mut GradientBuffer, model: &M, scale: f32) -> Result<()> {
-        let params = if self.strategy.is_distributed() {
-            trainable_params(model)
-        } else {
-            Vec::new()
-        };
+        let params = trainable_params(model);
+        if self.strategy.is_distributed() {
+            grads.hold_one_of(model, &params);
+        }
         self.strategy.reduce_gradients(grads, &params, scale)
     }
 }

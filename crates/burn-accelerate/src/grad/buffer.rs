@@ -182,6 +182,36 @@ impl GradientBuffer {
         }
     }
 
+    /// Makes sure this buffer holds a gradient of at least one of `params` (a zero gradient of the first one,
+    /// found in `module`, when it holds none), so that a rank whose part of the batch gave none of them a gradient
+    /// still makes the same collective calls as every other rank, with zeros of the right device and dtype.
+    pub(crate) fn hold_one_of<M: Module>(&mut self, module: &M, params: &[(ParamId, usize)]) {
+        let Some((first, _)) = params.first() else {
+            return;
+        };
+        if self
+            .device_and_dtype(params.iter().map(|(id, _)| *id))
+            .is_some()
+        {
+            return;
+        }
+        struct Zeros<'a> {
+            id: ParamId,
+            buffer: &'a mut GradientBuffer,
+        }
+        impl ModuleVisitor for Zeros<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if param.id == self.id && !self.buffer.tensor_ranks.contains_key(&param.id) {
+                    self.buffer.add(param.id, param.val().detach().zeros_like());
+                }
+            }
+        }
+        module.visit(&mut Zeros {
+            id: *first,
+            buffer: self,
+        });
+    }
+
     /// Adds every gradient of `other` to this buffer's (gradients another pass produced, already reduced).
     pub(crate) fn absorb(&mut self, mut other: GradientBuffer) {
         for id in other.ids() {
@@ -262,12 +292,6 @@ impl GradientBuffer {
             },
         };
         self.flat.insert(id, (shape, flat));
-    }
-
-    /// Multiplies every stored gradient by `factor`.
-    pub(crate) fn scale_all(&mut self, factor: f32) {
-        let ids = self.ids();
-        self.map_flat(&ids, |g| g.mul_scalar(factor));
     }
 
     /// Removes the gradients of `module`'s parameters and returns them in Burn's optimizer format. When every

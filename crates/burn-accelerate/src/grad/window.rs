@@ -11,9 +11,42 @@
 //! `last_step_skipped` the one record of whether the latest optimizer step was skipped, read by the optimizer,
 //! the scheduler and the accelerator alike.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use burn::module::ParamId;
+
 use super::GradientBuffer;
+
+/// Which model a `backward` was for: the id of its first parameter (two models never share one), or `None` for a
+/// model without parameters. Each model's accumulation window is counted on its own, as Accelerate divides each
+/// loss by the number of accumulation steps whichever model it trains.
+pub(crate) type ModelKey = Option<ParamId>;
+
+/// The [`ModelKey`] of `model`.
+pub(crate) fn model_key<M: burn::module::Module>(model: &M) -> ModelKey {
+    struct First(Option<ParamId>);
+    impl burn::module::ModuleVisitor for First {
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::tensor::Tensor<D>>,
+        ) {
+            self.0.get_or_insert(param.id);
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0
+}
+
+/// The micro-batches one model's `backward` calls fell in since its gradients were last synchronised.
+#[derive(Debug, Clone, Copy, Default)]
+struct ModelWindow {
+    /// The micro-batch (see [`StepState::micro_batch`]) of the model's latest `backward`.
+    last_micro_batch: Option<u64>,
+    /// Distinct micro-batches with a `backward` of this model.
+    micro_batches: usize,
+}
 
 /// A snapshot of the gradient-synchronisation state of the current step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,8 +100,10 @@ pub(crate) struct StepState {
     num_steps: usize,
     /// Micro-batches counted by `begin_micro_batch` since the last sync (Accelerate's `step`).
     counted: usize,
-    /// `backward` calls since gradients were last synchronised.
-    backward_calls: usize,
+    /// The serial number of the current micro-batch (every `begin_micro_batch` advances it).
+    micro_batch: u64,
+    /// Each model's window: the micro-batches its `backward` calls fell in since its last sync.
+    windows: HashMap<ModelKey, ModelWindow>,
     sync_gradients: bool,
     end_of_dataloader: bool,
     remainder: Option<usize>,
@@ -85,7 +120,8 @@ impl StepState {
         Self {
             num_steps,
             counted: 0,
-            backward_calls: 0,
+            micro_batch: 0,
+            windows: HashMap::new(),
             sync_gradients: true,
             end_of_dataloader: false,
             remainder: None,
@@ -99,6 +135,7 @@ impl StepState {
     /// `num_steps` micro-batches and on the last batch of a dataloader. Returns that decision.
     pub fn begin_micro_batch(&mut self) -> bool {
         self.micro_batches_begun = true;
+        self.micro_batch += 1;
         if self.end_of_dataloader {
             self.counted = 0;
             self.sync_gradients = true;
@@ -112,7 +149,7 @@ impl StepState {
     /// Forgets the current accumulation window (after `free_memory`, before a retry with another batch size).
     pub fn reset_window(&mut self) {
         self.counted = 0;
-        self.backward_calls = 0;
+        self.windows.clear();
         self.sync_gradients = true;
         self.overflow = false;
     }
@@ -134,11 +171,20 @@ impl StepState {
         self.remainder = remainder;
     }
 
-    /// A `backward` added gradients; `sync_each_batch`: average across ranks even inside the window.
-    pub fn record_backward(&mut self, sync_each_batch: bool) -> BackwardPlan {
-        self.backward_calls += 1;
+    /// A `backward` of `model` added gradients; `sync_each_batch`: average across ranks even inside the window.
+    ///
+    /// Each model's window is its own: on a sync micro-batch, the `backward` of each model ends that model's
+    /// window, normalised by the micro-batches in which that model had a `backward` (two losses of one model in
+    /// one micro-batch count once, as Accelerate divides each of them by the accumulation steps).
+    pub fn record_backward(&mut self, model: ModelKey, sync_each_batch: bool) -> BackwardPlan {
+        let micro_batch = self.micro_batch;
+        let window = self.windows.entry(model).or_default();
+        if window.last_micro_batch != Some(micro_batch) {
+            window.last_micro_batch = Some(micro_batch);
+            window.micro_batches += 1;
+        }
         if self.sync_gradients {
-            let micro_batches = std::mem::take(&mut self.backward_calls);
+            let micro_batches = self.windows.remove(&model).map_or(1, |w| w.micro_batches);
             BackwardPlan::EndWindow { micro_batches }
         } else if sync_each_batch {
             BackwardPlan::SyncOnly
@@ -147,10 +193,10 @@ impl StepState {
         }
     }
 
-    /// Whether the next `backward` is alone in its window and ends it (no accumulation in progress): its
-    /// gradients are then the window's, and may be scaled as they are reduced.
-    pub fn next_backward_is_whole_window(&self) -> bool {
-        self.sync_gradients && self.backward_calls == 0
+    /// Whether the next `backward` of `model` is alone in its window and ends it (no accumulation in progress):
+    /// its gradients are then the window's, and may be scaled as they are reduced.
+    pub fn next_backward_is_whole_window(&self, model: ModelKey) -> bool {
+        self.sync_gradients && !self.windows.contains_key(&model)
     }
 
     /// The overflow check of the window's end: `true` makes every optimizer skip this step.
@@ -296,7 +342,7 @@ mod tests {
         for batch in 0..5 {
             s.batch_yielded(batch == 4);
             decisions.push(s.begin_micro_batch());
-            let plan = s.record_backward(false);
+            let plan = s.record_backward(None, false);
             assert_eq!(
                 matches!(plan, BackwardPlan::EndWindow { .. }),
                 decisions[batch]
@@ -310,14 +356,47 @@ mod tests {
     fn end_window_counts_the_backward_calls_it_had() {
         let mut s = StepState::new(4);
         s.begin_micro_batch();
-        assert_eq!(s.record_backward(false), BackwardPlan::Local);
+        assert_eq!(s.record_backward(None, false), BackwardPlan::Local);
         s.begin_micro_batch();
-        assert_eq!(s.record_backward(true), BackwardPlan::SyncOnly);
+        assert_eq!(s.record_backward(None, true), BackwardPlan::SyncOnly);
         s.batch_yielded(true);
         s.begin_micro_batch();
         assert_eq!(
-            s.record_backward(false),
+            s.record_backward(None, false),
             BackwardPlan::EndWindow { micro_batches: 3 }
+        );
+    }
+
+    #[test]
+    fn each_model_counts_its_own_window() {
+        // Two models alternating (a GAN's discriminator and generator), two micro-batches per step: each model's
+        // window holds its own two micro-batches, whatever the other did.
+        let (a, b) = (Some(ParamId::new()), Some(ParamId::new()));
+        let mut s = StepState::new(2);
+        for _ in 0..2 {
+            s.begin_micro_batch();
+            assert_eq!(s.record_backward(a, false), BackwardPlan::Local);
+            assert_eq!(s.record_backward(b, false), BackwardPlan::Local);
+            s.begin_micro_batch();
+            assert!(s.next_backward_is_whole_window(None));
+            assert!(!s.next_backward_is_whole_window(a));
+            assert_eq!(
+                s.record_backward(a, false),
+                BackwardPlan::EndWindow { micro_batches: 2 }
+            );
+            assert_eq!(
+                s.record_backward(b, false),
+                BackwardPlan::EndWindow { micro_batches: 2 }
+            );
+        }
+        // Two losses of one model in one micro-batch count once, as Accelerate divides each by the steps.
+        s.begin_micro_batch();
+        s.record_backward(a, false);
+        s.record_backward(a, false);
+        s.begin_micro_batch();
+        assert_eq!(
+            s.record_backward(a, false),
+            BackwardPlan::EndWindow { micro_batches: 2 }
         );
     }
 

@@ -28,6 +28,7 @@ use burn::tensor::{Distribution, Tensor};
 use super::{Reduced, StepPipeline};
 use crate::distributed::strategy::{trainable_params, unshard, unshard_except};
 use crate::error::{Error, Result};
+use crate::grad::window::model_key;
 use crate::grad::{GradientBuffer, param_ids};
 
 /// A model whose forward pass runs through a sequence of blocks of one type — a transformer's layers — so that
@@ -111,7 +112,12 @@ impl StepPipeline {
         let rest = unshard_except(strategy, model, &blocks)?;
         let mut sink = if !sharded {
             Sink::Local(GradientBuffer::new())
-        } else if self.shared.lock().state.next_backward_is_whole_window() {
+        } else if self
+            .shared
+            .lock()
+            .state
+            .next_backward_is_whole_window(model_key(model))
+        {
             // A pass that is its window (no accumulation) reduces with the window's normalisation and unscaling,
             // as `backward` does: the same bits.
             Sink::ReducedPerPart {
@@ -194,7 +200,12 @@ impl StepPipeline {
             let mut part = GradientBuffer::new();
             part.collect(&whole, &mut grads);
             drop(grads);
-            self.add_part(&mut sink, part, &trainable_params(&whole))?;
+            let params = trainable_params(&whole);
+            if matches!(sink, Sink::ReducedPerPart { .. }) {
+                // Every rank reduces every block, whether or not its part of the batch reached it.
+                part.hold_one_of(&whole, &params);
+            }
+            self.add_part(&mut sink, part, &params)?;
         }
         seeds.after_pass(&device);
 
@@ -207,6 +218,9 @@ impl StepPipeline {
             .into_iter()
             .filter(|(id, _)| !blocks.contains(id))
             .collect();
+        if matches!(sink, Sink::ReducedPerPart { .. }) {
+            rest_grads.hold_one_of(&rest, &rest_params);
+        }
         self.add_part(&mut sink, rest_grads, &rest_params)?;
         drop(rest);
 

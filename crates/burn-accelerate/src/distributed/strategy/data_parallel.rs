@@ -32,11 +32,12 @@ impl Strategy for SingleDevice {
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
-        _: &[(ParamId, usize)],
+        params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
         if scale != 1.0 {
-            grads.scale_all(scale);
+            let ids: Vec<ParamId> = params.iter().map(|(id, _)| *id).collect();
+            grads.map_flat(&ids, |g| g.mul_scalar(scale));
         }
         Ok(())
     }

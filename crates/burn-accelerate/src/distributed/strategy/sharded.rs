@@ -75,6 +75,9 @@ pub(crate) struct Sharded {
     mode: ShardingStrategy,
     bucket_elems: usize,
     known: Mutex<HashMap<ParamId, Known>>,
+    /// The owners given to trainable parameters first met after `prepare_model` (a layer frozen then and unfrozen
+    /// since, or replaced), before their shape and placement are learnt from the model ([`Self::adopt`]).
+    adopted: Mutex<HashMap<ParamId, usize>>,
 }
 
 impl Sharded {
@@ -87,6 +90,7 @@ impl Sharded {
             mode,
             bucket_elems: (bucket_bytes / 4).max(1),
             known: Mutex::new(HashMap::new()),
+            adopted: Mutex::new(HashMap::new()),
         }
     }
 
@@ -122,6 +126,7 @@ impl Sharded {
             mode,
             bucket_elems: (bucket_bytes / 4).max(1),
             known: Mutex::new(HashMap::new()),
+            adopted: Mutex::new(HashMap::new()),
         })
     }
 
@@ -160,17 +165,60 @@ impl Sharded {
         self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The owner of each of `params`: the remembered owners when every one was seen at `prepare_model`, else
-    /// balanced over these parameters.
+    fn adopted(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, usize>> {
+        self.adopted.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The owner of each of `params`: the one remembered for it. A parameter met for the first time (frozen at
+    /// `prepare_model` and unfrozen since, or replaced) gets an owner of its own, balanced over the new ones
+    /// alone, so that no known parameter changes hands (its optimizer state stays where it is). Every rank meets
+    /// the same parameters in the same calls, so every rank gives the same owners.
     fn owners(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
         let known = self.known();
-        match params
+        let mut adopted = self.adopted();
+        let new: Vec<(ParamId, usize)> = params
             .iter()
-            .map(|(id, _)| known.get(id).map(|k| k.owner))
-            .collect::<Option<Vec<_>>>()
-        {
-            Some(owners) => owners,
-            None => balanced_owners(params, self.world()),
+            .filter(|(id, _)| !known.contains_key(id) && !adopted.contains_key(id))
+            .copied()
+            .collect();
+        if !new.is_empty() {
+            log::debug!(
+                "sharded: {} parameter(s) first met after prepare_model get owners of their own",
+                new.len()
+            );
+            for ((id, _), owner) in new.iter().zip(balanced_owners(&new, self.world())) {
+                adopted.insert(*id, owner);
+            }
+        }
+        params
+            .iter()
+            .map(|(id, _)| known.get(id).map_or_else(|| adopted[id], |k| k.owner))
+            .collect()
+    }
+
+    /// Learns the shape and placement of every trainable parameter of `params` met after `prepare_model` while it
+    /// is still whole on every rank, so that it can be dropped and gathered again as the others are.
+    fn adopt(&self, params: &ParamTable) {
+        let whole = self.whole_params(params);
+        let owners = self.owners(&whole);
+        let mut known = self.known();
+        let mut adopted = self.adopted();
+        for ((id, _), owner) in whole.iter().zip(owners) {
+            if known.contains_key(id) {
+                continue;
+            }
+            if let Some(entry) = params.get(*id).filter(|e| !e.is_placeholder()) {
+                adopted.remove(id);
+                known.insert(
+                    *id,
+                    Known {
+                        owner,
+                        dims: entry.dims.clone(),
+                        device: entry.device.clone(),
+                        dtype: entry.dtype,
+                    },
+                );
+            }
         }
     }
 
@@ -490,6 +538,7 @@ impl Strategy for Sharded {
     }
 
     fn unshard(&self, params: &mut ParamTable, kept: &HashSet<ParamId>) -> Result<()> {
+        self.adopt(params);
         if self.mode.reshards_parameters() {
             gather(self, params, kept)?;
         }
@@ -497,6 +546,7 @@ impl Strategy for Sharded {
     }
 
     fn after_step(&self, params: &mut ParamTable) -> Result<()> {
+        self.adopt(params);
         if self.mode.reshards_parameters() {
             self.reshard(params);
             Ok(())
@@ -506,6 +556,7 @@ impl Strategy for Sharded {
     }
 
     fn fetcher(&self, params: &ParamTable) -> Option<ParamFetcher> {
+        self.adopt(params);
         fetch::fetcher(self, params)
     }
 
@@ -518,9 +569,11 @@ impl Strategy for Sharded {
     }
 
     fn owns(&self, id: ParamId) -> bool {
-        self.known()
-            .get(&id)
-            .is_none_or(|known| known.owner == self.shard_rank())
+        let owner = match self.known().get(&id) {
+            Some(known) => Some(known.owner),
+            None => self.adopted().get(&id).copied(),
+        };
+        owner.is_none_or(|owner| owner == self.shard_rank())
     }
 
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
@@ -530,6 +583,13 @@ impl Strategy for Sharded {
             .filter_map(|(old, new)| known.remove(old).map(|k| (*new, k)))
             .collect();
         known.extend(moved);
+        drop(known);
+        let mut adopted = self.adopted();
+        let moved: Vec<(ParamId, usize)> = renamed
+            .iter()
+            .filter_map(|(old, new)| adopted.remove(old).map(|owner| (*new, owner)))
+            .collect();
+        adopted.extend(moved);
     }
 
     fn any_rank(&self, local: bool) -> Result<bool> {
