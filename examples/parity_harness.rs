@@ -48,7 +48,8 @@ use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::{
-    Accelerator, AcceleratorBuilder, MixedPrecision, Result, ShardingStrategy, StateToSave,
+    Accelerator, AcceleratorBuilder, LossScaler, MixedPrecision, Result, ShardingStrategy,
+    StateToSave,
 };
 use clap::{Parser, ValueEnum};
 use mlp::{Mlp, Sample, SampleBatcher};
@@ -154,6 +155,13 @@ struct Report {
     clipped_steps: usize,
     skipped_steps: usize,
     loss_scale: Option<f64>,
+    /// fp16: the whole loss scaler (scale and growth tracker) when the state was saved, and right after a resume
+    /// loaded it: the two must be equal.
+    scaler_at_save: Option<LossScaler>,
+    scaler_at_resume: Option<LossScaler>,
+    /// Optimizer steps taken (and skipped) before the save.
+    steps_at_save: Option<usize>,
+    skipped_at_save: Option<usize>,
     mixed_precision: String,
     gradient_accumulation_steps: usize,
     resumed_at: Option<usize>,
@@ -254,6 +262,7 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
         state.optimizer(&mut optimizer)?;
         state.finish()?;
         report.resumed_at = Some(progress.lock().unwrap().step);
+        report.scaler_at_resume = acc.loss_scaler();
     }
     let total = train.len() * epochs;
     let mut micro = progress.lock().unwrap().step;
@@ -318,6 +327,9 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
                 if micro == args.save_at && !resuming {
                     let parts = StateToSave::new().model(&model)?.optimizer(&optimizer)?;
                     acc.save_state(Some(&checkpoint), &parts)?;
+                    report.scaler_at_save = acc.loss_scaler();
+                    report.steps_at_save = Some(report.steps);
+                    report.skipped_at_save = Some(report.skipped_steps);
                 }
                 if micro == args.kill_at && acc.process_index() == args.kill_rank && !resuming {
                     ranks::kill_self(args.kill_rank, &format!("after step {micro}"));

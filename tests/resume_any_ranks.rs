@@ -15,7 +15,9 @@ mod examples;
 #[path = "support/parity.rs"]
 mod parity;
 
-use parity::{bound, check_resumed, copy_dir, run_local, scratch, trained_ids};
+use parity::{
+    bound, check_resumed, check_scaler_resumed, copy_dir, run_local, scratch, trained_ids,
+};
 
 /// Saves after step 10 on N ranks and resumes on M for every N, M in 1..=4 under every strategy, with the
 /// harness `flags`; the resumed weights must be within the parity `case`'s bound of one process's.
@@ -51,6 +53,9 @@ fn resume_on_any_number_of_ranks(variant: &str, flags: &[&str], case: &str) {
                     &what,
                 );
                 worst = worst.max(diff);
+                if variant == "fp16" {
+                    check_scaler_resumed(&reference, (&saved, n), (&resumed, m), &what);
+                }
                 std::fs::remove_dir_all(&resumed).ok();
             }
         }

@@ -349,3 +349,47 @@ pub fn check_resumed(
     }
     worst
 }
+
+/// fp16: the loss scaler a resume on `m` ranks (under `resumed`) loaded is the one the `n` ranks that saved the
+/// state (under `saved`) had at the save, scale and growth tracker alike, and the scaler had left its initial
+/// state by then (so that a resume that lost it would show); the optimizer steps before the save and after the
+/// resume add up to those of one process straight through (under `reference`).
+pub fn check_scaler_resumed(
+    reference: &Path,
+    (saved, n): (&Path, usize),
+    (resumed, m): (&Path, usize),
+    what: &str,
+) {
+    let at_save = report(saved, "resume", 0)["scaler_at_save"].clone();
+    assert!(
+        at_save.is_object(),
+        "{what}: the saving run recorded no loss scaler: {at_save}"
+    );
+    assert!(
+        at_save["growth_tracker"].as_u64().unwrap_or(0) > 0 || at_save["scale"] != 65536.0,
+        "{what}: the scaler never left its initial state before the save, so a lost one would not show: {at_save}"
+    );
+    for rank in 1..n {
+        assert_eq!(
+            report(saved, "resume", rank)["scaler_at_save"],
+            at_save,
+            "{what}: saving rank {rank}"
+        );
+    }
+    let steps_before = report(saved, "resume", 0)["steps_at_save"]
+        .as_u64()
+        .unwrap();
+    let total = report(reference, "resume", 0)["steps"].as_u64().unwrap();
+    for rank in 0..m {
+        let report = report(resumed, "resume", rank);
+        assert_eq!(
+            report["scaler_at_resume"], at_save,
+            "{what}, rank {rank}: the resumed loss scaler differs from the saved one"
+        );
+        assert_eq!(
+            steps_before + report["steps"].as_u64().unwrap(),
+            total,
+            "{what}, rank {rank}: optimizer steps before the save and after the resume"
+        );
+    }
+}
