@@ -629,3 +629,78 @@ fn save_model_under_full_shard_writes_the_whole_model_tensor_by_tensor() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Dropout inside the blocks with activation checkpointing on several in-process ranks: each block's recompute
+/// draws the masks its forward pass drew, although the ranks share the process's random generator and each
+/// reseeds it before every block (a pause between the reseed and the draw lets the other ranks run there). A
+/// recompute with other masks would back-propagate through another function than the one the loss saw.
+#[test]
+fn dropout_masks_of_a_recompute_match_the_forward_pass_on_concurrent_ranks() {
+    use burn::tensor::Distribution;
+    const BLOCKS: usize = 4;
+    for (processes, sharding) in [
+        (3, ShardingStrategy::NoShard),
+        (3, ShardingStrategy::FullShard),
+    ] {
+        let setup = Setup {
+            checkpointing: true,
+            ..Setup::new(processes, sharding)
+        };
+        let masks = setup
+            .builder()
+            .launch(processes, |acc| {
+                let device = acc.device().clone();
+                let mut model = acc.prepare_model(model(BLOCKS, &device))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let rows = GLOBAL_BATCH / processes;
+                let mut drawn: Vec<Vec<Vec<f32>>> = Vec::new();
+                for step in 0..5 {
+                    let (x, y) = batch(
+                        step * GLOBAL_BATCH + acc.process_index() * rows,
+                        rows,
+                        &device,
+                    );
+                    let step_masks = std::sync::Mutex::new(Vec::new());
+                    acc.backward_blocks(
+                        &model,
+                        |m| m.input.forward(x.clone()).tanh(),
+                        |layer, h| {
+                            std::thread::sleep(std::time::Duration::from_millis(2));
+                            let mask: Tensor<2> = Tensor::random(
+                                h.shape(),
+                                Distribution::Bernoulli(0.5),
+                                &h.device(),
+                            );
+                            step_masks
+                                .lock()
+                                .unwrap()
+                                .push(mask.to_data().convert::<f32>().try_to_vec::<f32>().unwrap());
+                            layer.forward(h * mask * 2.0).tanh()
+                        },
+                        |m, h| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
+                    )?;
+                    model = optimizer.try_step(model)?;
+                    drawn.push(step_masks.into_inner().unwrap());
+                }
+                Ok(drawn)
+            })
+            .unwrap_or_else(|e| panic!("{sharding}: {e}"));
+        for (rank, steps) in masks.iter().enumerate() {
+            for (step, calls) in steps.iter().enumerate() {
+                // Forward: blocks 0..B; recompute: blocks B-1..0.
+                assert_eq!(
+                    calls.len(),
+                    2 * BLOCKS,
+                    "{sharding}: every block recomputed"
+                );
+                for block in 0..BLOCKS {
+                    assert_eq!(
+                        calls[block],
+                        calls[2 * BLOCKS - 1 - block],
+                        "{sharding}, rank {rank}, step {step}: block {block}'s recompute drew other dropout masks"
+                    );
+                }
+            }
+        }
+    }
+}

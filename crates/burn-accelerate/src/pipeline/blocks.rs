@@ -133,16 +133,22 @@ impl StepPipeline {
         };
 
         // Forward, without a graph: only the activations between blocks are kept.
-        let h0 = before(&rest);
+        let h0 = {
+            let _generator = generator();
+            before(&rest)
+        };
         let device = h0.device();
-        let seeds = BlockSeeds::draw(&device);
+        let seeds = BlockSeeds::draw(&device)?;
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
         for (i, b) in model.blocks().iter().enumerate() {
             let whole = unshard(strategy, b)?.no_grad();
             let x = boundaries[i].clone();
-            seeds.before_block(&device, i);
-            let y = block(&whole, x).detach();
+            let y = {
+                let _generator = generator();
+                seeds.before_block(&device, i);
+                block(&whole, x).detach()
+            };
             drop(whole);
             boundaries.push(y);
         }
@@ -152,7 +158,10 @@ impl StepPipeline {
             .pop()
             .expect("the first activation is always there")
             .require_grad();
-        let loss = after(&rest, top.clone());
+        let loss = {
+            let _generator = generator();
+            after(&rest, top.clone())
+        };
         if !loss.is_tracked() {
             return Err(Error::InvalidArgument(
                 "backward_blocks: the loss is not connected to any parameter that requires a gradient; prepare \
@@ -184,8 +193,11 @@ impl StepPipeline {
             } else {
                 input
             };
-            seeds.before_block(&device, i);
-            let y = block(&whole, x.clone());
+            let y = {
+                let _generator = generator();
+                seeds.before_block(&device, i);
+                block(&whole, x.clone())
+            };
             let mut grads = (y * upstream).sum().backward();
             upstream = if needs_input_grad {
                 x.grad_remove(&mut grads).ok_or_else(|| {
@@ -253,16 +265,44 @@ impl StepPipeline {
     }
 }
 
+/// Burn's random generators are process-wide (Flex keeps one behind a lock, not one per thread), so ranks of one
+/// process share them: another rank reseeding or drawing between this rank's reseed before a block and the
+/// block's draws would give a recompute other dropout masks than its forward pass. Each reseed and the user code
+/// that draws after it (`before`, each block, `after`) run under this lock, never around a collective (a rank
+/// waiting here never holds up a peer inside a collective).
+static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn generator() -> std::sync::MutexGuard<'static, ()> {
+    GENERATOR.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The seeds that make a block's recompute draw the same random numbers (dropout masks) as its forward pass.
 struct BlockSeeds(u64);
 
 impl BlockSeeds {
     /// A base seed drawn from the device's generator, so that runs stay reproducible from the user's seed.
-    fn draw(device: &burn::tensor::Device) -> Self {
+    ///
+    /// # Errors
+    /// The device's random numbers cannot be read back (never on Burn's backends).
+    fn draw(device: &burn::tensor::Device) -> Result<Self> {
+        let _generator = generator();
         let draw: Tensor<1> = Tensor::random([2], Distribution::Uniform(0.0, 1.0), device);
-        let values = draw.into_data().try_to_vec::<f32>().unwrap_or_default();
-        let bits = |i: usize| u64::from(values.get(i).copied().unwrap_or(0.0).to_bits());
-        Self((bits(0) << 32) | bits(1))
+        let values = draw
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| {
+                Error::other(format!("backward_blocks: reading the block seeds: {e:?}"))
+            })?;
+        let [a, b] = values[..] else {
+            return Err(Error::other(format!(
+                "backward_blocks: {} random values read back for the block seeds, not 2",
+                values.len()
+            )));
+        };
+        Ok(Self(
+            (u64::from(a.to_bits()) << 32) | u64::from(b.to_bits()),
+        ))
     }
 
     fn before_block(&self, device: &burn::tensor::Device, block: usize) {
@@ -271,6 +311,7 @@ impl BlockSeeds {
 
     /// The generator continues from a seed of its own after the pass.
     fn after_pass(&self, device: &burn::tensor::Device) {
+        let _generator = generator();
         device.seed(self.0.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15);
     }
 }
