@@ -32,6 +32,8 @@ impl Accelerator {
     /// recompute, so that dropout draws the same masks in both. Burn's generators are process-wide, so ranks of
     /// one process ([`launch`](crate::launch)) take turns to run `before`, each block and `after` (the reseed and
     /// the draws after it); the closures therefore must not call collectives (`gather`, `reduce`, ...) themselves.
+    /// Other threads of the process that draw random numbers at the same time (not ranks in `backward_blocks`)
+    /// are not ordered with them.
     ///
     /// ```
     /// use burn::module::Module;
