@@ -22,14 +22,16 @@ def main() -> int:
         name, kind, status, detail = step["step"], step["kind"], step["status"], step["detail"]
         if kind == "cpu" and status != "pass":
             problems.append(f"{name}: {status} ({detail}) {step['log_tail'][-400:]}")
-        if kind in ("gpu", "vulkan"):
+        if kind in ("gpu", "vulkan", "multi-gpu"):
             if status != "skip" or not detail.startswith("no GPU: "):
                 problems.append(f"{name}: expected 'no GPU: <reason>', got {status}: {detail}")
         if status == "fail":
             problems.append(f"{name} failed: {detail}")
     if report["seconds"] >= 120:
         problems.append(f"the rehearsal took {report['seconds']} s (at most 120)")
-    gpu_steps = sum(1 for s in report["steps"] if s["kind"] in ("gpu", "vulkan"))
+    gpu_steps = sum(1 for s in report["steps"] if s["kind"] in ("gpu", "vulkan", "multi-gpu"))
+    if report.get("verdict") != "pass":
+        problems.append(f"the report's verdict is {report.get('verdict')}")
     if gpu_steps < 10:
         problems.append(f"only {gpu_steps} GPU steps were reported")
     for problem in problems:

@@ -26,8 +26,9 @@ python="$(command -v python3 || command -v python || true)"
 say() { printf 'run: %s\n' "$*" >&2; }
 elapsed() { echo $(($(date +%s) - start)); }
 
-# One result line: step, status (pass, fail, skip), seconds, figures (key=value;...), detail, log file.
-# The step's kind (cpu, gpu, vulkan, derived) is $kind_now.
+# One result line: step, status (pass, fail, skip, or figure: a measurement with no threshold, neither a pass nor a
+# failure), seconds, figures (key=value;...), detail, log file. The step's kind (cpu, gpu, vulkan, multi-gpu: needs
+# more GPUs than one machine of the kind lent, derived) is $kind_now.
 kind_now=cpu
 record() {
   "$python" - "$results" "$kind_now" "$@" <<'PY'
@@ -56,11 +57,18 @@ try:
     manifest = open(manifest).read().strip()
 except OSError:
     manifest = "(no MANIFEST)"
-counts = {s: sum(1 for x in steps if x["status"] == s) for s in ("pass", "fail", "skip")}
-json.dump({"gpu": gpu, "seconds": int(seconds), "counts": counts, "manifest": manifest, "steps": steps},
-          open(f"{out}/gpu-report.json", "w"), indent=2)
+counts = {s: sum(1 for x in steps if x["status"] == s) for s in ("pass", "fail", "skip", "figure")}
+# On a machine with a GPU, a GPU step that did not run (the budget spent, a check skipped) is not a pass.
+on_gpu = not gpu.startswith("none")
+unrun = [x["step"] for x in steps if on_gpu and x["kind"] == "gpu" and x["status"] == "skip"]
+verdict = "fail" if counts["fail"] or unrun else "pass"
+json.dump({"gpu": gpu, "seconds": int(seconds), "counts": counts, "unrun_gpu_steps": unrun, "verdict": verdict,
+           "manifest": manifest, "steps": steps}, open(f"{out}/gpu-report.json", "w"), indent=2)
 lines = ["# GPU kit report", "", f"- GPU: {gpu}", f"- wall time: {seconds} s",
-         f"- steps: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped", "",
+         f"- steps: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped, "
+         f"{counts['figure']} measured (no threshold)",
+         f"- verdict: {verdict}" + (f" (GPU steps that did not run on this GPU: {', '.join(unrun)})" if unrun else ""),
+         "",
          "| step | kind | result | s | figures | detail |", "|---|---|---|---|---|---|"]
 for s in steps:
     figs = ", ".join(f"{k}={v}" for k, v in s["figures"].items())
@@ -256,6 +264,20 @@ check_test() {
   detail="$gpu_lines"
   [ "$2" -eq 0 ] && grep -qx 'Test is a success! You are ready for your distributed training!' "$1"
 }
+# On the GPU, one rank: the one-rank NCCL communicator must have been checked against the f64 reference, and a
+# half-precision step against f32; a run that checked neither (NCCL not found, the GPU checks skipped) checked
+# nothing on the GPU.
+check_test_cuda() {
+  check_test "$1" "$2" || return 1
+  if ! grep -q 'max |device - f64 reference|' "$1"; then
+    detail="NCCL was not checked (no one-rank NCCL communicator ran): $detail"
+    return 1
+  fi
+  if ! grep -qE '^GPU: (BF16|F16) step within' "$1"; then
+    detail="no half-precision step was checked: $detail"
+    return 1
+  fi
+}
 check_loss() {
   local f
   f=$(figures "$1" initial_loss final_loss)
@@ -325,7 +347,7 @@ run_step env cpu 60 check_env burn-accelerate env
 run_step test-cpu cpu 120 check_test env BURN_DEVICE=flex burn-accelerate test --num-processes 2
 run_step quicktour-cpu cpu 120 check_loss env BURN_DEVICE=flex quicktour
 reference_loss=$(figures "$work/logs/quicktour-cpu.log" final_loss | sed -E 's/final_loss=([^;]*);/\1/')
-run_step test-cuda gpu 150 check_test env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
+run_step test-cuda gpu 150 check_test_cuda env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
 run_step quicktour-cuda-f32 gpu 120 near_cpu_f32 env BURN_DEVICE=cuda quicktour
 run_step throughput-cuda-f32 gpu 120 check_throughput env BURN_DEVICE=cuda throughput
 run_step torch-cuda-f32 gpu 120 check_torch "$python" "$root/scripts/gpu/torch_throughput.py" --precision no
@@ -343,7 +365,7 @@ run_step quicktour-vulkan vulkan 150 near_cpu_f32 env BURN_DEVICE=vulkan quickto
 run_step overhead-cuda gpu 150 check_overhead env BURN_DEVICE=cuda OVERHEAD_ROUNDS=21 overhead
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
-kind_now=gpu
+kind_now=multi-gpu
 if [ -n "$no_gpu" ]; then
   record nccl-2-processes skip 0 "" "no GPU: $no_gpu" ""
 elif [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
@@ -367,7 +389,8 @@ for p in ("f32", "bf16"):
 PY
 )
 if [ -n "$ratios" ]; then
-  record vs-torch pass 0 "$ratios" "burn-accelerate samples/s over PyTorch + Accelerate's, same model and GPU" ""
+  record vs-torch figure 0 "$ratios" \
+    "a measurement, not a check (no threshold): burn-accelerate samples/s over PyTorch + Accelerate's, same model and GPU" ""
 else
   record vs-torch skip 0 "" "needs both throughput runs (burn-accelerate and PyTorch)" ""
 fi
@@ -375,5 +398,6 @@ tar -czf "$out/gpu-logs.tar.gz" -C "$work" logs 2>/dev/null
 report
 say "report: $out/gpu-report.md ($(elapsed)s)"
 cat "$out/gpu-report.md"
-if grep -q '"status": "fail"' "$results"; then exit 1; fi
+# The verdict: a failed step, or on a GPU a GPU step that did not run.
+grep -q '"verdict": "pass"' "$out/gpu-report.json" || exit 1
 exit 0

@@ -167,6 +167,13 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
                 burn_accelerate::distributed::describe_gradient_transport(acc.config())
             );
         }
+        None if main => {
+            // One rank: NCCL would have been checked on a one-rank communicator where it can run.
+            println!(
+                "GPU: no device transport was checked: one rank, and no one-rank NCCL communicator here ({})",
+                burn_accelerate::distributed::describe_gradient_transport(acc.config())
+            );
+        }
         None => {}
     }
     let device = acc.device().clone();
