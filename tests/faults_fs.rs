@@ -454,7 +454,8 @@ fn a_failure_on_the_main_process_reaches_every_rank_at_once() {
         })
         .unwrap();
     let elapsed = start.elapsed();
-    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    // Released by rank 0's failure, not by the 60 s collective timeout (half of it leaves a loaded machine room).
+    assert!(elapsed < Duration::from_secs(30), "took {elapsed:?}");
     for (rank, state, weights) in errors {
         for err in [&state, &weights] {
             if rank == 0 {

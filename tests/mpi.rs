@@ -57,8 +57,10 @@ fn a_rank_that_skips_a_collective_is_named_under_mpirun() {
             .unwrap()
             .parse()
             .unwrap();
+        // At least the 1 s timeout; the upper end only tells a timeout from a hang (a loaded machine may take
+        // seconds to diagnose and print).
         assert!(
-            (1.0..6.0).contains(&secs),
+            (1.0..60.0).contains(&secs),
             "the timeout is 1 s, plus the diagnosis on a possibly loaded machine: {line}"
         );
     }

@@ -45,8 +45,9 @@ fn launch(dir: &Path, launch_args: &[&str], example_args: &[&str]) -> Output {
         .args(example_args)
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
         // Long enough that no collective times out spuriously on a loaded machine (which would add a restart the
-        // trials do not expect); the hung rank's test waits for it once.
-        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "20")
+        // trials do not expect; 20 s left little room for the ranks' start on a loaded 2-core machine); the hung
+        // rank's test waits for it once.
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "60")
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("burn-accelerate launch runs")
@@ -354,14 +355,17 @@ fn a_job_that_loses_a_slot_restarts_on_the_slots_left_and_resumes_its_checkpoint
             "--min-processes",
             "2",
         ])
-        // Time for the test to take the slot away before the restart reads the hostfile again.
-        .args(["--restart-backoff", "3"])
+        // Time for the test to take the slot away before the restart reads the hostfile again: the test does it as
+        // soon as it reads the restart's line, which even a loaded machine does in far less.
+        .args(["--restart-backoff", "10"])
         .arg(parity::harness())
         .arg("--out")
         .arg(&out)
         // Saved after step 10; rank 2 killed after step 14.
         .args(["--case", "resume", "--kill-at", "14", "--kill-rank", "2"])
-        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "20")
+        // Nothing waits out a collective here (launch stops the ranks left when one dies); a generous timeout keeps a
+        // slow start of the restarted ranks on a loaded machine from counting as a hang.
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "120")
         .env("RUST_BACKTRACE", "0")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
