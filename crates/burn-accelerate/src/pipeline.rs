@@ -64,6 +64,10 @@ pub(crate) struct StepPipeline {
     normalization: LossNormalization,
     accumulation_steps: usize,
     sync_each_batch: bool,
+    /// Whether the blocks of the last block-wise pass drew random numbers (dropout): they then take the
+    /// process's generator in turns with the other ranks of the process (`pipeline::blocks`). Unknown, so `true`,
+    /// before the first pass.
+    blocks_draw: std::sync::atomic::AtomicBool,
 }
 
 impl StepPipeline {
@@ -79,7 +83,18 @@ impl StepPipeline {
             normalization: config.accumulation.loss_normalization,
             accumulation_steps: config.accumulation.gradient_accumulation_steps,
             sync_each_batch: config.accumulation.sync_each_batch,
+            blocks_draw: std::sync::atomic::AtomicBool::new(true),
         }
+    }
+
+    /// Whether the blocks of the last block-wise pass drew random numbers (`true` before the first).
+    fn blocks_draw(&self) -> bool {
+        self.blocks_draw.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set_blocks_draw(&self, draws: bool) {
+        self.blocks_draw
+            .store(draws, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Averages `grads` (flat gradients of parameters of their own) across ranks exactly as a sync step of

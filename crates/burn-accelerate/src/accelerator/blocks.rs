@@ -29,9 +29,10 @@ impl Accelerator {
     /// `before` and `after` are given the model with everything outside the blocks whole (under `FULL_SHARD` the
     /// blocks in it are this rank's placeholders: reach the blocks only through `block`). The device's random
     /// number generator is reseeded before each block, with the same value in its forward pass and its
-    /// recompute, so that dropout draws the same masks in both. Burn's generators are process-wide, so ranks of
-    /// one process ([`launch`](crate::launch)) take turns to run `before`, each block and `after` (the reseed and
-    /// the draws after it); the closures therefore must not call collectives (`gather`, `reduce`, ...) themselves.
+    /// recompute, so that dropout draws the same masks in both. Burn's generators are process-wide, so while the
+    /// blocks draw random numbers, ranks of one process ([`launch`](crate::launch)) take turns to run `before`,
+    /// each block and `after` (the reseed and the draws after it); the closures therefore must not call collectives
+    /// (`gather`, `reduce`, ...) themselves.
     /// Other threads of the process that draw random numbers at the same time (not ranks in `backward_blocks`)
     /// are not ordered with them.
     ///

@@ -133,19 +133,29 @@ impl StepPipeline {
         };
 
         // Forward, without a graph: only the activations between blocks are kept.
+        // The generator is taken in turns only while the blocks draw random numbers (see `GENERATOR`): the last
+        // pass's finding for `before`, this pass's (its first block's forward pass) for the rest.
         let h0 = {
-            let _generator = generator();
+            let _generator = self.blocks_draw().then(generator);
             before(&rest)
         };
         let device = h0.device();
         let seeds = BlockSeeds::draw(&device)?;
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
+        let mut draws = true;
         for (i, b) in model.blocks().iter().enumerate() {
             let whole = unshard(strategy, b)?.no_grad();
             let x = boundaries[i].clone();
-            let y = {
+            let y = if i == 0 {
                 let _generator = generator();
+                seeds.before_block(&device, i);
+                let y = block(&whole, x).detach();
+                draws = seeds.block_drew(&device, i)?;
+                self.set_blocks_draw(draws);
+                y
+            } else {
+                let _generator = draws.then(generator);
                 seeds.before_block(&device, i);
                 block(&whole, x).detach()
             };
@@ -159,7 +169,7 @@ impl StepPipeline {
             .expect("the first activation is always there")
             .require_grad();
         let loss = {
-            let _generator = generator();
+            let _generator = draws.then(generator);
             after(&rest, top.clone())
         };
         if !loss.is_tracked() {
@@ -194,7 +204,7 @@ impl StepPipeline {
                 input
             };
             let y = {
-                let _generator = generator();
+                let _generator = draws.then(generator);
                 seeds.before_block(&device, i);
                 block(&whole, x.clone())
             };
@@ -267,13 +277,33 @@ impl StepPipeline {
 
 /// Burn's random generators are process-wide (Flex keeps one behind a lock, not one per thread), so ranks of one
 /// process share them: another rank reseeding or drawing between this rank's reseed before a block and the
-/// block's draws would give a recompute other dropout masks than its forward pass. Each reseed and the user code
-/// that draws after it (`before`, each block, `after`) run under this lock, never around a collective (a rank
-/// waiting here never holds up a peer inside a collective).
+/// block's draws would give a recompute other dropout masks than its forward pass. While the blocks draw random
+/// numbers, each reseed and the user code that draws after it (`before`, each block, `after`) run under this lock,
+/// never around a collective (a rank waiting here never holds up a peer inside a collective). Blocks that draw
+/// nothing (no dropout) run side by side: whether they draw is found on each pass's first block, under the lock
+/// ([`BlockSeeds::block_drew`]).
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn generator() -> std::sync::MutexGuard<'static, ()> {
     GENERATOR.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One random number drawn from the device's generator.
+fn probe(device: &burn::tensor::Device) -> Result<u32> {
+    let draw: Tensor<1> = Tensor::random([1], Distribution::Uniform(0.0, 1.0), device);
+    let values = draw
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .map_err(|e| {
+            Error::other(format!(
+                "backward_blocks: reading a random number back: {e:?}"
+            ))
+        })?;
+    values
+        .first()
+        .map(|v| v.to_bits())
+        .ok_or_else(|| Error::other("backward_blocks: no random number read back"))
 }
 
 /// The seeds that make a block's recompute draw the same random numbers (dropout masks) as its forward pass.
@@ -303,6 +333,16 @@ impl BlockSeeds {
         Ok(Self(
             (u64::from(a.to_bits()) << 32) | u64::from(b.to_bits()),
         ))
+    }
+
+    /// Whether block `block`, just run after [`before_block`](Self::before_block), drew random numbers: the
+    /// generator's next number differs from the first one after the block's seed. Call it under [`generator`],
+    /// so that nothing else draws in between.
+    fn block_drew(&self, device: &burn::tensor::Device, block: usize) -> Result<bool> {
+        let next = probe(device)?;
+        self.before_block(device, block);
+        let first = probe(device)?;
+        Ok(next != first)
     }
 
     fn before_block(&self, device: &burn::tensor::Device, block: usize) {
