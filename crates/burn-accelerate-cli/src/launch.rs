@@ -392,7 +392,14 @@ fn hostfile_slots(hostfile: &Path) -> Result<Option<usize>, LaunchError> {
             })
             .transpose()?;
         match slots {
-            Some(n) => total += n,
+            Some(n) => {
+                total = usize::checked_add(total, n).ok_or_else(|| {
+                    fail(format!(
+                        "{}: the slots add up to more than this machine can count",
+                        hostfile.display()
+                    ))
+                })?
+            }
             None => return Ok(None),
         }
     }
@@ -552,5 +559,7 @@ fn is_root() -> bool {
     }
 }
 
+#[cfg(test)]
+mod fuzz;
 #[cfg(test)]
 mod tests;

@@ -9,6 +9,11 @@ pub(crate) mod questionnaire;
 pub(crate) mod restart;
 pub(crate) mod selftest;
 
+/// The fuzz targets' allocation limit (`launch::fuzz`); the system allocator elsewhere.
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: burn_accelerate_fuzz::LimitedAlloc = burn_accelerate_fuzz::LimitedAlloc;
+
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};

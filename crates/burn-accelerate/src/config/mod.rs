@@ -141,6 +141,29 @@ impl AcceleratorConfig {
         Ok(config)
     }
 
+    /// Applies the settings that environment variables carry (as [`read_file_and_env`](Self::read_file_and_env)
+    /// reads them from the process's environment), taking each variable's value from `lookup` instead: a
+    /// launcher's planned variables, a job description. Values are trimmed; an empty one counts as unset.
+    ///
+    /// ```
+    /// use burn_accelerate::{AcceleratorConfig, MixedPrecision};
+    /// let mut config = AcceleratorConfig::default();
+    /// config.apply_env_from(|name| (name == "ACCELERATE_MIXED_PRECISION").then(|| "bf16".to_string()))?;
+    /// assert_eq!(config.precision.mixed_precision, MixedPrecision::Bf16);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// A value its variable cannot hold; the error names the variable.
+    pub fn apply_env_from(&mut self, lookup: impl Fn(&str) -> Option<String>) -> Result<()> {
+        let lookup = |name: &str| {
+            lookup(name)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        variables::read_from(self, &lookup)
+    }
+
     /// Applies the keys of an Accelerate config file (`.yaml`, or `.json` read as JSON); see the rules in the
     /// module documentation of the file reader: Accelerate's keys are accepted (used or ignored with a warning),
     /// other keys are an error naming them.
@@ -245,7 +268,8 @@ impl AcceleratorConfig {
         file::apply(self, file::parse(text, origin)?, origin)
     }
 
-    /// Checks the values, and that no value of the config file this crate cannot honour is still in effect.
+    /// Checks the values, and that no value of the config file this crate cannot honour is still in effect. An
+    /// error names the setting, its value and where it came from (the variable, the file, the builder).
     pub fn validate(&self) -> Result<()> {
         for unsupported in &self.unsupported {
             let overridden = unsupported.key == "mixed_precision"
@@ -258,7 +282,7 @@ impl AcceleratorConfig {
             return Err(Error::config(
                 "gradient_accumulation_steps",
                 "0",
-                "configuration",
+                self.source(Key::GradientAccumulationSteps).to_string(),
                 "an integer >= 1",
             ));
         }
@@ -267,7 +291,7 @@ impl AcceleratorConfig {
             return Err(Error::config(
                 "sync_each_batch",
                 "true",
-                "configuration",
+                self.source(Key::SyncEachBatch).to_string(),
                 format!(
                     "false with sharding {}: a sharded rank keeps only its own reduced gradients, so \
                      accumulating after a reduction would count the other ranks' shares again; leave \
@@ -280,7 +304,7 @@ impl AcceleratorConfig {
             return Err(Error::config(
                 "bucket_size_mb",
                 self.distributed.bucket_size_mb.to_string(),
-                "configuration",
+                self.source(Key::BucketSizeMb).to_string(),
                 "a positive number of MiB",
             ));
         }
@@ -290,7 +314,7 @@ impl AcceleratorConfig {
             return Err(Error::config(
                 "collective_timeout_secs",
                 self.distributed.collective_timeout_secs.to_string(),
-                "configuration",
+                self.source(Key::CollectiveTimeoutSecs).to_string(),
                 "a positive number of seconds",
             ));
         }

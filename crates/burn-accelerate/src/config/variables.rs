@@ -112,7 +112,7 @@ pub(super) fn read(config: &mut AcceleratorConfig) -> Result<()> {
 }
 
 /// [`read`], with `lookup` giving each variable's trimmed, non-empty text.
-fn read_from(
+pub(super) fn read_from(
     config: &mut AcceleratorConfig,
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> Result<()> {
