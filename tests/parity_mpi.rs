@@ -2,7 +2,9 @@
 //! the parity harness writes its final weights; the tests compare every rank with one process and with the
 //! others, resume a job killed under `mpirun` bit for bit (on the same number of processes) and within the
 //! parity bounds (on another: 2 -> 3, 3 -> 2, every strategy, with accumulation and in fp16), gather an uneven
-//! evaluation set on 3 processes, and launch through `burn-accelerate launch --hostfile`.
+//! evaluation set on 3 processes, and launch through `burn-accelerate launch --hostfile`. The scenarios of
+//! `tests/many_models.rs` (two models with accumulation, a layer unfrozen after `prepare_model`, data-dependent
+//! routing, a rank's own error) run under `mpirun` too, every strategy.
 
 #[path = "support/isolation.rs"]
 mod isolation;
@@ -11,6 +13,8 @@ mod isolation;
 mod examples;
 #[path = "support/parity.rs"]
 mod parity;
+#[path = "../examples/support/scenarios.rs"]
+mod scenarios;
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -445,4 +449,142 @@ fn the_sharded_example_under_launch_prints_the_unsharded_loss() {
         .filter(|l| l.starts_with("rank ") && l.contains("/2 sharding=SHARD_GRAD_OP"))
         .collect();
     assert_eq!(ranks.len(), 2, "{launched:?}");
+}
+
+/// Each rank's weights of a `many_models` run under `out`.
+fn scenario_weights(out: &Path, rank: usize) -> Vec<Vec<Vec<f32>>> {
+    let text = std::fs::read_to_string(out.join(format!("rank{rank}.json")))
+        .unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The strategies the scenarios run under: `(processes, flags)`.
+fn scenario_setups() -> Vec<(usize, Vec<&'static str>)> {
+    let mut setups = Vec::new();
+    for p in [2, 3] {
+        setups.push((p, vec!["--sharding", "NO_SHARD"]));
+        setups.push((p, vec!["--sharding", "NO_SHARD", "--blocks"]));
+        setups.push((p, vec!["--sharding", "SHARD_GRAD_OP"]));
+        setups.push((p, vec!["--sharding", "FULL_SHARD"]));
+        setups.push((p, vec!["--sharding", "FULL_SHARD", "--blocks"]));
+    }
+    setups.push((
+        4,
+        vec!["--sharding", "HYBRID_SHARD", "--dp-shard-size", "2"],
+    ));
+    setups.push((
+        4,
+        vec!["--sharding", "_HYBRID_SHARD_ZERO2", "--dp-shard-size", "2"],
+    ));
+    setups
+}
+
+/// Two models with accumulation, a layer unfrozen after `prepare_model` beside a frozen teacher, and routing that
+/// leaves ranks without some gradients or any, on 2, 3 and 4 MPI processes under every strategy: every rank ends
+/// with the weights of the loop a Burn user writes by hand on one process (within 1e-5), and with those of the same
+/// ranks in-process (within 1e-6).
+#[test]
+fn the_many_models_scenarios_train_under_mpirun_as_a_plain_burn_loop() {
+    let program = examples::example("many_models");
+    let dir = scratch("many-models");
+    let start = scenarios::initial();
+    for (scenario, name) in scenarios::Scenario::ALL {
+        let Some(_) = scenario.reference(&start, 1) else {
+            continue;
+        };
+        for (p, flags) in scenario_setups() {
+            let expected = scenario.reference(&start, p).unwrap();
+            let what = format!("{name} -np {p} {}", flags.join(" "));
+            let mpi = dir.join(format!("{name}-mpi{p}-{}", flags.join("")));
+            let out = mpi.to_str().unwrap();
+            assert_success(&examples::mpirun(
+                p,
+                &program,
+                &[&["--scenario", name, "--out", out], &flags[..]].concat(),
+            ));
+            let local = dir.join(format!("{name}-in{p}-{}", flags.join("")));
+            let procs = p.to_string();
+            let args = [
+                &["--scenario", name, "--processes", &procs, "--out"][..],
+                &[local.to_str().unwrap()],
+                &flags[..],
+            ]
+            .concat();
+            assert_success(&Command::new(&program).args(&args).output().unwrap());
+            for rank in 0..p {
+                let got = scenario_weights(&mpi, rank);
+                assert_eq!(got.len(), expected.len(), "{what}");
+                for (model, (got, want)) in got.iter().zip(&expected).enumerate() {
+                    let diff = scenarios::max_abs_diff(got, want);
+                    assert!(
+                        diff <= 1e-5,
+                        "{what}, rank {rank}, model {model}: {diff:e} vs plain Burn"
+                    );
+                }
+                for (got, local) in got.iter().zip(&scenario_weights(&local, rank)) {
+                    let diff = scenarios::max_abs_diff(got, local);
+                    assert!(
+                        diff <= 1e-6,
+                        "{what}, rank {rank}: {diff:e} vs in-process ranks"
+                    );
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Rank 1's own error under `mpirun` and under `burn-accelerate launch`, every strategy, on 2 and 3 processes with
+/// a 60 s collective timeout: the job ends at once (not after the timeout), with the failing rank named and its
+/// own error printed, and the others stopped.
+#[test]
+fn a_ranks_own_error_under_mpirun_ends_the_job_naming_it() {
+    let program = examples::example("many_models");
+    let own = scenarios::own_error();
+    for (p, flags) in scenario_setups().into_iter().filter(|(p, _)| *p <= 3) {
+        let what = format!("-np {p} {}", flags.join(" "));
+        let args = [&["--scenario", "rank-error"][..], &flags[..]].concat();
+        let began = std::time::Instant::now();
+        let out = examples::own_mpi_session(&mut Command::new("mpirun"))
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                &p.to_string(),
+            ])
+            .arg(&program)
+            .args(&args)
+            .env("ACCELERATE_COLLECTIVE_TIMEOUT", "60")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{what}: {stderr}");
+        assert!(
+            stderr.contains(&own) && stderr.contains("rank 1 exits with status 1"),
+            "{what}: the failing rank and its error are not named:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("timed out"),
+            "{what}: a timeout:\n{stderr}"
+        );
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(45),
+            "{what}: {:?} (the collective timeout is 60 s)",
+            began.elapsed()
+        );
+    }
+    let out = Command::new(examples::cli())
+        .args(["launch", "--num-processes", "3"])
+        .arg(&program)
+        .args(["--scenario", "rank-error", "--sharding", "FULL_SHARD"])
+        .env("ACCELERATE_COLLECTIVE_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&own)
+            && stderr.contains("rank 1 exited with status 1; the other ranks were stopped"),
+        "launch: {stderr}"
+    );
 }
