@@ -113,6 +113,23 @@ impl StepPipeline {
         Ok(buffer.flat(&ids))
     }
 
+    /// Fails when gradients are waiting to be applied (inside an accumulation window, or between a window's last
+    /// `backward` and its optimizer step): a checkpoint holds no gradients, so a state saved now would resume
+    /// without them. `operation` names the call for the message.
+    pub fn check_no_pending_gradients(&self, operation: &str) -> Result<()> {
+        let core = self.shared.lock();
+        if !core.state.window_open() && core.grads.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "{operation}: the gradients of {} parameter(s) are waiting for the optimizer step (inside an accumulation \
+             window, or between `backward` and `optimizer.step`), and a checkpoint holds no gradients, so a run \
+             resumed from it would train without them; save after the optimizer step that ends the window (when \
+             `accelerator.sync_gradients()` is true)",
+            core.grads.len()
+        )))
+    }
+
     /// The step state and gradients, shared with prepared optimizers, schedulers and dataloaders.
     pub fn shared(&self) -> &SharedStep {
         &self.shared

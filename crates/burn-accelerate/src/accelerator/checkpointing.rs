@@ -203,9 +203,12 @@ impl Accelerator {
     /// Saves the training state into `dir`, or, with `None`, into the next automatic checkpoint
     /// (`project_dir/checkpoints/checkpoint_{iteration}`, keeping at most `total_limit`). Along with `parts`
     /// (models, optimizers, schedulers), it records the loss scaler, every prepared dataloader's position on
-    /// every rank, and the registered objects. The folder appears only once complete. Call it on every rank.
+    /// every rank, and the registered objects. The folder appears only once complete. Call it on every rank,
+    /// after the optimizer step that ends an accumulation window: a checkpoint holds no gradients, so a save with
+    /// gradients still waiting for their step (inside a window) is refused rather than resumed without them.
     /// Returns the folder.
     pub fn save_state(&self, dir: Option<&Path>, parts: &StateToSave) -> Result<PathBuf> {
+        self.pipeline.check_no_pending_gradients("save_state")?;
         let scaler = self.loss_scaler();
         let strategy = self.pipeline.strategy();
         let scopes = (strategy.optimizer_state(), strategy.model_state());

@@ -199,6 +199,12 @@ impl StepState {
         self.sync_gradients && !self.windows.contains_key(&model)
     }
 
+    /// Whether an accumulation window holds gradients not yet reduced and applied: some model had a `backward`
+    /// since its window last ended.
+    pub fn window_open(&self) -> bool {
+        !self.windows.is_empty()
+    }
+
     /// The overflow check of the window's end: `true` makes every optimizer skip this step.
     pub fn record_overflow(&mut self, overflow: bool) {
         self.overflow = overflow;
