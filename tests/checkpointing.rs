@@ -274,6 +274,59 @@ fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only(
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Loader workers change neither the samples nor a resize: a state saved by 2 ranks whose loaders have 3 worker
+/// threads continues on 4 ranks with 2 workers each (the same 16 samples a step), with the weights, optimizer state
+/// and learning rate of the 2-rank run straight through without workers (within 1e-6: the same sums in another
+/// order).
+#[test]
+fn a_state_saved_with_loader_workers_continues_on_other_ranks_and_workers() {
+    let start = initial();
+    let dir = temp_dir("any-ranks-workers");
+    let (n, total) = (5, 9);
+    let straight = Accelerator::builder()
+        .launch(2, |acc| {
+            let mut run = setup(&acc, &start)?;
+            train(&acc, &mut run, total)?;
+            outcome(&acc, &run)
+        })
+        .unwrap();
+    Accelerator::builder()
+        .launch(2, |acc| {
+            let mut run = setup_with(&acc, &start, 3, 8)?;
+            train(&acc, &mut run, n)?;
+            save(&acc, &run, &dir)
+        })
+        .unwrap();
+    let resumed = Accelerator::builder()
+        .launch(4, |acc| {
+            let mut run = setup_with(&acc, &initial(), 2, 4)?;
+            assert_eq!(restore(&acc, &mut run, &dir)?, 2, "ranks that saved it");
+            train(&acc, &mut run, total - n)?;
+            outcome(&acc, &run)
+        })
+        .unwrap();
+    let diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert_eq!(resumed.len(), 4);
+    for (rank, (weights, optimizer, lr)) in resumed.iter().enumerate() {
+        assert!(
+            diff(weights, &straight[0].0) <= 1e-6,
+            "rank {rank}: weights"
+        );
+        assert!(
+            diff(optimizer, &straight[0].1) <= 1e-6,
+            "rank {rank}: optimizer state"
+        );
+        assert_eq!(*lr, straight[0].2, "rank {rank}: learning rate");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn automatic_naming_total_limit_and_iteration() {
     let dir = temp_dir("auto");
