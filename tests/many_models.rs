@@ -167,6 +167,12 @@ fn an_error_on_one_rank_ends_every_rank_naming_it() {
                 !message.contains("timed out") && !message.contains("timeout"),
                 "{name}, rank {rank}: a timeout instead of the failure: {message}"
             );
+            // The flight recorder: the peer's last collective calls, the one that could not complete marked.
+            assert!(
+                message.contains(&format!("the last collectives of rank {rank}"))
+                    && message.contains("(did not complete)"),
+                "{name}, rank {rank}: no record of the last collectives: {message}"
+            );
         }
         assert!(
             elapsed < std::time::Duration::from_secs(30),

@@ -71,6 +71,15 @@ pub enum CommError {
         world_size: usize,
     },
 
+    /// A failed call, with the rank's last collective calls (the flight recorder, [`crate::Recorded`]).
+    #[error("{error}. {calls}")]
+    WithRecentCalls {
+        /// The failure.
+        error: Box<CommError>,
+        /// The rank's last calls, as text.
+        calls: String,
+    },
+
     /// The engine itself failed.
     #[error("communication engine `{engine}` failed during {operation}: {reason}")]
     Engine {
@@ -81,6 +90,16 @@ pub enum CommError {
         /// The engine's message.
         reason: String,
     },
+}
+
+impl CommError {
+    /// The error itself, without the recorded calls [`CommError::WithRecentCalls`] adds to it.
+    pub fn root(&self) -> &CommError {
+        match self {
+            CommError::WithRecentCalls { error, .. } => error.root(),
+            other => other,
+        }
+    }
 }
 
 /// The result of a collective.

@@ -14,6 +14,7 @@
 mod calls;
 mod error;
 mod in_process;
+mod recorder;
 mod reduce;
 
 use std::fmt::Debug;
@@ -21,6 +22,7 @@ use std::fmt::Debug;
 pub use calls::{CallSignature, check_calls, check_calls_of};
 pub use error::{CommError, CommResult};
 pub use in_process::{IN_PROCESS_ENGINE, InProcessComm, InProcessGroup};
+pub use recorder::{RECORDED_CALLS, Recorded, RecordedCall, describe_calls};
 pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of};
 
 type Result<T> = CommResult<T>;

@@ -291,7 +291,7 @@ fn safetensors_weight_files_and_their_index() {
     let report = run(
         "safetensors_index",
         &[index],
-        iterations(DEFAULT_ITERATIONS) / 3,
+        iterations(DEFAULT_ITERATIONS),
         |input| {
             std::fs::write(in_folder.join(index_name), input).unwrap();
             match load_weights(small(&device), &in_folder, &LoadOptions::default()) {

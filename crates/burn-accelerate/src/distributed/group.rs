@@ -73,13 +73,16 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// A state for `comm`'s rank on `device`. `local_process_index` is the rank on this machine.
+    /// A state for `comm`'s rank on `device`. `local_process_index` is the rank on this machine. The
+    /// communicator's calls are recorded ([`Recorded`](crate::distributed::comm::Recorded)): an error of any of
+    /// them carries this rank's last collective calls.
     pub fn new(
         comm: Arc<dyn Communicator>,
         local_process_index: usize,
         device: Device,
         backend: Option<Backend>,
     ) -> Self {
+        let comm = crate::distributed::comm::Recorded::wrap(comm);
         let num_processes = comm.world_size();
         Self {
             process_index: comm.rank(),

@@ -24,7 +24,14 @@ fn panic_message(payload: Box<dyn Any + Send>) -> String {
 fn root_cause_rank(error: &Error) -> u8 {
     match error {
         Error::RankPanicked { .. } => 0,
-        Error::Comm(crate::distributed::comm::CommError::RankFailed { .. }) => 2,
+        Error::Comm(e)
+            if matches!(
+                e.root(),
+                crate::distributed::comm::CommError::RankFailed { .. }
+            ) =>
+        {
+            2
+        }
         _ => 1,
     }
 }
