@@ -71,7 +71,7 @@ fn config_files() {
         iterations(DEFAULT_ITERATIONS),
         |input| {
             n += 1;
-            let file = dir.join(if n % 2 == 0 {
+            let file = dir.join(if n.is_multiple_of(2) {
                 "config.json"
             } else {
                 "config.yaml"
@@ -359,7 +359,7 @@ fn a_checkpoint_folder() {
         let target = dir.join("state");
         let report = run(
             "checkpoint_file",
-            &[bytes.clone()],
+            std::slice::from_ref(bytes),
             iterations(DEFAULT_ITERATIONS) / files.len() as u64,
             |input| {
                 copy_dir(&good, &target);
