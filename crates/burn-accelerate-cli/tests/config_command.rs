@@ -19,7 +19,21 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// The binary with a clean environment for config lookup (`vars` added).
 fn cli(vars: &[(&str, &Path)]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"));
+    let binary = Path::new(env!("CARGO_BIN_EXE_burn-accelerate"));
+    // Spawning a missing binary fails with a bare `NotFound`: say which path, and what its folder holds.
+    assert!(
+        binary.is_file(),
+        "the command's binary {} is missing (its folder holds {:?}); another build may have replaced it",
+        binary.display(),
+        binary
+            .parent()
+            .and_then(|d| std::fs::read_dir(d).ok())
+            .map(|entries| entries
+                .filter_map(|e| e.ok().map(|e| e.file_name()))
+                .filter(|n| n.to_string_lossy().starts_with("burn-accelerate"))
+                .collect::<Vec<_>>())
+    );
+    let mut command = Command::new(binary);
     for var in [
         "HF_HOME",
         "XDG_CACHE_HOME",
@@ -339,6 +353,17 @@ fn the_questionnaire_answered_in_a_terminal_writes_the_expected_file() {
                 std::time::Instant::now() < deadline,
                 "the question {question:?} never appeared; the screen so far:\n{text}"
             );
+            // A questionnaire that ended (the binary missing, a crash) asks nothing more: say so now rather than
+            // wait out the deadline.
+            if let Ok(Some(status)) = child.try_wait() {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                let text = screen.lock().unwrap().clone();
+                if !text[seen..].contains(question) {
+                    panic!(
+                        "the questionnaire ended ({status}) before asking {question:?}; the screen:\n{text}"
+                    );
+                }
+            }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         for key in keys {
