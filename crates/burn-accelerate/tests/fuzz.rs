@@ -10,7 +10,7 @@
 //! each; CI's bounded run). The long run: `BURN_ACCELERATE_FUZZ_ITERATIONS=1000000 cargo test --release -p
 //! burn-accelerate --test fuzz`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
@@ -28,12 +28,33 @@ static ALLOC: LimitedAlloc = LimitedAlloc;
 /// Mutated inputs per target when `BURN_ACCELERATE_FUZZ_ITERATIONS` is not set.
 const DEFAULT_ITERATIONS: u64 = 3_000;
 
-/// A folder of this test process, removed when it ends.
-fn scratch(name: &str) -> PathBuf {
+/// A folder of this test, removed when dropped (also when the test fails).
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("ba-fuzz-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 /// The verdict on an error: a refusal when its message names `path`, else a wrong answer.
@@ -301,8 +322,6 @@ fn safetensors_weight_files_and_their_index() {
         },
     );
     assert_eq!(report.failures, 0, "{report:?}");
-    std::fs::remove_dir_all(&dir).ok();
-    std::fs::remove_dir_all(&seeds_dir).ok();
 }
 
 /// Copies the files of `from` into a fresh `to`.
@@ -382,6 +401,4 @@ fn a_checkpoint_folder() {
         );
         assert_eq!(report.failures, 0, "{name}: {report:?}");
     }
-    std::fs::remove_dir_all(&dir).ok();
-    std::fs::remove_dir_all(&good).ok();
 }

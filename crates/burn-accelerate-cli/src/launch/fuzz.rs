@@ -11,11 +11,33 @@ use super::hostfile_slots;
 /// Mutated inputs per target unless `BURN_ACCELERATE_FUZZ_ITERATIONS` says otherwise.
 const DEFAULT_ITERATIONS: u64 = 3_000;
 
-fn scratch(name: &str) -> std::path::PathBuf {
+/// A folder of this test, removed when dropped (also when the test fails).
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("ba-cli-fuzz-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 #[test]
@@ -49,7 +71,6 @@ fn hostfiles() {
         },
     );
     assert_eq!(report.failures, 0, "{report:?}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// The slots of a hostfile that gives every machine's, summed in 128 bits (`None` otherwise): the test's own
@@ -95,5 +116,4 @@ fn launch_status_files() {
         },
     );
     assert_eq!(report.failures, 0, "{report:?}");
-    std::fs::remove_dir_all(&dir).ok();
 }
