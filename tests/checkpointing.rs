@@ -209,13 +209,12 @@ fn resume_mid_epoch_with_loader_workers_matches_a_run_without_them() {
     exact_resume_with_workers(3, 2);
 }
 
-/// A state saved by 2 ranks of 8 samples a batch continues on 4 ranks of 4 (the same 16 samples a step), with
-/// the weights, optimizer state and learning rate of the 2-rank run straight through (the same sums, in another
-/// order: within 1e-6); on 3 ranks of 8 (24 a step) it is refused, naming both global batches and the fix.
-#[test]
-fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only() {
+/// Saves the state of 2 ranks of 8 samples a batch (`saved_workers` loader workers each) after 5 steps into `dir`,
+/// resumes it on 4 ranks of 4 (`resumed_workers` each, the same 16 samples a step) for 4 more, and checks each
+/// rank's weights, optimizer state and learning rate against the 2-rank run straight through without workers (the
+/// same sums in another order: within 1e-6).
+fn resumes_on_four_ranks(dir: &Path, saved_workers: usize, resumed_workers: usize) {
     let start = initial();
-    let dir = temp_dir("any-ranks");
     let (n, total) = (5, 9);
     let straight = Accelerator::builder()
         .launch(2, |acc| {
@@ -226,15 +225,15 @@ fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only(
         .unwrap();
     Accelerator::builder()
         .launch(2, |acc| {
-            let mut run = setup(&acc, &start)?;
+            let mut run = setup_with(&acc, &start, saved_workers, 8)?;
             train(&acc, &mut run, n)?;
-            save(&acc, &run, &dir)
+            save(&acc, &run, dir)
         })
         .unwrap();
     let resumed = Accelerator::builder()
         .launch(4, |acc| {
-            let mut run = setup_with(&acc, &initial(), 0, 4)?;
-            assert_eq!(restore(&acc, &mut run, &dir)?, 2, "ranks that saved it");
+            let mut run = setup_with(&acc, &initial(), resumed_workers, 4)?;
+            assert_eq!(restore(&acc, &mut run, dir)?, 2, "ranks that saved it");
             train(&acc, &mut run, total - n)?;
             outcome(&acc, &run)
         })
@@ -247,17 +246,28 @@ fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only(
             .fold(0f32, f32::max)
     };
     assert_eq!(resumed.len(), 4);
+    let what = format!("{saved_workers} -> {resumed_workers} workers");
     for (rank, (weights, optimizer, lr)) in resumed.iter().enumerate() {
         assert!(
             diff(weights, &straight[0].0) <= 1e-6,
-            "rank {rank}: weights"
+            "{what}, rank {rank}: weights"
         );
         assert!(
             diff(optimizer, &straight[0].1) <= 1e-6,
-            "rank {rank}: optimizer state"
+            "{what}, rank {rank}: optimizer state"
         );
-        assert_eq!(*lr, straight[0].2, "rank {rank}: learning rate");
+        assert_eq!(*lr, straight[0].2, "{what}, rank {rank}: learning rate");
     }
+}
+
+/// A state saved by 2 ranks of 8 samples a batch continues on 4 ranks of 4 (the same 16 samples a step), with
+/// the weights, optimizer state and learning rate of the 2-rank run straight through (the same sums, in another
+/// order: within 1e-6); on 3 ranks of 8 (24 a step) it is refused, naming both global batches and the fix.
+#[test]
+fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only() {
+    let dir = temp_dir("any-ranks");
+    resumes_on_four_ranks(&dir, 0, 0);
+    let start = initial();
     let refused = Accelerator::builder()
         .launch(3, |acc| {
             let _run = setup(&acc, &start)?;
@@ -275,55 +285,11 @@ fn a_state_continues_on_another_number_of_ranks_with_the_same_global_batch_only(
 }
 
 /// Loader workers change neither the samples nor a resize: a state saved by 2 ranks whose loaders have 3 worker
-/// threads continues on 4 ranks with 2 workers each (the same 16 samples a step), with the weights, optimizer state
-/// and learning rate of the 2-rank run straight through without workers (within 1e-6: the same sums in another
-/// order).
+/// threads continues on 4 ranks with 2 workers each, as without workers.
 #[test]
 fn a_state_saved_with_loader_workers_continues_on_other_ranks_and_workers() {
-    let start = initial();
     let dir = temp_dir("any-ranks-workers");
-    let (n, total) = (5, 9);
-    let straight = Accelerator::builder()
-        .launch(2, |acc| {
-            let mut run = setup(&acc, &start)?;
-            train(&acc, &mut run, total)?;
-            outcome(&acc, &run)
-        })
-        .unwrap();
-    Accelerator::builder()
-        .launch(2, |acc| {
-            let mut run = setup_with(&acc, &start, 3, 8)?;
-            train(&acc, &mut run, n)?;
-            save(&acc, &run, &dir)
-        })
-        .unwrap();
-    let resumed = Accelerator::builder()
-        .launch(4, |acc| {
-            let mut run = setup_with(&acc, &initial(), 2, 4)?;
-            assert_eq!(restore(&acc, &mut run, &dir)?, 2, "ranks that saved it");
-            train(&acc, &mut run, total - n)?;
-            outcome(&acc, &run)
-        })
-        .unwrap();
-    let diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-        a.iter()
-            .flatten()
-            .zip(b.iter().flatten())
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max)
-    };
-    assert_eq!(resumed.len(), 4);
-    for (rank, (weights, optimizer, lr)) in resumed.iter().enumerate() {
-        assert!(
-            diff(weights, &straight[0].0) <= 1e-6,
-            "rank {rank}: weights"
-        );
-        assert!(
-            diff(optimizer, &straight[0].1) <= 1e-6,
-            "rank {rank}: optimizer state"
-        );
-        assert_eq!(*lr, straight[0].2, "rank {rank}: learning rate");
-    }
+    resumes_on_four_ranks(&dir, 3, 2);
     std::fs::remove_dir_all(&dir).ok();
 }
 

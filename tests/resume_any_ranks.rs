@@ -79,111 +79,22 @@ fn in_fp16_a_state_resumes_on_any_number_of_ranks_with_its_loss_scale() {
     resume_on_any_number_of_ranks("fp16", &["--mixed-precision", "fp16"], "fp16");
 }
 
-/// A state moves between the hybrid strategies and the others: saved by 4 ranks as 2 replicas of 2 shards, it
-/// resumes as the same mesh (each rank its own file), on 2 ranks under `FULL_SHARD`, on 3 under `NO_SHARD` and on
-/// 1; saved by 2 `FULL_SHARD` ranks, it resumes on 4 and 6 ranks as hybrid meshes.
-#[test]
-fn a_state_moves_between_hybrid_and_other_strategies() {
-    let dir = scratch("any-ranks-hybrid");
-    let reference = dir.join("one");
-    run_local(&reference, &["--case", "resume"]);
-    let hybrid = |shard: usize| {
-        vec![
-            "--sharding".to_string(),
-            "HYBRID_SHARD".into(),
-            "--dp-shard-size".into(),
-            shard.to_string(),
-        ]
-    };
-    let plain = |sharding: &str| vec!["--sharding".to_string(), sharding.into()];
-    /// A number of ranks and the harness's sharding flags.
-    type Ranks = (usize, Vec<String>);
-    let runs: [(Ranks, Vec<Ranks>); 2] = [
-        (
-            (4, hybrid(2)),
-            vec![
-                (4, hybrid(2)),
-                (2, plain("FULL_SHARD")),
-                (3, plain("NO_SHARD")),
-                (1, plain("NO_SHARD")),
-            ],
-        ),
-        (
-            (2, plain("FULL_SHARD")),
-            vec![(4, hybrid(2)), (6, hybrid(3))],
-        ),
-    ];
-    for (i, ((n, saved_with), resumes)) in runs.into_iter().enumerate() {
-        let saved = dir.join(format!("saved{i}"));
-        let procs = n.to_string();
-        let args: Vec<&str> = saved_with.iter().map(String::as_str).collect();
-        run_local(
-            &saved,
-            &[&["--processes", &procs, "--case", "resume"][..], &args].concat(),
-        );
-        let before = trained_ids(&saved, n);
-        for (m, resumed_with) in resumes {
-            let what = format!("{n} ranks {saved_with:?} -> {m} ranks {resumed_with:?}");
-            let resumed = dir.join(format!("saved{i}-m{m}"));
-            copy_dir(&saved.join("resume-state"), &resumed.join("resume-state"));
-            let procs = m.to_string();
-            let args: Vec<&str> = resumed_with.iter().map(String::as_str).collect();
-            run_local(
-                &resumed,
-                &[
-                    &["--processes", &procs, "--case", "resume", "--resume"][..],
-                    &args,
-                ]
-                .concat(),
-            );
-            let diff = check_resumed(
-                &reference,
-                &before,
-                (&resumed, m, args[1]),
-                bound("dp"),
-                &what,
-            );
-            println!("{what}: max |Δ| vs one process {diff:e}");
-        }
-    }
-    std::fs::remove_dir_all(&dir).ok();
-}
+/// A number of ranks and the harness's flags.
+type Ranks<'a> = (usize, &'a [&'a str]);
 
-/// Block-wise passes and `_HYBRID_SHARD_ZERO2` resize too: a state saved by 2 block-wise `FULL_SHARD` ranks resumes
-/// block-wise on 3 and with the plain pass on 1; one saved by 4 ranks as 2 replicas of 2 `_HYBRID_SHARD_ZERO2` shards
-/// resumes on 2 `SHARD_GRAD_OP`, 3 `NO_SHARD` and 4 `_HYBRID_SHARD_ZERO2` ranks; each within the `dp` bound of one
-/// process straight through, every sample used once.
-#[test]
-fn block_wise_and_zero2_states_resume_on_other_ranks() {
-    let dir = scratch("any-ranks-blocks-zero2");
+/// For each plan, a state saved by the first ranks and flags, then resumed by each of the others: every resumed
+/// run within the `dp` bound of one process straight through (under `dir/one`), every sample used once.
+fn resume_plans(dir: &std::path::Path, plans: &[(Ranks, Vec<Ranks>)]) {
     let reference = dir.join("one");
     run_local(&reference, &["--case", "resume"]);
-    let zero2 = ["--sharding", "_HYBRID_SHARD_ZERO2", "--dp-shard-size", "2"];
-    let blocks = ["--sharding", "FULL_SHARD", "--blocks"];
-    /// A number of ranks and the harness's flags.
-    type Ranks<'a> = (usize, &'a [&'a str]);
-    let runs: [(Ranks, Vec<Ranks>); 2] = [
-        (
-            (2, &blocks),
-            vec![(3, &blocks), (1, &["--sharding", "NO_SHARD"])],
-        ),
-        (
-            (4, &zero2),
-            vec![
-                (2, &["--sharding", "SHARD_GRAD_OP"]),
-                (3, &["--sharding", "NO_SHARD"]),
-                (4, &zero2),
-            ],
-        ),
-    ];
-    for (i, ((n, saved_with), resumes)) in runs.into_iter().enumerate() {
+    for (i, ((n, saved_with), resumes)) in plans.iter().enumerate() {
         let saved = dir.join(format!("saved{i}"));
         let procs = n.to_string();
         run_local(
             &saved,
             &[&["--processes", &procs, "--case", "resume"][..], saved_with].concat(),
         );
-        let before = trained_ids(&saved, n);
+        let before = trained_ids(&saved, *n);
         for (m, resumed_with) in resumes {
             let what = format!("{n} ranks {saved_with:?} -> {m} ranks {resumed_with:?}");
             let resumed = dir.join(format!("saved{i}-m{m}"));
@@ -200,13 +111,56 @@ fn block_wise_and_zero2_states_resume_on_other_ranks() {
             let diff = check_resumed(
                 &reference,
                 &before,
-                (&resumed, m, resumed_with[1]),
+                (&resumed, *m, resumed_with[1]),
                 bound("dp"),
                 &what,
             );
             println!("{what}: max |Δ| vs one process {diff:e}");
         }
     }
+}
+
+/// A state moves between the hybrid strategies and the others: saved by 4 ranks as 2 replicas of 2 shards, it
+/// resumes as the same mesh (each rank its own file), on 2 ranks under `FULL_SHARD`, on 3 under `NO_SHARD` and on
+/// 1; saved by 2 `FULL_SHARD` ranks, it resumes on 4 and 6 ranks as hybrid meshes.
+#[test]
+fn a_state_moves_between_hybrid_and_other_strategies() {
+    let dir = scratch("any-ranks-hybrid");
+    let hybrid2 = ["--sharding", "HYBRID_SHARD", "--dp-shard-size", "2"];
+    let hybrid3 = ["--sharding", "HYBRID_SHARD", "--dp-shard-size", "3"];
+    let full = ["--sharding", "FULL_SHARD"];
+    let plain = ["--sharding", "NO_SHARD"];
+    resume_plans(
+        &dir,
+        &[
+            (
+                (4, &hybrid2),
+                vec![(4, &hybrid2), (2, &full), (3, &plain), (1, &plain)],
+            ),
+            ((2, &full), vec![(4, &hybrid2), (6, &hybrid3)]),
+        ],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Block-wise passes and `_HYBRID_SHARD_ZERO2` resize too: a state saved by 2 block-wise `FULL_SHARD` ranks resumes
+/// block-wise on 3 and with the plain pass on 1; one saved by 4 ranks as 2 replicas of 2 `_HYBRID_SHARD_ZERO2` shards
+/// resumes on 2 `SHARD_GRAD_OP`, 3 `NO_SHARD` and 4 `_HYBRID_SHARD_ZERO2` ranks; each within the `dp` bound of one
+/// process straight through, every sample used once.
+#[test]
+fn block_wise_and_zero2_states_resume_on_other_ranks() {
+    let dir = scratch("any-ranks-blocks-zero2");
+    let zero2 = ["--sharding", "_HYBRID_SHARD_ZERO2", "--dp-shard-size", "2"];
+    let blocks = ["--sharding", "FULL_SHARD", "--blocks"];
+    let plain = ["--sharding", "NO_SHARD"];
+    let zero = ["--sharding", "SHARD_GRAD_OP"];
+    resume_plans(
+        &dir,
+        &[
+            ((2, &blocks), vec![(3, &blocks), (1, &plain)]),
+            ((4, &zero2), vec![(2, &zero), (3, &plain), (4, &zero2)]),
+        ],
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -366,6 +366,25 @@ pub fn run(
     name: &'static str,
     seeds: &[Vec<u8>],
     iterations: u64,
+    target: impl FnMut(&[u8]) -> Verdict,
+) -> Report {
+    run_keeping(name, seeds, iterations, Some(&failures_dir()), target)
+}
+
+/// Where [`run`] keeps failing inputs: `BURN_ACCELERATE_FUZZ_FAILURES`, else `fuzz-failures` in the system's
+/// temporary folder.
+pub fn failures_dir() -> PathBuf {
+    std::env::var_os("BURN_ACCELERATE_FUZZ_FAILURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("fuzz-failures"))
+}
+
+/// [`run`], keeping the first failing inputs in `keep` (none with `None`).
+pub fn run_keeping(
+    name: &'static str,
+    seeds: &[Vec<u8>],
+    iterations: u64,
+    keep: Option<&std::path::Path>,
     mut target: impl FnMut(&[u8]) -> Verdict,
 ) -> Report {
     let mut mutator = Mutator::new(0x5eed ^ name.len() as u64);
@@ -411,11 +430,12 @@ pub fn run(
             report.failures += 1;
             if failures_kept < 5 {
                 failures_kept += 1;
-                let file = keep_failure(name, i, &input);
+                let kept = keep.map(|dir| keep_failure(dir, name, i, &input));
                 eprintln!(
-                    "fuzz {name}: input {i} ({} bytes, kept at {}): {problem}",
+                    "fuzz {name}: input {i} ({} bytes{}): {problem}",
                     input.len(),
-                    file.display()
+                    kept.map(|f| format!(", kept at {}", f.display()))
+                        .unwrap_or_default()
                 );
             }
         }
@@ -428,12 +448,42 @@ pub fn run(
     report
 }
 
-/// Writes a failing input to `fuzz-failures/<target>-<i>` in the system's temporary folder.
-fn keep_failure(name: &str, i: u64, input: &[u8]) -> PathBuf {
-    let dir = std::env::var_os("BURN_ACCELERATE_FUZZ_FAILURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("fuzz-failures"));
-    let _ = std::fs::create_dir_all(&dir);
+/// A folder for a target's files (`<temp>/<name>-<pid>`, emptied first), removed when dropped, also when the
+/// target fails.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// The folder `name` of this process.
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary folder for the fuzz target");
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+/// Writes a failing input to `<dir>/<target>-<i>`.
+fn keep_failure(dir: &std::path::Path, name: &str, i: u64, input: &[u8]) -> PathBuf {
+    let _ = std::fs::create_dir_all(dir);
     let file = dir.join(format!("{name}-{i}"));
     let _ = std::fs::write(&file, input);
     file
@@ -506,7 +556,7 @@ mod tests {
 
     #[test]
     fn a_run_counts_panics_and_wrong_answers() {
-        let report = run("selftest", &[b"ok".to_vec()], 20, |input| {
+        let report = run_keeping("selftest", &[b"ok".to_vec()], 20, None, |input| {
             if input.is_empty() {
                 panic!("empty")
             } else if input == b"ok" {

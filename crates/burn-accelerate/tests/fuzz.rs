@@ -20,7 +20,7 @@ use burn_accelerate::checkpoint::safetensors::{load_weights, write_safetensors};
 use burn_accelerate::checkpoint::{KeyRemap, LoadOptions, WeightLayout};
 use burn_accelerate::distributed::cluster::LauncherVars;
 use burn_accelerate::{Accelerator, AcceleratorConfig, StateToSave};
-use burn_accelerate_fuzz::{LimitedAlloc, Verdict, alias_bomb, iterations, run};
+use burn_accelerate_fuzz::{LimitedAlloc, Scratch, Verdict, alias_bomb, iterations, run};
 
 #[global_allocator]
 static ALLOC: LimitedAlloc = LimitedAlloc;
@@ -28,33 +28,9 @@ static ALLOC: LimitedAlloc = LimitedAlloc;
 /// Mutated inputs per target when `BURN_ACCELERATE_FUZZ_ITERATIONS` is not set.
 const DEFAULT_ITERATIONS: u64 = 3_000;
 
-/// A folder of this test, removed when dropped (also when the test fails).
-struct Scratch(std::path::PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl std::ops::Deref for Scratch {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
+/// A folder of this test's target, removed when dropped.
 fn scratch(name: &str) -> Scratch {
-    let dir = std::env::temp_dir().join(format!("ba-fuzz-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    Scratch(dir)
+    Scratch::new(&format!("ba-fuzz-{name}"))
 }
 
 /// The verdict on an error: a refusal when its message names `path`, else a wrong answer.
@@ -122,6 +98,31 @@ fn variables(input: &[u8]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The variables as a lookup: the last value of `name`, trimmed, unset when empty (as the process's environment
+/// is read).
+fn lookup_in(vars: &[(String, String)], name: &str) -> Option<String> {
+    vars.iter()
+        .rev()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+/// The verdict on what a reader of `vars` returned: an error must name one of the variables.
+fn names_a_variable<T>(result: burn_accelerate::Result<T>, vars: &[(String, String)]) -> Verdict {
+    match result {
+        Ok(_) => Verdict::Accepted,
+        Err(e) => {
+            let message = e.to_string();
+            if vars.iter().any(|(name, _)| message.contains(name.as_str())) {
+                Verdict::Refused
+            } else {
+                Verdict::Wrong(format!("the error names no variable: {message}"))
+            }
+        }
+    }
+}
+
 #[test]
 fn environment_settings() {
     let mut launched = AcceleratorConfig::default();
@@ -158,26 +159,10 @@ fn environment_settings() {
         |input| {
             let vars = variables(input);
             let mut config = AcceleratorConfig::default();
-            let lookup = |name: &str| {
-                vars.iter()
-                    .rev()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, v)| v.clone())
-            };
-            match config
-                .apply_env_from(lookup)
-                .and_then(|()| config.validate())
-            {
-                Ok(()) => Verdict::Accepted,
-                Err(e) => {
-                    let message = e.to_string();
-                    if vars.iter().any(|(name, _)| message.contains(name.as_str())) {
-                        Verdict::Refused
-                    } else {
-                        Verdict::Wrong(format!("the error names no variable: {message}"))
-                    }
-                }
-            }
+            let read = config
+                .apply_env_from(|name| lookup_in(&vars, name))
+                .and_then(|()| config.validate());
+            names_a_variable(read, &vars)
         },
     );
     assert_eq!(report.failures, 0, "{report:?}");
@@ -199,27 +184,8 @@ fn launcher_variables() {
         iterations(DEFAULT_ITERATIONS),
         |input| {
             let vars = variables(input);
-            let lookup = |name: &str| {
-                vars.iter()
-                    .rev()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, v)| v.trim().to_string())
-                    .filter(|v| !v.is_empty())
-            };
-            match LauncherVars::from_lookup(lookup) {
-                Ok(found) => {
-                    let _ = found.describe();
-                    Verdict::Accepted
-                }
-                Err(e) => {
-                    let message = e.to_string();
-                    if vars.iter().any(|(name, _)| message.contains(name.as_str())) {
-                        Verdict::Refused
-                    } else {
-                        Verdict::Wrong(format!("the error names no variable: {message}"))
-                    }
-                }
-            }
+            let read = LauncherVars::from_lookup(|name| lookup_in(&vars, name));
+            names_a_variable(read.map(|found| found.describe()), &vars)
         },
     );
     assert_eq!(report.failures, 0, "{report:?}");

@@ -3,7 +3,7 @@
 //! hostfile (a status file that cannot be read is left out, as a rank that left none); none may panic or allocate
 //! by an untrusted length (the allocation limit is this test binary's global allocator, `main.rs`).
 
-use burn_accelerate_fuzz::{Verdict, iterations, run};
+use burn_accelerate_fuzz::{Scratch, Verdict, iterations, run};
 
 use super::attempt::rank_reports;
 use super::hostfile_slots;
@@ -11,33 +11,9 @@ use super::hostfile_slots;
 /// Mutated inputs per target unless `BURN_ACCELERATE_FUZZ_ITERATIONS` says otherwise.
 const DEFAULT_ITERATIONS: u64 = 3_000;
 
-/// A folder of this test, removed when dropped (also when the test fails).
-struct Scratch(std::path::PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl AsRef<std::path::Path> for Scratch {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl std::ops::Deref for Scratch {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
+/// A folder of this test's target, removed when dropped.
 fn scratch(name: &str) -> Scratch {
-    let dir = std::env::temp_dir().join(format!("ba-cli-fuzz-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    Scratch(dir)
+    Scratch::new(&format!("ba-cli-fuzz-{name}"))
 }
 
 #[test]
