@@ -249,7 +249,18 @@ impl StepPipeline {
         let before = core.grads.len();
         core.grads.collect(model, grads);
         // On several ranks, a rank whose part of the batch reached none of the parameters (data-dependent routing)
-        // takes part in the reduction with zeros: an error here would leave its peers waiting in the collective.
+        // takes part in the reduction with zeros: an error here would leave its peers waiting in the collective. The
+        // first time, it says so (on every rank at once it would be the mistake the error below names).
+        if before == 0 && core.grads.is_empty() && self.strategy.is_distributed() {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                log::warn!(
+                    "backward: none of the model's parameters received a gradient on this rank, which takes part in \
+                     the reduction with zeros (said once); if no rank's loss reaches them, pass the model the loss \
+                     was computed with"
+                )
+            });
+        }
         if before == 0 && core.grads.is_empty() && !self.strategy.is_distributed() {
             return Err(Error::InvalidArgument(
                 "backward: none of the model's parameters received a gradient; pass the model the loss was \
