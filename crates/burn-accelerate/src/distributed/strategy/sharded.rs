@@ -61,6 +61,18 @@ struct Known {
     dtype: DType,
 }
 
+impl Known {
+    /// What `entry` (seen whole) shows, owned by `owner`.
+    fn of(owner: usize, entry: &ParamEntry) -> Self {
+        Self {
+            owner,
+            dims: entry.dims.clone(),
+            device: entry.device.clone(),
+            dtype: entry.dtype,
+        }
+    }
+}
+
 /// Sharded data parallelism over the host reduce-scatter and all-gather of the rank's communicator. Under a
 /// hybrid strategy the state is sharded within `group` (this rank's shard group) and each reduced gradient is then
 /// averaged across `replicas` (the ranks holding the same shard in the other groups).
@@ -209,15 +221,7 @@ impl Sharded {
             }
             if let Some(entry) = params.get(*id).filter(|e| !e.is_placeholder()) {
                 adopted.remove(id);
-                known.insert(
-                    *id,
-                    Known {
-                        owner,
-                        dims: entry.dims.clone(),
-                        device: entry.device.clone(),
-                        dtype: entry.dtype,
-                    },
-                );
+                known.insert(*id, Known::of(owner, entry));
             }
         }
     }
@@ -278,15 +282,7 @@ impl Sharded {
         let mut known = self.known();
         for ((id, _), owner) in trainable.iter().zip(owners) {
             if let Some(entry) = params.get(*id) {
-                known.insert(
-                    *id,
-                    Known {
-                        owner,
-                        dims: entry.dims.clone(),
-                        device: entry.device.clone(),
-                        dtype: entry.dtype,
-                    },
-                );
+                known.insert(*id, Known::of(owner, entry));
             }
         }
     }
