@@ -131,6 +131,10 @@ struct Args {
     /// `stream`: only the main process reads the stream and sends each rank its batches (`dispatch_batches`).
     #[arg(long)]
     dispatch_batches: bool,
+    /// `stream`: read this many rounds of 24 ids (24 / P a rank), save the state in `<out>/stream-state` and
+    /// stop; with `--resume`, load that state and read the rest of the epoch, then one whole epoch.
+    #[arg(long)]
+    stream_save_rounds: Option<usize>,
     /// Micro-batches per optimizer step, whatever the case (`resume` with accumulation).
     #[arg(long)]
     accumulation: Option<usize>,
@@ -430,10 +434,12 @@ fn evaluate(acc: &Accelerator, initial: Mlp, report: &mut Report) -> Result<()> 
     Ok(())
 }
 
-/// A stream of the ids 0..103 in batches of 8 per rank (no number of ranks divides it), read by every rank or,
-/// with `dispatch`, by the main process alone: the ids `gather_for_metrics` returns on this rank, and how many
-/// times this process opened the stream.
-fn read_stream(acc: &Accelerator, dispatch: bool, report: &mut Report) -> Result<()> {
+/// A stream of the ids 0..103 (no number of ranks divides it) read by every rank or, with `--dispatch-batches`,
+/// by the main process alone: the ids `gather_for_metrics` returns on this rank, and how many times this process
+/// opened the stream. Batches of 8 a rank; with `--stream-save-rounds`, 24 ids a round (24 / P a rank) so that
+/// the saved position means the same on any number of ranks, saved after that many rounds or, with `--resume`,
+/// continued from there (the rest of the epoch, then one whole epoch).
+fn read_stream(acc: &Accelerator, args: &Args, report: &mut Report) -> Result<()> {
     #[derive(Clone)]
     struct Ids;
     impl Batcher<i64, Tensor<1, Int>> for Ids {
@@ -441,17 +447,35 @@ fn read_stream(acc: &Accelerator, dispatch: bool, report: &mut Report) -> Result
             Tensor::from_data(items.as_slice(), device)
         }
     }
+    let per_rank = match args.stream_save_rounds {
+        Some(_) => GLOBAL_BATCH / acc.num_processes(),
+        None => 8,
+    };
     let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = opened.clone();
-    let stream = burn_accelerate::data::StreamLoader::new(Ids, 8, false, move || {
+    let stream = burn_accelerate::data::StreamLoader::new(Ids, per_rank, false, move || {
         counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         (0..103i64).map(Ok)
     })
-    .dispatch_batches(dispatch);
+    .dispatch_batches(args.dispatch_batches);
     let prepared = acc.prepare_stream(stream)?;
-    for batch in prepared.iter() {
-        let ids = acc.gather_for_metrics(batch?)?;
-        report.gathered_ids.extend(ids.into_data().iter::<i64>());
+    let state = args.out.join("stream-state");
+    let (rounds, epochs) = match args.stream_save_rounds {
+        Some(rounds) if !args.resume => (Some(rounds), 1),
+        Some(_) => {
+            acc.load_state(Some(&state))?.finish()?;
+            (None, 2)
+        }
+        None => (None, 1),
+    };
+    for _ in 0..epochs {
+        for batch in prepared.iter().take(rounds.unwrap_or(usize::MAX)) {
+            let ids = acc.gather_for_metrics(batch?)?;
+            report.gathered_ids.extend(ids.into_data().iter::<i64>());
+        }
+    }
+    if rounds.is_some() {
+        acc.save_state(Some(&state), &StateToSave::new())?;
     }
     report.stream_opened = opened.load(std::sync::atomic::Ordering::SeqCst);
     Ok(())
@@ -468,7 +492,7 @@ fn run_case(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<
             None
         }
         Case::Stream => {
-            read_stream(acc, args.dispatch_batches, &mut report)?;
+            read_stream(acc, args, &mut report)?;
             None
         }
         _ => {

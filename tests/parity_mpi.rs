@@ -114,6 +114,94 @@ fn a_dispatched_stream_under_mpirun_is_read_by_the_main_process_alone() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A stream saved by N processes after 2 rounds of 24 ids continues on M (`mpirun` both times), read by every
+/// process or dispatched from the main process: every resumed rank gathers exactly the ids after the save, then
+/// the next epoch whole; dispatched, only the main process opens the stream.
+#[test]
+fn a_stream_saved_under_mpirun_continues_on_another_number_of_processes() {
+    let dir = scratch("stream-resume-mpi");
+    for dispatch in [false, true] {
+        for (n, m) in [(2, 3), (3, 2)] {
+            let what = format!("mpirun {n} -> {m}, dispatch_batches {dispatch}");
+            let out = dir.join(format!("{dispatch}-{n}to{m}"));
+            let mut args = vec!["--case", "stream", "--stream-save-rounds", "2"];
+            if dispatch {
+                args.push("--dispatch-batches");
+            }
+            assert_success(&mpirun(n, &out, &args));
+            for rank in 0..n {
+                let saved = report(&out, "stream", rank);
+                let first: Vec<i64> = (0..48).collect();
+                assert_eq!(
+                    saved["gathered_ids"],
+                    serde_json::json!(first),
+                    "{what}, rank {rank}"
+                );
+            }
+            args.push("--resume");
+            assert_success(&mpirun(m, &out, &args));
+            let expected: Vec<i64> = (48..103).chain(0..103).collect();
+            for rank in 0..m {
+                let resumed = report(&out, "stream", rank);
+                assert_eq!(
+                    resumed["gathered_ids"],
+                    serde_json::json!(expected),
+                    "{what}, rank {rank}: the rest of the epoch, then the next whole"
+                );
+                let opened = if dispatch && rank > 0 { 0 } else { 2 };
+                assert_eq!(resumed["stream_opened"], opened, "{what}, rank {rank}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A state moves between hybrid meshes and the other strategies under `mpirun`: saved by 4 processes as 2
+/// replicas of 2 shards (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`), it resumes on 2 `FULL_SHARD` and 3 `NO_SHARD`
+/// processes; saved by 2 `FULL_SHARD` processes, on 4 as a hybrid mesh. Each within the `dp` bound of one process
+/// straight through, every sample used once.
+#[test]
+fn a_hybrid_state_resumes_under_mpirun_on_other_meshes() {
+    let dir = scratch("hybrid-resize-mpi");
+    let reference = dir.join("one");
+    run_local(&reference, &["--case", "resume"]);
+    let hybrid = ["--sharding", "HYBRID_SHARD", "--dp-shard-size", "2"];
+    let zero2 = ["--sharding", "_HYBRID_SHARD_ZERO2", "--dp-shard-size", "2"];
+    let full = ["--sharding", "FULL_SHARD"];
+    let plain = ["--sharding", "NO_SHARD"];
+    type Plan<'a> = ((usize, &'a [&'a str]), Vec<(usize, &'a [&'a str])>);
+    let plans: [Plan; 3] = [
+        ((4, &hybrid), vec![(2, &full), (3, &plain)]),
+        ((4, &zero2), vec![(2, &full), (4, &hybrid)]),
+        ((2, &full), vec![(4, &zero2)]),
+    ];
+    for (i, ((n, saved_with), resumes)) in plans.iter().enumerate() {
+        let saved = dir.join(format!("saved{i}"));
+        assert_success(&mpirun(
+            *n,
+            &saved,
+            &[&["--case", "resume"][..], saved_with].concat(),
+        ));
+        let before = parity::trained_ids(&saved, *n);
+        for (m, resumed_with) in resumes {
+            let what = format!("mpirun {n} {saved_with:?} -> {m} {resumed_with:?}");
+            let resumed = dir.join(format!("saved{i}-m{m}"));
+            parity::copy_dir(&saved.join("resume-state"), &resumed.join("resume-state"));
+            let args = [&["--case", "resume", "--resume"][..], resumed_with].concat();
+            assert_success(&mpirun(*m, &resumed, &args));
+            let diff = parity::check_resumed(
+                &reference,
+                &before,
+                (&resumed, *m, resumed_with[1]),
+                parity::bound("dp"),
+                &what,
+            );
+            println!("{what}: max |Δ| vs one process {diff:e}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn a_job_killed_under_mpirun_resumes_bit_for_bit() {
     let dir = scratch("resume");
@@ -536,7 +624,8 @@ fn the_many_models_scenarios_train_under_mpirun_as_a_plain_burn_loop() {
 
 /// Rank 1's own error under `mpirun` and under `burn-accelerate launch`, every strategy, on 2 and 3 processes with
 /// a 60 s collective timeout: the job ends at once (not after the timeout), with the failing rank named and its
-/// own error printed, and the others stopped.
+/// own error printed, and the others stopped; `launch` ends its message with what rank 1 last wrote (its status
+/// file).
 #[test]
 fn a_ranks_own_error_under_mpirun_ends_the_job_naming_it() {
     let program = examples::example("many_models");
