@@ -676,4 +676,12 @@ fn a_ranks_own_error_under_mpirun_ends_the_job_naming_it() {
             && stderr.contains("rank 1 exited with status 1; the other ranks were stopped"),
         "launch: {stderr}"
     );
+    // The launcher's own message ends with what rank 1 last wrote, read from its status file.
+    let words = stderr
+        .split("rank 1 exited with status 1; the other ranks were stopped")
+        .nth(1);
+    assert!(
+        words.is_some_and(|w| w.starts_with("\n  rank 1 last wrote:") && w.contains(&own)),
+        "launch: rank 1's own error does not follow the launcher's message:\n{stderr}"
+    );
 }

@@ -15,6 +15,7 @@ use clap::Args;
 use crate::restart::{self, Decision, Failure, RESTART_COUNT_VAR, RestartPolicy};
 
 mod attempt;
+mod rank_output;
 
 use attempt::*;
 
@@ -500,11 +501,12 @@ pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
         } else {
             ""
         };
+        let words = failure.last_words();
         match policy.decide(&failure, restarts) {
             Decision::Restart { restart, delay } => {
                 eprintln!(
                     "burn-accelerate launch: {failure}{stopped}; restart {restart} of {} in {:.1} s, resuming from \
-                     the latest complete checkpoint",
+                     the latest complete checkpoint{words}",
                     policy.max_restarts,
                     delay.as_secs_f64()
                 );
@@ -515,7 +517,7 @@ pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
                         Ok(next) => plan.num_processes = next,
                         Err(why) => {
                             eprintln!(
-                                "burn-accelerate launch: {failure}{stopped}; {why}: giving up"
+                                "burn-accelerate launch: {failure}{stopped}; {why}: giving up{words}"
                             );
                             return Ok(failure.code());
                         }
@@ -525,9 +527,9 @@ pub fn run(args: &LaunchArgs) -> Result<i32, LaunchError> {
             Decision::GiveUp(why) => {
                 // Without --max-restarts the failure is the whole story, as before restarts existed.
                 if policy.max_restarts == 0 {
-                    eprintln!("burn-accelerate launch: {failure}{stopped}");
+                    eprintln!("burn-accelerate launch: {failure}{stopped}{words}");
                 } else {
-                    eprintln!("burn-accelerate launch: {failure}{stopped}; {why}");
+                    eprintln!("burn-accelerate launch: {failure}{stopped}; {why}{words}");
                 }
                 return Ok(failure.code());
             }

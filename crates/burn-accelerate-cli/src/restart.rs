@@ -38,6 +38,8 @@ pub enum Failure {
         status: i32,
         /// Other ranks that exited with an error of their own, with their statuses.
         others: Vec<(usize, i32)>,
+        /// The last lines the rank wrote to its standard error (its own error), when its status file kept them.
+        said: Option<String>,
     },
     /// The job failed and no process said why (mpirun could not start the ranks, say).
     Unexplained {
@@ -66,6 +68,27 @@ impl Failure {
         }
     }
 
+    /// What the failing rank last wrote to its standard error, as lines to follow the launcher's message (empty
+    /// when its status file kept nothing).
+    pub fn last_words(&self) -> String {
+        match self {
+            Self::Error {
+                rank,
+                said: Some(said),
+                ..
+            } => {
+                let who = rank.map_or("the program".to_string(), |r| format!("rank {r}"));
+                let mut text = format!("\n  {who} last wrote:");
+                for line in said.lines() {
+                    text.push_str("\n    ");
+                    text.push_str(line);
+                }
+                text
+            }
+            _ => String::new(),
+        }
+    }
+
     /// What the job's failure was, for one process.
     pub fn of_process(status: std::process::ExitStatus) -> Option<Self> {
         if status.success() {
@@ -82,6 +105,7 @@ impl Failure {
                 rank: None,
                 status: code,
                 others: Vec::new(),
+                said: None,
             },
         })
     }
@@ -107,7 +131,9 @@ impl fmt::Display for Failure {
                 rank,
                 status,
                 others,
+                said: _,
             } => {
+                // What the rank wrote follows the launcher's whole message: `last_words`.
                 write!(f, "{} exited with status {status}", who(rank))?;
                 for (rank, status) in others {
                     write!(f, ", rank {rank} exited with status {status}")?;
@@ -252,6 +278,7 @@ mod tests {
             rank: Some(1),
             status: 1,
             others: vec![(2, 3)],
+            said: None,
         };
         match policy(3, false).decide(&error, 0) {
             Decision::GiveUp(why) => assert!(why.contains("--restart-on-error"), "{why}"),
@@ -270,6 +297,18 @@ mod tests {
             error.to_string(),
             "rank 1 exited with status 1, rank 2 exited with status 3"
         );
+        let said = Failure::Error {
+            rank: Some(1),
+            status: 1,
+            others: Vec::new(),
+            said: Some("loading\nError: the file is truncated".into()),
+        };
+        assert_eq!(said.to_string(), "rank 1 exited with status 1");
+        assert_eq!(
+            said.last_words(),
+            "\n  rank 1 last wrote:\n    loading\n    Error: the file is truncated"
+        );
+        assert_eq!(error.last_words(), "");
     }
 
     #[cfg(unix)]
@@ -288,7 +327,8 @@ mod tests {
             Failure::Error {
                 rank: None,
                 status: 3,
-                others: Vec::new()
+                others: Vec::new(),
+                said: None,
             }
         );
         assert!(!error.restartable(false));

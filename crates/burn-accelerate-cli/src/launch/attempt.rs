@@ -43,7 +43,7 @@ impl Attempt<'_> {
         args: &[OsString],
     ) -> Result<Option<Failure>, LaunchError> {
         let plan = self.plan;
-        let open_mpi = Command::new("mpirun")
+        let version = Command::new("mpirun")
             .arg("--version")
             .output()
             .map_err(|e| {
@@ -51,7 +51,8 @@ impl Attempt<'_> {
                     "cannot run mpirun ({e}); install an MPI launcher (Debian: apt-get install openmpi-bin)"
                 ))
             })
-            .map(|out| String::from_utf8_lossy(&out.stdout).contains("Open MPI"))?;
+            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())?;
+        let open_mpi = version.contains("Open MPI");
         let status_dir = std::env::temp_dir().join(format!(
             "burn-accelerate-launch-{}-{}",
             std::process::id(),
@@ -71,6 +72,11 @@ impl Attempt<'_> {
                 command.arg("--oversubscribe");
             }
             None => {}
+        }
+        // A copy of each rank's output, to name what a failed rank last wrote.
+        let output_dir = status_dir.join("output");
+        if let Some(flag) = rank_output::output_flag(&version, &output_dir) {
+            command.args(flag);
         }
         let status_var = burn_accelerate::distributed::comm::STATUS_DIR_VAR;
         let mut env = self.env();
@@ -132,7 +138,10 @@ impl Attempt<'_> {
             .wait()
             .map_err(|e| fail(format!("waiting for mpirun: {e}")))?;
         let seen = watcher.join().unwrap_or_default();
-        let reports = rank_reports(&status_dir);
+        let mut reports = rank_reports(&status_dir);
+        for report in &mut reports {
+            report.said = rank_output::last_words(&output_dir, report.rank);
+        }
         let _ = std::fs::remove_dir_all(&status_dir);
         if status.success() {
             return Ok(None);
@@ -147,6 +156,9 @@ pub(super) struct RankReport {
     pub(super) rank: usize,
     pub(super) status: i32,
     pub(super) timed_out: bool,
+    /// The last lines the rank wrote to its standard error, where `mpirun` kept a copy
+    /// ([`rank_output::last_words`]).
+    pub(super) said: Option<String>,
 }
 
 /// What mpirun said about the job's processes on its error stream.
@@ -172,6 +184,7 @@ pub(super) fn classify(reports: &[RankReport], seen: &MpirunSaw, code: i32) -> F
             } else {
                 code
             },
+            said: first.said.clone(),
             others: own.map(|r| (r.rank, r.status)).collect(),
         };
     }
@@ -192,6 +205,7 @@ pub(super) fn classify(reports: &[RankReport], seen: &MpirunSaw, code: i32) -> F
             rank: None,
             status: code,
             others: Vec::new(),
+            said: None,
         },
         None => Failure::Unexplained { code },
     }
@@ -225,21 +239,39 @@ pub(super) fn rank_reports(dir: &Path) -> Vec<RankReport> {
                 .strip_suffix(".status")?
                 .parse()
                 .ok()?;
-            parse_report(rank, &std::fs::read_to_string(entry.path()).ok()?)
+            parse_report(rank, &read_report(&entry.path())?)
         })
         .collect();
     reports.sort_by_key(|r| r.rank);
     reports
 }
 
-/// Reads `<status>[ <reason>]`.
+/// The text of a status file, at most [`REPORT_BYTES`] of it (a rank writes a few lines; a larger file is not
+/// one of ours, and its length decides nothing here).
+fn read_report(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(REPORT_BYTES)
+        .read_to_end(&mut bytes)
+        .ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The most of a status file read.
+const REPORT_BYTES: u64 = 16 << 10;
+
+/// Reads `<status>[ <reason>]` (the first line; what follows is not the library's).
 pub(super) fn parse_report(rank: usize, text: &str) -> Option<RankReport> {
-    let mut words = text.split_whitespace();
+    let first = text.lines().next()?;
+    let mut words = first.split_whitespace();
     let status = words.next()?.parse().ok()?;
     let timed_out = words.next() == Some(burn_accelerate::distributed::comm::TIMEOUT_REASON);
     Some(RankReport {
         rank,
         status,
         timed_out,
+        said: None,
     })
 }

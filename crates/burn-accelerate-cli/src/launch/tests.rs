@@ -93,7 +93,8 @@ fn a_rank_error_of_its_own_outranks_the_timeouts_and_deaths_it_caused() {
         RankReport {
             rank: 2,
             status: 1,
-            timed_out: false
+            timed_out: false,
+            said: None,
         }
     );
     assert_eq!(parse_report(1, "garbage"), None);
@@ -107,7 +108,8 @@ fn a_rank_error_of_its_own_outranks_the_timeouts_and_deaths_it_caused() {
         Failure::Error {
             rank: Some(2),
             status: 1,
-            others: vec![(3, 4)]
+            others: vec![(3, 4)],
+            said: None,
         }
     );
     assert_eq!(
@@ -147,7 +149,8 @@ fn a_program_that_fails_before_reporting_is_its_own_error_unless_a_signal_ended_
         Failure::Error {
             rank: None,
             status: 3,
-            others: Vec::new()
+            others: Vec::new(),
+            said: None,
         }
     );
     assert!(!own.restartable(false) && own.restartable(true));
@@ -156,4 +159,19 @@ fn a_program_that_fails_before_reporting_is_its_own_error_unless_a_signal_ended_
         classify(&[], &returned, 137),
         Failure::Unexplained { code: 137 }
     );
+}
+
+#[test]
+fn a_failure_ends_with_what_the_rank_last_wrote() {
+    use crate::restart::Failure;
+    let mut report = super::parse_report(1, "1\n").unwrap();
+    assert_eq!(report.said, None);
+    report.said = Some("Error: rank 1 returns an error on purpose".into());
+    let failure = super::classify(&[report], &super::MpirunSaw::default(), 1);
+    assert_eq!(failure.to_string(), "rank 1 exited with status 1");
+    assert_eq!(
+        failure.last_words(),
+        "\n  rank 1 last wrote:\n    Error: rank 1 returns an error on purpose"
+    );
+    assert!(matches!(failure, Failure::Error { said: Some(_), .. }));
 }
