@@ -10,11 +10,11 @@
 //! | strategy | gradients | who steps what | optimizer state |
 //! |---|---|---|---|
 //! | [`SingleDevice`] | scaled in place | this rank, everything | one file |
-//! | [`DataParallel`] over a [`GradientTransport`](transport::GradientTransport) | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
+//! | [`DataParallel`] over a [`TensorComm`](crate::distributed::tensor_comm::TensorComm) | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
 //! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's | each rank, its own parameters; then all-gathered (or dropped: `FULL_SHARD`) | one slice per rank |
 //! | [`Sharded`], hybrid (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`) | reduce-scatter within the shard group, all-reduce across the replicas | as above, within the shard group (a sub-group of the communicator) | one slice per rank (replicas write the same) |
 //!
-//! The [`GradientTransport`](transport::GradientTransport) is chosen per run (`transport::select`, from the `gradient_transport` setting and
+//! Data parallelism's implementation of the tensor interface is chosen per run (`transport::select`, from the `gradient_transport` setting and
 //! what the machine has): host copies through the communicator on every backend, or a device all-reduce on CUDA
 //! (Burn's in-process collective, NCCL between processes). The tests below train through another transport
 //! and through the device path's test double, end to end.
@@ -34,9 +34,9 @@ use burn::tensor::Tensor;
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use sharded::{ParamFetcher, Sharded};
-#[cfg(test)]
-use transport::GradientTransport as Transport;
 pub(crate) use transport::check_against_reference as check_transport;
+#[cfg(test)]
+use transport::{DeviceAverage, OnDevice};
 pub use transport::{DtypeCheck, TransportCheck, describe, rounding_bound};
 
 use crate::config::{AcceleratorConfig, GradientTransport};
@@ -465,20 +465,14 @@ mod tests {
         calls: Arc<AtomicUsize>,
     }
 
-    impl Transport for DeviceDouble {
+    impl DeviceAverage for DeviceDouble {
         fn name(&self) -> &'static str {
             "device double"
-        }
-        fn rank(&self) -> usize {
-            self.group.process_index()
         }
         fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
             self.calls.fetch_add(1, Ordering::Relaxed);
             let sum = collectives::reduce(&self.group, flat, ReduceOp::Sum)?;
             Ok(sum.mul_scalar(scale / self.group.num_processes() as f32))
-        }
-        fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
-            collectives::broadcast(&self.group, flat, root)
         }
     }
 
@@ -561,7 +555,10 @@ mod tests {
                 group: group.clone(),
                 calls: counted.clone(),
             };
-            Arc::new(DataParallel::new(Box::new(transport), 25 << 20))
+            Arc::new(DataParallel::new(
+                OnDevice::checked(Box::new(transport), group),
+                25 << 20,
+            ))
         }));
         let host = train(AcceleratorBuilder::default(), 20);
         let other = train(device, 20);
@@ -585,7 +582,10 @@ mod tests {
                 std::time::Duration::from_secs(30),
             )
             .unwrap();
-            Arc::new(DataParallel::new(Box::new(transport), 25 << 20))
+            Arc::new(DataParallel::new(
+                OnDevice::checked(Box::new(transport), group),
+                25 << 20,
+            ))
         }));
         let host = train(AcceleratorBuilder::default(), 20);
         let other = train(device, 20);

@@ -29,15 +29,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use super::params::{ParamEntry, ParamTable};
-use super::transport::{from_host, to_host};
 use super::{StateScope, Strategy, balanced_owners};
 use crate::config::ShardingStrategy;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
-use crate::distributed::comm::{ReduceBuffer, ReduceOp};
+use crate::distributed::comm::ReduceOp;
+use crate::distributed::tensor_comm::{Checked, Reduction, TensorComm, bucket};
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 
@@ -46,9 +46,6 @@ mod gather;
 
 pub(crate) use fetch::ParamFetcher;
 use gather::gather;
-
-/// Parameters of at least this many elements (1 MiB of f32) cross ranks alone, as data parallelism's buckets do.
-const ALONE_ELEMENTS: usize = 1 << 18;
 
 /// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): its owner and
 /// shape, which a `FULL_SHARD` placeholder no longer shows, and where it lives (a rank that holds none of the
@@ -84,6 +81,10 @@ pub(crate) struct Sharded {
     world: Arc<ProcessGroup>,
     /// The ranks holding this rank's shard in the other shard groups (hybrid strategies only).
     replicas: Option<Arc<ProcessGroup>>,
+    /// The tensor interface over `group`, `world` and `replicas`: the only way the strategy reaches other ranks.
+    shards: Arc<dyn TensorComm>,
+    everyone: Arc<dyn TensorComm>,
+    replica_comm: Option<Arc<dyn TensorComm>>,
     mode: ShardingStrategy,
     bucket_elems: usize,
     known: Mutex<HashMap<ParamId, Known>>,
@@ -95,12 +96,16 @@ pub(crate) struct Sharded {
 impl Sharded {
     /// The strategy of `group`'s rank; `mode` is `ShardGradOp` or `FullShard`.
     pub fn new(group: Arc<ProcessGroup>, mode: ShardingStrategy, bucket_bytes: usize) -> Self {
+        let comm: Arc<dyn TensorComm> = Arc::new(Checked::host(group.clone()));
         Self {
             world: group.clone(),
             group,
             replicas: None,
+            shards: comm.clone(),
+            everyone: comm,
+            replica_comm: None,
             mode,
-            bucket_elems: (bucket_bytes / 4).max(1),
+            bucket_elems: bucket::max_elements(bucket_bytes),
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
         }
@@ -132,11 +137,14 @@ impl Sharded {
         let shard = Arc::new(world.split(rank / shard_size, rank)?);
         let replicas = Arc::new(world.split(rank % shard_size, rank)?);
         Ok(Self {
+            shards: Arc::new(Checked::host(shard.clone())),
+            everyone: Arc::new(Checked::host(world.clone())),
+            replica_comm: Some(Arc::new(Checked::host(replicas.clone()))),
             group: shard,
             replicas: Some(replicas),
             world,
             mode,
-            bucket_elems: (bucket_bytes / 4).max(1),
+            bucket_elems: bucket::max_elements(bucket_bytes),
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
         })
@@ -156,21 +164,43 @@ impl Sharded {
     /// rank calling something else outside its sub-groups would leave its group waiting for the timeout.
     fn check_world(&self, operation: &str, layout: usize) -> Result<()> {
         if self.replicas.is_some() {
-            Self::checked(&self.world, operation, &[layout])?;
+            collectives::verify_call(&self.world, operation, DType::F32, &[layout])?;
         }
         Ok(())
     }
 
-    /// The communicator of `group` for one collective of a step, checked first in debug mode as every other
-    /// collective is: the ranks compare `operation` and its `layout` (counts, sizes, root), so a rank calling
-    /// something else is an error on every rank naming each rank's call, instead of a hang or wrong data.
-    fn checked<'g>(
-        group: &'g ProcessGroup,
-        operation: &str,
-        layout: &[usize],
-    ) -> Result<&'g dyn crate::distributed::comm::Communicator> {
-        collectives::verify_call(group, operation, burn::tensor::DType::F32, layout)?;
-        Ok(group.comm().as_ref())
+    /// How a gradient combines within the shard group: the mean times `scale`, or under a hybrid strategy the sum
+    /// (the replicas' sum and the factor follow in [`across_replicas`](Self::across_replicas)).
+    fn within_shards(&self, scale: f32) -> Reduction {
+        match self.replica_comm {
+            Some(_) => Reduction::Op(ReduceOp::Sum),
+            None => Reduction::Average(scale),
+        }
+    }
+
+    /// Under a hybrid strategy, this rank's reduced values summed over the replicas (every replica holds the same
+    /// shard, so every member of a replica group makes the same calls), times scale / every rank; `values` as
+    /// they are otherwise.
+    fn across_replicas(&self, values: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
+        match &self.replica_comm {
+            Some(replicas) if values.dims()[0] > 0 => {
+                let factor = scale / self.world.num_processes() as f32;
+                replicas
+                    .all_reduce(
+                        values,
+                        Reduction::ScaledSum(factor),
+                        "hybrid gradient all-reduce across replicas",
+                    )?
+                    .wait()
+            }
+            _ => Ok(values),
+        }
+    }
+
+    /// One f64 value on this rank's device, for a verdict or a norm every rank of the shard group combines.
+    fn scalar(&self, value: f64) -> Tensor<1> {
+        let device = self.group.device().clone().without_autodiff();
+        Tensor::from_data(TensorData::new(vec![value], [1]), (&device, DType::F64))
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, Known>> {
@@ -226,7 +256,7 @@ impl Sharded {
         }
     }
 
-    /// The indices into `params` of the parameters that cross ranks alone: [`ALONE_ELEMENTS`] or more (or past
+    /// The indices into `params` of the parameters that cross ranks alone: [`bucket::ALONE_ELEMENTS`] or more (or past
     /// a round's size). Each is reduced into its owner's own buffer and broadcast from it, in place: no buffer is
     /// allocated or copied for it where the model or the gradient buffer alone holds it (as data parallelism's
     /// all-reduce of a large gradient).
@@ -238,7 +268,7 @@ impl Sharded {
     }
 
     fn alone_elements(&self) -> usize {
-        ALONE_ELEMENTS.min((self.bucket_elems / self.world()).max(1))
+        bucket::ALONE_ELEMENTS.min((self.bucket_elems / self.world()).max(1))
     }
 
     /// `rounds[k][q]`: the indices into `params` of rank `q`'s own smaller parameters (not [`large`](Self::large))
@@ -369,80 +399,36 @@ impl Strategy for Sharded {
         let me = self.shard_rank();
         self.check_world("hybrid sharded gradient sync", params.len())?;
         let owners = self.owners(params);
-        // As the data-parallel all-reduce: the mean when unscaled, else the sum times scale / ranks (the same
-        // bits, element for element). Under a hybrid strategy: the sum within the shard group, then over the
-        // replicas, times scale / every rank.
-        let (op, factor) = match &self.replicas {
-            Some(_) => (
-                ReduceOp::Sum,
-                Some(scale / self.world.num_processes() as f32),
-            ),
-            None if scale == 1.0 => (ReduceOp::Mean, None),
-            None => (ReduceOp::Sum, Some(scale / self.world() as f32)),
-        };
-        // This rank's reduced values summed over the replicas (every replica holds the same shard, so every
-        // member of a replica group makes the same calls).
-        let across_replicas = |values: Vec<f32>| -> Result<Vec<f32>> {
-            let Some(replicas) = &self.replicas else {
-                return Ok(values);
-            };
-            if values.is_empty() {
-                return Ok(values);
-            }
-            let comm = Self::checked(
-                replicas,
-                "hybrid gradient all-reduce across replicas",
-                &[values.len()],
-            )?;
-            match comm.all_reduce(ReduceBuffer::F32(values), ReduceOp::Sum)? {
-                ReduceBuffer::F32(values) => Ok(values),
-                other => Err(Error::InvalidArgument(format!(
-                    "gradient all-reduce across replicas: the engine returned {} values",
-                    other.kind()
-                ))),
-            }
-        };
-        // Each gradient comes back in its own dtype (a model may mix f32 and half-precision parameters); one this
-        // rank lacked takes the first gradient's.
-        let mut dtypes: HashMap<ParamId, burn::tensor::DType> = HashMap::new();
-        let to_tensor = |mut values: Vec<f32>, dtype: burn::tensor::DType| {
-            if let Some(factor) = factor {
-                values.iter_mut().for_each(|x| *x *= factor);
-            }
-            from_host(values, (&device, dtype), "gradient reduce-scatter")
-        };
+        // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
+        let zeros = |n: usize| Tensor::<1>::zeros([n], (&device, dtype));
         // Large gradients: each reduced into its owner's own buffer.
         for i in self.large(params) {
             let (id, n) = params[i];
-            let (shape, host) = match grads.take(id) {
-                Some((shape, grad)) => {
-                    dtypes.insert(id, grad.dtype());
-                    (Some(shape), to_host(grad, "gradient reduce")?)
-                }
-                // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
-                None => (None, vec![0.0; n]),
+            let (shape, flat) = match grads.take(id) {
+                Some((shape, grad)) => (Some(shape), grad),
+                None => (None, zeros(n)),
             };
-            let comm = Self::checked(
-                &self.group,
-                "sharded gradient reduce to its owner",
-                &[n, owners[i]],
-            )?;
-            match comm.reduce(ReduceBuffer::F32(host), owners[i], op)? {
-                Some(ReduceBuffer::F32(values)) => {
-                    let own = dtypes.get(&id).copied().unwrap_or(dtype);
-                    let flat = to_tensor(across_replicas(values)?, own)?;
-                    match shape {
-                        Some(shape) => grads.put(id, shape, flat),
-                        None => grads.set_flat(id, flat),
-                    }
+            let own = flat.dtype();
+            let reduced = self
+                .shards
+                .reduce(
+                    flat,
+                    owners[i],
+                    self.within_shards(scale),
+                    "sharded gradient reduce to its owner",
+                )?
+                .wait()?;
+            if let Some(reduced) = reduced {
+                let flat = self.across_replicas(reduced, scale)?;
+                let flat = if flat.dtype() == own {
+                    flat
+                } else {
+                    flat.cast(own)
+                };
+                match shape {
+                    Some(shape) => grads.put(id, shape, flat),
+                    None => grads.set_flat(id, flat),
                 }
-                Some(other) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "gradient reduce: the engine returned {} values",
-                        other.kind()
-                    )));
-                }
-                None => {}
             }
         }
         for round in self.rounds(params, &owners) {
@@ -450,62 +436,65 @@ impl Strategy for Sharded {
                 .iter()
                 .map(|group| group.iter().map(|i| params[*i].1).sum())
                 .collect();
-            let mut send = Vec::with_capacity(counts.iter().sum());
+            let mut parts = Vec::with_capacity(round.iter().map(Vec::len).sum());
             let mut shapes = HashMap::new();
+            // Each gradient comes back in its own dtype (a model may mix f32 and half-precision parameters); one
+            // this rank lacked takes the first gradient's.
+            let mut dtypes: HashMap<ParamId, DType> = HashMap::new();
             for &i in round.iter().flatten() {
                 let (id, n) = params[i];
-                // Taken out of the buffer (an owner's comes back reduced): moved to the host, not copied, when
-                // it is alone in the round.
-                let taken = grads.take(id).map(|(shape, grad)| {
-                    if owners[i] == me {
-                        shapes.insert(id, shape);
-                        dtypes.insert(id, grad.dtype());
+                // Taken out of the buffer (an owner's comes back reduced): moved, not copied, when it is alone in
+                // the round.
+                let grad = match grads.take(id) {
+                    Some((shape, grad)) => {
+                        if owners[i] == me {
+                            shapes.insert(id, shape);
+                            dtypes.insert(id, grad.dtype());
+                        }
+                        grad
                     }
-                    grad
-                });
-                match taken {
-                    Some(grad) if send.is_empty() && n == counts.iter().sum::<usize>() => {
-                        send = to_host(grad, "gradient reduce-scatter")?
-                    }
-                    Some(grad) => send.extend(to_host(grad, "gradient reduce-scatter")?),
-                    // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
-                    None => send.resize(send.len() + n, 0.0),
-                }
+                    None => zeros(n),
+                };
+                parts.push(grad);
             }
-            let comm = Self::checked(&self.group, "sharded gradient reduce-scatter", &counts)?;
-            let reduced = comm.reduce_scatter(ReduceBuffer::F32(send), &counts, op)?;
-            let ReduceBuffer::F32(mine) = reduced else {
-                return Err(Error::InvalidArgument(format!(
-                    "gradient reduce-scatter: the engine returned {} values",
-                    reduced.kind()
-                )));
+            let mine = self
+                .shards
+                .reduce_scatter(
+                    bucket::concat(parts, (&device, dtype)),
+                    &counts,
+                    self.within_shards(scale),
+                    "sharded gradient reduce-scatter",
+                )?
+                .wait()?;
+            let mine = self.across_replicas(mine, scale)?;
+            let sizes: Vec<usize> = round[me].iter().map(|&i| params[i].1).collect();
+            let values = if sizes.len() == 1 {
+                vec![mine]
+            } else {
+                mine.split_with_sizes(sizes, 0)
             };
-            let mine = across_replicas(mine)?;
-            let mut store = |id: ParamId, values: Vec<f32>| -> Result<()> {
-                let flat = to_tensor(values, dtypes.get(&id).copied().unwrap_or(dtype))?;
+            for (&i, flat) in round[me].iter().zip(values) {
+                let id = params[i].0;
+                let own = dtypes.get(&id).copied().unwrap_or(dtype);
+                let flat = if flat.dtype() == own {
+                    flat
+                } else {
+                    flat.cast(own)
+                };
                 match shapes.remove(&id) {
                     Some(shape) => grads.put(id, shape, flat),
                     // Unused on this rank: it gets its shape when the optimizer takes it.
                     None => grads.set_flat(id, flat),
                 }
-                Ok(())
-            };
-            if let [i] = round[me][..] {
-                store(params[i].0, mine)?;
-                continue;
-            }
-            let mut start = 0;
-            for &i in &round[me] {
-                let (id, n) = params[i];
-                store(id, mine[start..start + n].to_vec())?;
-                start += n;
             }
         }
         Ok(())
     }
 
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
-        collectives::broadcast(&self.world, flat, root)
+        self.everyone
+            .broadcast(flat, root, "parameter broadcast")?
+            .wait()
     }
 
     fn optimizer_state(&self) -> StateScope {
@@ -589,19 +578,36 @@ impl Strategy for Sharded {
     }
 
     fn any_rank(&self, local: bool) -> Result<bool> {
-        let comm = Self::checked(&self.group, "sharded overflow verdict", &[1])?;
-        let all = comm.all_reduce(ReduceBuffer::I64(vec![i64::from(local)]), ReduceOp::Max)?;
-        Ok(all != ReduceBuffer::I64(vec![0]))
+        let flag = self.scalar(f64::from(u8::from(local)));
+        let all = self
+            .shards
+            .all_reduce(
+                flag,
+                Reduction::Op(ReduceOp::Max),
+                "sharded overflow verdict",
+            )?
+            .wait()?;
+        Ok(scalar_value(all)? != 0.0)
     }
 
     fn combine_norm_parts(&self, partial: f64, op: ReduceOp) -> Result<f64> {
-        let comm = Self::checked(&self.group, "sharded gradient norm", &[1])?;
-        match comm.all_reduce(ReduceBuffer::F64(vec![partial]), op)? {
-            ReduceBuffer::F64(v) if v.len() == 1 => Ok(v[0]),
-            other => Err(Error::InvalidArgument(format!(
-                "gradient norm: the engine returned {} values",
-                other.kind()
-            ))),
-        }
+        let part = self.scalar(partial);
+        let all = self
+            .shards
+            .all_reduce(part, Reduction::Op(op), "sharded gradient norm")?
+            .wait()?;
+        scalar_value(all)
+    }
+}
+
+/// The one value of `flat`, as f64.
+fn scalar_value(flat: Tensor<1>) -> Result<f64> {
+    let data = flat.into_data().convert::<f64>();
+    match data.as_slice::<f64>() {
+        Ok([value]) => Ok(*value),
+        _ => Err(Error::InvalidArgument(format!(
+            "a combined scalar came back as {} values",
+            data.num_elements()
+        ))),
     }
 }

@@ -7,7 +7,7 @@ use super::*;
 /// the whole model on one rank (`save_model`): every rank of the shard group fetches the same parameters in
 /// visiting order, each a broadcast from its owner.
 pub(crate) struct ParamFetcher {
-    group: Arc<ProcessGroup>,
+    comm: Arc<dyn TensorComm>,
     me: usize,
     /// Every trainable parameter's whole number of elements.
     sizes: HashMap<ParamId, usize>,
@@ -48,24 +48,13 @@ impl ParamFetcher {
                 "save_model: parameter {id} is not one of the sharded model's"
             )));
         };
-        let host = match self.own.get(&id) {
-            Some(value) if owner == self.me => to_host(value.clone(), "parameter save")?,
-            _ => vec![0.0; n],
+        let flat = match self.own.get(&id) {
+            Some(value) if owner == self.me => value.clone(),
+            _ => Tensor::zeros([n], (&placement.0, placement.1)),
         };
-        let comm = Sharded::checked(
-            &self.group,
-            "sharded parameter fetch for a save",
-            &[n, owner],
-        )?;
-        match comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
-            ReduceBuffer::F32(values) => {
-                from_host(values, (&placement.0, placement.1), "parameter save")
-            }
-            other => Err(Error::InvalidArgument(format!(
-                "parameter save: the engine returned {} values",
-                other.kind()
-            ))),
-        }
+        self.comm
+            .broadcast(flat, owner, "sharded parameter fetch for a save")?
+            .wait()
     }
 }
 
@@ -95,7 +84,7 @@ pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> Option<ParamFet
         }
     }
     Some(ParamFetcher {
-        group: sharded.group.clone(),
+        comm: sharded.shards.clone(),
         me,
         sizes: order.into_iter().collect(),
         owners,

@@ -35,28 +35,16 @@ pub(super) fn gather(
         let owner = owners[i];
         let entry = params.get(id).ok_or_else(|| missing(id))?;
         let (device, dtype, dims) = (entry.device.clone(), entry.dtype, sharded.whole_dims(entry));
-        let group = sharded.group.clone();
+        let comm = sharded.shards.clone();
         params.replace_from_own(id, dims, true, move |own| {
-            let host = if own.shape().num_elements() == n {
-                to_host(own, "parameter broadcast")?
+            let flat = if own.shape().num_elements() == n {
+                own
             } else {
                 // A placeholder (FULL_SHARD): nothing to reuse.
-                vec![0.0; n]
+                Tensor::zeros([n], (&device, dtype))
             };
-            let comm = Sharded::checked(
-                &group,
-                "sharded parameter broadcast from its owner",
-                &[n, owner],
-            )?;
-            match comm.broadcast_buffer(ReduceBuffer::F32(host), owner)? {
-                ReduceBuffer::F32(values) => {
-                    from_host(values, (&device, dtype), "parameter broadcast")
-                }
-                other => Err(Error::InvalidArgument(format!(
-                    "parameter broadcast: the engine returned {} values",
-                    other.kind()
-                ))),
-            }
+            comm.broadcast(flat, owner, "sharded parameter broadcast from its owner")?
+                .wait()
         });
     }
     // The smaller ones, all-gathered in rounds.
@@ -65,24 +53,35 @@ pub(super) fn gather(
             .iter()
             .map(|group| group.iter().map(|i| order[*i].1).sum())
             .collect();
-        let mut part = Vec::new();
+        // Every rank sends in the dtype of the whole round (the same on every rank, whatever it holds).
+        let mut placement = None;
+        let mut dtypes = Vec::new();
+        for &i in round.iter().flatten() {
+            let entry = params.get(order[i].0).ok_or_else(|| missing(order[i].0))?;
+            placement.get_or_insert_with(|| entry.device.clone());
+            dtypes.push(entry.dtype);
+        }
+        let (Some(device), Some(dtype)) = (placement, bucket::common_dtype(dtypes)) else {
+            continue;
+        };
+        let mut part = Vec::with_capacity(round[me].len());
         for &i in &round[me] {
             let id = order[i].0;
             let flat = params.get(id).ok_or_else(|| missing(id))?.value();
-            if part.is_empty() {
-                part = to_host(flat, "parameter all-gather")?;
+            part.push(if flat.dtype() == dtype {
+                flat
             } else {
-                part.extend(to_host(flat, "parameter all-gather")?);
-            }
+                flat.cast(dtype)
+            });
         }
-        let comm = Sharded::checked(&sharded.group, "sharded parameter all-gather", &counts)?;
-        let all = comm.all_gather_parts(ReduceBuffer::F32(part), &counts)?;
-        let ReduceBuffer::F32(mut all) = all else {
-            return Err(Error::InvalidArgument(format!(
-                "parameter all-gather: the engine returned {} values",
-                all.kind()
-            )));
-        };
+        let all = sharded
+            .shards
+            .all_gather(
+                bucket::concat(part, (&device, dtype)),
+                &counts,
+                "sharded parameter all-gather",
+            )?
+            .wait()?;
         let alone = round.iter().map(Vec::len).sum::<usize>() == 1;
         let mut start = 0;
         for (q, group) in round.iter().enumerate() {
@@ -90,15 +89,18 @@ pub(super) fn gather(
                 let (id, n) = order[i];
                 if q != me {
                     let entry = params.get(id).ok_or_else(|| missing(id))?;
-                    let (device, dtype, dims) =
-                        (entry.device.clone(), entry.dtype, sharded.whole_dims(entry));
+                    let (own, dims) = (entry.dtype, sharded.whole_dims(entry));
                     // One parameter: the gathered buffer is its value.
-                    let values = if alone {
-                        std::mem::take(&mut all)
+                    let flat = if alone {
+                        all.clone()
                     } else {
-                        all[start..start + n].to_vec()
+                        all.clone().slice(start..start + n)
                     };
-                    let flat = from_host(values, (&device, dtype), "parameter all-gather")?;
+                    let flat = if flat.dtype() == own {
+                        flat
+                    } else {
+                        flat.cast(own)
+                    };
                     params.replace(id, flat, dims, true);
                 }
                 start += n;

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use burn::tensor::{DType, bf16, f16};
 
 use super::{
-    GradientTransport, TransportChoice, TransportKind, choose, facts_for, from_host, select,
-    start_device, to_host,
+    TransportChoice, TransportKind, choose, facts_for, from_host, select, start_device, to_host,
 };
 use crate::distributed::ProcessGroup;
+use crate::distributed::tensor_comm::{Reduction, TensorComm};
 use crate::error::Result;
 
 /// How a device transport compares with the exact mean in one dtype.
@@ -83,7 +83,7 @@ pub fn rounding_bound(dtype: DType, world: usize, max_abs: f64) -> f64 {
 /// with the exact mean of every rank's values, computed here in f64.
 pub(crate) fn check_dtype(
     group: &Arc<ProcessGroup>,
-    transport: &dyn GradientTransport,
+    transport: &dyn TensorComm,
     dtype: DType,
 ) -> Result<DtypeCheck> {
     let (rank, world) = (group.process_index(), group.num_processes());
@@ -91,7 +91,10 @@ pub(crate) fn check_dtype(
     let values: Vec<f32> = (0..n).map(|i| check_value(rank, i)).collect();
     let device = group.device().clone().without_autodiff();
     let flat = from_host(values, (&device, dtype), "transport check")?;
-    let averaged = to_host(transport.average(flat, 1.0)?, "transport check")?;
+    let averaged = transport
+        .all_reduce(flat, Reduction::Average(1.0), "transport check")?
+        .wait()?;
+    let averaged = to_host(averaged, "transport check")?;
     let mut max_error = if averaged.len() == n { 0.0 } else { f64::NAN };
     for (i, got) in averaged.iter().enumerate() {
         let exact = (0..world)
@@ -114,7 +117,7 @@ pub(crate) fn check_dtype(
 /// Checks `transport` in f32, then bf16 and f16 where `group`'s device supports them.
 pub(crate) fn check_transport(
     group: &Arc<ProcessGroup>,
-    transport: &dyn GradientTransport,
+    transport: &dyn TensorComm,
 ) -> Result<Vec<DtypeCheck>> {
     let device = group.device().clone().without_autodiff();
     [DType::F32, DType::BF16, DType::F16]

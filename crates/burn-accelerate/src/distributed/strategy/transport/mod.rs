@@ -1,11 +1,12 @@
-//! How flat gradients cross ranks: the gradient-transport seam of data parallelism.
+//! How data parallelism's gradients cross ranks: which implementation of the tensor-level interface
+//! ([`TensorComm`]) a run uses, and the device all-reduce engines behind it.
 //!
-//! A [`GradientTransport`] averages one flat buffer across ranks and broadcasts one from a root. [`HostAllReduce`]
-//! copies the buffer to host memory and goes through [`collectives::all_reduce_host`] (so debug mode, call
-//! headers and timeouts see every gradient all-reduce); [`DeviceAllReduce`] keeps the buffer on the device
-//! (NCCL between processes, Burn's CUDA collective between the devices of one process). [`choose`] picks one
-//! from facts every rank gathers ([`TransportFacts`]); bucketing is the strategy's business, not the
-//! transport's.
+//! The host implementation ([`HostTensorComm`](crate::distributed::tensor_comm::HostTensorComm)) copies buffers
+//! to host memory and goes through the rank's communicator; [`OnDevice`] keeps the gradient all-reduce on the
+//! device (NCCL between processes, Burn's CUDA collective between the devices of one process: a
+//! [`DeviceAverage`] engine) and sends the rest of the interface's calls through host memory. [`choose`] picks
+//! one from facts every rank gathers ([`TransportFacts`]); bucketing is the strategy's business
+//! ([`bucket`](crate::distributed::tensor_comm::bucket)), not the transport's.
 
 // Driven by Burn's CUDA collective in CUDA builds, by a function in tests.
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
@@ -33,22 +34,112 @@ use crate::backend::{Backend, probe};
 use crate::config::AcceleratorConfig;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
-use crate::distributed::comm::{ReduceBuffer, ReduceOp};
+use crate::distributed::tensor_comm::{Checked, HostTensorComm, Pending, Reduction, TensorComm};
 use crate::error::{Error, Result};
 
-/// Moves flat gradient buffers between ranks.
-pub(crate) trait GradientTransport: Send + Sync + fmt::Debug {
-    /// A short name for messages and `env` (`host all-reduce`, ...).
+/// A device engine that averages one flat gradient buffer across ranks, on the device.
+#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
+pub(crate) trait DeviceAverage: Send + Sync + fmt::Debug {
+    /// A short name for messages and `env` (`device all-reduce (NCCL)`, ...).
     fn name(&self) -> &'static str;
-
-    /// This rank's index in the group the transport connects.
-    fn rank(&self) -> usize;
 
     /// The mean of `flat` over the ranks, times `scale`, in `flat`'s dtype and on its device.
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>>;
+}
 
-    /// Rank `root`'s `flat` on every rank.
-    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>>;
+/// The tensor interface with its gradient all-reduces ([`Reduction::Average`]) on the device, through `engine`,
+/// and every other call through host memory.
+#[derive(Debug)]
+#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
+pub(crate) struct OnDevice {
+    engine: Box<dyn DeviceAverage>,
+    host: HostTensorComm,
+}
+
+#[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
+impl OnDevice {
+    /// `engine`'s averages, and host memory over `group` for the rest.
+    pub fn new(engine: Box<dyn DeviceAverage>, group: Arc<ProcessGroup>) -> Self {
+        Self {
+            engine,
+            host: HostTensorComm::new(group),
+        }
+    }
+
+    /// `engine` behind the interface, checked over `group` (debug mode compares every call first).
+    pub fn checked(
+        engine: Box<dyn DeviceAverage>,
+        group: &Arc<ProcessGroup>,
+    ) -> Arc<dyn TensorComm> {
+        Arc::new(Checked::new(
+            Arc::new(Self::new(engine, group.clone())),
+            group.clone(),
+        ))
+    }
+}
+
+impl TensorComm for OnDevice {
+    fn name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    fn rank(&self) -> usize {
+        self.host.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.host.world_size()
+    }
+
+    fn all_reduce(
+        &self,
+        flat: Tensor<1>,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        match how {
+            Reduction::Average(scale) => Ok(Pending::ready(self.engine.average(flat, scale)?)),
+            other => self.host.all_reduce(flat, other, operation),
+        }
+    }
+
+    fn reduce(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Option<Tensor<1>>>> {
+        self.host.reduce(flat, root, how, operation)
+    }
+
+    fn reduce_scatter(
+        &self,
+        flat: Tensor<1>,
+        counts: &[usize],
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.host.reduce_scatter(flat, counts, how, operation)
+    }
+
+    fn all_gather(
+        &self,
+        part: Tensor<1>,
+        counts: &[usize],
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.host.all_gather(part, counts, operation)
+    }
+
+    fn broadcast(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.host.broadcast(flat, root, operation)
+    }
 }
 
 /// `flat`'s values in host memory, as f32 (half-precision values are widened exactly).
@@ -79,64 +170,6 @@ pub(crate) fn from_host(
         .try_cast(dtype)
         .map_err(|e| Error::InvalidArgument(format!("{operation}: {e}")))?;
     Ok(Tensor::<1>::from_data(data, (device, dtype)))
-}
-
-/// Host copies of the gradients, all-reduced through the rank's communicator.
-#[derive(Debug)]
-pub(crate) struct HostAllReduce {
-    group: Arc<ProcessGroup>,
-}
-
-impl HostAllReduce {
-    /// The transport of `group`'s rank.
-    pub fn new(group: Arc<ProcessGroup>) -> Self {
-        Self { group }
-    }
-}
-
-impl GradientTransport for HostAllReduce {
-    fn name(&self) -> &'static str {
-        "host all-reduce"
-    }
-
-    fn rank(&self) -> usize {
-        self.group.process_index()
-    }
-
-    fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
-        let (device, dtype) = (flat.device(), flat.dtype());
-        let host = to_host(flat, "gradient all-reduce")?;
-        let len = host.len();
-        // Unscaled: the engine's mean. Scaled: the engine's sum, then one pass multiplying by scale / ranks
-        // (instead of a division pass and a multiplication pass).
-        let op = if scale == 1.0 {
-            ReduceOp::Mean
-        } else {
-            ReduceOp::Sum
-        };
-        let reduced = collectives::all_reduce_host(
-            &self.group,
-            "gradient_all_reduce",
-            (DType::F32, &[len]),
-            ReduceBuffer::F32(host),
-            op,
-        )?;
-        let ReduceBuffer::F32(mut reduced) = reduced else {
-            return Err(Error::InvalidArgument(format!(
-                "gradient all-reduce: the engine returned {} values",
-                reduced.kind()
-            )));
-        };
-        if scale != 1.0 {
-            let factor = scale / self.group.num_processes() as f32;
-            reduced.iter_mut().for_each(|x| *x *= factor);
-        }
-        from_host(reduced, (&device, dtype), "gradient all-reduce")
-    }
-
-    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
-        collectives::broadcast(&self.group, flat, root)
-    }
 }
 
 /// The facts the transport choice rests on, for `group`'s rank.
@@ -188,7 +221,7 @@ pub(crate) fn select(
     group: &Arc<ProcessGroup>,
     preference: crate::config::GradientTransport,
     timeout: std::time::Duration,
-) -> Result<(Box<dyn GradientTransport>, TransportChoice)> {
+) -> Result<(Arc<dyn TensorComm>, TransportChoice)> {
     let facts = facts_for(group, false);
     let mut local = choose(preference, &facts);
     if facts.backend.is_ok() && facts.world > 1 {
@@ -212,8 +245,8 @@ pub(crate) fn select(
         }
     }
     let choice = local?;
-    let host = |choice: TransportChoice| -> (Box<dyn GradientTransport>, TransportChoice) {
-        (Box::new(HostAllReduce::new(group.clone())), choice)
+    let host = |choice: TransportChoice| -> (Arc<dyn TensorComm>, TransportChoice) {
+        (Arc::new(Checked::host(group.clone())), choice)
     };
     if choice.kind == TransportKind::Host {
         return Ok(host(choice));
@@ -282,18 +315,24 @@ fn start_device(
     kind: TransportKind,
     group: &Arc<ProcessGroup>,
     timeout: std::time::Duration,
-) -> Result<Box<dyn GradientTransport>> {
+) -> Result<Arc<dyn TensorComm>> {
     Ok(match kind {
-        TransportKind::Nccl => Box::new(device::DeviceAllReduce::connect(
-            group.clone(),
-            &nccl::Nccl::new(group.device()),
-            timeout,
-        )?),
-        TransportKind::BurnCollective => Box::new(burn_collective::BurnCollective::new(
-            group.clone(),
-            timeout,
-        )?),
-        TransportKind::Host => Box::new(HostAllReduce::new(group.clone())),
+        TransportKind::Nccl => OnDevice::checked(
+            Box::new(device::DeviceAllReduce::connect(
+                group.clone(),
+                &nccl::Nccl::new(group.device()),
+                timeout,
+            )?),
+            group,
+        ),
+        TransportKind::BurnCollective => OnDevice::checked(
+            Box::new(burn_collective::BurnCollective::new(
+                group.clone(),
+                timeout,
+            )?),
+            group,
+        ),
+        TransportKind::Host => Arc::new(Checked::host(group.clone())),
     })
 }
 
@@ -303,7 +342,7 @@ fn start_device(
     kind: TransportKind,
     _group: &Arc<ProcessGroup>,
     _timeout: std::time::Duration,
-) -> Result<Box<dyn GradientTransport>> {
+) -> Result<Arc<dyn TensorComm>> {
     Err(Error::InvalidArgument(format!(
         "{} needs the `cuda` feature of burn-accelerate",
         kind.name()

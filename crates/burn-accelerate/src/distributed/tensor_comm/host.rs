@@ -1,0 +1,337 @@
+//! The host implementation of [`TensorComm`]: each tensor is copied to host memory (f32, or f64 for f64 values;
+//! half-precision values are widened exactly), goes through the rank's
+//! [`Communicator`](crate::distributed::comm::Communicator) (in-process or MPI, with its timeouts, call headers and
+//! flight recorder), and comes back in its own dtype on its own device. Each call completes when it is started.
+
+use std::sync::Arc;
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+
+use super::{Pending, Reduction, TensorComm};
+use crate::distributed::ProcessGroup;
+use crate::distributed::comm::ReduceBuffer;
+use crate::error::{Error, Result};
+
+/// Host copies through the communicator of one group's rank.
+#[derive(Debug)]
+pub(crate) struct HostTensorComm {
+    group: Arc<ProcessGroup>,
+}
+
+impl HostTensorComm {
+    /// The host implementation for `group`'s rank.
+    pub fn new(group: Arc<ProcessGroup>) -> Self {
+        Self { group }
+    }
+}
+
+/// `flat`'s values in host memory: f64 values as they are, every other float dtype widened to f32 (exactly).
+pub(crate) fn to_buffer(flat: Tensor<1>, operation: &'static str) -> Result<ReduceBuffer> {
+    let device = flat.device();
+    let data = flat.try_into_data().map_err(|e| Error::Execution {
+        operation,
+        device: format!("{device:?}"),
+        reason: e.to_string(),
+    })?;
+    let wrong = |e: burn::tensor::DataError| Error::InvalidArgument(format!("{operation}: {e}"));
+    Ok(match data.dtype() {
+        DType::F32 => ReduceBuffer::F32(data.try_into_vec::<f32>().map_err(wrong)?),
+        DType::F64 => ReduceBuffer::F64(data.try_into_vec::<f64>().map_err(wrong)?),
+        _ => ReduceBuffer::F32(
+            data.try_cast_as::<f32>()
+                .and_then(|d| d.try_into_vec::<f32>())
+                .map_err(wrong)?,
+        ),
+    })
+}
+
+/// A flat tensor of `buffer`'s values in `dtype` on `device`, after multiplying them by `factor`.
+pub(crate) fn from_buffer(
+    buffer: ReduceBuffer,
+    factor: Option<f32>,
+    (device, dtype): (&Device, DType),
+    operation: &'static str,
+) -> Result<Tensor<1>> {
+    let len = buffer.len();
+    let data = match buffer {
+        ReduceBuffer::F32(mut values) => {
+            if let Some(factor) = factor {
+                values.iter_mut().for_each(|x| *x *= factor);
+            }
+            TensorData::new(values, [len])
+        }
+        ReduceBuffer::F64(mut values) => {
+            if let Some(factor) = factor {
+                values.iter_mut().for_each(|x| *x *= factor as f64);
+            }
+            TensorData::new(values, [len])
+        }
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "{operation}: the engine returned {} values for a float tensor",
+                other.kind()
+            )));
+        }
+    };
+    let data = if data.dtype() == dtype {
+        data
+    } else {
+        data.try_cast(dtype)
+            .map_err(|e| Error::InvalidArgument(format!("{operation}: {e}")))?
+    };
+    Ok(Tensor::<1>::from_data(data, (device, dtype)))
+}
+
+impl TensorComm for HostTensorComm {
+    fn name(&self) -> &'static str {
+        "host all-reduce"
+    }
+
+    fn rank(&self) -> usize {
+        self.group.process_index()
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.num_processes()
+    }
+
+    fn wire_dtype(&self, dtype: DType) -> DType {
+        match dtype {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        }
+    }
+
+    fn all_reduce(
+        &self,
+        flat: Tensor<1>,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        let place = (flat.device(), flat.dtype());
+        let (op, factor) = how.split(self.world_size());
+        let reduced = self
+            .group
+            .comm()
+            .all_reduce(to_buffer(flat, operation)?, op)?;
+        let flat = from_buffer(reduced, factor, (&place.0, place.1), operation)?;
+        Ok(Pending::ready(flat))
+    }
+
+    fn reduce(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Option<Tensor<1>>>> {
+        let place = (flat.device(), flat.dtype());
+        let (op, factor) = how.split(self.world_size());
+        let reduced = self
+            .group
+            .comm()
+            .reduce(to_buffer(flat, operation)?, root, op)?;
+        let flat = reduced
+            .map(|values| from_buffer(values, factor, (&place.0, place.1), operation))
+            .transpose()?;
+        Ok(Pending::ready(flat))
+    }
+
+    fn reduce_scatter(
+        &self,
+        flat: Tensor<1>,
+        counts: &[usize],
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        let place = (flat.device(), flat.dtype());
+        let (op, factor) = how.split(self.world_size());
+        let mine = self
+            .group
+            .comm()
+            .reduce_scatter(to_buffer(flat, operation)?, counts, op)?;
+        let flat = from_buffer(mine, factor, (&place.0, place.1), operation)?;
+        Ok(Pending::ready(flat))
+    }
+
+    fn all_gather(
+        &self,
+        part: Tensor<1>,
+        counts: &[usize],
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        let place = (part.device(), part.dtype());
+        let all = self
+            .group
+            .comm()
+            .all_gather_parts(to_buffer(part, operation)?, counts)?;
+        let flat = from_buffer(all, None, (&place.0, place.1), operation)?;
+        Ok(Pending::ready(flat))
+    }
+
+    fn broadcast(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        let place = (flat.device(), flat.dtype());
+        let values = self
+            .group
+            .comm()
+            .broadcast_buffer(to_buffer(flat, operation)?, root)?;
+        let flat = from_buffer(values, None, (&place.0, place.1), operation)?;
+        Ok(Pending::ready(flat))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::distributed::comm::ReduceOp;
+    use crate::distributed::tensor_comm::Checked;
+
+    /// Runs `f` on `world` in-process ranks, each with the checked host implementation; returns each rank's
+    /// result.
+    fn on_ranks<T: Send + 'static>(
+        world: usize,
+        f: impl Fn(&dyn TensorComm, &Device) -> Result<T> + Send + Sync + 'static,
+    ) -> Vec<T> {
+        crate::Accelerator::builder()
+            .cpu(true)
+            .launch(world, move |acc| {
+                let group = acc.group_arc();
+                let comm = Checked::host(group);
+                f(&comm, acc.device())
+            })
+            .unwrap()
+    }
+
+    fn values(t: Tensor<1>) -> Vec<f32> {
+        t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn every_collective_matches_its_definition_on_one_to_three_ranks_in_every_float_dtype() {
+        for world in 1..=3usize {
+            for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+                let results = on_ranks(world, move |comm, device| {
+                    let r = comm.rank() as f32;
+                    let mine = |n: usize| {
+                        let v: Vec<f32> = (0..n).map(|i| r * 10.0 + i as f32).collect();
+                        Tensor::<1>::from_data(TensorData::new(v, [n]), (device, dtype))
+                    };
+                    let check_dtype = |t: &Tensor<1>| assert_eq!(t.dtype(), dtype);
+                    let sum = comm
+                        .all_reduce(mine(4), Reduction::Op(ReduceOp::Sum), "test sum")?
+                        .wait()?;
+                    check_dtype(&sum);
+                    let avg = comm
+                        .all_reduce(mine(4), Reduction::Average(2.0), "test average")?
+                        .wait()?;
+                    let max = comm
+                        .all_reduce(mine(2), Reduction::Op(ReduceOp::Max), "test max")?
+                        .wait()?;
+                    let to_last = comm
+                        .reduce(mine(3), world - 1, Reduction::ScaledSum(0.5), "test reduce")?
+                        .wait()?;
+                    // Rank r's part is r + 1 elements.
+                    let counts: Vec<usize> = (1..=world).collect();
+                    let total: usize = counts.iter().sum();
+                    let scattered = comm
+                        .reduce_scatter(
+                            mine(total),
+                            &counts,
+                            Reduction::Op(ReduceOp::Sum),
+                            "test rs",
+                        )?
+                        .wait()?;
+                    check_dtype(&scattered);
+                    let gathered = comm
+                        .all_gather(mine(comm.rank() + 1), &counts, "test ag")?
+                        .wait()?;
+                    check_dtype(&gathered);
+                    let from_first = comm.broadcast(mine(3), 0, "test broadcast")?.wait()?;
+                    Ok((
+                        values(sum),
+                        values(avg),
+                        values(max),
+                        to_last.map(values),
+                        values(scattered),
+                        values(gathered),
+                        values(from_first),
+                    ))
+                });
+                let ranks: f32 = (0..world).map(|r| r as f32 * 10.0).sum();
+                let w = world as f32;
+                for (rank, (sum, avg, max, to_last, scattered, gathered, first)) in
+                    results.into_iter().enumerate()
+                {
+                    let what = format!("{world} ranks, {dtype:?}, rank {rank}");
+                    let sums: Vec<f32> = (0..4).map(|i| ranks + w * i as f32).collect();
+                    assert_eq!(sum, sums, "{what}: sum");
+                    let avgs: Vec<f32> = sums.iter().map(|s| s * 2.0 / w).collect();
+                    for (a, b) in avg.iter().zip(&avgs) {
+                        assert!(
+                            (a - b).abs() <= b.abs() * 1e-2,
+                            "{what}: average {avg:?} {avgs:?}"
+                        );
+                    }
+                    let top = (world - 1) as f32 * 10.0;
+                    assert_eq!(max, vec![top, top + 1.0], "{what}: max");
+                    if rank == world - 1 {
+                        let halves: Vec<f32> =
+                            (0..3).map(|i| (ranks + w * i as f32) * 0.5).collect();
+                        assert_eq!(to_last, Some(halves), "{what}: reduce");
+                    } else {
+                        assert_eq!(to_last, None, "{what}: reduce elsewhere");
+                    }
+                    let start: usize = (1..=rank).sum();
+                    let part: Vec<f32> = (start..start + rank + 1)
+                        .map(|i| ranks + w * i as f32)
+                        .collect();
+                    assert_eq!(scattered, part, "{what}: reduce-scatter");
+                    let all: Vec<f32> = (0..world)
+                        .flat_map(|q| (0..=q).map(move |i| q as f32 * 10.0 + i as f32))
+                        .collect();
+                    assert_eq!(gathered, all, "{what}: all-gather");
+                    assert_eq!(first, vec![0.0, 1.0, 2.0], "{what}: broadcast");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_sums_are_accumulated_in_f32() {
+        // 2048 + 1 + 1 in f16 steps of 2 is 2048 again when summed pairwise in f16; in f32 it is 2050.
+        let results = on_ranks(3, |comm, device| {
+            let v = if comm.rank() == 0 { 2048.0 } else { 1.0 };
+            let t = Tensor::<1>::from_data(
+                TensorData::new(vec![v], [1]).convert_dtype(DType::F16),
+                device,
+            );
+            Ok(values(
+                comm.all_reduce(t, Reduction::Op(ReduceOp::Sum), "f16 sum")?
+                    .wait()?,
+            ))
+        });
+        for sum in results {
+            assert_eq!(sum, vec![2050.0]);
+        }
+    }
+
+    #[test]
+    fn counts_that_do_not_fit_are_an_error_on_every_rank() {
+        let results = on_ranks(2, |comm, device| {
+            let t = Tensor::<1>::zeros([5], (device, DType::F32));
+            Ok(comm
+                .reduce_scatter(t, &[2, 2], Reduction::Op(ReduceOp::Sum), "bad counts")
+                .map(|_| ())
+                .map_err(|e| e.to_string()))
+        });
+        for result in results {
+            let e = result.unwrap_err();
+            assert!(e.contains('5') && e.contains('4'), "{e}");
+        }
+    }
+}

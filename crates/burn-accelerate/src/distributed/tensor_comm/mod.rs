@@ -1,0 +1,276 @@
+//! The tensor-level collective interface: how a strategy reaches other ranks with the tensors it holds.
+//!
+//! A [`TensorComm`] all-reduces, reduces to a root, reduce-scatters and all-gathers (with per-rank counts) and
+//! broadcasts flat tensors of any float dtype, on their device, among the ranks of one group; what comes back is
+//! in the dtype and on the device of what went in. Half-precision values are combined in f32 (as the host engines
+//! always have: more accurate than summing in f16). Every call is started and then waited on ([`Pending`]), so
+//! that an implementation whose calls run on their own (a device stream) lets compute overlap them; the host
+//! implementation completes each call when it is started, keeping every rank's calls in the order they were
+//! made.
+//!
+//! | implementation | where the values travel |
+//! |---|---|
+//! | [`HostTensorComm`] | host memory, through the rank's [`Communicator`](crate::distributed::comm::Communicator) (in-process, MPI) |
+//! | the device all-reduce (`strategy::transport`) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest |
+//!
+//! [`Checked`] wraps every implementation once: in debug mode the ranks compare each call (operation, dtype,
+//! layout) before making it, so a rank that calls something else is an error on every rank, naming each rank's
+//! call, instead of a hang or wrong data. [`bucket`] groups many small tensors into fewer calls, for every
+//! strategy alike.
+
+pub(crate) mod bucket;
+mod host;
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn::tensor::{DType, Tensor};
+
+pub(crate) use host::HostTensorComm;
+
+use crate::distributed::ProcessGroup;
+use crate::distributed::collectives;
+use crate::distributed::comm::ReduceOp;
+use crate::error::Result;
+
+/// How values combine across ranks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Reduction {
+    /// The element-wise operation, as the engine computes it.
+    Op(ReduceOp),
+    /// The sum, then multiplied by the factor (one pass over the result).
+    ScaledSum(f32),
+    /// The mean times `scale`: the engine's mean when `scale` is 1, else the sum times scale / ranks (the same
+    /// bits as a sum, for every implementation that keeps them).
+    Average(f32),
+}
+
+impl Reduction {
+    /// The operation the engine runs, and the factor the result is multiplied by afterwards, over `ranks`.
+    pub fn split(self, ranks: usize) -> (ReduceOp, Option<f32>) {
+        match self {
+            Reduction::Op(op) => (op, None),
+            Reduction::ScaledSum(factor) => (ReduceOp::Sum, Some(factor)),
+            Reduction::Average(1.0) => (ReduceOp::Mean, None),
+            Reduction::Average(scale) => (ReduceOp::Sum, Some(scale / ranks as f32)),
+        }
+    }
+}
+
+impl fmt::Display for Reduction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reduction::Op(op) => write!(f, "{op}"),
+            Reduction::ScaledSum(factor) => write!(f, "sum x {factor}"),
+            Reduction::Average(scale) => write!(f, "mean x {scale}"),
+        }
+    }
+}
+
+/// A started collective call: [`wait`](Self::wait) for its result. Every rank must wait on its calls in the
+/// order it started them.
+#[must_use = "a started collective must be waited on"]
+pub(crate) struct Pending<T> {
+    finish: Box<dyn FnOnce() -> Result<T> + Send>,
+}
+
+impl<T: 'static> Pending<T> {
+    /// A call that completed when it was started.
+    pub fn ready(value: T) -> Self
+    where
+        T: Send,
+    {
+        Self {
+            finish: Box::new(move || Ok(value)),
+        }
+    }
+
+    /// The call's result, once it has completed.
+    ///
+    /// # Errors
+    /// The call's own: a timeout, a peer's failure, values the engine could not return.
+    pub fn wait(self) -> Result<T> {
+        (self.finish)()
+    }
+}
+
+impl<T> fmt::Debug for Pending<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Pending")
+    }
+}
+
+/// The one way a strategy reaches other ranks: tensor collectives among the ranks of one group. `operation`
+/// names the call in messages and in debug mode's comparison; every rank of the group makes the same calls in
+/// the same order, whatever it holds.
+pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
+    /// How its all-reduces travel, for messages (`host all-reduce`, `device all-reduce (NCCL)`).
+    fn name(&self) -> &'static str;
+
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+
+    /// How many ranks the group has.
+    fn world_size(&self) -> usize;
+
+    /// The dtype `dtype`'s values travel in, which debug mode's check compares between ranks: their own where the
+    /// values travel as they are, f32 for host memory (every float dtype is widened to it).
+    fn wire_dtype(&self, dtype: DType) -> DType {
+        dtype
+    }
+
+    /// `flat` combined element-wise over the ranks, on every rank.
+    ///
+    /// # Errors
+    /// The engine's (timeouts, a peer's failure, ranks passing different lengths).
+    fn all_reduce(
+        &self,
+        flat: Tensor<1>,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>>;
+
+    /// `flat` combined over the ranks, on `root` only (`None` elsewhere).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn reduce(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Option<Tensor<1>>>>;
+
+    /// `flat` (every rank's the same length, the sum of `counts`) combined over the ranks; rank `r` gets only its
+    /// part, the `counts[r]` elements after the first `counts[..r]`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce); `counts` that do not name every rank or add up to the length.
+    fn reduce_scatter(
+        &self,
+        flat: Tensor<1>,
+        counts: &[usize],
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>>;
+
+    /// Every rank's `part` (`counts[r]` elements from rank `r`, which may be none) concatenated in rank order, on
+    /// every rank, in the dtype and on the device of `part`.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter`](Self::reduce_scatter).
+    fn all_gather(
+        &self,
+        part: Tensor<1>,
+        counts: &[usize],
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>>;
+
+    /// `root`'s `flat` on every rank (the others pass a tensor of the same length, whose values are ignored).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn broadcast(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>>;
+}
+
+/// An implementation with debug mode's check wrapped around every call: before each collective, the ranks of
+/// `group` (the group the implementation connects) compare the operation, the dtype and the layout (length,
+/// counts, root), so a mismatch is an error on every rank instead of a hang. Without debug mode the check costs
+/// nothing.
+#[derive(Debug)]
+pub(crate) struct Checked {
+    inner: Arc<dyn TensorComm>,
+    group: Arc<ProcessGroup>,
+}
+
+impl Checked {
+    /// `inner`, checked over `group`'s communicator.
+    pub fn new(inner: Arc<dyn TensorComm>, group: Arc<ProcessGroup>) -> Self {
+        Self { inner, group }
+    }
+
+    /// Host memory over `group`'s communicator, checked: the implementation every strategy can use.
+    pub fn host(group: Arc<ProcessGroup>) -> Self {
+        Self::new(Arc::new(HostTensorComm::new(group.clone())), group)
+    }
+
+    fn check(&self, operation: &str, dtype: DType, layout: &[usize]) -> Result<()> {
+        collectives::verify_call(&self.group, operation, self.inner.wire_dtype(dtype), layout)
+    }
+}
+
+impl TensorComm for Checked {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn wire_dtype(&self, dtype: DType) -> DType {
+        self.inner.wire_dtype(dtype)
+    }
+
+    fn all_reduce(
+        &self,
+        flat: Tensor<1>,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.check(operation, flat.dtype(), &flat.dims())?;
+        self.inner.all_reduce(flat, how, operation)
+    }
+
+    fn reduce(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Option<Tensor<1>>>> {
+        self.check(operation, flat.dtype(), &[flat.dims()[0], root])?;
+        self.inner.reduce(flat, root, how, operation)
+    }
+
+    fn reduce_scatter(
+        &self,
+        flat: Tensor<1>,
+        counts: &[usize],
+        how: Reduction,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.check(operation, flat.dtype(), counts)?;
+        self.inner.reduce_scatter(flat, counts, how, operation)
+    }
+
+    fn all_gather(
+        &self,
+        part: Tensor<1>,
+        counts: &[usize],
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.check(operation, part.dtype(), counts)?;
+        self.inner.all_gather(part, counts, operation)
+    }
+
+    fn broadcast(
+        &self,
+        flat: Tensor<1>,
+        root: usize,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        self.check(operation, flat.dtype(), &[flat.dims()[0], root])?;
+        self.inner.broadcast(flat, root, operation)
+    }
+}
