@@ -189,6 +189,45 @@ fn loss_scale_sequence_and_scheduler_follow_skipped_steps() {
     }
 }
 
+/// Two models in fp16 (a GAN's halves): the first model's gradients overflow, the second's do not, and the second
+/// model's window ends after the first's. Each optimizer acts on its own model's verdict: the first skips its step
+/// (its weights unchanged, not stepped with infinite gradients), the second steps.
+#[test]
+fn each_model_skips_or_steps_on_its_own_overflow() {
+    let accelerator = Accelerator::builder()
+        .mixed_precision(MixedPrecision::Fp16)
+        .loss_scaler(LossScaler {
+            scale: 1024.0,
+            ..LossScaler::default()
+        })
+        .build()
+        .unwrap();
+    let mut a = accelerator.prepare_model(initial()).unwrap();
+    let mut b = accelerator
+        .prepare_model(Mlp::new(accelerator.device()))
+        .unwrap();
+    let mut opt_a = accelerator.prepare_optimizer(SgdConfig::new().init(), 0.1);
+    let mut opt_b = accelerator.prepare_optimizer(SgdConfig::new().init(), 0.1);
+    let (a_before, b_before) = (a.clone(), b.clone());
+    let loss_a = scripted_loss(&a, &accelerator, true);
+    accelerator.backward(loss_a, &a).unwrap();
+    let loss_b = scripted_loss(&b, &accelerator, false);
+    accelerator.backward(loss_b, &b).unwrap();
+    a = opt_a.step(a);
+    assert!(opt_a.step_was_skipped(), "the overflowing model skips");
+    b = opt_b.step(b);
+    assert!(!opt_b.step_was_skipped(), "the other model steps");
+    assert!(
+        weights_equal(&a, &a_before),
+        "the skipped model is unchanged"
+    );
+    assert!(!weights_equal(&b, &b_before), "the other model changed");
+    assert!(
+        mlp::weights(&b).iter().flatten().all(|w| w.is_finite()),
+        "the stepped model's weights are finite"
+    );
+}
+
 fn weights_equal(a: &Mlp, b: &Mlp) -> bool {
     mlp::weights(a) == mlp::weights(b)
 }

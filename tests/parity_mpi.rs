@@ -1,8 +1,9 @@
 //! Real processes against one process, value by value (feature `mpi`; needs Open MPI's `mpirun`). Each rank of
 //! the parity harness writes its final weights; the tests compare every rank with one process and with the
 //! others, resume a job killed under `mpirun` bit for bit (on the same number of processes) and within the
-//! parity bounds (on another: 2 -> 3, 3 -> 2, every strategy, with accumulation and in fp16), gather an uneven
-//! evaluation set on 3 processes, and launch through `burn-accelerate launch --hostfile`. The scenarios of
+//! parity bounds (on another: 2 -> 3, 3 -> 2, every strategy, with accumulation and in fp16; hybrid meshes to and
+//! from other strategies; a stream saved mid-epoch), gather an uneven evaluation set on 3 processes, and launch
+//! through `burn-accelerate launch --hostfile`. The scenarios of
 //! `tests/many_models.rs` (two models with accumulation, a layer unfrozen after `prepare_model`, data-dependent
 //! routing, a rank's own error) run under `mpirun` too, every strategy.
 

@@ -365,8 +365,8 @@ mod tests {
         assert!(close(scheduler.lr(), 1.0), "accumulation step");
         let verdict = |overflow: bool| {
             let state = &mut shared.lock().state;
-            state.record_overflow(overflow);
-            state.take_verdict()
+            state.record_overflow(None, overflow);
+            state.take_verdict(None)
         };
         assert!(shared.lock().state.begin_micro_batch());
         assert_eq!(verdict(true), Verdict::Skip);

@@ -194,7 +194,7 @@ impl StepPipeline {
         if passthrough {
             let mut core = self.shared.lock();
             core.state.record_backward(None, false);
-            return Ok(core.state.take_verdict().with(grads));
+            return Ok(core.state.take_verdict(None).with(grads));
         }
         let model = model();
         self.process(&mut grads, &model)?;
@@ -306,7 +306,7 @@ impl StepPipeline {
             let strategy = &self.strategy;
             let overflow = precision
                 .verdict(|| strategy.any_rank(has_non_finite(grads, &param_ids(model))?))?;
-            core.state.record_overflow(overflow);
+            core.state.record_overflow(model_key(model), overflow);
         }
         Ok(())
     }

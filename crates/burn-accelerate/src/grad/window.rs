@@ -107,8 +107,10 @@ pub(crate) struct StepState {
     sync_gradients: bool,
     end_of_dataloader: bool,
     remainder: Option<usize>,
-    /// Whether the gradients of the current window overflowed (on any rank).
-    overflow: bool,
+    /// Each model's overflow verdict at the end of its window (fp16: its gradients overflowed on some rank), until
+    /// its optimizer acts on it: two models (a GAN's halves) each skip or take their own step, as each optimizer
+    /// of Accelerate's `GradScaler` checks its own gradients.
+    overflow: HashMap<ModelKey, bool>,
     /// Whether the latest optimizer step was skipped.
     last_step_skipped: bool,
     /// Whether `begin_micro_batch` was ever called (accumulation is in force only through it).
@@ -125,7 +127,7 @@ impl StepState {
             sync_gradients: true,
             end_of_dataloader: false,
             remainder: None,
-            overflow: false,
+            overflow: HashMap::new(),
             last_step_skipped: false,
             micro_batches_begun: false,
         }
@@ -151,7 +153,7 @@ impl StepState {
         self.counted = 0;
         self.windows.clear();
         self.sync_gradients = true;
-        self.overflow = false;
+        self.overflow.clear();
     }
 
     /// A prepared dataloader starts an epoch of `batches` batches on this rank, whose last round holds
@@ -205,25 +207,28 @@ impl StepState {
         !self.windows.is_empty()
     }
 
-    /// The overflow check of the window's end: `true` makes every optimizer skip this step.
-    pub fn record_overflow(&mut self, overflow: bool) {
-        self.overflow = overflow;
+    /// The overflow check of `model`'s window end: `true` makes its optimizer skip this step.
+    pub fn record_overflow(&mut self, model: ModelKey, overflow: bool) {
+        self.overflow.insert(model, overflow);
     }
 
-    /// What the optimizer does now.
-    pub fn verdict(&self) -> Verdict {
-        match (self.sync_gradients, self.overflow) {
+    /// What the optimizer of `model` does now.
+    pub fn verdict(&self, model: ModelKey) -> Verdict {
+        let overflow = self.overflow.get(&model).copied().unwrap_or(false);
+        match (self.sync_gradients, overflow) {
             (false, _) => Verdict::Accumulate,
             (true, true) => Verdict::Skip,
             (true, false) => Verdict::Step,
         }
     }
 
-    /// The optimizer acts on the verdict: records whether the step was skipped (unchanged on accumulation).
-    pub fn take_verdict(&mut self) -> Verdict {
-        let verdict = self.verdict();
+    /// The optimizer of `model` acts on its verdict: records whether the step was skipped (unchanged on
+    /// accumulation) and forgets the model's overflow check.
+    pub fn take_verdict(&mut self, model: ModelKey) -> Verdict {
+        let verdict = self.verdict(model);
         if verdict != Verdict::Accumulate {
             self.last_step_skipped = verdict == Verdict::Skip;
+            self.overflow.remove(&model);
         }
         verdict
     }
@@ -293,7 +298,7 @@ impl SharedStep {
     /// step is skipped (fp16 overflow on some rank: the gradients are dropped then, on every rank alike).
     pub fn take_outcome<M: burn::module::Module>(&self, model: &M) -> StepOutcome {
         let mut core = self.lock();
-        let verdict = core.state.take_verdict();
+        let verdict = core.state.take_verdict(model_key(model));
         let grads = match verdict {
             Verdict::Accumulate => return StepOutcome::Accumulate,
             Verdict::Skip | Verdict::Step => core.grads.take_for(model),
@@ -410,17 +415,36 @@ mod tests {
     fn one_record_of_skipped_steps() {
         let mut s = StepState::new(2);
         s.begin_micro_batch();
-        assert_eq!(s.take_verdict(), Verdict::Accumulate);
+        assert_eq!(s.take_verdict(None), Verdict::Accumulate);
         s.begin_micro_batch();
-        s.record_overflow(true);
-        assert_eq!(s.take_verdict(), Verdict::Skip);
+        s.record_overflow(None, true);
+        assert_eq!(s.take_verdict(None), Verdict::Skip);
         assert!(s.last_step_skipped());
         s.begin_micro_batch();
-        assert_eq!(s.take_verdict(), Verdict::Accumulate);
+        assert_eq!(s.take_verdict(None), Verdict::Accumulate);
         assert!(s.last_step_skipped(), "kept through the next window");
         s.begin_micro_batch();
-        s.record_overflow(false);
-        assert_eq!(s.take_verdict(), Verdict::Step);
+        s.record_overflow(None, false);
+        assert_eq!(s.take_verdict(None), Verdict::Step);
         assert!(!s.last_step_skipped());
+    }
+
+    #[test]
+    fn each_model_takes_its_own_overflow_verdict() {
+        let (a, b) = (Some(ParamId::new()), Some(ParamId::new()));
+        let mut s = StepState::new(1);
+        s.begin_micro_batch();
+        // Model a's gradients overflowed, model b's did not; b's check came last.
+        s.record_overflow(a, true);
+        s.record_overflow(b, false);
+        assert_eq!(s.take_verdict(a), Verdict::Skip);
+        assert_eq!(s.take_verdict(b), Verdict::Step);
+        s.begin_micro_batch();
+        s.record_overflow(b, false);
+        assert_eq!(
+            s.take_verdict(a),
+            Verdict::Step,
+            "a's overflow was for its last window"
+        );
     }
 }
