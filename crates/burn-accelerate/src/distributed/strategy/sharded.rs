@@ -75,13 +75,11 @@ impl Known {
 /// averaged across `replicas` (the ranks holding the same shard in the other groups).
 #[derive(Debug)]
 pub(crate) struct Sharded {
-    /// The ranks the state is sharded over: every rank, or this rank's shard group.
-    group: Arc<ProcessGroup>,
     /// Every rank: the initial weights come from its rank 0.
     world: Arc<ProcessGroup>,
-    /// The ranks holding this rank's shard in the other shard groups (hybrid strategies only).
-    replicas: Option<Arc<ProcessGroup>>,
-    /// The tensor interface over `group`, `world` and `replicas`: the only way the strategy reaches other ranks.
+    /// The tensor interface, the only way the strategy reaches other ranks: over the ranks the state is sharded
+    /// over (every rank, or this rank's shard group), over every rank, and over the ranks holding this rank's
+    /// shard in the other shard groups (hybrid strategies only).
     shards: Arc<dyn TensorComm>,
     everyone: Arc<dyn TensorComm>,
     replica_comm: Option<Arc<dyn TensorComm>>,
@@ -98,9 +96,7 @@ impl Sharded {
     pub fn new(group: Arc<ProcessGroup>, mode: ShardingStrategy, bucket_bytes: usize) -> Self {
         let comm: Arc<dyn TensorComm> = Arc::new(Checked::host(group.clone()));
         Self {
-            world: group.clone(),
-            group,
-            replicas: None,
+            world: group,
             shards: comm.clone(),
             everyone: comm,
             replica_comm: None,
@@ -134,14 +130,13 @@ impl Sharded {
                 ),
             ));
         }
-        let shard = Arc::new(world.split(rank / shard_size, rank)?);
-        let replicas = Arc::new(world.split(rank % shard_size, rank)?);
+        let everyone = Checked::host(world.clone());
+        let shards = everyone.split(rank / shard_size, rank)?;
+        let replicas = everyone.split(rank % shard_size, rank)?;
         Ok(Self {
-            shards: Arc::new(Checked::host(shard.clone())),
-            everyone: Arc::new(Checked::host(world.clone())),
-            replica_comm: Some(Arc::new(Checked::host(replicas.clone()))),
-            group: shard,
-            replicas: Some(replicas),
+            shards,
+            everyone: Arc::new(everyone),
+            replica_comm: Some(replicas),
             world,
             mode,
             bucket_elems: bucket::max_elements(bucket_bytes),
@@ -152,18 +147,18 @@ impl Sharded {
 
     /// Ranks the state is sharded over (a shard group's, under a hybrid strategy).
     fn world(&self) -> usize {
-        self.group.num_processes()
+        self.shards.world_size()
     }
 
     /// This rank's index among the ranks the state is sharded over: the owner index of its parameters.
     fn shard_rank(&self) -> usize {
-        self.group.process_index()
+        self.shards.rank()
     }
 
     /// Debug mode, hybrid strategies: every rank of the world first checks that all are in the same step, since a
     /// rank calling something else outside its sub-groups would leave its group waiting for the timeout.
     fn check_world(&self, operation: &str, layout: usize) -> Result<()> {
-        if self.replicas.is_some() {
+        if self.replica_comm.is_some() {
             collectives::verify_call(&self.world, operation, DType::F32, &[layout])?;
         }
         Ok(())
@@ -199,7 +194,7 @@ impl Sharded {
 
     /// One f64 value on this rank's device, for a verdict or a norm every rank of the shard group combines.
     fn scalar(&self, value: f64) -> Tensor<1> {
-        let device = self.group.device().clone().without_autodiff();
+        let device = self.world.device().clone().without_autodiff();
         Tensor::from_data(TensorData::new(vec![value], [1]), (&device, DType::F64))
     }
 
@@ -360,11 +355,11 @@ impl Sharded {
 
 impl Strategy for Sharded {
     fn name(&self) -> String {
-        match &self.replicas {
+        match &self.replica_comm {
             Some(replicas) => format!(
                 "hybrid sharded data parallel ({}: {} replicas of {} shards) over host reduce and broadcast",
                 self.mode,
-                replicas.num_processes(),
+                replicas.world_size(),
                 self.world()
             ),
             None => format!(

@@ -183,6 +183,10 @@ impl TensorComm for HostTensorComm {
         let flat = from_buffer(values, None, (&place.0, place.1), operation)?;
         Ok(Pending::ready(flat))
     }
+
+    fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
+        Ok(Arc::new(Self::new(group)))
+    }
 }
 
 #[cfg(test)]
@@ -298,6 +302,45 @@ mod tests {
                     assert_eq!(first, vec![0.0, 1.0, 2.0], "{what}: broadcast");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn scatter_gives_each_rank_its_part_and_split_makes_checked_sub_groups() {
+        let results = on_ranks(4, |comm, device| {
+            let r = comm.rank();
+            let mine: Vec<f32> = (0..10).map(|i| (r * 100 + i) as f32).collect();
+            let flat = Tensor::<1>::from_data(TensorData::new(mine, [10]), (device, DType::F32));
+            let part = comm
+                .scatter(flat, &[1, 2, 3, 4], 2, "test scatter")?
+                .wait()?;
+            // Rank 0 and 2 form one group, 1 and 3 the other, ordered by rank.
+            let host = Checked::host(crate::distributed::current().expect("a rank's group"));
+            let sub = host.split(r % 2, r)?;
+            let t =
+                Tensor::<1>::from_data(TensorData::new(vec![r as f32], [1]), (device, DType::F32));
+            let sum = sub
+                .all_reduce(t, Reduction::Op(ReduceOp::Sum), "test sub-group sum")?
+                .wait()?;
+            Ok((values(part), sub.rank(), sub.world_size(), values(sum)))
+        });
+        for (rank, (part, sub_rank, sub_world, sum)) in results.into_iter().enumerate() {
+            let start: usize = (1..=rank).sum();
+            let expected: Vec<f32> = (start..start + rank + 1)
+                .map(|i| (200 + i) as f32)
+                .collect();
+            assert_eq!(part, expected, "rank {rank}: its part of rank 2's buffer");
+            assert_eq!((sub_rank, sub_world), (rank / 2, 2), "rank {rank}");
+            let other = if rank % 2 == 0 {
+                [0.0, 2.0]
+            } else {
+                [1.0, 3.0]
+            };
+            assert_eq!(
+                sum,
+                vec![other[0] + other[1]],
+                "rank {rank}: its sub-group's sum"
+            );
         }
     }
 

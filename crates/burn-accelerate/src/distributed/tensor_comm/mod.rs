@@ -11,7 +11,10 @@
 //! | implementation | where the values travel |
 //! |---|---|
 //! | [`HostTensorComm`] | host memory, through the rank's [`Communicator`](crate::distributed::comm::Communicator) (in-process, MPI) |
-//! | the device all-reduce (`strategy::transport`) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest |
+//! | the device all-reduce (`strategy::transport`) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest, and for sub-groups |
+//!
+//! Sub-groups (a hybrid strategy's shard and replica groups) come from [`Checked::split`]; point-to-point sends and
+//! receives are not part of the interface yet.
 //!
 //! [`Checked`] wraps every implementation once: in debug mode the ranks compare each call (operation, dtype,
 //! layout) before making it, so a rank that calls something else is an error on every rank, naming each rank's
@@ -177,6 +180,39 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
         root: usize,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>>;
+
+    /// Rank `r`'s part of `root`'s `flat`: the `counts[r]` elements after the first `counts[..r]` (the others pass
+    /// a tensor of the same length, whose values are ignored). By default `root`'s whole buffer is broadcast and
+    /// each rank keeps its part; an implementation with a scatter of its own replaces it.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter`](Self::reduce_scatter).
+    // No strategy scatters yet (a pipeline's first stage will hand out micro-batches).
+    #[cfg_attr(not(test), allow(dead_code))]
+    fn scatter(
+        &self,
+        flat: Tensor<1>,
+        counts: &[usize],
+        root: usize,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        let part = crate::distributed::comm::part_of(
+            counts,
+            self.rank(),
+            self.world_size(),
+            flat.dims()[0],
+        )
+        .map_err(crate::error::Error::from)?;
+        let whole = self.broadcast(flat, root, operation)?.wait()?;
+        Ok(Pending::ready(whole.slice(part)))
+    }
+
+    /// The same implementation over `group`, a sub-group of the ranks this one connects (made by
+    /// [`Checked::split`]).
+    ///
+    /// # Errors
+    /// An implementation that cannot connect the sub-group.
+    fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>>;
 }
 
 /// An implementation with debug mode's check wrapped around every call: before each collective, the ranks of
@@ -198,6 +234,16 @@ impl Checked {
     /// Host memory over `group`'s communicator, checked: the implementation every strategy can use.
     pub fn host(group: Arc<ProcessGroup>) -> Self {
         Self::new(Arc::new(HostTensorComm::new(group.clone())), group)
+    }
+
+    /// The sub-group of the ranks that pass the same `color`, ordered by `key` (then rank), with the same
+    /// implementation, checked over it: every rank of this group calls it.
+    ///
+    /// # Errors
+    /// The split's own collective; an implementation that cannot connect the sub-group.
+    pub fn split(&self, color: usize, key: usize) -> Result<Arc<dyn TensorComm>> {
+        let sub = Arc::new(self.group.split(color, key)?);
+        Ok(Arc::new(Self::new(self.inner.on_group(sub.clone())?, sub)))
     }
 
     fn check(&self, operation: &str, dtype: DType, layout: &[usize]) -> Result<()> {
@@ -272,5 +318,24 @@ impl TensorComm for Checked {
     ) -> Result<Pending<Tensor<1>>> {
         self.check(operation, flat.dtype(), &[flat.dims()[0], root])?;
         self.inner.broadcast(flat, root, operation)
+    }
+
+    fn scatter(
+        &self,
+        flat: Tensor<1>,
+        counts: &[usize],
+        root: usize,
+        operation: &'static str,
+    ) -> Result<Pending<Tensor<1>>> {
+        let layout: Vec<usize> = counts.iter().copied().chain([root]).collect();
+        self.check(operation, flat.dtype(), &layout)?;
+        self.inner.scatter(flat, counts, root, operation)
+    }
+
+    fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
+        Ok(Arc::new(Self::new(
+            self.inner.on_group(group.clone())?,
+            group,
+        )))
     }
 }

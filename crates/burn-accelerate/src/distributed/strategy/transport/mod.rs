@@ -140,6 +140,11 @@ impl TensorComm for OnDevice {
     ) -> Result<Pending<Tensor<1>>> {
         self.host.broadcast(flat, root, operation)
     }
+
+    /// A sub-group goes through host memory: the device engines connect whole groups only.
+    fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
+        self.host.on_group(group)
+    }
 }
 
 /// `flat`'s values in host memory, as f32 (half-precision values are widened exactly).
