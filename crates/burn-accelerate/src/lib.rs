@@ -133,7 +133,8 @@ pub use burn;
 #[doc(hidden)]
 pub use log;
 
-/// Unit tests start from a clean environment too (see the module).
+/// Unit tests start from the clean environment every test binary of the workspace starts from (no developer
+/// settings, a scratch folder of the process's own; `tests/support/isolation.rs` describes it and includes this
+/// module's file).
 #[cfg(test)]
-#[path = "../../../tests/support/isolation.rs"]
 mod test_isolation;
