@@ -81,21 +81,8 @@ impl AcceleratedStrategy {
     /// (`FULL_SHARD` on several ranks: the Learner runs the forward pass on its own model, which would hold
     /// only this rank's parameters; `SHARD_GRAD_OP` works).
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
-        if accelerator.num_processes() > 1
-            && accelerator
-                .config()
-                .distributed
-                .sharding
-                .reshards_parameters()
-        {
-            return Err(Error::InvalidArgument(
-                "AcceleratedStrategy::new: FULL_SHARD keeps only each rank's own parameters between steps, and \
-                 burn-train's Learner runs the forward pass on its model without gathering them; use \
-                 SHARD_GRAD_OP with the Learner (gradients and optimizer state sharded), or FULL_SHARD in a loop \
-                 of your own with `accelerator.unshard(&model)`"
-                    .into(),
-            ));
-        }
+        // The strategy says whether the Learner can train through it (it runs the forward pass on its own model).
+        accelerator.pipeline().strategy().check_learner()?;
         let progress = Arc::new(Mutex::new(LearnerProgress::default()));
         accelerator
             .register_for_checkpointing(PROGRESS, progress.clone())

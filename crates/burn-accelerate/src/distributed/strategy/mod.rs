@@ -155,6 +155,17 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         Ok(local)
     }
 
+    /// Whether burn-train's Learner can train through this strategy: it runs the forward pass on its own model,
+    /// without gathering parameters this rank does not hold between steps. Where it cannot, an error saying what
+    /// to use instead.
+    ///
+    /// # Errors
+    /// The strategy keeps only this rank's parameters between steps.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    fn check_learner(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Combines the part of a gradient norm computed on this rank's gradients (a sum of powers with
     /// [`ReduceOp::Sum`], a maximum with [`ReduceOp::Max`]) with the other ranks' parts, when each rank holds only
     /// its own gradients; ranks that hold the same gradients return `partial`.

@@ -572,6 +572,19 @@ impl Strategy for Sharded {
         adopted.extend(moved);
     }
 
+    fn check_learner(&self) -> Result<()> {
+        if !self.mode.reshards_parameters() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "AcceleratedStrategy::new: {} keeps only each rank's own parameters between steps, and burn-train's \
+             Learner runs the forward pass on its model without gathering them; use SHARD_GRAD_OP with the \
+             Learner (gradients and optimizer state sharded), or {} in a loop of your own with \
+             `accelerator.unshard(&model)`",
+            self.mode, self.mode
+        )))
+    }
+
     fn any_rank(&self, local: bool) -> Result<bool> {
         let flag = self.scalar(f64::from(u8::from(local)));
         let all = self
