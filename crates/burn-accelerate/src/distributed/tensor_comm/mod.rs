@@ -22,7 +22,7 @@
 //! strategy alike.
 
 pub(crate) mod bucket;
-mod host;
+pub(crate) mod host;
 
 use std::fmt;
 use std::sync::Arc;

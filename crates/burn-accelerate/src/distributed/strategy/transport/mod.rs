@@ -28,12 +28,14 @@ pub(crate) use device::{DeviceAllReduce, double};
 use std::fmt;
 use std::sync::Arc;
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::backend::{Backend, probe};
 use crate::config::AcceleratorConfig;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
+use crate::distributed::comm::ReduceBuffer;
+use crate::distributed::tensor_comm::host::{from_buffer, to_buffer};
 use crate::distributed::tensor_comm::{Checked, HostTensorComm, Pending, Reduction, TensorComm};
 use crate::error::{Error, Result};
 
@@ -147,34 +149,27 @@ impl TensorComm for OnDevice {
     }
 }
 
-/// `flat`'s values in host memory, as f32 (half-precision values are widened exactly).
+/// `flat`'s values in host memory, as f32 (half-precision values are widened exactly, f64 ones rounded).
 pub(crate) fn to_host(flat: Tensor<1>, operation: &'static str) -> Result<Vec<f32>> {
-    let device = flat.device();
-    let data = flat.try_into_data().map_err(|e| Error::Execution {
-        operation,
-        device: format!("{device:?}"),
-        reason: e.to_string(),
-    })?;
-    match data.dtype() {
-        DType::F32 => data.try_into_vec::<f32>(),
-        _ => data
-            .try_cast_as::<f32>()
-            .and_then(|d| d.try_into_vec::<f32>()),
-    }
-    .map_err(|e| Error::InvalidArgument(format!("{operation}: {e}")))
+    Ok(match to_buffer(flat, operation)? {
+        ReduceBuffer::F64(values) => values.into_iter().map(|v| v as f32).collect(),
+        ReduceBuffer::F32(values) => values,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "{operation}: {} values for a float tensor",
+                other.kind()
+            )));
+        }
+    })
 }
 
 /// A flat tensor of `values` in `dtype` on `device`.
 pub(crate) fn from_host(
     values: Vec<f32>,
-    (device, dtype): (&Device, DType),
+    place: (&Device, DType),
     operation: &'static str,
 ) -> Result<Tensor<1>> {
-    let len = values.len();
-    let data = TensorData::new(values, [len])
-        .try_cast(dtype)
-        .map_err(|e| Error::InvalidArgument(format!("{operation}: {e}")))?;
-    Ok(Tensor::<1>::from_data(data, (device, dtype)))
+    from_buffer(ReduceBuffer::F32(values), None, place, operation)
 }
 
 /// The facts the transport choice rests on, for `group`'s rank.
