@@ -29,7 +29,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 
 use super::params::{ParamEntry, ParamTable};
 use super::{StateScope, Strategy, balanced_owners};
@@ -190,12 +190,6 @@ impl Sharded {
             }
             _ => Ok(values),
         }
-    }
-
-    /// One f64 value on this rank's device, for a verdict or a norm every rank of the shard group combines.
-    fn scalar(&self, value: f64) -> Tensor<1> {
-        let device = self.world.device().clone().without_autodiff();
-        Tensor::from_data(TensorData::new(vec![value], [1]), (&device, DType::F64))
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, Known>> {
@@ -586,36 +580,16 @@ impl Strategy for Sharded {
     }
 
     fn any_rank(&self, local: bool) -> Result<bool> {
-        let flag = self.scalar(f64::from(u8::from(local)));
-        let all = self
-            .shards
-            .all_reduce(
-                flag,
-                Reduction::Op(ReduceOp::Max),
-                "sharded overflow verdict",
-            )?
-            .wait()?;
-        Ok(scalar_value(all)? != 0.0)
+        let any = self.shards.all_reduce_value(
+            f64::from(u8::from(local)),
+            ReduceOp::Max,
+            "sharded overflow verdict",
+        )?;
+        Ok(any != 0.0)
     }
 
     fn combine_norm_parts(&self, partial: f64, op: ReduceOp) -> Result<f64> {
-        let part = self.scalar(partial);
-        let all = self
-            .shards
-            .all_reduce(part, Reduction::Op(op), "sharded gradient norm")?
-            .wait()?;
-        scalar_value(all)
-    }
-}
-
-/// The one value of `flat`, as f64.
-fn scalar_value(flat: Tensor<1>) -> Result<f64> {
-    let data = flat.into_data().convert::<f64>();
-    match data.as_slice::<f64>() {
-        Ok([value]) => Ok(*value),
-        _ => Err(Error::InvalidArgument(format!(
-            "a combined scalar came back as {} values",
-            data.num_elements()
-        ))),
+        self.shards
+            .all_reduce_value(partial, op, "sharded gradient norm")
     }
 }

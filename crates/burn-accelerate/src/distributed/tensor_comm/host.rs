@@ -9,7 +9,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use super::{Pending, Reduction, TensorComm};
 use crate::distributed::ProcessGroup;
-use crate::distributed::comm::ReduceBuffer;
+use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
 
 /// Host copies through the communicator of one group's rank.
@@ -184,6 +184,20 @@ impl TensorComm for HostTensorComm {
         Ok(Pending::ready(flat))
     }
 
+    fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64> {
+        match self
+            .group
+            .comm()
+            .all_reduce(ReduceBuffer::F64(vec![value]), op)?
+        {
+            ReduceBuffer::F64(v) if v.len() == 1 => Ok(v[0]),
+            other => Err(Error::InvalidArgument(format!(
+                "{operation}: the engine returned {} values for one f64",
+                other.kind()
+            ))),
+        }
+    }
+
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
         Ok(Arc::new(Self::new(group)))
     }
@@ -192,7 +206,6 @@ impl TensorComm for HostTensorComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::comm::ReduceOp;
     use crate::distributed::tensor_comm::Checked;
 
     /// Runs `f` on `world` in-process ranks, each with the checked host implementation; returns each rank's
@@ -341,6 +354,23 @@ mod tests {
                 vec![other[0] + other[1]],
                 "rank {rank}: its sub-group's sum"
             );
+        }
+    }
+
+    #[test]
+    fn host_values_combine_in_f64() {
+        let results = on_ranks(3, |comm, _| {
+            let r = comm.rank() as f64;
+            let sum = comm.all_reduce_value(1e-12 + r, ReduceOp::Sum, "test value sum")?;
+            let max = comm.all_reduce_value(r, ReduceOp::Max, "test value max")?;
+            Ok((sum, max))
+        });
+        for (sum, max) in results {
+            // In rank order, in f64: 1e-12 survives next to 3 (it would not in f32).
+            let expected = ((1e-12 + 0.0) + (1e-12 + 1.0)) + (1e-12 + 2.0);
+            assert_eq!(sum, expected);
+            assert_ne!(sum, 3.0);
+            assert_eq!(max, 2.0);
         }
     }
 

@@ -207,6 +207,14 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
         Ok(Pending::ready(whole.slice(part)))
     }
 
+    /// One host value combined over the ranks, on every rank: a control value (an overflow verdict, a part of a
+    /// gradient norm) that lives on the host and is combined in f64 on every backend, without a device tensor
+    /// (some devices have no f64).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64>;
+
     /// The same implementation over `group`, a sub-group of the ranks this one connects (made by
     /// [`Checked::split`]).
     ///
@@ -330,6 +338,11 @@ impl TensorComm for Checked {
         let layout: Vec<usize> = counts.iter().copied().chain([root]).collect();
         self.check(operation, flat.dtype(), &layout)?;
         self.inner.scatter(flat, counts, root, operation)
+    }
+
+    fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64> {
+        self.check(operation, DType::F64, &[1])?;
+        self.inner.all_reduce_value(value, op, operation)
     }
 
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {

@@ -143,6 +143,15 @@ impl TensorComm for OnDevice {
         self.host.broadcast(flat, root, operation)
     }
 
+    fn all_reduce_value(
+        &self,
+        value: f64,
+        op: crate::distributed::comm::ReduceOp,
+        operation: &'static str,
+    ) -> Result<f64> {
+        self.host.all_reduce_value(value, op, operation)
+    }
+
     /// A sub-group goes through host memory: the device engines connect whole groups only.
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
         self.host.on_group(group)
