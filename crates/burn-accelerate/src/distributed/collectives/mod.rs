@@ -90,9 +90,9 @@ fn verify(
     }
 }
 
-/// Debug mode's check before a collective that does not go through these tensor collectives (a device
-/// all-reduce, a sharded strategy's reduce-scatter): ranks compare `operation`, `dtype` and `shape`, and a
-/// mismatch is an error on every rank instead of a hang.
+/// Debug mode's check before a collective that does not go through these tensor collectives (every call of the
+/// strategies' tensor interface, through its checking wrapper): ranks compare `operation`, `dtype` and `shape`, and
+/// a mismatch is an error on every rank instead of a hang.
 pub(crate) fn verify_call(
     group: &ProcessGroup,
     operation: &str,
@@ -102,8 +102,8 @@ pub(crate) fn verify_call(
     verify(group, operation, dtype, shape, 0)
 }
 
-/// The one way host buffers reach the communicator's all-reduce — for [`reduce`], gradient sync and triggers
-/// alike: in debug mode, ranks first compare `operation` and `(dtype, shape)` of what they reduce, so a rank
+/// The one way these collectives' host buffers reach the communicator's all-reduce — for [`reduce`], agreement
+/// and the batch-size search alike: in debug mode, ranks first compare `operation` and `(dtype, shape)` of what they reduce, so a rank
 /// reducing something else is an error on every rank rather than a hang or wrong data.
 pub(crate) fn all_reduce_host(
     group: &ProcessGroup,

@@ -8,7 +8,9 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::Strategy;
-use crate::distributed::tensor_comm::bucket::{ALONE_ELEMENTS, buckets, concat, max_elements};
+use crate::distributed::tensor_comm::bucket::{
+    ALONE_ELEMENTS, buckets, concat, in_dtype, max_elements,
+};
 use crate::distributed::tensor_comm::{Reduction, TensorComm};
 use crate::error::Result;
 use crate::grad::GradientBuffer;
@@ -102,14 +104,7 @@ impl DataParallel {
             .zip(all.split_with_sizes(sizes, 0))
             .zip(dtypes)
         {
-            grads.set_flat(
-                *id,
-                if grad.dtype() == own {
-                    grad
-                } else {
-                    grad.cast(own)
-                },
-            );
+            grads.set_flat(*id, in_dtype(grad, own));
         }
         Ok(())
     }

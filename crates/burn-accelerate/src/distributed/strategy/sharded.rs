@@ -408,12 +408,7 @@ impl Strategy for Sharded {
                 )?
                 .wait()?;
             if let Some(reduced) = reduced {
-                let flat = self.across_replicas(reduced, scale)?;
-                let flat = if flat.dtype() == own {
-                    flat
-                } else {
-                    flat.cast(own)
-                };
+                let flat = bucket::in_dtype(self.across_replicas(reduced, scale)?, own);
                 match shape {
                     Some(shape) => grads.put(id, shape, flat),
                     None => grads.set_flat(id, flat),
@@ -464,12 +459,7 @@ impl Strategy for Sharded {
             };
             for (&i, flat) in round[me].iter().zip(values) {
                 let id = params[i].0;
-                let own = dtypes.get(&id).copied().unwrap_or(dtype);
-                let flat = if flat.dtype() == own {
-                    flat
-                } else {
-                    flat.cast(own)
-                };
+                let flat = bucket::in_dtype(flat, dtypes.get(&id).copied().unwrap_or(dtype));
                 match shapes.remove(&id) {
                     Some(shape) => grads.put(id, shape, flat),
                     // Unused on this rank: it gets its shape when the optimizer takes it.

@@ -66,17 +66,18 @@ pub(crate) fn concat(parts: Vec<Tensor<1>>, (device, dtype): (&Device, DType)) -
             .next()
             .unwrap_or_else(|| Tensor::zeros([0], (device, dtype)));
     }
-    let parts = parts
-        .into_iter()
-        .map(|p| {
-            if p.dtype() == common {
-                p
-            } else {
-                p.cast(common)
-            }
-        })
-        .collect();
+    let parts = parts.into_iter().map(|p| in_dtype(p, common)).collect();
     Tensor::cat(parts, 0)
+}
+
+/// `flat` in `dtype`: itself when it is in it already, else cast (a gradient or parameter back in its own dtype
+/// after travelling in a bucket's).
+pub(crate) fn in_dtype(flat: Tensor<1>, dtype: DType) -> Tensor<1> {
+    if flat.dtype() == dtype {
+        flat
+    } else {
+        flat.cast(dtype)
+    }
 }
 
 #[cfg(test)]

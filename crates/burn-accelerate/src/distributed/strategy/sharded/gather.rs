@@ -68,11 +68,7 @@ pub(super) fn gather(
         for &i in &round[me] {
             let id = order[i].0;
             let flat = params.get(id).ok_or_else(|| missing(id))?.value();
-            part.push(if flat.dtype() == dtype {
-                flat
-            } else {
-                flat.cast(dtype)
-            });
+            part.push(bucket::in_dtype(flat, dtype));
         }
         let all = sharded
             .shards
@@ -96,12 +92,7 @@ pub(super) fn gather(
                     } else {
                         all.clone().slice(start..start + n)
                     };
-                    let flat = if flat.dtype() == own {
-                        flat
-                    } else {
-                        flat.cast(own)
-                    };
-                    params.replace(id, flat, dims, true);
+                    params.replace(id, bucket::in_dtype(flat, own), dims, true);
                 }
                 start += n;
             }
