@@ -359,6 +359,10 @@ run_step ranks-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda data_parallel --processes 1 --epochs 1 && echo --- && BURN_DEVICE=cuda data_parallel --processes 2 --epochs 1'
 run_step shard-grad-op-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding SHARD_GRAD_OP'
+# FULL_SHARD: parameters gathered through the tensor interface before every forward pass (bucketed parts
+# concatenated, sliced and cast on the device), dropped after the step.
+run_step full-shard-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD'
 run_step quicktour-cuda-bf16 gpu 120 near_cpu_half env BURN_DEVICE=cuda quicktour --mixed-precision bf16
 run_step quicktour-cuda-fp16 gpu 120 near_cpu_half env BURN_DEVICE=cuda quicktour --mixed-precision fp16
 run_step quicktour-vulkan vulkan 150 near_cpu_f32 env BURN_DEVICE=vulkan quicktour
