@@ -363,8 +363,9 @@ run_step quicktour-cuda-bf16 gpu 120 near_cpu_half env BURN_DEVICE=cuda quicktou
 run_step quicktour-cuda-fp16 gpu 120 near_cpu_half env BURN_DEVICE=cuda quicktour --mixed-precision fp16
 run_step quicktour-vulkan vulkan 150 near_cpu_f32 env BURN_DEVICE=vulkan quicktour
 run_step overhead-cuda gpu 150 check_overhead env BURN_DEVICE=cuda OVERHEAD_ROUNDS=21 overhead
-# Last of the single-GPU steps, so that it never takes the budget of the older ones. FULL_SHARD: parameters gathered through the tensor interface before every forward pass (bucketed parts
-# concatenated, sliced and cast on the device), dropped after the step.
+# FULL_SHARD: parameters gathered through the tensor interface before every forward pass (bucketed parts
+# concatenated, sliced and cast on the device), dropped after the step. Last of the single-GPU steps, so that it
+# never takes the budget of the older ones.
 run_step full-shard-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
