@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 
-use crate::distributed::strategy::{Strategy, share_stepped};
+use crate::distributed::strategy::{Placed, Strategy, share_stepped};
 use crate::error::Result;
 use crate::grad::window::{SharedStep, StepOutcome};
 
@@ -100,16 +100,28 @@ impl AcceleratedOptimizer {
             StepOutcome::Apply(grads) => grads,
             StepOutcome::Accumulate | StepOutcome::Skip => return Ok(model),
         };
-        // A sharded rank that owns no parameter (fewer parameters than ranks) has no gradient to step, but its
-        // peers exchange their stepped parameters with it: it must take part in that exchange like every rank.
-        let exchanges = self.strategy.shards_state();
-        if grads.is_empty() && !exchanges {
-            log::debug!("optimizer step without gradients: the model is unchanged");
-            return Ok(model);
+        let stepped = !grads.is_empty();
+        let model = if stepped {
+            self.inner.step(self.lr.get(), model, grads)
+        } else {
+            model
+        };
+        // Every rank hands its model to the strategy, even one that stepped nothing: a sharded rank that owns no
+        // parameter (fewer parameters than ranks) takes part in its peers' exchange of stepped parameters.
+        match share_stepped(self.strategy.as_ref(), model)? {
+            Placed::Changed(model) => {
+                self.steps += 1;
+                Ok(model)
+            }
+            Placed::Untouched(model) => {
+                if stepped {
+                    self.steps += 1;
+                } else {
+                    log::debug!("optimizer step without gradients: the model is unchanged");
+                }
+                Ok(model)
+            }
         }
-        self.steps += 1;
-        let model = self.inner.step(self.lr.get(), model, grads);
-        share_stepped(self.strategy.as_ref(), model)
     }
 
     /// Drops every stored gradient (Burn's optimizer consumes them at each step, so this is only needed to

@@ -29,13 +29,13 @@ use burn::optim::GradientsParams;
 
 use crate::config::{AcceleratorConfig, LossNormalization};
 use crate::distributed::strategy::{
-    Strategy, after_prepare, broadcast_module, share_stepped, trainable_params, unshard,
+    Strategy, after_prepare, broadcast_module, share_stepped_lazily, trainable_params, unshard,
 };
 use crate::error::{Error, Result};
 pub(crate) use crate::grad::window::StepOutcome;
 use crate::grad::window::{BackwardPlan, SharedStep, model_key};
 use crate::grad::{
-    GradSource, GradientBuffer, NormType, ShardNorms, clip_grad_norm, has_non_finite, param_ids,
+    GradSource, GradientBuffer, NormType, clip_grad_norm, has_non_finite, param_ids,
 };
 use crate::precision::Precision;
 
@@ -161,17 +161,12 @@ impl StepPipeline {
         unshard(self.strategy.as_ref(), module)
     }
 
-    /// Whether the ranks step only their own parameters, so that an optimizer step must be followed by
-    /// [`share_stepped`] (never for data parallelism or a single device).
+    /// After an optimizer applied [`StepOutcome::Apply`]'s gradients to the model `model` gives (see
+    /// [`Strategy::after_step`]): the model the strategy placed, or `None`, without asking for the model, where it
+    /// leaves it as it is (data parallelism, a single device).
     #[cfg_attr(not(feature = "train"), allow(dead_code))]
-    pub fn shares_stepped_parameters(&self) -> bool {
-        self.strategy.shards_state()
-    }
-
-    /// After an optimizer applied [`StepOutcome::Apply`]'s gradients to `model`: see [`share_stepped`].
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
-    pub fn share_stepped<M: Module>(&self, model: M) -> Result<M> {
-        share_stepped(self.strategy.as_ref(), model)
+    pub fn share_stepped<M: Module>(&self, model: impl FnOnce() -> M) -> Result<Option<M>> {
+        share_stepped_lazily(self.strategy.as_ref(), model)
     }
 
     /// The pipeline for gradients computed outside [`backward`](Self::backward) (burn-train's `TrainStep`): runs
@@ -187,14 +182,18 @@ impl StepPipeline {
         model: impl FnOnce() -> M,
         max_grad_norm: Option<f64>,
     ) -> Result<StepOutcome> {
-        let passthrough = !self.strategy.is_distributed()
-            && self.accumulation_steps == 1
+        let alone_in_window = self.accumulation_steps == 1
             && max_grad_norm.is_none()
             && self.precision().loss_scale().is_none();
-        if passthrough {
-            let mut core = self.shared.lock();
-            core.state.record_backward(None, false);
-            return Ok(core.state.take_verdict(None).with(grads));
+        if alone_in_window {
+            match self.strategy.reduce_unbuffered(grads) {
+                Ok(reduced) => {
+                    let mut core = self.shared.lock();
+                    core.state.record_backward(None, false);
+                    return Ok(core.state.take_verdict(None).with(reduced));
+                }
+                Err(handed_back) => grads = handed_back,
+            }
         }
         let model = model();
         self.process(&mut grads, &model)?;
@@ -206,20 +205,17 @@ impl StepPipeline {
                     &param_ids(&model),
                     max_norm,
                     NormType::L2,
-                    self.shard_norms().as_deref(),
+                    &self.total_norm(),
                 )?;
             }
         }
         Ok(self.shared.take_outcome(&model))
     }
 
-    /// How a gradient norm's parts are combined across ranks, when each rank holds only its own gradients.
-    pub fn shard_norms(&self) -> Option<Box<ShardNorms<'_>>> {
-        let strategy = self.strategy.as_ref();
-        strategy.shards_state().then(|| {
-            Box::new(move |partial, op| strategy.combine_norm_parts(partial, op))
-                as Box<ShardNorms<'_>>
-        })
+    /// The total norm of a model's gradients from the norms of those this rank holds (the strategy's
+    /// [`gradient_norm`](Strategy::gradient_norm)).
+    pub fn total_norm(&self) -> impl Fn(Vec<Tensor<1>>, NormType) -> Result<f64> + '_ {
+        |norms, norm_type| self.strategy.gradient_norm(norms, norm_type)
     }
 
     /// A micro-batch starts; returns whether it ends the accumulation window.
@@ -249,24 +245,10 @@ impl StepPipeline {
         let before = core.grads.len();
         core.grads.collect(model, grads);
         // On several ranks, a rank whose part of the batch reached none of the parameters (data-dependent routing)
-        // takes part in the reduction with zeros: an error here would leave its peers waiting in the collective. The
-        // first time, it says so (on every rank at once it would be the mistake the error below names).
-        if before == 0 && core.grads.is_empty() && self.strategy.is_distributed() {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                log::warn!(
-                    "backward: none of the model's parameters received a gradient on this rank, which takes part in \
-                     the reduction with zeros (said once); if no rank's loss reaches them, pass the model the loss \
-                     was computed with"
-                )
-            });
-        }
-        if before == 0 && core.grads.is_empty() && !self.strategy.is_distributed() {
-            return Err(Error::InvalidArgument(
-                "backward: none of the model's parameters received a gradient; pass the model the loss was \
-                 computed with"
-                    .into(),
-            ));
+        // takes part in the reduction with zeros: an error there would leave its peers waiting in the collective.
+        // Alone, it is the mistake the strategy's error names.
+        if before == 0 && core.grads.is_empty() {
+            self.strategy.backward_reached_nothing()?;
         }
         self.end_backward(&mut core, model, Reduced::No)
     }
@@ -281,8 +263,8 @@ impl StepPipeline {
         model: &M,
         reduced: Reduced,
     ) -> Result<()> {
-        let sync_each_batch =
-            self.sync_each_batch && self.strategy.is_distributed() && reduced == Reduced::No;
+        // Alone, a sync is the strategy's reduction at scale 1: nothing.
+        let sync_each_batch = self.sync_each_batch && reduced == Reduced::No;
         let plan = core
             .state
             .record_backward(model_key(model), sync_each_batch);
@@ -323,9 +305,8 @@ impl StepPipeline {
     /// other models (a GAN's other half, inside its own window) are left as they are.
     fn average<M: Module>(&self, grads: &mut GradientBuffer, model: &M, scale: f32) -> Result<()> {
         let params = trainable_params(model);
-        if self.strategy.is_distributed() {
-            grads.hold_one_of(model, &params);
-        }
+        // A rank whose part of the batch reached none of them still makes every other rank's collective calls.
+        grads.hold_one_of(model, &params);
         self.strategy.reduce_gradients(grads, &params, scale)
     }
 }
@@ -350,9 +331,6 @@ mod tests {
     impl Strategy for Recording {
         fn name(&self) -> String {
             "recording".into()
-        }
-        fn is_distributed(&self) -> bool {
-            true
         }
         fn rank(&self) -> usize {
             0

@@ -197,8 +197,7 @@ impl Accelerator {
     pub fn distributed_type(&self) -> DistributedType {
         match self.group.distributed_type() {
             DistributedType::No => DistributedType::No,
-            _ if self.pipeline.strategy().shards_state() => DistributedType::Fsdp,
-            other => other,
+            launched => self.pipeline.strategy().distributed_type(launched),
         }
     }
 
@@ -564,21 +563,21 @@ impl Accelerator {
         norm_type: NormType,
     ) -> Result<f64> {
         let ids = grad::param_ids(model);
-        let shards = self.pipeline.shard_norms();
+        let total = self.pipeline.total_norm();
         let grads = &mut self.pipeline.shared().lock().grads;
-        grad::clip_grad_norm(grads, &ids, max_norm, norm_type, shards.as_deref())
+        grad::clip_grad_norm(grads, &ids, max_norm, norm_type, &total)
     }
 
     /// Clamps every gradient of `model` into `[-clip_value, clip_value]` (torch's `clip_grad_value_`). Under a
     /// sharded strategy each rank clamps the gradients it holds (a rank that owns no parameter holds none).
     pub fn clip_grad_value<M: Module>(&self, model: &M, clip_value: f64) -> Result<()> {
         let ids = grad::param_ids(model);
-        let sharded = self.pipeline.strategy().shards_state();
+        let strategy = self.pipeline.strategy();
         grad::clip_grad_value(
             &mut self.pipeline.shared().lock().grads,
             &ids,
             clip_value,
-            sharded,
+            |operation| strategy.no_gradients_held(operation),
         )
     }
 

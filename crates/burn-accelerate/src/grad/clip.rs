@@ -34,12 +34,75 @@ impl NormType {
     }
 }
 
-/// Combines this rank's part of a gradient norm (a sum of powers with `Sum`, a maximum with `Max`) with the other
-/// ranks' parts, when each rank holds only its own gradients (a sharded strategy).
-pub(crate) type ShardNorms<'a> = dyn Fn(f64, ReduceOp) -> Result<f64> + 'a;
+/// The total norm of a model's gradients from the norm of each gradient this rank holds (`norms`, one element
+/// each: a sum of `|g|^p`, or a maximum for [`NormType::Inf`]): the strategy's action, which knows whether the
+/// other ranks hold other gradients ([`combined_norm`]) or the same ones ([`local_norm`]).
+pub(crate) type TotalNorm<'a> = dyn Fn(Vec<Tensor<1>>, NormType) -> Result<f64> + 'a;
+
+/// The total norm when this rank holds every gradient: computed on the device, one read-back.
+///
+/// # Errors
+/// `norms` is empty (no `backward` before the clip); the device failed.
+pub(crate) fn local_norm(norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
+    let Some(device) = norms.first().map(|n| n.device()) else {
+        return Err(Error::NoGradients {
+            operation: "clip_grad_norm",
+        });
+    };
+    let stacked = Tensor::cat(norms, 0);
+    read_norm(
+        match norm_type {
+            NormType::L2 => stacked.sum().sqrt(),
+            NormType::Inf => stacked.max(),
+            NormType::P(p) => stacked.sum().powf_scalar(1.0 / p),
+        },
+        &device,
+    )
+}
+
+/// The total norm when each rank holds only its own gradients (possibly none): this rank's part, combined with
+/// the other ranks' by `combine` (a sum of powers with `Sum`, a maximum with `Max`).
+///
+/// # Errors
+/// The device failed; `combine` failed (a collective).
+pub(crate) fn combined_norm(
+    norms: Vec<Tensor<1>>,
+    norm_type: NormType,
+    combine: impl Fn(f64, ReduceOp) -> Result<f64>,
+) -> Result<f64> {
+    let partial = match norms.first().map(|n| n.device()) {
+        None => 0.0,
+        Some(device) => {
+            let stacked = Tensor::cat(norms, 0);
+            read_norm(
+                match norm_type {
+                    NormType::Inf => stacked.max(),
+                    _ => stacked.sum(),
+                },
+                &device,
+            )?
+        }
+    };
+    Ok(match norm_type {
+        NormType::L2 => combine(partial, ReduceOp::Sum)?.sqrt(),
+        NormType::Inf => combine(partial, ReduceOp::Max)?,
+        NormType::P(p) => combine(partial, ReduceOp::Sum)?.powf(1.0 / p),
+    })
+}
+
+fn read_norm(t: Tensor<1>, device: &burn::tensor::Device) -> Result<f64> {
+    t.try_into_scalar::<f32>()
+        .map(f64::from)
+        .map_err(|e| Error::Execution {
+            operation: "clip_grad_norm",
+            device: format!("{device:?}"),
+            reason: e.to_string(),
+        })
+}
 
 /// Clips the gradients of `ids` in `buffer` so that their combined norm is at most `max_norm`, and returns the
-/// combined norm measured before clipping.
+/// combined norm measured before clipping; `total` combines the norms of the gradients this rank holds (see
+/// [`TotalNorm`]).
 ///
 /// Follows torch: `coef = max_norm / (total + 1e-6)`; when `coef < 1` every gradient is multiplied by it. A
 /// non-finite total (an overflow) is returned as is and, like torch, scales the gradients by `coef` (zero for
@@ -49,7 +112,7 @@ pub(crate) fn clip_grad_norm(
     ids: &[ParamId],
     max_norm: f64,
     norm_type: NormType,
-    shards: Option<&ShardNorms<'_>>,
+    total: &TotalNorm<'_>,
 ) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm >= 0.0) {
         return Err(Error::InvalidArgument(format!(
@@ -57,26 +120,8 @@ pub(crate) fn clip_grad_norm(
         )));
     }
     let norm_type = norm_type.validate()?;
-    let grads = buffer.flat(ids);
-    // A sharded rank holds only its own gradients: it may hold none, and its part of the norm is combined
-    // with the others'.
-    let sharded = shards.is_some();
-    if grads.is_empty() && !sharded {
-        return Err(Error::NoGradients {
-            operation: "clip_grad_norm",
-        });
-    }
-    let device = grads.first().map(|g| g.device());
-    let read = |t: Tensor<1>| -> Result<f64> {
-        t.try_into_scalar::<f32>()
-            .map(f64::from)
-            .map_err(|e| Error::Execution {
-                operation: "clip_grad_norm",
-                device: format!("{device:?}"),
-                reason: e.to_string(),
-            })
-    };
-    let parts: Vec<Tensor<1>> = grads
+    let norms: Vec<Tensor<1>> = buffer
+        .flat(ids)
         .into_iter()
         .map(|g| {
             let g = g.cast(FloatDType::F32);
@@ -87,29 +132,7 @@ pub(crate) fn clip_grad_norm(
             }
         })
         .collect();
-    let total = if let Some(combine) = shards {
-        let partial = if parts.is_empty() {
-            0.0
-        } else {
-            let stacked = Tensor::cat(parts, 0);
-            read(match norm_type {
-                NormType::Inf => stacked.max(),
-                _ => stacked.sum(),
-            })?
-        };
-        match norm_type {
-            NormType::L2 => combine(partial, ReduceOp::Sum)?.sqrt(),
-            NormType::Inf => combine(partial, ReduceOp::Max)?,
-            NormType::P(p) => combine(partial, ReduceOp::Sum)?.powf(1.0 / p),
-        }
-    } else {
-        let stacked = Tensor::cat(parts, 0);
-        read(match norm_type {
-            NormType::L2 => stacked.sum().sqrt(),
-            NormType::Inf => stacked.max(),
-            NormType::P(p) => stacked.sum().powf_scalar(1.0 / p),
-        })?
-    };
+    let total = total(norms, norm_type)?;
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 || coef.is_nan() {
         let coef = coef as f32;
@@ -160,23 +183,22 @@ pub(crate) fn check_executed<const D: usize>(
         })
 }
 
-/// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`. A `sharded` rank holds only its
-/// own gradients, and may hold none: it has nothing to clamp.
+/// Clamps every gradient of `ids` in `buffer` into `[-clip_value, clip_value]`. When `buffer` holds none of them,
+/// `none_held` says whether that is an error (no `backward` before the clip) or nothing to clamp (a sharded rank
+/// holds only its own gradients, and may hold none).
 pub(crate) fn clip_grad_value(
     buffer: &mut GradientBuffer,
     ids: &[ParamId],
     clip_value: f64,
-    sharded: bool,
+    none_held: impl FnOnce(&'static str) -> Result<()>,
 ) -> Result<()> {
     if !(clip_value.is_finite() && clip_value >= 0.0) {
         return Err(Error::InvalidArgument(format!(
             "clip_grad_value: clip_value={clip_value} must be a finite number >= 0"
         )));
     }
-    if buffer.flat(ids).is_empty() && !sharded {
-        return Err(Error::NoGradients {
-            operation: "clip_grad_value",
-        });
+    if buffer.flat(ids).is_empty() {
+        return none_held("clip_grad_value");
     }
     let c = clip_value as f32;
     buffer.map_flat(ids, |g| g.clamp(-c, c));
@@ -187,6 +209,11 @@ pub(crate) fn clip_grad_value(
 mod tests {
     use super::*;
     use burn::tensor::Device;
+
+    /// What a strategy whose ranks hold every gradient answers when none is held.
+    fn no_grads(operation: &'static str) -> Result<()> {
+        Err(Error::NoGradients { operation })
+    }
 
     fn buffer_with(values: &[&[f32]]) -> (GradientBuffer, Vec<ParamId>) {
         let device = Device::default();
@@ -222,7 +249,7 @@ mod tests {
             .sum::<f64>()
             .sqrt();
         assert_eq!(manual, 13.0);
-        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2, None).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 1.3, NormType::L2, &local_norm).unwrap();
         assert!((total - manual).abs() < 1e-5, "{total}");
         let coef = (1.3 / (13.0 + 1e-6)) as f32;
         let after = values(&mut buffer, &ids);
@@ -239,7 +266,7 @@ mod tests {
     fn no_scaling_below_max_norm() {
         let grads: &[&[f32]] = &[&[0.3], &[0.4]];
         let (mut buffer, ids) = buffer_with(grads);
-        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2, None).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 1.0, NormType::L2, &local_norm).unwrap();
         assert!((total - 0.5).abs() < 1e-6);
         assert_eq!(values(&mut buffer, &ids), vec![vec![0.3], vec![0.4]]);
     }
@@ -248,33 +275,40 @@ mod tests {
     fn inf_and_p_norms() {
         let grads: &[&[f32]] = &[&[1.0, -5.0], &[2.0]];
         let (mut buffer, ids) = buffer_with(grads);
-        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf, None).unwrap();
+        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::Inf, &local_norm).unwrap();
         assert_eq!(total, 5.0);
-        let total = clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0), None).unwrap();
+        let total =
+            clip_grad_norm(&mut buffer, &ids, 100.0, NormType::P(1.0), &local_norm).unwrap();
         assert!((total - 8.0).abs() < 1e-5);
-        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0), None).is_err());
-        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2, None).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, 1.0, NormType::P(-1.0), &local_norm).is_err());
+        assert!(clip_grad_norm(&mut buffer, &ids, f64::NAN, NormType::L2, &local_norm).is_err());
     }
 
     #[test]
     fn value_clipping_clamps_each_element() {
         let grads: &[&[f32]] = &[&[0.5, -3.0], &[2.0, 0.1]];
         let (mut buffer, ids) = buffer_with(grads);
-        clip_grad_value(&mut buffer, &ids, 1.0, false).unwrap();
+        clip_grad_value(&mut buffer, &ids, 1.0, no_grads).unwrap();
         assert_eq!(
             values(&mut buffer, &ids),
             vec![vec![0.5, -1.0], vec![1.0, 0.1]]
         );
-        assert!(clip_grad_value(&mut buffer, &ids, -1.0, false).is_err());
-        assert!(clip_grad_value(&mut GradientBuffer::new(), &ids, 1.0, false).is_err());
-        clip_grad_value(&mut GradientBuffer::new(), &ids, 1.0, true).unwrap();
+        assert!(clip_grad_value(&mut buffer, &ids, -1.0, no_grads).is_err());
+        assert!(clip_grad_value(&mut GradientBuffer::new(), &ids, 1.0, no_grads).is_err());
+        clip_grad_value(&mut GradientBuffer::new(), &ids, 1.0, |_| Ok(())).unwrap();
     }
 
     #[test]
     fn empty_buffer_is_an_error() {
         let mut buffer = GradientBuffer::new();
-        let err =
-            clip_grad_norm(&mut buffer, &[ParamId::new()], 1.0, NormType::L2, None).unwrap_err();
+        let err = clip_grad_norm(
+            &mut buffer,
+            &[ParamId::new()],
+            1.0,
+            NormType::L2,
+            &local_norm,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("backward"), "{err}");
     }
 }

@@ -13,6 +13,6 @@ pub(crate) mod window;
 pub(crate) use buffer::{GradSource, GradientBuffer, param_ids};
 pub use clip::NormType;
 pub(crate) use clip::{
-    ShardNorms, check_executed, clip_grad_norm, clip_grad_value, has_non_finite,
+    check_executed, clip_grad_norm, clip_grad_value, combined_norm, has_non_finite, local_norm,
 };
 pub use window::GradientState;

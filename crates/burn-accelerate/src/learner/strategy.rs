@@ -329,13 +329,12 @@ impl AcceleratedStrategy {
                     learner.lr_step();
                 }
                 learner.optimizer_step(grads);
-                if pipeline.shares_stepped_parameters() {
-                    match pipeline.share_stepped(learner.model()) {
-                        Ok(model) => learner.load_model(model.into_record()),
-                        Err(e) => {
-                            interrupter.fail(training_error(e));
-                            return self.anyone_stops(interrupter, true);
-                        }
+                match pipeline.share_stepped(|| learner.model()) {
+                    Ok(Some(model)) => learner.load_model(model.into_record()),
+                    Ok(None) => {}
+                    Err(e) => {
+                        interrupter.fail(training_error(e));
+                        return self.anyone_stops(interrupter, true);
                     }
                 }
                 let mut progress = self.progress();

@@ -26,7 +26,7 @@ use burn::module::{Module, ParamId};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{Reduced, StepPipeline};
-use crate::distributed::strategy::{trainable_params, unshard, unshard_except};
+use crate::distributed::strategy::{BlockPass, trainable_params, unshard, unshard_except};
 use crate::error::{Error, Result};
 use crate::grad::window::model_key;
 use crate::grad::{GradientBuffer, param_ids};
@@ -96,8 +96,8 @@ impl StepPipeline {
         M: Blocks,
     {
         let strategy = self.strategy.as_ref();
-        let sharded = strategy.reshards_parameters();
-        if !sharded && !checkpoint {
+        let gather_each_block = strategy.block_pass() == BlockPass::GatherEachBlock;
+        if !gather_each_block && !checkpoint {
             let whole = unshard(strategy, model)?;
             let mut x = before(&whole);
             for b in whole.blocks() {
@@ -110,7 +110,7 @@ impl StepPipeline {
         }
         let blocks = block_ids(model);
         let rest = unshard_except(strategy, model, &blocks)?;
-        let mut sink = if !sharded {
+        let mut sink = if !gather_each_block {
             Sink::Local(GradientBuffer::new())
         } else if self
             .shared

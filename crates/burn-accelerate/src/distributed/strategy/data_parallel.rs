@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use burn::module::ParamId;
+use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::Strategy;
@@ -12,7 +13,7 @@ use crate::distributed::tensor_comm::bucket::{
     ALONE_ELEMENTS, buckets, concat, in_dtype, max_elements,
 };
 use crate::distributed::tensor_comm::{Reduction, TensorComm};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 
 /// One rank and one device: averaging is only the scaling, and nothing crosses ranks.
@@ -22,10 +23,6 @@ pub(crate) struct SingleDevice;
 impl Strategy for SingleDevice {
     fn name(&self) -> String {
         "single device".into()
-    }
-
-    fn is_distributed(&self) -> bool {
-        false
     }
 
     fn rank(&self) -> usize {
@@ -47,6 +44,22 @@ impl Strategy for SingleDevice {
 
     fn broadcast(&self, flat: Tensor<1>, _root: usize) -> Result<Tensor<1>> {
         Ok(flat)
+    }
+
+    fn reduce_unbuffered(
+        &self,
+        grads: GradientsParams,
+    ) -> std::result::Result<GradientsParams, GradientsParams> {
+        // Alone, the mean over the ranks at scale 1 is the gradients themselves.
+        Ok(grads)
+    }
+
+    fn backward_reached_nothing(&self) -> Result<()> {
+        Err(Error::InvalidArgument(
+            "backward: none of the model's parameters received a gradient; pass the model the loss was \
+             computed with"
+                .into(),
+        ))
     }
 }
 
@@ -113,10 +126,6 @@ impl DataParallel {
 impl Strategy for DataParallel {
     fn name(&self) -> String {
         format!("data parallel over {}", self.comm.name())
-    }
-
-    fn is_distributed(&self) -> bool {
-        true
     }
 
     fn rank(&self) -> usize {

@@ -23,7 +23,8 @@
 //! unsharded one.
 //!
 //! The strategy never sees the model's type: the pipeline hands its lifecycle hooks (`setup`, `unshard`,
-//! `after_step`, `fetcher`) the model's [`ParamTable`] and writes back the values they replace.
+//! `after_step`, `fetcher`) the model's parameters ([`ModuleParams`]), whose [`ParamTable`] they read and whose
+//! replaced values are written back.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,8 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::params::{ParamEntry, ParamTable};
-use super::{StateScope, Strategy, balanced_owners};
+use super::{BlockPass, ModuleParams, StateScope, Strategy, balanced_owners};
+use crate::DistributedType;
 use crate::config::ShardingStrategy;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
@@ -40,6 +42,7 @@ use crate::distributed::comm::ReduceOp;
 use crate::distributed::tensor_comm::{Checked, Reduction, TensorComm, bucket};
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
+use crate::grad::NormType;
 
 mod fetch;
 mod gather;
@@ -363,10 +366,6 @@ impl Strategy for Sharded {
         }
     }
 
-    fn is_distributed(&self) -> bool {
-        true
-    }
-
     fn rank(&self) -> usize {
         self.world.process_index()
     }
@@ -489,11 +488,8 @@ impl Strategy for Sharded {
         }
     }
 
-    fn places_parameters(&self) -> bool {
-        true
-    }
-
-    fn setup(&self, params: &mut ParamTable) -> Result<()> {
+    fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        let params = params.table();
         self.remember(params);
         if self.mode.reshards_parameters() {
             self.reshard(params);
@@ -501,7 +497,8 @@ impl Strategy for Sharded {
         Ok(())
     }
 
-    fn unshard(&self, params: &mut ParamTable, kept: &HashSet<ParamId>) -> Result<()> {
+    fn unshard(&self, params: &mut ModuleParams<'_>, kept: &HashSet<ParamId>) -> Result<()> {
+        let params = params.table();
         self.adopt(params);
         if self.mode.reshards_parameters() {
             gather(self, params, kept)?;
@@ -509,7 +506,8 @@ impl Strategy for Sharded {
         Ok(())
     }
 
-    fn after_step(&self, params: &mut ParamTable) -> Result<()> {
+    fn after_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        let params = params.table();
         self.adopt(params);
         if self.mode.reshards_parameters() {
             self.reshard(params);
@@ -519,17 +517,31 @@ impl Strategy for Sharded {
         }
     }
 
-    fn fetcher(&self, params: &ParamTable) -> Option<ParamFetcher> {
+    fn fetcher(&self, params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
+        if !self.mode.reshards_parameters() {
+            // Every rank holds the whole model: nothing to fetch, and no table to read.
+            return None;
+        }
+        let params = params.table();
         self.adopt(params);
-        fetch::fetcher(self, params)
+        Some(fetch::fetcher(self, params))
     }
 
-    fn reshards_parameters(&self) -> bool {
-        self.mode.reshards_parameters()
+    fn block_pass(&self) -> BlockPass {
+        if self.mode.reshards_parameters() {
+            BlockPass::GatherEachBlock
+        } else {
+            BlockPass::Whole
+        }
     }
 
-    fn shards_state(&self) -> bool {
-        true
+    fn distributed_type(&self, _launched: DistributedType) -> DistributedType {
+        DistributedType::Fsdp
+    }
+
+    fn no_gradients_held(&self, _operation: &'static str) -> Result<()> {
+        // Each rank holds only its own parameters' gradients, and may own none.
+        Ok(())
     }
 
     fn owns(&self, id: ParamId) -> bool {
@@ -578,8 +590,10 @@ impl Strategy for Sharded {
         Ok(any != 0.0)
     }
 
-    fn combine_norm_parts(&self, partial: f64, op: ReduceOp) -> Result<f64> {
-        self.shards
-            .all_reduce_value(partial, op, "sharded gradient norm")
+    fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
+        crate::grad::combined_norm(norms, norm_type, |partial, op| {
+            self.shards
+                .all_reduce_value(partial, op, "sharded gradient norm")
+        })
     }
 }

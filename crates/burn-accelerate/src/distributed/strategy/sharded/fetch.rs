@@ -58,12 +58,8 @@ impl ParamFetcher {
     }
 }
 
-/// Under `FULL_SHARD` / `HYBRID_SHARD`, the fetcher of the parameters of `params` (see [`ParamFetcher`]);
-/// `None` under `SHARD_GRAD_OP`, where every rank holds the whole model.
-pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> Option<ParamFetcher> {
-    if !sharded.mode.reshards_parameters() {
-        return None;
-    }
+/// The fetcher of the parameters of `params` (see [`ParamFetcher`]), under `FULL_SHARD` / `HYBRID_SHARD`.
+pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> ParamFetcher {
     let order = sharded.whole_params(params);
     let owners: HashMap<ParamId, usize> = order
         .iter()
@@ -83,7 +79,7 @@ pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> Option<ParamFet
             }
         }
     }
-    Some(ParamFetcher {
+    ParamFetcher {
         comm: sharded.shards.clone(),
         me,
         sizes: order.into_iter().collect(),
@@ -91,5 +87,5 @@ pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> Option<ParamFet
         dims,
         own,
         placement,
-    })
+    }
 }

@@ -1,0 +1,274 @@
+//! A module's parameters as strategies place them: rank 0's weights on every rank at `prepare_model`, and the
+//! hooks of [`Strategy`] (setup, unshard, after a step, a save's fetcher) over a parameter table read only when
+//! the strategy asks for it.
+
+use std::cell::{Cell, OnceCell};
+use std::collections::HashSet;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+
+use super::{ParamFetcher, ParamTable, Strategy};
+use crate::error::{Error, Result};
+
+/// Returns `module` with every float parameter replaced by rank 0's value (Accelerate's DDP wrapping does the
+/// same), keeping ids and gradient settings. Called on several ranks only (`prepare_model`).
+///
+/// A parameter that is still lazy (Burn draws parameters at their first use) is drawn on rank 0 only: the other
+/// ranks receive its value without running its initializer, so they never draw from a random generator they may
+/// share with rank 0 (in-process ranks share the device's).
+pub(crate) fn broadcast_module<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    from_rank_0(strategy, module)
+}
+
+/// `module` with its float parameters renamed to `ids` (visiting order), values and settings kept: every rank
+/// takes rank 0's ids at `prepare_model`, so that a checkpoint's model and per-rank optimizer records, keyed by
+/// id, match on every rank (separate processes draw different ids for the same parameter).
+pub(crate) fn with_param_ids<M: Module>(module: M, ids: &[u64]) -> M {
+    struct Rename<'a> {
+        ids: &'a [u64],
+        next: usize,
+    }
+    impl ModuleMapper for Rename<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(&id) = self.ids.get(self.next) else {
+                return param;
+            };
+            self.next += 1;
+            let id = ParamId::from(id);
+            if param.id == id {
+                return param;
+            }
+            let (_, value, mapper) = param.consume();
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    module.map(&mut Rename { ids, next: 0 })
+}
+
+/// Draws every lazily initialised float parameter of `module` now, in the module's visiting order (the order a
+/// 1-rank run draws them in [`Accelerator::prepare_model`](crate::Accelerator::prepare_model), whatever order
+/// the forward pass would first use them in).
+pub(crate) fn materialize<M: Module>(module: M) -> M {
+    struct Draw;
+    impl ModuleVisitor for Draw {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_initialized() {
+                let _ = param.base();
+            }
+        }
+    }
+    module.visit(&mut Draw);
+    module
+}
+
+/// Returns `module` with every float parameter replaced by rank 0's value, keeping ids and gradient settings.
+fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    struct FromOwner<'a> {
+        strategy: &'a dyn Strategy,
+        error: Option<Error>,
+    }
+    impl ModuleMapper for FromOwner<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let owner = 0;
+            if self.error.is_some() {
+                return param;
+            }
+            if !param.is_initialized() && owner != self.strategy.rank() {
+                return self.receive_lazy(param, owner);
+            }
+            let require_grad = param.is_require_grad();
+            param.map(|tensor| {
+                let device = tensor.device();
+                let shape = tensor.shape();
+                let fallback = tensor.clone();
+                let flat = tensor.inner().reshape([shape.num_elements()]);
+                match self.strategy.broadcast(flat, owner) {
+                    // A new leaf of the autodiff graph, tracked again when the parameter trains.
+                    Ok(value) => {
+                        let value = Tensor::from_inner(value.reshape(shape)).to_device(&device);
+                        if require_grad {
+                            value.require_grad()
+                        } else {
+                            value
+                        }
+                    }
+                    Err(e) => {
+                        self.error = Some(e);
+                        fallback
+                    }
+                }
+            })
+        }
+    }
+    impl FromOwner<'_> {
+        /// `owner`'s value of a parameter this rank has not drawn: received into a buffer of its shape and
+        /// loaded as Burn loads a record into a lazy parameter (its device and gradient setting, no draw).
+        fn receive_lazy<const D: usize>(
+            &mut self,
+            param: Param<Tensor<D>>,
+            owner: usize,
+        ) -> Param<Tensor<D>> {
+            let shape = param.lazy_shape();
+            let device = param.lazy_device();
+            let buffer = Tensor::<1>::zeros([shape.num_elements()], &device).inner();
+            match self.strategy.broadcast(buffer, owner) {
+                Ok(value) => {
+                    let id = param.id;
+                    param.transform_for_load(Tensor::from_inner(value.reshape(shape)), id)
+                }
+                Err(e) => {
+                    self.error = Some(e);
+                    param
+                }
+            }
+        }
+    }
+    let mut mapper = FromOwner {
+        strategy,
+        error: None,
+    };
+    let module = module.map(&mut mapper);
+    match mapper.error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
+}
+
+/// The parameters of a module a strategy's hook may place: the table is read from the module the first time the
+/// hook asks for it, and written back only then, so that a strategy with nothing to place costs nothing.
+pub(crate) struct ModuleParams<'a> {
+    read: &'a dyn Fn() -> ParamTable,
+    table: Option<ParamTable>,
+}
+
+impl<'a> ModuleParams<'a> {
+    /// The parameters `read` gives, read at the first [`table`](Self::table).
+    pub fn new(read: &'a dyn Fn() -> ParamTable) -> Self {
+        Self { read, table: None }
+    }
+
+    /// The module's parameter table, read now if it was not yet.
+    pub fn table(&mut self) -> &mut ParamTable {
+        let read = self.read;
+        self.table.get_or_insert_with(read)
+    }
+
+    /// The table, if a hook read it.
+    fn into_table(self) -> Option<ParamTable> {
+        self.table
+    }
+}
+
+/// A module after a strategy's hook: changed when the hook read its parameters, else `module` as it was.
+pub(crate) enum Placed<M> {
+    /// The hook placed parameters: the module was rebuilt from its table.
+    Changed(M),
+    /// The hook did not look at the parameters.
+    Untouched(M),
+}
+
+impl<M> Placed<M> {
+    /// The module, either way.
+    pub fn into_inner(self) -> M {
+        match self {
+            Placed::Changed(m) | Placed::Untouched(m) => m,
+        }
+    }
+}
+
+/// The module `module` makes after `hook` placed its parameters (see [`ModuleParams`]): `None`, without making
+/// the module, when the hook never read them.
+fn placed_lazily<M: Module>(
+    strategy: &dyn Strategy,
+    module: impl FnOnce() -> M,
+    hook: impl FnOnce(&dyn Strategy, &mut ModuleParams<'_>) -> Result<()>,
+) -> Result<Option<M>> {
+    let made = OnceCell::new();
+    let make = Cell::new(Some(module));
+    let read = || {
+        ParamTable::of(made.get_or_init(|| match make.take() {
+            Some(module) => module(),
+            None => unreachable!("the module is made once, by the first read"),
+        }))
+    };
+    let mut params = ModuleParams::new(&read);
+    hook(strategy, &mut params)?;
+    match (params.into_table(), made.into_inner()) {
+        (Some(table), Some(module)) => table.apply(module).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// `module` after `hook` placed its parameters (see [`ModuleParams`]).
+fn placed<M: Module>(
+    strategy: &dyn Strategy,
+    module: M,
+    hook: impl FnOnce(&dyn Strategy, &mut ModuleParams<'_>) -> Result<()>,
+) -> Result<Placed<M>> {
+    let slot = Cell::new(Some(module));
+    let changed = placed_lazily(
+        strategy,
+        || slot.take().expect("the module is taken once"),
+        hook,
+    )?;
+    match (changed, slot.take()) {
+        (Some(module), _) => Ok(Placed::Changed(module)),
+        (None, Some(module)) => Ok(Placed::Untouched(module)),
+        (None, None) => Err(Error::other(
+            "a strategy read a module's parameters and then gave no table back",
+        )),
+    }
+}
+
+/// The last step of `prepare_model` (see [`Strategy::setup`]): under `FULL_SHARD` this rank keeps only its own
+/// parameters.
+pub(crate) fn after_prepare<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    placed(strategy, module, |s, params| s.setup(params)).map(Placed::into_inner)
+}
+
+/// `module` whole on this rank (see [`Strategy::unshard`]): under `FULL_SHARD` the other ranks' parameters are
+/// gathered; otherwise every rank holds them already and `module` comes back as it is (a cheap clone).
+pub(crate) fn unshard<M: Module>(strategy: &dyn Strategy, module: &M) -> Result<M> {
+    unshard_except(strategy, module, &HashSet::new())
+}
+
+/// [`unshard`] of every parameter of `module` but those in `kept` (a block-wise pass gathers its blocks one at a
+/// time, and the rest of the model with this). Every rank must pass the same `kept`.
+pub(crate) fn unshard_except<M: Module>(
+    strategy: &dyn Strategy,
+    module: &M,
+    kept: &HashSet<ParamId>,
+) -> Result<M> {
+    placed(strategy, module.clone(), |s, params| {
+        s.unshard(params, kept)
+    })
+    .map(Placed::into_inner)
+}
+
+/// After an optimizer stepped `module` (see [`Strategy::after_step`]): under a sharded strategy, whose ranks step
+/// only the parameters they own, the stepped parameters are shared (or dropped again under `FULL_SHARD`); under
+/// a replicated strategy the module comes back untouched.
+pub(crate) fn share_stepped<M: Module>(strategy: &dyn Strategy, module: M) -> Result<Placed<M>> {
+    placed(strategy, module, |s, params| s.after_step(params))
+}
+
+/// [`share_stepped`] of the module `module` makes, made only when the strategy places its parameters (burn-train's
+/// Learner holds its model: a copy is taken only then). `None` where the strategy left it as it was.
+#[cfg_attr(not(feature = "train"), allow(dead_code))]
+pub(crate) fn share_stepped_lazily<M: Module>(
+    strategy: &dyn Strategy,
+    module: impl FnOnce() -> M,
+) -> Result<Option<M>> {
+    placed_lazily(strategy, module, |s, params| s.after_step(params))
+}
+
+/// The fetcher of `module`'s parameters for a save that never holds the whole model (see
+/// [`Strategy::fetcher`]); `None` where every rank holds the whole model.
+pub(crate) fn param_fetcher<M: Module>(
+    strategy: &dyn Strategy,
+    module: &M,
+) -> Option<ParamFetcher> {
+    let read = || ParamTable::of(module);
+    strategy.fetcher(&mut ModuleParams::new(&read))
+}

@@ -1,0 +1,290 @@
+//! The strategies end to end: transports, sharded modes and their checkpoints against data parallelism.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::AdamConfig;
+use burn::tensor::Device;
+
+use super::*;
+use crate::accelerator::AcceleratorBuilder;
+use crate::config::ShardingStrategy;
+use crate::distributed::collectives;
+use crate::distributed::comm::ReduceOp;
+use crate::{Accelerator, StateToSave};
+
+mod leader;
+
+#[derive(Module, Debug)]
+struct Net {
+    a: Linear,
+    b: Linear,
+}
+
+/// Another gradient transport, in the shape of a device all-reduce: the flat buffer is averaged by a tensor
+/// collective and scaled as a tensor (no host buffer of the transport's own), and its calls are counted.
+#[derive(Debug)]
+struct DeviceDouble {
+    group: Arc<ProcessGroup>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl DeviceAverage for DeviceDouble {
+    fn name(&self) -> &'static str {
+        "device double"
+    }
+    fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let sum = collectives::reduce(&self.group, flat, ReduceOp::Sum)?;
+        Ok(sum.mul_scalar(scale / self.group.num_processes() as f32))
+    }
+}
+
+/// A linear layer with fixed, uneven weights: the device's random generator is shared by the tests that
+/// run beside this one, and Burn draws parameters lazily, so drawn weights would differ between runs.
+fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+    let mut layer = LinearConfig::new(d_in, d_out).init(device);
+    let values: Vec<f32> = (0..d_in * d_out)
+        .map(|i| (i as f32 * 0.37 + salt).sin() * 0.5)
+        .collect();
+    let weight = Tensor::<1>::from_floats(values.as_slice(), device).reshape([d_in, d_out]);
+    layer.weight = Param::from_tensor(weight);
+    layer.bias = Some(Param::from_tensor(Tensor::zeros([d_out], device)));
+    layer
+}
+
+fn net(device: &Device) -> Net {
+    Net {
+        a: linear(4, 8, 0.1, device),
+        b: linear(8, 2, 1.3, device),
+    }
+}
+
+fn weights(net: &Net) -> Vec<f32> {
+    [
+        net.a.weight.val().into_data(),
+        net.b.weight.val().into_data(),
+    ]
+    .into_iter()
+    .flat_map(|d| d.try_to_vec::<f32>().unwrap())
+    .collect()
+}
+
+/// Trains `Net` with Adam for `steps` steps on 2 ranks (each rank its own data) and returns each rank's
+/// weights and the number of optimizer state records it holds.
+fn train(builder: AcceleratorBuilder, steps: usize) -> Vec<(Vec<f32>, usize)> {
+    builder
+        .launch(2, move |acc: Accelerator| {
+            let device = acc.device().clone();
+            let mut net = acc.prepare_model(net(&device))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let rank = acc.process_index() as f32;
+            for step in 0..steps {
+                let values: Vec<f32> = (0..24)
+                    .map(|i| i as f32 * (0.05 * (rank + 1.0) + step as f32 * 0.01))
+                    .collect();
+                let x = Tensor::<1>::from_floats(values.as_slice(), &device).reshape([6, 4]);
+                let whole = acc.unshard(&net)?;
+                let loss = whole
+                    .b
+                    .forward(whole.a.forward(x).tanh())
+                    .powi_scalar(2)
+                    .mean();
+                acc.backward(loss, &whole)?;
+                net = optimizer.try_step(net)?;
+            }
+            // FULL_SHARD holds only this rank's parameters between steps: compare the whole model.
+            Ok((
+                weights(&acc.unshard(&net)?),
+                optimizer.inner().to_record().len(),
+            ))
+        })
+        .unwrap()
+}
+
+fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1e-6))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn another_gradient_transport_trains_the_same_model_as_the_host_all_reduce() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let device = AcceleratorBuilder::default().strategy(Arc::new(move |group| {
+        let transport = DeviceDouble {
+            group: group.clone(),
+            calls: counted.clone(),
+        };
+        Arc::new(DataParallel::new(
+            OnDevice::checked(Box::new(transport), group),
+            25 << 20,
+        ))
+    }));
+    let host = train(AcceleratorBuilder::default(), 20);
+    let other = train(device, 20);
+    // One bucket per step on each of the 2 ranks (the initial broadcast is not an average).
+    assert_eq!(calls.load(Ordering::Relaxed), 2 * 20);
+    for ((h, _), (o, _)) in host.iter().zip(&other) {
+        let diff = max_relative_difference(h, o);
+        assert!(diff < 1e-5, "device double vs host all-reduce: {diff}");
+    }
+    assert_eq!(other[0].0, other[1].0, "ranks agree");
+}
+
+#[test]
+fn the_device_all_reduce_path_trains_the_same_model_as_the_host_all_reduce() {
+    // DeviceAllReduce as NCCL drives it (id from rank 0 over the communicator, asynchronous calls polled
+    // against the timeout), over the host-memory double of the library.
+    let device = AcceleratorBuilder::default().strategy(Arc::new(|group| {
+        let transport = transport::DeviceAllReduce::connect(
+            group.clone(),
+            &transport::double::HostLibrary::default(),
+            std::time::Duration::from_secs(30),
+        )
+        .unwrap();
+        Arc::new(DataParallel::new(
+            OnDevice::checked(Box::new(transport), group),
+            25 << 20,
+        ))
+    }));
+    let host = train(AcceleratorBuilder::default(), 20);
+    let other = train(device, 20);
+    for ((h, _), (o, _)) in host.iter().zip(&other) {
+        let diff = max_relative_difference(h, o);
+        assert!(diff < 1e-5, "device all-reduce vs host all-reduce: {diff}");
+    }
+    assert_eq!(other[0].0, other[1].0, "ranks agree");
+}
+
+#[test]
+fn the_transport_is_chosen_from_the_setting_and_named() {
+    use crate::config::GradientTransport;
+    for preference in [GradientTransport::Auto, GradientTransport::Host] {
+        let names = AcceleratorBuilder::default()
+            .gradient_transport(preference)
+            .launch(2, |acc| Ok(acc.strategy_name()))
+            .unwrap();
+        assert_eq!(names, vec!["data parallel over host all-reduce"; 2]);
+    }
+    // Flex ranks have no device path: asking for one is refused with the reason.
+    let err = AcceleratorBuilder::default()
+        .gradient_transport(GradientTransport::Device)
+        .launch(2, |acc| Ok(acc.strategy_name()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("gradient_transport") && err.contains("device collectives on CUDA only"),
+        "{err}"
+    );
+    // One rank needs no transport, whatever the setting.
+    let single = AcceleratorBuilder::default()
+        .gradient_transport(GradientTransport::Device)
+        .launch(1, |acc| Ok(acc.strategy_name()))
+        .unwrap();
+    assert_eq!(single, vec!["single device"]);
+}
+
+#[test]
+fn sharded_strategies_step_each_parameter_on_its_owner_and_match_data_parallelism() {
+    let replicated = train(AcceleratorBuilder::default(), 20);
+    // Four parameters (32, 16, 8 and 2 elements): rank 0 owns the largest, rank 1 the other three.
+    let per_param = replicated[0].1 / 4;
+    assert_eq!(
+        replicated[0].1, replicated[1].1,
+        "data parallelism: every rank holds all state"
+    );
+    for mode in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+        // Small buckets: several reduce-scatter and all-gather rounds per step.
+        let sharded = AcceleratorBuilder::default()
+            .sharding(mode)
+            .bucket_size_mb(40.0 / (1 << 20) as f64);
+        let shards = train(sharded, 20);
+        for rank in 0..2 {
+            assert_eq!(
+                shards[rank].0, replicated[rank].0,
+                "{mode} rank {rank}: the same reduction, so the same weights bit for bit"
+            );
+        }
+        assert_eq!(
+            (shards[0].1, shards[1].1),
+            (per_param, 3 * per_param),
+            "{mode}: each rank holds its slice"
+        );
+    }
+}
+
+#[test]
+fn a_sharded_strategy_saves_and_restores_each_ranks_optimizer_slice() {
+    let dir = std::env::temp_dir().join(format!(
+        "burn-accelerate-sharded-state-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sharded = AcceleratorBuilder::default().sharding(ShardingStrategy::ShardGradOp);
+    let target = dir.clone();
+    let restored = sharded
+        .launch(2, move |acc: Accelerator| {
+            let device = acc.device().clone();
+            let net = acc.prepare_model(net(&device))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let x = Tensor::<2>::ones([3, 4], &device);
+            acc.backward(net.b.forward(net.a.forward(x)).sum(), &net)?;
+            let net = optimizer.try_step(net)?;
+            let parts = StateToSave::new().model(&net)?.optimizer(&optimizer)?;
+            acc.save_state(Some(&target), &parts)?;
+            let mut fresh = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let mut state = acc.load_state(Some(&target))?;
+            let _ = state.model(net)?;
+            state.optimizer(&mut fresh)?;
+            state.finish()?;
+            Ok(fresh.inner().to_record().len())
+        })
+        .unwrap();
+    assert!(dir.join("optimizer_rank0.bpk").is_file());
+    assert!(dir.join("optimizer_rank1.bpk").is_file());
+    assert!(!dir.join("optimizer.bpk").exists());
+    assert_eq!(
+        restored[1],
+        3 * restored[0],
+        "each rank read back its own slice"
+    );
+    assert!(restored[0] > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = Device::default();
+}
+
+#[test]
+fn a_sharded_run_says_fsdp_and_refuses_what_sharding_cannot_honour() {
+    let sharded = || AcceleratorBuilder::default().sharding(ShardingStrategy::ShardGradOp);
+    let kinds = sharded()
+        .launch(2, |acc| Ok(acc.distributed_type()))
+        .unwrap();
+    assert_eq!(kinds, vec![crate::DistributedType::Fsdp; 2]);
+    let alone = sharded()
+        .launch(1, |acc| Ok(acc.distributed_type()))
+        .unwrap();
+    assert_eq!(alone, vec![crate::DistributedType::No]);
+    let err = sharded()
+        .sync_each_batch(true)
+        .launch(2, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("sync_each_batch") && err.contains("SHARD_GRAD_OP"),
+        "{err}"
+    );
+}
+
+#[test]
+fn owners_are_balanced_by_size_and_deterministic() {
+    let ids: Vec<ParamId> = (0..5).map(|_| ParamId::new()).collect();
+    let params: Vec<(ParamId, usize)> = ids.iter().copied().zip([10, 40, 10, 20, 20]).collect();
+    assert_eq!(balanced_owners(&params, 2), vec![0, 0, 1, 1, 1]);
+    assert_eq!(balanced_owners(&params, 3), vec![1, 0, 2, 1, 2]);
+    assert_eq!(balanced_owners(&params, 1), vec![0; 5]);
+}
