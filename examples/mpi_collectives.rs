@@ -40,9 +40,38 @@ fn skip_scenario() {
     std::thread::sleep(Duration::from_secs(1));
 }
 
+/// `--silent-peer`: rank 0 waits for a message the last rank never sends; rank 0 must get a timeout naming it.
+fn silent_peer_scenario() {
+    use burn_accelerate::distributed::comm::ReduceBuffer;
+    use std::time::Duration;
+    let accelerator = Accelerator::builder()
+        .collective_timeout(Duration::from_secs(1))
+        .build()
+        .expect("accelerator");
+    let last = accelerator.num_processes() - 1;
+    if accelerator.process_index() == 0 {
+        let start = std::time::Instant::now();
+        let comm = accelerator.process_group().comm();
+        match comm.send_recv(vec![], vec![(last, ReduceBuffer::F32(vec![0.0; 4]))]) {
+            Err(e) => println!(
+                "rank 0 got after {:.1}s: {e}",
+                start.elapsed().as_secs_f64()
+            ),
+            Ok(_) => println!("rank 0 unexpectedly received"),
+        }
+    } else if accelerator.process_index() == last {
+        // Long enough that rank 0 can only be released by its 1 s timeout.
+        std::thread::sleep(Duration::from_secs(4));
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--skip") {
         skip_scenario();
+        return;
+    }
+    if std::env::args().any(|a| a == "--silent-peer") {
+        silent_peer_scenario();
         return;
     }
     let run = || -> burn_accelerate::Result<(usize, usize)> {

@@ -71,6 +71,28 @@ fn a_rank_that_skips_a_collective_is_named_under_mpirun() {
 }
 
 #[test]
+fn a_receive_whose_peer_never_sends_times_out_naming_it_under_mpirun() {
+    let program = example("mpi_collectives");
+    let out = mpirun(2, &program, &["--silent-peer"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("rank 0 got after"))
+        .unwrap_or_else(|| panic!("no error on rank 0:\n{stdout}"));
+    assert!(line.contains("nothing arrived from rank(s) [1]"), "{line}");
+    let secs: f64 = line["rank 0 got after ".len()..]
+        .split('s')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1.0..4.0).contains(&secs),
+        "the timeout is 1 s, not the peer's exit: {line}"
+    );
+}
+
+#[test]
 fn data_parallel_example_under_mpirun_matches_one_process() {
     let program = example("data_parallel");
     let lines = |out| result_lines(out, &["final_loss=", "accuracy="]);

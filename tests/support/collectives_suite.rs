@@ -518,6 +518,65 @@ pub fn sub_groups(acc: &Accelerator) -> Result<()> {
     acc.wait_for_everyone()
 }
 
+/// Point-to-point batches (`Communicator::send_recv`): a ring in which each rank sends to the next and receives
+/// from the previous in one batch (two messages each way, in order, one past 256 KiB, MPI's rendezvous size), a
+/// message to itself, pairs that exchange both ways, and a receive that expects another length than was sent: an
+/// error on the receiving rank, naming both, while the sender completes.
+pub fn point_to_point(acc: &Accelerator) -> Result<()> {
+    use burn_accelerate::distributed::comm::ReduceBuffer;
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let comm = acc.process_group().comm();
+    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+    let small = |rank: usize| ReduceBuffer::F32((0..5).map(|i| (rank * 10 + i) as f32).collect());
+    let large = |rank: usize| {
+        ReduceBuffer::I64((0..(1 << 16) + 3).map(|i| (rank * 7 + i) as i64).collect())
+    };
+    let got = comm.send_recv(
+        vec![(next, small(r)), (next, large(r)), (r, small(r + 100))],
+        vec![
+            (prev, ReduceBuffer::F32(vec![0.0; 5])),
+            (prev, ReduceBuffer::I64(vec![0; (1 << 16) + 3])),
+            (r, ReduceBuffer::F32(vec![0.0; 5])),
+        ],
+    )?;
+    check(
+        got == vec![small(prev), large(prev), small(r + 100)],
+        || format!("ring send_recv on rank {r}: wrong messages or order"),
+    )?;
+    if p >= 2 && r < p - p % 2 {
+        let partner = r ^ 1;
+        let got = comm.send_recv(
+            vec![(partner, ReduceBuffer::F64(vec![r as f64; 3]))],
+            vec![(partner, ReduceBuffer::F64(vec![0.0; 3]))],
+        )?;
+        check(
+            got == vec![ReduceBuffer::F64(vec![partner as f64; 3])],
+            || format!("pair exchange on rank {r}: {got:?}"),
+        )?;
+    }
+    if p >= 2 && r < 2 {
+        let outcome = if r == 0 {
+            comm.send_recv(vec![(1, ReduceBuffer::F32(vec![1.0; 3]))], vec![])
+        } else {
+            comm.send_recv(vec![], vec![(0, ReduceBuffer::F32(vec![0.0; 4]))])
+        };
+        match (r, outcome) {
+            (0, outcome) => {
+                outcome?;
+            }
+            (_, Ok(_)) => return check(false, || "a receive of the wrong length passed".into()),
+            (_, Err(e)) => {
+                let e = e.to_string();
+                check(
+                    e.contains("rank 0 sent 3 x f32, rank 1 expected 4 x f32"),
+                    || format!("the mismatch's error on rank 1: {e}"),
+                )?;
+            }
+        }
+    }
+    acc.wait_for_everyone()
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -535,5 +594,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     all_gather_parts(acc)?;
     rooted(acc)?;
     sub_groups(acc)?;
+    point_to_point(acc)?;
     acc.wait_for_everyone()
 }

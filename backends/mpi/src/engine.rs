@@ -16,6 +16,7 @@ use mpi::traits::{CommunicatorCollectives, Root};
 
 mod call;
 mod exit;
+mod p2p;
 mod typed;
 
 use call::{CALL_WORDS, Call, fingerprint, system_op};
@@ -482,6 +483,14 @@ impl Communicator for MpiComm {
             ReduceBuffer::F64(v) => ReduceBuffer::F64(self.broadcast_typed(v, 1, root)?),
             ReduceBuffer::I64(v) => ReduceBuffer::I64(self.broadcast_typed(v, 2, root)?),
         })
+    }
+
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, ReduceBuffer)>,
+        recvs: Vec<(usize, ReduceBuffer)>,
+    ) -> CommResult<Vec<ReduceBuffer>> {
+        self.send_recv_batch(sends, recvs)
     }
 
     fn broadcast(&self, data: Vec<u8>, root: usize) -> CommResult<Vec<u8>> {

@@ -26,6 +26,24 @@ pub enum CommError {
         timeout: Duration,
     },
 
+    /// A point-to-point exchange did not complete in time: a receive whose peer never sent.
+    #[error(
+        "point-to-point `{operation}` on rank {rank} timed out after {timeout:?}: nothing arrived from rank(s) \
+         {waiting_for:?}. Every receive needs a matching send on its peer, in the same order; post a pair's sends \
+         and receives in one batch (`send_recv`) so that neither waits for the other, or raise the timeout \
+         (`AcceleratorBuilder::collective_timeout`, ACCELERATE_COLLECTIVE_TIMEOUT=<seconds>) if a peer is only slow"
+    )]
+    PeerTimeout {
+        /// The exchange.
+        operation: String,
+        /// The rank reporting.
+        rank: usize,
+        /// The peers whose messages had not arrived.
+        waiting_for: Vec<usize>,
+        /// The configured timeout.
+        timeout: Duration,
+    },
+
     /// Another rank failed (panicked, returned an error or exited), so this collective cannot complete.
     #[error("collective `{operation}` #{seq} aborted: rank {failed_rank} {reason}")]
     RankFailed {

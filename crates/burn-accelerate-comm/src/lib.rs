@@ -161,6 +161,30 @@ pub trait Communicator: Send + Sync + Debug {
         })
     }
 
+    /// A batch of point-to-point messages (torch's `batch_isend_irecv`): every send of `sends` (`(peer, buffer)`)
+    /// is posted, then every receive of `recvs` (`(peer, buffer)`, the buffer giving the kind and length
+    /// expected; its values are ignored), and the call returns once all have completed, with the received
+    /// buffers in `recvs`' order. Only the ranks named take part (no other rank calls anything). Messages from one
+    /// rank to another arrive in the order it sent them; a pair of ranks that each send to and receive from the
+    /// other in one batch never waits on itself, whichever posts first. A peer may be this rank itself.
+    ///
+    /// # Errors
+    /// A peer outside the group; a message of another kind or length than its receive expects (on the receiving
+    /// rank); a receive with nothing from its peer within the timeout ([`CommError::PeerTimeout`]); a peer that
+    /// failed or left; an engine without point-to-point messages (the default).
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, ReduceBuffer)>,
+        recvs: Vec<(usize, ReduceBuffer)>,
+    ) -> Result<Vec<ReduceBuffer>> {
+        let _ = (sends, recvs);
+        Err(CommError::Engine {
+            engine: self.engine(),
+            operation: "send_recv".into(),
+            reason: "this engine has no point-to-point messages".into(),
+        })
+    }
+
     /// Gathers every rank's part into one buffer, in rank order: rank `r` passes `counts[r]` elements (parts
     /// may differ in length, and one may be empty) and every rank gets all `counts.iter().sum()` of them
     /// (MPI's `MPI_Allgatherv`). Every rank must pass parts of the same kind and the same `counts`.
@@ -240,6 +264,50 @@ pub(crate) fn check_root(operation: &str, root: usize, world: usize) -> Result<(
     Ok(())
 }
 
+/// Checks the peers of a [`Communicator::send_recv`] batch against a group of `world` ranks (for engines: every
+/// engine words it alike).
+///
+/// # Errors
+/// [`CommError::InvalidRoot`] naming the first peer outside the group.
+pub fn check_peers(
+    sends: &[(usize, ReduceBuffer)],
+    recvs: &[(usize, ReduceBuffer)],
+    world: usize,
+) -> Result<()> {
+    match sends.iter().chain(recvs).find(|(peer, _)| *peer >= world) {
+        Some((peer, _)) => Err(CommError::InvalidRoot {
+            operation: "send_recv (peer)".into(),
+            root: *peer,
+            world_size: world,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The message `received` from `peer` for a receive that expects `expected`'s kind and length: the error on a
+/// mismatch (for engines: every engine words it alike).
+///
+/// # Errors
+/// [`CommError::IncompatibleInputs`] when the kinds or lengths differ.
+pub fn check_received(
+    peer: usize,
+    rank: usize,
+    expected: (&'static str, usize),
+    received: (&'static str, usize),
+) -> Result<()> {
+    if expected == received {
+        return Ok(());
+    }
+    Err(CommError::IncompatibleInputs {
+        operation: "send_recv".into(),
+        reason: format!(
+            "rank {peer} sent {} x {}, rank {rank} expected {} x {}; the two ranks must agree on every message's \
+             kind and length, in order",
+            received.1, received.0, expected.1, expected.0
+        ),
+    })
+}
+
 /// The communicator of a run with one process and one device: every collective returns its input.
 #[derive(Debug, Default)]
 pub struct SingleProcess;
@@ -305,6 +373,34 @@ impl Communicator for SingleProcess {
     fn broadcast_buffer(&self, data: ReduceBuffer, root: usize) -> Result<ReduceBuffer> {
         check_root("broadcast_buffer", root, 1)?;
         Ok(data)
+    }
+
+    /// Messages to itself, received in the order they were sent.
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, ReduceBuffer)>,
+        recvs: Vec<(usize, ReduceBuffer)>,
+    ) -> Result<Vec<ReduceBuffer>> {
+        check_peers(&sends, &recvs, 1)?;
+        let mut sent = sends.into_iter().map(|(_, data)| data);
+        recvs
+            .into_iter()
+            .map(|(_, expected)| {
+                let message = sent.next().ok_or(CommError::PeerTimeout {
+                    operation: "send_recv".into(),
+                    rank: 0,
+                    waiting_for: vec![0],
+                    timeout: std::time::Duration::ZERO,
+                })?;
+                check_received(
+                    0,
+                    0,
+                    (expected.kind(), expected.len()),
+                    (message.kind(), message.len()),
+                )?;
+                Ok(message)
+            })
+            .collect()
     }
 }
 

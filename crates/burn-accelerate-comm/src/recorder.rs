@@ -269,6 +269,25 @@ impl Communicator for Recorded {
         };
         self.run(record, || self.inner.all_gather_parts(data, counts))
     }
+
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, ReduceBuffer)>,
+        recvs: Vec<(usize, ReduceBuffer)>,
+    ) -> CommResult<Vec<ReduceBuffer>> {
+        let elements = sends.iter().chain(&recvs).map(|(_, b)| b.len()).sum();
+        let kind = sends
+            .iter()
+            .chain(&recvs)
+            .map(|(_, b)| b.kind())
+            .next()
+            .unwrap_or("-");
+        let record = RecordedCall {
+            parts: Some(sends.len() + recvs.len()),
+            ..call("send_recv", elements, kind)
+        };
+        self.run(record, || self.inner.send_recv(sends, recvs))
+    }
 }
 
 #[cfg(test)]

@@ -436,3 +436,81 @@ fn failed_and_departed_ranks_release_the_others() {
     let err = waiter.join().unwrap().unwrap_err().to_string();
     assert!(err.contains("rank 1 panicked: boom"), "{err}");
 }
+
+#[test]
+fn a_receive_without_a_send_times_out_naming_the_peer_and_a_departed_peer_releases_it() {
+    let timeout = Duration::from_millis(300);
+    let out = run(3, timeout, |c| {
+        // Rank 2 sends to rank 0 only; rank 0 also waits for rank 1, which never sends.
+        match c.rank() {
+            0 => {
+                let start = Instant::now();
+                let err = c
+                    .send_recv(
+                        vec![],
+                        vec![
+                            (2, ReduceBuffer::F32(vec![0.0; 2])),
+                            (1, ReduceBuffer::F32(vec![0.0; 2])),
+                        ],
+                    )
+                    .unwrap_err();
+                Some((err, start.elapsed()))
+            }
+            2 => {
+                c.send_recv(vec![(0, ReduceBuffer::F32(vec![1.0; 2]))], vec![])
+                    .unwrap();
+                None
+            }
+            _ => None,
+        }
+    });
+    let (err, elapsed) = out.into_iter().flatten().next().unwrap();
+    match &err {
+        Error::PeerTimeout { waiting_for, .. } => assert_eq!(waiting_for, &vec![1]),
+        other => panic!("unexpected {other}"),
+    }
+    assert!(
+        err.to_string().contains("nothing arrived from rank(s) [1]"),
+        "{err}"
+    );
+    assert!(elapsed >= timeout, "{elapsed:?}");
+
+    let group = InProcessGroup::new(2, Duration::from_secs(30));
+    let waiter = {
+        let comm = group.comm(0);
+        thread::spawn(move || comm.send_recv(vec![], vec![(1, ReduceBuffer::I64(vec![0]))]))
+    };
+    thread::sleep(Duration::from_millis(50));
+    group.leave(1, "finished");
+    let err = waiter.join().unwrap().unwrap_err().to_string();
+    assert!(err.contains("rank 1 finished without sending"), "{err}");
+}
+
+#[test]
+fn sends_never_wait_and_peers_outside_the_group_are_refused() {
+    // Every rank sends to every rank before anyone receives: no rendezvous, no deadlock.
+    let out = run(4, Duration::from_secs(10), |c| {
+        let r = c.rank();
+        let sends = (0..4)
+            .map(|p| (p, ReduceBuffer::I64(vec![(r * 10 + p) as i64])))
+            .collect();
+        let recvs = (0..4).map(|p| (p, ReduceBuffer::I64(vec![0]))).collect();
+        c.send_recv(sends, recvs).unwrap()
+    });
+    for (r, got) in out.into_iter().enumerate() {
+        let expected: Vec<ReduceBuffer> = (0..4)
+            .map(|p| ReduceBuffer::I64(vec![(p * 10 + r) as i64]))
+            .collect();
+        assert_eq!(got, expected, "rank {r}");
+    }
+    let group = InProcessGroup::new(2, Duration::from_secs(1));
+    let err = group
+        .comm(0)
+        .send_recv(vec![(2, ReduceBuffer::F32(vec![]))], vec![])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rank 2, but the group has ranks 0..2"),
+        "{err}"
+    );
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
-use super::{Pending, Reduction, TensorComm};
+use super::{Incoming, Pending, Reduction, TensorComm};
 use crate::distributed::ProcessGroup;
 use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::error::{Error, Result};
@@ -196,6 +196,36 @@ impl TensorComm for HostTensorComm {
                 other.kind()
             ))),
         }
+    }
+
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, Tensor<1>)>,
+        recvs: Vec<Incoming>,
+        operation: &'static str,
+    ) -> Result<Pending<Vec<Tensor<1>>>> {
+        let sends = sends
+            .into_iter()
+            .map(|(peer, flat)| Ok((peer, to_buffer(flat, operation)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let buffers = recvs
+            .iter()
+            .map(|r| {
+                let buffer = if r.dtype == DType::F64 {
+                    ReduceBuffer::F64(vec![0.0; r.len])
+                } else {
+                    ReduceBuffer::F32(vec![0.0; r.len])
+                };
+                (r.peer, buffer)
+            })
+            .collect();
+        let received = self.group.comm().send_recv(sends, buffers)?;
+        let tensors = received
+            .into_iter()
+            .zip(&recvs)
+            .map(|(buffer, r)| from_buffer(buffer, None, (&r.device, r.dtype), operation))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Pending::ready(tensors))
     }
 
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
@@ -406,5 +436,53 @@ mod tests {
             let e = result.unwrap_err();
             assert!(e.contains('5') && e.contains('4'), "{e}");
         }
+    }
+
+    #[test]
+    fn point_to_point_batches_pass_a_ring_in_every_float_dtype_and_refuse_strangers() {
+        use crate::distributed::tensor_comm::Incoming;
+        for world in 1..=3usize {
+            for dtype in [DType::F32, DType::BF16, DType::F64] {
+                let results = on_ranks(world, move |comm, device| {
+                    let (r, n) = (comm.rank(), comm.world_size());
+                    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                    let mine = |len: usize, salt: usize| {
+                        let v: Vec<f32> = (0..len).map(|i| (salt * 100 + i) as f32 * 0.5).collect();
+                        Tensor::<1>::from_data(TensorData::new(v, [len]), (device, dtype))
+                    };
+                    // Activations forward and gradients back, as a pipeline's neighbours exchange them.
+                    let like = mine(0, 0);
+                    let got = comm
+                        .send_recv(
+                            vec![(next, mine(3, r)), (prev, mine(2, r + 10))],
+                            vec![
+                                Incoming::like(prev, 3, &like),
+                                Incoming::like(next, 2, &like),
+                            ],
+                            "test ring",
+                        )?
+                        .wait()?;
+                    assert!(got.iter().all(|t| t.dtype() == dtype));
+                    let got: Vec<Vec<f32>> = got.into_iter().map(values).collect();
+                    let expected = vec![values(mine(3, prev)), values(mine(2, next + 10))];
+                    Ok((got, expected))
+                });
+                for (rank, (got, expected)) in results.into_iter().enumerate() {
+                    assert_eq!(got, expected, "{world} ranks, {dtype:?}, rank {rank}");
+                }
+            }
+        }
+        let refused = on_ranks(2, |comm, device| {
+            let t = Tensor::<1>::zeros([2], device);
+            Ok(comm
+                .send_recv(vec![(5, t)], vec![], "test stranger")
+                .err()
+                .map(|e| e.to_string()))
+        });
+        let err = refused[0].clone().unwrap();
+        assert!(
+            err.contains("test stranger") && err.contains("rank 5") && err.contains("0..2"),
+            "{err}"
+        );
     }
 }

@@ -13,8 +13,10 @@
 //! | [`HostTensorComm`] | host memory, through the rank's [`Communicator`](crate::distributed::comm::Communicator) (in-process, MPI) |
 //! | the device all-reduce (`strategy::transport`) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest, and for sub-groups |
 //!
-//! Sub-groups (a hybrid strategy's shard and replica groups) come from [`Checked::split`]; point-to-point sends and
-//! receives are not part of the interface yet.
+//! Sub-groups (a hybrid strategy's shard and replica groups) come from [`Checked::split`]. Point-to-point messages
+//! go in batches ([`TensorComm::send_recv`], torch's `batch_isend_irecv`): every send is posted before any
+//! receive waits, so two ranks that exchange activations and gradients (a pipeline's neighbours) never wait on
+//! each other.
 //!
 //! [`Checked`] wraps every implementation once: in debug mode the ranks compare each call (operation, dtype,
 //! layout) before making it, so a rank that calls something else is an error on every rank, naming each rank's
@@ -27,7 +29,7 @@ pub(crate) mod host;
 use std::fmt;
 use std::sync::Arc;
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 
 pub(crate) use host::HostTensorComm;
 
@@ -35,6 +37,33 @@ use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::ReduceOp;
 use crate::error::Result;
+
+/// One receive of a point-to-point batch ([`TensorComm::send_recv`]): `len` elements from rank `peer`, which
+/// arrive in `dtype` on `device`.
+#[derive(Debug, Clone)]
+pub(crate) struct Incoming {
+    /// The rank that sends it (in the group's numbering).
+    pub peer: usize,
+    /// How many elements it holds.
+    pub len: usize,
+    /// Where it lands.
+    pub device: Device,
+    /// In which element type.
+    pub dtype: DType,
+}
+
+impl Incoming {
+    /// `len` elements from `peer`, in the dtype and on the device of `like`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn like(peer: usize, len: usize, like: &Tensor<1>) -> Self {
+        Self {
+            peer,
+            len,
+            device: like.device(),
+            dtype: like.dtype(),
+        }
+    }
+}
 
 /// How values combine across ranks.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -215,6 +244,25 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
     /// As [`all_reduce`](Self::all_reduce).
     fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64>;
 
+    /// A batch of point-to-point messages: each of `sends` (`(peer, tensor)`) goes to its peer, each of `recvs`
+    /// comes from its own, and the received tensors come back in `recvs`' order. Only the ranks named take part.
+    /// Every send is posted before any receive waits, so a pair of ranks that send to and receive from each other
+    /// in one batch never wait on each other; one rank's messages to another arrive in the order it sent them.
+    /// Values travel as the implementation carries them (host memory: f32, or f64 for f64 values; half-precision
+    /// values are widened and narrowed back exactly).
+    ///
+    /// # Errors
+    /// A peer outside the group; a message whose length differs from its receive's (an error on the receiving
+    /// rank); nothing from a peer within the timeout, or a peer that failed.
+    // The pipeline schedule is its first caller; the tests drive it on every engine until then.
+    #[cfg_attr(not(test), allow(dead_code))]
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, Tensor<1>)>,
+        recvs: Vec<Incoming>,
+        operation: &'static str,
+    ) -> Result<Pending<Vec<Tensor<1>>>>;
+
     /// The same implementation over `group`, a sub-group of the ranks this one connects (made by
     /// [`Checked::split`]).
     ///
@@ -343,6 +391,28 @@ impl TensorComm for Checked {
     fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64> {
         self.check(operation, DType::F64, &[1])?;
         self.inner.all_reduce_value(value, op, operation)
+    }
+
+    /// Only the peers take part, so there is no group-wide comparison: each message carries its kind and length,
+    /// and the receiving rank checks them.
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, Tensor<1>)>,
+        recvs: Vec<Incoming>,
+        operation: &'static str,
+    ) -> Result<Pending<Vec<Tensor<1>>>> {
+        let world = self.world_size();
+        if let Some(peer) = sends
+            .iter()
+            .map(|(peer, _)| *peer)
+            .chain(recvs.iter().map(|r| r.peer))
+            .find(|peer| *peer >= world)
+        {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "{operation}: a message to or from rank {peer}, but the group has ranks 0..{world}"
+            )));
+        }
+        self.inner.send_recv(sends, recvs, operation)
     }
 
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {

@@ -152,6 +152,16 @@ impl TensorComm for OnDevice {
         self.host.all_reduce_value(value, op, operation)
     }
 
+    /// Point-to-point messages go through host memory: the device engines all-reduce only.
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, Tensor<1>)>,
+        recvs: Vec<crate::distributed::tensor_comm::Incoming>,
+        operation: &'static str,
+    ) -> Result<Pending<Vec<Tensor<1>>>> {
+        self.host.send_recv(sends, recvs, operation)
+    }
+
     /// A sub-group goes through host memory: the device engines connect whole groups only.
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
         self.host.on_group(group)
