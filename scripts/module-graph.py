@@ -36,6 +36,9 @@ for root, _, names in os.walk(src):
                 rel = rel[:-1]
             if rel in (["lib"], ["main"]):
                 rel = []
+            if "tests" in rel:
+                # A test module of its own file (`#[cfg(test)] mod tests;`): not part of the crate's structure.
+                continue
             files["::".join(rel)] = path
 modules = set(files)
 

@@ -225,7 +225,7 @@ impl Accelerator {
     /// # Errors
     /// A collective fails, or the device transport cannot start.
     pub fn check_gradient_transport(&self) -> Result<Option<crate::distributed::TransportCheck>> {
-        crate::distributed::strategy::check_transport(
+        crate::distributed::tensor_comm::on_device::check_against_reference(
             &self.group,
             self.config.distributed.gradient_transport,
             self.config.collective_timeout(),

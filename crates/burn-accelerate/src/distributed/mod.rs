@@ -1,15 +1,15 @@
 //! How training is distributed: the one home of every cross-rank call.
 //!
-//! | part | owns |
-//! |---|---|
-//! | [`ProcessGroup`] | who this rank is: rank, local rank, world size, device, the communicator, debug mode |
-//! | [`cluster`] | how the process was started (single, in-process threads, MPI) and the launcher's variables |
-//! | in-process launching | `n` ranks as threads (what [`launch`](crate::launch) and `AcceleratorBuilder::launch` run) |
-//! | [`collectives`] | tensor and object collectives, agreement on an outcome, triggers; debug-mode checks |
-//! | [`Gatherable`] | what `gather_for_metrics` takes, gathered through [`MetricsGather`] |
-//! | strategy (crate-private) | how gradients are reduced (and through which transport: [`describe_gradient_transport`]), who steps which parameter, how its state is saved |
-//! | tensor interface (crate-private `tensor_comm`) | the one way a strategy reaches other ranks: all-reduce, reduce, reduce-scatter, all-gather and broadcast of flat tensors, started and waited on, checked in debug mode; host memory over the communicator, or the device's all-reduce; bucketing |
-//! | [`comm`] | the [`Communicator`](comm::Communicator) trait and its engines |
+//! Three rooms, lowest first:
+//!
+//! | room | part | owns |
+//! |---|---|---|
+//! | the cluster | [`cluster`] | who this rank is ([`ProcessGroup`]: rank, local rank, world size, device, the communicator, debug mode), how the process was started (single, in-process threads, MPI), the launcher's variables, and in-process launching (`n` ranks as threads: what [`launch`](crate::launch) and `AcceleratorBuilder::launch` run) |
+//! | the interface and its checking | [`comm`] | the [`Communicator`](comm::Communicator) trait and its engines (in-process, MPI) |
+//! | | tensor interface (crate-private `tensor_comm`) | the one way a strategy reaches other ranks: all-reduce, reduce, reduce-scatter, all-gather, broadcast and point-to-point batches of flat tensors, started and waited on, checked in debug mode; host memory over the communicator, or a device engine (`on_device`: NCCL, Burn's CUDA collective; chosen and described by [`describe_gradient_transport`]); bucketing |
+//! | | [`collectives`] | tensor and object collectives for users and the facade, agreement on an outcome, triggers; debug-mode checks |
+//! | | [`Gatherable`] | what `gather_for_metrics` takes, gathered through [`MetricsGather`] |
+//! | the strategies | strategy (crate-private) | what a backward's gradients become, who steps which parameter, how a module's parameters are placed, what a checkpoint holds, what the Learner may do |
 //!
 //! Every strategy (data parallelism and every sharded mode) reaches other ranks through the tensor interface
 //! alone; everything else that crosses ranks goes through [`collectives`] (user collectives, the Learner's stop
@@ -24,13 +24,11 @@ pub mod cluster;
 pub mod collectives;
 pub mod comm;
 mod gatherable;
-mod group;
-mod in_process;
 pub(crate) mod strategy;
 pub(crate) mod tensor_comm;
 
+pub(crate) use cluster::launch_ranks;
+pub use cluster::{DistributedType, ProcessGroup, current, current_rank};
 pub use gatherable::{Gatherable, MetricsGather};
-pub use group::{DistributedType, ProcessGroup, current, current_rank};
-pub(crate) use in_process::launch_ranks;
-pub use strategy::describe as describe_gradient_transport;
-pub use strategy::{DtypeCheck, TransportCheck, rounding_bound};
+pub use tensor_comm::on_device::describe as describe_gradient_transport;
+pub use tensor_comm::on_device::{DtypeCheck, TransportCheck, rounding_bound};

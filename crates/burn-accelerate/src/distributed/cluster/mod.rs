@@ -10,6 +10,8 @@
 //! a communicator of your own (a test double, or an engine this crate does not ship).
 
 pub mod env_vars;
+mod group;
+mod in_process;
 
 use std::sync::Arc;
 
@@ -18,6 +20,8 @@ use crate::distributed::comm::{self, Communicator};
 use crate::error::Result;
 
 pub use env_vars::{Launcher, LauncherVars, launched_by_mpi};
+pub use group::{DistributedType, ProcessGroup, current, current_rank};
+pub(crate) use in_process::launch_ranks;
 
 /// How the ranks of a run were started and how they talk.
 pub trait ClusterEnvironment: std::fmt::Debug {

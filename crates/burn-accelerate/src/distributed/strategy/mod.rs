@@ -15,7 +15,7 @@
 //! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's | each rank, its own parameters; then all-gathered (or dropped: `FULL_SHARD`) | one slice per rank |
 //! | [`Sharded`], hybrid (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`) | reduce-scatter within the shard group, all-reduce across the replicas | as above, within the shard group (a sub-group of the communicator) | one slice per rank (replicas write the same) |
 //!
-//! Data parallelism's implementation of the tensor interface is chosen per run (`transport::select`, from the
+//! Data parallelism's implementation of the tensor interface is chosen per run (`on_device::select`, from the
 //! `gradient_transport` setting and what the machine has): host copies through the communicator on every
 //! backend, or a device all-reduce on CUDA (Burn's in-process collective, NCCL between processes). The tests
 //! train through another transport, through the device path's test double, and through a strategy of their own
@@ -25,7 +25,6 @@ mod data_parallel;
 mod params;
 mod placement;
 mod sharded;
-mod transport;
 
 use std::collections::HashSet;
 use std::fmt;
@@ -35,6 +34,9 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
+use crate::distributed::tensor_comm::on_device;
+#[cfg(test)]
+use crate::distributed::tensor_comm::on_device::{DeviceAverage, OnDevice};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
@@ -42,10 +44,6 @@ pub(crate) use placement::{
     share_stepped, share_stepped_lazily, unshard, unshard_except, with_param_ids,
 };
 pub(crate) use sharded::{ParamFetcher, Sharded};
-pub(crate) use transport::check_against_reference as check_transport;
-#[cfg(test)]
-use transport::{DeviceAverage, OnDevice};
-pub use transport::{DtypeCheck, TransportCheck, describe, rounding_bound};
 
 use crate::DistributedType;
 use crate::config::{AcceleratorConfig, GradientTransport};
@@ -218,7 +216,7 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
 
 /// The strategy of `group`'s rank under `config`: [`SingleDevice`] for one rank; for several, [`Sharded`] when
 /// `config.distributed.sharding` asks for it, else [`DataParallel`] over the gradient transport
-/// [`transport::select`] picks; with buckets of at most `config.distributed.bucket_size_mb`. The main process logs
+/// [`on_device::select`] picks; with buckets of at most `config.distributed.bucket_size_mb`. The main process logs
 /// the transport and why.
 ///
 /// # Errors
@@ -231,9 +229,9 @@ pub(crate) fn for_group(
     let world = group.num_processes();
     if world > 1 && config.distributed.sharding.is_sharded() {
         if config.distributed.gradient_transport == GradientTransport::Device {
-            transport::choose(
+            on_device::choose(
                 GradientTransport::Device,
-                &transport::facts_for(group, true),
+                &on_device::facts_for(group, true),
             )?;
         }
         if config.distributed.sharding.is_hybrid() {
@@ -258,7 +256,7 @@ pub(crate) fn for_group(
     if world == 1 {
         return Ok(Arc::new(SingleDevice));
     }
-    let (transport, choice) = transport::select(
+    let (transport, choice) = on_device::select(
         group,
         config.distributed.gradient_transport,
         config.collective_timeout(),

@@ -11,7 +11,7 @@
 //! | implementation | where the values travel |
 //! |---|---|
 //! | [`HostTensorComm`] | host memory, through the rank's [`Communicator`](crate::distributed::comm::Communicator) (in-process, MPI) |
-//! | the device all-reduce (`strategy::transport`) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest, and for sub-groups |
+//! | the device all-reduce ([`on_device`]) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest, and for sub-groups |
 //!
 //! Sub-groups (a hybrid strategy's shard and replica groups) come from [`Checked::split`]. Point-to-point messages
 //! go in batches ([`TensorComm::send_recv`], torch's `batch_isend_irecv`): every send is posted before any
@@ -25,6 +25,7 @@
 
 pub(crate) mod bucket;
 pub(crate) mod host;
+pub(crate) mod on_device;
 
 use std::fmt;
 use std::sync::Arc;

@@ -141,9 +141,9 @@ fn the_device_all_reduce_path_trains_the_same_model_as_the_host_all_reduce() {
     // DeviceAllReduce as NCCL drives it (id from rank 0 over the communicator, asynchronous calls polled
     // against the timeout), over the host-memory double of the library.
     let device = AcceleratorBuilder::default().strategy(Arc::new(|group| {
-        let transport = transport::DeviceAllReduce::connect(
+        let transport = on_device::DeviceAllReduce::connect(
             group.clone(),
-            &transport::double::HostLibrary::default(),
+            &on_device::double::HostLibrary::default(),
             std::time::Duration::from_secs(30),
         )
         .unwrap();

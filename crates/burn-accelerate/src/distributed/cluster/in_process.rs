@@ -7,7 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::distributed::cluster::InProcess;
+use super::InProcess;
 use crate::distributed::comm::InProcessGroup;
 use crate::error::{Error, Result};
 

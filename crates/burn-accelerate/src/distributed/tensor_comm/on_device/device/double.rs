@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use burn::tensor::Tensor;
 
 use super::{DeviceComm, DeviceCommLibrary};
-use crate::distributed::strategy::transport::{from_host, to_host};
+use crate::distributed::tensor_comm::on_device::{from_host, to_host};
 
 #[derive(Default)]
 struct Round {
