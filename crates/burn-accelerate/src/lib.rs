@@ -95,7 +95,8 @@
 // The layers, lowest first: a module uses only modules declared above it (scripts/module-graph.py checks it).
 mod error; // Error, Result
 mod host_data; // tensor data built in place
-mod traverse; // walking a module's parameters
+mod named_params; // one walk over a module's parameters, with their names
+mod traverse; // walking a batch value's tensors
 pub(crate) mod grad; // gradient buffer, clipping, the step window
 pub mod precision; // autocast, loss scaler, the precision policy
 pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling

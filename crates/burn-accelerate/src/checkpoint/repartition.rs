@@ -6,11 +6,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::{Bytes, Tensor};
+use burn::module::{Module, ParamId};
+use burn::tensor::Bytes;
 use burn_pack::{Reader, Writer};
 
 use crate::error::{Error, Result};
+use crate::named_params::Kind;
 
 fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
     Error::Checkpoint {
@@ -88,41 +89,15 @@ pub(crate) fn optimizer_bytes(
 /// it whole or as an empty placeholder (`FULL_SHARD`'s parameters of other ranks), with the placeholder's shape
 /// as a record stores it.
 fn wanted<M: Module>(target: &M) -> HashMap<String, Option<Vec<usize>>> {
-    struct Wanted {
-        path: Vec<String>,
-        out: HashMap<String, Option<Vec<usize>>>,
-    }
-    impl Wanted {
-        fn add(&mut self, empty: Option<Vec<usize>>) {
-            self.out.insert(self.path.join("."), empty);
-        }
-    }
-    impl ModuleVisitor for Wanted {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let shape = param.lazy_shape();
-            let empty = (shape.num_elements() == 0)
-                .then(|| param.transform_for_save().val().dims().to_vec());
-            self.add(empty);
-        }
-        fn visit_int<const D: usize>(&mut self, _param: &Param<Tensor<D, burn::tensor::Int>>) {
-            self.add(None);
-        }
-        fn visit_bool<const D: usize>(&mut self, _param: &Param<Tensor<D, burn::tensor::Bool>>) {
-            self.add(None);
-        }
-    }
-    let mut wanted = Wanted {
-        path: Vec::new(),
-        out: HashMap::new(),
-    };
-    target.visit(&mut wanted);
-    wanted.out
+    let mut wanted = HashMap::new();
+    crate::named_params::walk(target, |p| {
+        let empty = match p.kind {
+            Kind::Float(param) if param.num_elements() == 0 => Some(param.saved_dims()),
+            _ => None,
+        };
+        wanted.insert(p.name(), empty);
+    });
+    wanted
 }
 
 /// A model record for `target` assembled from `sources` (each a saved record of the same model): every

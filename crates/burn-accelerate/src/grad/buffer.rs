@@ -348,15 +348,9 @@ impl GradientBuffer {
 
 /// The ids of `module`'s float parameters, in visiting order.
 pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
-    struct Ids(Vec<ParamId>);
-    impl ModuleVisitor for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(param.id);
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    module.visit(&mut ids);
-    ids.0
+    let mut ids = Vec::new();
+    crate::named_params::floats(module, |p| ids.push(p.id()));
+    ids
 }
 
 #[cfg(test)]

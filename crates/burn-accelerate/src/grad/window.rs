@@ -25,18 +25,11 @@ pub(crate) type ModelKey = Option<ParamId>;
 
 /// The [`ModelKey`] of `model`.
 pub(crate) fn model_key<M: burn::module::Module>(model: &M) -> ModelKey {
-    struct First(Option<ParamId>);
-    impl burn::module::ModuleVisitor for First {
-        fn visit_float<const D: usize>(
-            &mut self,
-            param: &burn::module::Param<burn::tensor::Tensor<D>>,
-        ) {
-            self.0.get_or_insert(param.id);
-        }
-    }
-    let mut first = First(None);
-    model.visit(&mut first);
-    first.0
+    let mut first = None;
+    crate::named_params::floats(model, |p| {
+        first.get_or_insert(p.id());
+    });
+    first
 }
 
 /// The micro-batches one model's `backward` calls fell in since its gradients were last synchronised.

@@ -30,7 +30,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
@@ -287,17 +287,13 @@ pub(crate) fn balanced_owners(params: &[(ParamId, usize)], world: usize) -> Vec<
 /// `(id, number of elements)` of every float parameter of `module` that requires a gradient, in visiting order
 /// (the same on every rank for the same model).
 pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
-    struct Params(Vec<(ParamId, usize)>);
-    impl ModuleVisitor for Params {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.is_require_grad() {
-                self.0.push((param.id, param.shape().num_elements()));
-            }
+    let mut params = Vec::new();
+    crate::named_params::floats(module, |p| {
+        if p.require_grad() {
+            params.push((p.id(), p.num_elements()));
         }
-    }
-    let mut params = Params(Vec::new());
-    module.visit(&mut params);
-    params.0
+    });
+    params
 }
 
 #[cfg(test)]

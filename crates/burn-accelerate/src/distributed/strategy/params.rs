@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
@@ -76,37 +76,21 @@ impl ParamTable {
     /// The float parameters of `module`. A parameter still lazy is drawn when a hook reads its value (a prepared
     /// model's parameters are all drawn).
     pub fn of<M: Module>(module: &M) -> Self {
-        struct Read(Vec<ParamEntry>);
-        impl ModuleVisitor for Read {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let (device, dtype) = if param.is_initialized() {
-                    let value = param.val();
-                    (value.device(), value.dtype())
-                } else {
-                    let device = param.lazy_device();
-                    let dtype = DType::from(device.settings().float_dtype);
-                    (device, dtype)
-                };
-                let held = param.clone();
-                self.0.push(ParamEntry {
-                    id: param.id,
-                    dims: param.lazy_shape().dims::<D>().to_vec(),
-                    device,
-                    dtype,
-                    trainable: param.is_require_grad(),
-                    value: Box::new(move || {
-                        let value = held.val();
-                        let n = value.shape().num_elements();
-                        value.reshape([n])
-                    }),
-                });
-            }
-        }
-        let mut read = Read(Vec::new());
-        module.visit(&mut read);
-        let index = read.0.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
+        let mut entries = Vec::new();
+        crate::named_params::floats(module, |param| {
+            let (device, dtype) = param.placement();
+            entries.push(ParamEntry {
+                id: param.id(),
+                dims: param.dims(),
+                device,
+                dtype,
+                trainable: param.require_grad(),
+                value: param.value_handle(),
+            });
+        });
+        let index = entries.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
         Self {
-            entries: read.0,
+            entries,
             index,
             replaced: HashMap::new(),
         }

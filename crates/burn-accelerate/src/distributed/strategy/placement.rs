@@ -5,7 +5,7 @@
 use std::cell::{Cell, OnceCell};
 use std::collections::HashSet;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::Tensor;
 
 use super::{ParamFetcher, ParamTable, Strategy};
@@ -50,15 +50,7 @@ pub(crate) fn with_param_ids<M: Module>(module: M, ids: &[u64]) -> M {
 /// 1-rank run draws them in [`Accelerator::prepare_model`](crate::Accelerator::prepare_model), whatever order
 /// the forward pass would first use them in).
 pub(crate) fn materialize<M: Module>(module: M) -> M {
-    struct Draw;
-    impl ModuleVisitor for Draw {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.is_initialized() {
-                let _ = param.base();
-            }
-        }
-    }
-    module.visit(&mut Draw);
+    crate::named_params::floats(&module, |p| p.draw());
     module
 }
 
