@@ -577,6 +577,58 @@ pub fn point_to_point(acc: &Accelerator) -> Result<()> {
     acc.wait_for_everyone()
 }
 
+/// Sub-groups used from threads of their own (`Communicator::concurrent`): a copy of the world (`split` with one
+/// color) runs all-reduces on a thread while the rank's own thread runs the world's, and the ranks enter them in
+/// opposite orders (rank 0 starts the copy's call first, then waits in the world's barrier; the others the
+/// reverse), which completes only if neither communicator holds the other up.
+pub fn concurrent_sub_groups(acc: &Accelerator) -> Result<()> {
+    use burn_accelerate::distributed::comm::ReduceBuffer;
+    let (p, r) = (acc.num_processes(), acc.process_index());
+    let comm = acc.process_group().comm();
+    if !comm.concurrent() {
+        return Ok(());
+    }
+    let copy = comm.split(0, r)?;
+    let (barrier_done, after_barrier) = std::sync::mpsc::channel::<()>();
+    let worker = {
+        let copy = copy.clone();
+        std::thread::spawn(
+            move || -> burn_accelerate::distributed::comm::CommResult<Vec<ReduceBuffer>> {
+                if r != 0 {
+                    // Ranks other than 0 reach the copy's calls only once their world barrier has completed,
+                    // which needs rank 0's: rank 0's copy call must not keep its world barrier waiting.
+                    let _ = after_barrier.recv();
+                }
+                (0..20)
+                    .map(|i| {
+                        copy.all_reduce(ReduceBuffer::I64(vec![(r + i) as i64; 3]), ReduceOp::Sum)
+                    })
+                    .collect()
+            },
+        )
+    };
+    comm.barrier()?;
+    let _ = barrier_done.send(());
+    let mut world = Vec::new();
+    for i in 0..20 {
+        world.push(comm.all_reduce(ReduceBuffer::F64(vec![(r * i) as f64]), ReduceOp::Max)?);
+    }
+    let copied = worker
+        .join()
+        .map_err(|_| burn_accelerate::Error::other("the sub-group's thread panicked"))??;
+    let ranks: i64 = (0..p as i64).sum();
+    for (i, (c, w)) in copied.iter().zip(&world).enumerate() {
+        check(
+            *c == ReduceBuffer::I64(vec![ranks + (p * i) as i64; 3]),
+            || format!("rank {r}: the copy's all-reduce {i}: {c:?}"),
+        )?;
+        check(*w == ReduceBuffer::F64(vec![((p - 1) * i) as f64]), || {
+            format!("rank {r}: the world's all-reduce {i}: {w:?}")
+        })?;
+    }
+    acc.wait_for_everyone()
+}
+
 /// Every check above, in one order on every rank.
 pub fn run_all(acc: &Accelerator) -> Result<()> {
     gather_values(acc)?;
@@ -595,5 +647,6 @@ pub fn run_all(acc: &Accelerator) -> Result<()> {
     rooted(acc)?;
     sub_groups(acc)?;
     point_to_point(acc)?;
+    concurrent_sub_groups(acc)?;
     acc.wait_for_everyone()
 }

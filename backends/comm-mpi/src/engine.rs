@@ -38,9 +38,13 @@ pub struct MpiComm {
     timeout: Duration,
     seq: AtomicU64,
     broken: AtomicBool,
-    /// MPI calls are serialised: the library is initialised with `Threading::Serialized`. Sub-groups share
-    /// their world's lock, so that no two threads of the process are inside MPI at once.
+    /// This communicator's calls, one at a time (and its spare buffers). With a library that offers
+    /// `Threading::Multiple` each sub-group has a lock of its own, so sub-groups run their calls from threads of
+    /// their own at once; with `Threading::Serialized` sub-groups share their world's lock, so that no two
+    /// threads of the process are inside MPI at once.
     calls: Arc<Mutex<Spare>>,
+    /// Whether the library offers `Threading::Multiple` (see [`Communicator::concurrent`]).
+    concurrent: bool,
     /// The world rank of each rank of this communicator (`0..size` for the world; a sub-group's members), so
     /// that errors name the ranks `mpirun` started.
     members: Vec<usize>,
@@ -55,8 +59,9 @@ struct Spare {
     i64: Vec<i64>,
 }
 
-// SAFETY: MPI is initialised with `Threading::Serialized` (or more) and every MPI call of this communicator
-// happens while holding `calls`, so at most one thread is inside MPI through it at a time.
+// SAFETY: MPI is initialised with `Threading::Serialized` or `Threading::Multiple`, and every MPI call of this
+// communicator happens while holding `calls`: at most one thread is inside MPI through it at a time, and under
+// `Serialized` (one lock shared by every communicator of the process) at most one thread is inside MPI at all.
 unsafe impl Send for MpiComm {}
 unsafe impl Sync for MpiComm {}
 
@@ -81,10 +86,13 @@ fn engine_error(operation: &str, reason: impl Into<String>) -> CommError {
 impl MpiComm {
     /// Initialises MPI and returns this process's communicator, whose collectives give up after `timeout`.
     ///
+    /// Asks for `Threading::Multiple` (sub-groups used from threads of their own at once) and accepts
+    /// `Threading::Serialized`.
+    ///
     /// # Errors
     /// When MPI was already initialised in this process, or the library lacks serialised threading.
     pub fn init(timeout: Duration) -> CommResult<Self> {
-        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| {
                 engine_error(
                     "init",
@@ -114,6 +122,7 @@ impl MpiComm {
             seq: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             calls: Arc::new(Mutex::new(Spare::default())),
+            concurrent: threading == Threading::Multiple,
             members: (0..size).collect(),
         })
     }
@@ -322,6 +331,10 @@ impl Communicator for MpiComm {
         self.size
     }
 
+    fn concurrent(&self) -> bool {
+        self.concurrent
+    }
+
     fn barrier(&self) -> CommResult<()> {
         let _guard = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         // The header exchange is itself a barrier: every rank has arrived once it completes.
@@ -390,7 +403,12 @@ impl Communicator for MpiComm {
             timeout: self.timeout,
             seq: AtomicU64::new(0),
             broken: AtomicBool::new(false),
-            calls: self.calls.clone(),
+            calls: if self.concurrent {
+                Arc::new(Mutex::new(Spare::default()))
+            } else {
+                self.calls.clone()
+            },
+            concurrent: self.concurrent,
             members: members.iter().map(|r| self.world_rank(*r)).collect(),
         }))
     }

@@ -426,6 +426,11 @@ impl Communicator for InProcessComm {
         ENGINE
     }
 
+    /// Every group keeps its own rounds under its own lock.
+    fn concurrent(&self) -> bool {
+        true
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

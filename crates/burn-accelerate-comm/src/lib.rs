@@ -61,6 +61,15 @@ pub trait Communicator: Send + Sync + Debug {
     /// Returns `root`'s bytes on every rank (`data` is ignored on the other ranks).
     fn broadcast(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
 
+    /// Whether a sub-group made by [`split`](Self::split) may run its calls from a thread of its own while this
+    /// communicator (or another sub-group) runs calls from another thread: the engine then keeps no lock across
+    /// communicators. Each communicator's own calls still come from one thread at a time, in the same order on
+    /// every rank. `false` (the default) means: call every communicator of the rank from one thread, one call at
+    /// a time.
+    fn concurrent(&self) -> bool {
+        false
+    }
+
     /// A sub-group (MPI's `MPI_Comm_split`): every rank calls it; the ranks that pass the same `color` form one
     /// group, ordered by `key` (then by rank), with its own call sequence and the timeout of this one. Returns
     /// this rank's communicator in its group.
@@ -339,6 +348,10 @@ impl Communicator for SingleProcess {
 
     fn split(&self, _color: usize, _key: usize) -> Result<std::sync::Arc<dyn Communicator>> {
         Ok(std::sync::Arc::new(SingleProcess))
+    }
+
+    fn concurrent(&self) -> bool {
+        true
     }
 
     fn broadcast(&self, data: Vec<u8>, _root: usize) -> Result<Vec<u8>> {

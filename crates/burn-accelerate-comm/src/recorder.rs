@@ -193,6 +193,10 @@ impl Communicator for Recorded {
         self.run(call("barrier", 0, "-"), || self.inner.barrier())
     }
 
+    fn concurrent(&self) -> bool {
+        self.inner.concurrent()
+    }
+
     fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> CommResult<ReduceBuffer> {
         let record = RecordedCall {
             op: Some(op),

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
+use super::lane::Lane;
 use super::{Incoming, Pending, Reduction, TensorComm};
 use crate::distributed::ProcessGroup;
 use crate::distributed::comm::{ReduceBuffer, ReduceOp};
@@ -16,12 +17,28 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 pub(crate) struct HostTensorComm {
     group: Arc<ProcessGroup>,
+    lane: Lane,
 }
 
 impl HostTensorComm {
-    /// The host implementation for `group`'s rank.
+    /// The host implementation for `group`'s rank, whose calls complete when they are started.
     pub fn new(group: Arc<ProcessGroup>) -> Self {
-        Self { group }
+        let lane = Lane::Inline(group.comm().clone());
+        Self { group, lane }
+    }
+
+    /// The host implementation for `group`'s rank whose calls run on a communication thread of its own while
+    /// the caller computes, where the engine lets a copy of the group's communicator run beside it (in-process
+    /// ranks; MPI with `MPI_THREAD_MULTIPLE`); elsewhere as [`new`](Self::new). A collective: every rank of
+    /// `group` makes it.
+    ///
+    /// # Errors
+    /// The copy of the communicator could not be made; the thread could not be started.
+    // Prefetching a sharded model's next block is its first caller; the tests drive it until then.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn asynchronous(group: Arc<ProcessGroup>) -> Result<Self> {
+        let lane = Lane::threaded(group.comm())?;
+        Ok(Self { group, lane })
     }
 }
 
@@ -110,12 +127,11 @@ impl TensorComm for HostTensorComm {
     ) -> Result<Pending<Tensor<1>>> {
         let place = (flat.device(), flat.dtype());
         let (op, factor) = how.split(self.world_size());
-        let reduced = self
-            .group
-            .comm()
-            .all_reduce(to_buffer(flat, operation)?, op)?;
-        let flat = from_buffer(reduced, factor, (&place.0, place.1), operation)?;
-        Ok(Pending::ready(flat))
+        let values = to_buffer(flat, operation)?;
+        Ok(self
+            .lane
+            .start(move |comm| comm.all_reduce(values, op))?
+            .then(move |reduced| from_buffer(reduced, factor, (&place.0, place.1), operation)))
     }
 
     fn reduce(
@@ -127,14 +143,15 @@ impl TensorComm for HostTensorComm {
     ) -> Result<Pending<Option<Tensor<1>>>> {
         let place = (flat.device(), flat.dtype());
         let (op, factor) = how.split(self.world_size());
-        let reduced = self
-            .group
-            .comm()
-            .reduce(to_buffer(flat, operation)?, root, op)?;
-        let flat = reduced
-            .map(|values| from_buffer(values, factor, (&place.0, place.1), operation))
-            .transpose()?;
-        Ok(Pending::ready(flat))
+        let values = to_buffer(flat, operation)?;
+        Ok(self
+            .lane
+            .start(move |comm| comm.reduce(values, root, op))?
+            .then(move |reduced| {
+                reduced
+                    .map(|values| from_buffer(values, factor, (&place.0, place.1), operation))
+                    .transpose()
+            }))
     }
 
     fn reduce_scatter(
@@ -146,12 +163,12 @@ impl TensorComm for HostTensorComm {
     ) -> Result<Pending<Tensor<1>>> {
         let place = (flat.device(), flat.dtype());
         let (op, factor) = how.split(self.world_size());
-        let mine = self
-            .group
-            .comm()
-            .reduce_scatter(to_buffer(flat, operation)?, counts, op)?;
-        let flat = from_buffer(mine, factor, (&place.0, place.1), operation)?;
-        Ok(Pending::ready(flat))
+        let values = to_buffer(flat, operation)?;
+        let counts = counts.to_vec();
+        Ok(self
+            .lane
+            .start(move |comm| comm.reduce_scatter(values, &counts, op))?
+            .then(move |mine| from_buffer(mine, factor, (&place.0, place.1), operation)))
     }
 
     fn all_gather(
@@ -161,12 +178,12 @@ impl TensorComm for HostTensorComm {
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
         let place = (part.device(), part.dtype());
-        let all = self
-            .group
-            .comm()
-            .all_gather_parts(to_buffer(part, operation)?, counts)?;
-        let flat = from_buffer(all, None, (&place.0, place.1), operation)?;
-        Ok(Pending::ready(flat))
+        let values = to_buffer(part, operation)?;
+        let counts = counts.to_vec();
+        Ok(self
+            .lane
+            .start(move |comm| comm.all_gather_parts(values, &counts))?
+            .then(move |all| from_buffer(all, None, (&place.0, place.1), operation)))
     }
 
     fn broadcast(
@@ -176,19 +193,18 @@ impl TensorComm for HostTensorComm {
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
         let place = (flat.device(), flat.dtype());
-        let values = self
-            .group
-            .comm()
-            .broadcast_buffer(to_buffer(flat, operation)?, root)?;
-        let flat = from_buffer(values, None, (&place.0, place.1), operation)?;
-        Ok(Pending::ready(flat))
+        let values = to_buffer(flat, operation)?;
+        Ok(self
+            .lane
+            .start(move |comm| comm.broadcast_buffer(values, root))?
+            .then(move |values| from_buffer(values, None, (&place.0, place.1), operation)))
     }
 
     fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64> {
         match self
-            .group
-            .comm()
-            .all_reduce(ReduceBuffer::F64(vec![value]), op)?
+            .lane
+            .start(move |comm| comm.all_reduce(ReduceBuffer::F64(vec![value]), op))?
+            .wait()?
         {
             ReduceBuffer::F64(v) if v.len() == 1 => Ok(v[0]),
             other => Err(Error::InvalidArgument(format!(
@@ -219,17 +235,23 @@ impl TensorComm for HostTensorComm {
                 (r.peer, buffer)
             })
             .collect();
-        let received = self.group.comm().send_recv(sends, buffers)?;
-        let tensors = received
-            .into_iter()
-            .zip(&recvs)
-            .map(|(buffer, r)| from_buffer(buffer, None, (&r.device, r.dtype), operation))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Pending::ready(tensors))
+        Ok(self
+            .lane
+            .start(move |comm| comm.send_recv(sends, buffers))?
+            .then(move |received| {
+                received
+                    .into_iter()
+                    .zip(&recvs)
+                    .map(|(buffer, r)| from_buffer(buffer, None, (&r.device, r.dtype), operation))
+                    .collect()
+            }))
     }
 
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
-        Ok(Arc::new(Self::new(group)))
+        Ok(Arc::new(match self.lane {
+            Lane::Inline(_) => Self::new(group),
+            Lane::Thread(_) => Self::asynchronous(group)?,
+        }))
     }
 }
 
@@ -484,5 +506,58 @@ mod tests {
             err.contains("test stranger") && err.contains("rank 5") && err.contains("0..2"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_asynchronous_call_runs_while_its_rank_makes_other_collectives() {
+        // Rank 0 starts its all-reduces before a barrier on the group's communicator, rank 1 after it: calls that
+        // completed when started would wait for each other until the timeout.
+        let results = crate::Accelerator::builder()
+            .cpu(true)
+            .collective_timeout(std::time::Duration::from_secs(20))
+            .launch(2, |acc| {
+                let group = acc.group_arc();
+                let comm = HostTensorComm::asynchronous(group.clone())?;
+                let device = acc.device().clone();
+                let r = acc.process_index();
+                let t = |v: f32| Tensor::<1>::from_floats([v, v + 1.0].as_slice(), &device);
+                let start = |i: usize| {
+                    comm.all_reduce(
+                        t((r * 10 + i) as f32),
+                        Reduction::Op(ReduceOp::Sum),
+                        "test asynchronous sum",
+                    )
+                };
+                let mut pending = Vec::new();
+                if r == 0 {
+                    for i in 0..3 {
+                        pending.push(start(i)?);
+                    }
+                    group.comm().barrier()?;
+                } else {
+                    group.comm().barrier()?;
+                    for i in 0..3 {
+                        pending.push(start(i)?);
+                    }
+                }
+                let sums = pending
+                    .into_iter()
+                    .map(|p| p.wait().map(values))
+                    .collect::<Result<Vec<_>>>()?;
+                let gathered = comm
+                    .all_gather(t(r as f32), &[2, 2], "test asynchronous gather")?
+                    .wait()?;
+                let value = comm.all_reduce_value(r as f64, ReduceOp::Max, "test value")?;
+                Ok((sums, values(gathered), value))
+            })
+            .unwrap();
+        for (rank, (sums, gathered, value)) in results.into_iter().enumerate() {
+            let expected: Vec<Vec<f32>> = (0..3)
+                .map(|i| vec![(10 + 2 * i) as f32, (12 + 2 * i) as f32])
+                .collect();
+            assert_eq!(sums, expected, "rank {rank}");
+            assert_eq!(gathered, vec![0.0, 1.0, 1.0, 2.0], "rank {rank}");
+            assert_eq!(value, 1.0);
+        }
     }
 }

@@ -4,9 +4,11 @@
 //! broadcasts flat tensors of any float dtype, on their device, among the ranks of one group; what comes back is
 //! in the dtype and on the device of what went in. Half-precision values are combined in f32 (as the host engines
 //! always have: more accurate than summing in f16). Every call is started and then waited on ([`Pending`]), so
-//! that an implementation whose calls run on their own (a device stream) lets compute overlap them; the host
-//! implementation completes each call when it is started, keeping every rank's calls in the order they were
-//! made.
+//! that communication can overlap compute: [`HostTensorComm::asynchronous`] runs its calls on a communication
+//! thread of its own over a copy of the group's communicator (where the engine allows it: in-process ranks, MPI
+//! with `MPI_THREAD_MULTIPLE`); [`HostTensorComm::new`] and the device engines complete each call when
+//! it is started, which is cheapest where nothing overlaps. Either way every rank's calls keep the order they
+//! were started in.
 //!
 //! | implementation | where the values travel |
 //! |---|---|
@@ -25,6 +27,7 @@
 
 pub(crate) mod bucket;
 pub(crate) mod host;
+mod lane;
 pub(crate) mod on_device;
 
 use std::fmt;
@@ -115,6 +118,23 @@ impl<T: 'static> Pending<T> {
     {
         Self {
             finish: Box::new(move || Ok(value)),
+        }
+    }
+
+    /// A call still running: `finish` waits for it and returns its result.
+    pub fn later(finish: impl FnOnce() -> Result<T> + Send + 'static) -> Self {
+        Self {
+            finish: Box::new(finish),
+        }
+    }
+
+    /// The call's result, turned by `then` once it has completed (on the thread that waits).
+    pub fn then<U: 'static>(
+        self,
+        then: impl FnOnce(T) -> Result<U> + Send + 'static,
+    ) -> Pending<U> {
+        Pending {
+            finish: Box::new(move || then((self.finish)()?)),
         }
     }
 
