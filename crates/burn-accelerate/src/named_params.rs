@@ -20,9 +20,7 @@ pub(crate) trait FloatParam {
     fn dims(&self) -> Vec<usize>;
 
     /// How many elements it holds, without drawing it.
-    fn num_elements(&self) -> usize {
-        self.dims().iter().product()
-    }
+    fn num_elements(&self) -> usize;
 
     /// Its device and element type, without drawing it (a lazy parameter's are the device's float settings).
     fn placement(&self) -> (Device, DType);
@@ -49,6 +47,10 @@ impl<const D: usize> FloatParam for Param<Tensor<D>> {
 
     fn dims(&self) -> Vec<usize> {
         self.lazy_shape().dims::<D>().to_vec()
+    }
+
+    fn num_elements(&self) -> usize {
+        self.lazy_shape().num_elements()
     }
 
     fn placement(&self) -> (Device, DType) {
@@ -109,8 +111,15 @@ impl NamedParam<'_> {
 
 /// Calls `f` with every parameter of `module` (float, int and bool), in visiting order.
 pub(crate) fn walk<M: Module>(module: &M, f: impl FnMut(&NamedParam<'_>)) {
+    visit(module, true, f);
+}
+
+/// The walk, naming the parameters when `named` (a walk that needs no names allocates nothing: the step reads
+/// a model's ids this way several times).
+fn visit<M: Module>(module: &M, named: bool, f: impl FnMut(&NamedParam<'_>)) {
     struct Walk<F> {
         path: Vec<String>,
+        named: bool,
         f: F,
     }
     impl<F: FnMut(&NamedParam<'_>)> Walk<F> {
@@ -123,10 +132,14 @@ pub(crate) fn walk<M: Module>(module: &M, f: impl FnMut(&NamedParam<'_>)) {
     }
     impl<F: FnMut(&NamedParam<'_>)> ModuleVisitor for Walk<F> {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
+            if self.named {
+                self.path.push(name.to_string());
+            }
         }
         fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
+            if self.named {
+                self.path.pop();
+            }
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             self.meet(Kind::Float(param));
@@ -140,13 +153,14 @@ pub(crate) fn walk<M: Module>(module: &M, f: impl FnMut(&NamedParam<'_>)) {
     }
     module.visit(&mut Walk {
         path: Vec::new(),
+        named,
         f,
     });
 }
 
-/// Calls `f` with every float parameter of `module`, in visiting order.
+/// Calls `f` with every float parameter of `module`, in visiting order (unnamed).
 pub(crate) fn floats<M: Module>(module: &M, mut f: impl FnMut(&dyn FloatParam)) {
-    walk(module, |p| {
+    visit(module, false, |p| {
         if let Kind::Float(param) = p.kind {
             f(param);
         }

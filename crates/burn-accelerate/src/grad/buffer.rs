@@ -189,9 +189,10 @@ impl GradientBuffer {
         let Some((first, _)) = params.first() else {
             return;
         };
-        if self
-            .device_and_dtype(params.iter().map(|(id, _)| *id))
-            .is_some()
+        // Only whether one is held: nothing is flattened (a single device's step keeps its gradients as they are).
+        if params
+            .iter()
+            .any(|(id, _)| self.tensor_ranks.contains_key(id))
         {
             return;
         }
