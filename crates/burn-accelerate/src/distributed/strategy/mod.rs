@@ -45,8 +45,8 @@ pub(crate) use placement::{
 };
 pub(crate) use sharded::{ParamFetcher, Sharded};
 
-use crate::DistributedType;
 use crate::config::{AcceleratorConfig, GradientTransport};
+use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::grad::{GradientBuffer, NormType};

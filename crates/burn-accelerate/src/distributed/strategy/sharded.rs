@@ -34,8 +34,8 @@ use burn::tensor::{DType, Device, Tensor};
 
 use super::params::{ParamEntry, ParamTable};
 use super::{BlockPass, ModuleParams, StateScope, Strategy, balanced_owners};
-use crate::DistributedType;
 use crate::config::ShardingStrategy;
+use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::ReduceOp;
