@@ -40,23 +40,29 @@ fn collectives_suite_under_mpirun() {
     }
 }
 
+/// Rank `rank`'s line `rank <rank> got after <secs>s: <error>` in `stdout`, and the seconds it names.
+fn error_after(stdout: &str, rank: usize) -> (&str, f64) {
+    let prefix = format!("rank {rank} got after ");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(&prefix))
+        .unwrap_or_else(|| panic!("no error on rank {rank}:\n{stdout}"));
+    let secs = line[prefix.len()..]
+        .split('s')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no seconds in: {line}"));
+    (line, secs)
+}
+
 #[test]
 fn a_rank_that_skips_a_collective_is_named_under_mpirun() {
     let program = example("mpi_collectives");
     let out = mpirun(3, &program, &["--skip"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     for rank in 0..2 {
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with(&format!("rank {rank} got after")))
-            .unwrap_or_else(|| panic!("no error on rank {rank}:\n{stdout}"));
+        let (line, secs) = error_after(&stdout, rank);
         assert!(line.contains("rank(s) [2] did not arrive"), "{line}");
-        let secs: f64 = line["rank 0 got after ".len()..]
-            .split('s')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
         // At least the 1 s timeout; the upper end only tells a timeout from a hang (a loaded machine may take
         // seconds to diagnose and print).
         assert!(
@@ -75,17 +81,8 @@ fn a_receive_whose_peer_never_sends_times_out_naming_it_under_mpirun() {
     let program = example("mpi_collectives");
     let out = mpirun(2, &program, &["--silent-peer"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("rank 0 got after"))
-        .unwrap_or_else(|| panic!("no error on rank 0:\n{stdout}"));
+    let (line, secs) = error_after(&stdout, 0);
     assert!(line.contains("nothing arrived from rank(s) [1]"), "{line}");
-    let secs: f64 = line["rank 0 got after ".len()..]
-        .split('s')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
     assert!(
         (1.0..4.0).contains(&secs),
         "the timeout is 1 s, not the peer's exit: {line}"
