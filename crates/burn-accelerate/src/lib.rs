@@ -120,7 +120,7 @@ pub use config::{AcceleratorConfig, GradientTransport, SchedulerRule, ShardingSt
 pub use distributed::comm::ReduceOp;
 pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};
-pub use grad::{GradientState, NormType};
+pub use grad::{GradientState, NormType, StepPhases};
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
 pub use pipeline::Blocks;
 pub use precision::{CastFloats, LossScaler, MixedPrecision};

@@ -7,6 +7,7 @@
 //! `num_processes` times unless batches are split under [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate)).
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
@@ -100,6 +101,7 @@ impl AcceleratedOptimizer {
             StepOutcome::Apply(grads) => grads,
             StepOutcome::Accumulate | StepOutcome::Skip => return Ok(model),
         };
+        let started = Instant::now();
         let stepped = !grads.is_empty();
         let model = if stepped {
             self.inner.step(self.lr.get(), model, grads)
@@ -108,20 +110,22 @@ impl AcceleratedOptimizer {
         };
         // Every rank hands its model to the strategy, even one that stepped nothing: a sharded rank that owns no
         // parameter (fewer parameters than ranks) takes part in its peers' exchange of stepped parameters.
-        match share_stepped(self.strategy.as_ref(), model)? {
-            Placed::Changed(model) => {
-                self.steps += 1;
-                Ok(model)
-            }
+        let (model, counted) = match share_stepped(self.strategy.as_ref(), model)? {
+            Placed::Changed(model) => (model, true),
             Placed::Untouched(model) => {
-                if stepped {
-                    self.steps += 1;
-                } else {
+                if !stepped {
                     log::debug!("optimizer step without gradients: the model is unchanged");
                 }
-                Ok(model)
+                (model, stepped)
             }
+        };
+        if counted {
+            self.steps += 1;
+            let mut core = self.shared.lock();
+            core.phases.steps += 1;
+            core.phases.optimizer += started.elapsed();
         }
+        Ok(model)
     }
 
     /// Drops every stored gradient (Burn's optimizer consumes them at each step, so this is only needed to

@@ -19,6 +19,7 @@
 //! `finish` that hands the gradients straight back.
 
 use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Tensor;
@@ -200,6 +201,7 @@ impl StepPipeline {
         if let Some(max_norm) = max_grad_norm {
             let mut core = self.shared.lock();
             if core.state.sync_gradients() {
+                let started = Instant::now();
                 clip_grad_norm(
                     &mut core.grads,
                     &param_ids(&model),
@@ -207,6 +209,7 @@ impl StepPipeline {
                     NormType::L2,
                     &self.total_norm(),
                 )?;
+                core.phases.gradient_sync += started.elapsed();
             }
         }
         Ok(self.shared.take_outcome(&model))
@@ -233,7 +236,9 @@ impl StepPipeline {
                     .into(),
             ));
         }
+        let started = Instant::now();
         let mut grads = self.precision().scale_loss(loss).backward();
+        self.shared.lock().phases.backward += started.elapsed();
         self.process(&mut grads, model)
     }
 
@@ -243,7 +248,9 @@ impl StepPipeline {
     pub fn process<M: Module, S: GradSource>(&self, grads: &mut S, model: &M) -> Result<()> {
         let mut core = self.shared.lock();
         let before = core.grads.len();
+        let started = Instant::now();
         core.grads.collect(model, grads);
+        core.phases.backward += started.elapsed();
         // On several ranks, a rank whose part of the batch reached none of the parameters (data-dependent routing)
         // takes part in the reduction with zeros: an error there would leave its peers waiting in the collective.
         // Alone, it is the mistake the strategy's error names.
@@ -268,6 +275,20 @@ impl StepPipeline {
         let plan = core
             .state
             .record_backward(model_key(model), sync_each_batch);
+        let started = Instant::now();
+        let outcome = self.end_window(core, model, reduced, plan);
+        core.phases.gradient_sync += started.elapsed();
+        outcome
+    }
+
+    /// [`end_backward`](Self::end_backward) once the window decided `plan`.
+    fn end_window<M: Module>(
+        &self,
+        core: &mut crate::grad::window::StepCore,
+        model: &M,
+        reduced: Reduced,
+        plan: BackwardPlan,
+    ) -> Result<()> {
         let micro_batches = match plan {
             BackwardPlan::Local => return Ok(()),
             BackwardPlan::SyncOnly => return self.average(&mut core.grads, model, 1.0),

@@ -564,8 +564,11 @@ impl Accelerator {
     ) -> Result<f64> {
         let ids = grad::param_ids(model);
         let total = self.pipeline.total_norm();
-        let grads = &mut self.pipeline.shared().lock().grads;
-        grad::clip_grad_norm(grads, &ids, max_norm, norm_type, &total)
+        let mut core = self.pipeline.shared().lock();
+        let started = std::time::Instant::now();
+        let norm = grad::clip_grad_norm(&mut core.grads, &ids, max_norm, norm_type, &total);
+        core.phases.gradient_sync += started.elapsed();
+        norm
     }
 
     /// Clamps every gradient of `model` into `[-clip_value, clip_value]` (torch's `clip_grad_value_`). Under a
@@ -603,6 +606,17 @@ impl Accelerator {
     /// The gradient-synchronisation state of the current step.
     pub fn gradient_state(&self) -> GradientState {
         self.pipeline.shared().snapshot()
+    }
+
+    /// The time this rank spent in each phase of its training steps so far: backward, gradient sync, optimizer
+    /// (see [`StepPhases`](crate::StepPhases)).
+    pub fn step_phases(&self) -> crate::StepPhases {
+        self.pipeline.shared().lock().phases
+    }
+
+    /// Starts [`step_phases`](Self::step_phases) over from zero (after a warm-up, say).
+    pub fn reset_step_phases(&self) {
+        self.pipeline.shared().lock().phases = crate::StepPhases::default();
     }
 
     /// Whether the latest optimizer step was skipped (fp16 overflow).

@@ -8,6 +8,7 @@
 
 mod buffer;
 mod clip;
+mod phases;
 pub(crate) mod window;
 
 pub(crate) use buffer::{GradSource, GradientBuffer, param_ids};
@@ -15,4 +16,5 @@ pub use clip::NormType;
 pub(crate) use clip::{
     check_executed, clip_grad_norm, clip_grad_value, combined_norm, has_non_finite, local_norm,
 };
+pub use phases::StepPhases;
 pub use window::GradientState;

@@ -260,6 +260,8 @@ pub(crate) struct StepCore {
     pub state: StepState,
     /// The gradients accumulated since the last optimizer step.
     pub grads: GradientBuffer,
+    /// The time spent in each phase of the steps so far.
+    pub phases: super::StepPhases,
 }
 
 /// A handle to the step of one rank, cloned into every prepared object of that rank.
@@ -271,6 +273,7 @@ impl SharedStep {
         Self(Arc::new(Mutex::new(StepCore {
             state: StepState::new(num_steps),
             grads: GradientBuffer::new(),
+            phases: super::StepPhases::default(),
         })))
     }
 

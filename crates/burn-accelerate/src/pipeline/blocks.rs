@@ -108,6 +108,8 @@ impl StepPipeline {
             self.backward(loss, &whole)?;
             return Ok(value);
         }
+        let started = std::time::Instant::now();
+        let sync_before = self.shared.lock().phases.gradient_sync;
         let blocks = block_ids(model);
         let rest = unshard_except(strategy, model, &blocks)?;
         let mut sink = if !gather_each_block {
@@ -245,6 +247,12 @@ impl StepPipeline {
         }
         self.add_part(&mut sink, rest_grads, &rest_params)?;
         drop(rest);
+        {
+            // The pass so far is back-propagation (with its recomputes), but for the parts' reductions.
+            let mut core = self.shared.lock();
+            let synced = core.phases.gradient_sync.saturating_sub(sync_before);
+            core.phases.backward += started.elapsed().saturating_sub(synced);
+        }
 
         match sink {
             Sink::Local(mut local) => self.process(&mut local, model)?,
@@ -267,8 +275,11 @@ impl StepPipeline {
         match sink {
             Sink::Local(local) => local.absorb(part),
             Sink::ReducedPerPart { scale, .. } => {
+                let started = std::time::Instant::now();
                 self.strategy.reduce_gradients(&mut part, params, *scale)?;
-                self.shared.lock().grads.absorb(part);
+                let mut core = self.shared.lock();
+                core.grads.absorb(part);
+                core.phases.gradient_sync += started.elapsed();
             }
         }
         Ok(())
