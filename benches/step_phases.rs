@@ -1,6 +1,7 @@
 //! Where a data-parallel training step spends its time on the CPU, phase by phase: the workload of the PyTorch +
 //! Accelerate comparison (an MLP 256 → 1024 → 1024 → 10 with ReLU, cross-entropy, AdamW at lr 1e-3, batch 128 per
-//! rank, synthetic data made up front) on in-process ranks (2 by default).
+//! rank, synthetic data made up front) on in-process ranks (2 by default), with the fused AdamW
+//! ([`FusedAdamWConfig`](burn_accelerate::optim::FusedAdamWConfig)).
 //!
 //! Each rank times what runs in its own loop (taking the next batch from the prepared dataloader, the forward
 //! pass with the loss) and reads the rest from the accelerator's [`StepPhases`](burn_accelerate::StepPhases)
@@ -10,7 +11,7 @@
 //! backward could win) over today's step time.
 //!
 //! `cargo bench -p burn-accelerate-examples --bench step_phases` (`STEP_PHASES_RANKS`, `STEP_PHASES_STEPS`: defaults
-//! 2 and 40, after 5 warm-up steps). Built with `--features mpi` and run under `burn-accelerate launch
+//! 2 and 40, after 5 warm-up steps; `STEP_PHASES_ADAMW=burn` for Burn's AdamW instead of the fused one). Built with `--features mpi` and run under `burn-accelerate launch
 //! --num-processes 2` (or `mpirun`), each process is a rank: what `benches/vs_pytorch.sh` times against PyTorch +
 //! Accelerate under `torchrun`.
 
@@ -24,6 +25,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
+use burn_accelerate::optim::FusedAdamWConfig;
 use burn_accelerate::{Accelerator, StepPhases};
 
 const FEATURES: usize = 256;
@@ -117,7 +119,11 @@ fn train(
     let device = acc.device().clone();
     device.seed(7);
     let mut model = acc.prepare_model(Classifier::new(&device))?;
-    let mut optimizer = acc.prepare_optimizer(AdamWConfig::new().init(), LR);
+    let adamw = match std::env::var("STEP_PHASES_ADAMW").as_deref() {
+        Ok("burn") => AdamWConfig::new().init(),
+        _ => FusedAdamWConfig::new().init(),
+    };
+    let mut optimizer = acc.prepare_optimizer(adamw, LR);
     let per_rank = (WARM_UP + steps) * BATCH;
     let loader = acc.prepare_dataloader(
         DataLoaderBuilder::new(Stack)

@@ -5,6 +5,11 @@
 //! gradients. [`AcceleratedScheduler`] follows Accelerate's `step_scheduler_with_optimizer` rule: it advances only
 //! when the optimizer really stepped, as many times per step as the [`SchedulerRule`](crate::SchedulerRule) says (once by default;
 //! `num_processes` times unless batches are split under [`SchedulerRule::Accelerate`](crate::SchedulerRule::Accelerate)).
+//!
+//! [`FusedAdamWConfig`] makes an AdamW that steps each parameter in one pass on the CPU (Flex), with the results
+//! and checkpoints of Burn's.
+
+mod fused_adamw;
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -17,6 +22,8 @@ use burn::optim::ModuleOptimizer;
 use crate::distributed::strategy::{Placed, Strategy, share_stepped};
 use crate::error::Result;
 use crate::grad::window::{SharedStep, StepOutcome};
+
+pub use fused_adamw::{FusedAdamW, FusedAdamWConfig};
 
 /// The learning rate an optimizer uses, shared with the scheduler that drives it.
 #[derive(Clone)]
