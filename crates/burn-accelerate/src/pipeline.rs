@@ -247,14 +247,14 @@ impl StepPipeline {
     /// decides the step as the accumulation window requires.
     pub fn process<M: Module, S: GradSource>(&self, grads: &mut S, model: &M) -> Result<()> {
         let mut core = self.shared.lock();
-        let before = core.grads.len();
         let started = Instant::now();
-        core.grads.collect(model, grads);
+        let added = core.grads.collect(model, grads);
         core.phases.backward += started.elapsed();
-        // On several ranks, a rank whose part of the batch reached none of the parameters (data-dependent routing)
-        // takes part in the reduction with zeros: an error there would leave its peers waiting in the collective.
-        // Alone, it is the mistake the strategy's error names.
-        if before == 0 && core.grads.is_empty() {
+        // This backward reached none of the model's parameters. On several ranks, a rank whose part of the batch
+        // reached none of them (data-dependent routing) takes part in the reduction with zeros: an error there would
+        // leave its peers waiting in the collective. Alone, it is the mistake the strategy's error names (another
+        // model's gradients in the buffer, a GAN's other half, do not hide it).
+        if added == 0 {
             self.strategy.backward_reached_nothing()?;
         }
         self.end_backward(&mut core, model, Reduced::No)

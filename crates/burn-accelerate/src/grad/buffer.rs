@@ -139,11 +139,12 @@ impl GradientBuffer {
 
     /// Moves the gradients of `module`'s trainable parameters out of `grads` (the autodiff graph's `Gradients`,
     /// or Burn's optimizer container `GradientsParams`, as burn-train's `TrainStep` returns it) and adds them to
-    /// the buffer.
-    pub(crate) fn collect<M: Module, S: GradSource>(&mut self, module: &M, grads: &mut S) {
+    /// the buffer. Returns how many parameters received a gradient.
+    pub(crate) fn collect<M: Module, S: GradSource>(&mut self, module: &M, grads: &mut S) -> usize {
         struct Collect<'a, S> {
             grads: &'a mut S,
             buffer: &'a mut GradientBuffer,
+            added: usize,
         }
         impl<S: GradSource> ModuleVisitor for Collect<'_, S> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -152,13 +153,17 @@ impl GradientBuffer {
                 }
                 if let Some(grad) = self.grads.take(param) {
                     self.buffer.add(param.id, grad);
+                    self.added += 1;
                 }
             }
         }
-        module.visit(&mut Collect {
+        let mut collect = Collect {
             grads,
             buffer: self,
-        });
+            added: 0,
+        };
+        module.visit(&mut collect);
+        collect.added
     }
 
     /// Adds `grad` to the gradient stored for `id` (or stores it).

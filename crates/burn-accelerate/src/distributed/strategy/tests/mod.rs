@@ -288,3 +288,32 @@ fn owners_are_balanced_by_size_and_deterministic() {
     assert_eq!(balanced_owners(&params, 3), vec![1, 0, 2, 1, 2]);
     assert_eq!(balanced_owners(&params, 1), vec![0; 5]);
 }
+
+#[test]
+fn a_backward_that_reaches_none_of_its_models_parameters_is_an_error_alone_and_zeros_with_peers() {
+    // Two models; the second `backward` is handed a model its loss never reached, while the first model's
+    // gradients sit in the buffer.
+    let outcome = |ranks: usize| {
+        AcceleratorBuilder::default()
+            .launch(ranks, |acc: Accelerator| {
+                let device = acc.device().clone();
+                let first = acc.prepare_model(linear(4, 2, 0.3, &device))?;
+                let second = acc.prepare_model(linear(4, 2, 0.9, &device))?;
+                let x = Tensor::<2>::ones([3, 4], &device);
+                acc.backward(first.forward(x.clone()).sum(), &first)?;
+                Ok(acc
+                    .backward(first.forward(x).sum(), &second)
+                    .err()
+                    .map(|e| e.to_string()))
+            })
+            .unwrap()
+    };
+    let alone = outcome(1);
+    let err = alone[0].as_deref().unwrap_or("no error");
+    assert!(
+        err.contains("none of the model's parameters received a gradient"),
+        "{err}"
+    );
+    // With peers it takes part in the reduction with zeros, on every rank alike.
+    assert_eq!(outcome(2), vec![None, None]);
+}
