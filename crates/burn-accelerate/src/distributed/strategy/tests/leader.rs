@@ -367,7 +367,11 @@ mod learner {
     }
 
     /// One epoch of burn-train's Learner on 2 ranks, clipping gradients to a norm of 0.5; each rank's weights.
-    fn fit(builder: AcceleratorBuilder, dir: std::path::PathBuf) -> Vec<Vec<f32>> {
+    fn fit(
+        builder: AcceleratorBuilder,
+        dir: std::path::PathBuf,
+        optimizer: fn() -> burn::optim::ModuleOptimizer,
+    ) -> Vec<Vec<f32>> {
         builder
             .launch(2, move |acc| {
                 let acc = Arc::new(acc);
@@ -393,7 +397,7 @@ mod learner {
                     hidden: super::super::linear(4, 8, 0.4, &device),
                     out: super::super::linear(8, 1, 2.2, &device),
                 };
-                let result = training.launch(Learner::new(model, SgdConfig::new().init(), 0.1));
+                let result = training.launch(Learner::new(model, optimizer(), 0.1));
                 assert!(result.error.is_none(), "{:?}", result.error);
                 let m = result.model;
                 Ok([m.hidden.weight.val(), m.out.weight.val()]
@@ -411,8 +415,9 @@ mod learner {
             std::process::id()
         ));
         let calls = Arc::new(Calls::default());
-        let led = fit(leader(calls.clone()), base.join("leader"));
-        let replicated = fit(AcceleratorBuilder::default(), base.join("replicated"));
+        let sgd = || SgdConfig::new().init();
+        let led = fit(leader(calls.clone()), base.join("leader"), sgd);
+        let replicated = fit(AcceleratorBuilder::default(), base.join("replicated"), sgd);
         assert_eq!(led[0], led[1], "the ranks agree");
         let diff = super::super::max_relative_difference(&led[0], &replicated[0]);
         assert!(
@@ -432,6 +437,25 @@ mod learner {
         // 96 samples over 2 ranks in batches of 8: 6 steps, each reduced and shared once.
         assert_eq!(calls.reduced.load(Ordering::Relaxed), 6);
         assert_eq!(calls.shared.load(Ordering::Relaxed), 6);
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn the_learner_steps_the_fused_adamw_as_burns() {
+        let base = std::env::temp_dir().join(format!(
+            "burn-accelerate-fused-learner-{}",
+            std::process::id()
+        ));
+        let fused = fit(AcceleratorBuilder::default(), base.join("fused"), || {
+            crate::optim::FusedAdamWConfig::new().init()
+        });
+        let burn = fit(AcceleratorBuilder::default(), base.join("burn"), || {
+            burn::optim::AdamWConfig::new().init()
+        });
+        assert_eq!(
+            fused, burn,
+            "the same bits through burn-train's Learner on 2 ranks"
+        );
         let _ = std::fs::remove_dir_all(&base);
     }
 }
