@@ -200,6 +200,31 @@ impl InProcessGroup {
     }
 }
 
+impl GroupState {
+    /// The error of a wait for the ranks `waited` (of this group) in call `(op, seq)` that cannot complete any
+    /// more: a rank of the group failed, or one of `waited` left (its reason followed by `left_without`).
+    fn stopped(
+        &self,
+        (op, seq): (&str, u64),
+        waited: &[usize],
+        members: &[usize],
+        left_without: impl FnOnce() -> String,
+    ) -> Option<Error> {
+        if let Some(failed) = &self.failed {
+            return Some(rank_failed(op, seq, failed));
+        }
+        let (rank, how) = waited
+            .iter()
+            .find_map(|r| self.left[*r].as_ref().map(|how| (*r, how)))?;
+        Some(Error::RankFailed {
+            operation: op.into(),
+            seq,
+            failed_rank: members[rank],
+            reason: format!("{how} {}", left_without()),
+        })
+    }
+}
+
 /// The error of a collective that cannot complete because `failed` (rank, what happened) failed.
 fn rank_failed(op: &str, seq: u64, failed: &(usize, String)) -> Error {
     Error::RankFailed {
@@ -304,19 +329,10 @@ impl InProcessComm {
                 .filter(|(_, (_, op))| op.is_none())
                 .map(|(r, _)| r)
                 .collect();
-            if let Some(failed) = &state.failed {
-                return Err(rank_failed(op, seq, failed));
-            }
-            if let Some((r, how)) = absent
-                .iter()
-                .find_map(|r| state.left[*r].as_ref().map(|how| (*r, how.clone())))
-            {
-                return Err(Error::RankFailed {
-                    operation: op.into(),
-                    seq,
-                    failed_rank: group.members[r],
-                    reason: format!("{how} without joining it"),
-                });
+            if let Some(stopped) = state.stopped((op, seq), &absent, &group.members, || {
+                "without joining it".into()
+            }) {
+                return Err(stopped);
             }
             let now = Instant::now();
             if now >= deadline {

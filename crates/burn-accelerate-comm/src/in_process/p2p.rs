@@ -65,22 +65,11 @@ impl InProcessComm {
             if waiting_for.is_empty() {
                 return Ok(received.into_iter().flatten().collect());
             }
-            if let Some(failed) = &state.failed {
-                return Err(rank_failed(OP, seq, failed));
-            }
-            if let Some((peer, how)) = waiting_for
-                .iter()
-                .find_map(|p| state.left[*p].as_ref().map(|how| (*p, how.clone())))
-            {
-                return Err(Error::RankFailed {
-                    operation: OP.into(),
-                    seq,
-                    failed_rank: group.members[peer],
-                    reason: format!(
-                        "{how} without sending what rank {} receives",
-                        group.members[self.rank]
-                    ),
-                });
+            let me = group.members[self.rank];
+            if let Some(stopped) = state.stopped((OP, seq), &waiting_for, &group.members, || {
+                format!("without sending what rank {me} receives")
+            }) {
+                return Err(stopped);
             }
             let now = Instant::now();
             if now >= deadline {
