@@ -238,16 +238,25 @@ impl StepPipeline {
         }
         let started = Instant::now();
         let mut grads = self.precision().scale_loss(loss).backward();
-        self.shared.lock().phases.backward += started.elapsed();
-        self.process(&mut grads, model)
+        self.collect_and_end(&mut grads, model, started)
     }
 
     /// The pipeline after `backward`: collects `model`'s gradients from `grads` (the graph's `Gradients`, or the
     /// `GradientsParams` burn-train's `TrainStep` returns), then normalises, averages across ranks, unscales and
     /// decides the step as the accumulation window requires.
     pub fn process<M: Module, S: GradSource>(&self, grads: &mut S, model: &M) -> Result<()> {
+        self.collect_and_end(grads, model, Instant::now())
+    }
+
+    /// [`process`](Self::process) of a backward pass that began at `started`: its time up to the end of the
+    /// collection counts as backward.
+    fn collect_and_end<M: Module, S: GradSource>(
+        &self,
+        grads: &mut S,
+        model: &M,
+        started: Instant,
+    ) -> Result<()> {
         let mut core = self.shared.lock();
-        let started = Instant::now();
         let added = core.grads.collect(model, grads);
         core.phases.backward += started.elapsed();
         // This backward reached none of the model's parameters. On several ranks, a rank whose part of the batch

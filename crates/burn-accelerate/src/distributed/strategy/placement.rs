@@ -198,18 +198,12 @@ fn placed<M: Module>(
     module: M,
     hook: impl FnOnce(&dyn Strategy, &mut ModuleParams<'_>) -> Result<()>,
 ) -> Result<Placed<M>> {
-    let slot = Cell::new(Some(module));
-    let changed = placed_lazily(
-        strategy,
-        || slot.take().expect("the module is taken once"),
-        hook,
-    )?;
-    match (changed, slot.take()) {
-        (Some(module), _) => Ok(Placed::Changed(module)),
-        (None, Some(module)) => Ok(Placed::Untouched(module)),
-        (None, None) => Err(Error::other(
-            "a strategy read a module's parameters and then gave no table back",
-        )),
+    let read = || ParamTable::of(&module);
+    let mut params = ModuleParams::new(&read);
+    hook(strategy, &mut params)?;
+    match params.into_table() {
+        Some(table) => table.apply(module).map(Placed::Changed),
+        None => Ok(Placed::Untouched(module)),
     }
 }
 
