@@ -183,3 +183,36 @@ fn a_checkpoint_of_either_resumes_in_the_other() {
         }
     }
 }
+
+#[test]
+fn tensors_the_loop_cannot_take_step_through_burns_adamw() {
+    // f64 parameters: not the fused loop's f32, so both optimizers run Burn's AdamW, to the same bits.
+    use burn::module::Param;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::{DType, Tensor, TensorData};
+    let run = |which: Which| {
+        let device = burn::tensor::Device::default().autodiff();
+        let mut layer: Linear = LinearConfig::new(3, 2).init(&device);
+        let values: Vec<f64> = (0..6).map(|i| (i as f64 * 0.7).sin()).collect();
+        layer.weight = Param::from_tensor(Tensor::from_data(
+            TensorData::new(values, [3, 2]),
+            (&device, DType::F64),
+        ));
+        layer.bias = None;
+        let mut optim = optimizer(which, 0.01);
+        for step in 0..5 {
+            let x = Tensor::<2>::from_data(
+                TensorData::new(vec![step as f64 * 0.1 + 0.3; 12], [4, 3]),
+                (&device, DType::F64),
+            );
+            let grads = GradientsParams::from_grads(
+                layer.forward(x).powi_scalar(2).sum().backward(),
+                &layer,
+            );
+            layer = optim.step(1e-2, layer, grads);
+        }
+        assert_eq!(layer.weight.val().dtype(), DType::F64);
+        layer.weight.val().into_data().try_to_vec::<f64>().unwrap()
+    };
+    assert_eq!(run(Which::Fused), run(Which::Burn));
+}
