@@ -6,7 +6,9 @@ use std::time::Duration;
 
 /// The time one rank spent in each phase of its training steps since the accelerator was made (or since
 /// [`Accelerator::reset_step_phases`](crate::Accelerator::reset_step_phases)), as Lightning's `SimpleProfiler`
-/// reports it: a few clock reads per step, always on.
+/// reports it: a few clock reads per step, always on. The clock reads are on the host: on a GPU backend, whose
+/// work runs behind the calls that queue it, a phase's time is its calls', and device work still queued is paid in
+/// whichever later phase waits for it (a read-back, a collective).
 ///
 /// ```
 /// # use burn_accelerate::Accelerator;
