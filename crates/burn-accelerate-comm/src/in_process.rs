@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use super::Communicator;
 use super::reduce::{self, ReduceBuffer, ReduceOp, check_shapes, reduce_range};
+use super::{Communicator, SharedValue};
 use crate::error::CommError as Error;
 use crate::{CallSignature, check_calls_of};
 
@@ -51,6 +51,8 @@ enum Payload {
     /// A rank's buffer of a rooted in-place collective (reduce, typed broadcast) and the call as every rank must
     /// make it alike.
     Rooted(Arc<InPlaceBuffer>, CallSignature),
+    /// A value handed over as it is ([`Communicator::share`]).
+    Shared(SharedValue),
 }
 
 /// Each rank's element kind and length in an all-reduce round, whichever path (whole or in place) its length
@@ -90,7 +92,7 @@ struct GroupState {
     /// Ranks whose work has ended (`None` while running).
     left: Vec<Option<String>>,
     /// Point-to-point messages sent and not yet received, by `(from, to)`, oldest first.
-    mail: HashMap<(usize, usize), VecDeque<ReduceBuffer>>,
+    mail: HashMap<(usize, usize), VecDeque<p2p::Mail>>,
 }
 
 /// A group of in-process ranks. Create it once, then give [`InProcessGroup::comm`] of rank `i` to thread `i`.
@@ -646,6 +648,31 @@ impl Communicator for InProcessComm {
         recvs: Vec<(usize, ReduceBuffer)>,
     ) -> Result<Vec<ReduceBuffer>> {
         self.send_recv_mailboxes(sends, recvs)
+    }
+
+    fn shares_memory(&self) -> bool {
+        true
+    }
+
+    /// One round: every rank's value, shared by every rank.
+    fn share(&self, operation: &'static str, value: SharedValue) -> Result<Vec<SharedValue>> {
+        let all = self.exchange(operation, Payload::Shared(value))?;
+        Ok(all
+            .iter()
+            .map(|slot| match read(slot).as_ref() {
+                Some(Payload::Shared(v)) => v.clone(),
+                _ => unreachable!("the round checked that every rank called {operation}"),
+            })
+            .collect())
+    }
+
+    /// As [`send_recv`](Communicator::send_recv), through the same mailboxes.
+    fn send_recv_shared(
+        &self,
+        sends: Vec<(usize, SharedValue)>,
+        recvs: Vec<usize>,
+    ) -> Result<Vec<SharedValue>> {
+        self.send_recv_shared_mailboxes(sends, recvs)
     }
 }
 

@@ -22,10 +22,14 @@ use std::fmt::Debug;
 pub use calls::{CallSignature, check_calls, check_calls_of};
 pub use error::{CommError, CommResult};
 pub use in_process::{IN_PROCESS_ENGINE, InProcessComm, InProcessGroup};
-pub use recorder::{RECORDED_CALLS, Recorded, RecordedCall, describe_calls};
+pub use recorder::{HostValues, RECORDED_CALLS, Recorded, RecordedCall, describe_calls};
 pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of};
 
 type Result<T> = CommResult<T>;
+
+/// A value that ranks living in one process hand each other as it is, without a copy
+/// ([`Communicator::share`]): a device tensor's handle, say. The engine never looks inside.
+pub type SharedValue = std::sync::Arc<dyn std::any::Any + Send + Sync>;
 
 /// The variable naming a folder where each rank of a multi-process run that exits unsuccessfully leaves
 /// `rank_<i>.status` (its exit status), so that the launcher (`burn-accelerate launch`) can name the rank that
@@ -82,6 +86,49 @@ pub trait Communicator: Send + Sync + Debug {
             engine: self.engine(),
             operation: "split".into(),
             reason: "this engine has no sub-groups".into(),
+        })
+    }
+
+    /// Whether the ranks live in one process and can hand each other values as they are
+    /// ([`share`](Self::share), [`send_recv_shared`](Self::send_recv_shared)): a device tensor's handle, with
+    /// no copy through host memory. `false` (the default) for engines whose ranks are separate processes.
+    fn shares_memory(&self) -> bool {
+        false
+    }
+
+    /// Every rank's `value`, in rank order, on every rank: the values themselves (shared, not copied), where the
+    /// ranks live in one process ([`shares_memory`](Self::shares_memory)). A collective like the others, with
+    /// their timeout and failure handling: every rank calls it, under the same `operation` name.
+    ///
+    /// # Errors
+    /// An engine whose ranks do not share memory (the default); ranks that called another collective; the
+    /// timeout; a rank that failed or left.
+    fn share(&self, operation: &'static str, value: SharedValue) -> Result<Vec<SharedValue>> {
+        let _ = value;
+        Err(CommError::Engine {
+            engine: self.engine(),
+            operation: operation.into(),
+            reason: "this engine's ranks do not share memory".into(),
+        })
+    }
+
+    /// A batch of point-to-point messages of shared values ([`send_recv`](Self::send_recv)'s rules, for
+    /// values handed over as they are): each of `sends` (`(peer, value)`) goes to its peer, one value is received
+    /// from each peer of `recvs`, in `recvs`' order. Checking what arrives is the caller's business.
+    ///
+    /// # Errors
+    /// As [`send_recv`](Self::send_recv); an engine whose ranks do not share memory (the default); a peer that
+    /// sent a buffer where a shared value was expected.
+    fn send_recv_shared(
+        &self,
+        sends: Vec<(usize, SharedValue)>,
+        recvs: Vec<usize>,
+    ) -> Result<Vec<SharedValue>> {
+        let _ = (sends, recvs);
+        Err(CommError::Engine {
+            engine: self.engine(),
+            operation: "send_recv_shared".into(),
+            reason: "this engine's ranks do not share memory".into(),
         })
     }
 
@@ -278,13 +325,14 @@ pub(crate) fn check_root(operation: &str, root: usize, world: usize) -> Result<(
 ///
 /// # Errors
 /// [`CommError::InvalidRoot`] naming the first peer outside the group.
-pub fn check_peers(
-    sends: &[(usize, ReduceBuffer)],
-    recvs: &[(usize, ReduceBuffer)],
-    world: usize,
-) -> Result<()> {
-    match sends.iter().chain(recvs).find(|(peer, _)| *peer >= world) {
-        Some((peer, _)) => Err(CommError::InvalidRoot {
+pub fn check_peers<S, R>(sends: &[(usize, S)], recvs: &[(usize, R)], world: usize) -> Result<()> {
+    match sends
+        .iter()
+        .map(|(peer, _)| peer)
+        .chain(recvs.iter().map(|(peer, _)| peer))
+        .find(|peer| **peer >= world)
+    {
+        Some(peer) => Err(CommError::InvalidRoot {
             operation: "send_recv (peer)".into(),
             root: *peer,
             world_size: world,

@@ -5,9 +5,10 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::{CommError, CommResult, Communicator, ReduceBuffer, ReduceOp};
+use crate::{CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, SharedValue};
 
 /// Calls kept per communicator.
 pub const RECORDED_CALLS: usize = 16;
@@ -74,6 +75,8 @@ pub struct Recorded {
     /// Whether this is a sub-group's communicator (made by `split`).
     sub_group: bool,
     calls: Mutex<(u64, VecDeque<RecordedCall>)>,
+    /// Values this rank's calls passed through host memory, its sub-groups' included.
+    host_values: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for Recorded {
@@ -88,16 +91,31 @@ impl fmt::Debug for Recorded {
 impl Recorded {
     /// `inner`, recording its calls.
     pub fn wrap(inner: Arc<dyn Communicator>) -> Arc<dyn Communicator> {
-        let world_rank = inner.rank();
-        Arc::new(Self::new(inner, world_rank, false))
+        Self::wrap_counted(inner).0
     }
 
-    fn new(inner: Arc<dyn Communicator>, world_rank: usize, sub_group: bool) -> Self {
+    /// `inner`, recording its calls, and the count of values its calls (and its sub-groups') pass through host
+    /// memory: the elements of every buffer this rank hands to a collective or a message, not the bytes of
+    /// control messages, nor values shared as they are ([`Communicator::share`]).
+    pub fn wrap_counted(inner: Arc<dyn Communicator>) -> (Arc<dyn Communicator>, HostValues) {
+        let world_rank = inner.rank();
+        let recorded = Self::new(inner, world_rank, false, Arc::default());
+        let count = HostValues(recorded.host_values.clone());
+        (Arc::new(recorded), count)
+    }
+
+    fn new(
+        inner: Arc<dyn Communicator>,
+        world_rank: usize,
+        sub_group: bool,
+        host_values: Arc<AtomicU64>,
+    ) -> Self {
         Self {
             inner,
             world_rank,
             sub_group,
             calls: Mutex::new((0, VecDeque::with_capacity(RECORDED_CALLS))),
+            host_values,
         }
     }
 
@@ -157,8 +175,23 @@ impl Recorded {
     }
 
     fn run<T>(&self, call: RecordedCall, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
+        if matches!(call.kind, "f32" | "f64" | "i64") {
+            self.host_values
+                .fetch_add(call.elements as u64, Ordering::Relaxed);
+        }
         let seq = self.begin(call);
         self.end(seq, f())
+    }
+}
+
+/// The count of values one rank's communicator passed through host memory ([`Recorded::wrap_counted`]).
+#[derive(Debug, Clone, Default)]
+pub struct HostValues(Arc<AtomicU64>);
+
+impl HostValues {
+    /// The values so far.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
     }
 }
 
@@ -226,7 +259,12 @@ impl Communicator for Recorded {
         };
         self.run(record, || self.inner.split(color, key))
             .map(|child| {
-                Arc::new(Recorded::new(child, self.world_rank, true)) as Arc<dyn Communicator>
+                Arc::new(Recorded::new(
+                    child,
+                    self.world_rank,
+                    true,
+                    self.host_values.clone(),
+                )) as Arc<dyn Communicator>
             })
     }
 
@@ -292,6 +330,28 @@ impl Communicator for Recorded {
         };
         self.run(record, || self.inner.send_recv(sends, recvs))
     }
+
+    fn shares_memory(&self) -> bool {
+        self.inner.shares_memory()
+    }
+
+    fn share(&self, operation: &'static str, value: SharedValue) -> CommResult<Vec<SharedValue>> {
+        self.run(call(operation, 1, "shared"), || {
+            self.inner.share(operation, value)
+        })
+    }
+
+    fn send_recv_shared(
+        &self,
+        sends: Vec<(usize, SharedValue)>,
+        recvs: Vec<usize>,
+    ) -> CommResult<Vec<SharedValue>> {
+        let record = RecordedCall {
+            parts: Some(sends.len() + recvs.len()),
+            ..call("send_recv_shared", sends.len() + recvs.len(), "shared")
+        };
+        self.run(record, || self.inner.send_recv_shared(sends, recvs))
+    }
 }
 
 #[cfg(test)]
@@ -344,7 +404,7 @@ mod tests {
     #[test]
     fn only_the_last_calls_are_kept() {
         let group = InProcessGroup::new(1, Duration::from_secs(1));
-        let recorded = Recorded::new(Arc::new(group.comm(0)), 0, false);
+        let recorded = Recorded::new(Arc::new(group.comm(0)), 0, false, Arc::default());
         for _ in 0..RECORDED_CALLS + 5 {
             recorded.barrier().unwrap();
         }
@@ -356,5 +416,32 @@ mod tests {
                 .iter()
                 .all(|c| c.completed && c.operation == "barrier")
         );
+    }
+
+    #[test]
+    fn values_through_host_memory_are_counted_with_the_sub_groups_and_shared_values_are_not() {
+        let group = InProcessGroup::new(2, Duration::from_secs(5));
+        let counts: Vec<u64> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let group = &group;
+                    scope.spawn(move || {
+                        let (comm, values) = Recorded::wrap_counted(Arc::new(group.comm(rank)));
+                        comm.all_reduce(ReduceBuffer::F32(vec![1.0; 5]), ReduceOp::Sum)
+                            .unwrap();
+                        comm.broadcast(vec![0; 100], 0).unwrap();
+                        let sub = comm.split(0, rank).unwrap();
+                        sub.reduce_scatter(ReduceBuffer::F64(vec![1.0; 4]), &[2, 2], ReduceOp::Sum)
+                            .unwrap();
+                        let shared = comm.share("share", Arc::new(vec![0f32; 1000])).unwrap();
+                        assert_eq!(shared.len(), 2);
+                        values.get()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // 5 f32 and 4 f64 values; neither the control bytes nor the shared value count.
+        assert_eq!(counts, vec![9, 9]);
     }
 }

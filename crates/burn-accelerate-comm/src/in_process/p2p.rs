@@ -6,7 +6,25 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Error, InProcessComm, ReduceBuffer, Result, rank_failed};
+use super::{Error, InProcessComm, ReduceBuffer, Result, SharedValue, rank_failed};
+
+/// A message in a mailbox: a buffer ([`send_recv`](crate::Communicator::send_recv)) or a value handed over as
+/// it is ([`send_recv_shared`](crate::Communicator::send_recv_shared)).
+#[derive(Debug)]
+pub(super) enum Mail {
+    Buffer(ReduceBuffer),
+    Shared(SharedValue),
+}
+
+impl Mail {
+    /// The element kind and length, as `check_received` compares them (a shared value has no length).
+    fn shape(&self) -> (&'static str, usize) {
+        match self {
+            Mail::Buffer(b) => (b.kind(), b.len()),
+            Mail::Shared(_) => ("shared value", 0),
+        }
+    }
+}
 
 impl InProcessComm {
     /// See [`Communicator::send_recv`](crate::Communicator::send_recv).
@@ -15,14 +33,66 @@ impl InProcessComm {
         sends: Vec<(usize, ReduceBuffer)>,
         recvs: Vec<(usize, ReduceBuffer)>,
     ) -> Result<Vec<ReduceBuffer>> {
-        const OP: &str = "send_recv";
+        crate::check_peers(&sends, &recvs, self.group.size)?;
+        let sends = sends
+            .into_iter()
+            .map(|(p, b)| (p, Mail::Buffer(b)))
+            .collect();
+        let recvs = recvs
+            .into_iter()
+            .map(|(p, b)| (p, Mail::Buffer(b)))
+            .collect();
+        Ok(self
+            .post_and_take("send_recv", sends, recvs)?
+            .into_iter()
+            .map(|mail| match mail {
+                Mail::Buffer(b) => b,
+                Mail::Shared(_) => unreachable!("the shapes were checked"),
+            })
+            .collect())
+    }
+
+    /// See [`Communicator::send_recv_shared`](crate::Communicator::send_recv_shared).
+    pub(super) fn send_recv_shared_mailboxes(
+        &self,
+        sends: Vec<(usize, SharedValue)>,
+        recvs: Vec<usize>,
+    ) -> Result<Vec<SharedValue>> {
+        let expected: Vec<(usize, ())> = recvs.iter().map(|p| (*p, ())).collect();
+        crate::check_peers(&sends, &expected, self.group.size)?;
+        let sends = sends
+            .into_iter()
+            .map(|(p, v)| (p, Mail::Shared(v)))
+            .collect();
+        let placeholder: SharedValue = std::sync::Arc::new(());
+        let recvs = recvs
+            .into_iter()
+            .map(|p| (p, Mail::Shared(placeholder.clone())))
+            .collect();
+        Ok(self
+            .post_and_take("send_recv_shared", sends, recvs)?
+            .into_iter()
+            .map(|mail| match mail {
+                Mail::Shared(v) => v,
+                Mail::Buffer(_) => unreachable!("the shapes were checked"),
+            })
+            .collect())
+    }
+
+    /// Posts `sends` to their peers' mailboxes, then takes one message from each peer of `recvs` (whose mail
+    /// gives the shape expected), waiting until the timeout, a failure or the peer's departure.
+    fn post_and_take(
+        &self,
+        op: &'static str,
+        sends: Vec<(usize, Mail)>,
+        recvs: Vec<(usize, Mail)>,
+    ) -> Result<Vec<Mail>> {
         let group = &*self.group;
-        crate::check_peers(&sends, &recvs, group.size)?;
         let seq = self.seq.load(Ordering::Relaxed);
         let deadline = crate::deadline_after(group.timeout);
         let mut state = group.lock();
         if let Some(failed) = &state.failed {
-            return Err(rank_failed(OP, seq, failed));
+            return Err(rank_failed(op, seq, failed));
         }
         if !sends.is_empty() {
             for (peer, data) in sends {
@@ -34,7 +104,7 @@ impl InProcessComm {
             }
             group.wake.notify_all();
         }
-        let mut received: Vec<Option<ReduceBuffer>> = recvs.iter().map(|_| None).collect();
+        let mut received: Vec<Option<Mail>> = recvs.iter().map(|_| None).collect();
         loop {
             // In `recvs`' order: a peer's messages go to its receives in the order it sent them.
             for ((peer, expected), slot) in recvs.iter().zip(received.iter_mut()) {
@@ -51,8 +121,8 @@ impl InProcessComm {
                 crate::check_received(
                     group.members[*peer],
                     group.members[self.rank],
-                    (expected.kind(), expected.len()),
-                    (message.kind(), message.len()),
+                    expected.shape(),
+                    message.shape(),
                 )?;
                 *slot = Some(message);
             }
@@ -66,7 +136,7 @@ impl InProcessComm {
                 return Ok(received.into_iter().flatten().collect());
             }
             let me = group.members[self.rank];
-            if let Some(stopped) = state.stopped((OP, seq), &waiting_for, &group.members, || {
+            if let Some(stopped) = state.stopped((op, seq), &waiting_for, &group.members, || {
                 format!("without sending what rank {me} receives")
             }) {
                 return Err(stopped);
@@ -77,7 +147,7 @@ impl InProcessComm {
                     waiting_for.iter().map(|p| group.members[*p]).collect();
                 waiting_for.dedup();
                 return Err(Error::PeerTimeout {
-                    operation: OP.into(),
+                    operation: op.into(),
                     rank: group.members[self.rank],
                     waiting_for,
                     timeout: group.timeout,

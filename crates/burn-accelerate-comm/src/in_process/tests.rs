@@ -514,3 +514,59 @@ fn sends_never_wait_and_peers_outside_the_group_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn shared_values_pass_as_they_are_in_rounds_and_mailboxes_and_a_departed_peer_stops_the_wait() {
+    let out = run(3, Duration::from_secs(10), |c| {
+        let rank = c.rank();
+        assert!(c.shares_memory());
+        let mine: SharedValue = Arc::new(vec![rank as f32; 4]);
+        let all = c.share("share", mine.clone()).unwrap();
+        // The very values, not copies.
+        assert!(Arc::ptr_eq(&all[rank], &mine));
+        let sums: Vec<f32> = all
+            .iter()
+            .map(|v| v.downcast_ref::<Vec<f32>>().unwrap()[0])
+            .collect();
+        // A ring: each sends to the next and receives from the previous, in one batch.
+        let (next, previous) = ((rank + 1) % 3, (rank + 2) % 3);
+        let got = c
+            .send_recv_shared(vec![(next, Arc::new(rank))], vec![previous])
+            .unwrap();
+        let from = *got[0].downcast_ref::<usize>().unwrap();
+        // A buffer where a shared value is expected is an error on the receiving rank.
+        let mismatch = if rank == 0 {
+            c.send_recv(vec![(1, ReduceBuffer::F32(vec![1.0]))], vec![])
+                .map(|_| String::new())
+                .unwrap_or_else(|e| e.to_string())
+        } else if rank == 1 {
+            c.send_recv_shared(vec![], vec![0])
+                .map(|_| String::new())
+                .unwrap_or_else(|e| e.to_string())
+        } else {
+            String::new()
+        };
+        (sums, from, mismatch)
+    });
+    for (rank, (sums, from, mismatch)) in out.into_iter().enumerate() {
+        assert_eq!(sums, vec![0.0, 1.0, 2.0]);
+        assert_eq!(from, (rank + 2) % 3);
+        if rank == 1 {
+            assert!(mismatch.contains("rank 0 sent 1 x f32"), "{mismatch}");
+        } else {
+            assert!(mismatch.is_empty(), "{mismatch}");
+        }
+    }
+    // A rank that leaves without sharing releases the others with its reason, well before the timeout.
+    let group = InProcessGroup::new(2, Duration::from_secs(30));
+    let start = Instant::now();
+    let waiter = {
+        let comm = group.comm(0);
+        thread::spawn(move || comm.share("share", Arc::new(())).map(|_| ()))
+    };
+    thread::sleep(Duration::from_millis(50));
+    group.leave(1, "finished");
+    let err = waiter.join().unwrap().unwrap_err().to_string();
+    assert!(err.contains("rank 1 finished"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
