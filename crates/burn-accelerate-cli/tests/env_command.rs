@@ -153,13 +153,12 @@ fn env_says_which_gradient_transport_runs_and_why() {
             line("- gradient_transport = "),
         )
     };
-    // A CPU backend averages in host memory, and says why.
+    // In-process ranks on the CPU share one device: tensors pass between them as they are.
     let (chosen, setting) = transport(&[]);
-    assert!(
-        chosen.starts_with("- Gradient transport: host all-reduce (the ranks run on ")
-            && chosen.contains("device collectives on CUDA only")
-            && chosen.ends_with("for 2 in-process ranks"),
-        "{chosen}"
+    assert_eq!(
+        chosen,
+        "- Gradient transport: device exchange (in-process ranks sharing one device) (2 in-process ranks on one \
+         device: tensors pass between them as they are), for 2 in-process ranks"
     );
     assert_eq!(setting, "- gradient_transport = auto (default)");
     let (chosen, setting) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "host")]);
@@ -168,21 +167,32 @@ fn env_says_which_gradient_transport_runs_and_why() {
         setting,
         "- gradient_transport = host (environment ACCELERATE_GRADIENT_TRANSPORT)"
     );
-    // Asking for the device path where there is none: env shows the refusal a run would meet.
     let (chosen, _) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "device")]);
-    assert!(
-        chosen.starts_with("- Gradient transport: refused: "),
-        "{chosen}"
-    );
-    // Under a launcher, its ranks are the ones described.
-    let (chosen, _) = transport(&[
+    assert!(chosen.contains("device exchange"), "{chosen}");
+    // Under a launcher, its ranks are the ones described: CPU processes average in host memory, and say why.
+    let launched = [
         ("OMPI_COMM_WORLD_SIZE", "4"),
         ("OMPI_COMM_WORLD_RANK", "0"),
         ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
         ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
-    ]);
+    ];
+    let (chosen, _) = transport(&launched);
     assert!(
-        chosen.ends_with("for 4 processes, 2 on this machine"),
+        chosen.starts_with("- Gradient transport: host all-reduce (the ranks run on ")
+            && chosen.contains("device collectives between them on CUDA only")
+            && chosen.ends_with("for 4 processes, 2 on this machine"),
+        "{chosen}"
+    );
+    // Asking for the device path where there is none: env shows the refusal a run would meet.
+    let (chosen, _) = transport(
+        &[
+            &launched[..],
+            &[("ACCELERATE_GRADIENT_TRANSPORT", "device")],
+        ]
+        .concat(),
+    );
+    assert!(
+        chosen.starts_with("- Gradient transport: refused: "),
         "{chosen}"
     );
 }

@@ -203,22 +203,56 @@ impl Accelerator {
 
     /// How training is distributed on this rank, in words: `single device`, `data parallel over host
     /// all-reduce`, `data parallel over device all-reduce (NCCL)`, `sharded data parallel (SHARD_GRAD_OP) over
-    /// host reduce and broadcast`. The main process also logs the gradient transport and why it was chosen.
+    /// host reduce and broadcast`, `sharded data parallel (FULL_SHARD) over device exchange (in-process ranks
+    /// sharing one device)`. The main process also logs the transport and why it was chosen.
     pub fn strategy_name(&self) -> String {
         self.pipeline.strategy().name()
+    }
+
+    /// How many values (tensor elements) this rank's collectives and messages have passed through host memory so
+    /// far: gradients, parameters and results of `reduce` or `gather` copied out of the device and back. Read it
+    /// before and after a step to see what the step copies: 0 where every exchange stays on the device (in-process
+    /// ranks sharing one device), the parameters or gradients where they go through host memory.
+    ///
+    /// ```
+    /// use burn_accelerate::{Accelerator, GradientTransport, ReduceOp};
+    /// use burn::tensor::Tensor;
+    ///
+    /// let through_host = |transport| {
+    ///     Accelerator::builder().gradient_transport(transport).launch(2, |acc| {
+    ///         let before = acc.host_values();
+    ///         let x = Tensor::<1>::ones([1000], acc.device());
+    ///         acc.reduce(x, ReduceOp::Sum)?;
+    ///         Ok(acc.host_values() - before)
+    ///     })
+    /// };
+    /// // A user's `reduce` goes through host memory; so do 1000 values of it on each rank.
+    /// assert_eq!(through_host(GradientTransport::Host)?, vec![1000, 1000]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn host_values(&self) -> u64 {
+        self.process_group().host_values()
     }
 
     /// Checks the device gradient transport this run would use: every rank averages about a million values
     /// through it in f32, bf16 and f16 (where the device has them), and each compares the result with the exact
     /// mean of every rank's values, computed by itself in f64 (no collective, no shared summation order). Returns
     /// the transport (with why it was chosen) and each dtype's largest error against its rounding bound; `None`
-    /// where gradients go through host memory anyway (CPU backends, `gradient_transport = host`). A single CUDA
-    /// rank checks a one-rank NCCL communicator. Every rank must call it. `burn-accelerate test` runs it wherever a
-    /// GPU is found.
+    /// where gradients go through host memory anyway (CPU processes, `gradient_transport = host`). In-process
+    /// ranks on one device check the shared device path; a single CUDA rank checks a one-rank NCCL communicator.
+    /// Every rank must call it. `burn-accelerate test` runs it wherever a GPU is found.
     ///
     /// ```
+    /// use burn_accelerate::{Accelerator, GradientTransport};
+    ///
+    /// // In-process ranks on the CPU share one device: their path is checked, and passes.
     /// let checks = burn_accelerate::launch(2, |acc| acc.check_gradient_transport())?;
-    /// assert_eq!(checks, vec![None, None], "CPU ranks average in host memory");
+    /// assert!(checks.iter().all(|c| c.as_ref().is_some_and(|c| c.passed())));
+    /// // Through host memory there is no device path to check.
+    /// let host = Accelerator::builder()
+    ///     .gradient_transport(GradientTransport::Host)
+    ///     .launch(2, |acc| acc.check_gradient_transport())?;
+    /// assert_eq!(host, vec![None, None]);
     /// # Ok::<(), burn_accelerate::Error>(())
     /// ```
     ///

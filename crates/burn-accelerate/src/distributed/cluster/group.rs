@@ -69,6 +69,7 @@ pub struct ProcessGroup {
     backend: Option<Backend>,
     distributed_type: DistributedType,
     comm: Arc<dyn Communicator>,
+    host_values: crate::distributed::comm::HostValues,
     debug: bool,
 }
 
@@ -82,7 +83,7 @@ impl ProcessGroup {
         device: Device,
         backend: Option<Backend>,
     ) -> Self {
-        let comm = crate::distributed::comm::Recorded::wrap(comm);
+        let (comm, host_values) = crate::distributed::comm::Recorded::wrap_counted(comm);
         let num_processes = comm.world_size();
         Self {
             process_index: comm.rank(),
@@ -95,6 +96,7 @@ impl ProcessGroup {
             device,
             backend,
             comm,
+            host_values,
             debug: false,
         }
     }
@@ -150,6 +152,12 @@ impl ProcessGroup {
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.comm
     }
+
+    /// How many values (tensor elements) this rank's collectives and messages have passed through host memory
+    /// since it started, its sub-groups' included: 0 where every exchange stays on the device.
+    pub fn host_values(&self) -> u64 {
+        self.host_values.get()
+    }
     /// Makes this the state that logging on the current thread reports.
     /// The sub-group of the ranks that pass the same `color`, ordered by `key` (then rank): every rank calls it.
     /// It keeps this rank's device, backend and debug mode; its collectives have their own sequence.
@@ -163,6 +171,7 @@ impl ProcessGroup {
             backend: self.backend,
             distributed_type: self.distributed_type,
             comm,
+            host_values: self.host_values.clone(),
             debug: self.debug,
         })
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::InProcess;
-use crate::distributed::comm::InProcessGroup;
+use crate::distributed::comm::{Communicator, InProcessGroup};
 use crate::error::{Error, Result};
 
 fn panic_message(payload: Box<dyn Any + Send>) -> String {
@@ -76,6 +76,22 @@ where
     T: Send,
     F: Fn(&InProcess) -> Result<T> + Send + Sync,
 {
+    launch_ranks_over(num_processes, timeout, |comm| comm, f)
+}
+
+/// [`launch_ranks`], each rank's communicator passed through `wrap` first (a test double around it).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn launch_ranks_over<T, F, W>(
+    num_processes: usize,
+    timeout: Duration,
+    wrap: W,
+    f: F,
+) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(&InProcess) -> Result<T> + Send + Sync,
+    W: Fn(Arc<dyn Communicator>) -> Arc<dyn Communicator> + Send + Sync,
+{
     if num_processes == 0 {
         return Err(Error::InvalidArgument(
             "launch: num_processes must be at least 1".into(),
@@ -87,12 +103,12 @@ where
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..num_processes)
             .map(|rank| {
-                let (group, f) = (&group, &f);
+                let (group, f, wrap) = (&group, &f, &wrap);
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
-                            let cluster = InProcess::new(Arc::new(group.comm(rank)));
+                            let cluster = InProcess::new(wrap(Arc::new(group.comm(rank))));
                             match &pools {
                                 Some(pools) => pools[rank].install(|| f(&cluster)),
                                 None => f(&cluster),

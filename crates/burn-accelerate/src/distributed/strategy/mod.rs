@@ -45,7 +45,7 @@ pub(crate) use placement::{
 };
 pub(crate) use sharded::{ParamFetcher, Sharded};
 
-use crate::config::{AcceleratorConfig, GradientTransport};
+use crate::config::AcceleratorConfig;
 use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
@@ -228,11 +228,14 @@ pub(crate) fn for_group(
     let bucket_bytes = (config.distributed.bucket_size_mb * 1024.0 * 1024.0) as usize;
     let world = group.num_processes();
     if world > 1 && config.distributed.sharding.is_sharded() {
-        if config.distributed.gradient_transport == GradientTransport::Device {
-            on_device::choose(
-                GradientTransport::Device,
-                &on_device::facts_for(group, true),
-            )?;
+        let (comm, choice) = on_device::select(
+            group,
+            config.distributed.gradient_transport,
+            config.collective_timeout(),
+            true,
+        )?;
+        if group.is_main_process() {
+            log::info!("sharded training's exchanges go through {choice}");
         }
         if config.distributed.sharding.is_hybrid() {
             let shard_size = config
@@ -241,6 +244,7 @@ pub(crate) fn for_group(
                 .unwrap_or_else(|| group.local_world_size());
             let strategy = Sharded::hybrid(
                 group.clone(),
+                comm,
                 shard_size,
                 config.distributed.sharding,
                 bucket_bytes,
@@ -249,6 +253,7 @@ pub(crate) fn for_group(
         }
         return Ok(Arc::new(Sharded::new(
             group.clone(),
+            comm,
             config.distributed.sharding,
             bucket_bytes,
         )));
@@ -260,6 +265,7 @@ pub(crate) fn for_group(
         group,
         config.distributed.gradient_transport,
         config.collective_timeout(),
+        false,
     )?;
     if group.is_main_process() {
         log::info!("gradients cross ranks through {choice}");

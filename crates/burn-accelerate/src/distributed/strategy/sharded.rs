@@ -39,7 +39,7 @@ use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::ReduceOp;
-use crate::distributed::tensor_comm::{Checked, Reduction, TensorComm, bucket};
+use crate::distributed::tensor_comm::{Reduction, TensorComm, bucket};
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 use crate::grad::NormType;
@@ -95,9 +95,14 @@ pub(crate) struct Sharded {
 }
 
 impl Sharded {
-    /// The strategy of `group`'s rank; `mode` is `ShardGradOp` or `FullShard`.
-    pub fn new(group: Arc<ProcessGroup>, mode: ShardingStrategy, bucket_bytes: usize) -> Self {
-        let comm: Arc<dyn TensorComm> = Arc::new(Checked::host(group.clone()));
+    /// The strategy of `group`'s rank, reaching the other ranks through `comm` (over `group`); `mode` is
+    /// `ShardGradOp` or `FullShard`.
+    pub fn new(
+        group: Arc<ProcessGroup>,
+        comm: Arc<dyn TensorComm>,
+        mode: ShardingStrategy,
+        bucket_bytes: usize,
+    ) -> Self {
         Self {
             world: group,
             shards: comm.clone(),
@@ -110,13 +115,15 @@ impl Sharded {
         }
     }
 
-    /// A hybrid strategy of `world`'s rank: sharded within consecutive groups of `shard_size` ranks, replicated
-    /// across them. Every rank takes part in making both sub-groups.
+    /// A hybrid strategy of `world`'s rank, reaching the other ranks through `everyone` (over `world`) and its
+    /// sub-groups: sharded within consecutive groups of `shard_size` ranks, replicated across them. Every rank
+    /// takes part in making both sub-groups.
     ///
     /// # Errors
     /// A shard size that does not divide the ranks; the sub-groups' collectives.
     pub fn hybrid(
         world: Arc<ProcessGroup>,
+        everyone: Arc<dyn TensorComm>,
         shard_size: usize,
         mode: ShardingStrategy,
         bucket_bytes: usize,
@@ -133,12 +140,11 @@ impl Sharded {
                 ),
             ));
         }
-        let everyone = Checked::host(world.clone());
-        let shards = everyone.split(rank / shard_size, rank)?;
-        let replicas = everyone.split(rank % shard_size, rank)?;
+        let shards = everyone.on_group(Arc::new(world.split(rank / shard_size, rank)?))?;
+        let replicas = everyone.on_group(Arc::new(world.split(rank % shard_size, rank)?))?;
         Ok(Self {
             shards,
-            everyone: Arc::new(everyone),
+            everyone,
             replica_comm: Some(replicas),
             world,
             mode,
@@ -146,6 +152,14 @@ impl Sharded {
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// How the strategy's exchanges travel, for its name.
+    fn exchanges(&self) -> &'static str {
+        match self.everyone.name() {
+            "host all-reduce" => "host reduce and broadcast",
+            other => other,
+        }
     }
 
     /// Ranks the state is sharded over (a shard group's, under a hybrid strategy).
@@ -354,14 +368,16 @@ impl Strategy for Sharded {
     fn name(&self) -> String {
         match &self.replica_comm {
             Some(replicas) => format!(
-                "hybrid sharded data parallel ({}: {} replicas of {} shards) over host reduce and broadcast",
+                "hybrid sharded data parallel ({}: {} replicas of {} shards) over {}",
                 self.mode,
                 replicas.world_size(),
-                self.world()
+                self.world(),
+                self.exchanges()
             ),
             None => format!(
-                "sharded data parallel ({}) over host reduce and broadcast",
-                self.mode
+                "sharded data parallel ({}) over {}",
+                self.mode,
+                self.exchanges()
             ),
         }
     }

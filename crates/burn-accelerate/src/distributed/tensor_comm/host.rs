@@ -380,8 +380,9 @@ mod tests {
                 .scatter(flat, &[1, 2, 3, 4], 2, "test scatter")?
                 .wait()?;
             // Rank 0 and 2 form one group, 1 and 3 the other, ordered by rank.
-            let host = Checked::host(crate::distributed::current().expect("a rank's group"));
-            let sub = host.split(r % 2, r)?;
+            let group = crate::distributed::current().expect("a rank's group");
+            let host: Arc<dyn TensorComm> = Arc::new(Checked::host(group.clone()));
+            let sub = host.on_group(Arc::new(group.split(r % 2, r)?))?;
             let t =
                 Tensor::<1>::from_data(TensorData::new(vec![r as f32], [1]), (device, DType::F32));
             let sum = sub

@@ -14,8 +14,10 @@
 //! |---|---|
 //! | [`HostTensorComm`] | host memory, through the rank's [`Communicator`](crate::distributed::comm::Communicator) (in-process, MPI) |
 //! | the device all-reduce ([`on_device`]) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest, and for sub-groups |
+//! | [`shared_device::SharedDevice`] | nowhere: in-process ranks on one device hand each other the tensors themselves, every call |
 //!
-//! Sub-groups (a hybrid strategy's shard and replica groups) come from [`Checked::split`]. Point-to-point messages
+//! Sub-groups (a hybrid strategy's shard and replica groups) come from [`TensorComm::on_group`] over a split of the
+//! group. Point-to-point messages
 //! go in batches ([`TensorComm::send_recv`], torch's `batch_isend_irecv`): every send is posted before any
 //! receive waits, so two ranks that exchange activations and gradients (a pipeline's neighbours) never wait on
 //! each other.
@@ -29,6 +31,7 @@ pub(crate) mod bucket;
 pub(crate) mod host;
 mod lane;
 pub(crate) mod on_device;
+pub(crate) mod shared_device;
 
 use std::fmt;
 use std::sync::Arc;
@@ -285,7 +288,7 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
     ) -> Result<Pending<Vec<Tensor<1>>>>;
 
     /// The same implementation over `group`, a sub-group of the ranks this one connects (made by
-    /// [`Checked::split`]).
+    /// [`ProcessGroup::split`], which every rank of the group calls).
     ///
     /// # Errors
     /// An implementation that cannot connect the sub-group.
@@ -311,16 +314,6 @@ impl Checked {
     /// Host memory over `group`'s communicator, checked: the implementation every strategy can use.
     pub fn host(group: Arc<ProcessGroup>) -> Self {
         Self::new(Arc::new(HostTensorComm::new(group.clone())), group)
-    }
-
-    /// The sub-group of the ranks that pass the same `color`, ordered by `key` (then rank), with the same
-    /// implementation, checked over it: every rank of this group calls it.
-    ///
-    /// # Errors
-    /// The split's own collective; an implementation that cannot connect the sub-group.
-    pub fn split(&self, color: usize, key: usize) -> Result<Arc<dyn TensorComm>> {
-        let sub = Arc::new(self.group.split(color, key)?);
-        Ok(Arc::new(Self::new(self.inner.on_group(sub.clone())?, sub)))
     }
 
     fn check(&self, operation: &str, dtype: DType, layout: &[usize]) -> Result<()> {

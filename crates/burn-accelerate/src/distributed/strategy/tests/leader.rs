@@ -159,7 +159,7 @@ fn leader(calls: Arc<Calls>) -> AcceleratorBuilder {
 
 /// Two layers in a stack of blocks, a head outside them.
 #[derive(Module, Debug)]
-struct Stack {
+pub(super) struct Stack {
     blocks: Vec<Linear>,
     head: Linear,
 }
@@ -171,7 +171,7 @@ impl Blocks for Stack {
     }
 }
 
-fn stack(device: &Device) -> Stack {
+pub(super) fn stack(device: &Device) -> Stack {
     Stack {
         blocks: vec![
             super::linear(4, 6, 0.2, device),
@@ -181,7 +181,7 @@ fn stack(device: &Device) -> Stack {
     }
 }
 
-fn stack_weights(stack: &Stack) -> Vec<f32> {
+pub(super) fn stack_weights(stack: &Stack) -> Vec<f32> {
     stack
         .blocks
         .iter()
@@ -197,6 +197,39 @@ fn input(rank: usize, step: usize, device: &Device) -> Tensor<2> {
     Tensor::<1>::from_floats(values.as_slice(), device).reshape([5, 4])
 }
 
+/// Six steps of `optimizer` on the stack: a whole backward on even steps, a checkpointed `backward_blocks` with
+/// clipping on odd ones.
+pub(super) fn stack_steps(
+    acc: &Accelerator,
+    mut net: Stack,
+    optimizer: &mut crate::AcceleratedOptimizer,
+) -> Result<Stack> {
+    let device = acc.device().clone();
+    let rank = acc.process_index();
+    for step in 0..6 {
+        let x = input(rank, step, &device);
+        if step % 2 == 0 {
+            let whole = acc.unshard(&net)?;
+            let mut h = x;
+            for b in &whole.blocks {
+                h = b.forward(h).tanh();
+            }
+            let loss = whole.head.forward(h).powi_scalar(2).mean();
+            acc.backward(loss, &whole)?;
+        } else {
+            acc.backward_blocks(
+                &net,
+                |_| x,
+                |b, h| b.forward(h).tanh(),
+                |m, h| m.head.forward(h).powi_scalar(2).mean(),
+            )?;
+            acc.clip_grad_norm(&net, 0.05)?;
+        }
+        net = optimizer.try_step(net)?;
+    }
+    Ok(net)
+}
+
 /// `steps` steps of Adam on 2 ranks, alternating `backward` and a checkpointed `backward_blocks`, clipping every
 /// other step; then a save and a load. Each rank's weights, its number of optimizer records, and the number it
 /// read back.
@@ -209,28 +242,7 @@ fn train_stack(
             let device = acc.device().clone();
             let mut net = acc.prepare_model(stack(&device))?;
             let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-            let rank = acc.process_index();
-            for step in 0..6 {
-                let x = input(rank, step, &device);
-                if step % 2 == 0 {
-                    let whole = acc.unshard(&net)?;
-                    let mut h = x;
-                    for b in &whole.blocks {
-                        h = b.forward(h).tanh();
-                    }
-                    let loss = whole.head.forward(h).powi_scalar(2).mean();
-                    acc.backward(loss, &whole)?;
-                } else {
-                    acc.backward_blocks(
-                        &net,
-                        |_| x,
-                        |b, h| b.forward(h).tanh(),
-                        |m, h| m.head.forward(h).powi_scalar(2).mean(),
-                    )?;
-                    acc.clip_grad_norm(&net, 0.05)?;
-                }
-                net = optimizer.try_step(net)?;
-            }
+            net = stack_steps(&acc, net, &mut optimizer)?;
             let parts = StateToSave::new().model(&net)?.optimizer(&optimizer)?;
             acc.save_state(Some(&dir), &parts)?;
             let mut fresh = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);

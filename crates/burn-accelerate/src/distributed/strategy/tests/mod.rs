@@ -15,6 +15,7 @@ use crate::distributed::comm::ReduceOp;
 use crate::{Accelerator, StateToSave};
 
 mod leader;
+mod shared_device;
 
 #[derive(Module, Debug)]
 struct Net {
@@ -164,22 +165,19 @@ fn the_device_all_reduce_path_trains_the_same_model_as_the_host_all_reduce() {
 #[test]
 fn the_transport_is_chosen_from_the_setting_and_named() {
     use crate::config::GradientTransport;
-    for preference in [GradientTransport::Auto, GradientTransport::Host] {
-        let names = AcceleratorBuilder::default()
+    let named = |preference| {
+        AcceleratorBuilder::default()
             .gradient_transport(preference)
             .launch(2, |acc| Ok(acc.strategy_name()))
-            .unwrap();
-        assert_eq!(names, vec!["data parallel over host all-reduce"; 2]);
-    }
-    // Flex ranks have no device path: asking for one is refused with the reason.
-    let err = AcceleratorBuilder::default()
-        .gradient_transport(GradientTransport::Device)
-        .launch(2, |acc| Ok(acc.strategy_name()))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("gradient_transport") && err.contains("device collectives on CUDA only"),
-        "{err}"
+            .unwrap()
+    };
+    // In-process ranks on one device hand each other tensors unless host memory is asked for.
+    let shared = "data parallel over device exchange (in-process ranks sharing one device)";
+    assert_eq!(named(GradientTransport::Auto), vec![shared; 2]);
+    assert_eq!(named(GradientTransport::Device), vec![shared; 2]);
+    assert_eq!(
+        named(GradientTransport::Host),
+        vec!["data parallel over host all-reduce"; 2]
     );
     // One rank needs no transport, whatever the setting.
     let single = AcceleratorBuilder::default()

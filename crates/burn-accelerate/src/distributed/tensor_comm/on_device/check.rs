@@ -27,6 +27,13 @@ pub struct DtypeCheck {
     pub max_error: f64,
     /// The largest difference the dtype's rounding allows (see [`rounding_bound`]).
     pub bound: f64,
+    /// How many elements were beyond the bound (or NaN), of `checked`: where a transport garbles only part of a
+    /// buffer (a tail, one rank's share), this and [`first_wrong`](Self::first_wrong) say which.
+    pub wrong: usize,
+    /// The index of the first element beyond the bound.
+    pub first_wrong: Option<usize>,
+    /// How many elements were averaged.
+    pub checked: usize,
 }
 
 impl DtypeCheck {
@@ -95,13 +102,19 @@ pub(crate) fn check_dtype(
         .all_reduce(flat, Reduction::Average(1.0), "transport check")?
         .wait()?;
     let averaged = to_host(averaged, "transport check")?;
+    let bound = rounding_bound(dtype, world, 0.5);
     let mut max_error = if averaged.len() == n { 0.0 } else { f64::NAN };
+    let (mut wrong, mut first_wrong) = (0, None);
     for (i, got) in averaged.iter().enumerate() {
         let exact = (0..world)
             .map(|r| as_stored(check_value(r, i), dtype))
             .sum::<f64>()
             / world as f64;
         let error = (*got as f64 - exact).abs();
+        if error.is_nan() || error > bound {
+            wrong += 1;
+            first_wrong.get_or_insert(i);
+        }
         // NaN propagates (a NaN result fails the check).
         if error.is_nan() || error > max_error {
             max_error = error;
@@ -110,7 +123,10 @@ pub(crate) fn check_dtype(
     Ok(DtypeCheck {
         dtype,
         max_error,
-        bound: rounding_bound(dtype, world, 0.5),
+        bound,
+        wrong,
+        first_wrong,
+        checked: averaged.len(),
     })
 }
 
@@ -140,7 +156,7 @@ pub(crate) fn check_against_reference(
             world: 2,
             local_world: 1,
             in_process: false,
-            ..facts_for(group, false)
+            ..facts_for(group, false)?
         };
         match choose(preference, &facts) {
             Ok(choice) if choice.kind == TransportKind::Nccl => {
@@ -154,7 +170,7 @@ pub(crate) fn check_against_reference(
             _ => return Ok(None),
         }
     } else {
-        select(group, preference, timeout)?
+        select(group, preference, timeout, false)?
     };
     if !choice.kind.on_device() {
         return Ok(None);
@@ -192,6 +208,9 @@ mod tests {
             dtype: DType::F32,
             max_error: 0.0,
             bound: 1e-7,
+            wrong: 0,
+            first_wrong: None,
+            checked: 10,
         };
         let nan = DtypeCheck {
             max_error: f64::NAN,

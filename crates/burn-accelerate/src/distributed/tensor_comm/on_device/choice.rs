@@ -16,6 +16,9 @@ pub enum TransportKind {
     BurnCollective,
     /// NCCL between processes, one CUDA device each, its id exchanged over the communicator.
     Nccl,
+    /// In-process ranks on one device hand each other the device tensors themselves, for every call (any
+    /// backend, sharded or not).
+    SharedDevice,
 }
 
 impl TransportKind {
@@ -25,6 +28,7 @@ impl TransportKind {
             TransportKind::Host => "host all-reduce",
             TransportKind::BurnCollective => "device all-reduce (Burn's CUDA collective)",
             TransportKind::Nccl => "device all-reduce (NCCL)",
+            TransportKind::SharedDevice => crate::distributed::tensor_comm::shared_device::NAME,
         }
     }
 
@@ -49,8 +53,12 @@ pub struct TransportFacts {
     pub cuda_devices: usize,
     /// Whether NCCL (`libnccl.so`) loads.
     pub nccl: bool,
-    /// Whether the training state is sharded (its exchanges are reduce-scatter and gathers on the host).
+    /// Whether the training state is sharded (its exchanges are reduce-scatters and gathers, which only the
+    /// shared device path keeps off the host).
     pub sharded: bool,
+    /// Whether the ranks are threads of this process computing on one device (they can hand each other
+    /// tensors).
+    pub shared_device: bool,
 }
 
 /// The transport chosen and why.
@@ -98,9 +106,19 @@ pub fn choose(preference: Preference, facts: &TransportFacts) -> Result<Transpor
 
 /// The device transport these ranks can use, or why none.
 fn device_path(facts: &TransportFacts) -> std::result::Result<TransportChoice, String> {
+    if facts.shared_device {
+        return Ok(TransportChoice {
+            kind: TransportKind::SharedDevice,
+            reason: format!(
+                "{} in-process ranks on one device: tensors pass between them as they are",
+                facts.world
+            ),
+        });
+    }
     if let Err(backend) = &facts.backend {
         return Err(format!(
-            "the ranks run on {backend}; Burn 0.22 has device collectives on CUDA only"
+            "the ranks run on {backend} in separate processes (or on separate devices); Burn 0.22 has device \
+             collectives between them on CUDA only"
         ));
     }
     if facts.sharded {
@@ -144,6 +162,37 @@ mod tests {
             cuda_devices: 8,
             nccl: true,
             sharded: false,
+            shared_device: false,
+        }
+    }
+
+    #[test]
+    fn in_process_ranks_on_one_device_share_tensors_whatever_the_backend_or_sharding() {
+        for facts in [
+            TransportFacts {
+                shared_device: true,
+                cuda_devices: 1,
+                ..cuda(2, 2, true)
+            },
+            TransportFacts {
+                shared_device: true,
+                backend: Err("flex".into()),
+                sharded: true,
+                nccl: false,
+                ..cuda(4, 4, true)
+            },
+        ] {
+            let choice = choose(Preference::Auto, &facts).unwrap();
+            assert_eq!(choice.kind, TransportKind::SharedDevice);
+            assert!(choice.kind.on_device());
+            assert_eq!(
+                choose(Preference::Device, &facts).unwrap().kind,
+                TransportKind::SharedDevice
+            );
+            assert_eq!(
+                choose(Preference::Host, &facts).unwrap().kind,
+                TransportKind::Host
+            );
         }
     }
 
@@ -171,7 +220,8 @@ mod tests {
                     backend: Err("flex".into()),
                     ..cuda(2, 2, true)
                 },
-                "the ranks run on flex; Burn 0.22 has device collectives on CUDA only",
+                "the ranks run on flex in separate processes (or on separate devices); Burn 0.22 has device \
+                 collectives between them on CUDA only",
             ),
             (
                 TransportFacts {

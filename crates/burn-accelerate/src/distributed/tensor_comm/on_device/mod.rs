@@ -36,7 +36,9 @@ use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::ReduceBuffer;
 use crate::distributed::tensor_comm::host::{from_buffer, to_buffer};
-use crate::distributed::tensor_comm::{Checked, HostTensorComm, Pending, Reduction, TensorComm};
+use crate::distributed::tensor_comm::{
+    Checked, HostTensorComm, Pending, Reduction, TensorComm, shared_device,
+};
 use crate::error::{Error, Result};
 
 /// A device engine that averages one flat gradient buffer across ranks, on the device.
@@ -191,8 +193,12 @@ pub(crate) fn from_host(
     from_buffer(ReduceBuffer::F32(values), None, place, operation)
 }
 
-/// The facts the transport choice rests on, for `group`'s rank.
-pub(crate) fn facts_for(group: &ProcessGroup, sharded: bool) -> TransportFacts {
+/// The facts the transport choice rests on, for `group`'s rank. A collective where the ranks share memory (they
+/// compare their devices): every rank of `group` calls it.
+///
+/// # Errors
+/// The devices' comparison (a timeout, a rank that failed).
+pub(crate) fn facts_for(group: &ProcessGroup, sharded: bool) -> Result<TransportFacts> {
     let world = group.num_processes();
     let in_process = group.comm().engine() == crate::distributed::comm::IN_PROCESS_ENGINE;
     let local_world = if in_process {
@@ -202,10 +208,15 @@ pub(crate) fn facts_for(group: &ProcessGroup, sharded: bool) -> TransportFacts {
             .local_world_size
             .unwrap_or(world)
     };
-    facts_from(group.backend(), world, local_world, in_process, sharded)
+    let shared_device = world > 1 && shared_device::one_device(group)?;
+    Ok(TransportFacts {
+        shared_device,
+        ..facts_from(group.backend(), world, local_world, in_process, sharded)
+    })
 }
 
-/// [`TransportFacts`] for ranks on `backend`, probing CUDA when that is the backend.
+/// [`TransportFacts`] for ranks on `backend`, probing CUDA when that is the backend; ranks that share no device
+/// (set `shared_device` where they do).
 pub(crate) fn facts_from(
     backend: Option<Backend>,
     world: usize,
@@ -226,10 +237,12 @@ pub(crate) fn facts_from(
         cuda_devices: probe.as_ref().map_or(0, probe::Probe::devices),
         nccl: probe.as_ref().is_some_and(|p| p.collectives),
         sharded,
+        shared_device: false,
     }
 }
 
-/// The gradient transport of `group`'s rank under `preference`, and why. Ranks on CUDA agree first (one small
+/// The implementation of the tensor interface `group`'s rank uses under `preference` (for sharded training's
+/// exchanges when `sharded`, else for data parallelism's), and why. Ranks on CUDA agree first (one small
 /// collective), so that every rank takes the same path even when a library loads on some machines only; a
 /// device transport that cannot connect falls back to host memory under `auto` (every rank learns of the
 /// failure together) and is an error under `device`.
@@ -240,8 +253,9 @@ pub(crate) fn select(
     group: &Arc<ProcessGroup>,
     preference: crate::config::GradientTransport,
     timeout: std::time::Duration,
+    sharded: bool,
 ) -> Result<(Arc<dyn TensorComm>, TransportChoice)> {
-    let facts = facts_for(group, false);
+    let facts = facts_for(group, sharded)?;
     let mut local = choose(preference, &facts);
     if facts.backend.is_ok() && facts.world > 1 {
         // Every rank reaches this exchange, even one whose own choice failed, so none is left waiting.
@@ -306,17 +320,25 @@ pub fn describe(config: &AcceleratorConfig) -> String {
         cpu: config.device.cpu,
         ..Default::default()
     };
-    let backend = match crate::backend::select_device(&request, 0) {
-        Ok((_, backend)) => backend,
+    let (first, backend) = match crate::backend::select_device(&request, 0) {
+        Ok(selected) => selected,
         Err(_) => return "none: no compiled backend can run on this machine".into(),
     };
-    let facts = facts_from(
-        backend,
-        world,
-        local_world,
-        in_process,
-        config.distributed.sharding.is_sharded(),
-    );
+    // In-process ranks take their devices from the request, rank by rank: one device for all, or several.
+    let shared_device = in_process
+        && (1..world).all(|rank| {
+            crate::backend::select_device(&request, rank).is_ok_and(|(device, _)| device == first)
+        });
+    let facts = TransportFacts {
+        shared_device,
+        ..facts_from(
+            backend,
+            world,
+            local_world,
+            in_process,
+            config.distributed.sharding.is_sharded(),
+        )
+    };
     let ranks = if in_process {
         format!("{world} in-process ranks")
     } else {
@@ -351,17 +373,30 @@ fn start_device(
             )?),
             group,
         ),
+        TransportKind::SharedDevice => shared(group),
         TransportKind::Host => Arc::new(Checked::host(group.clone())),
     })
 }
 
-/// Without CUDA there is no device transport ([`choose`] never picks one: no rank runs on CUDA).
+/// The shared-device implementation for `group`'s rank, checked.
+fn shared(group: &Arc<ProcessGroup>) -> Arc<dyn TensorComm> {
+    Arc::new(Checked::new(
+        Arc::new(shared_device::SharedDevice::new(group.clone())),
+        group.clone(),
+    ))
+}
+
+/// Without CUDA the one device transport is the shared device's ([`choose`] picks no other: no rank runs on
+/// CUDA).
 #[cfg(not(feature = "cuda-bare"))]
 fn start_device(
     kind: TransportKind,
-    _group: &Arc<ProcessGroup>,
+    group: &Arc<ProcessGroup>,
     _timeout: std::time::Duration,
 ) -> Result<Arc<dyn TensorComm>> {
+    if kind == TransportKind::SharedDevice {
+        return Ok(shared(group));
+    }
     Err(Error::InvalidArgument(format!(
         "{} needs the `cuda` feature of burn-accelerate",
         kind.name()

@@ -1,0 +1,247 @@
+//! In-process ranks on one device (Flex here, one GPU in the GPU kit): every strategy trains through the shared
+//! device path with no parameter or gradient through host memory — over a communicator double that refuses every
+//! call carrying values — and trains the weights of the host path.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::optim::AdamConfig;
+
+use super::leader::{stack, stack_steps, stack_weights};
+use super::*;
+use crate::config::GradientTransport;
+use crate::distributed::cluster::launch_ranks_over;
+use crate::distributed::comm::{
+    CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, SharedValue,
+};
+use crate::distributed::tensor_comm::shared_device::SharedDevice;
+use crate::distributed::tensor_comm::{Checked, TensorComm};
+
+/// A communicator that refuses every call carrying values through host memory (collective buffers and
+/// point-to-point messages), and forwards the rest: byte messages (control: agreements, call checks, counted)
+/// and the shared values of ranks in one process.
+#[derive(Debug)]
+struct NoHostBuffers {
+    inner: Arc<dyn Communicator>,
+    control_bytes: Arc<AtomicUsize>,
+}
+
+impl NoHostBuffers {
+    fn refuse<T>(&self, operation: &str, values: usize, kind: &str) -> CommResult<T> {
+        Err(CommError::Engine {
+            engine: "no host buffers",
+            operation: operation.into(),
+            reason: format!("{values} {kind} values through host memory"),
+        })
+    }
+}
+
+impl Communicator for NoHostBuffers {
+    fn engine(&self) -> &'static str {
+        self.inner.engine()
+    }
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn barrier(&self) -> CommResult<()> {
+        self.inner.barrier()
+    }
+    fn concurrent(&self) -> bool {
+        self.inner.concurrent()
+    }
+    fn all_reduce(&self, data: ReduceBuffer, _op: ReduceOp) -> CommResult<ReduceBuffer> {
+        self.refuse("all_reduce", data.len(), data.kind())
+    }
+    fn reduce_scatter(
+        &self,
+        data: ReduceBuffer,
+        _counts: &[usize],
+        _op: ReduceOp,
+    ) -> CommResult<ReduceBuffer> {
+        self.refuse("reduce_scatter", data.len(), data.kind())
+    }
+    fn reduce(
+        &self,
+        data: ReduceBuffer,
+        _root: usize,
+        _op: ReduceOp,
+    ) -> CommResult<Option<ReduceBuffer>> {
+        self.refuse("reduce", data.len(), data.kind())
+    }
+    fn broadcast_buffer(&self, data: ReduceBuffer, _root: usize) -> CommResult<ReduceBuffer> {
+        self.refuse("broadcast_buffer", data.len(), data.kind())
+    }
+    fn all_gather_parts(&self, data: ReduceBuffer, _counts: &[usize]) -> CommResult<ReduceBuffer> {
+        self.refuse("all_gather_parts", data.len(), data.kind())
+    }
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, ReduceBuffer)>,
+        recvs: Vec<(usize, ReduceBuffer)>,
+    ) -> CommResult<Vec<ReduceBuffer>> {
+        let values = sends.iter().chain(&recvs).map(|(_, b)| b.len()).sum();
+        self.refuse("send_recv", values, "f32")
+    }
+    fn all_gather(&self, data: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
+        self.control_bytes.fetch_add(data.len(), Ordering::Relaxed);
+        self.inner.all_gather(data)
+    }
+    fn broadcast(&self, data: Vec<u8>, root: usize) -> CommResult<Vec<u8>> {
+        self.control_bytes.fetch_add(data.len(), Ordering::Relaxed);
+        self.inner.broadcast(data, root)
+    }
+    fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
+        Ok(Arc::new(Self {
+            inner: self.inner.split(color, key)?,
+            control_bytes: self.control_bytes.clone(),
+        }))
+    }
+    fn shares_memory(&self) -> bool {
+        self.inner.shares_memory()
+    }
+    fn share(&self, operation: &'static str, value: SharedValue) -> CommResult<Vec<SharedValue>> {
+        self.inner.share(operation, value)
+    }
+    fn send_recv_shared(
+        &self,
+        sends: Vec<(usize, SharedValue)>,
+        recvs: Vec<usize>,
+    ) -> CommResult<Vec<SharedValue>> {
+        self.inner.send_recv_shared(sends, recvs)
+    }
+}
+
+/// Runs `f` on `ranks` in-process ranks built by `builder`, each over a [`NoHostBuffers`] double; the results,
+/// and the control bytes every rank sent together.
+fn launch_without_host_buffers<T: Send>(
+    builder: &AcceleratorBuilder,
+    ranks: usize,
+    f: impl Fn(Accelerator) -> Result<T> + Send + Sync,
+) -> (Vec<T>, usize) {
+    let control_bytes = Arc::new(AtomicUsize::new(0));
+    let counted = control_bytes.clone();
+    let results = launch_ranks_over(
+        ranks,
+        std::time::Duration::from_secs(60),
+        move |inner| {
+            Arc::new(NoHostBuffers {
+                inner,
+                control_bytes: counted.clone(),
+            }) as Arc<dyn Communicator>
+        },
+        |cluster| f(builder.build_in(cluster)?),
+    )
+    .unwrap();
+    (results, control_bytes.load(Ordering::Relaxed))
+}
+
+/// Steps of Adam on the block stack, alternating a whole backward and a checkpointed block-wise one, clipping
+/// every other step, then a save and a load (as the leader strategy's test): each rank's weights and the
+/// strategy's name.
+fn train_stack_steps(acc: Accelerator, dir: &std::path::Path) -> Result<(Vec<f32>, String)> {
+    let device = acc.device().clone();
+    let net = acc.prepare_model(stack(&device))?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let net = stack_steps(&acc, net, &mut optimizer)?;
+    let parts = StateToSave::new().model(&net)?.optimizer(&optimizer)?;
+    acc.save_state(Some(dir), &parts)?;
+    let mut state = acc.load_state(Some(dir))?;
+    let net = state.model(net)?;
+    state.optimizer(&mut optimizer)?;
+    state.finish()?;
+    Ok((stack_weights(&acc.unshard(&net)?), acc.strategy_name()))
+}
+
+#[test]
+fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host_memory() {
+    let base = std::env::temp_dir().join(format!(
+        "burn-accelerate-shared-device-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&base);
+    let cases: [(ShardingStrategy, usize, bool); 7] = [
+        (ShardingStrategy::NoShard, 2, false),
+        (ShardingStrategy::ShardGradOp, 2, false),
+        (ShardingStrategy::FullShard, 2, false),
+        (ShardingStrategy::FullShard, 3, true),
+        (ShardingStrategy::HybridShard, 4, false),
+        (ShardingStrategy::HybridShardZero2, 4, false),
+        (ShardingStrategy::NoShard, 3, true),
+    ];
+    for (n, (mode, ranks, checkpointing)) in cases.into_iter().enumerate() {
+        let builder = || {
+            let builder = AcceleratorBuilder::default()
+                .sharding(mode)
+                .activation_checkpointing(checkpointing)
+                // Small buckets: several rounds per step.
+                .bucket_size_mb(64.0 / (1 << 20) as f64);
+            if mode.is_hybrid() {
+                builder.dp_shard_size(2)
+            } else {
+                builder
+            }
+        };
+        let dir = base.join(format!("case{n}"));
+        let host_dir = dir.join("host");
+        let host = builder()
+            .gradient_transport(GradientTransport::Host)
+            .launch(ranks, |acc| train_stack_steps(acc, &host_dir))
+            .unwrap();
+        let shared_dir = dir.join("shared");
+        let (shared, control_bytes) = launch_without_host_buffers(&builder(), ranks, |acc| {
+            train_stack_steps(acc, &shared_dir)
+        });
+        // The protocol of deferred backends (queues run around every call, copies, a second round), on Flex.
+        let deferred_dir = dir.join("deferred");
+        let deferred = builder().strategy(Arc::new(move |group| {
+            let comm: Arc<dyn TensorComm> = Arc::new(Checked::new(
+                Arc::new(SharedDevice::with_deferred(group.clone(), true)),
+                group.clone(),
+            ));
+            let bucket = 64;
+            match mode {
+                ShardingStrategy::NoShard => Arc::new(DataParallel::new(comm, bucket)),
+                m if m.is_hybrid() => Arc::new(
+                    Sharded::hybrid(group.clone(), comm, 2, m, bucket).expect("hybrid sub-groups"),
+                ),
+                m => Arc::new(Sharded::new(group.clone(), comm, m, bucket)),
+            }
+        }));
+        let (deferred, _) = launch_without_host_buffers(&deferred, ranks, |acc| {
+            train_stack_steps(acc, &deferred_dir)
+        });
+        for rank in 0..ranks {
+            let diff = max_relative_difference(&host[rank].0, &shared[rank].0);
+            println!(
+                "{mode} on {ranks} ranks, rank {rank}: max relative |Δ| vs host path = {diff:e}"
+            );
+            assert!(diff <= 1e-6, "{mode} rank {rank}: {diff}");
+            let diff = max_relative_difference(&host[rank].0, &deferred[rank].0);
+            assert!(
+                diff <= 1e-6,
+                "{mode} rank {rank}, deferred protocol: {diff}"
+            );
+            assert!(
+                shared[rank].1.contains("device exchange"),
+                "{mode}: {}",
+                shared[rank].1
+            );
+            assert!(
+                !host[rank].1.contains("device exchange"),
+                "{}",
+                host[rank].1
+            );
+        }
+        println!(
+            "{mode} on {ranks} ranks: {control_bytes} control bytes through host memory in all"
+        );
+        // Agreements and call checks only: less than one parameter of the stack would take.
+        assert!(
+            control_bytes < 4 * 36,
+            "{mode}: {control_bytes} control bytes"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
