@@ -6,6 +6,8 @@
 //!   error happened during launch`. [`Accelerator::check_step`](crate::Accelerator::check_step) forces that
 //!   read before the optimizer step.
 //! - LibTorch (`tch`) panics with `CUDA out of memory` (caught by the batch-size search).
+//! - A batch can also outgrow a kernel launch before it outgrows memory: cubecl then reports `Cube count too
+//!   big`, which a smaller batch cures as well, so it counts here too.
 //! - The CPU backends (flex, ndarray) allocate with Rust's allocator, which **aborts the process** on failure:
 //!   no library can catch that. Estimate first (`burn-accelerate estimate-memory`), or probe in a child process.
 
@@ -23,6 +25,9 @@ const OOM_PHRASES: &[&str] = &[
     "page sizes exhausted",
     "pagesizesexhausted",
     "defaultcpuallocator: can't allocate memory",
+    // A kernel launch over the device's grid limit: a batch too big for one launch, met before memory runs out
+    // (cubecl's matmul on an H100 at 2^28 rows), and cured by a smaller batch as an out-of-memory failure is.
+    "cube count too big",
 ];
 
 /// Whether a backend's error or panic message reports an out-of-memory failure.
@@ -79,6 +84,10 @@ mod tests {
             "An out-of-memory error happened during launch",
             "CUDA out of memory. Tried to allocate 20.00 MiB",
             "ERROR_OUT_OF_DEVICE_MEMORY",
+            // As an H100 reported a batch of 2^28 rows.
+            "the work writing it was skipped 8 operation(s) below a failure: Should run when selected by autotune.: \
+             matmul_naive: An unknown error happened.\nUnable to launch matmul because a required feature is \
+             unavailable: Cube count too big (8388608, 8, 1)",
         ] {
             assert!(is_out_of_memory_message(oom), "{oom}");
         }
