@@ -70,20 +70,25 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     let device = acc.device().clone();
     let mut model = acc.prepare_model(initial)?;
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-3);
-    let (mut loss_value, mut grads) = (0.0, 0);
+    let (mut last_loss, mut grads) = (None, 0);
+    // What the steps pass through host memory (0 where in-process ranks share a device).
+    let before = acc.host_values();
     for step in 0..args.steps {
         let rows = args.batch / ranks;
         let (x, y) = stack::batch(args.width, (step * args.batch + rank * rows, rows), &device);
         let whole = acc.unshard(&model)?;
         let loss = (whole.forward(x) - y).powi_scalar(2).mean();
-        loss_value = acc
-            .reduce(loss.clone().detach(), ReduceOp::Mean)?
-            .into_scalar::<f32>();
+        last_loss = Some(loss.clone().detach());
         acc.backward(loss, &whole)?;
         drop(whole);
         grads = held::grad_bytes(&acc, &model);
         model = optimizer.try_step(model)?;
     }
+    let host_values = acc.host_values() - before;
+    let loss_value = match last_loss {
+        Some(loss) => acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>(),
+        None => 0.0,
+    };
     // Measured before anything below copies the state.
     let peak = held::peak("VmHWM:");
     let at_rest = held::param_bytes(&model);
@@ -94,8 +99,10 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
         .map_err(burn_accelerate::Error::other)?
         .len();
     println!(
-        "rank {rank}/{ranks} sharding={} params_at_rest={at_rest} grads={grads} optimizer_state={state} peak_rss={peak}",
-        acc.config().distributed.sharding
+        "rank {rank}/{ranks} sharding={} params_at_rest={at_rest} grads={grads} optimizer_state={state} peak_rss={peak} \
+         host_values={host_values} strategy=\"{}\"",
+        acc.config().distributed.sharding,
+        acc.strategy_name()
     );
     Ok(loss_value)
 }

@@ -9,6 +9,8 @@
 #   burn-accelerate-gpu-kit.xz  the stripped multi-call binary (the CLI, the quicktour, memory, data_parallel and
 #                               sharded_training examples, the overhead and throughput benches), xz-compressed
 #   lib/libvulkan.so.1          the Vulkan loader, from Debian's libvulkan1 package (the GPU image has none)
+#   lib/libGLdispatch.so.0 ...  GLVND's dispatch libraries (libglvnd0, libglx0, libegl1), which the NVIDIA driver's
+#                               Vulkan library loads (without them the loader finds no adapter)
 #   MANIFEST                    what was built, from which commit, with which features, and each file's sha256
 # The PyTorch + Accelerate comparison (scripts/gpu/torch_throughput.py) and run.sh travel with the working tree.
 # The kit must leave room for the tree in the 64 MiB a device call carries: this script fails above 56 MiB.
@@ -48,17 +50,24 @@ say "stripping and compressing $(du -h "$binary" | cut -f1) (xz -$level)"
 strip -o "$work/burn-accelerate-gpu-kit" "$binary"
 xz -"$level" -T0 -c "$work/burn-accelerate-gpu-kit" >"$kit/burn-accelerate-gpu-kit.xz"
 
-# The Vulkan loader from Debian's package (apt-get download works unprivileged and offline-cached).
-say "fetching the Vulkan loader (Debian libvulkan1)"
-(cd "$work" && apt-get download libvulkan1 >/dev/null 2>&1) || {
-  say "apt-get download libvulkan1 failed (run apt-get update first?)"
+# The Vulkan loader and GLVND's libraries from Debian's packages (apt-get download works unprivileged and
+# offline-cached).
+say "fetching the Vulkan loader and GLVND (Debian libvulkan1, libglvnd0, libglx0, libegl1)"
+(cd "$work" && apt-get download libvulkan1 libglvnd0 libglx0 libegl1 >/dev/null 2>&1) || {
+  say "apt-get download libvulkan1 libglvnd0 libglx0 libegl1 failed (run apt-get update first?)"
   exit 1
 }
-dpkg-deb -x "$work"/libvulkan1_*.deb "$work/vulkan"
-loader="$(find "$work/vulkan" -name 'libvulkan.so.1.*' -type f | head -n1)"
+for deb in "$work"/*.deb; do dpkg-deb -x "$deb" "$work/debs"; done
+loader="$(find "$work/debs" -name 'libvulkan.so.1.*' -type f | head -n1)"
 [ -n "$loader" ] || { say "libvulkan.so.1 not found in the package"; exit 1; }
 cp "$loader" "$kit/lib/libvulkan.so.1"
+for lib in libGLdispatch.so.0 libGLX.so.0 libEGL.so.1; do
+  found="$(find "$work/debs" -name "$lib.*" -type f | head -n1)"
+  [ -n "$found" ] || { say "$lib not found in the GLVND packages"; exit 1; }
+  cp "$found" "$kit/lib/$lib"
+done
 vulkan_version="$(basename "$work"/libvulkan1_*.deb .deb)"
+glvnd_version="$(basename "$work"/libglvnd0_*.deb .deb)"
 
 {
   echo "burn-accelerate GPU kit"
@@ -67,9 +76,9 @@ vulkan_version="$(basename "$work"/libvulkan1_*.deb .deb)"
   echo "features: $features"
   echo "binary: $(stat -c %s "$work/burn-accelerate-gpu-kit") bytes stripped"
   echo "needs: $(objdump -T "$work/burn-accelerate-gpu-kit" | grep -oE 'GLIBC_[0-9.]+' | sort -uV | tail -n1 | sed 's/_/ >= /'), $(ldd "$work/burn-accelerate-gpu-kit" | awk '/=>/ {print $1}' | tr '\n' ' ')"
-  echo "vulkan loader: $vulkan_version"
+  echo "vulkan loader: $vulkan_version, $glvnd_version"
   echo "programs: burn-accelerate quicktour memory data_parallel sharded_training overhead throughput"
-  (cd "$kit" && sha256sum burn-accelerate-gpu-kit.xz lib/libvulkan.so.1)
+  (cd "$kit" && sha256sum burn-accelerate-gpu-kit.xz lib/*)
 } >"$kit/MANIFEST"
 
 size=$(du -sb "$kit" | cut -f1)

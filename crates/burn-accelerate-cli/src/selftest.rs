@@ -151,9 +151,14 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
                     );
                 }
                 if !dtype.passed() {
+                    let which = dtype
+                        .first_wrong
+                        .map(|i| format!(", the first at index {i}"))
+                        .unwrap_or_default();
                     failures.push(format!(
-                        "device all-reduce ({:?}): rank {rank} differs from the exact mean by {} (bound {})",
-                        dtype.dtype, dtype.max_error, dtype.bound
+                        "device all-reduce ({:?}): rank {rank} differs from the exact mean by {} (bound {}): {} of \
+                         {} elements beyond the bound{which}",
+                        dtype.dtype, dtype.max_error, dtype.bound, dtype.wrong, dtype.checked
                     ));
                 }
             }
