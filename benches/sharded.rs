@@ -19,82 +19,16 @@
 mod stack;
 #[path = "../tests/support/stats.rs"]
 mod stats;
+#[path = "support/step_timer.rs"]
+mod step_timer;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use burn::optim::AdamConfig;
 use burn::tensor::Device;
-use burn_accelerate::{Accelerator, ShardingStrategy};
+use burn_accelerate::{GradientTransport, ShardingStrategy};
 use stack::Stack;
 use stats::{median, paired_ratio};
-
-fn env(key: &str, default: usize) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// Median time of one training step (unshard, forward, backward, optimizer step) on 2 ranks under `sharding`,
-/// after one warm-up step (Flex computes eagerly: the step is done when `try_step` returns).
-fn time_per_step(
-    (sharding, mode): (ShardingStrategy, Mode),
-    initial: &Stack,
-    width: usize,
-    batch: usize,
-    steps: usize,
-) -> Duration {
-    let times = Accelerator::builder()
-        .sharding(sharding)
-        .activation_checkpointing(mode == Mode::Checkpointing)
-        .launch(2, |acc| {
-            let device = acc.device().clone();
-            let rows = batch / 2;
-            let mut model = acc.prepare_model(initial.clone())?;
-            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-3);
-            let mut times = Vec::new();
-            for step in 0..=steps {
-                let (x, y) = stack::batch(
-                    width,
-                    (step * batch + acc.process_index() * rows, rows),
-                    &device,
-                );
-                acc.wait_for_everyone()?;
-                let start = Instant::now();
-                if mode == Mode::Whole {
-                    let whole = acc.unshard(&model)?;
-                    let loss = (whole.forward(x) - y).powi_scalar(2).mean();
-                    acc.backward(loss, &whole)?;
-                    drop(whole);
-                } else {
-                    acc.backward_blocks(
-                        &model,
-                        |_| x,
-                        |layer, h| layer.forward(h).tanh(),
-                        |_, h| (h - y).powi_scalar(2).mean(),
-                    )?;
-                }
-                model = optimizer.try_step(model)?;
-                if step > 0 {
-                    times.push(start.elapsed());
-                }
-            }
-            Ok(median(times))
-        })
-        .expect("benchmark run");
-    times.into_iter().max().unwrap()
-}
-
-/// How a step runs the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// `unshard`, the forward pass and `backward`.
-    Whole,
-    /// `backward_blocks`, each layer a block (block-wise under `FULL_SHARD`).
-    Blocks,
-    /// `backward_blocks` with activation checkpointing.
-    Checkpointing,
-}
+use step_timer::{Mode, env, time_per_step};
 
 fn main() {
     let layers = env("SHARD_LAYERS", 8);
@@ -120,7 +54,14 @@ fn main() {
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); modes.len()];
     for _ in 0..rounds {
         for (mode, times) in modes.iter().zip(&mut times) {
-            times.push(time_per_step(*mode, &initial, width, batch, steps));
+            times.push(time_per_step(
+                *mode,
+                GradientTransport::Auto,
+                &initial,
+                width,
+                batch,
+                steps,
+            ));
         }
     }
     let ms = |d: &[Duration]| median(d.to_vec()).as_secs_f64() * 1e3;
