@@ -162,6 +162,25 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
                     ));
                 }
             }
+            for (name, collective) in &check.collectives {
+                if main {
+                    println!(
+                        "GPU: {}: {name} max |device - f64 reference| = {:.2e} (bound {:.2e})",
+                        check.transport, collective.max_error, collective.bound
+                    );
+                }
+                if !collective.passed() {
+                    let which = collective
+                        .first_wrong
+                        .map(|i| format!(", the first at index {i}"))
+                        .unwrap_or_default();
+                    failures.push(format!(
+                        "device {name}: rank {rank} differs from the exact values by {} (bound {}): {} of {} \
+                         elements beyond the bound{which}",
+                        collective.max_error, collective.bound, collective.wrong, collective.checked
+                    ));
+                }
+            }
             if check.dtypes.is_empty() {
                 failures.push(format!("device all-reduce: rank {rank} checked no dtype"));
             }

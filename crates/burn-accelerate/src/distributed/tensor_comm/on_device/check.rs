@@ -43,20 +43,106 @@ impl DtypeCheck {
     }
 }
 
-/// A device gradient transport checked against the f64 reference in every dtype the device supports.
+/// A device gradient transport checked against the f64 reference in every dtype the device supports, and its
+/// other collectives (sharded training's) in f32.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TransportCheck {
     /// The transport, with why it was chosen.
     pub transport: String,
     /// One result per dtype, f32 first.
     pub dtypes: Vec<DtypeCheck>,
+    /// One result per other collective: a mean's reduce-scatter, an all-gather and a broadcast, in equal parts
+    /// of an odd length (so every part has an unaligned tail). The `dtype` field of each is f32.
+    pub collectives: Vec<(&'static str, DtypeCheck)>,
 }
 
 impl TransportCheck {
-    /// Whether every dtype passed.
+    /// Whether every dtype and every collective passed.
     pub fn passed(&self) -> bool {
-        !self.dtypes.is_empty() && self.dtypes.iter().all(DtypeCheck::passed)
+        !self.dtypes.is_empty()
+            && self.dtypes.iter().all(DtypeCheck::passed)
+            && self.collectives.iter().all(|(_, c)| c.passed())
     }
+}
+
+/// `got` against `exact`, element by element, within `bound`.
+fn compare(got: &[f32], exact: &[f64], bound: f64) -> DtypeCheck {
+    let mut max_error = if got.len() == exact.len() {
+        0.0
+    } else {
+        f64::NAN
+    };
+    let (mut wrong, mut first_wrong) = (0, None);
+    for (i, (g, e)) in got.iter().zip(exact).enumerate() {
+        let error = (*g as f64 - e).abs();
+        if error.is_nan() || error > bound {
+            wrong += 1;
+            first_wrong.get_or_insert(i);
+        }
+        if error.is_nan() || error > max_error {
+            max_error = error;
+        }
+    }
+    DtypeCheck {
+        dtype: DType::F32,
+        max_error,
+        bound,
+        wrong,
+        first_wrong,
+        checked: got.len(),
+    }
+}
+
+/// Checks `transport`'s reduce-scatter (mean), all-gather and broadcast in f32 on every rank of `group` against
+/// values each rank computes by itself: parts of `(1 << 18) + 1` values per rank.
+pub(crate) fn check_collectives(
+    group: &Arc<ProcessGroup>,
+    transport: &dyn TensorComm,
+) -> Result<Vec<(&'static str, DtypeCheck)>> {
+    let (rank, world) = (group.process_index(), group.num_processes());
+    let part = (1 << 18) + 1;
+    let device = group.device().clone().without_autodiff();
+    let tensor = |values: Vec<f32>| from_host(values, (&device, DType::F32), "collective check");
+    let counts = vec![part; world];
+    let values = |r: usize, n: usize| -> Vec<f32> { (0..n).map(|i| check_value(r, i)).collect() };
+
+    let mine = transport
+        .reduce_scatter(
+            tensor(values(rank, part * world))?,
+            &counts,
+            Reduction::Average(1.0),
+            "collective check",
+        )?
+        .wait()?;
+    let exact: Vec<f64> = (rank * part..(rank + 1) * part)
+        .map(|i| (0..world).map(|r| check_value(r, i) as f64).sum::<f64>() / world as f64)
+        .collect();
+    let reduce_scatter = compare(
+        &to_host(mine, "collective check")?,
+        &exact,
+        rounding_bound(DType::F32, world, 0.5),
+    );
+
+    let gathered = transport
+        .all_gather(tensor(values(rank, part))?, &counts, "collective check")?
+        .wait()?;
+    let exact: Vec<f64> = (0..world)
+        .flat_map(|r| values(r, part).into_iter().map(f64::from))
+        .collect();
+    let all_gather = compare(&to_host(gathered, "collective check")?, &exact, 0.0);
+
+    let root = world - 1;
+    let received = transport
+        .broadcast(tensor(values(rank, part))?, root, "collective check")?
+        .wait()?;
+    let exact: Vec<f64> = values(root, part).into_iter().map(f64::from).collect();
+    let broadcast = compare(&to_host(received, "collective check")?, &exact, 0.0);
+
+    Ok(vec![
+        ("reduce-scatter (mean)", reduce_scatter),
+        ("all-gather", all_gather),
+        ("broadcast", broadcast),
+    ])
 }
 
 /// The values rank `rank` averages in the check: in [-0.5, 0.5], different on every rank.
@@ -178,6 +264,7 @@ pub(crate) fn check_against_reference(
     Ok(Some(TransportCheck {
         transport: choice.to_string(),
         dtypes: check_transport(group, transport.as_ref())?,
+        collectives: check_collectives(group, transport.as_ref())?,
     }))
 }
 
@@ -220,6 +307,7 @@ mod tests {
         let check = |dtypes| TransportCheck {
             transport: "t".into(),
             dtypes,
+            collectives: Vec::new(),
         };
         assert!(check(vec![ok.clone()]).passed());
         assert!(!check(vec![ok, nan]).passed());

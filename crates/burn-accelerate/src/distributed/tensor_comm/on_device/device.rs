@@ -16,7 +16,7 @@ use burn::tensor::{DType, Tensor};
 
 use super::DeviceAverage;
 use crate::distributed::ProcessGroup;
-use crate::distributed::comm::CommError;
+use crate::distributed::comm::{CommError, ReduceOp};
 use crate::error::{Error, Result};
 
 /// How gradient values travel in a device collective: the float types NCCL reduces.
@@ -94,14 +94,68 @@ pub(crate) trait DeviceCommLibrary: Send + Sync {
     ) -> std::result::Result<Box<dyn DeviceComm>, String>;
 }
 
+/// A collective call a [`DeviceComm`] runs on device memory. Every rank of the group makes the same call with
+/// tensors of the same length and dtype.
+#[derive(Debug, Clone)]
+pub(crate) enum DeviceCall {
+    /// `flat` combined element-wise over the group (`ncclAllReduce`), the whole on every rank.
+    AllReduce { flat: Tensor<1>, op: ReduceOp },
+    /// `flat` combined over the group in as many equal parts as ranks; this rank keeps its own
+    /// (`ncclReduceScatter`).
+    ReduceScatter { flat: Tensor<1>, op: ReduceOp },
+    /// Every rank's `part` concatenated in rank order, on every rank (`ncclAllGather`).
+    AllGather { part: Tensor<1> },
+    /// `root`'s `flat` on every rank (`ncclBroadcast`).
+    Broadcast { flat: Tensor<1>, root: usize },
+}
+
+impl DeviceCall {
+    /// The tensor the call sends.
+    pub fn input(&self) -> &Tensor<1> {
+        match self {
+            DeviceCall::AllReduce { flat, .. }
+            | DeviceCall::ReduceScatter { flat, .. }
+            | DeviceCall::Broadcast { flat, .. } => flat,
+            DeviceCall::AllGather { part } => part,
+        }
+    }
+
+    /// The call's name in messages.
+    #[cfg_attr(not(feature = "cuda-bare"), allow(dead_code))]
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeviceCall::AllReduce { .. } => "all_reduce",
+            DeviceCall::ReduceScatter { .. } => "reduce_scatter",
+            DeviceCall::AllGather { .. } => "all_gather",
+            DeviceCall::Broadcast { .. } => "broadcast",
+        }
+    }
+
+    /// How many elements the result holds on each of `world` ranks, or why the input cannot be split.
+    pub fn output_len(&self, world: usize) -> std::result::Result<usize, String> {
+        let len = self.input().dims()[0];
+        Ok(match self {
+            DeviceCall::AllReduce { .. } | DeviceCall::Broadcast { .. } => len,
+            DeviceCall::ReduceScatter { .. } => {
+                if world == 0 || !len.is_multiple_of(world) {
+                    return Err(format!(
+                        "a device reduce-scatter splits {len} values into {world} equal parts: it cannot"
+                    ));
+                }
+                len / world
+            }
+            DeviceCall::AllGather { .. } => len * world,
+        })
+    }
+}
+
 /// One rank's connection to a device collective group. Operations are asynchronous: they are enqueued, then
 /// [`poll`](Self::poll) says whether the last one finished.
 pub(crate) trait DeviceComm: Send + Sync + fmt::Debug {
-    /// Starts averaging `flat` over the group, in `flat`'s own device memory.
-    fn start_average(&self, flat: Tensor<1>) -> std::result::Result<(), String>;
+    /// Starts `call` over the group, in device memory.
+    fn start(&self, call: DeviceCall) -> std::result::Result<(), String>;
 
-    /// The averaged tensor of the last [`start_average`](Self::start_average), once [`poll`](Self::poll) has
-    /// reported it done.
+    /// The result of the last [`start`](Self::start), once [`poll`](Self::poll) has reported it done.
     fn finish(&self) -> std::result::Result<Tensor<1>, String>;
 
     /// `Ok(true)` when everything enqueued so far has finished, `Ok(false)` while it runs, or the library's
@@ -143,8 +197,8 @@ impl Guarded {
 }
 
 impl DeviceComm for Guarded {
-    fn start_average(&self, flat: Tensor<1>) -> std::result::Result<(), String> {
-        self.live()?.start_average(flat)
+    fn start(&self, call: DeviceCall) -> std::result::Result<(), String> {
+        self.live()?.start(call)
     }
 
     fn finish(&self) -> std::result::Result<Tensor<1>, String> {
@@ -162,7 +216,8 @@ impl DeviceComm for Guarded {
     }
 }
 
-/// Averages gradients through a [`DeviceComm`], keeping them on the device.
+/// Runs collectives through a [`DeviceComm`], keeping the values on the device: gradient averages, and the
+/// reduce-scatters, all-gathers and broadcasts of sharded training where the parts are equal.
 pub(crate) struct DeviceAllReduce {
     group: Arc<ProcessGroup>,
     comm: Guarded,
@@ -262,6 +317,35 @@ fn wait(
     }
 }
 
+impl DeviceAllReduce {
+    /// Runs `call` to completion: started, polled against the timeout (then the communicator is aborted), and
+    /// its result returned.
+    fn run(&self, call: DeviceCall) -> Result<Tensor<1>> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let operation = match &call {
+            DeviceCall::AllReduce { .. } => "gradient_all_reduce",
+            DeviceCall::ReduceScatter { .. } => "device_reduce_scatter",
+            DeviceCall::AllGather { .. } => "device_all_gather",
+            DeviceCall::Broadcast { .. } => "device_broadcast",
+        };
+        // Debug mode's comparison of the ranks' calls wraps this engine (`Checked`).
+        wire_type(call.input().dtype()).map_err(Error::InvalidArgument)?;
+        call.output_len(self.group.num_processes())
+            .map_err(Error::InvalidArgument)?;
+        let failed = |e: String| {
+            self.comm.abort();
+            Error::Execution {
+                operation: "device collective",
+                device: format!("{:?}", self.group.device()),
+                reason: format!("`{operation}` #{seq}: {e}"),
+            }
+        };
+        self.comm.start(call).map_err(failed)?;
+        wait(&self.comm, self.timeout, operation, &self.group, seq)?;
+        self.comm.finish().map_err(failed)
+    }
+}
+
 impl DeviceAverage for DeviceAllReduce {
     fn name(&self) -> &'static str {
         match self.library {
@@ -271,26 +355,27 @@ impl DeviceAverage for DeviceAllReduce {
     }
 
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let operation = "gradient_all_reduce";
-        // Debug mode's comparison of the ranks' calls wraps this engine (`Checked`).
-        wire_type(flat.dtype()).map_err(Error::InvalidArgument)?;
-        let failed = |e: String| {
-            self.comm.abort();
-            Error::Execution {
-                operation: "device all-reduce",
-                device: format!("{:?}", self.group.device()),
-                reason: format!("`{operation}` #{seq}: {e}"),
-            }
-        };
-        self.comm.start_average(flat).map_err(failed)?;
-        wait(&self.comm, self.timeout, operation, &self.group, seq)?;
-        let averaged = self.comm.finish().map_err(failed)?;
+        let averaged = self.run(DeviceCall::AllReduce {
+            flat,
+            op: ReduceOp::Mean,
+        })?;
         Ok(if scale == 1.0 {
             averaged
         } else {
             averaged.mul_scalar(scale)
         })
+    }
+
+    fn reduce_scatter(&self, flat: Tensor<1>, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+        Some(self.run(DeviceCall::ReduceScatter { flat, op }))
+    }
+
+    fn all_gather(&self, part: Tensor<1>) -> Option<Result<Tensor<1>>> {
+        Some(self.run(DeviceCall::AllGather { part }))
+    }
+
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Option<Result<Tensor<1>>> {
+        Some(self.run(DeviceCall::Broadcast { flat, root }))
     }
 }
 
@@ -360,6 +445,82 @@ mod tests {
             "every rank reports"
         );
         results.into_iter().map(|(_, r)| r).collect()
+    }
+
+    #[test]
+    fn sharded_trainings_equal_part_collectives_run_on_the_device_engine_and_uneven_ones_through_the_host()
+     {
+        let library = HostLibrary::default();
+        let values = |rank: usize| -> Vec<f32> { (0..6).map(|i| (rank * 10 + i) as f32).collect() };
+        let results = Accelerator::builder()
+            .debug(true)
+            .launch(3, |acc| {
+                let group = acc.group_arc();
+                let rank = group.process_index();
+                let engine =
+                    DeviceAllReduce::connect(group.clone(), &library, Duration::from_secs(30))?;
+                let comm = super::super::OnDevice::checked(Box::new(engine), &group);
+                let tensor = |v: Vec<f32>| Tensor::<1>::from_floats(v.as_slice(), acc.device());
+                let read = |t: Tensor<1>| t.into_data().try_to_vec::<f32>().unwrap();
+                // Equal parts: on the engine. The mean of the 6 values of 3 ranks, 2 per rank.
+                let mine = comm
+                    .reduce_scatter(
+                        tensor(values(rank)),
+                        &[2, 2, 2],
+                        Reduction::Average(1.0),
+                        "rs",
+                    )?
+                    .wait()?;
+                let gathered = comm
+                    .all_gather(tensor(vec![rank as f32; 2]), &[2, 2, 2], "ag")?
+                    .wait()?;
+                let from_root = comm.broadcast(tensor(values(rank)), 2, "bc")?.wait()?;
+                let summed = comm
+                    .reduce_scatter(
+                        tensor(values(rank)),
+                        &[2, 2, 2],
+                        Reduction::ScaledSum(0.5),
+                        "rs2",
+                    )?
+                    .wait()?;
+                // Uneven parts: through host memory, with the same answer a host run gives.
+                let uneven = comm
+                    .reduce_scatter(
+                        tensor(values(rank)),
+                        &[1, 2, 3],
+                        Reduction::Op(ReduceOp::Sum),
+                        "rs3",
+                    )?
+                    .wait()?;
+                Ok((
+                    read(mine),
+                    read(gathered),
+                    read(from_root),
+                    read(summed),
+                    read(uneven),
+                ))
+            })
+            .unwrap();
+        // Four calls on the engine on each of the 3 ranks; the uneven one went through host memory.
+        assert_eq!(library.started.load(Ordering::Relaxed), 4 * 3);
+        for (rank, (mine, gathered, from_root, summed, uneven)) in results.into_iter().enumerate() {
+            let mean: Vec<f32> = (0..6)
+                .map(|i| (10.0 + i as f32 * 3.0 + 20.0) / 3.0)
+                .collect();
+            assert_eq!(mine, mean[rank * 2..rank * 2 + 2].to_vec(), "rank {rank}");
+            assert_eq!(gathered, vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
+            assert_eq!(from_root, values(2));
+            let sum: Vec<f32> = (0..6).map(|i| (30 + i * 3) as f32).collect();
+            assert_eq!(
+                summed,
+                sum[rank * 2..rank * 2 + 2]
+                    .iter()
+                    .map(|s| s * 0.5)
+                    .collect::<Vec<_>>()
+            );
+            let start = [0, 1, 3][rank];
+            assert_eq!(uneven, sum[start..start + rank + 1].to_vec(), "rank {rank}");
+        }
     }
 
     #[test]
@@ -466,7 +627,14 @@ mod tests {
                 let transport =
                     DeviceAllReduce::connect(group.clone(), &library, Duration::from_secs(60))?;
                 let transport = super::super::OnDevice::checked(Box::new(transport), &group);
-                super::super::check::check_transport(&group, transport.as_ref())
+                let mut checks = super::super::check::check_transport(&group, transport.as_ref())?;
+                // Sharded training's collectives, on the engine (equal parts), after the dtypes.
+                checks.extend(
+                    super::super::check::check_collectives(&group, transport.as_ref())?
+                        .into_iter()
+                        .map(|(_, c)| c),
+                );
+                Ok(checks)
             })
             .unwrap();
         assert_eq!(checks.len(), 3, "every rank reports");
@@ -477,13 +645,29 @@ mod tests {
     fn the_transport_check_passes_a_library_that_rounds_differently_in_every_dtype() {
         for checks in check_on_ranks(HostLibrary::default()) {
             let dtypes: Vec<DType> = checks.iter().map(|c| c.dtype).collect();
-            assert_eq!(dtypes, vec![DType::F32, DType::BF16, DType::F16]);
+            assert_eq!(
+                dtypes,
+                vec![
+                    DType::F32,
+                    DType::BF16,
+                    DType::F16,
+                    DType::F32,
+                    DType::F32,
+                    DType::F32
+                ]
+            );
+            // Not equal by construction: the double sums in another order and precision (the all-reduce and the
+            // reduce-scatter); the all-gather and the broadcast copy exactly.
+            assert!(
+                checks[0].max_error > 0.0 && checks[3].max_error > 0.0,
+                "{checks:?}"
+            );
+            assert!(
+                checks[4].max_error == 0.0 && checks[5].max_error == 0.0,
+                "{checks:?}"
+            );
             for check in checks {
                 assert!(check.passed(), "{check:?}");
-                // Not equal by construction: the double sums in another order and precision.
-                if check.dtype == DType::F32 {
-                    assert!(check.max_error > 0.0, "{check:?}");
-                }
             }
         }
     }
@@ -495,7 +679,9 @@ mod tests {
             ..Default::default()
         };
         for checks in check_on_ranks(library) {
-            assert!(checks.iter().all(|c| !c.passed()), "{checks:?}");
+            // Every mean (the dtypes' all-reduces, the reduce-scatter) fails; the copies do not divide.
+            assert!(checks[..4].iter().all(|c| !c.passed()), "{checks:?}");
+            assert!(checks[4..].iter().all(|c| c.passed()), "{checks:?}");
         }
     }
 

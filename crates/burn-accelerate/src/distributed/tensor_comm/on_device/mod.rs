@@ -34,14 +34,16 @@ use crate::backend::{Backend, probe};
 use crate::config::AcceleratorConfig;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
-use crate::distributed::comm::ReduceBuffer;
+use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::distributed::tensor_comm::host::{from_buffer, to_buffer};
 use crate::distributed::tensor_comm::{
     Checked, HostTensorComm, Pending, Reduction, TensorComm, shared_device,
 };
 use crate::error::{Error, Result};
 
-/// A device engine that averages one flat gradient buffer across ranks, on the device.
+/// A device engine: averages one flat gradient buffer across ranks on the device, and, where it has them, the
+/// equal-part collectives of sharded training (`None`: the engine has no such call, and it goes through host
+/// memory — the same answer on every rank, since every rank runs the same engine).
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
 pub(crate) trait DeviceAverage: Send + Sync + fmt::Debug {
     /// A short name for messages and `env` (`device all-reduce (NCCL)`, ...).
@@ -49,6 +51,30 @@ pub(crate) trait DeviceAverage: Send + Sync + fmt::Debug {
 
     /// The mean of `flat` over the ranks, times `scale`, in `flat`'s dtype and on its device.
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>>;
+
+    /// `flat` combined with `op` over the ranks in as many equal parts as ranks; this rank's part.
+    fn reduce_scatter(&self, flat: Tensor<1>, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+        let _ = (flat, op);
+        None
+    }
+
+    /// Every rank's `part` (all of one length) concatenated in rank order.
+    fn all_gather(&self, part: Tensor<1>) -> Option<Result<Tensor<1>>> {
+        let _ = part;
+        None
+    }
+
+    /// `root`'s `flat` on every rank.
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Option<Result<Tensor<1>>> {
+        let _ = (flat, root);
+        None
+    }
+}
+
+/// Whether `counts` gives every one of `world` ranks the same number of elements (what a device reduce-scatter
+/// or all-gather takes).
+fn equal_parts(counts: &[usize], world: usize) -> bool {
+    counts.len() == world && counts.windows(2).all(|w| w[0] == w[1])
 }
 
 /// The tensor interface with its gradient all-reduces ([`Reduction::Average`]) on the device, through `engine`,
@@ -117,6 +143,7 @@ impl TensorComm for OnDevice {
         self.host.reduce(flat, root, how, operation)
     }
 
+    /// On the device where the parts are equal and the engine has the call; through host memory otherwise.
     fn reduce_scatter(
         &self,
         flat: Tensor<1>,
@@ -124,24 +151,47 @@ impl TensorComm for OnDevice {
         how: Reduction,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
+        let world = self.world_size();
+        if equal_parts(counts, world) && flat.dims()[0] == counts.iter().sum::<usize>() {
+            let (op, factor) = how.split(world);
+            if let Some(part) = self.engine.reduce_scatter(flat.clone(), op) {
+                let part = part?;
+                return Ok(Pending::ready(match factor {
+                    Some(factor) => part.mul_scalar(factor),
+                    None => part,
+                }));
+            }
+        }
         self.host.reduce_scatter(flat, counts, how, operation)
     }
 
+    /// On the device where the parts are equal and the engine has the call; through host memory otherwise.
     fn all_gather(
         &self,
         part: Tensor<1>,
         counts: &[usize],
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
+        if equal_parts(counts, self.world_size())
+            && counts.first() == Some(&part.dims()[0])
+            && let Some(all) = self.engine.all_gather(part.clone())
+        {
+            return Ok(Pending::ready(all?));
+        }
         self.host.all_gather(part, counts, operation)
     }
 
+    /// On the device where the engine has the call; through host memory otherwise.
     fn broadcast(
         &self,
         flat: Tensor<1>,
         root: usize,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
+        crate::distributed::comm::check_root_public(operation, root, self.world_size())?;
+        if let Some(all) = self.engine.broadcast(flat.clone(), root) {
+            return Ok(Pending::ready(all?));
+        }
         self.host.broadcast(flat, root, operation)
     }
 

@@ -23,7 +23,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 
-use super::device::{DeviceComm, DeviceCommLibrary};
+use super::device::{DeviceCall, DeviceComm, DeviceCommLibrary};
+use crate::distributed::comm::ReduceOp;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
@@ -43,6 +44,16 @@ fn nccl_type(dtype: DType) -> std::result::Result<sys::ncclDataType_t, String> {
         super::device::WireType::F16 => Ok(sys::ncclDataType_t::ncclFloat16),
         super::device::WireType::BF16 => Ok(sys::ncclDataType_t::ncclBfloat16),
         super::device::WireType::F64 => Ok(sys::ncclDataType_t::ncclFloat64),
+    }
+}
+
+/// NCCL's reduction for `op` (`ncclAvg` for the mean).
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Mean => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
     }
 }
 
@@ -132,6 +143,7 @@ impl DeviceCommLibrary for Nccl {
         .map_err(|e| format!("ncclCommInitRankConfig (rank {rank} of {world}): {e:?}"))?;
         Ok(Box::new(NcclComm {
             comm: CommHandle(comm),
+            world,
             stream,
             pending: Mutex::new(None),
             aborted: std::sync::atomic::AtomicBool::new(false),
@@ -148,7 +160,7 @@ unsafe impl Send for CommHandle {}
 // SAFETY: as above; `abort` may run from any thread by NCCL's contract.
 unsafe impl Sync for CommHandle {}
 
-/// An all-reduce in flight: its output, and the input kept alive (and pinned) until it finishes.
+/// A collective in flight: its output, and the input kept alive (and pinned) until it finishes.
 struct InFlight {
     output: Tensor<1>,
     autodiff: bool,
@@ -160,6 +172,8 @@ struct InFlight {
 
 struct NcclComm {
     comm: CommHandle,
+    /// The ranks of the group.
+    world: usize,
     stream: Arc<CudaStream>,
     pending: Mutex<Option<InFlight>>,
     aborted: std::sync::atomic::AtomicBool,
@@ -225,13 +239,17 @@ impl NcclComm {
 }
 
 impl DeviceComm for NcclComm {
-    fn start_average(&self, flat: Tensor<1>) -> std::result::Result<(), String> {
+    fn start(&self, call: DeviceCall) -> std::result::Result<(), String> {
         let comm = self.live()?;
+        let what = call.name();
+        let world = self.world;
+        let out_len = call.output_len(world)?;
+        let flat = call.input().clone();
         let dtype = nccl_type(flat.dtype())?;
         let autodiff = flat.is_autodiff();
         let flat = flat.without_autodiff();
         let device = flat.device();
-        let output = flat.empty_like();
+        let output = Tensor::<1>::empty([out_len], (&device, flat.dtype()));
         let src = to_cube(flat)?;
         // A clone: Burn keeps `output`'s handle, and the cubecl tensor shares its buffer.
         let dst = to_cube(output.clone())?;
@@ -245,34 +263,60 @@ impl DeviceComm for NcclComm {
         // Pin both buffers (their addresses stay valid while held), then wait for every kernel before NCCL reads.
         let read = client
             .get_resource::<CudaServer>(src.handle.clone())
-            .map_err(|e| format!("the gradient's device buffer: {e:?}"))?;
+            .map_err(|e| format!("the input's device buffer: {e:?}"))?;
         let write = client
             .get_resource::<CudaServer>(dst.handle.clone())
             .map_err(|e| format!("the output's device buffer: {e:?}"))?;
         device
             .sync()
-            .map_err(|e| format!("waiting for the backward pass: {e:?}"))?;
+            .map_err(|e| format!("waiting for the work that made the input: {e:?}"))?;
         let (from, to) = (read.resource().ptr, write.resource().ptr);
-        let bytes = count * super::device::wire_type(src.dtype)?.bytes();
-        super::device::check_range(bytes, read.resource().size, write.resource().size)?;
+        let elt = super::device::wire_type(src.dtype)?.bytes();
+        super::device::check_range(count * elt, read.resource().size, u64::MAX)?;
+        super::device::check_range(out_len * elt, u64::MAX, write.resource().size)?;
         self.stream
             .context()
             .bind_to_thread()
             .map_err(|e| format!("binding the CUDA context: {e:?}"))?;
-        // SAFETY: both pointers are pinned device buffers of at least `count` elements of `dtype` on this
-        // communicator's device, kept alive in `InFlight` until the event after the call completes.
+        let stream = self.stream.cu_stream() as _;
+        // SAFETY: both pointers are pinned device buffers on this communicator's device, the input of `count`
+        // elements of `dtype` and the output of `out_len` (checked above), kept alive in `InFlight` until the
+        // event after the call completes.
         unsafe {
-            nccl::all_reduce(
-                from as *const _,
-                to as *mut _,
-                count,
-                dtype,
-                sys::ncclRedOp_t::ncclAvg,
-                comm,
-                self.stream.cu_stream() as _,
-            )
+            match &call {
+                DeviceCall::AllReduce { op, .. } => nccl::all_reduce(
+                    from as *const _,
+                    to as *mut _,
+                    count,
+                    dtype,
+                    nccl_op(*op),
+                    comm,
+                    stream,
+                ),
+                DeviceCall::ReduceScatter { op, .. } => nccl::reduce_scatter(
+                    from as *const _,
+                    to as *mut _,
+                    out_len,
+                    dtype,
+                    nccl_op(*op),
+                    comm,
+                    stream,
+                ),
+                DeviceCall::AllGather { .. } => {
+                    nccl::all_gather(from as *const _, to as *mut _, count, dtype, comm, stream)
+                }
+                DeviceCall::Broadcast { root, .. } => nccl::broadcast(
+                    from as *const _,
+                    to as *mut _,
+                    count,
+                    dtype,
+                    *root as c_int,
+                    comm,
+                    stream,
+                ),
+            }
         }
-        .map_err(|e| format!("ncclAllReduce of {count} values: {e:?}"))?;
+        .map_err(|e| format!("nccl {what} of {count} values: {e:?}"))?;
         *self.pending.lock().map_err(|_| "poisoned")? = Some(InFlight {
             output,
             autodiff,
@@ -326,7 +370,7 @@ impl DeviceComm for NcclComm {
             .lock()
             .map_err(|_| "poisoned")?
             .take()
-            .ok_or("no all-reduce was started")?;
+            .ok_or("no collective was started")?;
         let InFlight {
             output, autodiff, ..
         } = in_flight;

@@ -1,6 +1,7 @@
 //! A device collective library in host memory: every rank of a group deposits its values, the last one
-//! averages them — in f64 and from the last rank to the first, so it rounds differently from the host
-//! all-reduce, as a real library does; a rank told to hang never deposits, so the others time out and
+//! combines them — in f64 and from the last rank to the first, so it rounds differently from the host
+//! all-reduce, as a real library does — and gives each rank its result (the whole, its part, the gathered parts
+//! or the root's values, by the call); a rank told to hang never deposits, so the others time out and
 //! abort. Every call a communicator receives after it was aborted is counted (NCCL frees an aborted
 //! communicator: such a call would use freed memory).
 
@@ -10,13 +11,63 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::tensor::Tensor;
 
-use super::{DeviceComm, DeviceCommLibrary};
+use super::{DeviceCall, DeviceComm, DeviceCommLibrary};
+use crate::distributed::comm::ReduceOp;
 use crate::distributed::tensor_comm::on_device::{from_host, to_host};
 
 #[derive(Default)]
 struct Round {
     deposits: Vec<Option<Vec<f32>>>,
-    result: Option<Vec<f32>>,
+    /// Each rank's result.
+    results: Option<Vec<Vec<f32>>>,
+}
+
+/// What a round computes: the call without its tensor.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    Broadcast(usize),
+}
+
+/// Every rank's result of `kind` over `deposits` (all of length `n`), combining in f64 from the last rank to the
+/// first; `sum_only` forgets a mean's division.
+fn results(kind: Kind, deposits: &[Vec<f32>], sum_only: bool) -> Vec<Vec<f32>> {
+    let world = deposits.len();
+    let combine = |op: ReduceOp| -> Vec<f32> {
+        let n = deposits[0].len();
+        let mut acc: Vec<f64> = deposits[world - 1].iter().map(|&x| x as f64).collect();
+        for d in deposits[..world - 1].iter().rev() {
+            for (a, &x) in acc.iter_mut().zip(d) {
+                let x = x as f64;
+                *a = match op {
+                    ReduceOp::Sum | ReduceOp::Mean => *a + x,
+                    ReduceOp::Max => a.max(x),
+                    ReduceOp::Min => a.min(x),
+                };
+            }
+        }
+        let divisor = if op == ReduceOp::Mean && !sum_only {
+            world as f64
+        } else {
+            1.0
+        };
+        acc.truncate(n);
+        acc.iter().map(|s| (s / divisor) as f32).collect()
+    };
+    match kind {
+        Kind::AllReduce(op) => vec![combine(op); world],
+        Kind::ReduceScatter(op) => {
+            let whole = combine(op);
+            let part = whole.len() / world;
+            (0..world)
+                .map(|r| whole[r * part..(r + 1) * part].to_vec())
+                .collect()
+        }
+        Kind::AllGather => vec![deposits.concat(); world],
+        Kind::Broadcast(root) => vec![deposits[root].clone(); world],
+    }
 }
 
 #[derive(Default)]
@@ -44,6 +95,8 @@ pub struct HostLibrary {
     pub sum_only: bool,
     /// Calls made on a communicator after it was aborted, over every communicator of this library.
     pub uses_after_abort: Arc<AtomicUsize>,
+    /// Collectives started, over every communicator of this library.
+    pub started: Arc<AtomicUsize>,
 }
 
 impl DeviceCommLibrary for HostLibrary {
@@ -85,6 +138,7 @@ impl DeviceCommLibrary for HostLibrary {
             state: Mutex::new(State::default()),
             aborted: AtomicBool::new(false),
             uses_after_abort: self.uses_after_abort.clone(),
+            started: self.started.clone(),
         }))
     }
 }
@@ -103,6 +157,7 @@ pub struct HostComm {
     state: Mutex<State>,
     aborted: AtomicBool,
     uses_after_abort: Arc<AtomicUsize>,
+    started: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for HostComm {
@@ -123,8 +178,16 @@ impl HostComm {
 }
 
 impl DeviceComm for HostComm {
-    fn start_average(&self, flat: Tensor<1>) -> Result<(), String> {
+    fn start(&self, call: DeviceCall) -> Result<(), String> {
         self.check_live()?;
+        self.started.fetch_add(1, Ordering::Relaxed);
+        let kind = match &call {
+            DeviceCall::AllReduce { op, .. } => Kind::AllReduce(*op),
+            DeviceCall::ReduceScatter { op, .. } => Kind::ReduceScatter(*op),
+            DeviceCall::AllGather { .. } => Kind::AllGather,
+            DeviceCall::Broadcast { root, .. } => Kind::Broadcast(*root),
+        };
+        let flat = call.input().clone();
         let mut state = self.state.lock().unwrap();
         let round = state.round;
         state.round += 1;
@@ -139,20 +202,15 @@ impl DeviceComm for HostComm {
             r.deposits.resize(world, None);
             r.deposits[self.rank] = Some(values);
             if r.deposits.iter().all(Option::is_some) {
-                let n = r.deposits[0].as_ref().map_or(0, Vec::len);
-                let mut sum = vec![0f64; n];
-                // The last rank first, in f64: another order and precision than the host all-reduce's.
-                for d in r.deposits.iter().rev().flatten() {
-                    if d.len() != n {
-                        return Err(format!(
-                            "ncclInvalidUsage: counts differ ({} vs {n})",
-                            d.len()
-                        ));
-                    }
-                    sum.iter_mut().zip(d).for_each(|(s, &x)| *s += x as f64);
+                let deposits: Vec<Vec<f32>> = r.deposits.iter().flatten().cloned().collect();
+                let n = deposits[0].len();
+                if let Some(d) = deposits.iter().find(|d| d.len() != n) {
+                    return Err(format!(
+                        "ncclInvalidUsage: counts differ ({} vs {n})",
+                        d.len()
+                    ));
                 }
-                let divisor = if self.sum_only { 1.0 } else { world as f64 };
-                r.result = Some(sum.iter().map(|s| (s / divisor) as f32).collect());
+                r.results = Some(results(kind, &deposits, self.sum_only));
             }
         }
         state.pending = Some((round, flat));
@@ -167,7 +225,8 @@ impl DeviceComm for HostComm {
         let values = shared
             .rounds
             .get(round)
-            .and_then(|r| r.result.clone())
+            .and_then(|r| r.results.as_ref())
+            .map(|results| results[self.rank].clone())
             .ok_or("the round has not completed")?;
         from_host(values, (&flat.device(), flat.dtype()), "double").map_err(|e| e.to_string())
     }
@@ -187,7 +246,7 @@ impl DeviceComm for HostComm {
             Some((round, _)) => shared
                 .rounds
                 .get(*round)
-                .is_some_and(|r| r.result.is_some()),
+                .is_some_and(|r| r.results.is_some()),
         })
     }
 
