@@ -18,25 +18,18 @@ mod step_timer;
 
 use std::time::Duration;
 
-use burn::tensor::Device;
 use burn_accelerate::{GradientTransport, ShardingStrategy};
-use stack::Stack;
 use stats::{median, paired_ratio};
-use step_timer::{Mode, env, time_per_step};
+use step_timer::{Mode, Workload, time_per_step, workload};
 
 fn main() {
-    let layers = env("SHARD_LAYERS", 8);
-    let width = env("SHARD_WIDTH", 512);
-    let batch = env("SHARD_BATCH", 32);
-    let steps = env("SHARD_STEPS", 10);
-    let rounds = env("DEVICE_PATH_ROUNDS", 8);
-    let device = Device::default();
-    device.seed(3);
-    let initial = Stack::new(layers, width, &device);
-    println!(
-        "model=stack layers={layers} width={width} params={} global_batch={batch} steps={steps} rounds={rounds} ranks=2",
-        layers * (width * width + width)
-    );
+    let Workload {
+        initial,
+        width,
+        batch,
+        steps,
+        rounds,
+    } = workload("DEVICE_PATH_ROUNDS", 8);
     let modes = [
         ("no_shard", (ShardingStrategy::NoShard, Mode::Whole)),
         (

@@ -9,8 +9,41 @@ use burn_accelerate::{Accelerator, GradientTransport, ShardingStrategy};
 use crate::stack::{self, Stack};
 use crate::stats::median;
 
+/// The benches' workload: the stack's initial weights and the sizes, from `SHARD_LAYERS`, `SHARD_WIDTH`,
+/// `SHARD_BATCH`, `SHARD_STEPS` and the bench's own rounds variable.
+pub struct Workload {
+    pub initial: Stack,
+    pub width: usize,
+    pub batch: usize,
+    pub steps: usize,
+    pub rounds: usize,
+}
+
+/// The workload (printed as the bench's first line), with `rounds_key`'s rounds (`default_rounds` unset).
+pub fn workload(rounds_key: &str, default_rounds: usize) -> Workload {
+    let layers = env("SHARD_LAYERS", 8);
+    let width = env("SHARD_WIDTH", 512);
+    let batch = env("SHARD_BATCH", 32);
+    let steps = env("SHARD_STEPS", 10);
+    let rounds = env(rounds_key, default_rounds);
+    let device = burn::tensor::Device::default();
+    device.seed(3);
+    let initial = Stack::new(layers, width, &device);
+    println!(
+        "model=stack layers={layers} width={width} params={} global_batch={batch} steps={steps} rounds={rounds} ranks=2",
+        layers * (width * width + width)
+    );
+    Workload {
+        initial,
+        width,
+        batch,
+        steps,
+        rounds,
+    }
+}
+
 /// The number in the environment variable `key`, else `default` (the benches' size settings).
-pub fn env(key: &str, default: usize) -> usize {
+fn env(key: &str, default: usize) -> usize {
     std::env::var(key)
         .ok()
         .and_then(|v| v.parse().ok())
