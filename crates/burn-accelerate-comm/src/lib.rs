@@ -23,7 +23,7 @@ pub use calls::{CallSignature, check_calls, check_calls_of};
 pub use error::{CommError, CommResult};
 pub use in_process::{IN_PROCESS_ENGINE, InProcessComm, InProcessGroup};
 pub use recorder::{HostValues, RECORDED_CALLS, Recorded, RecordedCall, describe_calls};
-pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of};
+pub use reduce::{ReduceBuffer, ReduceOp, concat_parts, gathered_len, part_of, reduce_range};
 
 type Result<T> = CommResult<T>;
 

@@ -22,7 +22,9 @@ use burn::tensor::{DType, Tensor};
 use super::host::from_buffer;
 use super::{Incoming, Pending, Reduction, TensorComm};
 use crate::distributed::ProcessGroup;
-use crate::distributed::comm::{CommError, ReduceBuffer, ReduceOp, SharedValue, part_of};
+use crate::distributed::comm::{
+    CommError, ReduceBuffer, ReduceOp, SharedValue, part_of, reduce_range,
+};
 use crate::error::{Error, Result};
 
 /// How [`SharedDevice`] is named in messages and `env`.
@@ -64,8 +66,9 @@ impl SharedDevice {
         })
     }
 
-    /// This rank's own copy of a tensor another rank made, where the backend defers work (its owner may drop it
-    /// before this rank's queue reads it).
+    /// A copy only this rank holds, where the backend defers work: of a tensor another rank made (its owner may
+    /// drop it before this rank's queue reads it), or of one this rank sends away (so that the receiver alone
+    /// reads and drops it).
     fn own(&self, t: Tensor<1>) -> Tensor<1> {
         if self.deferred { t.mul_scalar(1.0) } else { t }
     }
@@ -365,29 +368,30 @@ impl TensorComm for SharedDevice {
         Ok(Pending::ready(autodiff.wrap(mine)))
     }
 
+    /// Combined as the host engines combine it (`reduce_range`: rank order, a NaN kept), so a control value
+    /// (an overflow verdict, a norm's part) is the same on every path.
     fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64> {
         let all = self.group.comm().share(operation, Arc::new(value))?;
         let values = all
             .iter()
             .map(|v| {
-                v.downcast_ref::<f64>().copied().ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "{operation}: a rank shared something other than an f64"
-                    ))
-                })
+                v.downcast_ref::<f64>()
+                    .map(|&v| ReduceBuffer::F64(vec![v]))
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "{operation}: a rank shared something other than an f64"
+                        ))
+                    })
             })
-            .collect::<Result<Vec<f64>>>()?;
-        let first = values[0];
-        let combined = values[1..].iter().fold(first, |acc, v| match op {
-            ReduceOp::Sum | ReduceOp::Mean => acc + v,
-            ReduceOp::Max => acc.max(*v),
-            ReduceOp::Min => acc.min(*v),
-        });
-        Ok(if op == ReduceOp::Mean {
-            combined / values.len() as f64
-        } else {
-            combined
-        })
+            .collect::<Result<Vec<ReduceBuffer>>>()?;
+        let refs: Vec<&ReduceBuffer> = values.iter().collect();
+        match reduce_range(&refs, 0..1, op) {
+            ReduceBuffer::F64(v) => Ok(v[0]),
+            other => Err(Error::InvalidArgument(format!(
+                "{operation}: {} values for one f64",
+                other.kind()
+            ))),
+        }
     }
 
     fn send_recv(
@@ -401,9 +405,10 @@ impl TensorComm for SharedDevice {
         let sends: Vec<(usize, SharedValue)> = sends
             .into_iter()
             .map(|(peer, t)| {
-                let t = t.without_autodiff();
-                let t = if self.deferred { t.mul_scalar(1.0) } else { t };
-                (peer, Arc::new(t) as SharedValue)
+                (
+                    peer,
+                    Arc::new(self.own(t.without_autodiff())) as SharedValue,
+                )
             })
             .collect();
         if !sends.is_empty() {
@@ -439,5 +444,43 @@ impl TensorComm for SharedDevice {
 
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
         Ok(Arc::new(Self::new(group)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::distributed::tensor_comm::HostTensorComm;
+
+    #[test]
+    fn control_values_combine_as_through_host_memory_a_nan_included() {
+        let cases: [(f64, f64, f64); 3] = [
+            (1.5, -2.25, 0.5),
+            (f64::NAN, 1.0, 2.0),
+            (3.0, f64::NAN, -1.0),
+        ];
+        let results = crate::launch(3, |acc| {
+            let group = acc.group_arc();
+            let (shared, host) = (SharedDevice::new(group.clone()), HostTensorComm::new(group));
+            let mut out = Vec::new();
+            for values in cases {
+                let mine = [values.0, values.1, values.2][acc.process_index()];
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                    let a = shared.all_reduce_value(mine, op, "value")?;
+                    let b = host.all_reduce_value(mine, op, "value")?;
+                    out.push((op, a, b));
+                }
+            }
+            Ok(out)
+        })
+        .unwrap();
+        for rank in results {
+            for (op, shared, host) in rank {
+                assert!(
+                    shared.to_bits() == host.to_bits() || (shared.is_nan() && host.is_nan()),
+                    "{op}: {shared} vs {host}"
+                );
+            }
+        }
     }
 }
