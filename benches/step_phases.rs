@@ -15,18 +15,20 @@
 //! --num-processes 2` (or `mpirun`), each process is a rank: what `benches/vs_pytorch.sh` times against PyTorch +
 //! Accelerate under `torchrun`.
 
+#[path = "support/relu_mlp.rs"]
+mod relu_mlp;
+
 use std::time::{Duration, Instant};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
-use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::optim::FusedAdamWConfig;
 use burn_accelerate::{Accelerator, StepPhases};
+use relu_mlp::ReluMlp;
 
 const FEATURES: usize = 256;
 const WIDTH: usize = 1024;
@@ -34,36 +36,6 @@ const CLASSES: usize = 10;
 const BATCH: usize = 128;
 const WARM_UP: usize = 5;
 const LR: f64 = 1e-3;
-
-#[derive(Module, Debug)]
-struct Classifier {
-    layers: Vec<Linear>,
-    activation: Relu,
-}
-
-impl Classifier {
-    fn new(device: &Device) -> Self {
-        let dims = [FEATURES, WIDTH, WIDTH, CLASSES];
-        Self {
-            layers: dims
-                .windows(2)
-                .map(|d| LinearConfig::new(d[0], d[1]).init(device))
-                .collect(),
-            activation: Relu::new(),
-        }
-    }
-
-    fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
-        let last = self.layers.len() - 1;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x);
-            if i < last {
-                x = self.activation.forward(x);
-            }
-        }
-        x
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Sample {
@@ -118,7 +90,7 @@ fn train(
 ) -> burn_accelerate::Result<(Duration, Duration, StepPhases, Duration)> {
     let device = acc.device().clone();
     device.seed(7);
-    let mut model = acc.prepare_model(Classifier::new(&device))?;
+    let mut model = acc.prepare_model(ReluMlp::new(&[FEATURES, WIDTH, WIDTH, CLASSES], &device))?;
     let adamw = match std::env::var("STEP_PHASES_ADAMW").as_deref() {
         Ok("burn") => AdamWConfig::new().init(),
         _ => FusedAdamWConfig::new().init(),

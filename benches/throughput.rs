@@ -13,53 +13,24 @@
 //! `THROUGHPUT_WIDTH`, `THROUGHPUT_BATCH`, `THROUGHPUT_STEPS`, `THROUGHPUT_ROUNDS`; defaults 1024, 4096, 512,
 //! 50, 5).
 
+#[path = "support/relu_mlp.rs"]
+mod relu_mlp;
 #[path = "../tests/support/stats.rs"]
 mod stats;
 
 use std::time::{Duration, Instant};
 
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams};
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::{Accelerator, MixedPrecision};
+use relu_mlp::ReluMlp;
 use stats::{median, paired_ratio};
 
 const LR: f64 = 1e-4;
 
-/// features → width → width → features, ReLU between.
-#[derive(Module, Debug)]
-pub struct WideMlp {
-    layers: Vec<Linear>,
-    activation: Relu,
-}
-
-impl WideMlp {
-    fn new(features: usize, width: usize, device: &Device) -> Self {
-        let dims = [features, width, width, features];
-        Self {
-            layers: dims
-                .windows(2)
-                .map(|d| LinearConfig::new(d[0], d[1]).init(device))
-                .collect(),
-            activation: Relu::new(),
-        }
-    }
-
-    fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
-        let last = self.layers.len() - 1;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x);
-            if i < last {
-                x = self.activation.forward(x);
-            }
-        }
-        x
-    }
-
-    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
-        (self.forward(x) - y).powi_scalar(2).mean()
-    }
+/// The mean squared error of `model` on `x` against `y`.
+fn mse(model: &ReluMlp, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+    (model.forward(x) - y).powi_scalar(2).mean()
 }
 
 fn setting(name: &str, default: usize) -> usize {
@@ -81,7 +52,7 @@ pub fn main() -> burn_accelerate::Result<()> {
     let device = accelerator.device().clone();
     let precision = accelerator.config().precision.mixed_precision;
     device.seed(0);
-    let initial = WideMlp::new(features, width, &device);
+    let initial = ReluMlp::new(&[features, width, width, features], &device);
     let x = Tensor::<2>::random([batch, features], Distribution::Normal(0.0, 1.0), &device);
     let y = x.clone().sin();
 
@@ -92,7 +63,7 @@ pub fn main() -> burn_accelerate::Result<()> {
         let start = Instant::now();
         let mut loss = None;
         for _ in 0..steps {
-            let l = raw_model.loss(x.clone(), y.clone());
+            let l = mse(&raw_model, x.clone(), y.clone());
             let grads = GradientsParams::from_grads(l.backward(), &raw_model);
             raw_model = raw_optim.step(LR, raw_model.clone(), grads);
             loss = Some(l);
