@@ -159,6 +159,25 @@ impl InProcessGroup {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Sleeps on the group's condition until a rank wakes it or `deadline`; `None` once the deadline has passed
+    /// (the caller then reports its own timeout).
+    fn sleep_until<'a>(
+        &self,
+        state: MutexGuard<'a, GroupState>,
+        deadline: Instant,
+    ) -> Option<MutexGuard<'a, GroupState>> {
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        Some(
+            self.wake
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0,
+        )
+    }
+
     /// Records that `rank` failed (`reason`, e.g. "panicked: ..."): every rank waiting now or later gets an error,
     /// in this group and in every sub-group split from it.
     pub fn fail(&self, rank: usize, reason: impl Into<String>) {
@@ -336,21 +355,18 @@ impl InProcessComm {
             }) {
                 return Err(stopped);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    operation: op.into(),
-                    seq,
-                    rank: group.members[self.rank],
-                    missing: absent.iter().map(|r| group.members[*r]).collect(),
-                    timeout: group.timeout,
-                });
-            }
-            state = group
-                .wake
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            state = match group.sleep_until(state, deadline) {
+                Some(state) => state,
+                None => {
+                    return Err(Error::Timeout {
+                        operation: op.into(),
+                        seq,
+                        rank: group.members[self.rank],
+                        missing: absent.iter().map(|r| group.members[*r]).collect(),
+                        timeout: group.timeout,
+                    });
+                }
+            };
         }
     }
 }

@@ -4,7 +4,6 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use super::{Error, InProcessComm, ReduceBuffer, Result, SharedValue, rank_failed};
 
@@ -141,23 +140,20 @@ impl InProcessComm {
             }) {
                 return Err(stopped);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                let mut waiting_for: Vec<usize> =
-                    waiting_for.iter().map(|p| group.members[*p]).collect();
-                waiting_for.dedup();
-                return Err(Error::PeerTimeout {
-                    operation: op.into(),
-                    rank: group.members[self.rank],
-                    waiting_for,
-                    timeout: group.timeout,
-                });
-            }
-            state = group
-                .wake
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            state = match group.sleep_until(state, deadline) {
+                Some(state) => state,
+                None => {
+                    let mut waiting_for: Vec<usize> =
+                        waiting_for.iter().map(|p| group.members[*p]).collect();
+                    waiting_for.dedup();
+                    return Err(Error::PeerTimeout {
+                        operation: op.into(),
+                        rank: group.members[self.rank],
+                        waiting_for,
+                        timeout: group.timeout,
+                    });
+                }
+            };
         }
     }
 }
