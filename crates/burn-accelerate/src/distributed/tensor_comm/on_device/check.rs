@@ -65,8 +65,9 @@ impl TransportCheck {
     }
 }
 
-/// `got` against `exact`, element by element, within `bound`.
-fn compare(got: &[f32], exact: &[f64], bound: f64) -> DtypeCheck {
+/// `got` (values of `dtype`, widened) against `exact`, element by element, within `bound`; a NaN, or a length of
+/// its own, fails.
+fn compare(got: &[f32], exact: &[f64], bound: f64, dtype: DType) -> DtypeCheck {
     let mut max_error = if got.len() == exact.len() {
         0.0
     } else {
@@ -84,7 +85,7 @@ fn compare(got: &[f32], exact: &[f64], bound: f64) -> DtypeCheck {
         }
     }
     DtypeCheck {
-        dtype: DType::F32,
+        dtype,
         max_error,
         bound,
         wrong,
@@ -121,6 +122,7 @@ pub(crate) fn check_collectives(
         &to_host(mine, "collective check")?,
         &exact,
         rounding_bound(DType::F32, world, 0.5),
+        DType::F32,
     );
 
     let gathered = transport
@@ -129,14 +131,24 @@ pub(crate) fn check_collectives(
     let exact: Vec<f64> = (0..world)
         .flat_map(|r| values(r, part).into_iter().map(f64::from))
         .collect();
-    let all_gather = compare(&to_host(gathered, "collective check")?, &exact, 0.0);
+    let all_gather = compare(
+        &to_host(gathered, "collective check")?,
+        &exact,
+        0.0,
+        DType::F32,
+    );
 
     let root = world - 1;
     let received = transport
         .broadcast(tensor(values(rank, part))?, root, "collective check")?
         .wait()?;
     let exact: Vec<f64> = values(root, part).into_iter().map(f64::from).collect();
-    let broadcast = compare(&to_host(received, "collective check")?, &exact, 0.0);
+    let broadcast = compare(
+        &to_host(received, "collective check")?,
+        &exact,
+        0.0,
+        DType::F32,
+    );
 
     Ok(vec![
         ("reduce-scatter (mean)", reduce_scatter),
@@ -188,32 +200,20 @@ pub(crate) fn check_dtype(
         .all_reduce(flat, Reduction::Average(1.0), "transport check")?
         .wait()?;
     let averaged = to_host(averaged, "transport check")?;
-    let bound = rounding_bound(dtype, world, 0.5);
-    let mut max_error = if averaged.len() == n { 0.0 } else { f64::NAN };
-    let (mut wrong, mut first_wrong) = (0, None);
-    for (i, got) in averaged.iter().enumerate() {
-        let exact = (0..world)
-            .map(|r| as_stored(check_value(r, i), dtype))
-            .sum::<f64>()
-            / world as f64;
-        let error = (*got as f64 - exact).abs();
-        if error.is_nan() || error > bound {
-            wrong += 1;
-            first_wrong.get_or_insert(i);
-        }
-        // NaN propagates (a NaN result fails the check).
-        if error.is_nan() || error > max_error {
-            max_error = error;
-        }
-    }
-    Ok(DtypeCheck {
+    let exact: Vec<f64> = (0..n)
+        .map(|i| {
+            (0..world)
+                .map(|r| as_stored(check_value(r, i), dtype))
+                .sum::<f64>()
+                / world as f64
+        })
+        .collect();
+    Ok(compare(
+        &averaged,
+        &exact,
+        rounding_bound(dtype, world, 0.5),
         dtype,
-        max_error,
-        bound,
-        wrong,
-        first_wrong,
-        checked: averaged.len(),
-    })
+    ))
 }
 
 /// Checks `transport` in f32, then bf16 and f16 where `group`'s device supports them.
