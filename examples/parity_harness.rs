@@ -345,12 +345,7 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
         }
     }
     report.loss_scale = acc.loss_scale();
-    report.optimizer_state_bytes = optimizer
-        .inner()
-        .to_record()
-        .into_bytes()
-        .map_err(burn_accelerate::Error::other)?
-        .len();
+    report.optimizer_state_bytes = optimizer.state_bytes()?;
     Ok((model, report))
 }
 

@@ -445,7 +445,7 @@ fn a_block_wise_run_resumes_with_the_weights_of_one_straight_through() {
 }
 
 /// A block-wise `FULL_SHARD` pass gathers what is outside the blocks without them (`before` sees the blocks as
-/// this rank's placeholders) and each block whole only when it runs, once forward and once recomputed.
+/// this rank's dim-0 slices) and each block whole only when it runs, once forward and once recomputed.
 #[test]
 fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
     let calls = AtomicUsize::new(0);
@@ -460,9 +460,19 @@ fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
             acc.backward_blocks(
                 &model,
                 |m| {
-                    // Outside the blocks: whole. The blocks: only this rank's own are whole.
+                    // Outside the blocks: whole. The blocks: this rank's slice of each.
                     assert_eq!(m.input.weight.dims(), [6, WIDTH]);
-                    whole_blocks = m.layers.iter().filter(|l| l.weight.dims()[0] > 0).count();
+                    whole_blocks = m
+                        .layers
+                        .iter()
+                        .filter(|l| l.weight.dims()[0] == WIDTH)
+                        .count();
+                    assert!(
+                        m.layers
+                            .iter()
+                            .all(|l| l.weight.dims() == [WIDTH.div_ceil(2), WIDTH]),
+                        "each block is this rank's half of its rows"
+                    );
                     m.input.forward(x.clone()).tanh()
                 },
                 |layer, h| {
@@ -475,12 +485,11 @@ fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
             Ok(whole_blocks)
         })
         .unwrap();
-    // Each block's weight is owned by one rank: before the blocks run, each rank holds its own whole and no
-    // other (a pass that gathered the blocks up front would show 4 on each).
+    // Before the blocks run no rank holds a block whole (a pass that gathered them up front would show 4).
     assert_eq!(
-        whole_blocks.iter().sum::<usize>(),
-        4,
-        "whole blocks on each rank before the block pass: {whole_blocks:?}"
+        whole_blocks,
+        vec![0, 0],
+        "whole blocks on each rank before the block pass"
     );
     // Each of 2 ranks: 4 blocks forward, 4 recomputed.
     assert_eq!(calls.load(Ordering::Relaxed), 16);

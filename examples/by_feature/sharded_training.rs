@@ -1,14 +1,14 @@
 //! Sharded training: Accelerate's FSDP (`SHARD_GRAD_OP`, `FULL_SHARD`), in Burn.
 //!
-//! With sharding each rank keeps the optimizer state and the reduced gradients of its own parameters only
-//! (parameters are assigned whole to ranks, balanced by size); under `FULL_SHARD` it keeps only its own
+//! With sharding each rank keeps the optimizer state and the reduced gradients of its own dim-0 slice of every
+//! parameter only (FSDP2's even slices, the last padded); under `FULL_SHARD` it keeps only its slices of the
 //! parameters between steps too, and `accelerator.unshard(&model)` gathers them for the forward and backward
 //! pass. The loop is the same in every mode, so the same program trains unsharded, sharded, on one rank or many:
 //!
 //! ```text
 //! let whole = accelerator.unshard(&model)?;          // a cheap clone unless FULL_SHARD
-//! accelerator.backward(loss_of(&whole), &whole)?;    // gradients reduce-scattered: this rank keeps its own
-//! model = optimizer.try_step(model)?;                // steps this rank's parameters, then shares or drops
+//! accelerator.backward(loss_of(&whole), &whole)?;    // gradients reduce-scattered: this rank keeps its slices
+//! model = optimizer.try_step(model)?;                // steps this rank's slices, then gathers or keeps them
 //! ```
 //!
 //! ```text
@@ -21,7 +21,7 @@
 //! The model is a stack of `--layers` square linear layers of `--width` (`--layers 24 --width 2048` is 100.7 M
 //! parameters). Every rank prints what it holds at the end, measured: `rank r/P sharding=... params_at_rest=B
 //! grads=B optimizer_state=B peak_rss=B` (gradients as held after the last synchronising backward, optimizer
-//! state as Burn serialises it, peak RSS of the process from `/proc/self/status`); the main process prints
+//! state tensors as a checkpoint saves them, peak RSS of the process from `/proc/self/status`); the main process prints
 //! `final_loss=<x>`, the same with and without sharding.
 
 #[path = "../support/held.rs"]
@@ -92,12 +92,7 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     // Measured before anything below copies the state.
     let peak = held::peak("VmHWM:");
     let at_rest = held::param_bytes(&model);
-    let state = optimizer
-        .inner()
-        .to_record()
-        .into_bytes()
-        .map_err(burn_accelerate::Error::other)?
-        .len();
+    let state = optimizer.state_bytes()?;
     println!(
         "rank {rank}/{ranks} sharding={} params_at_rest={at_rest} grads={grads} optimizer_state={state} peak_rss={peak} \
          host_values={host_values} strategy=\"{}\"",

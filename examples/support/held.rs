@@ -7,7 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use burn_accelerate::Accelerator;
 
-/// Bytes of the float parameters of `model` this rank holds (a `FULL_SHARD` placeholder holds none).
+/// Bytes of the float parameters of `model` this rank holds (under `FULL_SHARD`, its slices).
 pub fn param_bytes<M: Module>(model: &M) -> usize {
     struct Bytes(usize);
     impl ModuleVisitor for Bytes {

@@ -327,7 +327,8 @@ pub fn check_resumed(
                 .unwrap()
         })
         .collect();
-    // A record's size varies by a few hundred bytes with the order Burn writes its entries in.
+    // The state tensors' bytes (no record headers): the same on every replica; a sharded rank's slices add up to
+    // the whole and its padding rows (at most one per tensor and rank).
     let near = |b: u64| b.abs_diff(whole_state) * 20 <= whole_state;
     if sharding.contains("HYBRID") && m > 1 {
         // Replicated across the shard groups: each rank holds less than the whole.

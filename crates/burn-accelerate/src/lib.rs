@@ -40,12 +40,13 @@
 //!    all-reduce, or a device all-reduce on CUDA), or sharded data parallelism under a [`ShardingStrategy`], the
 //!    hybrid ones over sub-groups of the communicator), and the
 //!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
-//! 2. **`prepare_model`** — the main process draws the lazily initialised parameters (after every rank arrived,
-//!    in module order), the strategy gives every rank rank 0's weights (the others receive lazy parameters
-//!    without drawing them), then the model is forked onto the device with autodiff on (batches go there
-//!    through [`backend::ToDevice`]). Every rank also takes rank 0's parameter ids (checkpoints key optimizer
-//!    state by id); a sharded strategy learns which rank owns each parameter, and under `FULL_SHARD` this rank
-//!    keeps only its own ([`Accelerator::unshard`] gathers the rest for the forward pass).
+//! 2. **`prepare_model`** — every rank takes rank 0's parameter ids (checkpoints key optimizer state by id); the
+//!    main process draws the lazily initialised parameters one at a time as it sends them (after every rank
+//!    arrived, in module order), and the strategy gives every rank rank 0's weights (the others receive lazy
+//!    parameters without drawing them); under `FULL_SHARD` each rank keeps only its dim-0 slice of each as it
+//!    arrives, so the model is never whole on any rank ([`Accelerator::unshard`] gathers it for the forward
+//!    pass). Then the model is forked onto the device with autodiff on (batches go there through
+//!    [`backend::ToDevice`]).
 //! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0 (a collective), deals this rank its
 //!    shard of every epoch ([`data::shard`]), and builds batches on the device; the checkpointer tracks its
 //!    [`data::DataPosition`]. Each `iter()` and each batch tell the step window where the epoch stands.
@@ -65,7 +66,7 @@
 //!    rank's part combined).
 //! 8. **`optimizer.step(model)`** — [`AcceleratedOptimizer`] takes the pipeline's outcome: *accumulate* keeps
 //!    the gradients, *skip* drops them, *apply* hands them to Burn's optimizer (and, under a strategy whose
-//!    ranks step only their own parameters, shares the stepped values). burn-train's Learner
+//!    ranks step only their slices of the parameters, gathers the stepped values where the model is kept whole). burn-train's Learner
 //!    (`learner`, feature `train`) consumes the same outcome through the same pipeline.
 //! 9. **`scheduler.step()`** — [`AcceleratedScheduler`] advances only after a real optimizer step (the same
 //!    skip record), as many times as the [`SchedulerRule`] says (once by default).

@@ -31,9 +31,6 @@ pub(crate) trait FloatParam {
 
     /// Draws its value now, if it is still lazy.
     fn draw(&self);
-
-    /// Its shape as a record saves it (a placeholder's whole shape, where a mapper says so).
-    fn saved_dims(&self) -> Vec<usize>;
 }
 
 impl<const D: usize> FloatParam for Param<Tensor<D>> {
@@ -77,10 +74,6 @@ impl<const D: usize> FloatParam for Param<Tensor<D>> {
         if !Param::is_initialized(self) {
             let _ = self.base();
         }
-    }
-
-    fn saved_dims(&self) -> Vec<usize> {
-        self.transform_for_save().val().dims().to_vec()
     }
 }
 

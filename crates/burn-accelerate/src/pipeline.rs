@@ -147,8 +147,8 @@ impl StepPipeline {
     }
 
     /// `module` with rank 0's weights on every rank (the first step of `prepare_model`).
-    pub fn broadcast_initial<M: Module>(&self, module: M) -> Result<M> {
-        broadcast_module(self.strategy.as_ref(), module)
+    pub fn broadcast_initial<M: Module>(&self, module: M, ids: &[u64]) -> Result<M> {
+        broadcast_module(self.strategy.as_ref(), module, ids)
     }
 
     /// The last step of `prepare_model`: a sharded strategy learns the model's parameters, and under

@@ -27,7 +27,7 @@ impl Accelerator {
     /// - Otherwise: `before`, every block and `after` on the whole model, then [`backward`](Self::backward).
     ///
     /// `before` and `after` are given the model with everything outside the blocks whole (under `FULL_SHARD` the
-    /// blocks in it are this rank's placeholders: reach the blocks only through `block`). The device's random
+    /// blocks in it are this rank's slices: reach the blocks only through `block`). The device's random
     /// number generator is reseeded before each block, with the same value in its forward pass and its
     /// recompute, so that dropout draws the same masks in both. Burn's generators are process-wide, so while the
     /// blocks draw random numbers, ranks of one process ([`launch`](crate::launch)) take turns to run `before`,

@@ -169,8 +169,9 @@ impl AcceleratorBuilder {
 
     /// How much of the training state each rank holds (default [`ShardingStrategy::NoShard`]): with
     /// [`ShardGradOp`](ShardingStrategy::ShardGradOp) each rank keeps the reduced gradients and optimizer state of
-    /// its own parameters only; with [`FullShard`](ShardingStrategy::FullShard) its own parameters too, between
-    /// steps. Overrides the config file's `distributed_type: FSDP` and `FSDP_SHARDING_STRATEGY`.
+    /// its own dim-0 slice of every parameter only (FSDP2's even slices); with
+    /// [`FullShard`](ShardingStrategy::FullShard) its slices of the parameters too, between steps. Overrides the
+    /// config file's `distributed_type: FSDP` and `FSDP_SHARDING_STRATEGY`.
     ///
     /// ```
     /// use burn_accelerate::{Accelerator, ShardingStrategy};
@@ -186,10 +187,11 @@ impl AcceleratorBuilder {
     ///         let x = Tensor::<2>::ones([4, 8], acc.device());
     ///         acc.backward(acc.unshard(&model)?.forward(x).sum(), &model)?;
     ///         let _model = optimizer.try_step(model)?;
-    ///         // Weight (64 values) on one rank, bias (8) on the other: each holds Adam's state for its own.
-    ///         Ok(optimizer.inner().to_record().len())
+    ///         // Each rank steps 4 of the weight's 8 rows and 4 of the bias's 8 values: Adam's two moments of
+    ///         // 36 f32 values.
+    ///         optimizer.state_bytes()
     ///     })?;
-    /// assert_eq!(states, vec![2, 2]);
+    /// assert_eq!(states, vec![2 * 36 * 4, 2 * 36 * 4]);
     /// # Ok::<(), burn_accelerate::Error>(())
     /// ```
     pub fn sharding(mut self, strategy: ShardingStrategy) -> Self {

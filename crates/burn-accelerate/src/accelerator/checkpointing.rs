@@ -211,7 +211,12 @@ impl Accelerator {
         self.pipeline.check_no_pending_gradients("save_state")?;
         let scaler = self.loss_scaler();
         let strategy = self.pipeline.strategy();
-        let scopes = (strategy.optimizer_state(), strategy.model_state());
+        let splits = strategy
+            .splits()
+            .iter()
+            .map(|(id, split)| crate::checkpoint::repartition::SavedSplit::of(*id, split))
+            .collect();
+        let scopes = (strategy.optimizer_state(), strategy.model_state(), splits);
         self.checkpointer
             .save_state(&self.group, dir, parts, scaler, scopes)
     }

@@ -337,21 +337,17 @@ impl Accelerator {
         let model = if self.num_processes() == 1 {
             materialize(model)
         } else {
-            // Every rank has seeded and built its model before the main process draws; the other ranks then
-            // receive every lazy value without drawing it.
+            // Every rank has seeded and built its model before the main process draws; the main process draws
+            // each parameter as it sends it, in visiting order, and the other ranks receive every lazy value
+            // without drawing it. Rank 0's parameter ids too: checkpoints key optimizer state by id, and a
+            // sharding strategy keeps each rank's slice under it as the parameter arrives.
             self.wait_for_everyone()?;
-            let model = if self.is_main_process() {
-                materialize(model)
-            } else {
-                model
-            };
-            let model = self.pipeline.broadcast_initial(model)?;
-            // Rank 0's parameter ids too: checkpoints key optimizer state by id.
             let ids: Vec<u64> = crate::grad::param_ids(&model)
                 .iter()
                 .map(|id| id.val())
                 .collect();
             let ids = self.broadcast_object(&ids, 0)?;
+            let model = self.pipeline.broadcast_initial(model, &ids)?;
             crate::distributed::strategy::with_param_ids(model, &ids)
         };
         let model = if self.config.device.device_placement {
@@ -366,15 +362,15 @@ impl Accelerator {
     /// `model` with every parameter whole on this rank, for the forward and backward pass.
     ///
     /// Under [`ShardingStrategy::FullShard`](crate::ShardingStrategy::FullShard) a prepared model holds only this
-    /// rank's parameters between steps (the others are empty placeholders); `unshard` all-gathers them (every
+    /// rank's dim-0 slice of each parameter between steps; `unshard` all-gathers the slices (every
     /// rank must call it, in the same order). Under any other sharding every rank holds the whole model and
     /// this is a cheap clone, so a loop written with it runs unchanged in every mode:
     ///
     /// ```text
     /// let whole = accelerator.unshard(&model)?;
     /// let loss = whole.forward(batch);
-    /// accelerator.backward(loss, &whole)?;      // gradients reduce-scattered: this rank keeps its own
-    /// model = optimizer.try_step(model)?;       // steps this rank's parameters; FULL_SHARD drops the rest again
+    /// accelerator.backward(loss, &whole)?;      // gradients reduce-scattered: this rank keeps its slices
+    /// model = optimizer.try_step(model)?;       // steps this rank's slices; SHARD_GRAD_OP gathers them again
     /// ```
     ///
     /// Pass the whole model to `backward`; drop it after the step, or it keeps the other ranks' parameters
@@ -397,13 +393,17 @@ impl Accelerator {
     ) -> AcceleratedOptimizer {
         let shared = self.pipeline.shared().clone();
         let strategy = self.pipeline.strategy().clone();
-        let kind = crate::optim::optimizer_kind(std::any::type_name_of_val(&optimizer));
+        let type_name = std::any::type_name_of_val(&optimizer);
+        let kinds = (
+            crate::optim::optimizer_kind(type_name),
+            crate::optim::whole_tensor_kind(type_name),
+        );
         AcceleratedOptimizer::new(
             optimizer.into(),
             learning_rate.into(),
             shared,
             strategy,
-            kind,
+            kinds,
         )
     }
 

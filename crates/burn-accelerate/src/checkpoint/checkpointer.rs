@@ -96,7 +96,11 @@ impl Checkpointer {
         dir: Option<&Path>,
         parts: &StateToSave,
         scaler: Option<LossScaler>,
-        (optimizer_state, model_state): (StateScope, StateScope),
+        (optimizer_state, model_state, splits): (
+            StateScope,
+            StateScope,
+            Vec<super::repartition::SavedSplit>,
+        ),
     ) -> Result<PathBuf> {
         // Every rank learns whether every rank may write there (a refusal on one must not leave the others
         // waiting in the save's collectives).
@@ -119,6 +123,7 @@ impl Checkpointer {
             loaders,
             optimizer_state,
             model_state,
+            splits,
         };
         save::save(&dir, parts, ctx)?;
         if automatic {

@@ -11,7 +11,7 @@ use super::fs::{read, with_suffix};
 use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
 use super::repartition;
 use crate::data::DataPosition;
-use crate::distributed::strategy::StateScope;
+use crate::distributed::strategy::{StateScope, Strategy};
 use crate::error::{Error, Result};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use crate::precision::LossScaler;
@@ -214,7 +214,46 @@ impl LoadedState {
     fn same_layout(&self, per_rank: bool, now: Option<StateScope>) -> bool {
         let wants_per_rank = now == Some(StateScope::PerRank);
         per_rank == wants_per_rank
-            && (!per_rank || self.manifest.num_processes == self.num_processes)
+            && (!per_rank
+                || (self.manifest.num_processes == self.num_processes && self.same_splits()))
+    }
+
+    /// Whether the strategy splits the parameters as the saved run did (the same shapes, parts and owners,
+    /// whatever the ids): each rank's saved file holds exactly its part then.
+    fn same_splits(&self) -> bool {
+        let mut saved: Vec<_> = self
+            .manifest
+            .splits
+            .iter()
+            .map(repartition::SavedSplit::layout)
+            .collect();
+        let mut now: Vec<_> = self
+            .strategy
+            .as_ref()
+            .map(|s| s.splits())
+            .unwrap_or_default()
+            .iter()
+            .map(|(id, split)| repartition::SavedSplit::of(*id, split).layout())
+            .collect();
+        saved.sort();
+        now.sort();
+        saved == now
+    }
+
+    /// What this rank holds of parameter `id` under the strategy: its part where it holds parts of what `scope`
+    /// says (the model's parameters, the optimizer's state) per rank, else the whole.
+    fn want(
+        &self,
+        scope: fn(&dyn Strategy) -> StateScope,
+    ) -> impl Fn(burn::module::ParamId) -> repartition::Want + 'static {
+        let strategy = self
+            .strategy
+            .clone()
+            .filter(|s| scope(s.as_ref()) == StateScope::PerRank);
+        move |id| match strategy.as_ref().and_then(|s| s.split(id)) {
+            Some((split, q)) => repartition::Want::Part(split, q),
+            None => repartition::Want::Whole,
+        }
     }
 
     /// The files saved for part `i` of `stem` (`model`, `optimizer`): one per saving rank when `per_rank`, else
@@ -233,7 +272,7 @@ impl LoadedState {
         (0..ranks).map(move |r| {
             let path = file(&self.dir, &stem(per_rank, r), i, "bpk");
             let bytes = Self::checked(&path, &self.manifest.checksums)?;
-            Ok((path, bytes))
+            Ok((r, path, bytes))
         })
     }
 
@@ -252,7 +291,9 @@ impl LoadedState {
                 &mut self.next_model,
             )?;
             let sources = self.saved_files(model_stem, self.manifest.model_per_rank, i);
-            let bytes = repartition::model_bytes(sources, &model)?;
+            let saved = repartition::SavedSplits::new(&self.manifest.splits);
+            let want = self.want(|s| s.model_state());
+            let bytes = repartition::model_bytes(sources, &model, &saved, want)?;
             let path = file(
                 &self.dir,
                 &model_stem(self.manifest.model_per_rank, 0),
@@ -390,10 +431,12 @@ impl LoadedState {
                 self.manifest.optimizers,
                 &mut self.next_optimizer,
             )?;
-            let strategy = self.strategy.clone();
-            let keep = |id| strategy.as_ref().is_none_or(|s| s.owns(id));
-            let bytes =
-                repartition::optimizer_bytes(self.saved_files(optimizer_stem, per_rank, i), keep)?;
+            let saved = repartition::SavedSplits::new(&self.manifest.splits);
+            let bytes = repartition::optimizer_bytes(
+                self.saved_files(optimizer_stem, per_rank, i),
+                &saved,
+                self.want(|s| s.optimizer_state()),
+            )?;
             (
                 i,
                 file(&self.dir, &optimizer_stem(per_rank, 0), i, "bpk"),

@@ -1,8 +1,9 @@
 //! What a checkpoint folder holds: `checkpoint.json` (the manifest, written last: a folder without it is not a
 //! checkpoint), `model.bpk`, `model_1.bpk`, ... (Burn records, which keep parameter ids so the optimizer state
-//! matches; one per rank as `model_rank<i>*.bpk` under `FULL_SHARD`, each holding that rank's parameters and
-//! empty placeholders for the others), `optimizer*.bpk` (one set, or one per rank as `optimizer_rank<i>*.bpk`
-//! under a sharded strategy),
+//! matches; one per rank as `model_rank<i>*.bpk` under `FULL_SHARD`, each holding that rank's dim-0 slices,
+//! written in parallel without gathering), `optimizer*.bpk` (one set, or one per rank as
+//! `optimizer_rank<i>*.bpk` under a sharded strategy; the manifest records how each parameter was split, so a
+//! load on any number of ranks re-cuts the slices),
 //! `scheduler*.bpk`, `objects.json` (registered objects) and one `rank_<i>.json` per rank (data positions).
 
 use std::path::{Path, PathBuf};
@@ -34,7 +35,7 @@ pub(crate) struct Manifest {
     /// checkpoints.
     #[serde(default)]
     pub(crate) optimizer_per_rank: bool,
-    /// Whether each rank saved its own record of each model, holding its own parameters (`FULL_SHARD`). Absent
+    /// Whether each rank saved its own record of each model, holding its slices (`FULL_SHARD`). Absent
     /// in older checkpoints.
     #[serde(default)]
     pub(crate) model_per_rank: bool,
@@ -43,6 +44,11 @@ pub(crate) struct Manifest {
     /// checkpoints, which load unchecked.
     #[serde(default)]
     pub(crate) checksums: std::collections::BTreeMap<String, u32>,
+    /// How a sharded strategy split each trainable parameter over the ranks (rank `k`'s files hold part
+    /// `k % parts`), so that a load on any number of ranks re-cuts the slices. Empty where every rank held every
+    /// parameter whole, and in older checkpoints.
+    #[serde(default)]
+    pub(crate) splits: Vec<super::repartition::SavedSplit>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -11,6 +11,7 @@ use safetensors::tensor::TensorView;
 
 use super::load::resolve;
 use super::manifest::{MANIFEST, Manifest, file, model_stem};
+use super::repartition::{SavedSplits, whole_tensors};
 use super::safetensors::layout::LAYOUT_KEY;
 use super::safetensors::stream::safetensors_dtype;
 use super::safetensors::{SINGLE_FILE, WeightLayout, corrupt};
@@ -26,8 +27,8 @@ struct Merged {
 /// Writes model number `model` (0 for the first) of the training state in `state_dir` as one
 /// `model.safetensors` in `out_dir`, keyed by module path (`encoder.layers.0.weight`) in Burn's layout (the
 /// file records it, so [`load_checkpoint_in_model`](crate::Accelerator::load_checkpoint_in_model) reads it
-/// back as is). Per-rank records are merged: each parameter is taken from the rank that holds it whole (a
-/// `FULL_SHARD` rank holds empty placeholders for the others). Returns the file written.
+/// back as is). Per-rank records are merged: each parameter is joined from the ranks that hold it (a
+/// `FULL_SHARD` rank holds its dim-0 slice of each, joined here in rank order). Returns the file written.
 ///
 /// # Errors
 /// `state_dir` is not a complete checkpoint, holds fewer models, a record is unreadable, or a parameter is
@@ -51,8 +52,7 @@ pub fn merge_weights(state_dir: &Path, out_dir: &Path, model: usize) -> Result<P
     } else {
         1
     };
-    let mut merged: BTreeMap<String, Merged> = BTreeMap::new();
-    for rank in 0..ranks {
+    let sources = (0..ranks).map(|rank| {
         let path = file(
             &dir,
             &model_stem(manifest.model_per_rank, rank),
@@ -60,34 +60,22 @@ pub fn merge_weights(state_dir: &Path, out_dir: &Path, model: usize) -> Result<P
             "bpk",
         );
         let bytes = std::fs::read(&path).map_err(crate::error::io("reading", &path))?;
-        let reader = burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
-            .map_err(|e| corrupt(&path, format!("not a Burn record: {e}")))?;
-        let tensors = reader
-            .into_tensors()
-            .map_err(|e| corrupt(&path, format!("unreadable tensors: {e}")))?;
-        for tensor in tensors {
-            let (name, dtype, shape, _, bytes) = tensor
-                .into_parts()
-                .map_err(|e| corrupt(&path, format!("unreadable tensor: {e}")))?;
-            let shape = shape.to_vec();
-            let whole = shape.iter().product::<usize>() > 0;
-            // The first rank holding a parameter whole wins (replicated ones are the same on every rank); an
-            // empty placeholder stands until then.
-            let keep = match merged.get(&name) {
-                None => true,
-                Some(held) => whole && held.shape.iter().product::<usize>() == 0,
-            };
-            if keep {
-                merged.insert(
-                    name,
-                    Merged {
-                        dtype,
-                        shape,
-                        bytes,
-                    },
-                );
-            }
-        }
+        Ok((rank, path, burn::tensor::Bytes::from_bytes_vec(bytes)))
+    });
+    let saved = SavedSplits::new(&manifest.splits);
+    let mut merged: BTreeMap<String, Merged> = BTreeMap::new();
+    for tensor in whole_tensors(sources, &saved)? {
+        let (name, dtype, shape, _, bytes) = tensor
+            .into_parts()
+            .map_err(|e| corrupt(&dir, format!("unreadable tensor: {e}")))?;
+        merged.insert(
+            name,
+            Merged {
+                dtype,
+                shape: shape.to_vec(),
+                bytes,
+            },
+        );
     }
     if merged.is_empty() {
         return Err(Error::InvalidArgument(format!(
@@ -98,7 +86,7 @@ pub fn merge_weights(state_dir: &Path, out_dir: &Path, model: usize) -> Result<P
     if manifest.model_per_rank
         && let Some((name, _)) = merged
             .iter()
-            .find(|(_, m)| m.shape.iter().product::<usize>() == 0)
+            .find(|(_, m)| m.shape.iter().product::<usize>() == 0 && !m.shape.is_empty())
     {
         return Err(corrupt(
             &dir,

@@ -20,7 +20,7 @@ mod load;
 mod manifest;
 mod merge;
 mod project;
-mod repartition;
+pub(crate) mod repartition;
 pub mod safetensors;
 mod save;
 

@@ -1,7 +1,9 @@
 //! Records re-cut for another partition of the parameters: what lets a state saved by N ranks (or under another
 //! strategy) load on M. A checkpoint's records are Burn's burnpack files, keyed by parameter id (optimizer
-//! state) or module path (models); each rank reads the saved files one at a time and keeps only what it holds
-//! under its own partition, so no rank ever holds more optimizer state than it trains with.
+//! state) or module path (models); a sharded save holds one file per rank with that rank's dim-0 slices, and the
+//! manifest says how each parameter was split ([`SavedSplits`]). Each rank reads the saved files one at a time
+//! and copies out of each only the elements of its own slices, so no rank ever holds more than its share (and
+//! the one file it is reading).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -9,9 +11,10 @@ use std::path::{Path, PathBuf};
 use burn::module::{Module, ParamId};
 use burn::tensor::Bytes;
 use burn_pack::{Reader, Writer};
+use serde::{Deserialize, Serialize};
 
+use crate::distributed::strategy::{Split, SplitKind};
 use crate::error::{Error, Result};
-use crate::named_params::Kind;
 
 fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
     Error::Checkpoint {
@@ -20,8 +23,68 @@ fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-/// One saved record file and the bytes `read` gave for it (checked against its checksum where one was recorded).
-pub(crate) type Source = (PathBuf, Bytes);
+/// One saved record file: the rank that wrote it, its path and the bytes `read` gave for it (checked against
+/// its checksum where one was recorded).
+pub(crate) type Source = (usize, PathBuf, Bytes);
+
+/// How one parameter was split when the checkpoint was saved, as its manifest records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SavedSplit {
+    /// The parameter's id.
+    pub id: u64,
+    /// Its whole shape.
+    pub dims: Vec<usize>,
+    /// The ranks it was split over (a shard group: rank `k`'s file holds part `k % parts`).
+    pub parts: usize,
+    /// The rank holding it whole, or `None` where it was cut in rows.
+    pub owner: Option<usize>,
+}
+
+impl SavedSplit {
+    /// What `split` of parameter `id` saves.
+    pub fn of(id: ParamId, split: &Split) -> Self {
+        Self {
+            id: id.val(),
+            dims: split.dims().to_vec(),
+            parts: split.parts(),
+            owner: match split.kind() {
+                SplitKind::Rows => None,
+                SplitKind::Whole { owner } => Some(owner),
+            },
+        }
+    }
+
+    fn split(&self) -> Split {
+        let kind = match self.owner {
+            None => SplitKind::Rows,
+            Some(owner) => SplitKind::Whole { owner },
+        };
+        Split::new(self.dims.clone(), self.parts, kind)
+    }
+
+    /// The layout alone (shape, parts, owner), to compare two runs' splits whatever their ids.
+    pub fn layout(&self) -> (Vec<usize>, usize, Option<usize>) {
+        (self.dims.clone(), self.parts, self.owner)
+    }
+}
+
+/// The splits of a saved checkpoint, by saved parameter id.
+#[derive(Debug, Default)]
+pub(crate) struct SavedSplits(HashMap<u64, Split>);
+
+impl SavedSplits {
+    /// The splits the manifest lists.
+    pub fn new(saved: &[SavedSplit]) -> Self {
+        Self(saved.iter().map(|s| (s.id, s.split())).collect())
+    }
+}
+
+/// What this rank wants of one parameter's tensor: the whole, or its part `q` of `split`.
+#[derive(Debug, Clone)]
+pub(crate) enum Want {
+    Whole,
+    Part(Split, usize),
+}
 
 fn reader(path: &Path, bytes: Bytes, what: &str) -> Result<Reader> {
     Reader::from_bytes(bytes).map_err(|e| {
@@ -38,42 +101,214 @@ fn key_id(key: &str) -> Option<u64> {
     key.split('.').next().and_then(|id| id.parse().ok())
 }
 
-/// The optimizer state of the parameters `keep` accepts, taken from every file of `sources` in turn: the
-/// slices N ranks saved re-cut for this rank's partition (or joined, when this rank steps every parameter).
-/// Returns the record's burnpack bytes.
+/// One tensor being assembled from the saved pieces: this rank's wanted elements of the whole.
+struct Assembly {
+    tensor: burn_pack::Tensor,
+    dims: Vec<usize>,
+    /// The elements of the whole this rank wants, and the buffer they go to (padding stays zero).
+    wanted: std::ops::Range<usize>,
+    bytes: Vec<u8>,
+    filled: usize,
+    /// The parts taken so far (the replicas of a hybrid strategy saved the same part: the first copy counts).
+    parts: std::collections::HashSet<usize>,
+}
+
+/// The pieces of each tensor found in the saved files, cut to what this rank wants.
+#[derive(Default)]
+struct Assembler {
+    tensors: BTreeMap<String, Assembly>,
+    /// Tensors that are not pieces of a split parameter: the first copy (every rank saved the same).
+    whole: BTreeMap<String, burn_pack::Tensor>,
+}
+
+impl Assembler {
+    /// Takes tensor `tensor` of rank `rank`'s file: a piece of a split parameter (its shape is that rank's part
+    /// of the saved split) is cut to this rank's wanted elements; anything else is kept whole (first copy).
+    fn take(
+        &mut self,
+        path: &Path,
+        rank: usize,
+        tensor: burn_pack::Tensor,
+        saved: Option<&Split>,
+        want: &Want,
+    ) -> Result<()> {
+        let shape: Vec<usize> = tensor.shape.to_vec();
+        let elems: usize = shape.iter().product();
+        let (split, part) = match saved {
+            Some(split) if split.local_dims(rank % split.parts()) == shape => {
+                (split.clone(), rank % split.parts())
+            }
+            // A placeholder saved by a rank that held none of it (an older checkpoint's owner layout).
+            _ if elems == 0 && !shape.is_empty() => return Ok(()),
+            _ => {
+                if let (Want::Part(split, _), true) = (want, elems > 0) {
+                    // A whole tensor (a replicated save) wanted as a slice: the whole is its only piece.
+                    if split.dims() == shape {
+                        let whole = Split::new(shape, 1, SplitKind::Whole { owner: 0 });
+                        return self.piece(path, tensor, &whole, 0, want);
+                    }
+                }
+                self.whole.entry(tensor.name.clone()).or_insert(tensor);
+                return Ok(());
+            }
+        };
+        self.piece(path, tensor, &split, part, want)
+    }
+
+    /// Copies what this rank wants of `tensor`, part `part` of `split`.
+    fn piece(
+        &mut self,
+        path: &Path,
+        tensor: burn_pack::Tensor,
+        split: &Split,
+        part: usize,
+        want: &Want,
+    ) -> Result<()> {
+        if let Want::Part(target, _) = want
+            && target.dims() != split.dims()
+        {
+            return Err(corrupt(
+                path,
+                format!(
+                    "`{}` was saved with the shape {:?}, the model's is {:?}: it was saved from another model",
+                    tensor.name,
+                    split.dims(),
+                    target.dims()
+                ),
+            ));
+        }
+        let held = split.held(part);
+        if held.is_empty() {
+            // Nothing of the whole (padding, or a placeholder): still remembered, so the tensor is assembled.
+            if !self.tensors.contains_key(&tensor.name) {
+                let size = tensor.dtype.size();
+                let (dims, wanted) = wanted_of(split.dims(), want);
+                let bytes = vec![0u8; dims.iter().product::<usize>() * size];
+                self.tensors.insert(
+                    tensor.name.clone(),
+                    Assembly {
+                        tensor,
+                        dims,
+                        wanted,
+                        bytes,
+                        filled: 0,
+                        parts: Default::default(),
+                    },
+                );
+            }
+            return Ok(());
+        }
+        let size = tensor.dtype.size();
+        let name = tensor.name.clone();
+        let data = tensor
+            .to_bytes()
+            .map_err(|e| corrupt(path, format!("unreadable tensor `{name}`: {e}")))?;
+        let assembly = match self.tensors.entry(name.clone()) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let (dims, wanted) = wanted_of(split.dims(), want);
+                let bytes = vec![0u8; dims.iter().product::<usize>() * size];
+                v.insert(Assembly {
+                    tensor,
+                    dims,
+                    wanted,
+                    bytes,
+                    filled: 0,
+                    parts: Default::default(),
+                })
+            }
+        };
+        if !assembly.parts.insert(part) {
+            return Ok(());
+        }
+        let from = held.start.max(assembly.wanted.start);
+        let to = held.end.min(assembly.wanted.end);
+        if from >= to {
+            return Ok(());
+        }
+        let src = &data[(from - held.start) * size..(to - held.start) * size];
+        let at = from - assembly.wanted.start;
+        if (to - assembly.wanted.start) * size > assembly.bytes.len() || data.len() < src.len() {
+            return Err(corrupt(
+                path,
+                format!("`{name}` does not match the split the manifest records"),
+            ));
+        }
+        assembly.bytes[at * size..(to - assembly.wanted.start) * size].copy_from_slice(src);
+        assembly.filled += to - from;
+        Ok(())
+    }
+
+    /// Every assembled tensor, checked complete, and the whole ones.
+    fn finish(self, last: &Path) -> Result<Vec<burn_pack::Tensor>> {
+        let mut out: Vec<burn_pack::Tensor> = self.whole.into_values().collect();
+        for (name, a) in self.tensors {
+            if a.filled != a.wanted.len() {
+                return Err(corrupt(
+                    last,
+                    format!(
+                        "the saved files hold {} of the {} elements of `{name}` this rank needs: the checkpoint \
+                         is missing a rank's file",
+                        a.filled,
+                        a.wanted.len()
+                    ),
+                ));
+            }
+            out.retain(|t| t.name != name);
+            out.push(burn_pack::Tensor::new(
+                name,
+                a.tensor.dtype,
+                burn_pack::Shape::from(a.dims),
+                a.tensor.param_id,
+                Bytes::from_bytes_vec(a.bytes),
+            ));
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+}
+
+/// The shape of the tensor this rank assembles, and the elements of the whole it holds.
+fn wanted_of(dims: &[usize], want: &Want) -> (Vec<usize>, std::ops::Range<usize>) {
+    match want {
+        Want::Whole => (dims.to_vec(), 0..dims.iter().product()),
+        Want::Part(split, q) => (split.local_dims(*q), split.held(*q)),
+    }
+}
+
+/// The optimizer state this rank steps, re-cut from every file of `sources` in turn: each state tensor of a split
+/// parameter (`saved`, by saved id) is cut to what `want` says this rank holds of it (by the same id); the other
+/// tensors and scalars are taken from the first file holding them. Returns the record's burnpack bytes.
 pub(crate) fn optimizer_bytes(
     sources: impl IntoIterator<Item = Result<Source>>,
-    keep: impl Fn(ParamId) -> bool,
+    saved: &SavedSplits,
+    want: impl Fn(ParamId) -> Want,
 ) -> Result<Bytes> {
-    let kept = |id: u64| keep(ParamId::from(id));
-    let mut tensors = Vec::new();
     let mut scalars = BTreeMap::new();
     let mut metadata = BTreeMap::new();
-    let mut names = std::collections::HashSet::new();
+    let mut assembler = Assembler::default();
+    let mut last = PathBuf::new();
     for source in sources {
-        let (path, bytes) = source?;
+        let (rank, path, bytes) = source?;
         let reader = reader(&path, bytes, "optimizer")?;
         for (key, value) in reader.scalars() {
-            if key_id(key).is_none_or(kept) {
-                scalars.insert(key.clone(), *value);
-            }
+            scalars.entry(key.clone()).or_insert(*value);
         }
         for (key, value) in reader.metadata() {
-            if key_id(key).is_none_or(kept) {
-                metadata.insert(key.clone(), value.clone());
-            }
+            metadata.entry(key.clone()).or_insert(value.clone());
         }
         let read = reader
             .into_tensors()
             .map_err(|e| corrupt(&path, format!("unreadable optimizer record: {e}")))?;
-        // Ranks that hold the same parameters (the replicas of a hybrid strategy) saved the same state: the
-        // first copy is kept.
-        tensors.extend(
-            read.into_iter()
-                .filter(|t| t.param_id.is_none_or(kept) && names.insert(t.name.clone())),
-        );
+        for tensor in read {
+            let id = tensor.param_id.or_else(|| key_id(&tensor.name));
+            let split = id.and_then(|id| saved.0.get(&id));
+            let wanted = id.map_or(Want::Whole, |id| want(ParamId::from(id)));
+            assembler.take(&path, rank, tensor, split, &wanted)?;
+        }
+        last = path;
     }
-    let mut writer = Writer::new(tensors);
+    let mut writer = Writer::new(assembler.finish(&last)?);
     for (key, value) in &scalars {
         writer = writer.with_scalar(key, *value);
     }
@@ -85,40 +320,53 @@ pub(crate) fn optimizer_bytes(
         .map_err(|e| Error::other(format!("re-cutting the optimizer state: {e}")))
 }
 
-/// What `target` needs of each parameter, by module path (the path Burn's records use): whether this rank holds
-/// it whole or as an empty placeholder (`FULL_SHARD`'s parameters of other ranks), with the placeholder's shape
-/// as a record stores it.
-fn wanted<M: Module>(target: &M) -> HashMap<String, Option<Vec<usize>>> {
-    let mut wanted = HashMap::new();
-    crate::named_params::walk(target, |p| {
-        let empty = match p.kind {
-            Kind::Float(param) if param.num_elements() == 0 => Some(param.saved_dims()),
-            _ => None,
-        };
-        wanted.insert(p.name(), empty);
-    });
-    wanted
-}
-
-/// A model record for `target` assembled from `sources` (each a saved record of the same model): every
-/// parameter `target` holds whole is taken from the file that holds it whole (its owner's under `FULL_SHARD`,
-/// or the one replicated record), every placeholder stays a placeholder. Returns the record's burnpack bytes.
-pub(crate) fn model_bytes<M: Module>(
+/// Every tensor of the model records in `sources` whole, joined from the ranks' slices (`merge-weights`).
+pub(crate) fn whole_tensors(
     sources: impl IntoIterator<Item = Result<Source>>,
-    target: &M,
-) -> Result<Bytes> {
-    let mut wanted = wanted(target);
-    let mut chosen: BTreeMap<String, burn_pack::Tensor> = BTreeMap::new();
-    // A placeholder's id and dtype, from any file, for a placeholder no file holds.
-    let mut seen: HashMap<String, (burn_pack::DType, Option<u64>)> = HashMap::new();
+    saved: &SavedSplits,
+) -> Result<Vec<burn_pack::Tensor>> {
+    let mut assembler = Assembler::default();
     let mut last = PathBuf::new();
     for source in sources {
-        let (path, bytes) = source?;
+        let (rank, path, bytes) = source?;
         let read = reader(&path, bytes, "model")?
             .into_tensors()
             .map_err(|e| corrupt(&path, format!("unreadable model record: {e}")))?;
         for tensor in read {
-            let Some(empty) = wanted.get(&tensor.name) else {
+            let split = tensor.param_id.and_then(|id| saved.0.get(&id));
+            assembler.take(&path, rank, tensor, split, &Want::Whole)?;
+        }
+        last = path;
+    }
+    assembler.finish(&last)
+}
+
+/// A model record for `target` assembled from `sources` (each a saved record of the same model, or one rank's
+/// slices of it): each parameter cut to what `want` says this rank holds of it (by `target`'s ids). Returns the
+/// record's burnpack bytes.
+pub(crate) fn model_bytes<M: Module>(
+    sources: impl IntoIterator<Item = Result<Source>>,
+    target: &M,
+    saved: &SavedSplits,
+    want: impl Fn(ParamId) -> Want,
+) -> Result<Bytes> {
+    let mut wanted: HashMap<String, Want> = HashMap::new();
+    crate::named_params::walk(target, |p| {
+        let want = match p.kind {
+            crate::named_params::Kind::Float(param) => want(param.id()),
+            _ => Want::Whole,
+        };
+        wanted.insert(p.name(), want);
+    });
+    let mut assembler = Assembler::default();
+    let mut last = PathBuf::new();
+    for source in sources {
+        let (rank, path, bytes) = source?;
+        let read = reader(&path, bytes, "model")?
+            .into_tensors()
+            .map_err(|e| corrupt(&path, format!("unreadable model record: {e}")))?;
+        for tensor in read {
+            let Some(want) = wanted.get(&tensor.name) else {
                 return Err(corrupt(
                     &path,
                     format!(
@@ -127,45 +375,21 @@ pub(crate) fn model_bytes<M: Module>(
                     ),
                 ));
             };
-            seen.entry(tensor.name.clone())
-                .or_insert((tensor.dtype, tensor.param_id));
-            let held_empty = tensor.shape.num_elements() == 0;
-            if held_empty == empty.is_some() && !chosen.contains_key(&tensor.name) {
-                chosen.insert(tensor.name.clone(), tensor);
-            }
+            let split = tensor.param_id.and_then(|id| saved.0.get(&id));
+            assembler.take(&path, rank, tensor, split, want)?;
         }
         last = path;
     }
-    let mut tensors = Vec::with_capacity(wanted.len());
-    for (name, empty) in wanted.drain() {
-        match (chosen.remove(&name), empty, seen.get(&name)) {
-            (Some(tensor), _, _) => tensors.push(tensor),
-            (None, Some(dims), Some((dtype, id))) => tensors.push(burn_pack::Tensor::new(
-                name,
-                *dtype,
-                dims,
-                *id,
-                Bytes::from_bytes_vec(Vec::new()),
-            )),
-            (None, _, Some(_)) => {
-                return Err(corrupt(
-                    &last,
-                    format!(
-                        "no saved record holds `{name}` whole: the checkpoint is missing a rank's file"
-                    ),
-                ));
-            }
-            (None, _, None) => {
-                return Err(corrupt(
-                    &last,
-                    format!(
-                        "holds nothing for the model's `{name}`: it was saved from another model"
-                    ),
-                ));
-            }
-        }
+    let tensors = assembler.finish(&last)?;
+    if let Some(name) = wanted
+        .keys()
+        .find(|name| !tensors.iter().any(|t| &t.name == *name))
+    {
+        return Err(corrupt(
+            &last,
+            format!("holds nothing for the model's `{name}`: it was saved from another model"),
+        ));
     }
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
     Writer::new(tensors)
         .into_bytes()
         .map_err(|e| Error::other(format!("re-cutting the model record: {e}")))

@@ -102,6 +102,8 @@ pub(crate) struct SaveContext<'a> {
     pub optimizer_state: StateScope,
     /// Whether each model is one record from the main process or one per rank (`FULL_SHARD`).
     pub model_state: StateScope,
+    /// How the strategy split each parameter over the ranks (none where every rank holds every parameter).
+    pub splits: Vec<super::repartition::SavedSplit>,
 }
 
 /// Writes a checkpoint into `dir` atomically, with every rank taking part. Each phase ends with every rank
@@ -238,6 +240,7 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
             ctx.optimizer_state == StateScope::PerRank,
             ctx.model_state == StateScope::PerRank,
         ),
+        splits: ctx.splits.clone(),
     };
     write_synced(
         &partial.join(MANIFEST),

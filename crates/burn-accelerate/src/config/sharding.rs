@@ -10,15 +10,16 @@ use crate::error::{Error, Result};
 /// How the training state is split across ranks, named as Accelerate's FSDP `fsdp_sharding_strategy` (and
 /// DeepSpeed's ZeRO stages).
 ///
-/// Parameters are assigned *whole* to ranks, balanced by size (largest first, each to the rank holding the
-/// fewest elements so far; the same on every rank without communication). Each rank keeps the optimizer state
-/// and the reduced gradients of its own parameters only:
+/// Every trainable parameter is cut along its first dimension into one even slice per rank (FSDP2's `Shard(0)`;
+/// the last slice padded with zero rows, so that every rank holds the same share of every tensor, however large
+/// one tensor is). Each rank keeps the optimizer state and the reduced gradients of its slices only (burn-train's
+/// Learner, whose optimizer steps whole parameters, has each owned whole by one rank, balanced by size):
 ///
 /// | strategy | gradients after the sync step | optimizer state | parameters between steps | ZeRO |
 /// |---|---|---|---|---|
 /// | `NoShard` | all, on every rank (all-reduce) | all | all | DDP |
-/// | `ShardGradOp` | this rank's (reduce-scatter) | this rank's | all (all-gathered after the step) | 2 |
-/// | `FullShard` | this rank's (reduce-scatter) | this rank's | this rank's; gathered block by block by [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks), or whole by [`Accelerator::unshard`](crate::Accelerator::unshard) | 3 |
+/// | `ShardGradOp` | this rank's slices (reduce-scatter) | this rank's slices | all (all-gathered after the step) | 2 |
+/// | `FullShard` | this rank's slices (reduce-scatter) | this rank's slices | this rank's slices (the model never arrives whole at `prepare_model`); gathered block by block by [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks), or whole by [`Accelerator::unshard`](crate::Accelerator::unshard) | 3 |
 /// | `HybridShard` | as `FullShard` within a shard group, then averaged across the groups (all-reduce) | this rank's in its group | as `FullShard`, gathered within the group | 3 within, DDP across |
 /// | `HybridShardZero2` | as `ShardGradOp` within a shard group, then averaged across the groups | this rank's in its group | all | 2 within, DDP across |
 ///

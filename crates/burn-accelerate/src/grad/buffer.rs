@@ -21,6 +21,12 @@ pub(crate) struct GradientBuffer {
     /// The number of dimensions of every stored gradient, by parameter (no shape is kept on the common path: it would cost an allocation
     /// per parameter and step).
     tensor_ranks: HashMap<ParamId, usize>,
+    /// The gradients stored in `flat` that a sharded strategy reduced to this rank's slice: a whole gradient added
+    /// for one of them (the next micro-batch of an accumulation window that synchronises each batch) sets the
+    /// slice aside, and the next reduction adds it back ([`add_reduced`](Self::add_reduced)).
+    reduced: std::collections::HashSet<ParamId>,
+    /// Reduced slices set aside while whole gradients for the same parameters accumulate.
+    set_aside: HashMap<ParamId, (Shape, Tensor<1>)>,
 }
 
 impl std::fmt::Debug for GradientBuffer {
@@ -131,6 +137,40 @@ impl GradientBuffer {
         self.flat.remove(&id)
     }
 
+    /// [`take`](Self::take) of a gradient not yet reduced: `None` where `id`'s stored gradient is a reduced slice
+    /// (set aside, to be added back by [`add_reduced`](Self::add_reduced)) or where there is none.
+    pub(crate) fn take_unreduced(&mut self, id: ParamId) -> Option<(Shape, Tensor<1>)> {
+        if self.reduced.remove(&id) {
+            if let Some(slice) = self.take(id) {
+                self.set_aside.insert(id, slice);
+            }
+            return None;
+        }
+        self.take(id)
+    }
+
+    /// Adds `flat`, this rank's reduced slice of `id`'s gradient, to the slice already reduced in this window
+    /// (stored, or set aside), and stores it as a reduced slice of `shape` (`None`: its parameter's, taken when
+    /// the optimizer takes it).
+    pub(crate) fn add_reduced(&mut self, id: ParamId, shape: Option<Shape>, flat: Tensor<1>) {
+        let earlier = match self.set_aside.remove(&id) {
+            Some(slice) => Some(slice),
+            None if self.reduced.contains(&id) => self.take(id),
+            None => None,
+        };
+        let (shape, flat) = match (earlier, shape) {
+            (Some((earlier_shape, earlier)), shape) => {
+                (Some(shape.unwrap_or(earlier_shape)), earlier + flat)
+            }
+            (None, shape) => (shape, flat),
+        };
+        match shape {
+            Some(shape) => self.put(id, shape, flat),
+            None => self.set_flat(id, flat),
+        }
+        self.reduced.insert(id);
+    }
+
     /// Stores `flat` as the gradient of `id`, of `shape`.
     pub(crate) fn put(&mut self, id: ParamId, shape: Shape, flat: Tensor<1>) {
         self.tensor_ranks.insert(id, shape.num_dims());
@@ -168,6 +208,12 @@ impl GradientBuffer {
 
     /// Adds `grad` to the gradient stored for `id` (or stores it).
     pub(crate) fn add<const D: usize>(&mut self, id: ParamId, grad: Tensor<D>) {
+        if self.reduced.remove(&id)
+            && let Some(slice) = self.take(id)
+        {
+            // A whole gradient for a parameter whose slice was reduced earlier in the window.
+            self.set_aside.insert(id, slice);
+        }
         if let std::collections::hash_map::Entry::Vacant(slot) = self.tensor_ranks.entry(id) {
             slot.insert(D);
             if D <= MAX_SHAPED_RANK {
@@ -221,9 +267,14 @@ impl GradientBuffer {
     /// Adds every gradient of `other` to this buffer's (gradients another pass produced, already reduced).
     pub(crate) fn absorb(&mut self, mut other: GradientBuffer) {
         for id in other.ids() {
+            let reduced = other.reduced.remove(&id);
             let Some((shape, flat)) = other.take(id) else {
                 continue;
             };
+            if reduced {
+                self.add_reduced(id, Some(shape), flat);
+                continue;
+            }
             match self.flat_mut(id) {
                 Some(existing) => *existing = existing.clone() + flat,
                 None => self.put(id, shape, flat),
@@ -331,6 +382,10 @@ impl GradientBuffer {
         };
         module.visit(&mut gather);
         let ids = gather.ids;
+        for id in &ids {
+            self.reduced.remove(id);
+            self.set_aside.remove(id);
+        }
         if ids.len() == self.tensor_ranks.len() {
             self.tensor_ranks.clear();
             return std::mem::take(&mut self.shaped);

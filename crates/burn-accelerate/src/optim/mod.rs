@@ -19,7 +19,7 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 
-use crate::distributed::strategy::{Placed, Strategy, share_stepped};
+use crate::distributed::strategy::{Placed, Strategy, prepare_step, share_stepped};
 use crate::error::Result;
 use crate::grad::window::{SharedStep, StepOutcome};
 
@@ -50,6 +50,21 @@ pub struct AcceleratedOptimizer {
     strategy: Arc<dyn Strategy>,
     steps: u64,
     kind: Option<String>,
+    /// The kind of an optimizer that needs each parameter whole (LAMB, Adafactor, Muon, L-BFGS), checked against
+    /// the strategy at each step.
+    whole_tensor_kind: Option<String>,
+}
+
+/// Burn's optimizers whose update needs a parameter whole: a trust ratio over the tensor (LAMB), factored second
+/// moments (Adafactor), an orthogonalised update (Muon), a line search over every parameter (L-BFGS).
+const WHOLE_TENSOR_OPTIMIZERS: [&str; 4] = ["Lamb", "Adafactor", "Muon", "Lbfgs"];
+
+/// The name of the optimizer type `type_name` when it is one of [`WHOLE_TENSOR_OPTIMIZERS`].
+pub(crate) fn whole_tensor_kind(type_name: &str) -> Option<String> {
+    WHOLE_TENSOR_OPTIMIZERS
+        .iter()
+        .find(|k| type_name.contains(*k))
+        .map(|k| k.to_string())
 }
 
 /// The optimizer's kind from the type handed to `prepare_optimizer` (`Adam`, `Sgd`, ...), or `None` for an
@@ -66,7 +81,7 @@ impl AcceleratedOptimizer {
         lr: ModuleLearningRate,
         shared: SharedStep,
         strategy: Arc<dyn Strategy>,
-        kind: Option<String>,
+        (kind, whole_tensor_kind): (Option<String>, Option<String>),
     ) -> Self {
         Self {
             inner,
@@ -75,6 +90,7 @@ impl AcceleratedOptimizer {
             strategy,
             steps: 0,
             kind,
+            whole_tensor_kind,
         }
     }
 
@@ -91,7 +107,7 @@ impl AcceleratedOptimizer {
     /// `torch.optim.Optimizer.step` with no `.grad`.
     ///
     /// # Panics
-    /// Only under a strategy whose ranks step their own parameters and then exchange them, when that exchange
+    /// Only under a strategy whose ranks step their slices of the parameters and then exchange them, when that exchange
     /// fails (a rank died, a timeout); [`try_step`](Self::try_step) returns that error instead. Data-parallel
     /// and single-device runs exchange nothing after the step.
     pub fn step<M: Module>(&mut self, model: M) -> M {
@@ -110,6 +126,11 @@ impl AcceleratedOptimizer {
         };
         let started = Instant::now();
         let stepped = !grads.is_empty();
+        if let Some(kind) = &self.whole_tensor_kind {
+            self.strategy.check_optimizer(kind)?;
+        }
+        // Each parameter in the shape of its gradient (a rank's slice, under a sharded strategy).
+        let model = prepare_step(self.strategy.as_ref(), model)?;
         let model = if stepped {
             self.inner.step(self.lr.get(), model, grads)
         } else {
@@ -179,6 +200,24 @@ impl AcceleratedOptimizer {
         self.inner = inner;
         self.steps = steps;
         (held, taken)
+    }
+
+    /// Bytes of the optimizer state tensors this rank holds (Adam's two moments of every slice it steps, ...), as
+    /// a checkpoint saves them, without the records' headers: under a sharded strategy, this rank's share.
+    /// It serialises the state to count it: a measurement, not something to call every step.
+    ///
+    /// # Errors
+    /// Burn could not serialise the state.
+    pub fn state_bytes(&self) -> Result<usize> {
+        let bytes = self
+            .inner
+            .to_record()
+            .into_bytes()
+            .map_err(crate::error::Error::other)?;
+        let tensors = burn_pack::Reader::from_bytes(bytes)
+            .and_then(|reader| reader.into_tensors())
+            .map_err(crate::error::Error::other)?;
+        Ok(tensors.iter().map(burn_pack::Tensor::byte_len).sum())
     }
 
     /// The wrapped Burn optimizer.
@@ -305,7 +344,7 @@ mod tests {
             123.0.into(),
             shared.clone(),
             std::sync::Arc::new(crate::distributed::strategy::SingleDevice),
-            None,
+            (None, None),
         );
         let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
         let scheduler = AcceleratedScheduler::new(schedule, &optimizer, shared.clone(), rule);
@@ -425,7 +464,7 @@ mod tests {
             0.5.into(),
             shared.clone(),
             std::sync::Arc::new(crate::distributed::strategy::SingleDevice),
-            None,
+            (None, None),
         );
         let loss = model.forward(Tensor::<2>::ones([1, 2], &device)).sum();
         let mut grads = loss.backward();

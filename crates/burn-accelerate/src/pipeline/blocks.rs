@@ -73,7 +73,7 @@ fn block_ids<M: Blocks>(model: &M) -> HashSet<ParamId> {
 /// Where a block-wise pass puts each part's gradients.
 enum Sink {
     /// Into one local buffer, reduced across ranks as a whole at the end of the pass, as `backward` does.
-    Local(GradientBuffer),
+    Local(Box<GradientBuffer>),
     /// Reduced across ranks part by part (this rank keeps its own), times `scale`, and added to the accumulated
     /// gradients.
     ReducedPerPart { scale: f32, reduced: Reduced },
@@ -113,7 +113,7 @@ impl StepPipeline {
         let blocks = block_ids(model);
         let rest = unshard_except(strategy, model, &blocks)?;
         let mut sink = if !gather_each_block {
-            Sink::Local(GradientBuffer::new())
+            Sink::Local(Box::default())
         } else if self
             .shared
             .lock()
@@ -255,7 +255,7 @@ impl StepPipeline {
         }
 
         match sink {
-            Sink::Local(mut local) => self.process(&mut local, model)?,
+            Sink::Local(mut local) => self.process(&mut *local, model)?,
             Sink::ReducedPerPart { reduced, .. } => {
                 let mut core = self.shared.lock();
                 self.end_backward(&mut core, model, reduced)?;

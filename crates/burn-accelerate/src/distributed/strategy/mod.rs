@@ -12,7 +12,7 @@
 //! |---|---|---|---|
 //! | [`SingleDevice`] | scaled in place | this rank, everything | one file |
 //! | [`DataParallel`] over a [`TensorComm`](crate::distributed::tensor_comm::TensorComm) | bucketed all-reduce (mean) | every rank, everything | one file, from the main process |
-//! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's | each rank, its own parameters; then all-gathered (or dropped: `FULL_SHARD`) | one slice per rank |
+//! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's slices | each rank, its dim-0 slice of every parameter; then all-gathered (`SHARD_GRAD_OP`) or kept (`FULL_SHARD`) | 1/P of every tensor per rank |
 //! | [`Sharded`], hybrid (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`) | reduce-scatter within the shard group, all-reduce across the replicas | as above, within the shard group (a sub-group of the communicator) | one slice per rank (replicas write the same) |
 //!
 //! Data parallelism's implementation of the tensor interface is chosen per run (`on_device::select`, from the
@@ -41,9 +41,9 @@ pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
     ModuleParams, Placed, after_prepare, broadcast_module, materialize, param_fetcher,
-    share_stepped, share_stepped_lazily, unshard, unshard_except, with_param_ids,
+    prepare_step, share_stepped, share_stepped_lazily, unshard, unshard_except, with_param_ids,
 };
-pub(crate) use sharded::{ParamFetcher, Sharded};
+pub(crate) use sharded::{ParamFetcher, Sharded, Split, SplitKind};
 
 use crate::config::AcceleratorConfig;
 use crate::distributed::DistributedType;
@@ -85,7 +85,7 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
 
     /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
     /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank
-    /// contributes zeros. A strategy whose ranks own parameters keeps only the gradients this rank owns.
+    /// contributes zeros. A strategy whose ranks hold slices of the parameters keeps only this rank's slices.
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -166,11 +166,42 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         let _ = renamed;
     }
 
-    /// Whether this rank steps parameter `id` (and so holds its optimizer state): every parameter, unless the
-    /// strategy partitions them between ranks.
-    fn owns(&self, id: ParamId) -> bool {
+    /// How parameter `id` is split over the ranks of the shard group, and this rank's index among them; `None`
+    /// where this rank holds it whole (every parameter, unless the strategy shards them).
+    fn split(&self, id: ParamId) -> Option<(Split, usize)> {
         let _ = id;
-        true
+        None
+    }
+
+    /// How every parameter the strategy splits is split (for a checkpoint's manifest); none where every rank
+    /// holds every parameter whole.
+    fn splits(&self) -> Vec<(ParamId, Split)> {
+        Vec::new()
+    }
+
+    /// Whether an optimizer of kind `optimizer` (its type's name) can step what this rank holds; where it cannot
+    /// (it needs whole tensors and the strategy cuts them), an error saying what to use instead.
+    ///
+    /// # Errors
+    /// The optimizer needs whole tensors and the strategy cuts them into slices.
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        let _ = optimizer;
+        Ok(())
+    }
+
+    /// A parameter arrived whole from rank 0 at `prepare_model` (`id`: rank 0's id, `dims`: its shape, `trains`:
+    /// whether it tracks a gradient): what this rank keeps of it, flat, and in which shape. Every rank calls it
+    /// for every float parameter, in visiting order. A strategy that shards parameters keeps only this rank's
+    /// slice, so that the model never arrives whole; by default the whole value.
+    fn arrived(
+        &self,
+        id: ParamId,
+        dims: &[usize],
+        trains: bool,
+        whole: Tensor<1>,
+    ) -> (Tensor<1>, Vec<usize>) {
+        let _ = (id, trains);
+        (whole, dims.to_vec())
     }
 
     /// The last step of `prepare_model`: the strategy learns the model's parameters (owners, whole shapes) and
@@ -185,6 +216,13 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     /// gathers its blocks one at a time). Every rank runs the same collectives, whatever it holds.
     fn unshard(&self, params: &mut ModuleParams<'_>, kept: &HashSet<ParamId>) -> Result<()> {
         let _ = (params, kept);
+        Ok(())
+    }
+
+    /// Before an optimizer steps `params` with the gradients this rank holds: gives each parameter the shape its
+    /// gradient has (a strategy that keeps parameters whole but gradients in slices cuts them here).
+    fn before_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        let _ = params;
         Ok(())
     }
 

@@ -46,18 +46,10 @@ impl ParamEntry {
     }
 }
 
-/// How a replaced parameter gets its new value.
-enum NewValue {
-    /// This value, flat.
-    Given(Box<Tensor<1>>),
-    /// Computed from the parameter's own value, flat, moved out of the model when the table is applied (so a
-    /// buffer the model alone holds is handed over, not copied).
-    FromOwn(Box<dyn FnOnce(Tensor<1>) -> Result<Tensor<1>>>),
-}
-
 /// A new value for one parameter, written back by [`ParamTable::apply`].
 struct Replacement {
-    value: NewValue,
+    /// The new value, flat.
+    value: Tensor<1>,
     dims: Vec<usize>,
     /// Whether the new value tracks a gradient (on an autodiff device): a gathered parameter does, a placeholder
     /// does not.
@@ -118,54 +110,19 @@ impl ParamTable {
     /// Gives parameter `id` the value `flat` in the shape `dims`; a value that `trains` tracks a gradient on an
     /// autodiff device.
     pub fn replace(&mut self, id: ParamId, flat: Tensor<1>, dims: Vec<usize>, trains: bool) {
-        self.set(id, NewValue::Given(Box::new(flat)), dims, trains);
-    }
-
-    /// Gives parameter `id` the value `compute` makes of its own value (flat) in the shape `dims`, when the table
-    /// is applied: the parameter's buffer is moved out of the model into `compute`, not copied, when the model
-    /// alone holds it. [`apply`](Self::apply) runs these in visiting order, after the hook that asked for them, so
-    /// collectives inside `compute` are called in the same order on every rank.
-    pub fn replace_from_own(
-        &mut self,
-        id: ParamId,
-        dims: Vec<usize>,
-        trains: bool,
-        compute: impl FnOnce(Tensor<1>) -> Result<Tensor<1>> + 'static,
-    ) {
-        self.set(id, NewValue::FromOwn(Box::new(compute)), dims, trains);
-    }
-
-    fn set(&mut self, id: ParamId, value: NewValue, dims: Vec<usize>, trains: bool) {
         let replacement = Replacement {
-            value,
+            value: flat,
             dims,
             trains,
         };
         self.replaced.insert(id, replacement);
     }
 
-    /// Replaces parameter `id` by an empty placeholder of its kind (first dimension 0: no memory) that tracks no
-    /// gradient; a placeholder already is one.
-    pub fn drop_value(&mut self, id: ParamId) {
-        let Some(entry) = self.get(id) else {
-            return;
-        };
-        if entry.is_placeholder() || entry.dims.is_empty() {
-            return;
-        }
-        let mut dims = entry.dims.clone();
-        dims[0] = 0;
-        let flat = Tensor::<1>::zeros([0], (&entry.device, entry.dtype));
-        self.replace(id, flat, dims, false);
-    }
-
     /// `module` with the replaced parameters' new values, keeping ids and gradient settings. The table's own
-    /// handles on the values are dropped first, so that a value computed from a parameter's own
-    /// ([`replace_from_own`](Self::replace_from_own)) receives the model's buffer itself.
+    /// handles on the values are dropped first, so that a replaced value's memory is freed as it is written.
     ///
     /// # Errors
-    /// A replacement whose shape has another number of dimensions than its parameter; the first error of a
-    /// computed value (the ones after it are not computed).
+    /// A replacement whose shape has another number of dimensions than its parameter.
     pub fn apply<M: Module>(self, module: M) -> Result<M> {
         struct Write {
             replaced: HashMap<ParamId, Replacement>,
@@ -189,36 +146,18 @@ impl ParamTable {
                     return param;
                 }
                 param.map(|old| {
-                    let (device, dtype) = (old.device(), old.dtype());
-                    let flat = match new.value {
-                        NewValue::Given(flat) => {
-                            drop(old);
-                            Ok(*flat)
-                        }
-                        NewValue::FromOwn(compute) => {
-                            let n = old.shape().num_elements();
-                            compute(old.reshape([n]))
-                        }
-                    };
-                    match flat {
-                        Ok(flat) => {
-                            let value = flat.reshape(dims);
-                            if new.trains && value.device().is_autodiff() {
-                                // A new leaf, whatever graph the value came from.
-                                let value = if value.is_tracked() {
-                                    value.detach()
-                                } else {
-                                    value
-                                };
-                                value.require_grad()
-                            } else {
-                                value
-                            }
-                        }
-                        Err(e) => {
-                            self.error = Some(e);
-                            Tensor::zeros(dims, (&device, dtype))
-                        }
+                    drop(old);
+                    let value = new.value.reshape(dims);
+                    if new.trains && value.device().is_autodiff() {
+                        // A new leaf, whatever graph the value came from.
+                        let value = if value.is_tracked() {
+                            value.detach()
+                        } else {
+                            value
+                        };
+                        value.require_grad()
+                    } else {
+                        value
                     }
                 })
             }
@@ -226,7 +165,7 @@ impl ParamTable {
         let Self {
             entries, replaced, ..
         } = self;
-        // The entries hold handles on the model's values: gone before a computed value takes its buffer.
+        // The entries hold handles on the model's values: gone before the values are replaced.
         drop(entries);
         if replaced.is_empty() {
             return Ok(module);
@@ -291,7 +230,8 @@ mod tests {
         let device = table.get(ids[2]).unwrap().device.clone();
         let new = Tensor::<1>::from_floats([5.0, 7.0], &device);
         table.replace(ids[2], new, vec![2, 1], true);
-        table.drop_value(ids[1]);
+        let empty = Tensor::<1>::zeros([0], &device);
+        table.replace(ids[1], empty, vec![0], false);
         let out = table.apply(net).unwrap();
 
         assert_eq!(values(out.a.weight.val().reshape([6])), a_weight);
@@ -304,33 +244,6 @@ mod tests {
         assert_eq!(bias.val().dims(), [0]);
         let again = ParamTable::of(&out);
         assert!(again.get(ids[1]).unwrap().is_placeholder());
-    }
-
-    #[test]
-    fn a_value_computed_from_a_parameters_own_is_written_back_and_an_error_stops_the_rest() {
-        let net = net();
-        let (a, b) = (net.a.weight.id, net.b.weight.id);
-        let a_weight = values(net.a.weight.val().reshape([6]));
-        let mut table = ParamTable::of(&net);
-        table.replace_from_own(a, vec![3, 2], true, |own| Ok(own.mul_scalar(2.0)));
-        let out = table.apply(net).unwrap();
-        let doubled: Vec<f32> = a_weight.iter().map(|x| x * 2.0).collect();
-        assert_eq!(values(out.a.weight.val().reshape([6])), doubled);
-        assert!(out.a.weight.val().is_require_grad());
-
-        let mut table = ParamTable::of(&out);
-        let ran = std::rc::Rc::new(std::cell::Cell::new(false));
-        let later = ran.clone();
-        table.replace_from_own(a, vec![3, 2], true, |_| {
-            Err(Error::InvalidArgument("broadcast failed".into()))
-        });
-        table.replace_from_own(b, vec![2, 1], true, move |own| {
-            later.set(true);
-            Ok(own)
-        });
-        let err = table.apply(out).unwrap_err().to_string();
-        assert!(err.contains("broadcast failed"), "{err}");
-        assert!(!ran.get(), "a computed value after an error must not run");
     }
 
     #[test]

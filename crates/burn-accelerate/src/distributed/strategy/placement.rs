@@ -14,11 +14,18 @@ use crate::error::{Error, Result};
 /// Returns `module` with every float parameter replaced by rank 0's value (Accelerate's DDP wrapping does the
 /// same), keeping ids and gradient settings. Called on several ranks only (`prepare_model`).
 ///
-/// A parameter that is still lazy (Burn draws parameters at their first use) is drawn on rank 0 only: the other
-/// ranks receive its value without running its initializer, so they never draw from a random generator they may
-/// share with rank 0 (in-process ranks share the device's).
-pub(crate) fn broadcast_module<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
-    from_rank_0(strategy, module)
+/// A parameter that is still lazy (Burn draws parameters at their first use) is drawn on rank 0 only, when the
+/// walk reaches it: the other ranks receive its value without running its initializer, so they never draw from
+/// a random generator they may share with rank 0 (in-process ranks share the device's). `ids` are rank 0's
+/// parameter ids in visiting order: each parameter, as it arrives, is handed to the strategy under its id
+/// ([`Strategy::arrived`]), which keeps only this rank's slice where it shards parameters, so that no rank holds
+/// more than its slices and the one whole parameter arriving.
+pub(crate) fn broadcast_module<M: Module>(
+    strategy: &dyn Strategy,
+    module: M,
+    ids: &[u64],
+) -> Result<M> {
+    from_rank_0(strategy, module, ids)
 }
 
 /// `module` with its float parameters renamed to `ids` (visiting order), values and settings kept: every rank
@@ -54,31 +61,44 @@ pub(crate) fn materialize<M: Module>(module: M) -> M {
     module
 }
 
-/// Returns `module` with every float parameter replaced by rank 0's value, keeping ids and gradient settings.
-fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+/// Returns `module` with every float parameter replaced by rank 0's value (or the part of it the strategy keeps),
+/// keeping ids and gradient settings.
+fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Result<M> {
     struct FromOwner<'a> {
         strategy: &'a dyn Strategy,
+        ids: &'a [u64],
+        next: usize,
         error: Option<Error>,
     }
     impl ModuleMapper for FromOwner<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let owner = 0;
+            let id = self
+                .ids
+                .get(self.next)
+                .map_or(param.id, |id| ParamId::from(*id));
+            self.next += 1;
             if self.error.is_some() {
                 return param;
             }
             if !param.is_initialized() && owner != self.strategy.rank() {
-                return self.receive_lazy(param, owner);
+                return self.receive_lazy(param, owner, id);
             }
             let require_grad = param.is_require_grad();
             param.map(|tensor| {
                 let device = tensor.device();
-                let shape = tensor.shape();
+                let dims = tensor.dims().to_vec();
                 let fallback = tensor.clone();
-                let flat = tensor.inner().reshape([shape.num_elements()]);
-                match self.strategy.broadcast(flat, owner) {
+                let flat = tensor.inner().reshape([dims.iter().product::<usize>()]);
+                let arrived = self
+                    .strategy
+                    .broadcast(flat, owner)
+                    .map(|value| self.strategy.arrived(id, &dims, require_grad, value));
+                match arrived {
                     // A new leaf of the autodiff graph, tracked again when the parameter trains.
-                    Ok(value) => {
-                        let value = Tensor::from_inner(value.reshape(shape)).to_device(&device);
+                    Ok((value, dims)) => {
+                        let value = Tensor::from_inner(value.reshape(dims_of::<D>(&dims)))
+                            .to_device(&device);
                         if require_grad {
                             value.require_grad()
                         } else {
@@ -100,14 +120,30 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
             &mut self,
             param: Param<Tensor<D>>,
             owner: usize,
+            id: ParamId,
         ) -> Param<Tensor<D>> {
             let shape = param.lazy_shape();
+            let dims = shape.dims::<D>().to_vec();
             let device = param.lazy_device();
             let buffer = Tensor::<1>::zeros([shape.num_elements()], &device).inner();
             match self.strategy.broadcast(buffer, owner) {
                 Ok(value) => {
-                    let id = param.id;
-                    param.transform_for_load(Tensor::from_inner(value.reshape(shape)), id)
+                    let own = param.id;
+                    let whole = Tensor::from_inner(value.clone().reshape(shape));
+                    let loaded = param.transform_for_load(whole, own);
+                    // Asked of the loaded parameter: asking a lazy one would draw it.
+                    let trains = loaded.is_require_grad();
+                    let (local, local_dims) = self.strategy.arrived(id, &dims, trains, value);
+                    if local_dims == dims {
+                        return loaded;
+                    }
+                    loaded.map(|whole| {
+                        let device = whole.device();
+                        drop(whole);
+                        let local = Tensor::from_inner(local.reshape(dims_of::<D>(&local_dims)))
+                            .to_device(&device);
+                        if trains { local.require_grad() } else { local }
+                    })
                 }
                 Err(e) => {
                     self.error = Some(e);
@@ -116,8 +152,18 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
             }
         }
     }
+    /// `dims` as a shape of `D` dimensions (a strategy keeps a parameter's number of dimensions).
+    fn dims_of<const D: usize>(dims: &[usize]) -> [usize; D] {
+        let mut out = [0; D];
+        for (o, d) in out.iter_mut().zip(dims) {
+            *o = *d;
+        }
+        out
+    }
     let mut mapper = FromOwner {
         strategy,
+        ids,
+        next: 0,
         error: None,
     };
     let module = module.map(&mut mapper);
@@ -230,6 +276,13 @@ pub(crate) fn unshard_except<M: Module>(
         s.unshard(params, kept)
     })
     .map(Placed::into_inner)
+}
+
+/// Before an optimizer steps `module` (see [`Strategy::before_step`]): under a sharded strategy whose ranks hold
+/// whole parameters between steps (`SHARD_GRAD_OP`), each is cut to this rank's slice, the shape of its
+/// gradient; under the others the module comes back untouched.
+pub(crate) fn prepare_step<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
+    placed(strategy, module, |s, params| s.before_step(params)).map(Placed::into_inner)
 }
 
 /// After an optimizer stepped `module` (see [`Strategy::after_step`]): under a sharded strategy, whose ranks step

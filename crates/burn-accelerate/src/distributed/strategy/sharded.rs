@@ -1,36 +1,34 @@
-//! Sharded data parallelism: `SHARD_GRAD_OP` (ZeRO-2) and `FULL_SHARD` (ZeRO-3), as PyTorch's
-//! `ZeroRedundancyOptimizer` partitions: every trainable parameter is owned *whole* by one rank, balanced by size
-//! ([`balanced_owners`]), the same on every rank without communication.
+//! Sharded data parallelism: `SHARD_GRAD_OP` (ZeRO-2) and `FULL_SHARD` (ZeRO-3), as FSDP2 shards: every
+//! trainable parameter is split along its first dimension into one even slice per rank of the shard group (the
+//! last padded; FSDP2's `Shard(0)`, [`Split`]), so that every rank holds the same share of every tensor, however
+//! unequal the tensors are. burn-train's Learner, whose optimizer steps its own model's whole parameters, has
+//! each parameter owned whole by one rank instead, balanced by size ([`balanced_owners`]).
 //!
 //! One sync step:
 //!
 //! ```text
-//! reduce_gradients: each large gradient reduced into its owner's own buffer; the smaller ones reduce-scattered in
-//!                   rounds of at most one bucket ─> each rank keeps its own parameters' mean gradients only
-//! optimizer step:   Burn's optimizer steps only the parameters it has gradients for: this rank's, whose
-//!                   state is all it ever holds
-//! after_step:       SHARD_GRAD_OP: each large parameter broadcast from its owner; the smaller ones all-gathered
-//!                   in rounds
-//!                   FULL_SHARD:    drop the other ranks' parameters again (empty placeholders)
-//! unshard:          FULL_SHARD: gather the other ranks' parameters (as above) for forward and backward
+//! reduce_gradients: the whole gradients reduce-scattered in buckets ─> each rank keeps its slices' mean
+//! before the step: SHARD_GRAD_OP: each parameter cut to this rank's slice (FULL_SHARD holds only that already)
+//! optimizer step:   Burn's optimizer steps the slices with their gradients: its state is 1/P of every tensor
+//! after_step:       SHARD_GRAD_OP: the slices all-gathered in buckets into whole parameters
+//!                   FULL_SHARD:    nothing (each rank keeps its slices)
+//! unshard:          FULL_SHARD: the slices all-gathered for forward and backward
 //! ```
 //!
-//! Burn's optimizers step only the parameters present in the gradients they are given, so nothing of Burn
-//! changes. Large parameters and their gradients (1 MiB and up) move in place, nothing allocated or copied for
-//! them where the model or the gradient buffer alone holds them, as data parallelism's large buckets; the rounds of
-//! the smaller ones bound the host buffers: round `k` carries, from every rank, its `k`-th group of own parameters
-//! of at most one bucket divided by the number of ranks. Every reduction combines the ranks in rank order, so a sharded run has the bits of an
-//! unsharded one.
+//! A bucket's slices travel as one flat collective ([`exchange`]). Every reduction combines the ranks in rank
+//! order and every optimizer Burn ships steps element by element, so a sharded run has the bits of an unsharded
+//! one. The padding rows take part as zeros and are dropped when the slices are joined.
 //!
 //! The strategy never sees the model's type: the pipeline hands its lifecycle hooks (`setup`, `unshard`,
-//! `after_step`, `fetcher`) the model's parameters ([`ModuleParams`]), whose [`ParamTable`] they read and whose
-//! replaced values are written back.
+//! `before_step`, `after_step`, `fetcher`) the model's parameters ([`ModuleParams`]), whose [`ParamTable`] they
+//! read and whose replaced values are written back.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Shape, Tensor};
 
 use super::params::{ParamEntry, ParamTable};
 use super::{BlockPass, ModuleParams, StateScope, Strategy, balanced_owners};
@@ -44,38 +42,28 @@ use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 use crate::grad::NormType;
 
+mod exchange;
 mod fetch;
 mod gather;
+pub(crate) mod split;
 
 pub(crate) use fetch::ParamFetcher;
 use gather::gather;
+pub(crate) use split::{Split, SplitKind};
 
-/// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): its owner and
-/// shape, which a `FULL_SHARD` placeholder no longer shows, and where it lives (a rank that holds none of the
-/// gradients still takes part in their reduction with zeros of the right kind).
+/// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): how it is split
+/// (whole shape included, which a rank's slice no longer shows), and where it lives (a rank that holds none of
+/// the gradients still takes part in their reduction with zeros of the right kind).
 #[derive(Debug, Clone)]
 struct Known {
-    owner: usize,
-    dims: Vec<usize>,
+    split: Split,
     device: Device,
     dtype: DType,
 }
 
-impl Known {
-    /// What `entry` (seen whole) shows, owned by `owner`.
-    fn of(owner: usize, entry: &ParamEntry) -> Self {
-        Self {
-            owner,
-            dims: entry.dims.clone(),
-            device: entry.device.clone(),
-            dtype: entry.dtype,
-        }
-    }
-}
-
-/// Sharded data parallelism over the host reduce-scatter and all-gather of the rank's communicator. Under a
-/// hybrid strategy the state is sharded within `group` (this rank's shard group) and each reduced gradient is then
-/// averaged across `replicas` (the ranks holding the same shard in the other groups).
+/// Sharded data parallelism over the tensor interface's reduce-scatter and all-gather. Under a hybrid strategy
+/// the state is sharded within `group` (this rank's shard group) and each reduced gradient is then averaged across
+/// `replicas` (the ranks holding the same shard in the other groups).
 #[derive(Debug)]
 pub(crate) struct Sharded {
     /// Every rank: the initial weights come from its rank 0.
@@ -89,9 +77,12 @@ pub(crate) struct Sharded {
     mode: ShardingStrategy,
     bucket_elems: usize,
     known: Mutex<HashMap<ParamId, Known>>,
-    /// The owners given to trainable parameters first met after `prepare_model` (a layer frozen then and unfrozen
-    /// since, or replaced), before their shape and placement are learnt from the model ([`Self::adopt`]).
+    /// The owners given to trainable parameters whose gradients were reduced before the strategy saw them whole
+    /// (a layer frozen at `prepare_model` and unfrozen since): each is owned whole by one rank, balanced over
+    /// the new ones alone, so that no known parameter changes hands.
     adopted: Mutex<HashMap<ParamId, usize>>,
+    /// Whether parameters are owned whole (burn-train's Learner) rather than cut in rows.
+    whole_tensors: AtomicBool,
 }
 
 impl Sharded {
@@ -112,6 +103,7 @@ impl Sharded {
             bucket_elems: bucket::max_elements(bucket_bytes),
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
+            whole_tensors: AtomicBool::new(false),
         }
     }
 
@@ -151,13 +143,14 @@ impl Sharded {
             bucket_elems: bucket::max_elements(bucket_bytes),
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
+            whole_tensors: AtomicBool::new(false),
         })
     }
 
     /// How the strategy's exchanges travel, for its name.
     fn exchanges(&self) -> &'static str {
         match self.everyone.name() {
-            "host all-reduce" => "host reduce and broadcast",
+            "host all-reduce" => "host reduce-scatter and all-gather",
             other => other,
         }
     }
@@ -167,7 +160,7 @@ impl Sharded {
         self.shards.world_size()
     }
 
-    /// This rank's index among the ranks the state is sharded over: the owner index of its parameters.
+    /// This rank's index among the ranks the state is sharded over: which slice of every parameter it holds.
     fn shard_rank(&self) -> usize {
         self.shards.rank()
     }
@@ -217,11 +210,85 @@ impl Sharded {
         self.adopted.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The owner of each of `params`: the one remembered for it. A parameter met for the first time (frozen at
-    /// `prepare_model` and unfrozen since, or replaced) gets an owner of its own, balanced over the new ones
-    /// alone, so that no known parameter changes hands (its optimizer state stays where it is). Every rank meets
-    /// the same parameters in the same calls, so every rank gives the same owners.
-    fn owners(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
+    /// The splits of `whole` (`(id, whole number of elements)`, in visiting order, seen whole on every rank) for
+    /// parameters met for the first time: cut in rows, or owned whole (balanced over them alone) when parameters
+    /// are owned whole.
+    fn new_kinds(&self, whole: &[(ParamId, usize)]) -> Vec<SplitKind> {
+        if self.whole_tensors.load(Ordering::Relaxed) {
+            balanced_owners(whole, self.world())
+                .into_iter()
+                .map(|owner| SplitKind::Whole { owner })
+                .collect()
+        } else {
+            vec![SplitKind::Rows; whole.len()]
+        }
+    }
+
+    /// Remembers the split, shape and placement of every trainable parameter of `params` (seen whole), but those
+    /// cut as they arrived ([`Strategy::arrived`]).
+    fn remember(&self, params: &ParamTable) {
+        let trainable: Vec<(ParamId, usize)> = {
+            let known = self.known();
+            params
+                .trainable()
+                .into_iter()
+                .filter(|(id, _)| !known.contains_key(id))
+                .collect()
+        };
+        let kinds = self.new_kinds(&trainable);
+        let world = self.world();
+        let mut known = self.known();
+        for ((id, _), kind) in trainable.iter().zip(kinds) {
+            if let Some(entry) = params.get(*id) {
+                let split = Split::new(entry.dims.clone(), world, kind);
+                known.insert(*id, Known::of(split, entry));
+            }
+        }
+    }
+
+    /// Learns the split of every trainable parameter of `params` met after `prepare_model` while it is still
+    /// whole on every rank, so that it is cut and gathered as the others are: a parameter whose gradients were
+    /// already reduced keeps the owner it was given then.
+    fn adopt(&self, params: &ParamTable) {
+        let new: Vec<(ParamId, usize)> = {
+            let known = self.known();
+            params
+                .entries()
+                .iter()
+                .filter(|e| e.trainable && !known.contains_key(&e.id) && !e.is_placeholder())
+                .map(|e| (e.id, e.num_elements()))
+                .collect()
+        };
+        if new.is_empty() {
+            return;
+        }
+        log::debug!(
+            "sharded: {} parameter(s) first met after prepare_model are sharded from now on",
+            new.len()
+        );
+        let kinds = self.new_kinds(&new);
+        let world = self.world();
+        let mut adopted = self.adopted();
+        let mut known = self.known();
+        for ((id, _), kind) in new.iter().zip(kinds) {
+            let kind = adopted
+                .remove(id)
+                .map_or(kind, |owner| SplitKind::Whole { owner });
+            if let Some(entry) = params.get(*id) {
+                known.insert(
+                    *id,
+                    Known::of(Split::new(entry.dims.clone(), world, kind), entry),
+                );
+            }
+        }
+    }
+
+    /// The split of each of `params` (`(id, whole number of elements)`): the one remembered for it. A parameter
+    /// whose gradient arrives before the strategy saw it whole (frozen at `prepare_model` and unfrozen since) is
+    /// owned whole by one rank, balanced over the new ones alone, so that no known parameter changes hands; its
+    /// shape is learnt when it is next seen whole ([`adopt`](Self::adopt)). Every rank meets the same
+    /// parameters in the same calls, so every rank gives the same splits.
+    fn splits(&self, params: &[(ParamId, usize)]) -> Vec<Split> {
         let known = self.known();
         let mut adopted = self.adopted();
         let new: Vec<(ParamId, usize)> = params
@@ -240,119 +307,71 @@ impl Sharded {
         }
         params
             .iter()
-            .map(|(id, _)| known.get(id).map_or_else(|| adopted[id], |k| k.owner))
-            .collect()
-    }
-
-    /// Learns the shape and placement of every trainable parameter of `params` met after `prepare_model` while it
-    /// is still whole on every rank, so that it can be dropped and gathered again as the others are.
-    fn adopt(&self, params: &ParamTable) {
-        let whole = self.whole_params(params);
-        let owners = self.owners(&whole);
-        let mut known = self.known();
-        let mut adopted = self.adopted();
-        for ((id, _), owner) in whole.iter().zip(owners) {
-            if known.contains_key(id) {
-                continue;
-            }
-            if let Some(entry) = params.get(*id).filter(|e| !e.is_placeholder()) {
-                adopted.remove(id);
-                known.insert(*id, Known::of(owner, entry));
-            }
-        }
-    }
-
-    /// The indices into `params` of the parameters that cross ranks alone: [`bucket::ALONE_ELEMENTS`] or more (or past
-    /// a round's size). Each is reduced into its owner's own buffer and broadcast from it, in place: no buffer is
-    /// allocated or copied for it where the model or the gradient buffer alone holds it (as data parallelism's
-    /// all-reduce of a large gradient).
-    fn large(&self, params: &[(ParamId, usize)]) -> Vec<usize> {
-        let alone = self.alone_elements();
-        (0..params.len())
-            .filter(|i| params[*i].1 >= alone)
-            .collect()
-    }
-
-    fn alone_elements(&self) -> usize {
-        bucket::ALONE_ELEMENTS.min((self.bucket_elems / self.world()).max(1))
-    }
-
-    /// `rounds[k][q]`: the indices into `params` of rank `q`'s own smaller parameters (not [`large`](Self::large))
-    /// that cross ranks in round `k`. Each rank's own, in order, fill groups of at most `bucket / world` elements;
-    /// round `k` holds every rank's `k`-th group (or none).
-    fn rounds(&self, params: &[(ParamId, usize)], owners: &[usize]) -> Vec<Vec<Vec<usize>>> {
-        let world = self.world();
-        let cap = (self.bucket_elems / world).max(1);
-        let alone = self.alone_elements();
-        let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); world];
-        for (q, rank_groups) in groups.iter_mut().enumerate() {
-            let (mut group, mut elems) = (Vec::new(), 0);
-            let small = |(i, (_, n)): &(usize, &(ParamId, usize))| owners[*i] == q && *n < alone;
-            for (i, (_, n)) in params.iter().enumerate().filter(small) {
-                if !group.is_empty() && elems + n > cap {
-                    rank_groups.push(std::mem::take(&mut group));
-                    elems = 0;
-                }
-                group.push(i);
-                elems += n;
-            }
-            if !group.is_empty() {
-                rank_groups.push(group);
-            }
-        }
-        let count = groups.iter().map(Vec::len).max().unwrap_or(0);
-        (0..count)
-            .map(|k| {
-                groups
-                    .iter()
-                    .map(|g| g.get(k).cloned().unwrap_or_default())
-                    .collect()
+            .map(|(id, n)| match known.get(id) {
+                Some(k) => k.split.clone(),
+                None => Split::new(
+                    vec![*n],
+                    self.world(),
+                    SplitKind::Whole { owner: adopted[id] },
+                ),
             })
             .collect()
     }
 
-    /// Remembers the owner, shape and placement of every trainable parameter of `params` (seen whole).
-    fn remember(&self, params: &ParamTable) {
-        let trainable = params.trainable();
-        let owners = balanced_owners(&trainable, self.world());
-        let mut known = self.known();
-        for ((id, _), owner) in trainable.iter().zip(owners) {
-            if let Some(entry) = params.get(*id) {
-                known.insert(*id, Known::of(owner, entry));
-            }
-        }
+    /// The largest number of elements one bucket carries over every rank, and the size from which a parameter
+    /// travels alone.
+    fn bucket_limits(&self) -> (usize, usize) {
+        let cap = self.bucket_elems.max(1);
+        (cap, bucket::ALONE_ELEMENTS.min(cap))
     }
 
-    /// The trainable parameters of `params` with their whole sizes, in visiting order: a placeholder (which
-    /// tracks no gradient) counts as the parameter it stands for.
+    /// The trainable parameters of `params` with their whole sizes, in visiting order: a slice or placeholder
+    /// counts as the parameter it stands for.
     fn whole_params(&self, params: &ParamTable) -> Vec<(ParamId, usize)> {
         let known = self.known();
         params
             .entries()
             .iter()
             .filter_map(|entry| match known.get(&entry.id) {
-                Some(k) => Some((entry.id, k.dims.iter().product())),
+                Some(k) => Some((entry.id, k.split.len())),
                 None => entry.trainable.then(|| (entry.id, entry.num_elements())),
             })
             .collect()
     }
 
-    /// The whole shape of `entry`: the one remembered for it (a placeholder's is empty), else its own.
-    fn whole_dims(&self, entry: &ParamEntry) -> Vec<usize> {
-        self.known()
-            .get(&entry.id)
-            .map_or_else(|| entry.dims.clone(), |k| k.dims.clone())
+    /// The split of `id`, when the strategy knows its shape.
+    fn split_of(&self, id: ParamId) -> Option<Split> {
+        self.known().get(&id).map(|k| k.split.clone())
     }
 
-    /// Drops from `params` every trainable parameter owned by another rank (an empty placeholder of its kind
-    /// takes its place, keeping its id and gradient setting).
-    fn reshard(&self, params: &mut ParamTable) {
-        let whole = self.whole_params(params);
+    /// This rank's buffer of `entry` (split as `split`): its value where it holds the slice already, else the
+    /// slice cut from the whole value it holds.
+    fn local_value(&self, entry: &ParamEntry, split: &Split) -> Tensor<1> {
         let me = self.shard_rank();
-        for ((id, _), owner) in whole.iter().zip(self.owners(&whole)) {
-            if owner != me {
-                params.drop_value(*id);
+        let value = entry.value();
+        if entry.dims == split.local_dims(me) {
+            value
+        } else {
+            split.local_of(value, me)
+        }
+    }
+
+    /// Cuts every trainable parameter of `params` held whole to this rank's slice (or placeholder); one held as a
+    /// slice already stays as it is.
+    fn reshard(&self, params: &mut ParamTable) {
+        let me = self.shard_rank();
+        let order = self.whole_params(params);
+        for (id, _) in order {
+            let (Some(split), Some(entry)) = (self.split_of(id), params.get(id)) else {
+                continue;
+            };
+            let local = split.local_dims(me);
+            if entry.dims == local || entry.dims != split.dims() {
+                continue;
             }
+            let flat = split.local_of(entry.value(), me);
+            let trains = split.local_len(me) > 0;
+            params.replace(id, flat, local, trains);
         }
     }
 
@@ -361,6 +380,25 @@ impl Sharded {
         let known = self.known();
         ids.into_iter()
             .find_map(|id| known.get(&id).map(|k| (k.device.clone(), k.dtype)))
+    }
+
+    /// The dtype each of `ids` travels and is stored in: the remembered one, else `fallback`.
+    fn dtypes(&self, ids: impl IntoIterator<Item = ParamId>, fallback: DType) -> Vec<DType> {
+        let known = self.known();
+        ids.into_iter()
+            .map(|id| known.get(&id).map_or(fallback, |k| k.dtype))
+            .collect()
+    }
+}
+
+impl Known {
+    /// What `entry` (seen whole) shows, split as `split`.
+    fn of(split: Split, entry: &ParamEntry) -> Self {
+        Self {
+            split,
+            device: entry.device.clone(),
+            dtype: entry.dtype,
+        }
     }
 }
 
@@ -402,84 +440,58 @@ impl Strategy for Sharded {
         };
         let me = self.shard_rank();
         self.check_world("hybrid sharded gradient sync", params.len())?;
-        let owners = self.owners(params);
-        // A gradient this rank lacks (its parameter was unused here) takes part as zeros.
-        let zeros = |n: usize| Tensor::<1>::zeros([n], (&device, dtype));
-        // Large gradients: each reduced into its owner's own buffer.
-        for i in self.large(params) {
-            let (id, n) = params[i];
-            let (shape, flat) = match grads.take(id) {
-                Some((shape, grad)) => (Some(shape), grad),
-                None => (None, zeros(n)),
+        let splits = self.splits(params);
+        let own_dtypes = self.dtypes(params.iter().map(|(id, _)| *id), dtype);
+        let (cap, alone) = self.bucket_limits();
+        for members in exchange::buckets(&splits, cap, alone) {
+            // Every rank sends in the dtype of the whole bucket (the same on every rank, whatever it holds).
+            let Some(wire) = bucket::common_dtype(members.iter().map(|&i| own_dtypes[i])) else {
+                continue;
             };
-            let own = flat.dtype();
-            let reduced = self
-                .shards
-                .reduce(
-                    flat,
-                    owners[i],
-                    self.within_shards(scale),
-                    "sharded gradient reduce to its owner",
-                )?
-                .wait()?;
-            if let Some(reduced) = reduced {
-                let flat = bucket::in_dtype(self.across_replicas(reduced, scale)?, own);
-                match shape {
-                    Some(shape) => grads.put(id, shape, flat),
-                    None => grads.set_flat(id, flat),
-                }
-            }
-        }
-        for round in self.rounds(params, &owners) {
-            let counts: Vec<usize> = round
-                .iter()
-                .map(|group| group.iter().map(|i| params[*i].1).sum())
-                .collect();
-            let mut parts = Vec::with_capacity(round.iter().map(Vec::len).sum());
-            let mut shapes = HashMap::new();
-            // Each gradient comes back in its own dtype (a model may mix f32 and half-precision parameters); one
-            // this rank lacked takes the first gradient's.
-            let mut dtypes: HashMap<ParamId, DType> = HashMap::new();
-            for &i in round.iter().flatten() {
+            let mut wholes = Vec::with_capacity(members.len());
+            let mut shapes = Vec::with_capacity(members.len());
+            for &i in &members {
                 let (id, n) = params[i];
-                // Taken out of the buffer (an owner's comes back reduced): moved, not copied, when it is alone in
-                // the round.
-                let grad = match grads.take(id) {
+                // Taken out of the buffer (moved, not copied, when it travels alone); a gradient this rank lacks
+                // (its parameter was unused here) takes part as zeros.
+                match grads.take_unreduced(id) {
                     Some((shape, grad)) => {
-                        if owners[i] == me {
-                            shapes.insert(id, shape);
-                            dtypes.insert(id, grad.dtype());
-                        }
-                        grad
+                        wholes.push(grad);
+                        shapes.push(Some(shape));
                     }
-                    None => zeros(n),
-                };
-                parts.push(grad);
-            }
-            let mine = self
-                .shards
-                .reduce_scatter(
-                    bucket::concat(parts, (&device, dtype)),
-                    &counts,
-                    self.within_shards(scale),
-                    "sharded gradient reduce-scatter",
-                )?
-                .wait()?;
-            let mine = self.across_replicas(mine, scale)?;
-            let sizes: Vec<usize> = round[me].iter().map(|&i| params[i].1).collect();
-            let values = if sizes.len() == 1 {
-                vec![mine]
-            } else {
-                mine.split_with_sizes(sizes, 0)
-            };
-            for (&i, flat) in round[me].iter().zip(values) {
-                let id = params[i].0;
-                let flat = bucket::in_dtype(flat, dtypes.get(&id).copied().unwrap_or(dtype));
-                match shapes.remove(&id) {
-                    Some(shape) => grads.put(id, shape, flat),
-                    // Unused on this rank: it gets its shape when the optimizer takes it.
-                    None => grads.set_flat(id, flat),
+                    None => {
+                        wholes.push(Tensor::<1>::zeros([n], (&device, wire)));
+                        shapes.push(None);
+                    }
                 }
+            }
+            let bucket_splits: Vec<&Split> = members.iter().map(|&i| &splits[i]).collect();
+            let mine = exchange::reduce_scatter(
+                self.shards.as_ref(),
+                &bucket_splits,
+                wholes,
+                (self.within_shards(scale), "sharded gradient reduce-scatter"),
+                (&device, wire),
+            )?;
+            let mine = self.across_replicas(mine, scale)?;
+            let lens = bucket_splits.iter().map(|s| s.local_len(me)).collect();
+            for ((&i, flat), whole_shape) in
+                members.iter().zip(exchange::pieces(mine, lens)).zip(shapes)
+            {
+                let (id, _) = params[i];
+                let split = &splits[i];
+                if split.local_len(me) == 0 {
+                    continue;
+                }
+                let flat = bucket::in_dtype(flat, own_dtypes[i]);
+                // A parameter the strategy has not seen whole (owned whole, adopted) keeps the shape its gradient
+                // had here (or takes its parameter's when the optimizer takes it).
+                let shape = if self.known().contains_key(&id) {
+                    Some(Shape::from(split.local_dims(me)))
+                } else {
+                    whole_shape
+                };
+                grads.add_reduced(id, shape, flat);
             }
         }
         Ok(())
@@ -497,11 +509,33 @@ impl Strategy for Sharded {
 
     fn model_state(&self) -> StateScope {
         if self.mode.reshards_parameters() {
-            // Between steps each rank holds only its own parameters: each writes and reads its own record.
+            // Between steps each rank holds only its slices: each writes its own record, without gathering.
             StateScope::PerRank
         } else {
             StateScope::Replicated
         }
+    }
+
+    fn arrived(
+        &self,
+        id: ParamId,
+        dims: &[usize],
+        trains: bool,
+        whole: Tensor<1>,
+    ) -> (Tensor<1>, Vec<usize>) {
+        if !trains || !self.mode.reshards_parameters() || self.whole_tensors.load(Ordering::Relaxed)
+        {
+            return (whole, dims.to_vec());
+        }
+        let me = self.shard_rank();
+        let split = Split::new(dims.to_vec(), self.world(), SplitKind::Rows);
+        let known = Known {
+            split: split.clone(),
+            device: whole.device(),
+            dtype: whole.dtype(),
+        };
+        self.known().insert(id, known);
+        (split.local_of(whole, me), split.local_dims(me))
     }
 
     fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {
@@ -519,6 +553,13 @@ impl Strategy for Sharded {
         if self.mode.reshards_parameters() {
             gather(self, params, kept)?;
         }
+        Ok(())
+    }
+
+    fn before_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        let params = params.table();
+        self.adopt(params);
+        self.reshard(params);
         Ok(())
     }
 
@@ -556,16 +597,22 @@ impl Strategy for Sharded {
     }
 
     fn no_gradients_held(&self, _operation: &'static str) -> Result<()> {
-        // Each rank holds only its own parameters' gradients, and may own none.
+        // Each rank holds only its slices' gradients (a rank of a Learner's whole-tensor split may own none).
         Ok(())
     }
 
-    fn owns(&self, id: ParamId) -> bool {
-        let owner = match self.known().get(&id) {
-            Some(known) => Some(known.owner),
-            None => self.adopted().get(&id).copied(),
-        };
-        owner.is_none_or(|owner| owner == self.shard_rank())
+    fn splits(&self) -> Vec<(ParamId, Split)> {
+        let mut splits: Vec<(ParamId, Split)> = self
+            .known()
+            .iter()
+            .map(|(id, k)| (*id, k.split.clone()))
+            .collect();
+        splits.sort_by_key(|(id, _)| id.val());
+        splits
+    }
+
+    fn split(&self, id: ParamId) -> Option<(Split, usize)> {
+        self.split_of(id).map(|split| (split, self.shard_rank()))
     }
 
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
@@ -586,15 +633,48 @@ impl Strategy for Sharded {
 
     fn check_learner(&self) -> Result<()> {
         if !self.mode.reshards_parameters() {
+            // burn-train's optimizer steps the Learner's whole parameters: each is owned whole by one rank.
+            self.whole_tensors.store(true, Ordering::Relaxed);
+            let mut known = self.known();
+            let order: Vec<(ParamId, usize)> =
+                known.iter().map(|(id, k)| (*id, k.split.len())).collect();
+            let mut order = order;
+            order.sort_by_key(|(id, _)| id.val());
+            for ((id, _), owner) in order.iter().zip(balanced_owners(&order, self.world())) {
+                if let Some(k) = known.get_mut(id) {
+                    k.split = Split::new(
+                        k.split.dims().to_vec(),
+                        self.world(),
+                        SplitKind::Whole { owner },
+                    );
+                }
+            }
             return Ok(());
         }
         Err(Error::InvalidArgument(format!(
-            "AcceleratedStrategy::new: {} keeps only each rank's own parameters between steps, and burn-train's \
-             Learner runs the forward pass on its model without gathering them; use SHARD_GRAD_OP with the \
-             Learner (gradients and optimizer state sharded), or {} in a loop of your own with \
+            "AcceleratedStrategy::new: {} keeps only each rank's slices of the parameters between steps, and \
+             burn-train's Learner runs the forward pass on its model without gathering them; use SHARD_GRAD_OP \
+             with the Learner (gradients and optimizer state sharded), or {} in a loop of your own with \
              `accelerator.unshard(&model)`",
             self.mode, self.mode
         )))
+    }
+
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        let cut = self
+            .known()
+            .values()
+            .any(|k| k.split.kind() == SplitKind::Rows && k.split.parts() > 1);
+        if cut {
+            return Err(Error::InvalidArgument(format!(
+                "optimizer step: {optimizer} needs each parameter whole (a trust ratio, factored moments or an \
+                 orthogonalised update), and {} cuts every parameter into row slices across the ranks; use an \
+                 element-wise optimizer (Adam, AdamW, SGD, RMSprop, AdaGrad, Lion, Adan) with sharding, or \
+                 NO_SHARD",
+                self.mode
+            )));
+        }
+        Ok(())
     }
 
     fn any_rank(&self, local: bool) -> Result<bool> {

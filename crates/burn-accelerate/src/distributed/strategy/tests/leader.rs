@@ -105,10 +105,6 @@ impl Strategy for Leader {
         StateScope::PerRank
     }
 
-    fn owns(&self, _id: ParamId) -> bool {
-        self.rank() == LEADER
-    }
-
     fn setup(&self, _params: &mut ModuleParams<'_>) -> Result<()> {
         self.calls.set_up.fetch_add(1, Ordering::Relaxed);
         Ok(())

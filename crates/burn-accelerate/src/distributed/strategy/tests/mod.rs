@@ -73,7 +73,7 @@ fn weights(net: &Net) -> Vec<f32> {
 }
 
 /// Trains `Net` with Adam for `steps` steps on 2 ranks (each rank its own data) and returns each rank's
-/// weights and the number of optimizer state records it holds.
+/// weights and the number of optimizer state elements it holds.
 fn train(builder: AcceleratorBuilder, steps: usize) -> Vec<(Vec<f32>, usize)> {
     builder
         .launch(2, move |acc: Accelerator| {
@@ -98,10 +98,22 @@ fn train(builder: AcceleratorBuilder, steps: usize) -> Vec<(Vec<f32>, usize)> {
             // FULL_SHARD holds only this rank's parameters between steps: compare the whole model.
             Ok((
                 weights(&acc.unshard(&net)?),
-                optimizer.inner().to_record().len(),
+                state_elements(optimizer.inner().to_record()),
             ))
         })
         .unwrap()
+}
+
+/// The number of elements of every tensor an optimizer record holds.
+fn state_elements(record: burn::optim::OptimizerRecord) -> usize {
+    let bytes = record.into_bytes().unwrap();
+    burn_pack::Reader::from_bytes(bytes)
+        .unwrap()
+        .into_tensors()
+        .unwrap()
+        .iter()
+        .map(|t| t.shape.num_elements())
+        .sum()
 }
 
 fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
@@ -188,10 +200,10 @@ fn the_transport_is_chosen_from_the_setting_and_named() {
 }
 
 #[test]
-fn sharded_strategies_step_each_parameter_on_its_owner_and_match_data_parallelism() {
+fn sharded_strategies_step_each_ranks_slice_of_every_parameter_and_match_data_parallelism() {
     let replicated = train(AcceleratorBuilder::default(), 20);
-    // Four parameters (32, 16, 8 and 2 elements): rank 0 owns the largest, rank 1 the other three.
-    let per_param = replicated[0].1 / 4;
+    // Four parameters (32, 8, 16 and 2 elements), each cut into two even row slices: each rank holds half of
+    // every tensor's Adam moments.
     assert_eq!(
         replicated[0].1, replicated[1].1,
         "data parallelism: every rank holds all state"
@@ -210,8 +222,150 @@ fn sharded_strategies_step_each_parameter_on_its_owner_and_match_data_parallelis
         }
         assert_eq!(
             (shards[0].1, shards[1].1),
-            (per_param, 3 * per_param),
+            (replicated[0].1 / 2, replicated[0].1 / 2),
             "{mode}: each rank holds its slice"
+        );
+    }
+}
+
+/// Elements of the float parameters of `module` this rank holds.
+fn held_elements<M: Module>(module: &M) -> usize {
+    let mut n = 0;
+    crate::named_params::floats(module, |p| n += p.num_elements());
+    n
+}
+
+/// Elements of the gradients of `module`'s parameters this rank holds.
+fn grad_elements<M: Module>(acc: &Accelerator, module: &M) -> usize {
+    struct Count<'a>(&'a Accelerator, usize);
+    impl burn::module::ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.grad(param) {
+                self.1 += grad.shape().num_elements();
+            }
+        }
+    }
+    let mut count = Count(acc, 0);
+    module.visit(&mut count);
+    count.1
+}
+
+/// A model whose input layer holds 90 % of the parameters (an embedding's or an output head's share in an LLM):
+/// cut in dim-0 slices, every rank holds the same share of it, of the gradients and of the optimizer state, on
+/// 3 and 4 ranks (more ranks than the last layer's rows included), and trains the weights of data parallelism.
+#[test]
+fn one_large_tensor_is_shared_evenly_by_every_rank() {
+    #[derive(Module, Debug)]
+    struct Lopsided {
+        embed: Linear,
+        head: Linear,
+    }
+    for ranks in [3usize, 4] {
+        let run = |mode: ShardingStrategy| {
+            AcceleratorBuilder::default()
+                .sharding(mode)
+                .launch(ranks, move |acc: Accelerator| {
+                    let device = acc.device().clone();
+                    let initial = Lopsided {
+                        embed: linear(30, 8, 0.2, &device),
+                        head: linear(8, 2, 0.7, &device),
+                    };
+                    let mut model = acc.prepare_model(initial)?;
+                    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                    let mut grads = 0;
+                    for step in 0..3 {
+                        let rank = acc.process_index() as f32;
+                        let values: Vec<f32> = (0..60)
+                            .map(|i| ((i as f32 + step as f32) * (0.03 + 0.01 * rank)).cos())
+                            .collect();
+                        let x =
+                            Tensor::<1>::from_floats(values.as_slice(), &device).reshape([2, 30]);
+                        let whole = acc.unshard(&model)?;
+                        let loss = whole
+                            .head
+                            .forward(whole.embed.forward(x))
+                            .powi_scalar(2)
+                            .mean();
+                        acc.backward(loss, &whole)?;
+                        grads = grad_elements(&acc, &whole);
+                        model = optimizer.try_step(model)?;
+                    }
+                    let held = held_elements(&model);
+                    let state = state_elements(optimizer.inner().to_record());
+                    let whole = acc.unshard(&model)?;
+                    Ok((
+                        [
+                            whole.embed.weight.val().into_data(),
+                            whole.head.weight.val().into_data(),
+                        ]
+                        .into_iter()
+                        .flat_map(|d| d.try_to_vec::<f32>().unwrap())
+                        .collect::<Vec<f32>>(),
+                        held,
+                        grads,
+                        state,
+                    ))
+                })
+                .unwrap()
+        };
+        let replicated = run(ShardingStrategy::NoShard);
+        let sharded = run(ShardingStrategy::FullShard);
+        let whole_params = 30 * 8 + 8 + 8 * 2 + 2;
+        assert_eq!(replicated[0].1, whole_params);
+        for rank in 0..ranks {
+            assert_eq!(
+                sharded[rank].0, replicated[rank].0,
+                "{ranks} ranks, rank {rank}: the weights of data parallelism bit for bit"
+            );
+        }
+        for (what, held) in [
+            (
+                "parameters",
+                sharded.iter().map(|r| r.1).collect::<Vec<_>>(),
+            ),
+            ("gradients", sharded.iter().map(|r| r.2).collect()),
+            ("optimizer state", sharded.iter().map(|r| r.3).collect()),
+        ] {
+            let (least, most) = (
+                *held.iter().min().unwrap() as f64,
+                *held.iter().max().unwrap() as f64,
+            );
+            assert!(
+                most <= least * 1.05 && least > 0.0,
+                "{ranks} ranks: the {what} each rank holds differ by more than 5 %: {held:?}"
+            );
+        }
+        // Every rank's share is the whole over the ranks, plus at most one padding row per tensor.
+        let share = whole_params.div_ceil(ranks);
+        assert!(
+            sharded.iter().all(|r| r.1 <= share + 8 + 8 + 2 + 1),
+            "{ranks} ranks: {:?} parameters held, share {share}",
+            sharded.iter().map(|r| r.1).collect::<Vec<_>>()
+        );
+    }
+}
+
+/// An optimizer whose update needs each parameter whole (LAMB's trust ratio) is refused under a strategy that
+/// cuts parameters into row slices, with what to use instead.
+#[test]
+fn a_whole_tensor_optimizer_is_refused_where_parameters_are_cut_in_rows() {
+    let errors = AcceleratorBuilder::default()
+        .sharding(ShardingStrategy::FullShard)
+        .launch(2, |acc: Accelerator| {
+            let device = acc.device().clone();
+            let model = acc.prepare_model(net(&device))?;
+            let lamb = burn::optim::LambConfig::new().build();
+            let mut optimizer = acc.prepare_optimizer(lamb, 1e-2);
+            let whole = acc.unshard(&model)?;
+            let x = Tensor::<2>::ones([3, 4], &device);
+            acc.backward(whole.b.forward(whole.a.forward(x)).sum(), &whole)?;
+            Ok(optimizer.try_step(model).unwrap_err().to_string())
+        })
+        .unwrap();
+    for err in errors {
+        assert!(
+            err.contains("Lamb") && err.contains("FULL_SHARD") && err.contains("AdamW"),
+            "{err}"
         );
     }
 }
@@ -240,17 +394,14 @@ fn a_sharded_strategy_saves_and_restores_each_ranks_optimizer_slice() {
             let _ = state.model(net)?;
             state.optimizer(&mut fresh)?;
             state.finish()?;
-            Ok(fresh.inner().to_record().len())
+            Ok(state_elements(fresh.inner().to_record()))
         })
         .unwrap();
     assert!(dir.join("optimizer_rank0.bpk").is_file());
     assert!(dir.join("optimizer_rank1.bpk").is_file());
     assert!(!dir.join("optimizer.bpk").exists());
-    assert_eq!(
-        restored[1],
-        3 * restored[0],
-        "each rank read back its own slice"
-    );
+    // Half of each of the four tensors' two Adam moments: (16 + 4 + 8 + 1) * 2.
+    assert_eq!(restored, vec![58, 58], "each rank read back its own slice");
     assert!(restored[0] > 0);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = Device::default();
