@@ -21,7 +21,9 @@
 //! The model is a stack of `--layers` square linear layers of `--width` (`--layers 24 --width 2048` is 100.7 M
 //! parameters). Every rank prints what it holds at the end, measured: `rank r/P sharding=... params_at_rest=B
 //! grads=B optimizer_state=B peak_rss=B` (gradients as held after the last synchronising backward, optimizer
-//! state tensors as a checkpoint saves them, peak RSS of the process from `/proc/self/status`); the main process prints
+//! state tensors as a checkpoint saves them, peak RSS of the process from `/proc/self/status`, and `prepare_peak`:
+//! what `prepare_model` added to the resident memory at its peak, meaningful with one rank per process, under a
+//! launcher); `--input` widens the first layer (an embedding's share of the parameters). The main process prints
 //! `final_loss=<x>`, the same with and without sharding.
 
 #[path = "../support/held.rs"]
@@ -51,6 +53,10 @@ struct Args {
     /// Width of every layer.
     #[arg(long, default_value_t = 48)]
     width: usize,
+    /// Inputs of the first layer (default: the width); a larger input layer holds a larger share of the
+    /// parameters, as an embedding does.
+    #[arg(long)]
+    input: Option<usize>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     steps: usize,
@@ -68,14 +74,21 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
         )));
     }
     let device = acc.device().clone();
+    // What `prepare_model` adds to the resident memory at its peak (one rank per process: under a launcher).
+    held::reset_peak();
+    let before_prepare = held::peak("VmRSS:");
     let mut model = acc.prepare_model(initial)?;
+    let arrival = held::peak("VmHWM:").saturating_sub(before_prepare);
+    let input = args.input.unwrap_or(args.width);
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-3);
     let (mut last_loss, mut grads) = (None, 0);
     // What the steps pass through host memory (0 where in-process ranks share a device).
     let before = acc.host_values();
     for step in 0..args.steps {
         let rows = args.batch / ranks;
-        let (x, y) = stack::batch(args.width, (step * args.batch + rank * rows, rows), &device);
+        let samples = (step * args.batch + rank * rows, rows);
+        let (x, _) = stack::batch(input, samples, &device);
+        let (_, y) = stack::batch(args.width, samples, &device);
         let whole = acc.unshard(&model)?;
         let loss = (whole.forward(x) - y).powi_scalar(2).mean();
         last_loss = Some(loss.clone().detach());
@@ -95,7 +108,7 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     let state = optimizer.state_bytes()?;
     println!(
         "rank {rank}/{ranks} sharding={} params_at_rest={at_rest} grads={grads} optimizer_state={state} peak_rss={peak} \
-         host_values={host_values} strategy=\"{}\"",
+         prepare_peak={arrival} host_values={host_values} strategy=\"{}\"",
         acc.config().distributed.sharding,
         acc.strategy_name()
     );
@@ -111,14 +124,23 @@ fn run() -> Result<()> {
     let args = Args::parse();
     let device = ranks::default_device();
     device.seed(11);
-    let initial = Stack::new(args.layers, args.width, &device);
+    // Each rank builds its own model (its parameters lazy: nothing is drawn until `prepare_model`). A clone of one
+    // model kept here would share the values the main process draws, and hold the whole model.
+    let initial = || {
+        Stack::with_input(
+            args.layers,
+            args.input.unwrap_or(args.width),
+            args.width,
+            &device,
+        )
+    };
     let builder = match args.sharding {
         Some(sharding) => Accelerator::builder().sharding(sharding),
         None => Accelerator::builder(),
     };
-    if let Some(loss) = ranks::run_ranks(builder, args.processes, |acc| {
-        train(acc, &args, initial.clone())
-    })? {
+    if let Some(loss) =
+        ranks::run_ranks(builder, args.processes, |acc| train(acc, &args, initial()))?
+    {
         println!("final_loss={loss:.6}");
     }
     Ok(())

@@ -49,3 +49,9 @@ pub fn peak(what: &str) -> u64 {
         })
         .map_or(0, |kib| kib * 1024)
 }
+
+/// Resets the process's peak resident memory (`VmHWM`) to its current resident memory (Linux; nothing elsewhere),
+/// so that the next [`peak`] measures what comes after.
+pub fn reset_peak() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}

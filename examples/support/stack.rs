@@ -14,9 +14,15 @@ pub struct Stack {
 impl Stack {
     /// `layers` layers of `width` inputs and outputs, drawn lazily on `device`.
     pub fn new(layers: usize, width: usize, device: &Device) -> Self {
+        Self::with_input(layers, width, width, device)
+    }
+
+    /// As [`new`](Self::new), with `input` inputs to the first layer (an input layer larger than the others holds
+    /// a larger share of the parameters, as an embedding does).
+    pub fn with_input(layers: usize, input: usize, width: usize, device: &Device) -> Self {
         Self {
             layers: (0..layers)
-                .map(|_| LinearConfig::new(width, width).init(device))
+                .map(|i| LinearConfig::new(if i == 0 { input } else { width }, width).init(device))
                 .collect(),
         }
     }

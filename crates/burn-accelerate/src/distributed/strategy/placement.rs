@@ -86,9 +86,9 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
             }
             let require_grad = param.is_require_grad();
             param.map(|tensor| {
-                let device = tensor.device();
+                let (device, dtype) = (tensor.device(), tensor.dtype());
                 let dims = tensor.dims().to_vec();
-                let fallback = tensor.clone();
+                // The drawn value is moved to the broadcast (a clone kept here would make it copy the whole).
                 let flat = tensor.inner().reshape([dims.iter().product::<usize>()]);
                 let arrived = self
                     .strategy
@@ -107,7 +107,7 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
                     }
                     Err(e) => {
                         self.error = Some(e);
-                        fallback
+                        Tensor::zeros(dims_of::<D>(&dims), (&device, dtype))
                     }
                 }
             })
