@@ -13,6 +13,7 @@ pub struct Stack {
 
 impl Stack {
     /// `layers` layers of `width` inputs and outputs, drawn lazily on `device`.
+    #[allow(dead_code)] // The benches' model; the sharded-training example widens its input layer.
     pub fn new(layers: usize, width: usize, device: &Device) -> Self {
         Self::with_input(layers, width, width, device)
     }
