@@ -385,6 +385,23 @@ pub fn reduce_scatter(acc: &Accelerator) -> Result<()> {
             format!("i64 reduce_scatter of {len} into {counts:?}: rank {r}")
         })?;
     }
+    // A small part right after a large call holds no more memory than it needs: a sharded rank keeps each
+    // reduced gradient slice, and a slice that kept a whole-sized buffer alive held the whole gradient.
+    let large = vec![1.0f32; (1 << 18) * p];
+    comm.reduce_scatter(ReduceBuffer::F32(large), &vec![1 << 18; p], ReduceOp::Sum)?;
+    let small = comm.reduce_scatter(
+        ReduceBuffer::F32(vec![1.0; 4 * p]),
+        &vec![4; p],
+        ReduceOp::Sum,
+    )?;
+    if let ReduceBuffer::F32(part) = &small {
+        check(part.capacity() <= 64, || {
+            format!(
+                "reduce_scatter of 4 values a rank after one of 2^18: the part holds {} values of memory",
+                part.capacity()
+            )
+        })?;
+    }
     Ok(())
 }
 
