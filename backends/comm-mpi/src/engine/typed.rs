@@ -47,7 +47,7 @@ impl MpiComm {
         // allocates (and faults in) nothing.
         // (Its old values are overwritten by MPI: only its length matters.)
         let mut recv = std::mem::take(spare);
-        if recv.capacity() > 2 * block {
+        if recv.capacity() > block + block / 8 {
             // A much larger spare would stay allocated behind this part for as long as the caller keeps it (a
             // rank's slice of a gradient kept whole-sized): a buffer of its own instead.
             recv = Vec::new();
