@@ -25,7 +25,9 @@
 //! without blocks), `--checkpointing` turns activation checkpointing on. Every rank prints what it held:
 //! `rank r/P mode=... params=N params_at_rest=B grads=B optimizer_state=B peak_rss=B peak_vm=B step_secs=S`; the main
 //! process prints `final_loss=<x>`, and `--weights <file>` writes the final weights (every float parameter in
-//! visiting order, little-endian f32) for comparing runs.
+//! visiting order, little-endian f32) for comparing runs. `--state <dir> --save-at K [--kill-after-save]` saves the
+//! training state after step K (each rank its slices; the ranks then SIGKILL themselves), `--state <dir> --resume`
+//! continues from it to `--steps`, on any number of ranks.
 
 #[path = "support/held.rs"]
 mod held;
@@ -42,7 +44,7 @@ use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::AdamConfig;
 use burn::tensor::{Bool, Device, Int, Tensor};
-use burn_accelerate::{Accelerator, Blocks, ReduceOp, Result, ShardingStrategy};
+use burn_accelerate::{Accelerator, Blocks, ReduceOp, Result, ShardingStrategy, StateToSave};
 use clap::Parser;
 
 /// The corpus, one token per byte.
@@ -95,6 +97,18 @@ struct Args {
     /// than training needs).
     #[arg(long)]
     skip_state_bytes: bool,
+    /// The training state's folder, for `--save-at` and `--resume`.
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Save the training state (`save_state`, each rank its slices) after this many steps, into `--state`.
+    #[arg(long)]
+    save_at: Option<usize>,
+    /// After saving, every rank kills itself (SIGKILL), as a preempted job ends.
+    #[arg(long)]
+    kill_after_save: bool,
+    /// Continue from the state in `--state` (saved on any number of ranks) to `--steps`.
+    #[arg(long)]
+    resume: bool,
 }
 
 /// A decoder-only transformer over bytes: token and position embeddings, `layers` causal self-attention layers,
@@ -210,10 +224,24 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     let params = initial.num_params();
     let mut model = acc.prepare_model(initial)?;
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), args.lr);
+    let mut first = 0;
+    if args.resume {
+        let dir = args.state.as_deref().ok_or_else(|| {
+            burn_accelerate::Error::InvalidArgument("--resume needs --state <dir>".into())
+        })?;
+        let mut state = acc.load_state(Some(dir))?;
+        model = state.model(model)?;
+        state.optimizer(&mut optimizer)?;
+        state.finish()?;
+        first = optimizer.num_steps() as usize;
+        if acc.is_main_process() {
+            println!("resumed after step {first} on {ranks} ranks");
+        }
+    }
     let mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, &device);
     let rows = args.batch / ranks;
     let (mut loss_value, mut grads, mut step_secs) = (0.0, 0, 0.0);
-    for step in 0..args.steps {
+    for step in first..args.steps {
         let started = Instant::now();
         let (inputs, targets) = batch((step * args.batch + rank * rows, rows), args.seq, &device);
         let mask = mask.clone().repeat_dim(0, rows);
@@ -243,6 +271,29 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 "step {:>3} loss {loss_value:.4} ({step_secs:.2} s)",
                 step + 1
             );
+        }
+        if args.save_at == Some(step + 1) {
+            let dir = args.state.as_deref().ok_or_else(|| {
+                burn_accelerate::Error::InvalidArgument("--save-at needs --state <dir>".into())
+            })?;
+            acc.save_state(
+                Some(dir),
+                &StateToSave::new().model(&model)?.optimizer(&optimizer)?,
+            )?;
+            if acc.is_main_process() {
+                println!(
+                    "saved the state after step {} (peak RSS {} B)",
+                    step + 1,
+                    held::peak("VmHWM:")
+                );
+            }
+            if args.kill_after_save {
+                acc.wait_for_everyone()?;
+                // SIGKILL: nothing is flushed or cleaned up, as when a job is preempted.
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &std::process::id().to_string()])
+                    .status();
+            }
         }
     }
     let (peak_rss, peak_vm) = (held::peak("VmHWM:"), held::peak("VmPeak:"));

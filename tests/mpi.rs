@@ -370,3 +370,41 @@ fn a_sharded_model_never_arrives_whole_and_one_large_tensor_is_shared_evenly() {
         "the peaks of the ranks that do not draw differ by more than 10 %: {peaks:?}"
     );
 }
+
+/// `scripts/never-whole-demo.sh`, reduced (8 layers of 384, 14.4 M parameters, 4 ranks then 3): each rank
+/// limited (`prlimit --as`) to what its share of block-wise `FULL_SHARD` needs, `NO_SHARD` fails for memory,
+/// `FULL_SHARD` trains, saves its slices, is killed and resumes on 3 ranks, and its weights equal those of
+/// `NO_SHARD` on one process without the limit within 1e-5. The script checks each and fails saying which.
+#[test]
+fn the_never_whole_demonstration_holds_reduced() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/never-whole-demo.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .env("REDUCED", "1")
+        .env("LIMIT_SLACK_MIB", "40")
+        .env("LAYERS", "8")
+        .env("D_MODEL", "384")
+        .env("HEADS", "4")
+        .env("SEQ", "8")
+        .env("BATCH", "12")
+        .env("STEPS", "3")
+        .env("SAVE_AT", "2")
+        .env("RANKS", "4")
+        .env("RESUME_RANKS", "3")
+        .env("LM_BIN", example("transformer_lm"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("== every check held"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for step in [
+        "NO_SHARD, 4 limited ranks: failed:",
+        "saved (",
+        "resumed to step 3",
+    ] {
+        assert!(stdout.contains(step), "{step}: {stdout}");
+    }
+}
