@@ -273,6 +273,11 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             );
         }
         if args.save_at == Some(step + 1) {
+            // What training alone needed, before the save serialises the state.
+            println!(
+                "rank {rank}/{ranks} before_save_peak_vm={}",
+                held::peak("VmPeak:")
+            );
             let dir = args.state.as_deref().ok_or_else(|| {
                 burn_accelerate::Error::InvalidArgument("--save-at needs --state <dir>".into())
             })?;

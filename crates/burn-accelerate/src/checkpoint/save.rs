@@ -12,6 +12,8 @@ use super::fs::{FolderLock, io, parent_dir, sync_dir, with_suffix, write_synced}
 use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
 use crate::data::DataPosition;
 use crate::distributed::strategy::StateScope;
+use burn::tensor::Bytes;
+
 use crate::error::{Error, Result};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use crate::precision::LossScaler;
@@ -20,10 +22,12 @@ use crate::precision::LossScaler;
 /// the loop, so they are passed in rather than registered).
 #[derive(Default)]
 pub struct StateToSave {
-    models: Vec<Vec<u8>>,
-    optimizers: Vec<(Vec<u8>, u64)>,
+    // Burn's serialised records, kept as Burn made them (a copy of a rank's optimizer state is as large as the
+    // state: it is not copied again).
+    models: Vec<Bytes>,
+    optimizers: Vec<(Bytes, u64)>,
     optimizer_kinds: Vec<Option<String>>,
-    schedulers: Vec<Vec<u8>>,
+    schedulers: Vec<Bytes>,
 }
 
 fn record_error(what: &str) -> impl FnOnce(burn::store::RecordError) -> Error + '_ {
@@ -39,7 +43,7 @@ impl StateToSave {
     /// Adds a model (saved with its parameter ids, so its optimizer state matches on load).
     pub fn model<M: Module>(mut self, model: &M) -> Result<Self> {
         self.models
-            .push(super::safetensors::write::record_bytes(model)?.to_vec());
+            .push(super::safetensors::write::record_bytes(model)?);
         Ok(self)
     }
 
@@ -50,8 +54,7 @@ impl StateToSave {
             .to_record()
             .into_bytes()
             .map_err(record_error("optimizer"))?;
-        self.optimizers
-            .push((bytes.to_vec(), optimizer.num_steps()));
+        self.optimizers.push((bytes, optimizer.num_steps()));
         self.optimizer_kinds
             .push(optimizer.kind().map(str::to_string));
         Ok(self)
@@ -72,10 +75,10 @@ impl StateToSave {
         let model = model.into_bytes().map_err(record_error("model"))?;
         let optimizer = optimizer.into_bytes().map_err(record_error("optimizer"))?;
         let scheduler = scheduler.into_bytes().map_err(record_error("scheduler"))?;
-        self.models.push(model.to_vec());
-        self.optimizers.push((optimizer.to_vec(), steps));
+        self.models.push(model);
+        self.optimizers.push((optimizer, steps));
         self.optimizer_kinds.push(None);
-        self.schedulers.push(scheduler.to_vec());
+        self.schedulers.push(scheduler);
         Ok(self)
     }
 
@@ -85,7 +88,7 @@ impl StateToSave {
             .record()
             .into_bytes()
             .map_err(record_error("scheduler"))?;
-        self.schedulers.push(bytes.to_vec());
+        self.schedulers.push(bytes);
         Ok(self)
     }
 }

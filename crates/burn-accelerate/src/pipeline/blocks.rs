@@ -26,7 +26,9 @@ use burn::module::{Module, ParamId};
 use burn::tensor::{Distribution, Tensor};
 
 use super::{Reduced, StepPipeline};
-use crate::distributed::strategy::{BlockPass, trainable_params, unshard, unshard_except};
+use crate::distributed::strategy::{
+    BlockPass, start_unshard, trainable_params, unshard, unshard_except,
+};
 use crate::error::{Error, Result};
 use crate::grad::window::model_key;
 use crate::grad::{GradientBuffer, param_ids};
@@ -146,8 +148,18 @@ impl StepPipeline {
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
         let mut draws = true;
+        // Prefetch (FSDP's forward prefetch): block i + 1's gather is started before block i computes, so it
+        // runs meanwhile; at most two blocks are gathered at once.
+        let mut next = None;
         for (i, b) in model.blocks().iter().enumerate() {
-            let whole = unshard(strategy, b)?.no_grad();
+            let started = match next.take() {
+                Some(started) => started,
+                None => start_unshard(strategy, b)?,
+            };
+            let whole = started.finish()?.no_grad();
+            if let Some(b) = model.blocks().get(i + 1) {
+                next = Some(start_unshard(strategy, b)?);
+            }
             let x = boundaries[i].clone();
             let y = if i == 0 {
                 let _generator = generator();
@@ -195,9 +207,18 @@ impl StepPipeline {
         rest_grads.collect(&rest, &mut grads);
         drop(grads);
 
-        // The blocks in reverse: recompute with a graph, back-propagate the gradient from above.
+        // The blocks in reverse: recompute with a graph, back-propagate the gradient from above; block i - 1's
+        // gather is started before block i computes (FSDP's backward prefetch).
+        let mut next = None;
         for (i, b) in model.blocks().iter().enumerate().rev() {
-            let whole = unshard(strategy, b)?;
+            let started = match next.take() {
+                Some(started) => started,
+                None => start_unshard(strategy, b)?,
+            };
+            let whole = started.finish()?;
+            if let Some(b) = i.checked_sub(1).and_then(|j| model.blocks().get(j)) {
+                next = Some(start_unshard(strategy, b)?);
+            }
             let input = boundaries.pop().expect("one activation per block");
             let needs_input_grad = i > 0 || h0.is_tracked();
             let x = if needs_input_grad {

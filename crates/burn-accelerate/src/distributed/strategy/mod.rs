@@ -41,7 +41,8 @@ pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
     ModuleParams, Placed, after_prepare, broadcast_module, materialize, param_fetcher,
-    prepare_step, share_stepped, share_stepped_lazily, unshard, unshard_except, with_param_ids,
+    prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard, unshard_except,
+    with_param_ids,
 };
 pub(crate) use sharded::{ParamFetcher, Sharded, Split, SplitKind};
 
@@ -50,6 +51,10 @@ use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::grad::{GradientBuffer, NormType};
+
+/// What finishes an unshard started by [`Strategy::start_unshard`]: waits for the gathers and writes the whole
+/// values into the table.
+pub(crate) type FinishUnshard = Box<dyn FnOnce(&mut ParamTable) -> Result<()>>;
 
 /// Where a checkpoint's optimizer state comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,6 +222,18 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     fn unshard(&self, params: &mut ModuleParams<'_>, kept: &HashSet<ParamId>) -> Result<()> {
         let _ = (params, kept);
         Ok(())
+    }
+
+    /// Starts [`unshard`](Self::unshard) of every parameter of `params`: the gathers are issued and run while the
+    /// caller computes (a block-wise pass gathers the next block meanwhile, FSDP's forward and backward
+    /// prefetch); the returned call waits for them and writes the whole values into the table. By default the
+    /// unshard is done now and the returned call has nothing left to do.
+    ///
+    /// # Errors
+    /// As [`unshard`](Self::unshard).
+    fn start_unshard(&self, params: &mut ModuleParams<'_>) -> Result<FinishUnshard> {
+        self.unshard(params, &HashSet::new())?;
+        Ok(Box::new(|_| Ok(())))
     }
 
     /// Before an optimizer steps `params` with the gradients this rank holds: gives each parameter the shape its

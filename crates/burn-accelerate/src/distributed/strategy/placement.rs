@@ -278,6 +278,61 @@ pub(crate) fn unshard_except<M: Module>(
     .map(Placed::into_inner)
 }
 
+/// A gather of a module's parameters started by [`start_unshard`]: [`finish`](Self::finish) gives the whole
+/// module.
+pub(crate) struct UnshardStarted<M> {
+    module: M,
+    table: Option<ParamTable>,
+    finish: super::FinishUnshard,
+}
+
+/// Starts [`unshard`] of `module` (see [`Strategy::start_unshard`]): the gathers run while the caller computes
+/// something else (a block-wise pass, the block before this one). Every rank must start the same modules in the
+/// same order.
+///
+/// # Errors
+/// A gather that failed to start (a rank died, a timeout of an earlier call).
+pub(crate) fn start_unshard<M: Module>(
+    strategy: &dyn Strategy,
+    module: &M,
+) -> Result<UnshardStarted<M>> {
+    let module = module.clone();
+    let read = || ParamTable::of(&module);
+    let mut params = ModuleParams::new(&read);
+    let finish = strategy.start_unshard(&mut params)?;
+    let table = params.into_table();
+    Ok(UnshardStarted {
+        module,
+        table,
+        finish,
+    })
+}
+
+impl<M: Module> UnshardStarted<M> {
+    /// Waits for the gathers and returns the module whole on this rank.
+    ///
+    /// # Errors
+    /// A failed gather (a rank died, a timeout).
+    pub fn finish(self) -> Result<M> {
+        let Self {
+            module,
+            table,
+            finish,
+        } = self;
+        match table {
+            Some(mut table) => {
+                finish(&mut table)?;
+                table.apply(module)
+            }
+            None => {
+                let mut table = ParamTable::of(&module);
+                finish(&mut table)?;
+                table.apply(module)
+            }
+        }
+    }
+}
+
 /// Before an optimizer steps `module` (see [`Strategy::before_step`]): under a sharded strategy whose ranks hold
 /// whole parameters between steps (`SHARD_GRAD_OP`), each is cut to this rank's slice, the shape of its
 /// gradient; under the others the module comes back untouched.

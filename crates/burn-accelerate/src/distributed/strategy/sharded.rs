@@ -556,6 +556,16 @@ impl Strategy for Sharded {
         Ok(())
     }
 
+    fn start_unshard(&self, params: &mut ModuleParams<'_>) -> Result<super::FinishUnshard> {
+        let params = params.table();
+        self.adopt(params);
+        if !self.mode.reshards_parameters() {
+            return Ok(Box::new(|_| Ok(())));
+        }
+        let started = gather::start_gather(self, params, &HashSet::new())?;
+        Ok(Box::new(move |table| started.finish(table)))
+    }
+
     fn before_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
         let params = params.table();
         self.adopt(params);

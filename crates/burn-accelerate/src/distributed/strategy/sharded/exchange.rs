@@ -6,7 +6,7 @@
 use burn::tensor::{DType, Device, Tensor};
 
 use super::split::{Split, SplitKind, padded};
-use crate::distributed::tensor_comm::{Reduction, TensorComm, bucket};
+use crate::distributed::tensor_comm::{Pending, Reduction, TensorComm, bucket};
 use crate::error::Result;
 
 /// `splits` (in order) grouped into buckets of consecutive members whose buffers over every rank add up to at
@@ -100,13 +100,37 @@ pub(super) fn all_gather(
     members: &[&Split],
     locals: Vec<Tensor<1>>,
     operation: &'static str,
-    (device, dtype): (&Device, DType),
+    placement: (&Device, DType),
 ) -> Result<Vec<Tensor<1>>> {
+    start_all_gather(comm, members, locals, operation, placement)?.finish()
+}
+
+/// An all-gather of a bucket started ([`start_all_gather`]): the collective runs while the caller computes, and
+/// [`finish`](Self::finish) waits for it and joins the members' whole values.
+pub(super) struct Gathering {
+    pending: Pending<Tensor<1>>,
+    members: Vec<Split>,
+    counts: Vec<usize>,
+    /// A member owned whole and broadcast from its owner: the gathered buffer is its value.
+    broadcast: bool,
+    placement: (Device, DType),
+}
+
+/// Starts [`all_gather`] and returns without waiting for it.
+pub(super) fn start_all_gather(
+    comm: &dyn TensorComm,
+    members: &[&Split],
+    locals: Vec<Tensor<1>>,
+    operation: &'static str,
+    (device, dtype): (&Device, DType),
+) -> Result<Gathering> {
     let (me, parts) = (comm.rank(), comm.world_size());
     let locals: Vec<Tensor<1>> = locals
         .into_iter()
         .map(|l| bucket::in_dtype(l, dtype))
         .collect();
+    let placement = (device.clone(), dtype);
+    let owned: Vec<Split> = members.iter().map(|s| (*s).clone()).collect();
     if let [split] = members
         && let SplitKind::Whole { owner } = split.kind()
     {
@@ -114,45 +138,68 @@ pub(super) fn all_gather(
             Some(own) if me == owner => own,
             _ => Tensor::zeros([split.len()], (device, dtype)),
         };
-        return Ok(vec![comm.broadcast(flat, owner, operation)?.wait()?]);
+        return Ok(Gathering {
+            pending: comm.broadcast(flat, owner, operation)?,
+            members: owned,
+            counts: Vec::new(),
+            broadcast: true,
+            placement,
+        });
     }
     let counts = counts(members, parts);
     let part = bucket::concat(
         locals.into_iter().filter(|l| l.dims()[0] > 0).collect(),
         (device, dtype),
     );
-    let all = comm.all_gather(part, &counts, operation)?.wait()?;
-    if let [split] = members {
-        // One member: the gathered segments are its rows in order, then the padding.
-        let n = split.len();
-        return Ok(vec![if all.dims()[0] == n {
-            all
-        } else {
-            all.slice(0..n)
-        }]);
-    }
-    let starts: Vec<usize> = counts
-        .iter()
-        .scan(0, |at, c| {
-            let start = *at;
-            *at += c;
-            Some(start)
-        })
-        .collect();
-    let mut offsets = starts;
-    let mut wholes = Vec::with_capacity(members.len());
-    for split in members {
-        let mut pieces = Vec::new();
-        for (q, offset) in offsets.iter_mut().enumerate() {
-            let held = split.held(q).len();
-            if held > 0 {
-                pieces.push(all.clone().slice(*offset..*offset + held));
-            }
-            *offset += split.local_len(q);
+    Ok(Gathering {
+        pending: comm.all_gather(part, &counts, operation)?,
+        members: owned,
+        counts,
+        broadcast: false,
+        placement,
+    })
+}
+
+impl Gathering {
+    /// Waits for the collective and returns every member's whole value (flat).
+    pub fn finish(self) -> Result<Vec<Tensor<1>>> {
+        let all = self.pending.wait()?;
+        if self.broadcast {
+            return Ok(vec![all]);
         }
-        wholes.push(bucket::concat(pieces, (device, dtype)));
+        if let [split] = self.members.as_slice() {
+            // One member: the gathered segments are its rows in order, then the padding.
+            let n = split.len();
+            return Ok(vec![if all.dims()[0] == n {
+                all
+            } else {
+                all.slice(0..n)
+            }]);
+        }
+        let (device, dtype) = (&self.placement.0, self.placement.1);
+        let mut offsets: Vec<usize> = self
+            .counts
+            .iter()
+            .scan(0, |at, c| {
+                let start = *at;
+                *at += c;
+                Some(start)
+            })
+            .collect();
+        let mut wholes = Vec::with_capacity(self.members.len());
+        for split in &self.members {
+            let mut pieces = Vec::new();
+            for (q, offset) in offsets.iter_mut().enumerate() {
+                let held = split.held(q).len();
+                if held > 0 {
+                    pieces.push(all.clone().slice(*offset..*offset + held));
+                }
+                *offset += split.local_len(q);
+            }
+            wholes.push(bucket::concat(pieces, (device, dtype)));
+        }
+        Ok(wholes)
     }
-    Ok(wholes)
 }
 
 /// `flat` cut into consecutive pieces of `lens` elements (one tensor where there is one piece).

@@ -15,6 +15,7 @@ use crate::distributed::comm::ReduceOp;
 use crate::{Accelerator, StateToSave};
 
 mod leader;
+mod prefetch;
 mod shared_device;
 
 #[derive(Module, Debug)]
