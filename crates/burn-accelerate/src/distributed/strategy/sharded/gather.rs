@@ -16,9 +16,12 @@ pub(super) fn gather(
     start_gather(sharded, params, kept)?.finish(params)
 }
 
+/// A parameter a bucket gathers: its id, whole shape and own dtype.
+type Member = (ParamId, Vec<usize>, DType);
+
 /// A gather started: every bucket's all-gather issued, none waited for.
 pub(crate) struct StartedGather {
-    buckets: Vec<(Vec<(ParamId, Vec<usize>, DType)>, Gathering)>,
+    buckets: Vec<(Vec<Member>, Gathering)>,
 }
 
 impl StartedGather {
