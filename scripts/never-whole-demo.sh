@@ -33,16 +33,17 @@ field() { grep -oE "$1=[0-9]+" "$2" | cut -d= -f2 | sort -n | tail -1; }
 ran_out_of_memory() { grep -qE "memory allocation of [0-9]+ bytes failed|out of memory|ran out of memory|Cannot allocate memory" "$1"; }
 
 # What the model's f32 parameters alone take, and what each rank needs for its share: the peak address space of an
-# unlimited block-wise run of a step on RANKS ranks before and after it saves the state, and of a resume from that
-# save on RESUME_RANKS ranks, each plus the slack. Training must fit below the f32 parameters; saving and loading
-# a checkpoint serialise the optimizer state (a copy of it), so they get limits of their own.
-mpi "$ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 1 --state "$out/measure-state" --save-at 1 \
+# unlimited block-wise run of two steps (the second holds the optimizer state) on RANKS ranks before and after it
+# saves the state, and of a resume from that save on RESUME_RANKS ranks, each plus the slack. Training must fit
+# below the f32 parameters; saving and loading a checkpoint serialise the optimizer state (a copy of it), so they
+# get limits of their own.
+mpi "$ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 2 --state "$out/measure-state" --save-at 2 \
   >"$out/measure.log" 2>&1 || { tail -n 20 "$out/measure.log"; fail "the unlimited measuring run failed"; }
 params=$(grep -oE " params=[0-9]+" "$out/measure.log" | head -1 | cut -d= -f2)
 whole_mib=$((params * 4 / 1048576))
 train_limit_mib=${LIMIT_MIB:-$(($(field before_save_peak_vm "$out/measure.log") / 1048576 + slack))}
 save_limit_mib=${SAVE_LIMIT_MIB:-$(($(field peak_vm "$out/measure.log") / 1048576 + slack))}
-mpi "$resume_ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 2 --state "$out/measure-state" --resume \
+mpi "$resume_ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 3 --state "$out/measure-state" --resume \
   >"$out/measure-resume.log" 2>&1 \
   || { tail -n 20 "$out/measure-resume.log"; fail "the unlimited measuring run on $resume_ranks ranks failed"; }
 resume_limit_mib=${RESUME_LIMIT_MIB:-$(($(field peak_vm "$out/measure-resume.log") / 1048576 + slack))}
