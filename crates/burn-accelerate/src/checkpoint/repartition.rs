@@ -320,12 +320,12 @@ pub(crate) fn optimizer_bytes(
         .map_err(|e| Error::other(format!("re-cutting the optimizer state: {e}")))
 }
 
-/// Every tensor of the model records in `sources` whole, joined from the ranks' slices (`merge-weights`).
-pub(crate) fn whole_tensors(
+/// Hands every tensor of the model records in `sources` to `take` (with its file and saving rank), one file at a
+/// time; returns the last file read.
+fn each_model_tensor(
     sources: impl IntoIterator<Item = Result<Source>>,
-    saved: &SavedSplits,
-) -> Result<Vec<burn_pack::Tensor>> {
-    let mut assembler = Assembler::default();
+    mut take: impl FnMut(&Path, usize, burn_pack::Tensor) -> Result<()>,
+) -> Result<PathBuf> {
     let mut last = PathBuf::new();
     for source in sources {
         let (rank, path, bytes) = source?;
@@ -333,11 +333,23 @@ pub(crate) fn whole_tensors(
             .into_tensors()
             .map_err(|e| corrupt(&path, format!("unreadable model record: {e}")))?;
         for tensor in read {
-            let split = tensor.param_id.and_then(|id| saved.0.get(&id));
-            assembler.take(&path, rank, tensor, split, &Want::Whole)?;
+            take(&path, rank, tensor)?;
         }
         last = path;
     }
+    Ok(last)
+}
+
+/// Every tensor of the model records in `sources` whole, joined from the ranks' slices (`merge-weights`).
+pub(crate) fn whole_tensors(
+    sources: impl IntoIterator<Item = Result<Source>>,
+    saved: &SavedSplits,
+) -> Result<Vec<burn_pack::Tensor>> {
+    let mut assembler = Assembler::default();
+    let last = each_model_tensor(sources, |path, rank, tensor| {
+        let split = tensor.param_id.and_then(|id| saved.0.get(&id));
+        assembler.take(path, rank, tensor, split, &Want::Whole)
+    })?;
     assembler.finish(&last)
 }
 
@@ -359,27 +371,19 @@ pub(crate) fn model_bytes<M: Module>(
         wanted.insert(p.name(), want);
     });
     let mut assembler = Assembler::default();
-    let mut last = PathBuf::new();
-    for source in sources {
-        let (rank, path, bytes) = source?;
-        let read = reader(&path, bytes, "model")?
-            .into_tensors()
-            .map_err(|e| corrupt(&path, format!("unreadable model record: {e}")))?;
-        for tensor in read {
-            let Some(want) = wanted.get(&tensor.name) else {
-                return Err(corrupt(
-                    &path,
-                    format!(
-                        "holds `{}`, which the model has no parameter for: it was saved from another model",
-                        tensor.name
-                    ),
-                ));
-            };
-            let split = tensor.param_id.and_then(|id| saved.0.get(&id));
-            assembler.take(&path, rank, tensor, split, want)?;
-        }
-        last = path;
-    }
+    let last = each_model_tensor(sources, |path, rank, tensor| {
+        let Some(want) = wanted.get(&tensor.name) else {
+            return Err(corrupt(
+                path,
+                format!(
+                    "holds `{}`, which the model has no parameter for: it was saved from another model",
+                    tensor.name
+                ),
+            ));
+        };
+        let split = tensor.param_id.and_then(|id| saved.0.get(&id));
+        assembler.take(path, rank, tensor, split, want)
+    })?;
     let tensors = assembler.finish(&last)?;
     if let Some(name) = wanted
         .keys()
