@@ -27,7 +27,7 @@ use burn::tensor::{Distribution, Tensor};
 
 use super::{Reduced, StepPipeline};
 use crate::distributed::strategy::{
-    BlockPass, start_unshard, trainable_params, unshard, unshard_except,
+    BlockPass, FinishReduce, start_unshard, trainable_params, unshard, unshard_except,
 };
 use crate::error::{Error, Result};
 use crate::grad::window::model_key;
@@ -210,6 +210,8 @@ impl StepPipeline {
         // The blocks in reverse: recompute with a graph, back-propagate the gradient from above; block i - 1's
         // gather is started before block i computes (FSDP's backward prefetch).
         let mut next = None;
+        // The last part's reduction, running while the next block computes.
+        let mut in_flight: Option<FinishReduce> = None;
         for (i, b) in model.blocks().iter().enumerate().rev() {
             let started = match next.take() {
                 Some(started) => started,
@@ -250,7 +252,7 @@ impl StepPipeline {
                 // Every rank reduces every block, whether or not its part of the batch reached it.
                 part.hold_one_of(&whole, &params);
             }
-            self.add_part(&mut sink, part, &params)?;
+            self.add_part(&mut sink, part, &params, &mut in_flight)?;
         }
         seeds.after_pass(&device);
 
@@ -266,7 +268,8 @@ impl StepPipeline {
         if matches!(sink, Sink::ReducedPerPart { .. }) {
             rest_grads.hold_one_of(&rest, &rest_params);
         }
-        self.add_part(&mut sink, rest_grads, &rest_params)?;
+        self.add_part(&mut sink, rest_grads, &rest_params, &mut in_flight)?;
+        self.finish_part(&mut in_flight)?;
         drop(rest);
         {
             // The pass so far is back-propagation (with its recomputes), but for the parts' reductions.
@@ -285,23 +288,37 @@ impl StepPipeline {
         Ok(value)
     }
 
-    /// Hands one part's gradients to `sink`: kept locally, or reduced across the ranks (each keeps its own
-    /// parameters' mean gradients) and added to the accumulated ones.
+    /// Hands one part's gradients to `sink`: kept locally, or reduced across the ranks (each keeps its slices of
+    /// the mean gradients) and added to the accumulated ones. The reduction is started here and finished when the
+    /// next part is handed over (or by [`finish_part`](Self::finish_part)), so that it runs while the next block
+    /// computes; at most one is in flight.
     fn add_part(
         &self,
         sink: &mut Sink,
-        mut part: GradientBuffer,
+        part: GradientBuffer,
         params: &[(ParamId, usize)],
+        in_flight: &mut Option<FinishReduce>,
     ) -> Result<()> {
         match sink {
             Sink::Local(local) => local.absorb(part),
             Sink::ReducedPerPart { scale, .. } => {
+                self.finish_part(in_flight)?;
                 let started = std::time::Instant::now();
-                self.strategy.reduce_gradients(&mut part, params, *scale)?;
-                let mut core = self.shared.lock();
-                core.grads.absorb(part);
-                core.phases.gradient_sync += started.elapsed();
+                *in_flight = Some(self.strategy.start_reduce(part, params, *scale)?);
+                self.shared.lock().phases.gradient_sync += started.elapsed();
             }
+        }
+        Ok(())
+    }
+
+    /// Waits for the part's reduction in flight, if any, and adds its gradients to the accumulated ones.
+    fn finish_part(&self, in_flight: &mut Option<FinishReduce>) -> Result<()> {
+        if let Some(finish) = in_flight.take() {
+            let started = std::time::Instant::now();
+            let part = finish()?;
+            let mut core = self.shared.lock();
+            core.grads.absorb(part);
+            core.phases.gradient_sync += started.elapsed();
         }
         Ok(())
     }

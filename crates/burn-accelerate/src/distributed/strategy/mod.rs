@@ -56,6 +56,9 @@ use crate::grad::{GradientBuffer, NormType};
 /// values into the table.
 pub(crate) type FinishUnshard = Box<dyn FnOnce(&mut ParamTable) -> Result<()>>;
 
+/// What finishes a reduction started by [`Strategy::start_reduce`]: waits for it and gives the buffer back.
+pub(crate) type FinishReduce = Box<dyn FnOnce() -> Result<GradientBuffer>>;
+
 /// Where a checkpoint's optimizer state comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum StateScope {
@@ -97,6 +100,23 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()>;
+
+    /// Starts [`reduce_gradients`](Self::reduce_gradients) of `grads` (a block's, in a block-wise pass): the
+    /// collectives run while the caller computes the next block; the returned call waits for them and gives the
+    /// buffer back reduced. By default the reduction is done now. Every rank must start and finish the same
+    /// reductions in the same order.
+    ///
+    /// # Errors
+    /// As [`reduce_gradients`](Self::reduce_gradients).
+    fn start_reduce(
+        &self,
+        mut grads: GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<FinishReduce> {
+        self.reduce_gradients(&mut grads, params, scale)?;
+        Ok(Box::new(move || Ok(grads)))
+    }
 
     /// Rank `root`'s value of one flattened parameter on every rank.
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>>;

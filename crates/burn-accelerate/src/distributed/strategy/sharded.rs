@@ -37,7 +37,7 @@ use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::ReduceOp;
-use crate::distributed::tensor_comm::{Reduction, TensorComm, bucket};
+use crate::distributed::tensor_comm::{Pending, Reduction, TensorComm, bucket};
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
 use crate::grad::NormType;
@@ -180,25 +180,6 @@ impl Sharded {
         match self.replica_comm {
             Some(_) => Reduction::Op(ReduceOp::Sum),
             None => Reduction::Average(scale),
-        }
-    }
-
-    /// Under a hybrid strategy, this rank's reduced values summed over the replicas (every replica holds the same
-    /// shard, so every member of a replica group makes the same calls), times scale / every rank; `values` as
-    /// they are otherwise.
-    fn across_replicas(&self, values: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
-        match &self.replica_comm {
-            Some(replicas) if values.dims()[0] > 0 => {
-                let factor = scale / self.world.num_processes() as f32;
-                replicas
-                    .all_reduce(
-                        values,
-                        Reduction::ScaledSum(factor),
-                        "hybrid gradient all-reduce across replicas",
-                    )?
-                    .wait()
-            }
-            _ => Ok(values),
         }
     }
 
@@ -391,6 +372,134 @@ impl Sharded {
     }
 }
 
+/// One bucket of gradients whose reduce-scatter was started: each member's id, the length of this rank's buffer,
+/// its own dtype and the shape to store (`None`: its parameter's, when the optimizer takes it).
+struct Reducing {
+    pending: Pending<Tensor<1>>,
+    members: Vec<(ParamId, usize, DType, Option<Shape>)>,
+}
+
+/// A gradient reduction started ([`Sharded::start_reducing`]): every bucket's reduce-scatter issued.
+pub(crate) struct ReduceStarted {
+    grads: GradientBuffer,
+    buckets: Vec<Reducing>,
+    /// Under a hybrid strategy, the replicas' communicator and the factor of their sum.
+    replicas: Option<(Arc<dyn TensorComm>, f32)>,
+}
+
+impl ReduceStarted {
+    /// Waits for every bucket's reduce-scatter (and, under a hybrid strategy, sums each across the replicas) and
+    /// returns the buffer with this rank's reduced slices.
+    pub fn finish(mut self) -> Result<GradientBuffer> {
+        for bucket in self.buckets {
+            let mine = bucket.pending.wait()?;
+            let mine = match &self.replicas {
+                Some((replicas, factor)) if mine.dims()[0] > 0 => replicas
+                    .all_reduce(
+                        mine,
+                        Reduction::ScaledSum(*factor),
+                        "hybrid gradient all-reduce across replicas",
+                    )?
+                    .wait()?,
+                _ => mine,
+            };
+            let lens = bucket.members.iter().map(|m| m.1).collect();
+            for ((id, len, dtype, shape), flat) in
+                bucket.members.into_iter().zip(exchange::pieces(mine, lens))
+            {
+                if len > 0 {
+                    self.grads
+                        .add_reduced(id, shape, bucket::in_dtype(flat, dtype));
+                }
+            }
+        }
+        Ok(self.grads)
+    }
+}
+
+impl Sharded {
+    /// Starts reducing `grads` (see [`Strategy::reduce_gradients`]): takes each bucket's whole gradients out of
+    /// the buffer and issues its reduce-scatter; [`ReduceStarted::finish`] stores this rank's slices.
+    fn start_reducing(
+        &self,
+        mut grads: GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<ReduceStarted> {
+        let replicas = self
+            .replica_comm
+            .as_ref()
+            .map(|r| (r.clone(), scale / self.world.num_processes() as f32));
+        // A rank that holds none of these gradients (its part of the batch used none of them) still takes part,
+        // with zeros where the model keeps them.
+        let Some((device, dtype)) = grads
+            .device_and_dtype(params.iter().map(|(id, _)| *id))
+            .or_else(|| self.placement_of(params.iter().map(|(id, _)| *id)))
+        else {
+            return Ok(ReduceStarted {
+                grads,
+                buckets: Vec::new(),
+                replicas,
+            });
+        };
+        let me = self.shard_rank();
+        self.check_world("hybrid sharded gradient sync", params.len())?;
+        let splits = self.splits(params);
+        let own_dtypes = self.dtypes(params.iter().map(|(id, _)| *id), dtype);
+        let (cap, alone) = self.bucket_limits();
+        let mut buckets = Vec::new();
+        for members in exchange::buckets(&splits, cap, alone) {
+            // Every rank sends in the dtype of the whole bucket (the same on every rank, whatever it holds).
+            let Some(wire) = bucket::common_dtype(members.iter().map(|&i| own_dtypes[i])) else {
+                continue;
+            };
+            let mut wholes = Vec::with_capacity(members.len());
+            let mut stored = Vec::with_capacity(members.len());
+            for &i in &members {
+                let (id, n) = params[i];
+                // Taken out of the buffer (moved, not copied, when it travels alone); a gradient this rank lacks
+                // (its parameter was unused here) takes part as zeros.
+                let whole_shape = match grads.take_unreduced(id) {
+                    Some((shape, grad)) => {
+                        wholes.push(grad);
+                        Some(shape)
+                    }
+                    None => {
+                        wholes.push(Tensor::<1>::zeros([n], (&device, wire)));
+                        None
+                    }
+                };
+                let split = &splits[i];
+                // A parameter the strategy has not seen whole (owned whole, adopted) keeps the shape its gradient
+                // had here (or takes its parameter's when the optimizer takes it).
+                let shape = if self.known().contains_key(&id) {
+                    Some(Shape::from(split.local_dims(me)))
+                } else {
+                    whole_shape
+                };
+                stored.push((id, split.local_len(me), own_dtypes[i], shape));
+            }
+            let bucket_splits: Vec<&Split> = members.iter().map(|&i| &splits[i]).collect();
+            let pending = exchange::start_reduce_scatter(
+                self.shards.as_ref(),
+                &bucket_splits,
+                wholes,
+                (self.within_shards(scale), "sharded gradient reduce-scatter"),
+                (&device, wire),
+            )?;
+            buckets.push(Reducing {
+                pending,
+                members: stored,
+            });
+        }
+        Ok(ReduceStarted {
+            grads,
+            buckets,
+            replicas,
+        })
+    }
+}
+
 impl Known {
     /// What `entry` (seen whole) shows, split as `split`.
     fn of(split: Split, entry: &ParamEntry) -> Self {
@@ -430,71 +539,19 @@ impl Strategy for Sharded {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
-        // A rank that holds none of these gradients (its part of the batch used none of them) still takes part,
-        // with zeros where the model keeps them.
-        let Some((device, dtype)) = grads
-            .device_and_dtype(params.iter().map(|(id, _)| *id))
-            .or_else(|| self.placement_of(params.iter().map(|(id, _)| *id)))
-        else {
-            return Ok(());
-        };
-        let me = self.shard_rank();
-        self.check_world("hybrid sharded gradient sync", params.len())?;
-        let splits = self.splits(params);
-        let own_dtypes = self.dtypes(params.iter().map(|(id, _)| *id), dtype);
-        let (cap, alone) = self.bucket_limits();
-        for members in exchange::buckets(&splits, cap, alone) {
-            // Every rank sends in the dtype of the whole bucket (the same on every rank, whatever it holds).
-            let Some(wire) = bucket::common_dtype(members.iter().map(|&i| own_dtypes[i])) else {
-                continue;
-            };
-            let mut wholes = Vec::with_capacity(members.len());
-            let mut shapes = Vec::with_capacity(members.len());
-            for &i in &members {
-                let (id, n) = params[i];
-                // Taken out of the buffer (moved, not copied, when it travels alone); a gradient this rank lacks
-                // (its parameter was unused here) takes part as zeros.
-                match grads.take_unreduced(id) {
-                    Some((shape, grad)) => {
-                        wholes.push(grad);
-                        shapes.push(Some(shape));
-                    }
-                    None => {
-                        wholes.push(Tensor::<1>::zeros([n], (&device, wire)));
-                        shapes.push(None);
-                    }
-                }
-            }
-            let bucket_splits: Vec<&Split> = members.iter().map(|&i| &splits[i]).collect();
-            let mine = exchange::reduce_scatter(
-                self.shards.as_ref(),
-                &bucket_splits,
-                wholes,
-                (self.within_shards(scale), "sharded gradient reduce-scatter"),
-                (&device, wire),
-            )?;
-            let mine = self.across_replicas(mine, scale)?;
-            let lens = bucket_splits.iter().map(|s| s.local_len(me)).collect();
-            for ((&i, flat), whole_shape) in
-                members.iter().zip(exchange::pieces(mine, lens)).zip(shapes)
-            {
-                let (id, _) = params[i];
-                let split = &splits[i];
-                if split.local_len(me) == 0 {
-                    continue;
-                }
-                let flat = bucket::in_dtype(flat, own_dtypes[i]);
-                // A parameter the strategy has not seen whole (owned whole, adopted) keeps the shape its gradient
-                // had here (or takes its parameter's when the optimizer takes it).
-                let shape = if self.known().contains_key(&id) {
-                    Some(Shape::from(split.local_dims(me)))
-                } else {
-                    whole_shape
-                };
-                grads.add_reduced(id, shape, flat);
-            }
-        }
+        let started = self.start_reducing(std::mem::take(grads), params, scale)?;
+        *grads = started.finish()?;
         Ok(())
+    }
+
+    fn start_reduce(
+        &self,
+        grads: GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<super::FinishReduce> {
+        let started = self.start_reducing(grads, params, scale)?;
+        Ok(Box::new(move || started.finish()))
     }
 
     fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {

@@ -43,22 +43,27 @@ fn counts(members: &[&Split], parts: usize) -> Vec<usize> {
 }
 
 /// This rank's slices of the element-wise combination over the ranks of `wholes` (each member's whole gradient,
-/// flat), as one flat tensor in `dtype` (the members' slices in order; split it with [`pieces`]). A member owned
-/// whole by one rank and alone in its bucket is reduced into that rank's buffer.
-pub(super) fn reduce_scatter(
+/// flat), as one flat tensor in `dtype` (the members' slices in order; split it with [`pieces`]), started: the
+/// collective runs while the caller computes. A member owned whole by one rank and alone in its bucket is reduced
+/// into that rank's buffer.
+pub(super) fn start_reduce_scatter(
     comm: &dyn TensorComm,
     members: &[&Split],
     wholes: Vec<Tensor<1>>,
     (how, operation): (Reduction, &'static str),
     (device, dtype): (&Device, DType),
-) -> Result<Tensor<1>> {
+) -> Result<Pending<Tensor<1>>> {
     let parts = comm.world_size();
     if let ([split], [_]) = (members, wholes.as_slice())
         && let SplitKind::Whole { owner } = split.kind()
     {
         let whole = bucket::in_dtype(wholes.into_iter().next().expect("one"), dtype);
-        let reduced = comm.reduce(whole, owner, how, operation)?.wait()?;
-        return Ok(reduced.unwrap_or_else(|| Tensor::zeros([0], (device, dtype))));
+        let empty = (device.clone(), dtype);
+        return Ok(comm
+            .reduce(whole, owner, how, operation)?
+            .then(move |reduced| {
+                Ok(reduced.unwrap_or_else(|| Tensor::zeros([0], (&empty.0, empty.1))))
+            }));
     }
     let counts = counts(members, parts);
     let total: usize = counts.iter().sum();
@@ -89,7 +94,7 @@ pub(super) fn reduce_scatter(
             bucket::concat(segments, (device, dtype))
         }
     };
-    comm.reduce_scatter(input, &counts, how, operation)?.wait()
+    comm.reduce_scatter(input, &counts, how, operation)
 }
 
 /// Every member's whole value (flat, in `dtype`) from each rank's slices; `locals` are this rank's, one per

@@ -10,7 +10,8 @@ use burn::tensor::{DType, Device, Tensor};
 use super::*;
 use crate::distributed::tensor_comm::{Checked, Incoming, Pending, Reduction, TensorComm};
 
-/// What rank 0 saw, in order: `G` a parameter all-gather started, `C<i>` block `i` computed.
+/// What rank 0 saw, in order: `G` a parameter all-gather started, `R` / `r` a gradient reduce-scatter started /
+/// waited for, `C<i>` block `i` computed.
 type Log = Arc<Mutex<Vec<String>>>;
 
 /// The host implementation, logging every all-gather it starts on rank 0.
@@ -57,7 +58,17 @@ impl TensorComm for Recording {
         how: Reduction,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        self.inner.reduce_scatter(flat, counts, how, operation)
+        let pending = self.inner.reduce_scatter(flat, counts, how, operation)?;
+        if self.rank() != 0 {
+            return Ok(pending);
+        }
+        // `R` when started, `r` when waited for.
+        self.log.lock().unwrap().push("R".into());
+        let log = self.log.clone();
+        Ok(pending.then(move |part| {
+            log.lock().unwrap().push("r".into());
+            Ok(part)
+        }))
     }
     fn all_gather(
         &self,
@@ -112,7 +123,8 @@ impl crate::Blocks for Deep {
 }
 
 #[test]
-fn each_block_is_gathered_while_the_one_before_it_computes_and_never_more_than_two_at_once() {
+fn each_block_is_gathered_and_reduced_while_its_neighbour_computes_and_never_more_than_two_gathered()
+ {
     const BLOCKS: usize = 4;
     let log: Log = Arc::default();
     let recorded = log.clone();
@@ -194,5 +206,15 @@ fn each_block_is_gathered_while_the_one_before_it_computes_and_never_more_than_t
             "compute #{k} ({}): the next block's gather must be started before it, and no further one: {log:?}",
             log[at]
         );
+        // Backward, after the last block: the block behind's gradient reduction runs while this one computes.
+        if k > BLOCKS {
+            let count = |e: &str| log[..at].iter().filter(|x| *x == e).count();
+            assert_eq!(
+                count("R") - count("r"),
+                1,
+                "compute #{k} ({}): one reduction in flight: {log:?}",
+                log[at]
+            );
+        }
     }
 }
