@@ -269,7 +269,7 @@ impl Sharded {
     /// owned whole by one rank, balanced over the new ones alone, so that no known parameter changes hands; its
     /// shape is learnt when it is next seen whole ([`adopt`](Self::adopt)). Every rank meets the same
     /// parameters in the same calls, so every rank gives the same splits.
-    fn splits(&self, params: &[(ParamId, usize)]) -> Vec<Split> {
+    fn splits_for(&self, params: &[(ParamId, usize)]) -> Vec<Split> {
         let known = self.known();
         let mut adopted = self.adopted();
         let new: Vec<(ParamId, usize)> = params
@@ -444,7 +444,7 @@ impl Sharded {
         };
         let me = self.shard_rank();
         self.check_world("hybrid sharded gradient sync", params.len())?;
-        let splits = self.splits(params);
+        let splits = self.splits_for(params);
         let own_dtypes = self.dtypes(params.iter().map(|(id, _)| *id), dtype);
         let (cap, alone) = self.bucket_limits();
         let mut buckets = Vec::new();

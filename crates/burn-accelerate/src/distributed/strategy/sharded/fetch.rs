@@ -59,7 +59,7 @@ impl ParamFetcher {
 /// The fetcher of the parameters of `params` (see [`ParamFetcher`]), under `FULL_SHARD` / `HYBRID_SHARD`.
 pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> ParamFetcher {
     let order = sharded.whole_params(params);
-    let splits = sharded.splits(&order);
+    let splits = sharded.splits_for(&order);
     let mut own = HashMap::new();
     let mut placement = HashMap::new();
     let mut by_id = HashMap::new();

@@ -55,7 +55,7 @@ pub(super) fn start_gather(
     }
     let mut order = sharded.whole_params(params);
     order.retain(|(id, _)| !kept.contains(id));
-    let splits = sharded.splits(&order);
+    let splits = sharded.splits_for(&order);
     let missing = |id: ParamId| {
         Error::InvalidArgument(format!(
             "parameter all-gather: parameter {id} is missing from the model"
