@@ -103,7 +103,9 @@ fn key_id(key: &str) -> Option<u64> {
 
 /// One tensor being assembled from the saved pieces: this rank's wanted elements of the whole.
 struct Assembly {
-    tensor: burn_pack::Tensor,
+    /// The saved tensor's element type and parameter id (not the tensor: it may hold on to its whole file).
+    dtype: burn_pack::DType,
+    param_id: Option<u64>,
     dims: Vec<usize>,
     /// The elements of the whole this rank wants, and the buffer they go to (padding stays zero).
     wanted: std::ops::Range<usize>,
@@ -177,71 +179,51 @@ impl Assembler {
                 ),
             ));
         }
-        let held = split.held(part);
-        if held.is_empty() {
-            // Nothing of the whole (padding, or a placeholder): still remembered, so the tensor is assembled.
-            if !self.tensors.contains_key(&tensor.name) {
-                let size = tensor.dtype.size();
-                let (dims, wanted) = wanted_of(split.dims(), want);
-                let bytes = vec![0u8; dims.iter().product::<usize>() * size];
-                self.tensors.insert(
-                    tensor.name.clone(),
-                    Assembly {
-                        tensor,
-                        dims,
-                        wanted,
-                        bytes,
-                        filled: 0,
-                        parts: Default::default(),
-                    },
-                );
+        let name = tensor.name.clone();
+        let size = tensor.dtype.size();
+        // Every tensor met is assembled, even one this rank gets nothing of (padding, a placeholder).
+        let assembly = self.tensors.entry(name.clone()).or_insert_with(|| {
+            let (dims, wanted) = wanted_of(split.dims(), want);
+            Assembly {
+                dtype: tensor.dtype,
+                param_id: tensor.param_id,
+                bytes: vec![0u8; dims.iter().product::<usize>() * size],
+                dims,
+                wanted,
+                filled: 0,
+                parts: Default::default(),
             }
+        });
+        let held = split.held(part);
+        let from = held.start.max(assembly.wanted.start);
+        let to = held.end.min(assembly.wanted.end);
+        // The first copy of a part counts; a part holding none of the wanted elements is not read.
+        if !assembly.parts.insert(part) || from >= to {
             return Ok(());
         }
-        let size = tensor.dtype.size();
-        let name = tensor.name.clone();
         let data = tensor
             .to_bytes()
             .map_err(|e| corrupt(path, format!("unreadable tensor `{name}`: {e}")))?;
-        let assembly = match self.tensors.entry(name.clone()) {
-            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::btree_map::Entry::Vacant(v) => {
-                let (dims, wanted) = wanted_of(split.dims(), want);
-                let bytes = vec![0u8; dims.iter().product::<usize>() * size];
-                v.insert(Assembly {
-                    tensor,
-                    dims,
-                    wanted,
-                    bytes,
-                    filled: 0,
-                    parts: Default::default(),
-                })
-            }
-        };
-        if !assembly.parts.insert(part) {
-            return Ok(());
-        }
-        let from = held.start.max(assembly.wanted.start);
-        let to = held.end.min(assembly.wanted.end);
-        if from >= to {
-            return Ok(());
-        }
-        let src = &data[(from - held.start) * size..(to - held.start) * size];
-        let at = from - assembly.wanted.start;
-        if (to - assembly.wanted.start) * size > assembly.bytes.len() || data.len() < src.len() {
+        let src = (from - held.start) * size..(to - held.start) * size;
+        let dst = (from - assembly.wanted.start) * size..(to - assembly.wanted.start) * size;
+        if src.end > data.len() || dst.end > assembly.bytes.len() {
             return Err(corrupt(
                 path,
                 format!("`{name}` does not match the split the manifest records"),
             ));
         }
-        assembly.bytes[at * size..(to - assembly.wanted.start) * size].copy_from_slice(src);
+        assembly.bytes[dst].copy_from_slice(&data[src]);
         assembly.filled += to - from;
         Ok(())
     }
 
     /// Every assembled tensor, checked complete, and the whole ones.
     fn finish(self, last: &Path) -> Result<Vec<burn_pack::Tensor>> {
-        let mut out: Vec<burn_pack::Tensor> = self.whole.into_values().collect();
+        let mut whole = self.whole;
+        for name in self.tensors.keys() {
+            whole.remove(name);
+        }
+        let mut out: Vec<burn_pack::Tensor> = whole.into_values().collect();
         for (name, a) in self.tensors {
             if a.filled != a.wanted.len() {
                 return Err(corrupt(
@@ -254,12 +236,11 @@ impl Assembler {
                     ),
                 ));
             }
-            out.retain(|t| t.name != name);
             out.push(burn_pack::Tensor::new(
                 name,
-                a.tensor.dtype,
+                a.dtype,
                 burn_pack::Shape::from(a.dims),
-                a.tensor.param_id,
+                a.param_id,
                 Bytes::from_bytes_vec(a.bytes),
             ));
         }
