@@ -208,7 +208,9 @@ impl GradientBuffer {
 
     /// Adds `grad` to the gradient stored for `id` (or stores it).
     pub(crate) fn add<const D: usize>(&mut self, id: ParamId, grad: Tensor<D>) {
-        if self.reduced.remove(&id)
+        // (Data parallelism never marks a gradient reduced: nothing is hashed on its path.)
+        if !self.reduced.is_empty()
+            && self.reduced.remove(&id)
             && let Some(slice) = self.take(id)
         {
             // A whole gradient for a parameter whose slice was reduced earlier in the window.
@@ -382,9 +384,11 @@ impl GradientBuffer {
         };
         module.visit(&mut gather);
         let ids = gather.ids;
-        for id in &ids {
-            self.reduced.remove(id);
-            self.set_aside.remove(id);
+        if !self.reduced.is_empty() || !self.set_aside.is_empty() {
+            for id in &ids {
+                self.reduced.remove(id);
+                self.set_aside.remove(id);
+            }
         }
         if ids.len() == self.tensor_ranks.len() {
             self.tensor_ranks.clear();
