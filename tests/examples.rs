@@ -390,6 +390,22 @@ fn sharded_training_matches_unsharded_and_each_rank_holds_its_share() {
     }
 }
 
+/// `--blocks`: block-wise FULL_SHARD (one layer gathered at a time, the next prefetched) prints the loss of the
+/// same block-wise pass unsharded (the GPU kit's `blockwise-cuda` step, here on the CPU).
+#[test]
+fn sharded_training_block_wise_prints_the_unsharded_loss() {
+    let plain = run(
+        "sharded_training",
+        &["--processes", "2", "--sharding", "NO_SHARD", "--blocks"],
+    );
+    let sharded = run(
+        "sharded_training",
+        &["--processes", "2", "--sharding", "FULL_SHARD", "--blocks"],
+    );
+    assert!(plain.contains_key("final_loss"), "{plain:?}");
+    assert_eq!(sharded["final_loss"], plain["final_loss"]);
+}
+
 /// A config written by Python as Accelerate writes it, with `distributed_type: FSDP`, runs the example sharded.
 #[test]
 fn sharded_training_runs_from_an_fsdp_config_written_by_python() {

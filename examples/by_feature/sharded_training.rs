@@ -57,6 +57,11 @@ struct Args {
     /// parameters, as an embedding does.
     #[arg(long)]
     input: Option<usize>,
+    /// Each layer a block of a block-wise pass (`backward_blocks`: under `FULL_SHARD` one layer gathered at a
+    /// time, the next prefetched, each layer's gradients reduce-scattered while the next one computes); tanh
+    /// follows every layer, the last included.
+    #[arg(long)]
+    blocks: bool,
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     steps: usize,
@@ -89,11 +94,20 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
         let samples = (step * args.batch + rank * rows, rows);
         let (x, _) = stack::batch(input, samples, &device);
         let (_, y) = stack::batch(args.width, samples, &device);
-        let whole = acc.unshard(&model)?;
-        let loss = (whole.forward(x) - y).powi_scalar(2).mean();
-        last_loss = Some(loss.clone().detach());
-        acc.backward(loss, &whole)?;
-        drop(whole);
+        if args.blocks {
+            let loss = acc.backward_blocks(
+                &model,
+                |_| x.clone(),
+                |layer, h| layer.forward(h).tanh(),
+                |_, h| (h - y.clone()).powi_scalar(2).mean(),
+            )?;
+            last_loss = Some(loss);
+        } else {
+            let whole = acc.unshard(&model)?;
+            let loss = (whole.forward(x) - y).powi_scalar(2).mean();
+            last_loss = Some(loss.clone().detach());
+            acc.backward(loss, &whole)?;
+        }
         grads = held::grad_bytes(&acc, &model);
         model = optimizer.try_step(model)?;
     }

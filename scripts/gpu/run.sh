@@ -432,6 +432,10 @@ run_step overhead-cuda gpu 150 check_overhead env BURN_DEVICE=cuda OVERHEAD_ROUN
 # never takes the budget of the older ones.
 run_step full-shard-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD'
+# Block-wise FULL_SHARD with even dim-0 slices: each layer gathered on the device as the layer before it computes
+# (prefetch), its gradients reduce-scattered while the next one computes; the weights of NO_SHARD's block-wise pass.
+run_step blockwise-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD --blocks'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

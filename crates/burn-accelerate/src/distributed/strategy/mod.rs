@@ -277,9 +277,10 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Whether burn-train's Learner can train through this strategy: it runs the forward pass on its own model,
-    /// without gathering parameters this rank does not hold between steps. Where it cannot, an error saying what
-    /// to use instead.
+    /// Whether burn-train's Learner can train through this strategy, which is then set up for it: the Learner
+    /// runs the forward pass on its own model, without gathering parameters this rank does not hold between
+    /// steps, and its optimizer steps whole parameters (a sharded strategy gives each parameter one owner instead
+    /// of cutting it in rows). Where it cannot, an error saying what to use instead.
     ///
     /// # Errors
     /// The strategy keeps only this rank's parameters between steps.
