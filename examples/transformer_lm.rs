@@ -27,7 +27,8 @@
 //! process prints `final_loss=<x>`, and `--weights <file>` writes the final weights (every float parameter in
 //! visiting order, little-endian f32) for comparing runs. `--state <dir> --save-at K [--kill-after-save]` saves the
 //! training state after step K (each rank its slices; the ranks then SIGKILL themselves), `--state <dir> --resume`
-//! continues from it to `--steps`, on any number of ranks.
+//! continues from it to `--steps`, on any number of ranks. `--load-pretrained <dir>` starts from weights that
+//! `--save-model` wrote (PyTorch's layout): after `prepare_model`, each `FULL_SHARD` rank reads only its slices.
 
 #[path = "support/held.rs"]
 mod held;
@@ -109,6 +110,11 @@ struct Args {
     /// Continue from the state in `--state` (saved on any number of ranks) to `--steps`.
     #[arg(long)]
     resume: bool,
+    /// Start from pretrained weights (a `--save-model` folder, a safetensors file or a Hugging Face index, in
+    /// PyTorch's layout unless the file records Burn's), loaded after `prepare_model`: under `FULL_SHARD` each rank
+    /// reads only its slices.
+    #[arg(long)]
+    load_pretrained: Option<PathBuf>,
 }
 
 /// A decoder-only transformer over bytes: token and position embeddings, `layers` causal self-attention layers,
@@ -223,6 +229,9 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     let initial = ByteLm::new(args, &device);
     let params = initial.num_params();
     let mut model = acc.prepare_model(initial)?;
+    if let Some(path) = &args.load_pretrained {
+        model = load_pretrained(&acc, model, path, args)?;
+    }
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), args.lr);
     let mut first = 0;
     if args.resume {
@@ -336,6 +345,40 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         }
     }
     Ok(loss_value)
+}
+
+/// `model` (prepared) with the weights at `path`; prints what the rank holds and the peak of its memory: before
+/// the load (from the start, through `prepare_model`) and during it alone, with the largest tensor's bytes.
+fn load_pretrained(
+    acc: &Accelerator,
+    model: ByteLm,
+    path: &std::path::Path,
+    args: &Args,
+) -> Result<ByteLm> {
+    let before = held::peak("VmHWM:");
+    let rss = held::peak("VmRSS:");
+    held::reset_peak();
+    let (model, _) = acc.load_checkpoint_in_model(
+        model,
+        path,
+        &burn_accelerate::checkpoint::LoadOptions {
+            strict: true,
+            ..Default::default()
+        },
+    )?;
+    // The embeddings (`VOCAB` or `seq` rows of `d_model`) or a feed-forward weight (`d_model` × 4 `d_model`),
+    // in f32.
+    let d = args.d_model;
+    let largest = 4 * (VOCAB * d).max(args.seq * d).max(4 * d * d);
+    println!(
+        "rank {}/{} pretrained_loaded params_held={} largest_tensor={largest} rss_before_load={rss} \
+         peak_rss_before_load={before} peak_rss_during_load={}",
+        acc.process_index(),
+        acc.num_processes(),
+        held::param_bytes(&model),
+        held::peak("VmHWM:")
+    );
+    Ok(model)
 }
 
 /// Every float parameter of `model`, in visiting order, as little-endian f32, written by the main process; under

@@ -176,13 +176,32 @@ impl Accelerator {
     /// `options.remap` renames the checkpoint's keys first (e.g. strip `model.`). Returns the model and what was
     /// renamed or did not match (Accelerate does not report missing keys); with `options.strict`, any mismatch
     /// is an error.
+    ///
+    /// Into a model prepared with a strategy that holds parameters as dim-0 slices (`FULL_SHARD`), every rank
+    /// reads only its own rows of each tensor, straight from the memory-mapped file (in PyTorch's `[out, in]`
+    /// layout a Burn slice is a band of columns), and lets go of each tensor's pages once copied: no rank builds
+    /// a whole tensor or holds the file, so a pretrained model larger than one rank's memory loads. Call it on
+    /// every rank after [`prepare_model`](Self::prepare_model) (before it, every rank loads the whole model); a
+    /// rank that fails to read its slices makes the call fail on every rank.
     pub fn load_checkpoint_in_model<M: Module>(
         &self,
         model: M,
         path: impl AsRef<Path>,
         options: &LoadOptions,
     ) -> Result<(M, LoadReport)> {
-        crate::checkpoint::safetensors::load_weights(model, path.as_ref(), options)
+        let strategy = self.pipeline.strategy();
+        let loaded = crate::checkpoint::safetensors::read::load_weights_split(
+            model,
+            path.as_ref(),
+            options,
+            &|id| strategy.split(id),
+        );
+        if strategy.splits().is_empty() {
+            // Every rank holds the whole model: a rank may load on its own.
+            return loaded;
+        }
+        // Each rank reads its own slices: a file one rank cannot read stops every rank, with its story.
+        self.group.agree("load_checkpoint_in_model", loaded)
     }
 
     /// Registers a value to be saved by every `save_state` and restored by every `load_state`, under `name`

@@ -154,6 +154,86 @@ impl WeightLayout {
     }
 }
 
+impl WeightLayout {
+    /// Rows `rows` of the parameter at `name` (Burn's path; its first dimension in Burn's layout), restored
+    /// from the stored bytes of the whole tensor (`dtype`, `shape`, e.g. borrowed from a mapped file) into a
+    /// buffer of `local_rows` rows, zero-padded past the held ones: one rank's dim-0 slice, read without building
+    /// the whole tensor. In PyTorch's `[out, in]` layout a Burn slice is a band of columns, transposed straight
+    /// from `bytes` a stripe of stored rows at a time, each stripe handed to `done` (its byte range in `bytes`)
+    /// once read, so that a mapped file's pages can be let go while the band is still being read.
+    pub(crate) fn restored_rows(
+        self,
+        name: &str,
+        (dtype, shape): (DType, &[usize]),
+        bytes: &[u8],
+        containers: &[String],
+        (rows, local_rows): (std::ops::Range<usize>, usize),
+        done: &dyn Fn(std::ops::Range<usize>),
+    ) -> std::result::Result<TensorData, String> {
+        if bytes.len() != shape.iter().product::<usize>() * dtype.size() {
+            return Err(format!(
+                "{} bytes for shape {shape:?} of {dtype:?}",
+                bytes.len()
+            ));
+        }
+        if matches!(dtype, DType::QFloat(_)) {
+            return Err("a quantized tensor cannot be read in slices".into());
+        }
+        let transposed = self == WeightLayout::PyTorch
+            && adapter_transposes(&PyTorchToBurnAdapter, name, (dtype, shape), containers);
+        let burn_shape: Vec<usize> = if transposed {
+            vec![shape[1], shape[0]]
+        } else {
+            shape.to_vec()
+        };
+        let total_rows = burn_shape.first().copied().unwrap_or(1);
+        if rows.end > total_rows || rows.len() > local_rows {
+            return Err(format!(
+                "rows {rows:?} into {local_rows} of a tensor of {total_rows} rows"
+            ));
+        }
+        let mut local_shape = burn_shape.clone();
+        if let Some(first) = local_shape.first_mut() {
+            *first = local_rows;
+        }
+        let row_bytes = burn_shape.iter().skip(1).product::<usize>() * dtype.size();
+        if transposed {
+            // Stored `[out, in]`: Burn's row `c` is stored column `c`. A stripe of stored rows gives a tile of
+            // every held Burn row, copied into its place.
+            let (out, cols) = (shape[0], shape[1]);
+            let size = dtype.size();
+            let stripe = (STRIPE_BYTES / (cols * size).max(1)).max(1);
+            return Ok(crate::host_data::filled(local_shape, dtype, |dst| {
+                for first in (0..out).step_by(stripe) {
+                    let last = (first + stripe).min(out);
+                    let range = first * cols * size..last * cols * size;
+                    let tile = transposed_columns(
+                        &bytes[range.clone()],
+                        (last - first, cols),
+                        dtype,
+                        rows.clone(),
+                        Parallel::No,
+                    );
+                    let run = (last - first) * size;
+                    for (i, line) in tile.as_bytes().chunks_exact(run.max(1)).enumerate() {
+                        let at = (i * out + first) * size;
+                        dst[at..at + run].copy_from_slice(line);
+                    }
+                    done(range);
+                }
+            }));
+        }
+        let held = &bytes[rows.start * row_bytes..rows.end * row_bytes];
+        Ok(crate::host_data::filled(local_shape, dtype, |dst| {
+            dst[..held.len()].copy_from_slice(held)
+        }))
+    }
+}
+
+/// The stored bytes a band of a transposed tensor is read from at a time (see
+/// [`WeightLayout::restored_rows`]).
+const STRIPE_BYTES: usize = 1 << 20;
+
 /// Whether `adapter` transposes the 2-D tensor `data` at `name`: it is asked about a 2 × 3 stand-in of the
 /// same name, dtype and place (its choice depends on those, not on the size), whose answer shows whether the
 /// elements moved. The real transposition is then done by [`transpose_2d`], which is much faster than the

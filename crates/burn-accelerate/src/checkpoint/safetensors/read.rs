@@ -4,13 +4,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Bool, DType, Int, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors};
 
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
 use super::{corrupt, from_safetensors_dtype, weight_files};
 use crate::checkpoint::fs::{io, read};
+use crate::distributed::strategy::Split;
 use crate::error::{Error, Result};
 
 /// What a load renamed and did not match.
@@ -62,6 +63,28 @@ impl std::ops::Deref for FileBytes {
 }
 
 impl FileBytes {
+    /// Lets the kernel drop this process's mapping of `range` (a tensor copied out already): the pages stay in
+    /// the page cache, but stop counting in the process's resident memory, so that a load holds one tensor's
+    /// pages at a time rather than, by the end, the whole file. A later read maps them again.
+    fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let FileBytes::Mapped(map) = self
+            && !range.is_empty()
+        {
+            // SAFETY: the map is read-only and shared: dropping its pages cannot change what it reads (the
+            // file's contents come back on the next access), and no borrow of these bytes outlives the copy.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = range;
+    }
+
     fn open(path: &Path) -> Result<Self> {
         let file = std::fs::File::open(path).map_err(io("reading", path))?;
         let len = file.metadata().map_err(io("reading", path))?.len();
@@ -78,6 +101,7 @@ impl FileBytes {
 
 /// One tensor of a checkpoint file, its bytes borrowed from the mapped file.
 struct StoredTensor<'a> {
+    key: &'a str,
     file: &'a Path,
     dtype: DType,
     shape: Vec<usize>,
@@ -182,7 +206,7 @@ impl Source {
 
     /// The tensor stored under `key` (after remapping): its file, dtype, shape and bytes (borrowed from the
     /// mapped file, not copied).
-    fn tensor(&self, key: &str) -> Option<Result<StoredTensor<'_>>> {
+    fn tensor<'a>(&'a self, key: &'a str) -> Option<Result<StoredTensor<'a>>> {
         let entry = self.names.get(key)?;
         let (path, bytes) = &self.files[entry.file];
         Some(
@@ -197,12 +221,29 @@ impl Source {
                     )
                 })
                 .map(|dtype| StoredTensor {
+                    key,
                     file: path,
                     dtype,
                     shape: entry.shape.clone(),
                     bytes: &bytes[entry.bytes.clone()],
                 }),
         )
+    }
+
+    /// Releases the mapped pages of the tensor under `key` once it has been copied out.
+    fn release(&self, key: &str) {
+        if let Some(entry) = self.names.get(key) {
+            self.files[entry.file].1.release(entry.bytes.clone());
+        }
+    }
+
+    /// Releases the mapped pages of `part` (a byte range within the tensor under `key`) once read.
+    fn release_part(&self, key: &str, part: std::ops::Range<usize>) {
+        if let Some(entry) = self.names.get(key) {
+            let start = entry.bytes.start + part.start;
+            let end = (entry.bytes.start + part.end).min(entry.bytes.end);
+            self.files[entry.file].1.release(start..end);
+        }
     }
 }
 
@@ -215,10 +256,29 @@ pub fn load_weights<M: Module>(
     path: &Path,
     options: &LoadOptions,
 ) -> Result<(M, LoadReport)> {
+    load_weights_split(module, path, options, &|_| None)
+}
+
+/// How a parameter is split over the ranks of its shard group, and this rank's place there: what
+/// [`load_weights_split`] asks of each parameter.
+pub(crate) type SplitOf<'a> = &'a dyn Fn(ParamId) -> Option<(Split, usize)>;
+
+/// [`load_weights`] into a model whose parameters may be held as dim-0 slices (`FULL_SHARD`): a parameter that
+/// `split_of` says this rank holds a slice of (its shape the slice's, not the whole's) gets only its rows of the
+/// stored tensor, read from the mapped file (in PyTorch's `[out, in]` layout, a band of columns transposed),
+/// so that no rank builds a whole tensor; every other parameter is loaded whole. Each tensor's mapped pages
+/// are released once copied, so a rank's memory grows by its slices, not by the file.
+pub(crate) fn load_weights_split<M: Module>(
+    module: M,
+    path: &Path,
+    options: &LoadOptions,
+    split_of: SplitOf<'_>,
+) -> Result<(M, LoadReport)> {
     let source = Source::open(path, &options.remap)?;
     let layout = options.layout.or(source.layout).unwrap_or_default();
     struct Apply<'a> {
         source: &'a Source,
+        split_of: SplitOf<'a>,
         options: &'a LoadOptions,
         layout: WeightLayout,
         stack: Vec<String>,
@@ -230,15 +290,25 @@ pub fn load_weights<M: Module>(
     impl Apply<'_> {
         fn load<const D: usize, K: burn::tensor::kind::Basic>(
             &mut self,
+            id: ParamId,
             tensor: Tensor<D, K>,
         ) -> Tensor<D, K> {
             let name = self.stack.join(".");
             if self.error.is_some() {
                 return tensor;
             }
+            // A slice of a parameter split over the ranks: its rows of the whole stored tensor.
+            let slice = (self.split_of)(id).and_then(|(split, me)| {
+                let local = split.local_dims(me);
+                (tensor.dims().as_slice() == local.as_slice() && split.dims() != local.as_slice())
+                    .then(|| (split.dims().to_vec(), split.held_rows(me), local[0]))
+            });
+            let whole_dims = slice
+                .as_ref()
+                .map_or_else(|| tensor.dims().to_vec(), |(dims, _, _)| dims.clone());
             let (key, stored_shape) =
                 self.layout
-                    .file_key(&name, tensor.dtype(), &tensor.dims(), &self.containers);
+                    .file_key(&name, tensor.dtype(), &whole_dims, &self.containers);
             let Some(found) = self.source.tensor(&key) else {
                 self.missing.push(key);
                 return tensor;
@@ -259,19 +329,41 @@ pub fn load_weights<M: Module>(
                         "tensor `{key}` has shape {:?}, but the model's parameter `{name}` has shape {:?} ({:?} in \
                          the checkpoint's {} layout); load with the layout the file was written in",
                         stored.shape,
-                        tensor.dims(),
+                        whole_dims,
                         stored_shape,
                         self.layout.tag()
                     ),
                 ));
                 return tensor;
             }
-            let data = match self.layout.restored(
-                &name,
-                (stored.dtype, &stored.shape),
-                stored.bytes,
-                &self.containers,
-            ) {
+            let restored = match slice {
+                Some((_, rows, local_rows)) => {
+                    if self.options.dtype.is_some_and(|d| d != tensor.dtype()) {
+                        self.error = Some(Error::InvalidArgument(format!(
+                            "load_checkpoint_in_model: `{name}` is held as a slice of a sharded model, whose \
+                             dtype is fixed at prepare_model; cast the model before preparing it, or load \
+                             without `dtype`"
+                        )));
+                        return tensor;
+                    }
+                    self.layout.restored_rows(
+                        &name,
+                        (stored.dtype, &stored.shape),
+                        stored.bytes,
+                        &self.containers,
+                        (rows, local_rows),
+                        &|part| self.source.release_part(stored.key, part),
+                    )
+                }
+                None => self.layout.restored(
+                    &name,
+                    (stored.dtype, &stored.shape),
+                    stored.bytes,
+                    &self.containers,
+                ),
+            };
+            self.source.release(stored.key);
+            let data = match restored {
                 Ok(d) => d,
                 Err(e) => {
                     self.error = Some(corrupt(&file, format!("tensor `{key}`: {e}")));
@@ -290,6 +382,8 @@ pub fn load_weights<M: Module>(
                 }
             };
             let device = tensor.device();
+            // The old value goes before the new one is made: a rank's memory holds one of them at a time.
+            drop(tensor);
             Tensor::from_data(data, (&device, dtype))
         }
     }
@@ -304,12 +398,13 @@ pub fn load_weights<M: Module>(
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let requires_grad = param.is_require_grad();
+            let id = param.id;
             param.map(|t| {
                 if !t.is_autodiff() {
-                    return self.load(t);
+                    return self.load(id, t);
                 }
                 // Load the plain values, then make them the (tracked) parameter of the autodiff graph again.
-                let loaded = Tensor::from_inner(self.load(t.inner()));
+                let loaded = Tensor::from_inner(self.load(id, t.inner()));
                 if requires_grad {
                     loaded.require_grad()
                 } else {
@@ -321,17 +416,20 @@ pub fn load_weights<M: Module>(
             &mut self,
             param: Param<Tensor<D, Int>>,
         ) -> Param<Tensor<D, Int>> {
-            param.map(|t| self.load(t))
+            let id = param.id;
+            param.map(|t| self.load(id, t))
         }
         fn map_bool<const D: usize>(
             &mut self,
             param: Param<Tensor<D, Bool>>,
         ) -> Param<Tensor<D, Bool>> {
-            param.map(|t| self.load(t))
+            let id = param.id;
+            param.map(|t| self.load(id, t))
         }
     }
     let mut apply = Apply {
         source: &source,
+        split_of,
         options,
         layout,
         stack: Vec::new(),

@@ -16,6 +16,7 @@ use crate::{Accelerator, StateToSave};
 
 mod leader;
 mod prefetch;
+mod pretrained;
 mod shared_device;
 
 #[derive(Module, Debug)]
