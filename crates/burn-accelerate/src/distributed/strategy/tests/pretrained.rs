@@ -14,7 +14,7 @@ fn other(device: &burn::tensor::Device) -> Net {
 }
 
 /// `net`'s weights saved in PyTorch's layout (`[out, in]`: a Burn slice is a band of columns there) and in
-/// Burn's load into `FULL_SHARD` on 2, 3 and 5 ranks (5: more ranks than `b`'s bias has rows, so some hold
+/// Burn's (as a sharded checkpoint with its index) load into `FULL_SHARD` on 2, 3 and 5 ranks (5: more ranks than `b`'s bias has rows, so some hold
 /// padding only) as the slices `prepare_model` cut: each rank holds its share, and the whole model gathered is
 /// the saved one, bit for bit; `SHARD_GRAD_OP`, whose ranks hold whole parameters between steps, loads whole.
 #[test]
@@ -25,14 +25,28 @@ fn pretrained_weights_load_into_each_ranks_slices() {
     let dir = std::env::temp_dir().join(format!("pretrained-slices-{}", std::process::id()));
     for layout in [WeightLayout::PyTorch, WeightLayout::Burn] {
         let folder = dir.join(layout.tag());
+        // Burn's layout written as a Hugging Face sharded checkpoint: one small file per tensor and the index.
         let options = SaveOptions {
             layout,
+            max_shard_size: if layout == WeightLayout::Burn {
+                "100B"
+            } else {
+                "10GB"
+            }
+            .into(),
             ..SaveOptions::default()
         };
         crate::Accelerator::new()
             .unwrap()
             .save_model_with(&saved, &folder, &options)
             .unwrap();
+        if layout == WeightLayout::Burn {
+            assert!(
+                folder
+                    .join(crate::checkpoint::safetensors::INDEX_FILE)
+                    .exists()
+            );
+        }
         for (ranks, mode) in [
             (2, ShardingStrategy::FullShard),
             (3, ShardingStrategy::FullShard),
