@@ -20,14 +20,56 @@ use crate::precision::LossScaler;
 
 /// What `save_state` writes, gathered from the training loop's objects (models and optimizers are owned by
 /// the loop, so they are passed in rather than registered).
+///
+/// Nothing is copied when a part is added: the part's tensors are shared (Burn's tensors are values, so what is
+/// saved is what the part held when added) and copied to the file only when `save_state` writes them, each
+/// model tensor as the file reaches it. A save needs at most one copy of a rank's optimizer state (Burn's
+/// `to_record`) on top of training, not a copy of every part. Build it just before `save_state`: held across
+/// an optimizer step, it keeps the old values alive beside the new ones.
 #[derive(Default)]
 pub struct StateToSave {
-    // Burn's serialised records, kept as Burn made them (a copy of a rank's optimizer state is as large as the
-    // state: it is not copied again).
-    models: Vec<Bytes>,
-    optimizers: Vec<(Bytes, u64)>,
+    models: Vec<ModelPart>,
+    optimizers: Vec<(OptimizerPart, u64)>,
     optimizer_kinds: Vec<Option<String>>,
     schedulers: Vec<Bytes>,
+}
+
+/// A model's record: its tensors, read as the file is written, or Burn's serialised record (a Learner's).
+enum ModelPart {
+    Tensors(Vec<burn_pack::Tensor>),
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    Bytes(Bytes),
+}
+
+/// An optimizer's state: the optimizer (its state tensors shared, not copied), recorded when written, or Burn's
+/// serialised record (a Learner's).
+enum OptimizerPart {
+    Live(Box<burn::optim::ModuleOptimizer>),
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    Bytes(Bytes),
+}
+
+impl ModelPart {
+    fn write(&self, path: &Path) -> Result<()> {
+        match self {
+            ModelPart::Tensors(tensors) => {
+                super::safetensors::write::write_record(tensors.clone(), path)
+            }
+            ModelPart::Bytes(bytes) => write_synced(path, bytes),
+        }
+    }
+}
+
+impl OptimizerPart {
+    fn write(&self, path: &Path) -> Result<()> {
+        match self {
+            OptimizerPart::Live(optimizer) => optimizer
+                .to_record()
+                .save(path)
+                .map_err(|e| super::fs::io("writing", path)(std::io::Error::other(e.to_string()))),
+            OptimizerPart::Bytes(bytes) => write_synced(path, bytes),
+        }
+    }
 }
 
 fn record_error(what: &str) -> impl FnOnce(burn::store::RecordError) -> Error + '_ {
@@ -42,19 +84,18 @@ impl StateToSave {
 
     /// Adds a model (saved with its parameter ids, so its optimizer state matches on load).
     pub fn model<M: Module>(mut self, model: &M) -> Result<Self> {
-        self.models
-            .push(super::safetensors::write::record_bytes(model)?);
+        self.models.push(ModelPart::Tensors(
+            super::safetensors::write::record_tensors(model),
+        ));
         Ok(self)
     }
 
     /// Adds a prepared optimizer.
     pub fn optimizer(mut self, optimizer: &AcceleratedOptimizer) -> Result<Self> {
-        let bytes = optimizer
-            .inner()
-            .to_record()
-            .into_bytes()
-            .map_err(record_error("optimizer"))?;
-        self.optimizers.push((bytes, optimizer.num_steps()));
+        self.optimizers.push((
+            OptimizerPart::Live(Box::new(optimizer.inner().clone())),
+            optimizer.num_steps(),
+        ));
         self.optimizer_kinds
             .push(optimizer.kind().map(str::to_string));
         Ok(self)
@@ -75,8 +116,8 @@ impl StateToSave {
         let model = model.into_bytes().map_err(record_error("model"))?;
         let optimizer = optimizer.into_bytes().map_err(record_error("optimizer"))?;
         let scheduler = scheduler.into_bytes().map_err(record_error("scheduler"))?;
-        self.models.push(model);
-        self.optimizers.push((optimizer, steps));
+        self.models.push(ModelPart::Bytes(model));
+        self.optimizers.push((OptimizerPart::Bytes(optimizer), steps));
         self.optimizer_kinds.push(None);
         self.schedulers.push(scheduler);
         Ok(self)
@@ -172,15 +213,15 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
     let per_rank = ctx.optimizer_state == StateScope::PerRank;
     if per_rank || state.is_main_process() {
         let stem = optimizer_stem(per_rank, state.process_index());
-        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
-            write_synced(&file(partial, &stem, i, "bpk"), bytes)?;
+        for (i, (optimizer, _)) in parts.optimizers.iter().enumerate() {
+            optimizer.write(&file(partial, &stem, i, "bpk"))?;
         }
     }
     let models_per_rank = ctx.model_state == StateScope::PerRank;
     if models_per_rank || state.is_main_process() {
         let stem = model_stem(models_per_rank, state.process_index());
-        for (i, bytes) in parts.models.iter().enumerate() {
-            write_synced(&file(partial, &stem, i, "bpk"), bytes)?;
+        for (i, model) in parts.models.iter().enumerate() {
+            model.write(&file(partial, &stem, i, "bpk"))?;
         }
     }
     if state.is_main_process() {
@@ -196,32 +237,45 @@ fn write_parts(partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>) -> Re
     Ok(())
 }
 
-/// The CRC-32C of every record file the main process writes, by file name.
+/// The CRC-32C of every record file the main process wrote into `partial`, by file name (read back a
+/// megabyte at a time).
 fn checksums(
+    partial: &Path,
     parts: &StateToSave,
     optimizer_per_rank: bool,
     models_per_rank: bool,
-) -> BTreeMap<String, u32> {
-    let name = |stem: &str, i: usize| {
-        file(Path::new(""), stem, i, "bpk")
-            .to_string_lossy()
-            .into_owned()
-    };
-    let mut sums = BTreeMap::new();
+) -> Result<BTreeMap<String, u32>> {
+    let mut names = Vec::new();
     if !models_per_rank {
-        for (i, bytes) in parts.models.iter().enumerate() {
-            sums.insert(name("model", i), crc32c::crc32c(bytes));
-        }
+        names.extend((0..parts.models.len()).map(|i| ("model", i)));
     }
-    for (i, bytes) in parts.schedulers.iter().enumerate() {
-        sums.insert(name("scheduler", i), crc32c::crc32c(bytes));
-    }
+    names.extend((0..parts.schedulers.len()).map(|i| ("scheduler", i)));
     if !optimizer_per_rank {
-        for (i, (bytes, _)) in parts.optimizers.iter().enumerate() {
-            sums.insert(name("optimizer", i), crc32c::crc32c(bytes));
-        }
+        names.extend((0..parts.optimizers.len()).map(|i| ("optimizer", i)));
     }
-    sums
+    let mut sums = BTreeMap::new();
+    for (stem, i) in names {
+        let name = file(Path::new(""), stem, i, "bpk")
+            .to_string_lossy()
+            .into_owned();
+        sums.insert(name.clone(), file_crc(&partial.join(name))?);
+    }
+    Ok(sums)
+}
+
+/// The CRC-32C of the file at `path`.
+fn file_crc(path: &Path) -> Result<u32> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(io("reading", path))?;
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut crc = 0;
+    loop {
+        let n = file.read(&mut buffer).map_err(io("reading", path))?;
+        if n == 0 {
+            return Ok(crc);
+        }
+        crc = crc32c::crc32c_append(crc, &buffer[..n]);
+    }
 }
 
 /// On the main process: writes the manifest (what makes the folder a checkpoint) and puts the folder in place.
@@ -239,10 +293,11 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
         optimizer_per_rank: ctx.optimizer_state == StateScope::PerRank,
         model_per_rank: ctx.model_state == StateScope::PerRank,
         checksums: checksums(
+            partial,
             parts,
             ctx.optimizer_state == StateScope::PerRank,
             ctx.model_state == StateScope::PerRank,
-        ),
+        )?,
         splits: ctx.splits.clone(),
     };
     write_synced(

@@ -195,20 +195,77 @@ fn named_tensors<M: Module>(
     }
 }
 
-/// `module`'s Burn record (burnpack), which keeps parameter ids.
-pub(crate) fn record_bytes<M: Module>(module: &M) -> Result<burn::tensor::Bytes> {
-    module
-        .clone()
-        .into_record()
-        .into_bytes()
-        .map_err(|e| Error::InvalidArgument(format!("cannot record the model: {e}")))
+/// `module`'s Burn record (burnpack: each tensor under its module path, with its parameter id, as
+/// `Module::into_record` writes it), each tensor's bytes read from the module only when a writer reaches it
+/// ([`write_record`]): a save holds one tensor's copy at a time, not a copy of the model.
+pub(crate) fn record_tensors<M: Module>(module: &M) -> Vec<burn_pack::Tensor> {
+    struct Collect {
+        path: Vec<String>,
+        out: Vec<burn_pack::Tensor>,
+    }
+    impl Collect {
+        fn push<const D: usize, K: burn::tensor::kind::Basic + 'static>(
+            &mut self,
+            id: ParamId,
+            tensor: Tensor<D, K>,
+        ) {
+            let name = self.path.join(".");
+            let (dtype, shape) = (tensor.dtype(), tensor.dims().to_vec());
+            let entry = if matches!(dtype, DType::QFloat(_)) {
+                // Quantized data packs its values with their scales: its length is known once read.
+                let data = tensor.into_data();
+                let shape = data.shape().to_vec();
+                burn_pack::Tensor::new(name, dtype, shape, Some(id.val()), data.into_bytes())
+            } else {
+                let len = shape.iter().product::<usize>() * dtype.size();
+                burn_pack::Tensor::deferred(name, dtype, shape, Some(id.val()), len, move || {
+                    Ok(tensor.clone().into_data().into_bytes())
+                })
+            };
+            self.out.push(entry);
+        }
+    }
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        // The `on_save` form, as Burn's own record takes it (what its load un-maps).
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.push(param.id, param.transform_for_save().val());
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            self.push(param.id, param.transform_for_save().val());
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            self.push(param.id, param.transform_for_save().val());
+        }
+    }
+    let mut collect = Collect {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut collect);
+    collect.out
 }
 
-/// Writes `module`'s Burn record to `dir/model.bpk` atomically; returns the file.
+/// Writes a Burn record made by [`record_tensors`] to `path` (burnpack), one tensor's bytes at a time, into a
+/// temporary file synced and renamed into place.
+pub(crate) fn write_record(tensors: Vec<burn_pack::Tensor>, path: &Path) -> Result<()> {
+    burn_pack::Writer::new(tensors)
+        .auto_extension(false)
+        .write_to_file(path)
+        .map_err(|e| io("writing", path)(std::io::Error::other(e.to_string())))
+}
+
+/// Writes `module`'s Burn record to `dir/model.bpk` atomically, one tensor at a time; returns the file.
 pub fn write_burnpack<M: Module>(module: &M, dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
     let path = dir.join("model.bpk");
-    crate::checkpoint::fs::write_atomic(&path, &record_bytes(module)?)?;
+    write_record(record_tensors(module), &path)?;
+    sync_dir(dir)?;
     Ok(path)
 }
 
