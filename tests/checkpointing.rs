@@ -193,6 +193,79 @@ fn exact_resume_with_workers(ranks: usize, workers: usize) {
     }
 }
 
+/// [`train`], gathering each rank's slices into the whole model for the forward pass (a sharded strategy).
+fn train_whole(acc: &Accelerator, run: &mut Run, steps: usize) -> Result<()> {
+    let mut done = 0;
+    while done < steps {
+        for batch in run.loader.iter() {
+            let whole = acc.unshard(&run.model)?;
+            let loss = whole.loss(batch?);
+            acc.backward(loss, &whole)?;
+            run.model = run.optimizer.step(run.model.clone());
+            run.scheduler.step();
+            done += 1;
+            if done == steps {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A restored run reads its optimizer state from the checkpoint lazily (restoring costs no copy of the state),
+/// yet owes nothing to the checkpoint's files: removed right after `load_state`, before the state is first used,
+/// the run continues bit for bit as it does with them kept, whether the state was read as saved (one rank) or
+/// re-cut (`SHARD_GRAD_OP` on 2 ranks resumed on 1); and no scratch file outlives it.
+#[test]
+fn a_restored_run_continues_after_its_checkpoint_is_removed() {
+    use burn_accelerate::ShardingStrategy;
+    let start = initial();
+    let (n, total) = (10, 20);
+    for (saved_on, sharding) in [
+        (1, ShardingStrategy::NoShard),
+        (2, ShardingStrategy::ShardGradOp),
+    ] {
+        let parent = temp_dir(&format!("removed-{saved_on}"));
+        let dir = parent.join("state");
+        Accelerator::builder()
+            .sharding(sharding)
+            .launch(saved_on, |acc| {
+                let mut run = setup_with(&acc, &start, 0, 8 / saved_on)?;
+                train_whole(&acc, &mut run, n)?;
+                save(&acc, &run, &dir)
+            })
+            .unwrap();
+        let resume = |remove: bool| {
+            Accelerator::builder()
+                .launch(1, |acc| {
+                    let mut run = setup(&acc, &initial())?;
+                    restore(&acc, &mut run, &dir)?;
+                    if remove {
+                        std::fs::remove_dir_all(&dir).unwrap();
+                    }
+                    train(&acc, &mut run, total - n)?;
+                    outcome(&acc, &run)
+                })
+                .unwrap()
+        };
+        let kept = resume(false);
+        let removed = resume(true);
+        assert_eq!(kept[0].0, removed[0].0, "saved on {saved_on}: weights");
+        assert_eq!(
+            kept[0].1, removed[0].1,
+            "saved on {saved_on}: optimizer state"
+        );
+        let left: Vec<_> = std::fs::read_dir(&parent)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.contains("scratch"))
+            .collect();
+        assert!(left.is_empty(), "saved on {saved_on}: left behind {left:?}");
+        std::fs::remove_dir_all(&parent).ok();
+    }
+}
+
 #[test]
 fn resume_mid_epoch_is_exact_on_one_rank() {
     exact_resume(1);

@@ -152,3 +152,67 @@ pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) {
     #[cfg(not(target_os = "linux"))]
     let _ = (file, offset, len);
 }
+
+/// The CRC-32C of the file at `path`, read a megabyte at a time.
+pub(crate) fn file_crc32c(path: &Path) -> Result<u32> {
+    use std::io::Read;
+    let mut file = File::open(path).map_err(io("reading", path))?;
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut crc = 0;
+    loop {
+        let n = file.read(&mut buffer).map_err(io("reading", path))?;
+        if n == 0 {
+            return Ok(crc);
+        }
+        crc = crc32c::crc32c_append(crc, &buffer[..n]);
+    }
+}
+
+/// A scratch file, removed when dropped: beside a checkpoint (on the disk the user chose for checkpoints) or,
+/// where that folder cannot be written, in the system's temporary folder.
+#[derive(Debug)]
+pub(crate) struct Scratch(PathBuf);
+
+impl Scratch {
+    /// A new, empty scratch file for a file of kind `what`: beside `near` where that folder takes a new file,
+    /// else in the system's temporary folder.
+    pub fn create(near: &Path, what: &str) -> Result<Self> {
+        let name = Self::name(what);
+        let beside = parent_dir(near).join(&name);
+        if File::create_new(&beside).is_ok() {
+            return Ok(Self(beside));
+        }
+        let temporary = std::env::temp_dir().join(&name);
+        File::create_new(&temporary).map_err(io("creating", &temporary))?;
+        Ok(Self(temporary))
+    }
+
+    /// A second name for the file at `path`, beside `near` (a hard link: no copy, and the data stays while either
+    /// name does, whatever becomes of `near`); `None` where the filesystem refuses.
+    pub fn link(path: &Path, near: &Path, what: &str) -> Option<Self> {
+        let beside = parent_dir(near).join(Self::name(what));
+        fs::hard_link(path, &beside).ok().map(|()| Self(beside))
+    }
+
+    /// A fresh name for a scratch file of kind `what`.
+    fn name(what: &str) -> String {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        format!(
+            ".{what}.scratch.{}.{}.bpk",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}

@@ -58,6 +58,114 @@ fn guarded<T>(path: &Path, what: &str, call: impl FnOnce() -> T) -> Result<T> {
     })
 }
 
+/// An optimizer record, and the file its tensors are read from as they are used (none: read in already).
+type Backed = (burn::optim::OptimizerRecord, Option<super::fs::Scratch>);
+
+/// One parameter's state out of the optimizer record in the file at `path` (its tensors, scalars and module path,
+/// the first parameter's with tensors), as a record of its own, and its number of tensors; `None` for a record
+/// without tensors (an optimizer with no state).
+fn sample_of(path: &Path) -> Result<Option<(burn::optim::OptimizerRecord, usize)>> {
+    let unreadable =
+        |e: burn_pack::Error| corrupt(path, format!("unreadable optimizer record: {e}"));
+    let reader = burn_pack::Reader::from_file_exact(path).map_err(unreadable)?;
+    let scalars = reader.scalars().clone();
+    let metadata = reader.metadata().clone();
+    let tensors = reader.into_tensors().map_err(unreadable)?;
+    let Some(id) = tensors.iter().find_map(|t| t.param_id) else {
+        return Ok(None);
+    };
+    let mut sample = Vec::new();
+    for tensor in tensors.into_iter().filter(|t| t.param_id == Some(id)) {
+        let bytes = tensor.to_bytes().map_err(unreadable)?;
+        sample.push(burn_pack::Tensor::new(
+            tensor.name.clone(),
+            tensor.dtype,
+            tensor.shape.clone(),
+            Some(id),
+            bytes,
+        ));
+    }
+    let held = sample.len();
+    let prefix = format!("{id}.");
+    let mut writer = burn_pack::Writer::new(sample);
+    for (key, value) in scalars.iter().filter(|(k, _)| k.starts_with(&prefix)) {
+        writer = writer.with_scalar(key, *value);
+    }
+    if let Some(module_path) = metadata.get(&id.to_string()) {
+        writer = writer.with_metadata(&id.to_string(), module_path);
+    }
+    let bytes = writer.into_bytes().map_err(unreadable)?;
+    let record = guarded(path, "optimizer", || {
+        burn::optim::OptimizerRecord::from_bytes(bytes)
+    })?
+    .map_err(|e| corrupt(path, format!("not an optimizer record: {e}")))?;
+    Ok(Some((record, held)))
+}
+
+/// When a record's tensors are read from its file.
+#[derive(Debug, Clone, Copy)]
+enum Reading {
+    /// As they are restored, one at a time (the file must outlive the restore).
+    AsUsed,
+    /// Into memory now, whole.
+    Now,
+}
+
+/// The file at `path` in memory, as Burn's record readers take it.
+fn read_bytes(path: &Path) -> std::result::Result<burn::tensor::Bytes, burn::store::RecordError> {
+    std::fs::read(path)
+        .map(burn::tensor::Bytes::from_bytes_vec)
+        .map_err(|e| burn::store::RecordError::Io(format!("{}: {e}", path.display())))
+}
+
+/// The optimizer record in the file at `path`, read as `reading` says.
+fn optimizer_record(path: &Path, reading: Reading) -> Result<burn::optim::OptimizerRecord> {
+    guarded(path, "optimizer", || match reading {
+        Reading::AsUsed => burn::optim::OptimizerRecord::load(path),
+        Reading::Now => read_bytes(path).and_then(burn::optim::OptimizerRecord::from_bytes),
+    })?
+    .map_err(|e| {
+        corrupt(
+            path,
+            format!("not an optimizer record (truncated or corrupt?): {e}"),
+        )
+    })
+}
+
+/// Reads in every parameter of `model` that a record left backed by its file: a CPU backend adopts a record's
+/// bytes as they are, and a record read from a file reads each tensor only when first used. A restored model
+/// must not depend on the checkpoint's files (a later save may remove them, and a re-cut record's scratch file
+/// goes with the state), so each parameter is read now, one at a time.
+fn read_in<M: Module>(model: &M) {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::tensor::{Bool, Int, Tensor};
+    fn touch<const D: usize, K: burn::tensor::kind::Basic>(tensor: Tensor<D, K>) {
+        let n = tensor.shape().num_elements();
+        if n > 0 {
+            // One element copied out: the tensor's whole buffer is read in, where it stays.
+            let _ = tensor.reshape([n]).slice(0..1).into_data();
+        }
+    }
+    struct ReadIn;
+    impl ModuleVisitor for ReadIn {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            if value.is_autodiff() {
+                touch(value.inner());
+            } else {
+                touch(value);
+            }
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            touch(param.val());
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            touch(param.val());
+        }
+    }
+    model.visit(&mut ReadIn);
+}
+
 /// Finds the folder to load: `dir` itself, or the previous checkpoint moved aside by a save interrupted
 /// between its two renames.
 pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
@@ -169,16 +277,13 @@ impl LoadedState {
         Ok(i)
     }
 
-    /// The bytes of the record file `path`, checked against the CRC-32C the save recorded for it (in
-    /// `checksums`, by file name; files without one are read unchecked).
-    fn checked(
-        path: &Path,
-        checksums: &std::collections::BTreeMap<String, u32>,
-    ) -> Result<burn::tensor::Bytes> {
-        let bytes = read(path)?;
+    /// Checks the record file `path` against the CRC-32C the save recorded for it (in `checksums`, by file
+    /// name; files without one are not read here), reading it a megabyte at a time: its records are then read
+    /// from the file tensor by tensor, as they are restored.
+    fn checked(path: &Path, checksums: &std::collections::BTreeMap<String, u32>) -> Result<()> {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         if let Some(expected) = name.and_then(|n| checksums.get(&n)) {
-            let actual = crc32c::crc32c(&bytes);
+            let actual = super::fs::file_crc32c(path)?;
             if actual != *expected {
                 return Err(corrupt(
                     path,
@@ -190,22 +295,24 @@ impl LoadedState {
                 ));
             }
         }
-        Ok(burn::tensor::Bytes::from_bytes_vec(bytes))
+        if !path.is_file() {
+            return Err(corrupt(path, "missing: the checkpoint is incomplete"));
+        }
+        Ok(())
     }
 
-    /// The bytes of the next saved part of `kind` (`model`, `optimizer`, `scheduler`), whose count and cursor
-    /// are `saved` and `next`, checked against the CRC-32C the save recorded for it; returns its index, file and
-    /// bytes.
+    /// The next saved part of `kind` (`model`, `optimizer`, `scheduler`), whose count and cursor are `saved` and
+    /// `next`, checked against the CRC-32C the save recorded for it; returns its index and file.
     fn next_part(
         dir: &Path,
         kind: &str,
         (saved, checksums): (usize, &std::collections::BTreeMap<String, u32>),
         next: &mut usize,
-    ) -> Result<(usize, PathBuf, burn::tensor::Bytes)> {
+    ) -> Result<(usize, PathBuf)> {
         let i = Self::advance(dir, kind, saved, next)?;
         let path = file(dir, kind, i, "bpk");
-        let bytes = Self::checked(&path, checksums)?;
-        Ok((i, path, bytes))
+        Self::checked(&path, checksums)?;
+        Ok((i, path))
     }
 
     /// Whether this rank holds the state the strategy scope `now` says it does in the layout the checkpoint was
@@ -271,8 +378,8 @@ impl LoadedState {
         };
         (0..ranks).map(move |r| {
             let path = file(&self.dir, &stem(per_rank, r), i, "bpk");
-            let bytes = Self::checked(&path, &self.manifest.checksums)?;
-            Ok((r, path, bytes))
+            Self::checked(&path, &self.manifest.checksums)?;
+            Ok((r, path))
         })
     }
 
@@ -282,7 +389,8 @@ impl LoadedState {
     pub fn model<M: Module>(&mut self, model: M) -> Result<M> {
         let now = self.strategy.as_ref().map(|s| s.model_state());
         let (path, record) = if self.same_layout(self.manifest.model_per_rank, now) {
-            self.next_model_record()?
+            let (path, record) = self.next_model_record(Reading::AsUsed)?;
+            (path, (record, None))
         } else {
             let i = Self::advance(
                 &self.dir,
@@ -293,20 +401,22 @@ impl LoadedState {
             let sources = self.saved_files(model_stem, self.manifest.model_per_rank, i);
             let saved = repartition::SavedSplits::new(&self.manifest.splits);
             let want = self.want(|s| s.model_state());
-            let bytes = repartition::model_bytes(sources, &model, &saved, want)?;
+            let (record, scratch) =
+                repartition::model_record(sources, &model, &saved, want, &self.dir)?;
             let path = file(
                 &self.dir,
                 &model_stem(self.manifest.model_per_rank, 0),
                 i,
                 "bpk",
             );
-            let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?
-                .map_err(|e| corrupt(&path, format!("not a model record: {e}")))?;
-            (path, record)
+            (path, (record, Some(scratch)))
         };
+        // A re-cut record is read from its scratch file, kept until every parameter has been read in.
+        let (record, _scratch) = record;
         let before = crate::grad::param_ids(&model);
         let model = guarded(&path, "model", move || model.try_load_record(record))?
             .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))?;
+        guarded(&path, "model", || read_in(&model))?;
         if let Some(strategy) = &self.strategy {
             let after = crate::grad::param_ids(&model);
             let renamed: Vec<_> = before
@@ -329,9 +439,14 @@ impl LoadedState {
     }
 
     /// Restores the next saved optimizer state into `optimizer`. A state saved from another kind of
-    /// optimizer, or for another model, is refused rather than dropped.
+    /// optimizer is refused rather than dropped.
+    ///
+    /// Restoring copies nothing: each state tensor is read from its file when the optimizer first uses it. The
+    /// file is a second name of the saved one, made beside the checkpoint's folder (removing or rotating the
+    /// checkpoint is safe), or, for a state re-cut for another number of ranks or another strategy, a scratch
+    /// file there holding this rank's share; either goes when the optimizer does.
     pub fn optimizer(&mut self, optimizer: &mut AcceleratedOptimizer) -> Result<()> {
-        let (i, path, record, steps) = self.next_optimizer_record()?;
+        let (i, path, (record, backing), steps) = self.next_optimizer_record(Reading::AsUsed)?;
         if let (Some(Some(saved)), Some(now)) =
             (self.manifest.optimizer_kinds.get(i), optimizer.kind())
             && saved != now
@@ -344,17 +459,23 @@ impl LoadedState {
                 ),
             ));
         }
-        let (held, taken) = guarded(&path, "optimizer", || optimizer.restore(record, steps))?;
-        if taken != held {
-            return Err(corrupt(
-                &path,
-                format!(
-                    "holds {held} optimizer state tensor(s), of which this optimizer could restore {taken}: it \
-                     was saved by another kind of optimizer or for another model"
-                ),
-            ));
+        // One parameter's state tried on a copy of the optimizer: restoring it all to count would copy it all.
+        let read_from = backing.as_ref().map_or(path.as_path(), |b| b.path());
+        if let Some((sample, held)) = sample_of(read_from)? {
+            let taken = guarded(&path, "optimizer", || optimizer.takes(sample))?;
+            if taken != held {
+                return Err(corrupt(
+                    &path,
+                    format!(
+                        "holds {held} state tensor(s) for one parameter, of which this optimizer could restore \
+                         {taken}: it was saved by another kind of optimizer"
+                    ),
+                ));
+            }
         }
-        Ok(())
+        guarded(&path, "optimizer", || {
+            optimizer.restore(record, steps, backing)
+        })
     }
 
     /// Restores the next saved scheduler state into `scheduler` (and its optimizer's learning rate).
@@ -384,22 +505,27 @@ impl LoadedState {
                 ),
             ));
         }
-        let (_, model) = self.next_model_record()?;
-        let (_, _, optimizer, steps) = self.next_optimizer_record()?;
+        // Read whole: the Learner loads them after this state (and a re-cut record's scratch file) is gone.
+        let (_, model) = self.next_model_record(Reading::Now)?;
+        let (_, _, (optimizer, _), steps) = self.next_optimizer_record(Reading::Now)?;
         let (_, scheduler) = self.next_scheduler_record()?;
         Ok((model, (optimizer, steps), scheduler))
     }
 
     /// The next saved model's record, and its file.
-    fn next_model_record(&mut self) -> Result<(PathBuf, ModuleRecord)> {
+    fn next_model_record(&mut self, reading: Reading) -> Result<(PathBuf, ModuleRecord)> {
         let stem = model_stem(self.manifest.model_per_rank, self.rank_index);
-        let (_, path, bytes) = Self::next_part(
+        let (_, path) = Self::next_part(
             &self.dir,
             &stem,
             (self.manifest.models, &self.manifest.checksums),
             &mut self.next_model,
         )?;
-        let record = guarded(&path, "model", || ModuleRecord::from_bytes(bytes))?.map_err(|e| {
+        let record = guarded(&path, "model", || match reading {
+            Reading::AsUsed => ModuleRecord::load(&path),
+            Reading::Now => read_bytes(&path).and_then(ModuleRecord::from_bytes),
+        })?
+        .map_err(|e| {
             corrupt(
                 &path,
                 format!("not a model record (truncated or corrupt?): {e}"),
@@ -411,19 +537,28 @@ impl LoadedState {
     /// The next saved optimizer's index, file, record and step count. A state saved by another number of
     /// ranks, or under a strategy that partitions it otherwise, is re-cut: this rank reads every saved slice in
     /// turn and keeps the state of the parameters it steps.
-    fn next_optimizer_record(
-        &mut self,
-    ) -> Result<(usize, PathBuf, burn::optim::OptimizerRecord, u64)> {
+    /// Read [`AsUsed`](Reading::AsUsed), the record's tensors come from a file kept with the returned scratch
+    /// name (a link to the saved file, or the re-cut record), which the optimizer must keep.
+    fn next_optimizer_record(&mut self, reading: Reading) -> Result<(usize, PathBuf, Backed, u64)> {
         let per_rank = self.manifest.optimizer_per_rank;
         let now = self.strategy.as_ref().map(|s| s.optimizer_state());
-        let (i, path, bytes) = if self.same_layout(per_rank, now) {
+        let (i, path, record) = if self.same_layout(per_rank, now) {
             let stem = optimizer_stem(per_rank, self.rank_index);
-            Self::next_part(
+            let (i, path) = Self::next_part(
                 &self.dir,
                 &stem,
                 (self.manifest.optimizers, &self.manifest.checksums),
                 &mut self.next_optimizer,
-            )?
+            )?;
+            let backing = match reading {
+                Reading::AsUsed => super::fs::Scratch::link(&path, &self.dir, "optimizer"),
+                Reading::Now => None,
+            };
+            let record = match &backing {
+                Some(link) => optimizer_record(link.path(), Reading::AsUsed)?,
+                None => optimizer_record(&path, Reading::Now)?,
+            };
+            (i, path, (record, backing))
         } else {
             let i = Self::advance(
                 &self.dir,
@@ -432,26 +567,20 @@ impl LoadedState {
                 &mut self.next_optimizer,
             )?;
             let saved = repartition::SavedSplits::new(&self.manifest.splits);
-            let bytes = repartition::optimizer_bytes(
+            let scratch = repartition::optimizer_record(
                 self.saved_files(optimizer_stem, per_rank, i),
                 &saved,
                 self.want(|s| s.optimizer_state()),
+                &self.dir,
             )?;
+            let record = optimizer_record(scratch.path(), reading)?;
+            let backing = matches!(reading, Reading::AsUsed).then_some(scratch);
             (
                 i,
                 file(&self.dir, &optimizer_stem(per_rank, 0), i, "bpk"),
-                bytes,
+                (record, backing),
             )
         };
-        let record = guarded(&path, "optimizer", || {
-            burn::optim::OptimizerRecord::from_bytes(bytes)
-        })?
-        .map_err(|e| {
-            corrupt(
-                &path,
-                format!("not an optimizer record (truncated or corrupt?): {e}"),
-            )
-        })?;
         let steps = self.rank.optimizer_steps.get(i).copied().unwrap_or(0);
         Ok((i, path, record, steps))
     }
@@ -460,12 +589,13 @@ impl LoadedState {
     fn next_scheduler_record(
         &mut self,
     ) -> Result<(PathBuf, burn::lr_scheduler::LrSchedulerRecord)> {
-        let (_, path, bytes) = Self::next_part(
+        let (_, path) = Self::next_part(
             &self.dir,
             "scheduler",
             (self.manifest.schedulers, &self.manifest.checksums),
             &mut self.next_scheduler,
         )?;
+        let bytes = burn::tensor::Bytes::from_bytes_vec(read(&path)?);
         let record = guarded(&path, "scheduler", || {
             burn::lr_scheduler::LrSchedulerRecord::from_bytes(bytes)
         })?

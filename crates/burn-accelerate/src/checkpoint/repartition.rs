@@ -1,9 +1,10 @@
 //! Records re-cut for another partition of the parameters: what lets a state saved by N ranks (or under another
 //! strategy) load on M. A checkpoint's records are Burn's burnpack files, keyed by parameter id (optimizer
 //! state) or module path (models); a sharded save holds one file per rank with that rank's dim-0 slices, and the
-//! manifest says how each parameter was split ([`SavedSplits`]). Each rank reads the saved files one at a time
-//! and copies out of each only the elements of its own slices, so no rank ever holds more than its share (and
-//! the one file it is reading).
+//! manifest says how each parameter was split ([`SavedSplits`]). Each rank reads the saved files one tensor at a
+//! time (the files are read lazily) and copies out of each only the elements of its own slices; the assembled
+//! record is written to a scratch file and loaded from there tensor by tensor, so no rank ever holds more than
+//! its share and one tensor.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -11,6 +12,8 @@ use std::path::{Path, PathBuf};
 use burn::module::{Module, ParamId};
 use burn::tensor::Bytes;
 use burn_pack::{Reader, Writer};
+
+use super::fs::Scratch;
 use serde::{Deserialize, Serialize};
 
 use crate::distributed::strategy::{Split, SplitKind};
@@ -23,9 +26,9 @@ fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-/// One saved record file: the rank that wrote it, its path and the bytes `read` gave for it (checked against
-/// its checksum where one was recorded).
-pub(crate) type Source = (usize, PathBuf, Bytes);
+/// One saved record file: the rank that wrote it and its path (checked against its checksum where one was
+/// recorded); its tensors are read from the file as they are needed.
+pub(crate) type Source = (usize, PathBuf);
 
 /// How one parameter was split when the checkpoint was saved, as its manifest records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,8 +89,8 @@ pub(crate) enum Want {
     Part(Split, usize),
 }
 
-fn reader(path: &Path, bytes: Bytes, what: &str) -> Result<Reader> {
-    Reader::from_bytes(bytes).map_err(|e| {
+fn reader(path: &Path, what: &str) -> Result<Reader> {
+    Reader::from_file_exact(path).map_err(|e| {
         corrupt(
             path,
             format!("not a {what} record (truncated or corrupt?): {e}"),
@@ -259,19 +262,21 @@ fn wanted_of(dims: &[usize], want: &Want) -> (Vec<usize>, std::ops::Range<usize>
 
 /// The optimizer state this rank steps, re-cut from every file of `sources` in turn: each state tensor of a split
 /// parameter (`saved`, by saved id) is cut to what `want` says this rank holds of it (by the same id); the other
-/// tensors and scalars are taken from the first file holding them. Returns the record's burnpack bytes.
-pub(crate) fn optimizer_bytes(
+/// tensors and scalars are taken from the first file holding them. Returns the scratch file (beside `near`) the
+/// record was written to, one tensor at a time.
+pub(crate) fn optimizer_record(
     sources: impl IntoIterator<Item = Result<Source>>,
     saved: &SavedSplits,
     want: impl Fn(ParamId) -> Want,
-) -> Result<Bytes> {
+    near: &Path,
+) -> Result<Scratch> {
     let mut scalars = BTreeMap::new();
     let mut metadata = BTreeMap::new();
     let mut assembler = Assembler::default();
     let mut last = PathBuf::new();
     for source in sources {
-        let (rank, path, bytes) = source?;
-        let reader = reader(&path, bytes, "optimizer")?;
+        let (rank, path) = source?;
+        let reader = reader(&path, "optimizer")?;
         for (key, value) in reader.scalars() {
             scalars.entry(key.clone()).or_insert(*value);
         }
@@ -296,9 +301,19 @@ pub(crate) fn optimizer_bytes(
     for (key, value) in &metadata {
         writer = writer.with_metadata(key, value);
     }
+    write_scratch(writer, near, "optimizer")
+}
+
+/// `writer`'s record written to a new scratch file beside `near`, one tensor at a time.
+fn write_scratch(writer: Writer, near: &Path, what: &str) -> Result<Scratch> {
+    let scratch = Scratch::create(near, what)?;
     writer
-        .into_bytes()
-        .map_err(|e| Error::other(format!("re-cutting the optimizer state: {e}")))
+        .auto_extension(false)
+        .write_to_file_in_place(scratch.path())
+        .map_err(|e| {
+            crate::error::io("writing", scratch.path())(std::io::Error::other(e.to_string()))
+        })?;
+    Ok(scratch)
 }
 
 /// Hands every tensor of the model records in `sources` to `take` (with its file and saving rank), one file at a
@@ -309,8 +324,8 @@ fn each_model_tensor(
 ) -> Result<PathBuf> {
     let mut last = PathBuf::new();
     for source in sources {
-        let (rank, path, bytes) = source?;
-        let read = reader(&path, bytes, "model")?
+        let (rank, path) = source?;
+        let read = reader(&path, "model")?
             .into_tensors()
             .map_err(|e| corrupt(&path, format!("unreadable model record: {e}")))?;
         for tensor in read {
@@ -336,13 +351,14 @@ pub(crate) fn whole_tensors(
 
 /// A model record for `target` assembled from `sources` (each a saved record of the same model, or one rank's
 /// slices of it): each parameter cut to what `want` says this rank holds of it (by `target`'s ids). Returns the
-/// record's burnpack bytes.
-pub(crate) fn model_bytes<M: Module>(
+/// record, read lazily from the scratch file it was written to (beside `near`), which must outlive it.
+pub(crate) fn model_record<M: Module>(
     sources: impl IntoIterator<Item = Result<Source>>,
     target: &M,
     saved: &SavedSplits,
     want: impl Fn(ParamId) -> Want,
-) -> Result<Bytes> {
+    near: &Path,
+) -> Result<(burn::store::ModuleRecord, Scratch)> {
     let mut wanted: HashMap<String, Want> = HashMap::new();
     crate::named_params::walk(target, |p| {
         let want = match p.kind {
@@ -375,7 +391,8 @@ pub(crate) fn model_bytes<M: Module>(
             format!("holds nothing for the model's `{name}`: it was saved from another model"),
         ));
     }
-    Writer::new(tensors)
-        .into_bytes()
-        .map_err(|e| Error::other(format!("re-cutting the model record: {e}")))
+    let scratch = write_scratch(Writer::new(tensors), near, "model")?;
+    let record = burn::store::ModuleRecord::load(scratch.path())
+        .map_err(|e| corrupt(scratch.path(), format!("re-reading the re-cut model: {e}")))?;
+    Ok((record, scratch))
 }

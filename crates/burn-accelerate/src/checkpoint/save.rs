@@ -117,7 +117,8 @@ impl StateToSave {
         let optimizer = optimizer.into_bytes().map_err(record_error("optimizer"))?;
         let scheduler = scheduler.into_bytes().map_err(record_error("scheduler"))?;
         self.models.push(ModelPart::Bytes(model));
-        self.optimizers.push((OptimizerPart::Bytes(optimizer), steps));
+        self.optimizers
+            .push((OptimizerPart::Bytes(optimizer), steps));
         self.optimizer_kinds.push(None);
         self.schedulers.push(scheduler);
         Ok(self)
@@ -258,24 +259,9 @@ fn checksums(
         let name = file(Path::new(""), stem, i, "bpk")
             .to_string_lossy()
             .into_owned();
-        sums.insert(name.clone(), file_crc(&partial.join(name))?);
+        sums.insert(name.clone(), super::fs::file_crc32c(&partial.join(name))?);
     }
     Ok(sums)
-}
-
-/// The CRC-32C of the file at `path`.
-fn file_crc(path: &Path) -> Result<u32> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(io("reading", path))?;
-    let mut buffer = vec![0u8; 1 << 20];
-    let mut crc = 0;
-    loop {
-        let n = file.read(&mut buffer).map_err(io("reading", path))?;
-        if n == 0 {
-            return Ok(crc);
-        }
-        crc = crc32c::crc32c_append(crc, &buffer[..n]);
-    }
 }
 
 /// On the main process: writes the manifest (what makes the folder a checkpoint) and puts the folder in place.

@@ -53,6 +53,9 @@ pub struct AcceleratedOptimizer {
     /// The kind of an optimizer that needs each parameter whole (LAMB, Adafactor, Muon, L-BFGS), checked against
     /// the strategy at each step.
     whole_tensor_kind: Option<String>,
+    /// The files a restored state is read from as each tensor is first used (a CPU backend adopts a record's
+    /// file-backed bytes as they are): kept while this optimizer may still read them.
+    backing: Vec<crate::checkpoint::fs::Scratch>,
 }
 
 /// Burn's optimizers whose update needs a parameter whole: a trust ratio over the tensor (LAMB), factored second
@@ -91,6 +94,7 @@ impl AcceleratedOptimizer {
             steps: 0,
             kind,
             whole_tensor_kind,
+            backing: Vec::new(),
         }
     }
 
@@ -183,9 +187,9 @@ impl AcceleratedOptimizer {
         self.steps
     }
 
-    /// Restores a saved optimizer state (see [`LoadedState::optimizer`](crate::checkpoint::LoadedState)).
-    /// Restores a saved optimizer state; returns how many state tensors the record held and how many this
-    /// optimizer took (Burn drops, without a word, the states it cannot rebuild: another optimizer's).
+    /// Restores a saved optimizer state (see [`LoadedState::optimizer`](crate::checkpoint::LoadedState)), whose
+    /// tensors may be read from `backing` as they are first used: the file is kept with the optimizer, so that
+    /// restoring costs no copy of the state.
     ///
     /// # Panics
     /// Burn's `load_record` panics on some malformed records; the caller catches that.
@@ -193,13 +197,20 @@ impl AcceleratedOptimizer {
         &mut self,
         record: burn::optim::OptimizerRecord,
         steps: u64,
-    ) -> (usize, usize) {
-        let held = record.len();
-        let inner = self.inner.clone().load_record(record);
-        let taken = inner.to_record().len();
-        self.inner = inner;
+        backing: Option<crate::checkpoint::fs::Scratch>,
+    ) {
+        self.inner = self.inner.clone().load_record(record);
         self.steps = steps;
-        (held, taken)
+        self.backing.extend(backing);
+    }
+
+    /// How many state tensors this optimizer takes of `record` (Burn drops, without a word, the states it cannot
+    /// rebuild: another kind of optimizer's), tried on a copy of it.
+    ///
+    /// # Panics
+    /// Burn's `load_record` panics on some malformed records; the caller catches that.
+    pub(crate) fn takes(&self, record: burn::optim::OptimizerRecord) -> usize {
+        self.inner.clone().load_record(record).to_record().len()
     }
 
     /// Bytes of the optimizer state tensors this rank holds (Adam's two moments of every slice it steps, ...), as
@@ -227,6 +238,10 @@ impl AcceleratedOptimizer {
 
     /// Gives the wrapped Burn optimizer back.
     pub fn into_inner(self) -> ModuleOptimizer {
+        if !self.backing.is_empty() {
+            // A restored state's tensors not yet used are read in before their file goes.
+            let _ = self.inner.to_record();
+        }
         self.inner
     }
 }
