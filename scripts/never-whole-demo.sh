@@ -12,8 +12,9 @@
 #   LAYERS=4 D_MODEL=256 HEADS=4 RANKS=4 RESUME_RANKS=3 LIMIT_MIB=... scripts/never-whole-demo.sh   # reduced
 #
 # Settings (environment): LAYERS, D_MODEL, HEADS, SEQ, BATCH (global, divisible by both rank counts), STEPS,
-# SAVE_AT, RANKS, RESUME_RANKS, LIMIT_MIB, SAVE_LIMIT_MIB and RESUME_LIMIT_MIB (per rank; default: measured from
-# runs of the same model without a limit, plus LIMIT_SLACK_MIB), BOUND.
+# SAVE_AT, RANKS, RESUME_RANKS, LIMIT_MIB (per rank, training and saving; default: measured from a run of the same
+# model without a limit, plus LIMIT_SLACK_MIB), RESUME_LIMIT_MIB (per rank on RESUME_RANKS ranks, each holding a
+# larger share; default measured the same way), BOUND.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 layers=${LAYERS:-24} d_model=${D_MODEL:-1536} heads=${HEADS:-16} seq=${SEQ:-8} batch=${BATCH:-24}
@@ -33,16 +34,16 @@ field() { grep -oE "$1=[0-9]+" "$2" | cut -d= -f2 | sort -n | tail -1; }
 ran_out_of_memory() { grep -qE "memory allocation of [0-9]+ bytes failed|out of memory|ran out of memory|Cannot allocate memory" "$1"; }
 
 # What the model's f32 parameters alone take, and what each rank needs for its share: the peak address space of an
-# unlimited block-wise run of two steps (the second holds the optimizer state) on RANKS ranks before and after it
-# saves the state, and of a resume from that save on RESUME_RANKS ranks, each plus the slack. Training must fit
-# below the f32 parameters; saving and loading a checkpoint serialise the optimizer state (a copy of it), so they
-# get limits of their own.
+# unlimited block-wise run of two steps (the second holds the optimizer state) on RANKS ranks before it saves the
+# state, and of a resume from that save on RESUME_RANKS ranks, each plus the slack. Training and saving must fit
+# below the f32 parameters under one limit; the resume on fewer ranks (a larger share each) under its own, below
+# them too.
 mpi "$ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 2 --state "$out/measure-state" --save-at 2 \
   >"$out/measure.log" 2>&1 || { tail -n 20 "$out/measure.log"; fail "the unlimited measuring run failed"; }
 params=$(grep -oE " params=[0-9]+" "$out/measure.log" | head -1 | cut -d= -f2)
 whole_mib=$((params * 4 / 1048576))
 train_limit_mib=${LIMIT_MIB:-$(($(field before_save_peak_vm "$out/measure.log") / 1048576 + slack))}
-save_limit_mib=${SAVE_LIMIT_MIB:-$(($(field peak_vm "$out/measure.log") / 1048576 + slack))}
+save_limit_mib=${SAVE_LIMIT_MIB:-$train_limit_mib}
 mpi "$resume_ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 3 --state "$out/measure-state" --resume \
   >"$out/measure-resume.log" 2>&1 \
   || { tail -n 20 "$out/measure-resume.log"; fail "the unlimited measuring run on $resume_ranks ranks failed"; }
@@ -53,6 +54,7 @@ echo "== $params parameters: $whole_mib MiB of f32; each of $ranks ranks limited
 # (libraries, threads' stacks, MPI's segments) is larger than a small model.
 if [ "${REDUCED:-0}" != 1 ]; then
   [ "$train_limit_mib" -lt "$whole_mib" ] || fail "the training limit ($train_limit_mib MiB) does not lie below the f32 parameters ($whole_mib MiB): a larger model shows more"
+  [ "$resume_limit_mib" -lt "$whole_mib" ] || fail "the resume limit ($resume_limit_mib MiB) does not lie below the f32 parameters ($whole_mib MiB)"
 fi
 limited() {
   local np=$1 mib=$2; shift 2

@@ -67,6 +67,14 @@ pub struct LaunchArgs {
         visible_alias = "parallelism_config_dp_shard_size"
     )]
     pub parallelism_config_dp_shard_size: Option<usize>,
+    /// The dtype blocks are gathered in under FULL_SHARD / HYBRID_SHARD: fp32, bf16 or fp16 (FSDP2's
+    /// param_dtype; FSDP_PARAM_DTYPE); bf16 and fp16 need the same --mixed_precision. Default: the parameters'.
+    #[arg(long = "fsdp-param-dtype", visible_alias = "fsdp_param_dtype")]
+    pub fsdp_param_dtype: Option<burn_accelerate::ShardDtype>,
+    /// The dtype gradients are reduce-scattered in under a sharded strategy: fp32, bf16 or fp16 (FSDP2's
+    /// reduce_dtype; FSDP_REDUCE_DTYPE). Default: the parameters'.
+    #[arg(long = "fsdp-reduce-dtype", visible_alias = "fsdp_reduce_dtype")]
+    pub fsdp_reduce_dtype: Option<burn_accelerate::ShardDtype>,
     /// Recompute each block in backward instead of keeping its activations, in programs that train with
     /// `backward_blocks`: true or false, as Accelerate's flag (FSDP_ACTIVATION_CHECKPOINTING).
     #[arg(
@@ -235,6 +243,14 @@ impl Plan {
         if let Some(size) = args.parallelism_config_dp_shard_size {
             resolved.distributed.dp_shard_size = Some(size);
             flag(Key::DpShardSize, &mut resolved);
+        }
+        if let Some(dtype) = args.fsdp_param_dtype {
+            resolved.distributed.fsdp_param_dtype = Some(dtype);
+            flag(Key::FsdpParamDtype, &mut resolved);
+        }
+        if let Some(dtype) = args.fsdp_reduce_dtype {
+            resolved.distributed.fsdp_reduce_dtype = Some(dtype);
+            flag(Key::FsdpReduceDtype, &mut resolved);
         }
         if let Some(on) = args.fsdp_activation_checkpointing {
             resolved.memory.activation_checkpointing = on;

@@ -410,6 +410,8 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             use_fsdp: false,
             fsdp_sharding_strategy: None,
             parallelism_config_dp_shard_size: None,
+            fsdp_param_dtype: None,
+            fsdp_reduce_dtype: None,
             fsdp_activation_checkpointing: None,
             debug: false,
             cpu: false,

@@ -117,7 +117,9 @@ pub mod learner;
 pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
-pub use config::{AcceleratorConfig, GradientTransport, SchedulerRule, ShardingStrategy};
+pub use config::{
+    AcceleratorConfig, GradientTransport, SchedulerRule, ShardDtype, ShardingStrategy,
+};
 pub use distributed::comm::ReduceOp;
 pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};

@@ -40,6 +40,8 @@ pub struct AcceleratorBuilder {
     bucket_size_mb: Option<f64>,
     sharding: Option<ShardingStrategy>,
     dp_shard_size: Option<usize>,
+    fsdp_param_dtype: Option<crate::config::ShardDtype>,
+    fsdp_reduce_dtype: Option<crate::config::ShardDtype>,
     activation_checkpointing: Option<bool>,
     autodiff_checkpointing: Option<bool>,
     gradient_transport: Option<GradientTransport>,
@@ -220,6 +222,28 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// FSDP2's `param_dtype`: the dtype [`Accelerator::backward_blocks`] gathers each block's parameters in under a
+    /// strategy that reshards them (`FULL_SHARD`, `HYBRID_SHARD`): half the traffic and half the gathered block in
+    /// bf16 or fp16, where each rank keeps its slices (and their optimizer state) in the parameters' own dtype.
+    /// The block's gradients are reduced in [`fsdp_reduce_dtype`](Self::fsdp_reduce_dtype), by default the
+    /// parameters' own. A block gathered in a half dtype computes in it: use it with
+    /// [`mixed_precision`](Self::mixed_precision) of the same dtype, casting the blocks' inputs with
+    /// [`Accelerator::autocast`] as mixed precision does; then the weights are those of the same run without it, bit
+    /// for bit (a half-precision forward casts the parameters to the same values; the gradients cast back to
+    /// f32 are the same). Default: the parameters' own (`FSDP_PARAM_DTYPE`).
+    pub fn fsdp_param_dtype(mut self, dtype: crate::config::ShardDtype) -> Self {
+        self.fsdp_param_dtype = Some(dtype);
+        self
+    }
+
+    /// FSDP2's `reduce_dtype`: the dtype gradients are reduce-scattered in under a sharded strategy (default: the
+    /// parameters' own, e.g. f32 for f32 master weights; `FSDP_REDUCE_DTYPE`). bf16 halves the traffic and rounds
+    /// each rank's contribution and the sum.
+    pub fn fsdp_reduce_dtype(mut self, dtype: crate::config::ShardDtype) -> Self {
+        self.fsdp_reduce_dtype = Some(dtype);
+        self
+    }
+
     /// Recomputes each block's forward pass during backward instead of keeping its activations, in
     /// [`Accelerator::backward_blocks`] (Accelerate's `fsdp_activation_checkpointing`; default off;
     /// `FSDP_ACTIVATION_CHECKPOINTING`). Only the activations between blocks are kept, for one more forward pass
@@ -346,6 +370,14 @@ impl AcceleratorBuilder {
         if let Some(size) = self.dp_shard_size {
             config.distributed.dp_shard_size = Some(size);
             config.set_source(Key::DpShardSize, Source::Builder);
+        }
+        if let Some(dtype) = self.fsdp_param_dtype {
+            config.distributed.fsdp_param_dtype = Some(dtype);
+            config.set_source(Key::FsdpParamDtype, Source::Builder);
+        }
+        if let Some(dtype) = self.fsdp_reduce_dtype {
+            config.distributed.fsdp_reduce_dtype = Some(dtype);
+            config.set_source(Key::FsdpReduceDtype, Source::Builder);
         }
         if let Some(timeout) = self.collective_timeout {
             config.distributed.collective_timeout_secs = timeout.as_secs_f64();

@@ -154,6 +154,19 @@ fn read_fsdp_config(
                     Source::File(origin.to_string()),
                 );
             }
+            "fsdp_param_dtype" | "fsdp_reduce_dtype" => {
+                let dtype = raw.parse::<super::ShardDtype>().map_err(|_| {
+                    Error::config(format!("fsdp_config.{key}"), &raw, origin, "fp32, bf16 or fp16")
+                })?;
+                let which = if key == "fsdp_param_dtype" {
+                    config.distributed.fsdp_param_dtype = Some(dtype);
+                    Key::FsdpParamDtype
+                } else {
+                    config.distributed.fsdp_reduce_dtype = Some(dtype);
+                    Key::FsdpReduceDtype
+                };
+                config.set_source(which, Source::File(origin.to_string()));
+            }
             "fsdp_offload_params" if raw != "no" => config.unsupported.push(UnsupportedValue {
                 key: "fsdp_config.fsdp_offload_params",
                 value: raw,

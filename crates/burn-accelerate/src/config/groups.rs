@@ -110,6 +110,13 @@ pub struct DistributedSettings {
     /// `ParallelismConfig.dp_shard_size`; `PARALLELISM_CONFIG_DP_SHARD_SIZE`). Default: the processes on one
     /// machine.
     pub dp_shard_size: Option<usize>,
+    /// The dtype a block-wise pass of a sharded strategy gathers each block's parameters in (FSDP2's
+    /// `param_dtype`; `FSDP_PARAM_DTYPE`). Default: the parameters' own. Each rank keeps its slices in their own
+    /// dtype (the master weights); the block's gradients come back in this dtype.
+    pub fsdp_param_dtype: Option<super::ShardDtype>,
+    /// The dtype gradients are reduce-scattered in under a sharded strategy (FSDP2's `reduce_dtype`;
+    /// `FSDP_REDUCE_DTYPE`). Default: the parameters' own.
+    pub fsdp_reduce_dtype: Option<super::ShardDtype>,
     /// Size of one gradient all-reduce bucket in MiB (default 25).
     pub bucket_size_mb: f64,
     /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
@@ -128,6 +135,8 @@ impl Default for DistributedSettings {
         Self {
             sharding: ShardingStrategy::NoShard,
             dp_shard_size: None,
+            fsdp_param_dtype: None,
+            fsdp_reduce_dtype: None,
             bucket_size_mb: 25.0,
             gradient_transport: GradientTransport::Auto,
             collective_timeout_secs: 300.0,

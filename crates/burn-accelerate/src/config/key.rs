@@ -53,6 +53,8 @@ keys! {
     BucketSizeMb => "bucket_size_mb",
     Sharding => "sharding",
     DpShardSize => "dp_shard_size",
+    FsdpParamDtype => "fsdp_param_dtype",
+    FsdpReduceDtype => "fsdp_reduce_dtype",
     ActivationCheckpointing => "activation_checkpointing",
     AutodiffCheckpointing => "autodiff_checkpointing",
     GradientTransport => "gradient_transport",

@@ -4,6 +4,7 @@ pub mod env;
 mod file;
 mod groups;
 mod key;
+mod shard_dtype;
 mod sharding;
 mod transport;
 mod variables;
@@ -14,6 +15,7 @@ pub use groups::{
     PrecisionSettings, RecoverySettings, SchedulerSettings,
 };
 pub use key::Key;
+pub use shard_dtype::ShardDtype;
 pub use sharding::ShardingStrategy;
 pub use transport::{GradientTransport, TRANSPORT_VAR};
 
@@ -24,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::precision::MixedPrecision;
 
 /// Settings of an [`Accelerator`](crate::Accelerator), resolved from (highest first) builder calls,
 /// `ACCELERATE_*` environment variables, the config file and defaults, grouped by concern.
@@ -222,7 +225,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 12] {
+    fn values(&self) -> [(Key, String); 14] {
         [
             (
                 Key::MixedPrecision,
@@ -241,6 +244,18 @@ impl AcceleratorConfig {
             (Key::SplitBatches, self.data.split_batches.to_string()),
             (Key::EvenBatches, self.data.even_batches.to_string()),
             (Key::Sharding, self.distributed.sharding.to_string()),
+            (
+                Key::FsdpParamDtype,
+                self.distributed
+                    .fsdp_param_dtype
+                    .map_or_else(|| "the parameters' own".into(), |d| d.to_string()),
+            ),
+            (
+                Key::FsdpReduceDtype,
+                self.distributed
+                    .fsdp_reduce_dtype
+                    .map_or_else(|| "the parameters' own".into(), |d| d.to_string()),
+            ),
             (
                 Key::DpShardSize,
                 self.distributed
@@ -297,6 +312,25 @@ impl AcceleratorConfig {
                      accumulating after a reduction would count the other ranks' shares again; leave \
                      sync_each_batch off (gradients are reduced once per accumulation window) or use NO_SHARD",
                     self.distributed.sharding
+                ),
+            ));
+        }
+        let half = match self.distributed.fsdp_param_dtype {
+            Some(ShardDtype::Bf16) => Some((ShardDtype::Bf16, MixedPrecision::Bf16)),
+            Some(ShardDtype::Fp16) => Some((ShardDtype::Fp16, MixedPrecision::Fp16)),
+            _ => None,
+        };
+        if let Some((param, needed)) = half
+            && self.precision.mixed_precision != needed
+        {
+            return Err(Error::config(
+                "fsdp_param_dtype",
+                param.to_string(),
+                self.source(Key::FsdpParamDtype).to_string(),
+                format!(
+                    "fp32, or {param} with mixed_precision {needed} (now {}): blocks gathered in {param} compute \
+                     in it, so the forward pass must run in {param} (cast the blocks' inputs with autocast)",
+                    self.precision.mixed_precision
                 ),
             ));
         }

@@ -206,3 +206,32 @@ fn bad_keys_and_values_are_named() {
     assert!(config.apply_yaml("- a list\n", "my.yaml").is_err());
     assert!(config.apply_yaml("", "empty.yaml").is_ok());
 }
+
+#[test]
+fn fsdp_mixed_precision_is_read_from_fsdp_config_and_bad_values_are_named() {
+    let mut config = AcceleratorConfig::default();
+    config
+        .apply_yaml(
+            "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n  \
+             fsdp_param_dtype: bf16\n  fsdp_reduce_dtype: fp32\n",
+            "fsdp.yaml",
+        )
+        .unwrap();
+    assert_eq!(config.distributed.fsdp_param_dtype, Some(ShardDtype::Bf16));
+    assert_eq!(config.distributed.fsdp_reduce_dtype, Some(ShardDtype::Fp32));
+    assert!(config.validate().is_ok());
+    assert!(matches!(
+        config.source(Key::FsdpParamDtype),
+        Source::File(_)
+    ));
+    let err = AcceleratorConfig::default()
+        .apply_yaml("fsdp_config:\n  fsdp_param_dtype: fp8\n", "fsdp.yaml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fsdp_config.fsdp_param_dtype")
+            && err.contains("fp8")
+            && err.contains("fsdp.yaml"),
+        "{err}"
+    );
+}

@@ -64,6 +64,24 @@ const VARIABLES: &[Variable] = &[
         write: Some(|c| c.distributed.dp_shard_size.map(|n| n.to_string())),
     },
     Variable {
+        name: "FSDP_PARAM_DTYPE",
+        key: Key::FsdpParamDtype,
+        read: |c, name, text| {
+            parse(name, text, "fp32, bf16 or fp16")
+                .map(|v| c.distributed.fsdp_param_dtype = Some(v))
+        },
+        write: Some(|c| c.distributed.fsdp_param_dtype.map(|d| d.to_string())),
+    },
+    Variable {
+        name: "FSDP_REDUCE_DTYPE",
+        key: Key::FsdpReduceDtype,
+        read: |c, name, text| {
+            parse(name, text, "fp32, bf16 or fp16")
+                .map(|v| c.distributed.fsdp_reduce_dtype = Some(v))
+        },
+        write: Some(|c| c.distributed.fsdp_reduce_dtype.map(|d| d.to_string())),
+    },
+    Variable {
         name: ACTIVATION_CHECKPOINTING_VAR,
         key: Key::ActivationCheckpointing,
         read: |c, name, text| {
@@ -207,6 +225,8 @@ mod tests {
         launched.device.cpu = true;
         launched.distributed.sharding = ShardingStrategy::HybridShardZero2;
         launched.distributed.dp_shard_size = Some(3);
+        launched.distributed.fsdp_param_dtype = Some(crate::ShardDtype::Bf16);
+        launched.distributed.fsdp_reduce_dtype = Some(crate::ShardDtype::Fp32);
         launched.memory.activation_checkpointing = true;
         launched.set_source(Key::MixedPrecision, Source::CommandLine);
         let vars = launched.launch_env();

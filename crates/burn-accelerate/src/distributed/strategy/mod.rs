@@ -313,6 +313,10 @@ pub(crate) fn for_group(
         if group.is_main_process() {
             log::info!("sharded training's exchanges go through {choice}");
         }
+        let (param_dtype, reduce_dtype) = (
+            config.distributed.fsdp_param_dtype.map(|d| d.dtype()),
+            config.distributed.fsdp_reduce_dtype.map(|d| d.dtype()),
+        );
         if config.distributed.sharding.is_hybrid() {
             let shard_size = config
                 .distributed
@@ -325,14 +329,19 @@ pub(crate) fn for_group(
                 config.distributed.sharding,
                 bucket_bytes,
             )?;
-            return Ok(Arc::new(strategy));
+            return Ok(Arc::new(
+                strategy.with_mixed_precision(param_dtype, reduce_dtype),
+            ));
         }
-        return Ok(Arc::new(Sharded::new(
-            group.clone(),
-            comm,
-            config.distributed.sharding,
-            bucket_bytes,
-        )));
+        return Ok(Arc::new(
+            Sharded::new(
+                group.clone(),
+                comm,
+                config.distributed.sharding,
+                bucket_bytes,
+            )
+            .with_mixed_precision(param_dtype, reduce_dtype),
+        ));
     }
     if world == 1 {
         return Ok(Arc::new(SingleDevice));

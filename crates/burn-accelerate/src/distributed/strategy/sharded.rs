@@ -83,9 +83,26 @@ pub(crate) struct Sharded {
     adopted: Mutex<HashMap<ParamId, usize>>,
     /// Whether parameters are owned whole (burn-train's Learner) rather than cut in rows.
     whole_tensors: AtomicBool,
+    /// FSDP2's mixed-precision policy: the dtype block-wise passes gather blocks in, and the dtype gradients are
+    /// reduced in (`None`: the parameters' own).
+    param_dtype: Option<DType>,
+    reduce_dtype: Option<DType>,
 }
 
 impl Sharded {
+    /// This strategy with FSDP2's mixed-precision policy: block-wise passes gather each block in `param_dtype`
+    /// and gradients are reduce-scattered in `reduce_dtype` (`None`: the parameters' own dtype); each rank keeps
+    /// its slices in their own dtype.
+    pub fn with_mixed_precision(
+        mut self,
+        param_dtype: Option<DType>,
+        reduce_dtype: Option<DType>,
+    ) -> Self {
+        self.param_dtype = param_dtype;
+        self.reduce_dtype = reduce_dtype;
+        self
+    }
+
     /// The strategy of `group`'s rank, reaching the other ranks through `comm` (over `group`); `mode` is
     /// `ShardGradOp` or `FullShard`.
     pub fn new(
@@ -104,6 +121,8 @@ impl Sharded {
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
             whole_tensors: AtomicBool::new(false),
+            param_dtype: None,
+            reduce_dtype: None,
         }
     }
 
@@ -144,6 +163,8 @@ impl Sharded {
             known: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashMap::new()),
             whole_tensors: AtomicBool::new(false),
+            param_dtype: None,
+            reduce_dtype: None,
         })
     }
 
@@ -449,10 +470,12 @@ impl Sharded {
         let (cap, alone) = self.bucket_limits();
         let mut buckets = Vec::new();
         for members in exchange::buckets(&splits, cap, alone) {
-            // Every rank sends in the dtype of the whole bucket (the same on every rank, whatever it holds).
+            // Every rank sends in the dtype of the whole bucket (the same on every rank, whatever it holds), or in
+            // the policy's reduce dtype; each slice is stored in its parameter's own.
             let Some(wire) = bucket::common_dtype(members.iter().map(|&i| own_dtypes[i])) else {
                 continue;
             };
+            let wire = self.reduce_dtype.unwrap_or(wire);
             let mut wholes = Vec::with_capacity(members.len());
             let mut stored = Vec::with_capacity(members.len());
             for &i in &members {
@@ -619,7 +642,8 @@ impl Strategy for Sharded {
         if !self.mode.reshards_parameters() {
             return Ok(Box::new(|_| Ok(())));
         }
-        let started = gather::start_gather(self, params, &HashSet::new())?;
+        // A block gathered for a pass: in the policy's parameter dtype.
+        let started = gather::start_gather(self, params, &HashSet::new(), self.param_dtype)?;
         Ok(Box::new(move |table| started.finish(table)))
     }
 

@@ -13,7 +13,7 @@ pub(super) fn gather(
     params: &mut ParamTable,
     kept: &HashSet<ParamId>,
 ) -> Result<()> {
-    start_gather(sharded, params, kept)?.finish(params)
+    start_gather(sharded, params, kept, None)?.finish(params)
 }
 
 /// A parameter a bucket gathers: its id, whole shape and own dtype.
@@ -40,11 +40,13 @@ impl StartedGather {
 }
 
 /// Starts [`gather`]: issues every bucket's all-gather (the collectives run while the caller computes) and returns
-/// what finishes it.
+/// what finishes it. With `dtype`, the slices are sent and the whole values given in it (FSDP2's `param_dtype`);
+/// otherwise each in its own.
 pub(super) fn start_gather(
     sharded: &Sharded,
     params: &ParamTable,
     kept: &HashSet<ParamId>,
+    dtype: Option<DType>,
 ) -> Result<StartedGather> {
     let world = sharded.world();
     sharded.check_world("hybrid sharded parameter gather", world)?;
@@ -78,7 +80,7 @@ pub(super) fn start_gather(
             } else {
                 entry.dims.clone()
             };
-            own.push((id, dims, entry.dtype));
+            own.push((id, dims, dtype.unwrap_or(entry.dtype)));
             locals.push(sharded.local_value(entry, &splits[i]));
         }
         let (Some(device), Some(dtype)) = (

@@ -15,6 +15,7 @@ use crate::distributed::comm::ReduceOp;
 use crate::{Accelerator, StateToSave};
 
 mod leader;
+mod policy;
 mod prefetch;
 mod pretrained;
 mod shared_device;
