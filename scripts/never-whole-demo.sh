@@ -44,11 +44,11 @@ params=$(grep -oE " params=[0-9]+" "$out/measure.log" | head -1 | cut -d= -f2)
 whole_mib=$((params * 4 / 1048576))
 train_limit_mib=${LIMIT_MIB:-$(($(field before_save_peak_vm "$out/measure.log") / 1048576 + slack))}
 save_limit_mib=${SAVE_LIMIT_MIB:-$train_limit_mib}
-mpi "$resume_ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps 3 --state "$out/measure-state" --resume \
-  >"$out/measure-resume.log" 2>&1 \
+mpi "$resume_ranks" "$bin" "${model[@]}" --sharding FULL_SHARD --steps "$steps" --state "$out/measure-state" --resume \
+  --weights "$out/measure-weights.bin" >"$out/measure-resume.log" 2>&1 \
   || { tail -n 20 "$out/measure-resume.log"; fail "the unlimited measuring run on $resume_ranks ranks failed"; }
 resume_limit_mib=${RESUME_LIMIT_MIB:-$(($(field peak_vm "$out/measure-resume.log") / 1048576 + slack))}
-rm -rf "$out/measure-state"
+rm -rf "$out/measure-state" "$out/measure-weights.bin"
 echo "== $params parameters: $whole_mib MiB of f32; each of $ranks ranks limited to $train_limit_mib MiB to train, $save_limit_mib MiB to train and save; each of $resume_ranks ranks to $resume_limit_mib MiB to resume"
 # A reduced run (REDUCED=1, the test's) keeps the checks below but not this one: a process's fixed address space
 # (libraries, threads' stacks, MPI's segments) is larger than a small model.

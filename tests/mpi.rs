@@ -306,7 +306,7 @@ fn final_loss(stdout: &str) -> f64 {
 /// load into block-wise `FULL_SHARD` on 4 MPI ranks with each rank reading only its slices: the next step's loss
 /// is one process's from the same file (and not the freshly drawn model's), and a rank's peak stays within its
 /// share of the parameters, the largest tensor and the fixed cost of a rank (a run with no parameters to speak
-/// of): the load itself adds at most the largest tensor.
+/// of), within 5 %.
 #[test]
 fn pretrained_weights_load_into_full_shard_slices_within_a_ranks_share() {
     let dir = std::env::temp_dir().join(format!("pretrained-mpi-{}", std::process::id()));
@@ -386,14 +386,9 @@ fn pretrained_weights_load_into_full_shard_slices_within_a_ranks_share() {
             r["peak_rss_before_load"],
             during as f64 / bound as f64
         );
-        // Measured 1.01–1.02 on the ranks that receive, 1.12 on the main process (it keeps more after drawing
-        // each parameter at prepare_model).
-        let slack = if r["rank"] == 0 { 120 } else { 110 };
-        assert!(during * 100 <= bound * slack, "rank {}: {r:?}", r["rank"]);
-        assert!(
-            during <= before + r["largest_tensor"] + (2 << 20),
-            "the load added more than the largest tensor: {r:?}"
-        );
+        // Measured 1.01–1.02 on every rank (1.12 on the main process before `prepare_model` handed the heap it
+        // freed back to the system); 2.07 when a load kept the file's pages mapped.
+        assert!(during * 100 <= bound * 105, "rank {}: {r:?}", r["rank"]);
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -196,6 +196,7 @@ impl Accelerator {
             options,
             &|id| strategy.split(id),
         );
+        crate::memory::release_free_heap();
         if strategy.splits().is_empty() {
             // Every rank holds the whole model: a rank may load on its own.
             return loaded;

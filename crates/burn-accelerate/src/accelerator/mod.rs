@@ -356,7 +356,9 @@ impl Accelerator {
             model
         };
         let model = with_device_checkpointing(model, self.device());
-        self.pipeline.after_prepare(model)
+        let model = self.pipeline.after_prepare(model);
+        crate::memory::release_free_heap();
+        model
     }
 
     /// `model` with every parameter whole on this rank, for the forward and backward pass.

@@ -426,6 +426,7 @@ impl LoadedState {
                 .collect();
             strategy.params_renamed(&renamed);
         }
+        crate::memory::release_free_heap();
         Ok(model)
     }
 
@@ -475,7 +476,9 @@ impl LoadedState {
         }
         guarded(&path, "optimizer", || {
             optimizer.restore(record, steps, backing)
-        })
+        })?;
+        crate::memory::release_free_heap();
+        Ok(())
     }
 
     /// Restores the next saved scheduler state into `scheduler` (and its optimizer's learning rate).
