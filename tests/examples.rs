@@ -406,6 +406,27 @@ fn sharded_training_block_wise_prints_the_unsharded_loss() {
     assert_eq!(sharded["final_loss"], plain["final_loss"]);
 }
 
+/// `--bf16 --param-dtype bf16`: the block-wise pass in bf16 with each layer gathered in bf16 (FSDP2's
+/// `param_dtype`) prints the loss of gathering in f32 and casting (the GPU kit's `blockwise-bf16-cuda` step, here
+/// on the CPU), and a half gather without bf16 mixed precision is refused.
+#[test]
+fn sharded_training_gathering_in_bf16_prints_the_loss_of_gathering_in_f32() {
+    let common = ["--processes", "2", "--sharding", "FULL_SHARD", "--blocks", "--bf16"];
+    let cast = run("sharded_training", &common);
+    let gathered = run(
+        "sharded_training",
+        &[&common[..], &["--param-dtype", "bf16"]].concat(),
+    );
+    assert!(cast.contains_key("final_loss"), "{cast:?}");
+    assert_eq!(gathered["final_loss"], cast["final_loss"]);
+    let refused = Command::new(examples::example("sharded_training"))
+        .args(["--processes", "2", "--sharding", "FULL_SHARD", "--blocks", "--param-dtype", "bf16"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("mixed_precision bf16"), "{stderr}");
+}
+
 /// A config written by Python as Accelerate writes it, with `distributed_type: FSDP`, runs the example sharded.
 #[test]
 fn sharded_training_runs_from_an_fsdp_config_written_by_python() {

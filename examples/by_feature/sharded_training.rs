@@ -24,7 +24,9 @@
 //! state tensors as a checkpoint saves them, peak RSS of the process from `/proc/self/status`, and `prepare_peak`:
 //! what `prepare_model` added to the resident memory at its peak, meaningful with one rank per process, under a
 //! launcher); `--input` widens the first layer (an embedding's share of the parameters). The main process prints
-//! `final_loss=<x>`, the same with and without sharding.
+//! `final_loss=<x>`, the same with and without sharding. `--bf16` runs the block-wise pass (`--blocks`) in bf16
+//! (mixed precision, each layer under `autocast`), and `--param-dtype bf16` gathers the layers in bf16 (FSDP2's
+//! `param_dtype`) instead of casting them after an f32 gather: the same loss.
 
 #[path = "../support/held.rs"]
 mod held;
@@ -34,7 +36,7 @@ mod ranks;
 mod stack;
 
 use burn::optim::AdamConfig;
-use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy};
+use burn_accelerate::{Accelerator, MixedPrecision, ReduceOp, Result, ShardDtype, ShardingStrategy};
 use clap::Parser;
 use stack::Stack;
 
@@ -62,6 +64,13 @@ struct Args {
     /// follows every layer, the last included.
     #[arg(long)]
     blocks: bool,
+    /// The block-wise pass in bf16: mixed precision bf16, each layer computed under `autocast` (with `--blocks`).
+    #[arg(long)]
+    bf16: bool,
+    /// The dtype the block-wise pass gathers each layer in (FSDP2's `param_dtype`: fp32, bf16, fp16; a half dtype
+    /// with the same mixed precision, e.g. `--bf16`).
+    #[arg(long)]
+    param_dtype: Option<ShardDtype>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     steps: usize,
@@ -98,7 +107,7 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
             let loss = acc.backward_blocks(
                 &model,
                 |_| x.clone(),
-                |layer, h| layer.forward(h).tanh(),
+                |layer, h| acc.autocast(layer, h, |l, h| l.forward(h).tanh()),
                 |_, h| (h - y.clone()).powi_scalar(2).mean(),
             )?;
             last_loss = Some(loss);
@@ -148,10 +157,16 @@ fn run() -> Result<()> {
             &device,
         )
     };
-    let builder = match args.sharding {
+    let mut builder = match args.sharding {
         Some(sharding) => Accelerator::builder().sharding(sharding),
         None => Accelerator::builder(),
     };
+    if args.bf16 {
+        builder = builder.mixed_precision(MixedPrecision::Bf16);
+    }
+    if let Some(dtype) = args.param_dtype {
+        builder = builder.fsdp_param_dtype(dtype);
+    }
     if let Some(loss) =
         ranks::run_ranks(builder, args.processes, |acc| train(acc, &args, initial()))?
     {

@@ -436,6 +436,10 @@ run_step full-shard-cuda gpu 180 check_same sh -c \
 # (prefetch), its gradients reduce-scattered while the next one computes; the weights of NO_SHARD's block-wise pass.
 run_step blockwise-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --sharding NO_SHARD --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD --blocks'
+# FSDP2's mixed-precision policy on the device: block-wise FULL_SHARD in bf16, each layer gathered in bf16
+# (fsdp_param_dtype) against gathered in f32 and cast by autocast: the same loss.
+run_step blockwise-bf16-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD --blocks --bf16 && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD --blocks --bf16 --param-dtype bf16'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu
