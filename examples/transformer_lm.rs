@@ -25,7 +25,7 @@
 //! without blocks), `--checkpointing` turns activation checkpointing on. Every rank prints what it held:
 //! `rank r/P mode=... params=N params_at_rest=B grads=B optimizer_state=B peak_rss=B peak_vm=B step_secs=S`; the main
 //! process prints `final_loss=<x>`, and `--weights <file>` writes the final weights (every float parameter in
-//! visiting order, little-endian f32) for comparing runs. `--state <dir> --save-at K [--kill-after-save]` saves the
+//! visiting order, little-endian f32) for comparing runs (then every rank prints `final_peak_vm=B`). `--state <dir> --save-at K [--kill-after-save]` saves the
 //! training state after step K (each rank its slices; the ranks then SIGKILL themselves), `--state <dir> --resume`
 //! continues from it to `--steps`, on any number of ranks. `--load-pretrained <dir>` starts from weights that
 //! `--save-model` wrote (PyTorch's layout): after `prepare_model`, each `FULL_SHARD` rank reads only its slices.
@@ -344,6 +344,10 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             );
         }
     }
+    if args.weights.is_some() || args.save_model.is_some() {
+        // What the whole run needed, writing the weights included.
+        println!("rank {rank}/{ranks} final_peak_vm={}", held::peak("VmPeak:"));
+    }
     Ok(loss_value)
 }
 
@@ -398,26 +402,30 @@ fn write_weights(acc: &Accelerator, model: &ByteLm, path: &std::path::Path) -> R
     write_part(acc, &model.head, &mut file)
 }
 
-/// Gathers `part` whole (every rank takes part) and appends its values to `file` (the main process's).
+/// Gathers `part` whole (every rank takes part) and appends its values to `file` (the main process's), one
+/// parameter at a time.
 fn write_part<M: Module>(
     acc: &Accelerator,
     part: &M,
     file: &mut Option<std::fs::File>,
 ) -> Result<()> {
-    struct Values(Vec<u8>);
-    impl ModuleVisitor for Values {
+    struct Values<'a>(&'a mut std::fs::File, std::io::Result<()>);
+    impl ModuleVisitor for Values<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            for v in data.iter::<f32>() {
-                self.0.extend_from_slice(&v.to_le_bytes());
+            if self.1.is_err() {
+                return;
             }
+            let data = param.val().into_data().convert::<f32>();
+            let bytes: Vec<u8> = data.iter::<f32>().flat_map(f32::to_le_bytes).collect();
+            self.1 = std::io::Write::write_all(self.0, &bytes);
         }
     }
-    let mut values = Values(Vec::new());
-    acc.unshard(part)?.visit(&mut values);
+    let whole = acc.unshard(part)?;
     match file {
         Some(file) => {
-            std::io::Write::write_all(file, &values.0).map_err(burn_accelerate::Error::other)
+            let mut values = Values(file, Ok(()));
+            whole.visit(&mut values);
+            values.1.map_err(burn_accelerate::Error::other)
         }
         None => Ok(()),
     }
