@@ -346,7 +346,10 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     }
     if args.weights.is_some() || args.save_model.is_some() {
         // What the whole run needed, writing the weights included.
-        println!("rank {rank}/{ranks} final_peak_vm={}", held::peak("VmPeak:"));
+        println!(
+            "rank {rank}/{ranks} final_peak_vm={}",
+            held::peak("VmPeak:")
+        );
     }
     Ok(loss_value)
 }

@@ -411,7 +411,14 @@ fn sharded_training_block_wise_prints_the_unsharded_loss() {
 /// on the CPU), and a half gather without bf16 mixed precision is refused.
 #[test]
 fn sharded_training_gathering_in_bf16_prints_the_loss_of_gathering_in_f32() {
-    let common = ["--processes", "2", "--sharding", "FULL_SHARD", "--blocks", "--bf16"];
+    let common = [
+        "--processes",
+        "2",
+        "--sharding",
+        "FULL_SHARD",
+        "--blocks",
+        "--bf16",
+    ];
     let cast = run("sharded_training", &common);
     let gathered = run(
         "sharded_training",
@@ -420,11 +427,22 @@ fn sharded_training_gathering_in_bf16_prints_the_loss_of_gathering_in_f32() {
     assert!(cast.contains_key("final_loss"), "{cast:?}");
     assert_eq!(gathered["final_loss"], cast["final_loss"]);
     let refused = Command::new(examples::example("sharded_training"))
-        .args(["--processes", "2", "--sharding", "FULL_SHARD", "--blocks", "--param-dtype", "bf16"])
+        .args([
+            "--processes",
+            "2",
+            "--sharding",
+            "FULL_SHARD",
+            "--blocks",
+            "--param-dtype",
+            "bf16",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && stderr.contains("mixed_precision bf16"), "{stderr}");
+    assert!(
+        !refused.status.success() && stderr.contains("mixed_precision bf16"),
+        "{stderr}"
+    );
 }
 
 /// A config written by Python as Accelerate writes it, with `distributed_type: FSDP`, runs the example sharded.

@@ -36,7 +36,9 @@ mod ranks;
 mod stack;
 
 use burn::optim::AdamConfig;
-use burn_accelerate::{Accelerator, MixedPrecision, ReduceOp, Result, ShardDtype, ShardingStrategy};
+use burn_accelerate::{
+    Accelerator, MixedPrecision, ReduceOp, Result, ShardDtype, ShardingStrategy,
+};
 use clap::Parser;
 use stack::Stack;
 
