@@ -84,8 +84,10 @@ fn train(acc: &Accelerator, run: &mut Run, steps: usize) -> Result<()> {
     let mut done = 0;
     while done < steps {
         for batch in run.loader.iter() {
-            let loss = run.model.loss(batch?);
-            acc.backward(loss, &run.model)?;
+            // The whole model for the forward pass (a sharded strategy's slices gathered; otherwise a clone).
+            let whole = acc.unshard(&run.model)?;
+            let loss = whole.loss(batch?);
+            acc.backward(loss, &whole)?;
             run.model = run.optimizer.step(run.model.clone());
             run.scheduler.step();
             done += 1;
@@ -193,25 +195,6 @@ fn exact_resume_with_workers(ranks: usize, workers: usize) {
     }
 }
 
-/// [`train`], gathering each rank's slices into the whole model for the forward pass (a sharded strategy).
-fn train_whole(acc: &Accelerator, run: &mut Run, steps: usize) -> Result<()> {
-    let mut done = 0;
-    while done < steps {
-        for batch in run.loader.iter() {
-            let whole = acc.unshard(&run.model)?;
-            let loss = whole.loss(batch?);
-            acc.backward(loss, &whole)?;
-            run.model = run.optimizer.step(run.model.clone());
-            run.scheduler.step();
-            done += 1;
-            if done == steps {
-                break;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// A restored run reads its optimizer state from the checkpoint lazily (restoring costs no copy of the state),
 /// yet owes nothing to the checkpoint's files: removed right after `load_state`, before the state is first used,
 /// the run continues bit for bit as it does with them kept, whether the state was read as saved (one rank) or
@@ -231,7 +214,7 @@ fn a_restored_run_continues_after_its_checkpoint_is_removed() {
             .sharding(sharding)
             .launch(saved_on, |acc| {
                 let mut run = setup_with(&acc, &start, 0, 8 / saved_on)?;
-                train_whole(&acc, &mut run, n)?;
+                train(&acc, &mut run, n)?;
                 save(&acc, &run, &dir)
             })
             .unwrap();

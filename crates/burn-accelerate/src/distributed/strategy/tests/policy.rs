@@ -2,28 +2,13 @@
 
 use std::sync::Mutex;
 
-use burn::module::Module;
-use burn::nn::Linear;
 use burn::optim::AdamConfig;
 use burn::tensor::{DType, Device, Tensor};
 
+use super::prefetch::Deep;
 use super::*;
 use crate::config::ShardDtype;
 use crate::precision::MixedPrecision;
-
-/// Four blocks and a head outside them.
-#[derive(Module, Debug)]
-struct Deep {
-    blocks: Vec<Linear>,
-    head: Linear,
-}
-
-impl crate::Blocks for Deep {
-    type Block = Linear;
-    fn blocks(&self) -> &[Linear] {
-        &self.blocks
-    }
-}
 
 /// Each rank's whole weights after 5 block-wise bf16 steps on 2 ranks under `FULL_SHARD` with the policy `builder`
 /// sets, and the dtypes the blocks' parameters were gathered in.

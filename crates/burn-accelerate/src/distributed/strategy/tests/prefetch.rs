@@ -108,11 +108,11 @@ impl TensorComm for Recording {
     }
 }
 
-/// Four blocks (one bucket each) and a head outside them.
+/// Blocks (one bucket each) and a head outside them.
 #[derive(Module, Debug)]
-struct Deep {
-    blocks: Vec<Linear>,
-    head: Linear,
+pub(super) struct Deep {
+    pub blocks: Vec<Linear>,
+    pub head: Linear,
 }
 
 impl crate::Blocks for Deep {
