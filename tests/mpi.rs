@@ -474,11 +474,13 @@ fn a_sharded_model_never_arrives_whole_and_one_large_tensor_is_shared_evenly() {
             "{key} differ between ranks: {held:?}"
         );
     }
-    let mut peaks: Vec<u64> = reports[..3].iter().map(|r| r["peak_rss"]).collect();
+    // Every rank's peak, the main process's included: measured within 2 % (the main process was 10-11 % above
+    // the others while Open MPI reduce-scattered large buffers through a whole-sized buffer on rank 0).
+    let mut peaks: Vec<u64> = reports.iter().map(|r| r["peak_rss"]).collect();
     peaks.sort();
     assert!(
-        peaks[2] * 10 <= peaks[0] * 11,
-        "the peaks of the ranks that do not draw differ by more than 10 %: {peaks:?}"
+        peaks[3] * 10 <= peaks[0] * 11,
+        "the ranks' peaks differ by more than 10 %: {peaks:?}"
     );
 }
 
