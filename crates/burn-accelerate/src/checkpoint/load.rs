@@ -132,6 +132,20 @@ fn optimizer_record(path: &Path, reading: Reading) -> Result<burn::optim::Optimi
     })
 }
 
+/// The model record in the file at `path`, read as `reading` says.
+fn model_record(path: &Path, reading: Reading) -> Result<ModuleRecord> {
+    guarded(path, "model", || match reading {
+        Reading::AsUsed => ModuleRecord::load(path),
+        Reading::Now => read_bytes(path).and_then(ModuleRecord::from_bytes),
+    })?
+    .map_err(|e| {
+        corrupt(
+            path,
+            format!("not a model record (truncated or corrupt?): {e}"),
+        )
+    })
+}
+
 /// Reads in every parameter of `model` that a record left backed by its file: a CPU backend adopts a record's
 /// bytes as they are, and a record read from a file reads each tensor only when first used. A restored model
 /// must not depend on the checkpoint's files (a later save may remove them, and a re-cut record's scratch file
@@ -401,14 +415,14 @@ impl LoadedState {
             let sources = self.saved_files(model_stem, self.manifest.model_per_rank, i);
             let saved = repartition::SavedSplits::new(&self.manifest.splits);
             let want = self.want(|s| s.model_state());
-            let (record, scratch) =
-                repartition::model_record(sources, &model, &saved, want, &self.dir)?;
+            let scratch = repartition::model_record(sources, &model, &saved, want, &self.dir)?;
             let path = file(
                 &self.dir,
                 &model_stem(self.manifest.model_per_rank, 0),
                 i,
                 "bpk",
             );
+            let record = model_record(scratch.path(), Reading::AsUsed)?;
             (path, (record, Some(scratch)))
         };
         // A re-cut record is read from its scratch file, kept until every parameter has been read in.
@@ -524,16 +538,7 @@ impl LoadedState {
             (self.manifest.models, &self.manifest.checksums),
             &mut self.next_model,
         )?;
-        let record = guarded(&path, "model", || match reading {
-            Reading::AsUsed => ModuleRecord::load(&path),
-            Reading::Now => read_bytes(&path).and_then(ModuleRecord::from_bytes),
-        })?
-        .map_err(|e| {
-            corrupt(
-                &path,
-                format!("not a model record (truncated or corrupt?): {e}"),
-            )
-        })?;
+        let record = model_record(&path, reading)?;
         Ok((path, record))
     }
 

@@ -351,14 +351,14 @@ pub(crate) fn whole_tensors(
 
 /// A model record for `target` assembled from `sources` (each a saved record of the same model, or one rank's
 /// slices of it): each parameter cut to what `want` says this rank holds of it (by `target`'s ids). Returns the
-/// record, read lazily from the scratch file it was written to (beside `near`), which must outlive it.
+/// scratch file (beside `near`) the record was written to, one tensor at a time.
 pub(crate) fn model_record<M: Module>(
     sources: impl IntoIterator<Item = Result<Source>>,
     target: &M,
     saved: &SavedSplits,
     want: impl Fn(ParamId) -> Want,
     near: &Path,
-) -> Result<(burn::store::ModuleRecord, Scratch)> {
+) -> Result<Scratch> {
     let mut wanted: HashMap<String, Want> = HashMap::new();
     crate::named_params::walk(target, |p| {
         let want = match p.kind {
@@ -391,8 +391,5 @@ pub(crate) fn model_record<M: Module>(
             format!("holds nothing for the model's `{name}`: it was saved from another model"),
         ));
     }
-    let scratch = write_scratch(Writer::new(tensors), near, "model")?;
-    let record = burn::store::ModuleRecord::load(scratch.path())
-        .map_err(|e| corrupt(scratch.path(), format!("re-reading the re-cut model: {e}")))?;
-    Ok((record, scratch))
+    write_scratch(Writer::new(tensors), near, "model")
 }

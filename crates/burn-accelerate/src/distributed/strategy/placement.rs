@@ -319,17 +319,10 @@ impl<M: Module> UnshardStarted<M> {
             table,
             finish,
         } = self;
-        match table {
-            Some(mut table) => {
-                finish(&mut table)?;
-                table.apply(module)
-            }
-            None => {
-                let mut table = ParamTable::of(&module);
-                finish(&mut table)?;
-                table.apply(module)
-            }
-        }
+        // The table the strategy read when it started, or the module's own where it read none.
+        let mut table = table.unwrap_or_else(|| ParamTable::of(&module));
+        finish(&mut table)?;
+        table.apply(module)
     }
 }
 
