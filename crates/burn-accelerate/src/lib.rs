@@ -43,8 +43,8 @@
 //! 2. **`prepare_model`** — every rank takes rank 0's parameter ids (checkpoints key optimizer state by id); the
 //!    main process draws the lazily initialised parameters one at a time as it sends them (after every rank
 //!    arrived, in module order), and the strategy gives every rank rank 0's weights (the others receive lazy
-//!    parameters without drawing them); under `FULL_SHARD` each rank keeps only its dim-0 slice of each as it
-//!    arrives, so the model is never whole on any rank ([`Accelerator::unshard`] gathers it for the forward
+//!    parameters without drawing them); under `FULL_SHARD` each parameter is scattered, so that every other rank
+//!    receives only its dim-0 slice and the model is never whole on any rank ([`Accelerator::unshard`] gathers it for the forward
 //!    pass). Then the model is forked onto the device with autodiff on (batches go there through
 //!    [`backend::ToDevice`]).
 //! 3. **`prepare_dataloader`** — [`data`] takes the shuffle seed from rank 0 (a collective), deals this rank its

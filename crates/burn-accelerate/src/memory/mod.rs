@@ -64,6 +64,15 @@ pub fn release_memory(device: &Device) {
     device.memory_cleanup();
 }
 
+/// [`release_free_heap`] after a value of `bytes` was freed, when it was large (at least 1 MiB): a phase that
+/// allocates and frees one large buffer after another (parameters drawn or loaded one at a time) calls it after
+/// each, so that freed memory is not kept resident beside the next one.
+pub(crate) fn release_after_freeing(bytes: usize) {
+    if bytes >= 1 << 20 {
+        release_free_heap();
+    }
+}
+
 /// Hands the process's free heap memory back to the system (glibc's `malloc_trim`; nothing elsewhere), after a
 /// phase that allocated and freed large host buffers one at a time: `prepare_model` (the main process draws each
 /// whole parameter), loading weights or a state. glibc raises its threshold for serving large allocations from

@@ -399,7 +399,7 @@ pub(crate) fn load_weights_split<M: Module>(
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let requires_grad = param.is_require_grad();
             let id = param.id;
-            param.map(|t| {
+            let loaded = param.map(|t| {
                 if !t.is_autodiff() {
                     return self.load(id, t);
                 }
@@ -410,7 +410,10 @@ pub(crate) fn load_weights_split<M: Module>(
                 } else {
                     loaded
                 }
-            })
+            });
+            // The old value and the read buffers are freed: back to the system before the next tensor.
+            crate::memory::release_after_freeing(loaded.lazy_shape().num_elements() * 4);
+            loaded
         }
         fn map_int<const D: usize>(
             &mut self,

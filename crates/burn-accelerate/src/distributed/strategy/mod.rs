@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::distributed::tensor_comm::on_device;
 #[cfg(test)]
@@ -78,6 +78,40 @@ pub(crate) enum BlockPass {
     /// Each block is gathered for its forward pass and again for its recompute, and its gradients are reduced
     /// across ranks as soon as they are produced: no rank ever holds the whole model's parameters or gradients.
     GatherEachBlock,
+}
+
+/// A parameter's value as it reaches [`Strategy::arrive`] at `prepare_model`.
+pub(crate) enum Arriving {
+    /// The root's value (flat); on another rank, a value of the same length this rank drew itself, whose values
+    /// are ignored.
+    Value(Tensor<1>),
+    /// Nothing yet (a lazy parameter this rank does not draw): `len` elements to arrive in `dtype` on `device`.
+    Expected {
+        /// The whole number of elements.
+        len: usize,
+        /// Where the value lands.
+        device: Device,
+        /// In which element type.
+        dtype: DType,
+    },
+}
+
+impl Arriving {
+    /// Where the value lands, and in which element type.
+    pub fn place(&self) -> (Device, DType) {
+        match self {
+            Arriving::Value(v) => (v.device(), v.dtype()),
+            Arriving::Expected { device, dtype, .. } => (device.clone(), *dtype),
+        }
+    }
+
+    /// A buffer of the whole length: the value itself, or zeros where this rank has none.
+    pub fn into_buffer(self) -> Tensor<1> {
+        match self {
+            Arriving::Value(v) => v,
+            Arriving::Expected { len, device, dtype } => Tensor::zeros([len], (&device, dtype)),
+        }
+    }
 }
 
 /// How training is distributed over the ranks of a process group: what the pipeline, the optimizer, the
@@ -214,19 +248,24 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         Ok(())
     }
 
-    /// A parameter arrived whole from rank 0 at `prepare_model` (`id`: rank 0's id, `dims`: its shape, `trains`:
-    /// whether it tracks a gradient): what this rank keeps of it, flat, and in which shape. Every rank calls it
-    /// for every float parameter, in visiting order. A strategy that shards parameters keeps only this rank's
-    /// slice, so that the model never arrives whole; by default the whole value.
-    fn arrived(
+    /// A parameter arriving from rank `root` at `prepare_model` (`id`: `root`'s id, `dims`: its shape, `trains`:
+    /// whether it tracks a gradient, `value`: `root`'s value, or what this rank has of it): what this rank keeps
+    /// of it, flat, and in which shape. Every rank calls it for every float parameter, in visiting order. By
+    /// default `root`'s value is broadcast and kept whole; a strategy that shards parameters scatters it, so
+    /// that each rank receives only its slice and the model never arrives whole.
+    ///
+    /// # Errors
+    /// The broadcast's or the scatter's (a timeout, a peer that failed).
+    fn arrive(
         &self,
         id: ParamId,
         dims: &[usize],
         trains: bool,
-        whole: Tensor<1>,
-    ) -> (Tensor<1>, Vec<usize>) {
+        value: Arriving,
+        root: usize,
+    ) -> Result<(Tensor<1>, Vec<usize>)> {
         let _ = (id, trains);
-        (whole, dims.to_vec())
+        Ok((self.broadcast(value.into_buffer(), root)?, dims.to_vec()))
     }
 
     /// The last step of `prepare_model`: the strategy learns the model's parameters (owners, whole shapes) and

@@ -6,9 +6,9 @@ use std::cell::{Cell, OnceCell};
 use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 
-use super::{ParamFetcher, ParamTable, Strategy};
+use super::{Arriving, ParamFetcher, ParamTable, Strategy};
 use crate::error::{Error, Result};
 
 /// Returns `module` with every float parameter replaced by rank 0's value (Accelerate's DDP wrapping does the
@@ -17,9 +17,9 @@ use crate::error::{Error, Result};
 /// A parameter that is still lazy (Burn draws parameters at their first use) is drawn on rank 0 only, when the
 /// walk reaches it: the other ranks receive its value without running its initializer, so they never draw from
 /// a random generator they may share with rank 0 (in-process ranks share the device's). `ids` are rank 0's
-/// parameter ids in visiting order: each parameter, as it arrives, is handed to the strategy under its id
-/// ([`Strategy::arrived`]), which keeps only this rank's slice where it shards parameters, so that no rank holds
-/// more than its slices and the one whole parameter arriving.
+/// parameter ids in visiting order: each parameter reaches the other ranks through the strategy, under its id
+/// ([`Strategy::arrive`]), which scatters it where it shards parameters, so that rank 0 holds its slices and
+/// the one whole parameter it drew, and every other rank its slices alone.
 pub(crate) fn broadcast_module<M: Module>(
     strategy: &dyn Strategy,
     module: M,
@@ -85,15 +85,16 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
                 return self.receive_lazy(param, owner, id);
             }
             let require_grad = param.is_require_grad();
-            param.map(|tensor| {
+            let trains = set_to_train(&param, &param.lazy_device());
+            let bytes = param.lazy_shape().num_elements() * 4;
+            let placed = param.map(|tensor| {
                 let (device, dtype) = (tensor.device(), tensor.dtype());
                 let dims = tensor.dims().to_vec();
                 // The drawn value is moved to the broadcast (a clone kept here would make it copy the whole).
                 let flat = tensor.inner().reshape([dims.iter().product::<usize>()]);
                 let arrived = self
                     .strategy
-                    .broadcast(flat, owner)
-                    .map(|value| self.strategy.arrived(id, &dims, require_grad, value));
+                    .arrive(id, &dims, trains, Arriving::Value(flat), owner);
                 match arrived {
                     // A new leaf of the autodiff graph, tracked again when the parameter trains.
                     Ok((value, dims)) => {
@@ -110,12 +111,17 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
                         Tensor::zeros(dims_of::<D>(&dims), (&device, dtype))
                     }
                 }
-            })
+            });
+            // The whole value drawn here is freed: its memory goes back to the system, not to a heap that
+            // would keep it (and the next one) resident.
+            crate::memory::release_after_freeing(bytes);
+            placed
         }
     }
     impl FromOwner<'_> {
-        /// `owner`'s value of a parameter this rank has not drawn: received into a buffer of its shape and
-        /// loaded as Burn loads a record into a lazy parameter (its device and gradient setting, no draw).
+        /// `owner`'s value of a parameter this rank has not drawn (or the part of it the strategy keeps): received
+        /// without a buffer of the whole, and loaded as Burn loads a record into a lazy parameter (its device and
+        /// gradient setting, no draw).
         fn receive_lazy<const D: usize>(
             &mut self,
             param: Param<Tensor<D>>,
@@ -125,25 +131,21 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
             let shape = param.lazy_shape();
             let dims = shape.dims::<D>().to_vec();
             let device = param.lazy_device();
-            let buffer = Tensor::<1>::zeros([shape.num_elements()], &device).inner();
-            match self.strategy.broadcast(buffer, owner) {
-                Ok(value) => {
-                    let own = param.id;
-                    let whole = Tensor::from_inner(value.clone().reshape(shape));
-                    let loaded = param.transform_for_load(whole, own);
-                    // Asked of the loaded parameter: asking a lazy one would draw it.
-                    let trains = loaded.is_require_grad();
-                    let (local, local_dims) = self.strategy.arrived(id, &dims, trains, value);
-                    if local_dims == dims {
-                        return loaded;
-                    }
-                    loaded.map(|whole| {
-                        let device = whole.device();
-                        drop(whole);
-                        let local = Tensor::from_inner(local.reshape(dims_of::<D>(&local_dims)))
-                            .to_device(&device);
-                        if trains { local.require_grad() } else { local }
-                    })
+            let own = param.id;
+            let dtype = Tensor::<1>::zeros([0], &device).dtype();
+            let trains = set_to_train(&param, &device);
+            let arriving = Arriving::Expected {
+                len: shape.num_elements(),
+                device,
+                dtype,
+            };
+            match self.strategy.arrive(id, &dims, trains, arriving, owner) {
+                Ok((local, local_dims)) => {
+                    let local = Tensor::from_inner(local.reshape(dims_of::<D>(&local_dims)));
+                    let loaded = param.transform_for_load(local, own);
+                    // The buffers the part arrived in are freed.
+                    crate::memory::release_after_freeing(local_dims.iter().product::<usize>() * 4);
+                    loaded
                 }
                 Err(e) => {
                     self.error = Some(e);
@@ -151,6 +153,16 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
                 }
             }
         }
+    }
+    /// Whether `param` is set to train, as Burn keeps its setting (a value drawn on a device without autodiff
+    /// does not show it), asked without drawing it: of the parameter loaded with an empty value. Every rank
+    /// answers alike for the same model, whether it drew the parameter or not.
+    fn set_to_train<const D: usize>(param: &Param<Tensor<D>>, device: &Device) -> bool {
+        let empty = Tensor::from_inner(Tensor::<D>::zeros([0; D], device));
+        param
+            .clone()
+            .transform_for_load(empty, param.id)
+            .is_require_grad()
     }
     /// `dims` as a shape of `D` dimensions (a strategy keeps a parameter's number of dimensions).
     fn dims_of<const D: usize>(dims: &[usize]) -> [usize; D] {

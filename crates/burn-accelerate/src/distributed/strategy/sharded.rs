@@ -31,7 +31,7 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Shape, Tensor};
 
 use super::params::{ParamEntry, ParamTable};
-use super::{BlockPass, ModuleParams, StateScope, Strategy, balanced_owners};
+use super::{Arriving, BlockPass, ModuleParams, StateScope, Strategy, balanced_owners};
 use crate::config::ShardingStrategy;
 use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
@@ -227,7 +227,7 @@ impl Sharded {
     }
 
     /// Remembers the split, shape and placement of every trainable parameter of `params` (seen whole), but those
-    /// cut as they arrived ([`Strategy::arrived`]).
+    /// cut as they arrived ([`Strategy::arrive`]).
     fn remember(&self, params: &ParamTable) {
         let trainable: Vec<(ParamId, usize)> = {
             let known = self.known();
@@ -596,26 +596,56 @@ impl Strategy for Sharded {
         }
     }
 
-    fn arrived(
+    fn arrive(
         &self,
         id: ParamId,
         dims: &[usize],
         trains: bool,
-        whole: Tensor<1>,
-    ) -> (Tensor<1>, Vec<usize>) {
+        value: Arriving,
+        root: usize,
+    ) -> Result<(Tensor<1>, Vec<usize>)> {
         if !trains || !self.mode.reshards_parameters() || self.whole_tensors.load(Ordering::Relaxed)
         {
-            return (whole, dims.to_vec());
+            return Ok((self.broadcast(value.into_buffer(), root)?, dims.to_vec()));
         }
-        let me = self.shard_rank();
+        let (device, dtype) = value.place();
         let split = Split::new(dims.to_vec(), self.world(), SplitKind::Rows);
+        // Every rank of the world receives its slice: rank r holds slice r mod P (a hybrid strategy's shard
+        // groups are consecutive ranks, so the replicas of a slice receive the same part).
+        let shards = self.world();
+        let parts: Vec<_> = (0..self.everyone.world_size())
+            .map(|r| split.held(r % shards))
+            .collect();
+        let whole = match value {
+            Arriving::Value(v) if self.everyone.rank() == root => Some(v),
+            // A value this rank drew itself is dropped before its slice arrives.
+            _ => None,
+        };
+        let flat = whole
+            .clone()
+            .unwrap_or_else(|| Tensor::zeros([0], (&device, dtype)));
+        let part = self
+            .everyone
+            .scatter(flat, &parts, root, "parameter arrival")?
+            .wait()?;
+        let me = self.shard_rank();
+        let len = split.local_len(me);
+        let local = match whole {
+            // The root's part is a view of the whole: cut into a buffer of its own, so that the whole is freed.
+            Some(whole) => {
+                drop(part);
+                split.local_of(whole, me)
+            }
+            None if part.dims()[0] == 0 => split::padded(None, len, (&device, dtype)),
+            None => split::padded(Some(part), len, (&device, dtype)),
+        };
         let known = Known {
             split: split.clone(),
-            device: whole.device(),
-            dtype: whole.dtype(),
+            device,
+            dtype,
         };
         self.known().insert(id, known);
-        (split.local_of(whole, me), split.local_dims(me))
+        Ok((local, split.local_dims(me)))
     }
 
     fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {

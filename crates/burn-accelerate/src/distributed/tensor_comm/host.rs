@@ -377,7 +377,12 @@ mod tests {
             let mine: Vec<f32> = (0..10).map(|i| (r * 100 + i) as f32).collect();
             let flat = Tensor::<1>::from_data(TensorData::new(mine, [10]), (device, DType::F32));
             let part = comm
-                .scatter(flat, &[1, 2, 3, 4], 2, "test scatter")?
+                .scatter(flat.clone(), &[0..1, 1..3, 3..6, 6..10], 2, "test scatter")?
+                .wait()?;
+            // Parts that overlap (replicas of one slice) or hold nothing; the other ranks pass no buffer.
+            let sent = if r == 0 { flat } else { flat.slice(0..0) };
+            let replicated = comm
+                .scatter(sent, &[0..3, 0..3, 3..3, 5..10], 0, "test replicas")?
                 .wait()?;
             // Rank 0 and 2 form one group, 1 and 3 the other, ordered by rank.
             let group = crate::distributed::current().expect("a rank's group");
@@ -388,9 +393,26 @@ mod tests {
             let sum = sub
                 .all_reduce(t, Reduction::Op(ReduceOp::Sum), "test sub-group sum")?
                 .wait()?;
-            Ok((values(part), sub.rank(), sub.world_size(), values(sum)))
+            Ok((
+                values(part),
+                sub.rank(),
+                sub.world_size(),
+                values(sum),
+                values(replicated),
+            ))
         });
-        for (rank, (part, sub_rank, sub_world, sum)) in results.into_iter().enumerate() {
+        let replicas: [Vec<f32>; 4] = [
+            vec![0.0, 1.0, 2.0],
+            vec![0.0, 1.0, 2.0],
+            vec![],
+            vec![5.0, 6.0, 7.0, 8.0, 9.0],
+        ];
+        for (rank, (part, sub_rank, sub_world, sum, replicated)) in results.into_iter().enumerate()
+        {
+            assert_eq!(
+                replicated, replicas[rank],
+                "rank {rank}: its part of rank 0's buffer"
+            );
             let start: usize = (1..=rank).sum();
             let expected: Vec<f32> = (start..start + rank + 1)
                 .map(|i| (200 + i) as f32)

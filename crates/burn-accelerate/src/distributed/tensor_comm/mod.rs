@@ -34,6 +34,7 @@ pub(crate) mod on_device;
 pub(crate) mod shared_device;
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor};
@@ -234,30 +235,78 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>>;
 
-    /// Rank `r`'s part of `root`'s `flat`: the `counts[r]` elements after the first `counts[..r]` (the others pass
-    /// a tensor of the same length, whose values are ignored). By default `root`'s whole buffer is broadcast and
-    /// each rank keeps its part; an implementation with a scatter of its own replaces it.
+    /// Rank `r`'s part of `root`'s `flat`: its elements `parts[r]` (one range per rank; ranges may be empty, and
+    /// overlap where ranks hold the same part, as replicas do). The other ranks pass a tensor that gives only the
+    /// part's dtype and device (an empty one will do): no rank but `root` ever holds more than its part. `root`'s
+    /// own part may be a view of `flat`.
+    ///
+    /// By default `root` sends each rank its part point-to-point ([`send_recv`](Self::send_recv)), one rank at a
+    /// time, so that `root` holds `flat` and one part in flight; an implementation with a scatter of its own
+    /// replaces it.
     ///
     /// # Errors
-    /// As [`reduce_scatter`](Self::reduce_scatter).
-    // No strategy scatters yet (a pipeline's first stage will hand out micro-batches).
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// `parts` with another number of ranges than ranks, or a range beyond `root`'s `flat`; as
+    /// [`send_recv`](Self::send_recv).
     fn scatter(
         &self,
         flat: Tensor<1>,
-        counts: &[usize],
+        parts: &[Range<usize>],
         root: usize,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        let part = crate::distributed::comm::part_of(
-            counts,
-            self.rank(),
-            self.world_size(),
-            flat.dims()[0],
-        )
-        .map_err(crate::error::Error::from)?;
-        let whole = self.broadcast(flat, root, operation)?.wait()?;
-        Ok(Pending::ready(whole.slice(part)))
+        let (me, world) = (self.rank(), self.world_size());
+        if parts.len() != world || root >= world {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "{operation}: a scatter from rank {root} with {} parts, over ranks 0..{world} (one part per rank)",
+                parts.len()
+            )));
+        }
+        let like = (flat.device(), flat.dtype());
+        let empty = || Tensor::<1>::zeros([0], (&like.0, like.1));
+        if me != root {
+            let part = &parts[me];
+            if part.is_empty() {
+                return Ok(Pending::ready(empty()));
+            }
+            let incoming = Incoming {
+                peer: root,
+                len: part.len(),
+                device: like.0.clone(),
+                dtype: like.1,
+            };
+            return Ok(self.send_recv(Vec::new(), vec![incoming], operation)?.then(
+                move |mut received| {
+                    received.pop().ok_or_else(|| {
+                        crate::error::Error::InvalidArgument(format!(
+                            "{operation}: the engine returned no tensor for rank {me}'s part"
+                        ))
+                    })
+                },
+            ));
+        }
+        let len = flat.dims()[0];
+        if let Some((r, part)) = parts
+            .iter()
+            .enumerate()
+            .find(|(_, p)| p.start > p.end || p.end > len)
+        {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "{operation}: rank {r}'s part {part:?} lies outside rank {root}'s {len} elements"
+            )));
+        }
+        for (r, part) in parts.iter().enumerate() {
+            if r != root && !part.is_empty() {
+                let sent = flat.clone().slice(part.clone());
+                self.send_recv(vec![(r, sent)], Vec::new(), operation)?
+                    .wait()?;
+            }
+        }
+        let own = &parts[root];
+        Ok(Pending::ready(if own.is_empty() {
+            empty()
+        } else {
+            flat.slice(own.clone())
+        }))
     }
 
     /// One host value combined over the ranks, on every rank: a control value (an overflow verdict, a part of a
@@ -393,13 +442,17 @@ impl TensorComm for Checked {
     fn scatter(
         &self,
         flat: Tensor<1>,
-        counts: &[usize],
+        parts: &[Range<usize>],
         root: usize,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        let layout: Vec<usize> = counts.iter().copied().chain([root]).collect();
+        let layout: Vec<usize> = parts
+            .iter()
+            .flat_map(|p| [p.start, p.end])
+            .chain([root])
+            .collect();
         self.check(operation, flat.dtype(), &layout)?;
-        self.inner.scatter(flat, counts, root, operation)
+        self.inner.scatter(flat, parts, root, operation)
     }
 
     fn all_reduce_value(&self, value: f64, op: ReduceOp, operation: &'static str) -> Result<f64> {
