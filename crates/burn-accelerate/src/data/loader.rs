@@ -67,15 +67,20 @@ fn load_items<I, O>(
     indices: &[usize],
     device: &Device,
 ) -> Result<O> {
-    let items = indices
-        .iter()
-        .map(|&index| {
-            dataset.get(index).map_err(|e| Error::Dataset {
-                index,
-                reason: e.to_string(),
-            })
-        })
-        .collect::<Result<Vec<I>>>()?;
+    // A plain loop into a vector of the batch's size: collecting `Result`s would move every item through the
+    // (much larger) error type, several times.
+    let mut items = Vec::with_capacity(indices.len());
+    for &index in indices {
+        match dataset.get(index) {
+            Ok(item) => items.push(item),
+            Err(e) => {
+                return Err(Error::Dataset {
+                    index,
+                    reason: e.to_string(),
+                });
+            }
+        }
+    }
     Ok(batcher.batch(items, device))
 }
 
