@@ -334,6 +334,9 @@ impl StepPipeline {
     /// Averages the gradients of `model`'s trainable parameters across ranks, times `scale`; the gradients of
     /// other models (a GAN's other half, inside its own window) are left as they are.
     fn average<M: Module>(&self, grads: &mut GradientBuffer, model: &M, scale: f32) -> Result<()> {
+        if self.strategy.reduces_to_itself(scale) {
+            return Ok(());
+        }
         let params = trainable_params(model);
         // A rank whose part of the batch reached none of them still makes every other rank's collective calls.
         grads.hold_one_of(model, &params);

@@ -1,4 +1,4 @@
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -24,7 +24,7 @@ pub(crate) struct GradientBuffer {
     /// The gradients stored in `flat` that a sharded strategy reduced to this rank's slice: a whole gradient added
     /// for one of them (the next micro-batch of an accumulation window that synchronises each batch) sets the
     /// slice aside, and the next reduction adds it back ([`add_reduced`](Self::add_reduced)).
-    reduced: std::collections::HashSet<ParamId>,
+    reduced: FxHashSet<ParamId>,
     /// Reduced slices set aside while whole gradients for the same parameters accumulate.
     set_aside: HashMap<ParamId, (Shape, Tensor<1>)>,
 }
@@ -367,6 +367,9 @@ impl GradientBuffer {
                     return;
                 }
                 self.ids.push(id);
+                if self.buffer.flat.is_empty() {
+                    return;
+                }
                 if let Some((shape, flat)) = self.buffer.flat.remove(&id) {
                     // Back to the parameter's shape (a gradient first stored flat takes it from the parameter).
                     let shape = if shape.num_dims() == D {

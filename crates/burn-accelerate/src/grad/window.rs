@@ -11,7 +11,7 @@
 //! `last_step_skipped` the one record of whether the latest optimizer step was skipped, read by the optimizer,
 //! the scheduler and the accelerator alike.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::module::ParamId;
@@ -116,11 +116,11 @@ impl StepState {
             num_steps,
             counted: 0,
             micro_batch: 0,
-            windows: HashMap::new(),
+            windows: HashMap::default(),
             sync_gradients: true,
             end_of_dataloader: false,
             remainder: None,
-            overflow: HashMap::new(),
+            overflow: HashMap::default(),
             last_step_skipped: false,
             micro_batches_begun: false,
         }

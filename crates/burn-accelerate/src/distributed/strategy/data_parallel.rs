@@ -42,6 +42,10 @@ impl Strategy for SingleDevice {
         Ok(())
     }
 
+    fn reduces_to_itself(&self, scale: f32) -> bool {
+        scale == 1.0
+    }
+
     fn broadcast(&self, flat: Tensor<1>, _root: usize) -> Result<Tensor<1>> {
         Ok(flat)
     }

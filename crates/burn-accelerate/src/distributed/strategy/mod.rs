@@ -135,6 +135,13 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         scale: f32,
     ) -> Result<()>;
 
+    /// Whether [`reduce_gradients`](Self::reduce_gradients) at `scale` leaves every gradient as it is (one device
+    /// at scale 1): the step then neither lists the parameters nor calls it.
+    fn reduces_to_itself(&self, scale: f32) -> bool {
+        let _ = scale;
+        false
+    }
+
     /// Starts [`reduce_gradients`](Self::reduce_gradients) of `grads` (a block's, in a block-wise pass): the
     /// collectives run while the caller computes the next block; the returned call waits for them and gives the
     /// buffer back reduced. By default the reduction is done now. Every rank must start and finish the same
