@@ -10,6 +10,7 @@
 //! | | [`collectives`] | tensor and object collectives for users and the facade, agreement on an outcome, triggers; debug-mode checks |
 //! | | [`Gatherable`] | what `gather_for_metrics` takes, gathered through [`MetricsGather`] |
 //! | the strategies | strategy (crate-private) | what a backward's gradients become, who steps which parameter, how a module's parameters are placed, what a checkpoint holds, what the Learner may do |
+//! | | stages (crate-private) | pipeline parallelism's building blocks: a model's blocks cut into balanced contiguous stages, the GPipe and 1F1B schedules, their timeline and its Chrome trace (not yet driven by a stage runtime) |
 //!
 //! Every strategy (data parallelism and every sharded mode) reaches other ranks through the tensor interface
 //! alone; everything else that crosses ranks goes through [`collectives`] (user collectives, the Learner's stop
@@ -24,6 +25,7 @@ pub mod cluster;
 pub mod collectives;
 pub mod comm;
 mod gatherable;
+pub(crate) mod stages;
 pub(crate) mod strategy;
 pub(crate) mod tensor_comm;
 
