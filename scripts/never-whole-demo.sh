@@ -12,9 +12,10 @@
 #   LAYERS=4 D_MODEL=256 HEADS=4 RANKS=4 RESUME_RANKS=3 LIMIT_MIB=... scripts/never-whole-demo.sh   # reduced
 #
 # Settings (environment): LAYERS, D_MODEL, HEADS, SEQ, BATCH (global, divisible by both rank counts), STEPS,
-# SAVE_AT, RANKS, RESUME_RANKS, LIMIT_MIB (per rank, training and saving; default: measured from a run of the same
-# model without a limit, plus LIMIT_SLACK_MIB), RESUME_LIMIT_MIB (per rank on RESUME_RANKS ranks, each holding a
-# larger share; default measured the same way), BOUND.
+# SAVE_AT, RANKS, RESUME_RANKS, LIMIT_MIB (per rank, training; default: measured from a run of the same model
+# without a limit, plus LIMIT_SLACK_MIB), SAVE_LIMIT_MIB (per rank, training and saving; default LIMIT_MIB's),
+# RESUME_LIMIT_MIB (per rank on RESUME_RANKS ranks, each holding a larger share; default measured the same way),
+# BOUND.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 layers=${LAYERS:-24} d_model=${D_MODEL:-1536} heads=${HEADS:-16} seq=${SEQ:-8} batch=${BATCH:-24}

@@ -199,6 +199,19 @@ fn exact_resume_with_workers(ranks: usize, workers: usize) {
 /// yet owes nothing to the checkpoint's files: removed right after `load_state`, before the state is first used,
 /// the run continues bit for bit as it does with them kept, whether the state was read as saved (one rank) or
 /// re-cut (`SHARD_GRAD_OP` on 2 ranks resumed on 1); and no scratch file outlives it.
+/// A copy of the folder `from` (and its sub-folders) at `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
 #[test]
 fn a_restored_run_continues_after_its_checkpoint_is_removed() {
     use burn_accelerate::ShardingStrategy;
@@ -231,6 +244,31 @@ fn a_restored_run_continues_after_its_checkpoint_is_removed() {
                 })
                 .unwrap()
         };
+        // The wrapped Burn optimizer given back by `into_inner` once the checkpoint is gone: its state is read in
+        // before the files it was read from go with the wrapper, and equals the restored one's.
+        let fingerprint = |give_back: bool| {
+            let copy = parent.join(format!("copy-{give_back}"));
+            copy_dir(&dir, &copy);
+            Accelerator::builder()
+                .launch(1, |acc| {
+                    let mut run = setup(&acc, &initial())?;
+                    restore(&acc, &mut run, &copy)?;
+                    if give_back {
+                        std::fs::remove_dir_all(&copy).unwrap();
+                        let placeholder = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                        let inner = std::mem::replace(&mut run.optimizer, placeholder).into_inner();
+                        run.optimizer = acc.prepare_optimizer(inner, 1e-2);
+                    }
+                    optimizer_fingerprint(&acc, &run)
+                })
+                .unwrap()
+        };
+        assert_eq!(
+            fingerprint(true)[0],
+            fingerprint(false)[0],
+            "saved on {saved_on}: the optimizer given back by into_inner"
+        );
+        std::fs::remove_dir_all(parent.join("copy-false")).ok();
         let kept = resume(false);
         let removed = resume(true);
         assert_eq!(kept[0].0, removed[0].0, "saved on {saved_on}: weights");

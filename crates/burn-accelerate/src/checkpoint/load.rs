@@ -295,6 +295,9 @@ impl LoadedState {
     /// name; files without one are not read here), reading it a megabyte at a time: its records are then read
     /// from the file tensor by tensor, as they are restored.
     fn checked(path: &Path, checksums: &std::collections::BTreeMap<String, u32>) -> Result<()> {
+        if !path.is_file() {
+            return Err(corrupt(path, "missing: the checkpoint is incomplete"));
+        }
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         if let Some(expected) = name.and_then(|n| checksums.get(&n)) {
             let actual = super::fs::file_crc32c(path)?;
@@ -308,9 +311,6 @@ impl LoadedState {
                     ),
                 ));
             }
-        }
-        if !path.is_file() {
-            return Err(corrupt(path, "missing: the checkpoint is incomplete"));
         }
         Ok(())
     }
