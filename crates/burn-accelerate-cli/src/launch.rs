@@ -67,6 +67,16 @@ pub struct LaunchArgs {
         visible_alias = "parallelism_config_dp_shard_size"
     )]
     pub parallelism_config_dp_shard_size: Option<usize>,
+    /// Pipeline stages the model's blocks are cut into (ACCELERATE_PP_SIZE); it must divide the number of
+    /// processes. Default 1: no pipeline.
+    #[arg(long = "pp-size", visible_alias = "pp_size")]
+    pub pp_size: Option<usize>,
+    /// Micro-batches each batch is split into under a pipeline (ACCELERATE_PP_MICROBATCHES); default: pp_size.
+    #[arg(long = "pp-microbatches", visible_alias = "pp_microbatches")]
+    pub pp_microbatches: Option<usize>,
+    /// The pipeline's schedule: gpipe or 1f1b (ACCELERATE_PP_SCHEDULE); default 1f1b.
+    #[arg(long = "pp-schedule", visible_alias = "pp_schedule")]
+    pub pp_schedule: Option<burn_accelerate::PipelineSchedule>,
     /// The dtype blocks are gathered in under FULL_SHARD / HYBRID_SHARD: fp32, bf16 or fp16 (FSDP2's
     /// param_dtype; FSDP_PARAM_DTYPE); bf16 and fp16 need the same --mixed_precision. Default: the parameters'.
     #[arg(long = "fsdp-param-dtype", visible_alias = "fsdp_param_dtype")]
@@ -243,6 +253,18 @@ impl Plan {
         if let Some(size) = args.parallelism_config_dp_shard_size {
             resolved.distributed.dp_shard_size = Some(size);
             flag(Key::DpShardSize, &mut resolved);
+        }
+        if let Some(stages) = args.pp_size {
+            resolved.pipeline.pp_size = stages;
+            flag(Key::PpSize, &mut resolved);
+        }
+        if let Some(micro_batches) = args.pp_microbatches {
+            resolved.pipeline.pp_microbatches = Some(micro_batches);
+            flag(Key::PpMicrobatches, &mut resolved);
+        }
+        if let Some(schedule) = args.pp_schedule {
+            resolved.pipeline.pp_schedule = schedule;
+            flag(Key::PpSchedule, &mut resolved);
         }
         if let Some(dtype) = args.fsdp_param_dtype {
             resolved.distributed.fsdp_param_dtype = Some(dtype);

@@ -118,14 +118,16 @@ pub use accelerator::{Accelerator, AcceleratorBuilder, launch};
 pub use backend::{Backend, ToDevice};
 pub use checkpoint::{LoadOptions, LoadReport, LoadedState, ProjectConfiguration, StateToSave};
 pub use config::{
-    AcceleratorConfig, GradientTransport, SchedulerRule, ShardDtype, ShardingStrategy,
+    AcceleratorConfig, GradientTransport, PipelineSchedule, PipelineSettings, SchedulerRule,
+    ShardDtype, ShardingStrategy,
 };
 pub use distributed::comm::ReduceOp;
+pub use distributed::stages::{PipelineLayout, StageTrace};
 pub use distributed::{DistributedType, Gatherable, ProcessGroup};
 pub use error::{Error, Result};
 pub use grad::{GradientState, NormType, StepPhases};
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
-pub use pipeline::Blocks;
+pub use pipeline::{Blocks, Split};
 pub use precision::{CastFloats, LossScaler, MixedPrecision};
 
 /// The MPI engine (feature `mpi`).

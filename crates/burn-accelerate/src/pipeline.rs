@@ -41,8 +41,12 @@ use crate::grad::{
 use crate::precision::Precision;
 
 mod blocks;
+mod split;
+mod staged;
 
 pub use blocks::Blocks;
+pub use split::Split;
+pub(crate) use staged::stage_blocks;
 
 /// Whether the gradients a backward pass left in the buffer were reduced across ranks already (a block-wise pass
 /// reduces each part as it produces it), and scaled for the window.
@@ -325,9 +329,15 @@ impl StepPipeline {
 
     /// The factor that turns a window's summed gradients into their mean (see [`LossNormalization`]).
     fn normalisation(&self, micro_batches: usize) -> f32 {
+        self.normalisation_of(micro_batches, 1)
+    }
+
+    /// [`normalisation`](Self::normalisation) of a window of `backwards` backward passes of `splits`
+    /// micro-batches each (a pipeline's batch): the mean over every micro-batch of the window.
+    fn normalisation_of(&self, backwards: usize, splits: usize) -> f32 {
         match self.normalization {
-            LossNormalization::ActualMicroBatches => 1.0 / micro_batches as f32,
-            LossNormalization::Nominal => 1.0 / self.accumulation_steps as f32,
+            LossNormalization::ActualMicroBatches => 1.0 / (backwards * splits) as f32,
+            LossNormalization::Nominal => 1.0 / (self.accumulation_steps * splits) as f32,
         }
     }
 

@@ -107,3 +107,155 @@ impl Accelerator {
         )
     }
 }
+
+impl Accelerator {
+    /// One batch's forward and backward pass through a model made of blocks, the call one loop makes in every
+    /// mode: plain, data-parallel, `FULL_SHARD` block by block, and pipelined. `batch` is the whole batch and the
+    /// closures see one micro-batch of it: `before(model, micro_batch)` returns the first activation,
+    /// `block(block, x)` runs one block, `after(model, x, micro_batch)` returns the loss.
+    ///
+    /// - Without a pipeline (`pp_size` 1), this is [`backward_blocks`](Self::backward_blocks) on the whole batch.
+    /// - With [`pp_size`](crate::AcceleratorBuilder::pp_size) `P` > 1, the blocks are cut into `P` contiguous
+    ///   stages balanced by their parameters, and this rank runs its stage's: the batch is split
+    ///   ([`Split`](crate::Split)) into [`pp_microbatches`](crate::AcceleratorBuilder::pp_microbatches)
+    ///   micro-batches that flow through the stages in the order the [schedule](crate::PipelineSchedule) gives,
+    ///   the first stage running `before`, the last `after`. Activations and their gradients cross the stages
+    ///   through the collective interface's batched point-to-point messages. The gradients are the mean over the
+    ///   micro-batches: the same bits as one process accumulating the same micro-batches in the same order
+    ///   (`gradient_accumulation_steps` = micro-batches). Each stage's data-parallel group reduces its
+    ///   gradients as [`backward`](Self::backward) does; the fp16 overflow verdict and
+    ///   [`clip_grad_norm`](Self::clip_grad_norm)'s norm span every stage. The last stage's loss (the mean over
+    ///   the micro-batches) comes back on every rank.
+    ///
+    /// ```
+    /// use burn::module::Module;
+    /// use burn::nn::{Linear, LinearConfig};
+    /// use burn::optim::SgdConfig;
+    /// use burn::tensor::Tensor;
+    /// use burn_accelerate::{Accelerator, Blocks};
+    ///
+    /// #[derive(Module, Debug)]
+    /// struct Stack {
+    ///     layers: Vec<Linear>,
+    ///     head: Linear,
+    /// }
+    ///
+    /// impl Blocks for Stack {
+    ///     type Block = Linear;
+    ///     fn blocks(&self) -> &[Linear] {
+    ///         &self.layers
+    ///     }
+    /// }
+    ///
+    /// // Two stages of two layers each, four micro-batches per batch.
+    /// let losses = Accelerator::builder()
+    ///     .pp_size(2)
+    ///     .pp_microbatches(4)
+    ///     .launch(2, |acc| {
+    ///         let device = acc.device().clone();
+    ///         let stack = Stack {
+    ///             layers: (0..4).map(|_| LinearConfig::new(8, 8).init(&device)).collect(),
+    ///             head: LinearConfig::new(8, 1).init(&device),
+    ///         };
+    ///         let mut model = acc.prepare_blocks(stack)?;
+    ///         let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 1e-2);
+    ///         let mut losses = Vec::new();
+    ///         for _ in 0..5 {
+    ///             let (x, y) = (Tensor::<2>::ones([8, 8], &device), Tensor::<2>::ones([8, 1], &device));
+    ///             let loss = acc.backward_batch(
+    ///                 &model,
+    ///                 (x, y),
+    ///                 |_, (x, _)| x.clone(),
+    ///                 |layer, x| layer.forward(x).tanh(),
+    ///                 |model, x, (_, y)| (model.head.forward(x) - y.clone()).powi_scalar(2).mean(),
+    ///             )?;
+    ///             losses.push(loss.into_scalar::<f32>());
+    ///             model = optimizer.try_step(model)?;
+    ///         }
+    ///         Ok(losses)
+    ///     })?;
+    /// assert_eq!(losses[0], losses[1], "every stage gets the loss");
+    /// assert!(losses[0][4] < losses[0][0], "{losses:?}");
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`backward_blocks`](Self::backward_blocks); under a pipeline, a batch with fewer samples than
+    /// micro-batches, a model with fewer blocks than stages, a stage that failed or did not answer within the
+    /// collective timeout.
+    pub fn backward_batch<M, B, const D: usize>(
+        &self,
+        model: &M,
+        batch: B,
+        before: impl Fn(&M, &B) -> Tensor<D>,
+        block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+        after: impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+        B: crate::Split,
+    {
+        self.applied.check(self);
+        self.pipeline.backward_batch(
+            model,
+            batch,
+            before,
+            block,
+            after,
+            self.config.memory.activation_checkpointing,
+        )
+    }
+
+    /// [`prepare_model`](Self::prepare_model) for a model made of blocks: under a pipeline (`pp_size` > 1) this
+    /// rank then keeps only its stage's blocks (the others' parameters are dropped to empty placeholders, so
+    /// neither they nor their gradients or optimizer state take memory here); without one, the same as
+    /// `prepare_model`.
+    ///
+    /// # Errors
+    /// As [`prepare_model`](Self::prepare_model); under a pipeline, fewer blocks than stages.
+    pub fn prepare_blocks<M: Blocks>(&self, model: M) -> Result<M> {
+        let model = self.prepare_model(model)?;
+        let Some(stages) = self.pipeline.strategy().stages() else {
+            return Ok(model);
+        };
+        let layout = stages.layout;
+        let ranges = stages.blocks_of(&model)?;
+        let dropped: std::collections::HashSet<burn::module::ParamId> = model
+            .blocks()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !ranges[layout.stage].contains(i))
+            .flat_map(|(_, b)| crate::grad::param_ids(b))
+            .collect();
+        let model = crate::distributed::strategy::drop_params(model, &dropped)?;
+        crate::memory::release_free_heap();
+        Ok(model)
+    }
+
+    /// Where this rank sits in the pipeline × data mesh (one stage, every rank a replica, without a pipeline).
+    pub fn pipeline_layout(&self) -> crate::PipelineLayout {
+        match self.pipeline.strategy().stages() {
+            Some(stages) => stages.layout,
+            None => crate::PipelineLayout {
+                stage: 0,
+                stages: 1,
+                replica: self.process_index(),
+                replicas: self.num_processes(),
+            },
+        }
+    }
+
+    /// This rank's last pipelined step ([`backward_batch`](Self::backward_batch) under `pp_size` > 1): each
+    /// forward and backward pass and each transfer in time, and the stage's idle share. Gather every rank's
+    /// (`gather_for_metrics_objects`) and write [`chrome_trace`](crate::distributed::stages::chrome_trace) of them
+    /// to see the schedule in a browser. `None` before the first pipelined step.
+    pub fn pipeline_trace(&self) -> Option<crate::StageTrace> {
+        self.pipeline
+            .strategy()
+            .stages()?
+            .last_trace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}

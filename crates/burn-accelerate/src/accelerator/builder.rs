@@ -40,6 +40,9 @@ pub struct AcceleratorBuilder {
     bucket_size_mb: Option<f64>,
     sharding: Option<ShardingStrategy>,
     dp_shard_size: Option<usize>,
+    pp_size: Option<usize>,
+    pp_microbatches: Option<usize>,
+    pp_schedule: Option<crate::config::PipelineSchedule>,
     fsdp_param_dtype: Option<crate::config::ShardDtype>,
     fsdp_reduce_dtype: Option<crate::config::ShardDtype>,
     activation_checkpointing: Option<bool>,
@@ -222,6 +225,39 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Pipeline stages: [`Accelerator::backward_batch`] cuts the model's blocks into this many contiguous stages,
+    /// one per group of `world / pp_size` ranks, and runs each batch through them as micro-batches (default 1:
+    /// no pipeline; `ACCELERATE_PP_SIZE`). It must divide the number of ranks; the ranks of one stage train it
+    /// data-parallel under the [`sharding`](Self::sharding) strategy.
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let layout = Accelerator::builder()
+    ///     .pp_size(2)
+    ///     .launch(4, |acc| Ok(acc.pipeline_layout()))?;
+    /// assert_eq!(layout[3].stage, 1);
+    /// assert_eq!(layout[3].replica, 1);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn pp_size(mut self, stages: usize) -> Self {
+        self.pp_size = Some(stages);
+        self
+    }
+
+    /// Micro-batches each batch of [`Accelerator::backward_batch`] is split into under a pipeline (default:
+    /// `pp_size`; `ACCELERATE_PP_MICROBATCHES`).
+    pub fn pp_microbatches(mut self, micro_batches: usize) -> Self {
+        self.pp_microbatches = Some(micro_batches);
+        self
+    }
+
+    /// The pipeline's schedule (default [`PipelineSchedule::OneFOneB`](crate::PipelineSchedule);
+    /// `ACCELERATE_PP_SCHEDULE=gpipe|1f1b`).
+    pub fn pp_schedule(mut self, schedule: crate::config::PipelineSchedule) -> Self {
+        self.pp_schedule = Some(schedule);
+        self
+    }
+
     /// FSDP2's `param_dtype`: the dtype [`Accelerator::backward_blocks`] gathers each block's parameters in under a
     /// strategy that reshards them (`FULL_SHARD`, `HYBRID_SHARD`): half the traffic and half the gathered block in
     /// bf16 or fp16, where each rank keeps its slices (and their optimizer state) in the parameters' own dtype.
@@ -371,6 +407,18 @@ impl AcceleratorBuilder {
             config.distributed.dp_shard_size = Some(size);
             config.set_source(Key::DpShardSize, Source::Builder);
         }
+        if let Some(stages) = self.pp_size {
+            config.pipeline.pp_size = stages;
+            config.set_source(Key::PpSize, Source::Builder);
+        }
+        if let Some(micro_batches) = self.pp_microbatches {
+            config.pipeline.pp_microbatches = Some(micro_batches);
+            config.set_source(Key::PpMicrobatches, Source::Builder);
+        }
+        if let Some(schedule) = self.pp_schedule {
+            config.pipeline.pp_schedule = schedule;
+            config.set_source(Key::PpSchedule, Source::Builder);
+        }
         if let Some(dtype) = self.fsdp_param_dtype {
             config.distributed.fsdp_param_dtype = Some(dtype);
             config.set_source(Key::FsdpParamDtype, Source::Builder);
@@ -457,11 +505,20 @@ impl AcceleratorBuilder {
         let state = ProcessGroup::new(cluster.communicator(), local_rank, device, backend)
             .with_debug(config.distributed.debug);
         let group = Arc::new(state);
-        let strategy = match &self.strategy {
-            Some(make) => make(&group),
-            None => strategy::for_group(&group, &config)?,
+        let (strategy, data_group) = match &self.strategy {
+            Some(make) => (make(&group), group.clone()),
+            None if config.pipeline.is_pipelined() => {
+                crate::distributed::stages::mesh::for_mesh(&group, &config)?
+            }
+            None => (strategy::for_group(&group, &config)?, group.clone()),
         };
-        Accelerator::from_parts(group, config, project, self.log_with.clone(), strategy)
+        Accelerator::from_parts(
+            group,
+            config,
+            project,
+            self.log_with.clone(),
+            (strategy, data_group),
+        )
     }
 }
 

@@ -66,6 +66,8 @@ use crate::tracking::{LogWith, Trackers};
 /// ```
 pub struct Accelerator {
     group: Arc<ProcessGroup>,
+    /// The ranks that read different data: every rank, or under a pipeline the ranks of this rank's stage.
+    data_group: Arc<ProcessGroup>,
     config: AcceleratorConfig,
     pipeline: StepPipeline,
     checkpointer: Checkpointer,
@@ -119,7 +121,7 @@ impl Accelerator {
         config: AcceleratorConfig,
         project: ProjectConfiguration,
         log_with: Vec<LogWith>,
-        strategy: Arc<dyn Strategy>,
+        (strategy, data_group): (Arc<dyn Strategy>, Arc<ProcessGroup>),
     ) -> Result<Self> {
         group.install_for_thread();
         if group.is_main_process() {
@@ -146,6 +148,7 @@ impl Accelerator {
             trigger: Trigger::default(),
             applied: SettingsApplied::default(),
             group,
+            data_group,
             config,
         })
     }
@@ -459,10 +462,16 @@ impl Accelerator {
     /// With `split_batches`, a batch size that the number of ranks does not divide; a failed seed exchange.
     pub fn prepare_dataloader<I, O>(
         &self,
-        loader: DataLoader<I, O>,
+        mut loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>> {
+        // A pipeline's stages read the same batches: the shuffle seed of the run's rank 0 on every stage.
+        if self.data_group.num_processes() != self.num_processes()
+            && let Some(seed) = loader.shuffle
+        {
+            loader.shuffle = Some(self.broadcast_object(&seed, 0)?);
+        }
         let shared = self.pipeline.shared().clone();
-        let prepared = PreparedDataLoader::prepare(loader, &self.group, &self.config, shared)?;
+        let prepared = PreparedDataLoader::prepare(loader, &self.data_group, &self.config, shared)?;
         self.checkpointer.track_loader(prepared.cursor());
         Ok(prepared)
     }
@@ -481,8 +490,8 @@ impl Accelerator {
         loader: crate::data::StreamLoader<I, O>,
     ) -> Result<crate::data::PreparedStreamLoader<I, O>> {
         let spec = crate::data::ShardSpec {
-            num_processes: self.num_processes(),
-            rank: self.process_index(),
+            num_processes: self.data_group.num_processes(),
+            rank: self.data_group.process_index(),
             split_batches: self.config.data.split_batches,
             even_batches: self.config.data.even_batches,
         };

@@ -184,8 +184,9 @@ fn read_fsdp_config(
 }
 
 /// Reads `parallelism_config` (Accelerate's `ParallelismConfig`): `parallelism_config_dp_shard_size` sets the shard
-/// groups of a hybrid strategy; a replicate size follows from it, and tensor or context parallelism (any size
-/// but 1) is warned about as ignored.
+/// groups of a hybrid strategy; a replicate size follows from it; `parallelism_config_pp_size`,
+/// `parallelism_config_pp_microbatches` and `parallelism_config_pp_schedule` set pipeline parallelism; tensor or
+/// context parallelism (any size but 1) is warned about as ignored.
 fn read_parallelism_config(
     value: &Value,
     origin: &str,
@@ -221,6 +222,39 @@ fn read_parallelism_config(
                     })?;
                 config.distributed.dp_shard_size = Some(size);
                 config.set_source(Key::DpShardSize, Source::File(origin.to_string()));
+            }
+            "parallelism_config_pp_size" | "parallelism_config_pp_microbatches" => {
+                let count = raw
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        Error::config(
+                            format!("parallelism_config.{key}"),
+                            &raw,
+                            origin,
+                            "a count of 1 or more",
+                        )
+                    })?;
+                let source = Source::File(origin.to_string());
+                if key == "parallelism_config_pp_size" {
+                    config.pipeline.pp_size = count;
+                    config.set_source(Key::PpSize, source);
+                } else {
+                    config.pipeline.pp_microbatches = Some(count);
+                    config.set_source(Key::PpMicrobatches, source);
+                }
+            }
+            "parallelism_config_pp_schedule" => {
+                config.pipeline.pp_schedule = raw.parse().map_err(|_| {
+                    Error::config(
+                        "parallelism_config.parallelism_config_pp_schedule",
+                        &raw,
+                        origin,
+                        "gpipe or 1f1b",
+                    )
+                })?;
+                config.set_source(Key::PpSchedule, Source::File(origin.to_string()));
             }
             "parallelism_config_dp_replicate_size" => {}
             _ if raw.is_empty() || raw == "1" => {}

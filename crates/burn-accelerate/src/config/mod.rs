@@ -4,6 +4,7 @@ pub mod env;
 mod file;
 mod groups;
 mod key;
+mod pipeline;
 mod shard_dtype;
 mod sharding;
 mod transport;
@@ -15,6 +16,9 @@ pub use groups::{
     PrecisionSettings, RecoverySettings, SchedulerSettings,
 };
 pub use key::Key;
+pub use pipeline::{
+    PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, PipelineSchedule, PipelineSettings,
+};
 pub use shard_dtype::ShardDtype;
 pub use sharding::ShardingStrategy;
 pub use transport::{GradientTransport, TRANSPORT_VAR};
@@ -53,6 +57,8 @@ pub struct AcceleratorConfig {
     pub scheduler: SchedulerSettings,
     /// Sharding, the gradient transport and the collectives.
     pub distributed: DistributedSettings,
+    /// Pipeline parallelism: stages, micro-batches and their schedule.
+    pub pipeline: PipelineSettings,
     /// What backward recomputes instead of keeping.
     pub memory: MemorySettings,
     /// Continuing after an interruption.
@@ -225,7 +231,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 14] {
+    fn values(&self) -> [(Key, String); 17] {
         [
             (
                 Key::MixedPrecision,
@@ -262,6 +268,12 @@ impl AcceleratorConfig {
                     .dp_shard_size
                     .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
             ),
+            (Key::PpSize, self.pipeline.pp_size.to_string()),
+            (
+                Key::PpMicrobatches,
+                self.pipeline.microbatches().to_string(),
+            ),
+            (Key::PpSchedule, self.pipeline.pp_schedule.to_string()),
             (
                 Key::ActivationCheckpointing,
                 self.memory.activation_checkpointing.to_string(),
@@ -331,6 +343,34 @@ impl AcceleratorConfig {
                     "fp32, or {param} with mixed_precision {needed} (now {}): blocks gathered in {param} compute \
                      in it, so the forward pass must run in {param} (cast the blocks' inputs with autocast)",
                     self.precision.mixed_precision
+                ),
+            ));
+        }
+        if self.pipeline.pp_size == 0 {
+            return Err(Error::config(
+                "pp_size",
+                "0",
+                self.source(Key::PpSize).to_string(),
+                "a number of pipeline stages >= 1 (1: no pipeline)",
+            ));
+        }
+        if self.pipeline.pp_microbatches == Some(0) {
+            return Err(Error::config(
+                "pp_microbatches",
+                "0",
+                self.source(Key::PpMicrobatches).to_string(),
+                "a number of micro-batches per batch >= 1",
+            ));
+        }
+        if self.pipeline.is_pipelined() && self.distributed.sharding.is_sharded() {
+            return Err(Error::config(
+                "pp_size",
+                self.pipeline.pp_size.to_string(),
+                self.source(Key::PpSize).to_string(),
+                format!(
+                    "1 with sharding {}: a pipeline's stages train NO_SHARD inside their data-parallel groups \
+                     (sharding a stage is not supported yet); set sharding NO_SHARD, or pp_size 1",
+                    self.distributed.sharding
                 ),
             ));
         }

@@ -4,7 +4,8 @@
 
 use super::{
     ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, DP_SHARD_SIZE_VAR,
-    FSDP_VARS, Key, RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR, env,
+    FSDP_VARS, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, RESTART_COUNT_VARS,
+    RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR, env,
 };
 use crate::error::{Error, Result};
 
@@ -62,6 +63,28 @@ const VARIABLES: &[Variable] = &[
             parse(name, text, COUNT).map(|v| c.distributed.dp_shard_size = Some(v))
         },
         write: Some(|c| c.distributed.dp_shard_size.map(|n| n.to_string())),
+    },
+    Variable {
+        name: PP_SIZE_VAR,
+        key: Key::PpSize,
+        read: |c, name, text| parse(name, text, COUNT).map(|v| c.pipeline.pp_size = v),
+        write: Some(|c| Some(c.pipeline.pp_size.to_string())),
+    },
+    Variable {
+        name: PP_MICROBATCHES_VAR,
+        key: Key::PpMicrobatches,
+        read: |c, name, text| {
+            parse(name, text, COUNT).map(|v| c.pipeline.pp_microbatches = Some(v))
+        },
+        write: Some(|c| c.pipeline.pp_microbatches.map(|n| n.to_string())),
+    },
+    Variable {
+        name: PP_SCHEDULE_VAR,
+        key: Key::PpSchedule,
+        read: |c, name, text| {
+            parse(name, text, "gpipe or 1f1b").map(|v| c.pipeline.pp_schedule = v)
+        },
+        write: Some(|c| Some(c.pipeline.pp_schedule.to_string())),
     },
     Variable {
         name: "FSDP_PARAM_DTYPE",

@@ -25,7 +25,7 @@ pub mod cluster;
 pub mod collectives;
 pub mod comm;
 mod gatherable;
-pub(crate) mod stages;
+pub mod stages;
 pub(crate) mod strategy;
 pub(crate) mod tensor_comm;
 

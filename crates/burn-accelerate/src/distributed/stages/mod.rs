@@ -1,8 +1,12 @@
-//! Pipeline parallelism's building blocks: how a model's blocks are cut into stages, the schedules that order each
-//! stage's micro-batches, their timeline and its trace. The stage runtime (placing each stage's blocks on its
-//! ranks, moving activations and their gradients between stages) is their first caller; until it lands, the tests
-//! drive them.
-#![cfg_attr(not(test), allow(dead_code))]
+//! Pipeline parallelism: how a model's blocks are cut into stages ([`partition`]), the schedules that order each
+//! stage's micro-batches ([`schedule`]), the pipeline × data mesh and a pipelined rank's strategy ([`mesh`]), and
+//! each step's trace ([`trace`]). The step itself runs in the step pipeline (`crate::pipeline::staged`).
 
+pub(crate) mod mesh;
 pub(crate) mod partition;
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod schedule;
+mod trace;
+
+pub use mesh::PipelineLayout;
+pub use trace::{SpanKind, StageTrace, TraceSpan, chrome_trace};

@@ -17,15 +17,8 @@
 
 use std::fmt;
 
-/// How a stage orders its passes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ScheduleKind {
-    /// Every forward, then every backward (GPipe): simple, holds every micro-batch's activations.
-    GPipe,
-    /// One forward, one backward in the steady state (PipeDream-Flush's 1F1B): the same bubble as GPipe, at most
-    /// `stages - stage` micro-batches' activations alive.
-    OneFOneB,
-}
+/// How a stage orders its passes (the setting's type).
+pub(crate) use crate::config::PipelineSchedule as ScheduleKind;
 
 /// One pass of one micro-batch on a stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

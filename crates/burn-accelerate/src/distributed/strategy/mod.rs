@@ -40,7 +40,7 @@ use crate::distributed::tensor_comm::on_device::{DeviceAverage, OnDevice};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
-    ModuleParams, Placed, after_prepare, broadcast_module, materialize, param_fetcher,
+    ModuleParams, Placed, after_prepare, broadcast_module, drop_params, materialize, param_fetcher,
     prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard, unshard_except,
     with_param_ids,
 };
@@ -124,6 +124,11 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
 
     /// This rank's index in the group the strategy distributes over.
     fn rank(&self) -> usize;
+
+    /// The pipeline this rank is a stage of, where the run is pipelined (`pp_size` > 1).
+    fn stages(&self) -> Option<&Arc<crate::distributed::stages::mesh::Stages>> {
+        None
+    }
 
     /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
     /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank

@@ -1,0 +1,421 @@
+//! One batch through a pipeline: the rank runs its stage's blocks on each micro-batch in the order its schedule
+//! gives, receiving each forward pass's input from the stage before it and each backward pass's gradient from the
+//! stage after it.
+//!
+//! ```text
+//! stage s, pass F(i):  x = before(micro-batch i)            (s = 0)   | x = receive from s - 1 (s > 0)
+//!                      y = stage's blocks(x), kept with its graph
+//!                      loss_i = after(y, micro-batch i)     (last)    | send y to s + 1 (not last)
+//! stage s, pass B(i):  backward of loss_i × loss scale      (last)    | backward of sum(y * receive from s + 1)
+//!                      gradients added to the window's, in micro-batch order; x's gradient sent to s - 1 (s > 0)
+//! then:                the window's end as `backward`'s, over the stage's parameters and micro-batches × windows
+//! ```
+//!
+//! Sends wait in a queue and go out with the next receive, in one batch of the collective interface's
+//! `send_recv` (every send posted before the receive waits), or at the end of the step: a stage that sends an
+//! activation forward while its neighbour sends a gradient back (1F1B's steady state) never waits on it
+//! (Megatron's `send_forward_recv_backward`). Gradients accumulate in the order one process accumulating the same
+//! micro-batches would add them, so a pipelined step gives the same bits.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::ParamId;
+use burn::tensor::{DType, Device, Tensor};
+
+use super::StepPipeline;
+use super::blocks::Blocks;
+use super::split::Split;
+use crate::distributed::stages::mesh::Stages;
+use crate::distributed::stages::partition::balanced_stages;
+use crate::distributed::stages::schedule::{Pass, stage_passes};
+use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
+use crate::distributed::strategy::{trainable_params, unshard};
+use crate::distributed::tensor_comm::Incoming;
+use crate::error::{Error, Result};
+use crate::grad::has_non_finite;
+use crate::grad::param_ids;
+use crate::grad::window::{BackwardPlan, model_key};
+
+/// What a forward pass left for its backward pass.
+enum Live<const D: usize> {
+    /// An inner stage's: its input (tracked, to send its gradient back) and its output.
+    Activation(Option<Tensor<D>>, Tensor<D>),
+    /// The last stage's: its input and the micro-batch's loss.
+    Loss(Option<Tensor<D>>, Tensor<1>),
+}
+
+/// The element types an activation can cross stages in, as a header's last value.
+const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// One rank's messages to its neighbouring stages, sent with its next receive.
+struct Mailbox<'a> {
+    stages: &'a Stages,
+    pending: Vec<(usize, Tensor<1>)>,
+    device: Device,
+    started: Instant,
+    spans: Vec<TraceSpan>,
+}
+
+impl Mailbox<'_> {
+    /// Queues `flat` for stage `peer`.
+    fn send(&mut self, peer: usize, flat: Tensor<1>) {
+        self.pending.push((peer, flat));
+    }
+
+    /// Sends what waits and receives `incoming`, timing the wait as a transfer of micro-batch `micro_batch`.
+    fn exchange(&mut self, incoming: Vec<Incoming>, micro_batch: usize) -> Result<Vec<Tensor<1>>> {
+        let start = Instant::now();
+        let sends = std::mem::take(&mut self.pending);
+        let received = self
+            .stages
+            .comm
+            .send_recv(sends, incoming, "pipeline send/recv")?
+            .wait()?;
+        self.spans.push(TraceSpan {
+            kind: SpanKind::Transfer,
+            micro_batch,
+            start_us: micros(start - self.started),
+            duration_us: micros(start.elapsed()),
+        });
+        Ok(received)
+    }
+
+    /// Sends `y` (an activation) to stage `peer`: a header (its shape and element type), then its values.
+    fn send_activation<const D: usize>(&mut self, peer: usize, y: &Tensor<D>) -> Result<()> {
+        let dtype = y.dtype();
+        let code = DTYPES.iter().position(|d| *d == dtype).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "backward_batch: a block's output in {dtype:?} cannot cross pipeline stages (f32, f16, bf16 or f64)"
+            ))
+        })?;
+        let header: Vec<f32> = y
+            .dims()
+            .iter()
+            .map(|&d| d as f32)
+            .chain([code as f32])
+            .collect();
+        let header = Tensor::<1>::from_floats(header.as_slice(), &self.device);
+        let n = y.shape().num_elements();
+        self.send(peer, header);
+        self.send(peer, y.clone().detach().reshape([n]));
+        Ok(())
+    }
+
+    /// Receives an activation from stage `peer` (see [`send_activation`](Self::send_activation)).
+    fn receive_activation<const D: usize>(&mut self, peer: usize, i: usize) -> Result<Tensor<D>> {
+        let header = self.exchange(
+            vec![Incoming {
+                peer,
+                len: D + 1,
+                device: self.device.clone(),
+                dtype: DType::F32,
+            }],
+            i,
+        )?;
+        let header = header[0]
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| {
+                Error::other(format!(
+                    "backward_batch: reading an activation's header: {e:?}"
+                ))
+            })?;
+        let mut dims = [0usize; D];
+        for (d, v) in dims.iter_mut().zip(&header) {
+            *d = *v as usize;
+        }
+        let dtype = DTYPES[(header[D] as usize).min(DTYPES.len() - 1)];
+        let len = dims.iter().product();
+        let values = self.exchange(
+            vec![Incoming {
+                peer,
+                len,
+                device: self.device.clone(),
+                dtype,
+            }],
+            i,
+        )?;
+        Ok(values[0].clone().reshape(dims))
+    }
+}
+
+fn micros(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+impl StepPipeline {
+    /// One batch's forward and backward pass (see `Accelerator::backward_batch`): through the pipeline's stages
+    /// where the run is pipelined, else [`backward_blocks`](Self::backward_blocks) on the whole batch.
+    pub fn backward_batch<M, B, const D: usize>(
+        &self,
+        model: &M,
+        batch: B,
+        before: impl Fn(&M, &B) -> Tensor<D>,
+        block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+        after: impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+        checkpoint: bool,
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+        B: Split,
+    {
+        let Some(stages) = self.strategy.stages().cloned() else {
+            return self.backward_blocks(
+                model,
+                |m| before(m, &batch),
+                block,
+                |m, x| after(m, x, &batch),
+                checkpoint,
+            );
+        };
+        self.pipelined(&stages, model, batch, (before, block, after))
+    }
+
+    /// [`backward_batch`](Self::backward_batch) on a stage of `stages`.
+    fn pipelined<M, B, const D: usize>(
+        &self,
+        stages: &Arc<Stages>,
+        model: &M,
+        batch: B,
+        (before, block, after): (
+            impl Fn(&M, &B) -> Tensor<D>,
+            impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+            impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+        ),
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+        B: Split,
+    {
+        let started = Instant::now();
+        let layout = stages.layout;
+        let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
+        let parts = batch.split(m)?;
+        let range = stages.blocks_of(model)?[s].clone();
+        let whole = unshard(self.strategy.as_ref(), model)?;
+        let blocks = &whole.blocks()[range.clone()];
+        let device = burn::module::Module::devices(&whole)
+            .into_iter()
+            .next()
+            .ok_or_else(|| {
+                Error::InvalidArgument(
+                    "backward_batch: the model's blocks hold no parameter".into(),
+                )
+            })?;
+        let mut mail = Mailbox {
+            stages,
+            pending: Vec::new(),
+            device: device.clone(),
+            started,
+            spans: Vec::new(),
+        };
+        let mut live: HashMap<usize, Live<D>> = HashMap::new();
+        let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
+        let last = layout.is_last_stage();
+        for pass in stage_passes(stages.schedule, s, p, m) {
+            match pass {
+                Pass::Forward(i) => {
+                    let x = if s == 0 {
+                        None
+                    } else {
+                        Some(mail.receive_activation::<D>(s - 1, i)?.require_grad())
+                    };
+                    let start = Instant::now();
+                    let mut y = match &x {
+                        Some(x) => x.clone(),
+                        None => before(&whole, &parts[i]),
+                    };
+                    for b in blocks {
+                        y = block(b, y);
+                    }
+                    let kept = if last {
+                        let loss = after(&whole, y, &parts[i]);
+                        if !loss.is_tracked() {
+                            return Err(Error::InvalidArgument(
+                                "backward_batch: the loss is not connected to any parameter that requires a \
+                                 gradient; prepare the model with `accelerator.prepare_model(model)` and compute \
+                                 the loss in `after` from the activation it is given"
+                                    .into(),
+                            ));
+                        }
+                        Live::Loss(x, loss)
+                    } else {
+                        Live::Activation(x, y)
+                    };
+                    mail.spans.push(span(SpanKind::Forward, i, started, start));
+                    if let Live::Activation(_, y) = &kept {
+                        mail.send_activation(s + 1, y)?;
+                    }
+                    live.insert(i, kept);
+                }
+                Pass::Backward(i) => {
+                    let kept = live.remove(&i).ok_or_else(|| {
+                        Error::other(format!(
+                            "backward_batch: micro-batch {i} was not run forward"
+                        ))
+                    })?;
+                    let (x, mut grads, start) = match kept {
+                        Live::Loss(x, loss) => {
+                            let start = Instant::now();
+                            losses[i] = Some(loss.clone().detach());
+                            let grads = self.precision().scale_loss(loss).backward();
+                            (x, grads, start)
+                        }
+                        Live::Activation(x, y) => {
+                            let n = y.shape().num_elements();
+                            let incoming = Incoming {
+                                peer: s + 1,
+                                len: n,
+                                device: device.clone(),
+                                dtype: y.dtype(),
+                            };
+                            let g = mail
+                                .exchange(vec![incoming], i)?
+                                .remove(0)
+                                .reshape(y.dims());
+                            let start = Instant::now();
+                            (x, (y * g).sum().backward(), start)
+                        }
+                    };
+                    let dx = match &x {
+                        Some(x) => Some(x.grad_remove(&mut grads).ok_or_else(|| {
+                            Error::InvalidArgument(format!(
+                                "backward_batch: stage {s}'s output does not depend on its input; `block` must \
+                                 compute each block's output from the activation it is given"
+                            ))
+                        })?),
+                        None => None,
+                    };
+                    self.shared.lock().grads.collect(&whole, &mut grads);
+                    drop(grads);
+                    mail.spans.push(span(SpanKind::Backward, i, started, start));
+                    if let Some(dx) = dx {
+                        let n = dx.shape().num_elements();
+                        mail.send(s - 1, dx.reshape([n]));
+                    }
+                }
+            }
+        }
+        if !mail.pending.is_empty() {
+            mail.exchange(Vec::new(), m - 1)?;
+        }
+        let busy: f64 = mail
+            .spans
+            .iter()
+            .filter(|s| s.kind != SpanKind::Transfer)
+            .map(|s| s.duration_us)
+            .sum();
+        self.shared.lock().phases.backward += std::time::Duration::from_secs_f64(busy / 1e6);
+
+        // The loss, the mean over the micro-batches, from the last stage on every stage.
+        let loss = if last {
+            let losses: Vec<Tensor<1>> = losses.into_iter().flatten().collect();
+            Tensor::cat(losses, 0).cast(DType::F32).mean()
+        } else {
+            Tensor::<1>::zeros([1], (&device, DType::F32))
+        };
+        let loss = stages
+            .comm
+            .broadcast(loss, p - 1, "pipeline loss")?
+            .wait()?;
+
+        let block_ids: HashSet<ParamId> = whole.blocks().iter().flat_map(param_ids).collect();
+        let own: HashSet<ParamId> = blocks.iter().flat_map(param_ids).collect();
+        self.end_stage_window(model, &whole, m, |core_ids, id| {
+            own.contains(&id) || (!block_ids.contains(&id) && core_ids.contains(&id))
+        })?;
+        *stages.last_trace.lock().unwrap_or_else(|e| e.into_inner()) = Some(StageTrace {
+            stage: s,
+            stages: p,
+            replica: layout.replica,
+            micro_batches: m,
+            step_us: micros(started.elapsed()),
+            spans: mail.spans,
+        });
+        Ok(loss)
+    }
+
+    /// The window's part of a pipelined step, as [`end_backward`](Self::end_backward) for a whole model: on the
+    /// window's last batch the stage's gradients (those `is_own` accepts, given the ids the window holds) are
+    /// normalised over every micro-batch of the window, unscaled, averaged over the stage's data-parallel group,
+    /// and checked for an fp16 overflow on every rank of the run.
+    fn end_stage_window<M: Blocks>(
+        &self,
+        model: &M,
+        whole: &M,
+        micro_batches_per_batch: usize,
+        is_own: impl Fn(&HashSet<ParamId>, ParamId) -> bool,
+    ) -> Result<()> {
+        let mut core = self.shared.lock();
+        let plan = core.state.record_backward(model_key(model), false);
+        let BackwardPlan::EndWindow { micro_batches } = plan else {
+            return Ok(());
+        };
+        let sync_started = Instant::now();
+        let held: HashSet<ParamId> = core.grads.ids().into_iter().collect();
+        let params: Vec<(ParamId, usize)> = trainable_params(whole)
+            .into_iter()
+            .filter(|(id, _)| is_own(&held, *id))
+            .collect();
+        let mut precision = self.precision();
+        let scale =
+            precision.unscaled(self.normalisation_of(micro_batches, micro_batches_per_batch));
+        if !self.strategy.reduces_to_itself(scale) {
+            core.grads.hold_one_of(whole, &params);
+            self.strategy
+                .reduce_gradients(&mut core.grads, &params, scale)?;
+        }
+        if precision.loss_scale().is_some() {
+            let ids: Vec<ParamId> = params.iter().map(|(id, _)| *id).collect();
+            let grads = &mut core.grads;
+            let strategy = &self.strategy;
+            let overflow = precision.verdict(|| strategy.any_rank(has_non_finite(grads, &ids)?))?;
+            core.state.record_overflow(model_key(model), overflow);
+        }
+        drop(precision);
+        core.phases.gradient_sync += sync_started.elapsed();
+        Ok(())
+    }
+}
+
+/// A span of kind `kind` of micro-batch `i` from `start` to now, timed from the step's start `step`.
+fn span(kind: SpanKind, i: usize, step: Instant, start: Instant) -> TraceSpan {
+    TraceSpan {
+        kind,
+        micro_batch: i,
+        start_us: micros(start - step),
+        duration_us: micros(start.elapsed()),
+    }
+}
+
+/// The contiguous runs of `model`'s blocks each of `stages` stages runs, balanced by their parameters.
+///
+/// # Errors
+/// Fewer blocks than stages.
+pub(crate) fn stage_blocks<M: Blocks>(
+    model: &M,
+    stages: usize,
+) -> Result<Vec<std::ops::Range<usize>>> {
+    let costs: Vec<f64> = model
+        .blocks()
+        .iter()
+        .map(|b| {
+            let n = crate::distributed::strategy::trainable_params(b)
+                .iter()
+                .map(|(_, n)| *n)
+                .sum::<usize>();
+            n.max(1) as f64
+        })
+        .collect();
+    balanced_stages(&costs, stages).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "pp_size {stages}: the model has {} block(s), fewer than its stages; each stage runs at least one \
+             block, so lower pp_size or give the model more blocks",
+            costs.len()
+        ))
+    })
+}

@@ -1,0 +1,418 @@
+//! Pipeline parallelism (`Accelerator::backward_batch` with `pp_size` > 1): 2 and 4 in-process stages, 1, 2, 4
+//! and 8 micro-batches, GPipe and 1F1B, train 20 Adam steps to the same bits as one process accumulating the
+//! same micro-batches in the same order; with accumulation across batches too, and with global-norm clipping
+//! within float rounding; 2 stages × 2 data-parallel replicas match one process on the whole batch; each stage
+//! holds only its own blocks; a save and resume equals a run straight through. The same under `mpirun` is in
+//! `tests/parity_mpi.rs`.
+
+#[path = "support/isolation.rs"]
+mod isolation;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::AdamConfig;
+use burn::tensor::{Device, Tensor};
+use burn_accelerate::{
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, Blocks, PipelineSchedule, Result,
+    ShardingStrategy, Split, StateToSave,
+};
+
+/// Rows of a global batch.
+const BATCH: usize = 16;
+const WIDTH: usize = 8;
+const LAYERS: usize = 8;
+
+/// An input layer, a stack of square blocks with tanh, and a head.
+#[derive(Module, Debug)]
+struct Deep {
+    input: Linear,
+    layers: Vec<Linear>,
+    head: Linear,
+}
+
+impl Blocks for Deep {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        &self.layers
+    }
+}
+
+fn model(device: &Device) -> Deep {
+    deterministic(Deep {
+        input: LinearConfig::new(6, WIDTH).init(device),
+        layers: (0..LAYERS)
+            .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
+            .collect(),
+        head: LinearConfig::new(WIDTH, 1).init(device),
+    })
+}
+
+/// `module` with weights drawn from a fixed formula, not from the device's generator (which the tests of this
+/// binary share, running at once).
+fn deterministic<M: Module>(module: M) -> M {
+    struct Fill(usize);
+    impl ModuleMapper for Fill {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            self.0 += 1;
+            let salt = self.0 as f32;
+            param.map(|t| {
+                let n = t.shape().num_elements();
+                let values: Vec<f32> = (0..n)
+                    .map(|i| 0.4 * ((i as f32 + 1.0) * 0.731 + salt * 1.37).sin())
+                    .collect();
+                Tensor::<1>::from_floats(values.as_slice(), &t.device()).reshape(t.dims())
+            })
+        }
+    }
+    module.map(&mut Fill(0))
+}
+
+/// Rows `first..first + rows` of the synthetic set: inputs and targets.
+
+/// Rows `first..first + rows` of the data.
+fn batch(first: usize, rows: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let x: Vec<f32> = (0..rows * 6)
+        .map(|k| ((first + k / 6) as f32 * 0.37 + (k % 6) as f32 * 0.11).sin())
+        .collect();
+    let y: Vec<f32> = (0..rows)
+        .map(|i| ((first + i) as f32 * 0.21).cos())
+        .collect();
+    (
+        Tensor::<1>::from_floats(x.as_slice(), device).reshape([rows, 6]),
+        Tensor::<1>::from_floats(y.as_slice(), device).reshape([rows, 1]),
+    )
+}
+
+/// Each float parameter's values, in visiting order (empty for a placeholder).
+fn params<M: Module>(model: &M) -> Vec<Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(
+                param
+                    .val()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}
+
+/// The loss of a micro-batch: the summed squared error over the rows of a whole micro-batch.
+fn loss(out: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+    let rows = y.dims()[0] as f32;
+    (out - y).powi_scalar(2).sum().div_scalar(rows)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    stages: usize,
+    replicas: usize,
+    micro_batches: usize,
+    schedule: PipelineSchedule,
+    accumulation: usize,
+    clip: bool,
+    sharding: ShardingStrategy,
+    steps: usize,
+}
+
+impl Run {
+    fn new(stages: usize, micro_batches: usize, schedule: PipelineSchedule) -> Self {
+        Self {
+            stages,
+            replicas: 1,
+            micro_batches,
+            schedule,
+            accumulation: 1,
+            clip: false,
+            sharding: ShardingStrategy::NoShard,
+            steps: 20,
+        }
+    }
+
+    fn builder(&self) -> AcceleratorBuilder {
+        Accelerator::builder()
+            .pp_size(self.stages)
+            .pp_microbatches(self.micro_batches)
+            .pp_schedule(self.schedule)
+            .gradient_accumulation_steps(self.accumulation)
+            .sharding(self.sharding)
+    }
+}
+
+/// Trains `run.steps` batches through the pipeline from batch `from`.
+fn train(
+    acc: &Accelerator,
+    run: &Run,
+    mut model: Deep,
+    optimizer: &mut AcceleratedOptimizer,
+    from: usize,
+) -> Result<(Deep, Vec<f32>)> {
+    let layout = acc.pipeline_layout();
+    let rows = BATCH / layout.replicas;
+    let device = acc.device().clone();
+    let mut losses = Vec::new();
+    for step in from..from + run.steps {
+        let data = batch(step * BATCH + layout.replica * rows, rows, &device);
+        acc.accumulate();
+        let value = acc.backward_batch(
+            &model,
+            data,
+            |m, (x, _)| m.input.forward(x.clone()).tanh(),
+            |layer, h| layer.forward(h).tanh(),
+            |m, h, (_, y)| loss(m.head.forward(h), y.clone()),
+        )?;
+        losses.push(value.into_scalar::<f32>());
+        if acc.sync_gradients() && run.clip {
+            acc.clip_grad_norm(&model, 0.05)?;
+        }
+        model = optimizer.try_step(model)?;
+    }
+    Ok((model, losses))
+}
+
+/// Every rank's parameters after the run, and the losses rank 0 saw.
+fn pipelined(run: Run) -> (Vec<Vec<Vec<f32>>>, Vec<f32>) {
+    let out = run
+        .builder()
+        .launch(run.stages * run.replicas, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let (model, losses) = train(&acc, &run, model, &mut optimizer, 0)?;
+            Ok((params(&model), losses))
+        })
+        .unwrap_or_else(|e| panic!("{run:?}: {e}"));
+    let losses = out[0].1.clone();
+    (out.into_iter().map(|(p, _)| p).collect(), losses)
+}
+
+/// The whole model's parameters from the ranks of replica 0 of a pipelined run: each block from the stage that
+/// runs it, the input layer from the first stage, the head from the last.
+fn merged(ranks: &[Vec<Vec<f32>>], stages: usize, replicas: usize) -> Vec<Vec<f32>> {
+    let stage = |s: usize| &ranks[s * replicas];
+    let count = ranks[0].len();
+    (0..count)
+        .map(|j| {
+            if j < 2 {
+                stage(0)[j].clone()
+            } else if j >= count - 2 {
+                stage(stages - 1)[j].clone()
+            } else {
+                let owners: Vec<&Vec<f32>> = (0..stages)
+                    .map(|s| &stage(s)[j])
+                    .filter(|v| !v.is_empty())
+                    .collect();
+                assert_eq!(owners.len(), 1, "parameter {j} is held by one stage");
+                owners[0].clone()
+            }
+        })
+        .collect()
+}
+
+/// One process accumulating the same micro-batches in the same order, `accumulation` batches per step.
+fn reference(run: Run) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let rows = BATCH;
+    Accelerator::builder()
+        .gradient_accumulation_steps(run.micro_batches * run.accumulation)
+        .launch(1, |acc| {
+            let device = acc.device().clone();
+            let mut model = acc.prepare_model(model(&device))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let mut losses = Vec::new();
+            for step in 0..run.steps {
+                let parts = batch(step * BATCH, rows, &device).split(run.micro_batches)?;
+                let mut sum = 0.0;
+                for (x, y) in parts {
+                    acc.accumulate();
+                    let value = acc.backward_blocks(
+                        &model,
+                        |m| m.input.forward(x.clone()).tanh(),
+                        |layer, h| layer.forward(h).tanh(),
+                        |m, h| loss(m.head.forward(h), y.clone()),
+                    )?;
+                    sum += value.into_scalar::<f32>();
+                    if acc.sync_gradients() && run.clip {
+                        acc.clip_grad_norm(&model, 0.05)?;
+                    }
+                    model = optimizer.try_step(model)?;
+                }
+                losses.push(sum / run.micro_batches as f32);
+            }
+            Ok((params(&model), losses))
+        })
+        .unwrap()
+        .remove(0)
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn stages_train_the_bits_of_one_process_accumulating_the_same_micro_batches() {
+    for stages in [2, 4] {
+        for micro_batches in [1, 2, 4, 8] {
+            let expected = reference(Run::new(stages, micro_batches, PipelineSchedule::GPipe));
+            for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+                let run = Run::new(stages, micro_batches, schedule);
+                let (ranks, losses) = pipelined(run);
+                let got = merged(&ranks, stages, 1);
+                assert_eq!(
+                    max_diff(&got, &expected.0),
+                    0.0,
+                    "{run:?}: the stages' weights differ from one process's"
+                );
+                assert_eq!(got, expected.0, "{run:?}");
+                let loss_diff = losses
+                    .iter()
+                    .zip(&expected.1)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    loss_diff < 1e-5,
+                    "{run:?}: losses {losses:?} vs {:?}",
+                    expected.1
+                );
+                assert!(losses[19] < losses[0], "{run:?}: {losses:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn accumulation_across_batches_keeps_the_bits_and_clipping_spans_the_stages() {
+    let mut run = Run::new(2, 4, PipelineSchedule::OneFOneB);
+    run.accumulation = 2;
+    run.steps = 12;
+    let (ranks, _) = pipelined(run);
+    let expected = reference(run);
+    assert_eq!(merged(&ranks, 2, 1), expected.0, "{run:?}");
+
+    let mut run = Run::new(4, 4, PipelineSchedule::OneFOneB);
+    run.clip = true;
+    let (ranks, _) = pipelined(run);
+    let expected = reference(run);
+    let diff = max_diff(&merged(&ranks, 4, 1), &expected.0);
+    assert!(diff < 1e-5, "{run:?}: clipped weights differ by {diff}");
+    let mut unclipped = run;
+    unclipped.clip = false;
+    let (free, _) = pipelined(unclipped);
+    assert!(
+        max_diff(&merged(&free, 4, 1), &expected.0) > 1e-3,
+        "clipping at 0.05 changes the weights"
+    );
+}
+
+#[test]
+fn each_stage_holds_only_its_own_blocks() {
+    let (ranks, _) = pipelined(Run {
+        steps: 1,
+        ..Run::new(4, 2, PipelineSchedule::OneFOneB)
+    });
+    for (stage, params) in ranks.iter().enumerate() {
+        let held: Vec<usize> = (0..LAYERS)
+            .filter(|l| !params[2 + 2 * l].is_empty())
+            .collect();
+        assert_eq!(
+            held,
+            vec![2 * stage, 2 * stage + 1],
+            "stage {stage}'s blocks"
+        );
+    }
+}
+
+#[test]
+fn stages_of_two_replicas_train_as_one_process_on_the_whole_batch() {
+    for sharding in [ShardingStrategy::NoShard] {
+        let run = Run {
+            replicas: 2,
+            sharding,
+            steps: 10,
+            ..Run::new(2, 2, PipelineSchedule::OneFOneB)
+        };
+        let (ranks, _) = pipelined(run);
+        let mut alone = run;
+        alone.replicas = 1;
+        let expected = reference(alone);
+        let got = merged(&ranks, 2, 2);
+        let diff = max_diff(&got, &expected.0);
+        assert!(diff < 2e-5, "{run:?}: {diff}");
+        // Replicas of a stage hold the same weights.
+        assert_eq!(ranks[0][0], ranks[1][0], "{sharding}");
+    }
+}
+
+#[test]
+fn a_run_saved_and_resumed_continues_as_one_trained_straight_through() {
+    let run = Run {
+        steps: 6,
+        ..Run::new(2, 2, PipelineSchedule::OneFOneB)
+    };
+    let dir = std::env::temp_dir().join("pipeline-resume");
+    let straight = {
+        let mut twice = run;
+        twice.steps = 12;
+        pipelined(twice).0
+    };
+    let resumed = run
+        .builder()
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let (model, _) = train(&acc, &run, model, &mut optimizer, 0)?;
+            acc.save_state(
+                Some(&dir),
+                &StateToSave::new().model(&model)?.optimizer(&optimizer)?,
+            )?;
+            // A fresh start, restored from the checkpoint.
+            let model = acc.prepare_blocks(model_fresh(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let mut state = acc.load_state(Some(&dir))?;
+            let model = state.model(model)?;
+            state.optimizer(&mut optimizer)?;
+            state.finish()?;
+            let (model, _) = train(&acc, &run, model, &mut optimizer, 6)?;
+            Ok(params(&model))
+        })
+        .unwrap();
+    assert_eq!(merged(&resumed, 2, 1), merged(&straight, 2, 1));
+}
+
+/// A model with other weights than [`model`]'s, for a restore to overwrite.
+fn model_fresh(device: &Device) -> Deep {
+    let mut m = model(device);
+    m.head = LinearConfig::new(WIDTH, 1).init(device);
+    m
+}
+
+#[test]
+fn a_sharded_stage_is_refused_with_a_message_saying_what_to_set() {
+    let err = Accelerator::builder()
+        .pp_size(2)
+        .sharding(ShardingStrategy::FullShard)
+        .launch(2, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pp_size") && err.contains("NO_SHARD"), "{err}");
+    let err = Accelerator::builder()
+        .pp_size(3)
+        .launch(4, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("pp_size 3 does not divide the 4 rank(s)"),
+        "{err}"
+    );
+}
