@@ -64,6 +64,19 @@ struct Args {
     /// Gather the whole model for the forward pass (`unshard` + `backward`) instead of block by block.
     #[arg(long)]
     whole: bool,
+    /// Pipeline stages: the layers cut into this many stages, one per group of ranks (`backward_batch`).
+    #[arg(long = "pp-size")]
+    pp_size: Option<usize>,
+    /// Micro-batches per batch under a pipeline (default: the stages).
+    #[arg(long = "pp-microbatches")]
+    pp_microbatches: Option<usize>,
+    /// The pipeline's schedule: gpipe or 1f1b.
+    #[arg(long = "pp-schedule")]
+    pp_schedule: Option<burn_accelerate::PipelineSchedule>,
+    /// Write the last step's pipeline trace (every stage's forward, backward and transfers) here, as a Chrome /
+    /// Perfetto trace (open it at ui.perfetto.dev).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Activation checkpointing: recompute each layer in backward instead of keeping its activations.
     #[arg(long)]
     checkpointing: bool,
@@ -219,16 +232,25 @@ fn mode(acc: &Accelerator, args: &Args) -> String {
 
 fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     let (rank, ranks) = (acc.process_index(), acc.num_processes());
-    if !args.batch.is_multiple_of(ranks) {
+    // Under a pipeline, the ranks of one stage are the data-parallel replicas; without one, every rank is.
+    let layout = acc.pipeline_layout();
+    let (replica, replicas) = (layout.replica, layout.replicas);
+    if !args.batch.is_multiple_of(replicas) {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
-            "--batch {} is not divisible by {ranks} ranks",
+            "--batch {} is not divisible by {replicas} data-parallel replicas",
             args.batch
         )));
+    }
+    if layout.stages > 1 && (args.whole || args.weights.is_some() || args.save_model.is_some()) {
+        return Err(burn_accelerate::Error::InvalidArgument(
+            "--pp-size runs the layers through `backward_batch`: leave out --whole, --weights and --save-model"
+                .into(),
+        ));
     }
     let device = acc.device().clone();
     let initial = ByteLm::new(args, &device);
     let params = initial.num_params();
-    let mut model = acc.prepare_model(initial)?;
+    let mut model = acc.prepare_blocks(initial)?;
     if let Some(path) = &args.load_pretrained {
         model = load_pretrained(&acc, model, path, args)?;
     }
@@ -247,13 +269,18 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             println!("resumed after step {first} on {ranks} ranks");
         }
     }
-    let mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, &device);
-    let rows = args.batch / ranks;
+    // One sequence's causal mask, repeated for however many sequences a (micro-)batch holds.
+    let one_mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, &device);
+    let rows = args.batch / replicas;
     let (mut loss_value, mut grads, mut step_secs) = (0.0, 0, 0.0);
     for step in first..args.steps {
         let started = Instant::now();
-        let (inputs, targets) = batch((step * args.batch + rank * rows, rows), args.seq, &device);
-        let mask = mask.clone().repeat_dim(0, rows);
+        let (inputs, targets) = batch(
+            (step * args.batch + replica * rows, rows),
+            args.seq,
+            &device,
+        );
+        let mask = one_mask.clone().repeat_dim(0, rows);
         let loss = if args.whole {
             let whole = acc.unshard(&model)?;
             let mut x = whole.embed(inputs);
@@ -264,11 +291,16 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             acc.backward(loss.clone(), &whole)?;
             loss.detach()
         } else {
-            acc.backward_blocks(
+            // The same call in every mode: block by block, and through the stages under --pp-size.
+            acc.backward_batch(
                 &model,
-                |m| m.embed(inputs.clone()),
-                |layer, x| layer.forward(x, None, Some(mask.clone())),
-                |m, x| m.loss(x, targets.clone()),
+                (inputs, targets),
+                |m, (inputs, _)| m.embed(inputs.clone()),
+                |layer, x| {
+                    let sequences = x.dims()[0];
+                    layer.forward(x, None, Some(one_mask.clone().repeat_dim(0, sequences)))
+                },
+                |m, x, (_, targets)| m.loss(x, targets.clone()),
             )?
         };
         grads = held::grad_bytes(&acc, &model);
@@ -307,6 +339,26 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 let _ = std::process::Command::new("kill")
                     .args(["-9", &std::process::id().to_string()])
                     .status();
+            }
+        }
+    }
+    if layout.stages > 1 {
+        let trace = acc.pipeline_trace();
+        if let Some(trace) = &trace {
+            println!(
+                "rank {rank}/{ranks} stage={} idle_fraction={:.3} ideal_idle_fraction={:.3}",
+                trace.stage,
+                trace.idle_fraction(),
+                trace.ideal_idle_fraction()
+            );
+        }
+        if let Some(path) = &args.trace {
+            let traces: Vec<burn_accelerate::StageTrace> =
+                acc.gather_object(&trace)?.into_iter().flatten().collect();
+            if acc.is_main_process() {
+                let json = burn_accelerate::distributed::stages::chrome_trace(&traces);
+                std::fs::write(path, json.to_string()).map_err(burn_accelerate::Error::other)?;
+                println!("wrote the pipeline trace to {}", path.display());
             }
         }
     }
@@ -444,6 +496,15 @@ fn run() -> Result<()> {
     // The main process draws the initial weights (at `prepare_model`) from this seed.
     ranks::default_device().seed(42);
     let mut builder = Accelerator::builder().activation_checkpointing(args.checkpointing);
+    if let Some(stages) = args.pp_size {
+        builder = builder.pp_size(stages);
+    }
+    if let Some(micro_batches) = args.pp_microbatches {
+        builder = builder.pp_microbatches(micro_batches);
+    }
+    if let Some(schedule) = args.pp_schedule {
+        builder = builder.pp_schedule(schedule);
+    }
     if let Some(sharding) = args.sharding {
         builder = builder.sharding(sharding);
     }

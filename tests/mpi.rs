@@ -533,3 +533,54 @@ fn the_never_whole_demonstration_holds_reduced() {
         assert!(stdout.contains(step), "{step}: {stdout}");
     }
 }
+
+/// Pipeline parallelism under `mpirun`: the transformer example's layers cut into 2 stages (and 2 stages × 2
+/// data-parallel replicas on 4 processes), both schedules, 4 micro-batches, train to the very loss of the same
+/// pipeline as in-process ranks (activations and gradients cross processes through batched send/recv, with no
+/// deadlock under MPI's rendezvous protocol for messages of 128 KiB).
+#[test]
+fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
+    let lm = example("transformer_lm");
+    for (np, schedule) in [(2, "1f1b"), (2, "gpipe"), (4, "1f1b")] {
+        let args = [
+            "--layers",
+            "4",
+            "--d-model",
+            "128",
+            "--seq",
+            "32",
+            "--batch",
+            "16",
+            "--steps",
+            "4",
+            "--pp-size",
+            "2",
+            "--pp-microbatches",
+            "4",
+            "--pp-schedule",
+            schedule,
+            "--skip-state-bytes",
+        ];
+        let processes = np.to_string();
+        let local = Command::new(&lm)
+            .args(args)
+            .args(["--processes", &processes])
+            .output()
+            .unwrap();
+        let in_process = final_loss(&String::from_utf8_lossy(&local.stdout));
+        let out = mpirun(np, &lm, &args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let ranks = final_loss(&stdout);
+        assert_eq!(ranks, in_process, "np {np} {schedule}: {stdout}");
+        assert_eq!(
+            stdout.matches(" idle_fraction=").count(),
+            np,
+            "every rank reports its stage: {stdout}"
+        );
+    }
+}

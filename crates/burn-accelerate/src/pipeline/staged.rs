@@ -11,10 +11,10 @@
 //! then:                the window's end as `backward`'s, over the stage's parameters and micro-batches × windows
 //! ```
 //!
-//! Sends wait in a queue and go out with the next receive, in one batch of the collective interface's
-//! `send_recv` (every send posted before the receive waits), or at the end of the step: a stage that sends an
-//! activation forward while its neighbour sends a gradient back (1F1B's steady state) never waits on it
-//! (Megatron's `send_forward_recv_backward`). Gradients accumulate in the order one process accumulating the same
+//! A send goes out at once, unless the stage's next pass receives from the same neighbour: then both go in one
+//! batch of the collective interface's `send_recv` (every send posted before the receive waits), so that a stage
+//! that sends an activation forward while its neighbour sends a gradient back (1F1B's steady state) never waits
+//! on it (Megatron's `send_forward_recv_backward` and `send_backward_recv_forward`). Gradients accumulate in the order one process accumulating the same
 //! micro-batches would add them, so a pipelined step gives the same bits.
 
 use std::collections::{HashMap, HashSet};
@@ -216,7 +216,9 @@ impl StepPipeline {
         let mut live: HashMap<usize, Live<D>> = HashMap::new();
         let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
         let last = layout.is_last_stage();
-        for pass in stage_passes(stages.schedule, s, p, m) {
+        let passes = stage_passes(stages.schedule, s, p, m);
+        for (k, &pass) in passes.iter().enumerate() {
+            let next = passes.get(k + 1).copied();
             match pass {
                 Pass::Forward(i) => {
                     let x = if s == 0 {
@@ -249,6 +251,11 @@ impl StepPipeline {
                     mail.spans.push(span(SpanKind::Forward, i, started, start));
                     if let Live::Activation(_, y) = &kept {
                         mail.send_activation(s + 1, y)?;
+                        // Goes with the next receive when that comes from the same stage (a backward's
+                        // gradient: Megatron's send_forward_recv_backward), else now.
+                        if !matches!(next, Some(Pass::Backward(_))) {
+                            mail.exchange(Vec::new(), i)?;
+                        }
                     }
                     live.insert(i, kept);
                 }
@@ -296,6 +303,10 @@ impl StepPipeline {
                     if let Some(dx) = dx {
                         let n = dx.shape().num_elements();
                         mail.send(s - 1, dx.reshape([n]));
+                        // With the next forward's input from the same stage (send_backward_recv_forward), else now.
+                        if !matches!(next, Some(Pass::Forward(_))) {
+                            mail.exchange(Vec::new(), i)?;
+                        }
                     }
                 }
             }

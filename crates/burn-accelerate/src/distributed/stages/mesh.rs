@@ -182,8 +182,9 @@ impl Strategy for Staged {
         )
     }
 
+    /// The rank in the whole run: initial weights come from its rank 0 (see [`broadcast`](Self::broadcast)).
     fn rank(&self) -> usize {
-        self.inner.rank()
+        self.world.rank()
     }
 
     fn stages(&self) -> Option<&Arc<Stages>> {

@@ -1,0 +1,118 @@
+//! The pipeline's bubble on this machine: each stage's measured idle share of a step (from its trace: the step's
+//! time less its forward and backward passes) against the schedule's `(pp − 1) / (m + pp − 1)`, for GPipe and 1F1B,
+//! `pp_size` 2 and 4, 2, 4 and 8 micro-batches, one compute thread per rank (in-process ranks). The model's stages
+//! are balanced: equal square layers, the layers before and after them tiny. Writes each run's Chrome / Perfetto
+//! trace to `target/pipeline-trace-pp<P>-m<M>-<schedule>.json` (open it at ui.perfetto.dev).
+//! `cargo bench -p burn-accelerate-examples --bench pipeline` (`PP_WIDTH`, `PP_ROWS`, `PP_STEPS` to change the size).
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::SgdConfig;
+use burn::tensor::Tensor;
+use burn_accelerate::distributed::stages::chrome_trace;
+use burn_accelerate::{Accelerator, Blocks, PipelineSchedule, StageTrace};
+
+#[derive(Module, Debug)]
+struct Stack {
+    input: Linear,
+    layers: Vec<Linear>,
+    head: Linear,
+}
+
+impl Blocks for Stack {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        &self.layers
+    }
+}
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Every stage's trace of each steady step.
+fn run(stages: usize, micro_batches: usize, schedule: PipelineSchedule) -> Vec<Vec<StageTrace>> {
+    let (width, rows, steps) = (env("PP_WIDTH", 384), env("PP_ROWS", 64), env("PP_STEPS", 6));
+    let layers = 8;
+    let out = Accelerator::builder()
+        .pp_size(stages)
+        .pp_microbatches(micro_batches)
+        .pp_schedule(schedule)
+        .launch(stages, |acc| {
+            let device = acc.device().clone();
+            let model = Stack {
+                input: LinearConfig::new(8, width).init(&device),
+                layers: (0..layers)
+                    .map(|_| LinearConfig::new(width, width).init(&device))
+                    .collect(),
+                head: LinearConfig::new(width, 1).init(&device),
+            };
+            let mut model = acc.prepare_blocks(model)?;
+            let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 1e-3);
+            let mut traces = Vec::new();
+            for step in 0..steps + 2 {
+                let x = Tensor::<2>::ones([rows * micro_batches, 8], &device);
+                let y = Tensor::<2>::zeros([rows * micro_batches, 1], &device);
+                acc.backward_batch(
+                    &model,
+                    (x, y),
+                    |m, (x, _)| m.input.forward(x.clone()),
+                    |layer, h| layer.forward(h).tanh(),
+                    |m, h, (_, y)| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
+                )?;
+                model = optimizer.try_step(model)?;
+                if step >= 2 {
+                    traces.extend(acc.pipeline_trace());
+                }
+            }
+            Ok(traces)
+        })
+        .expect("the pipelined run");
+    // Step by step, every stage's trace.
+    (0..out[0].len())
+        .map(|step| out.iter().map(|stage| stage[step].clone()).collect())
+        .collect()
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() {
+    // One compute thread per rank, as the bubble's formula assumes stages that run side by side.
+    // SAFETY: set before any thread of this process starts.
+    unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    println!(
+        "pp  m  schedule  ideal   measured idle share per stage (median of steps)   worst |Δ|"
+    );
+    for stages in [2, 4] {
+        for micro_batches in [2, 4, 8] {
+            for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+                let steps = run(stages, micro_batches, schedule);
+                let ideal = steps[0][0].ideal_idle_fraction();
+                let idle: Vec<f64> = (0..stages)
+                    .map(|s| median(steps.iter().map(|t| t[s].idle_fraction()).collect()))
+                    .collect();
+                let worst = idle.iter().map(|i| (i - ideal).abs()).fold(0.0, f64::max);
+                println!(
+                    "{stages}  {micro_batches}  {:<8}  {ideal:.3}   {}   {worst:.3}",
+                    schedule.name(),
+                    idle.iter()
+                        .map(|i| format!("{i:.3}"))
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                );
+                let path = format!(
+                    "target/pipeline-trace-pp{stages}-m{micro_batches}-{}.json",
+                    schedule.name()
+                );
+                let trace = chrome_trace(steps.last().expect("a steady step"));
+                std::fs::write(&path, trace.to_string()).expect("the trace file");
+            }
+        }
+    }
+}
