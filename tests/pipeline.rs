@@ -13,8 +13,8 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Tensor};
 use burn_accelerate::{
-    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, Blocks, PipelineSchedule, Result,
-    ShardingStrategy, Split, StateToSave,
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, Blocks, MixedPrecision,
+    PipelineSchedule, Result, ShardingStrategy, Split, StateToSave,
 };
 
 /// Rows of a global batch.
@@ -119,6 +119,10 @@ struct Run {
     clip: bool,
     sharding: ShardingStrategy,
     steps: usize,
+    /// fp16 loss scaling.
+    fp16: bool,
+    /// The head also uses the input layer's weight (a tied embedding and head: on the first and the last stage).
+    tied: bool,
 }
 
 impl Run {
@@ -132,16 +136,38 @@ impl Run {
             clip: false,
             sharding: ShardingStrategy::NoShard,
             steps: 20,
+            fp16: false,
+            tied: false,
         }
     }
 
     fn builder(&self) -> AcceleratorBuilder {
-        Accelerator::builder()
+        let builder = Accelerator::builder()
             .pp_size(self.stages)
             .pp_microbatches(self.micro_batches)
             .pp_schedule(self.schedule)
             .gradient_accumulation_steps(self.accumulation)
-            .sharding(self.sharding)
+            .sharding(self.sharding);
+        self.precision(builder)
+    }
+
+    fn precision(&self, builder: AcceleratorBuilder) -> AcceleratorBuilder {
+        match self.fp16 {
+            true => builder.mixed_precision(MixedPrecision::Fp16),
+            false => builder,
+        }
+    }
+
+    /// The head and the loss.
+    fn after(&self, m: &Deep, h: Tensor<2>, y: &Tensor<2>) -> Tensor<1> {
+        let h = match self.tied {
+            true => {
+                let w = m.input.weight.val();
+                h.matmul(w.clone().transpose()).tanh().matmul(w)
+            }
+            false => h,
+        };
+        loss(m.head.forward(h), y.clone())
     }
 }
 
@@ -165,7 +191,7 @@ fn train(
             data,
             |m, (x, _)| m.input.forward(x.clone()).tanh(),
             |layer, h| layer.forward(h).tanh(),
-            |m, h, (_, y)| loss(m.head.forward(h), y.clone()),
+            |m, h, (_, y)| run.after(m, h, y),
         )?;
         losses.push(value.into_scalar::<f32>());
         if acc.sync_gradients() && run.clip {
@@ -184,7 +210,8 @@ fn pipelined(run: Run) -> (Vec<Vec<Vec<f32>>>, Vec<f32>) {
             let model = acc.prepare_blocks(model(acc.device()))?;
             let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
             let (model, losses) = train(&acc, &run, model, &mut optimizer, 0)?;
-            Ok((params(&model), losses))
+            // Under FULL_SHARD a stage's ranks hold slices: gathered within the stage.
+            Ok((params(&acc.unshard(&model)?), losses))
         })
         .unwrap_or_else(|e| panic!("{run:?}: {e}"));
     let losses = out[0].1.clone();
@@ -217,7 +244,7 @@ fn merged(ranks: &[Vec<Vec<f32>>], stages: usize, replicas: usize) -> Vec<Vec<f3
 /// One process accumulating the same micro-batches in the same order, `accumulation` batches per step.
 fn reference(run: Run) -> (Vec<Vec<f32>>, Vec<f32>) {
     let rows = BATCH;
-    Accelerator::builder()
+    run.precision(Accelerator::builder())
         .gradient_accumulation_steps(run.micro_batches * run.accumulation)
         .launch(1, |acc| {
             let device = acc.device().clone();
@@ -233,7 +260,7 @@ fn reference(run: Run) -> (Vec<Vec<f32>>, Vec<f32>) {
                         &model,
                         |m| m.input.forward(x.clone()).tanh(),
                         |layer, h| layer.forward(h).tanh(),
-                        |m, h| loss(m.head.forward(h), y.clone()),
+                        |m, h| run.after(m, h, &y),
                     )?;
                     sum += value.into_scalar::<f32>();
                     if acc.sync_gradients() && run.clip {
@@ -316,6 +343,26 @@ fn accumulation_across_batches_keeps_the_bits_and_clipping_spans_the_stages() {
 }
 
 #[test]
+fn fp16_loss_scaling_keeps_the_bits_and_a_tied_embedding_and_head_stay_in_sync() {
+    let mut run = Run::new(2, 4, PipelineSchedule::OneFOneB);
+    run.fp16 = true;
+    let (ranks, _) = pipelined(run);
+    assert_eq!(merged(&ranks, 2, 1), reference(run).0, "{run:?}");
+
+    for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+        let mut run = Run::new(4, 2, schedule);
+        run.tied = true;
+        let (ranks, _) = pipelined(run);
+        assert_eq!(
+            ranks[0][0], ranks[3][0],
+            "{run:?}: the first and the last stage hold the same tied weight"
+        );
+        let diff = max_diff(&merged(&ranks, 4, 1), &reference(run).0);
+        assert!(diff < 1e-5, "{run:?}: {diff}");
+    }
+}
+
+#[test]
 fn each_stage_holds_only_its_own_blocks() {
     let (ranks, _) = pipelined(Run {
         steps: 1,
@@ -335,7 +382,11 @@ fn each_stage_holds_only_its_own_blocks() {
 
 #[test]
 fn stages_of_two_replicas_train_as_one_process_on_the_whole_batch() {
-    for sharding in [ShardingStrategy::NoShard] {
+    for sharding in [
+        ShardingStrategy::NoShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::FullShard,
+    ] {
         let run = Run {
             replicas: 2,
             sharding,
@@ -398,14 +449,17 @@ fn model_fresh(device: &Device) -> Deep {
 }
 
 #[test]
-fn a_sharded_stage_is_refused_with_a_message_saying_what_to_set() {
+fn a_hybrid_stage_or_an_uneven_mesh_is_refused_with_a_message_saying_what_to_set() {
     let err = Accelerator::builder()
         .pp_size(2)
-        .sharding(ShardingStrategy::FullShard)
+        .sharding(ShardingStrategy::HybridShard)
         .launch(2, |_| Ok(()))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("pp_size") && err.contains("NO_SHARD"), "{err}");
+    assert!(
+        err.contains("pp_size") && err.contains("FULL_SHARD"),
+        "{err}"
+    );
     let err = Accelerator::builder()
         .pp_size(3)
         .launch(4, |_| Ok(()))

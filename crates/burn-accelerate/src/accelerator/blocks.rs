@@ -214,22 +214,29 @@ impl Accelerator {
     /// # Errors
     /// As [`prepare_model`](Self::prepare_model); under a pipeline, fewer blocks than stages.
     pub fn prepare_blocks<M: Blocks>(&self, model: M) -> Result<M> {
-        let model = self.prepare_model(model)?;
         let Some(stages) = self.pipeline.strategy().stages() else {
-            return Ok(model);
+            return self.prepare_model(model);
         };
         let layout = stages.layout;
         let ranges = stages.blocks_of(&model)?;
-        let dropped: std::collections::HashSet<burn::module::ParamId> = model
+        let others: std::collections::HashSet<burn::module::ParamId> = model
             .blocks()
             .iter()
             .enumerate()
             .filter(|(i, _)| !ranges[layout.stage].contains(i))
             .flat_map(|(_, b)| crate::grad::param_ids(b))
             .collect();
-        let model = crate::distributed::strategy::drop_params(model, &dropped)?;
-        crate::memory::release_free_heap();
-        Ok(model)
+        let positions = crate::grad::param_ids(&model)
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| others.contains(id))
+            .map(|(i, _)| i)
+            .collect();
+        // The other stages' parameters arrive as placeholders, one at a time (see `Staged::arrive`).
+        *stages.dropping.lock().unwrap_or_else(|e| e.into_inner()) = Some((positions, 0));
+        let prepared = self.prepare_model(model);
+        *stages.dropping.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        prepared
     }
 
     /// Where this rank sits in the pipeline × data mesh (one stage, every rank a replica, without a pipeline).

@@ -362,14 +362,14 @@ impl AcceleratorConfig {
                 "a number of micro-batches per batch >= 1",
             ));
         }
-        if self.pipeline.is_pipelined() && self.distributed.sharding.is_sharded() {
+        if self.pipeline.is_pipelined() && self.distributed.sharding.is_hybrid() {
             return Err(Error::config(
                 "pp_size",
                 self.pipeline.pp_size.to_string(),
                 self.source(Key::PpSize).to_string(),
                 format!(
-                    "1 with sharding {}: a pipeline's stages train NO_SHARD inside their data-parallel groups \
-                     (sharding a stage is not supported yet); set sharding NO_SHARD, or pp_size 1",
+                    "1 with sharding {}: a pipeline's stages train NO_SHARD, SHARD_GRAD_OP or FULL_SHARD inside \
+                     their data-parallel groups, not a hybrid strategy; pick one of those, or pp_size 1",
                     self.distributed.sharding
                 ),
             ));

@@ -27,12 +27,13 @@ use burn::tensor::{DType, Device, Tensor};
 use super::StepPipeline;
 use super::blocks::Blocks;
 use super::split::Split;
+use crate::distributed::comm::ReduceOp;
 use crate::distributed::stages::mesh::Stages;
 use crate::distributed::stages::partition::balanced_stages;
 use crate::distributed::stages::schedule::{Pass, stage_passes};
 use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
 use crate::distributed::strategy::{trainable_params, unshard};
-use crate::distributed::tensor_comm::Incoming;
+use crate::distributed::tensor_comm::{Incoming, Reduction};
 use crate::error::{Error, Result};
 use crate::grad::has_non_finite;
 use crate::grad::param_ids;
@@ -336,9 +337,7 @@ impl StepPipeline {
 
         let block_ids: HashSet<ParamId> = whole.blocks().iter().flat_map(param_ids).collect();
         let own: HashSet<ParamId> = blocks.iter().flat_map(param_ids).collect();
-        self.end_stage_window(model, &whole, m, |core_ids, id| {
-            own.contains(&id) || (!block_ids.contains(&id) && core_ids.contains(&id))
-        })?;
+        self.end_stage_window(stages, model, &whole, m, (&own, &block_ids))?;
         *stages.last_trace.lock().unwrap_or_else(|e| e.into_inner()) = Some(StageTrace {
             stage: s,
             stages: p,
@@ -351,15 +350,18 @@ impl StepPipeline {
     }
 
     /// The window's part of a pipelined step, as [`end_backward`](Self::end_backward) for a whole model: on the
-    /// window's last batch the stage's gradients (those `is_own` accepts, given the ids the window holds) are
-    /// normalised over every micro-batch of the window, unscaled, averaged over the stage's data-parallel group,
-    /// and checked for an fp16 overflow on every rank of the run.
+    /// window's last batch the stage's gradients (its blocks' (`own`), and those of the parameters outside the
+    /// blocks its passes reached) are summed over the stages for parameters more than one stage uses (a tied
+    /// embedding and output head, as Megatron keeps them in sync), normalised over every micro-batch of the window,
+    /// unscaled, averaged over the stage's data-parallel group, and checked for an fp16 overflow on every rank of
+    /// the run.
     fn end_stage_window<M: Blocks>(
         &self,
+        stages: &Stages,
         model: &M,
         whole: &M,
         micro_batches_per_batch: usize,
-        is_own: impl Fn(&HashSet<ParamId>, ParamId) -> bool,
+        (own, block_ids): (&HashSet<ParamId>, &HashSet<ParamId>),
     ) -> Result<()> {
         let mut core = self.shared.lock();
         let plan = core.state.record_backward(model_key(model), false);
@@ -368,9 +370,14 @@ impl StepPipeline {
         };
         let sync_started = Instant::now();
         let held: HashSet<ParamId> = core.grads.ids().into_iter().collect();
+        let rest: Vec<(ParamId, usize)> = trainable_params(whole)
+            .into_iter()
+            .filter(|(id, _)| !block_ids.contains(id))
+            .collect();
+        sum_tied(stages, &mut core.grads, &rest, &held)?;
         let params: Vec<(ParamId, usize)> = trainable_params(whole)
             .into_iter()
-            .filter(|(id, _)| is_own(&held, *id))
+            .filter(|(id, _)| own.contains(id) || (!block_ids.contains(id) && held.contains(id)))
             .collect();
         let mut precision = self.precision();
         let scale =
@@ -391,6 +398,86 @@ impl StepPipeline {
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())
     }
+}
+
+/// Sums over the stages the gradients of the parameters outside the blocks (`rest`, the same list on every stage)
+/// that more than one stage's passes reach (`held` on this stage): a tied embedding and output head then take
+/// the same step on the first and the last stage. Which ones are shared is found at the first window's end (one
+/// small all-reduce) and kept.
+fn sum_tied(
+    stages: &Stages,
+    grads: &mut crate::grad::GradientBuffer,
+    rest: &[(ParamId, usize)],
+    held: &HashSet<ParamId>,
+) -> Result<()> {
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let device = match grads.ids().first().and_then(|id| grads.flat(&[*id]).pop()) {
+        Some(g) => g.device(),
+        None => return Ok(()),
+    };
+    let shared = {
+        let mut known = stages.tied.lock().unwrap_or_else(|e| e.into_inner());
+        if known.is_none() {
+            let uses: Vec<f32> = rest
+                .iter()
+                .map(|(id, _)| f32::from(u8::from(held.contains(id))))
+                .collect();
+            let uses = Tensor::<1>::from_floats(uses.as_slice(), &device);
+            let counts = stages
+                .comm
+                .all_reduce(
+                    uses,
+                    Reduction::Op(ReduceOp::Sum),
+                    "pipeline tied parameters",
+                )?
+                .wait()?
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .map_err(|e| {
+                    Error::other(format!(
+                        "backward_batch: reading the tied parameters: {e:?}"
+                    ))
+                })?;
+            *known = Some(
+                rest.iter()
+                    .zip(counts)
+                    .filter(|(_, n)| *n > 1.5)
+                    .map(|((id, len), _)| (*id, *len))
+                    .collect(),
+            );
+        }
+        known.clone().unwrap_or_default()
+    };
+    if shared.is_empty() {
+        return Ok(());
+    }
+    let parts: Vec<Tensor<1>> = shared
+        .iter()
+        .map(|(id, len)| match held.contains(id) {
+            true => grads.flat(&[*id]).remove(0).cast(DType::F32),
+            false => Tensor::zeros([*len], (&device, DType::F32)),
+        })
+        .collect();
+    let summed = stages
+        .comm
+        .all_reduce(
+            Tensor::cat(parts, 0),
+            Reduction::Op(ReduceOp::Sum),
+            "pipeline tied gradients",
+        )?
+        .wait()?;
+    let mut start = 0;
+    for (id, len) in &shared {
+        if held.contains(id) {
+            let dtype = grads.flat(&[*id]).remove(0).dtype();
+            grads.set_flat(*id, summed.clone().slice(start..start + len).cast(dtype));
+        }
+        start += len;
+    }
+    Ok(())
 }
 
 /// A span of kind `kind` of micro-batch `i` from `start` to now, timed from the step's start `step`.
@@ -415,10 +502,9 @@ pub(crate) fn stage_blocks<M: Blocks>(
         .blocks()
         .iter()
         .map(|b| {
-            let n = crate::distributed::strategy::trainable_params(b)
-                .iter()
-                .map(|(_, n)| *n)
-                .sum::<usize>();
+            // Shapes only: a lazy parameter is not drawn.
+            let mut n = 0;
+            crate::named_params::floats(b, |p| n += p.num_elements());
             n.max(1) as f64
         })
         .collect();

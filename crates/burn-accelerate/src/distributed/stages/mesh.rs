@@ -86,6 +86,12 @@ pub(crate) struct Stages {
     pub last_trace: Mutex<Option<StageTrace>>,
     /// Each stage's blocks, once cut (at `prepare_blocks`, or at the first step of a model prepared whole).
     pub cut: Mutex<Option<Vec<Range<usize>>>>,
+    /// While `prepare_blocks` prepares a model: the positions (visiting order) of the parameters this stage does
+    /// not run, which arrive as placeholders, and the position of the next parameter to arrive.
+    pub dropping: Mutex<Option<(HashSet<usize>, usize)>>,
+    /// The parameters outside the blocks that more than one stage uses (a tied embedding and head), with their
+    /// lengths: found at the first window's end.
+    pub tied: Mutex<Option<Vec<(ParamId, usize)>>>,
 }
 
 impl Stages {
@@ -148,6 +154,8 @@ pub(crate) fn for_mesh(
         micro_batches: config.pipeline.microbatches(),
         last_trace: Mutex::new(None),
         cut: Mutex::new(None),
+        dropping: Mutex::new(None),
+        tied: Mutex::new(None),
     });
     Ok((
         Arc::new(Staged {
@@ -307,7 +315,26 @@ impl Strategy for Staged {
         value: Arriving,
         root: usize,
     ) -> Result<(Tensor<1>, Vec<usize>)> {
+        let dropped = self
+            .stages
+            .dropping
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+            .is_some_and(|(positions, next)| {
+                *next += 1;
+                positions.contains(&(*next - 1))
+            });
         let whole = self.broadcast(value.into_buffer(), root)?;
+        if dropped {
+            // Another stage's: an empty placeholder of the same rank (no stage-group collective for it).
+            let placeholder = Tensor::<1>::zeros([0], (&whole.device(), whole.dtype()));
+            let mut dims = dims.to_vec();
+            if let Some(first) = dims.first_mut() {
+                *first = 0;
+            }
+            return Ok((placeholder, dims));
+        }
         self.inner
             .arrive(id, dims, trains, Arriving::Value(whole), 0)
     }

@@ -40,7 +40,7 @@ use crate::distributed::tensor_comm::on_device::{DeviceAverage, OnDevice};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
-    ModuleParams, Placed, after_prepare, broadcast_module, drop_params, materialize, param_fetcher,
+    ModuleParams, Placed, after_prepare, broadcast_module, materialize, param_fetcher,
     prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard, unshard_except,
     with_param_ids,
 };

@@ -371,29 +371,3 @@ pub(crate) fn param_fetcher<M: Module>(
     let read = || ParamTable::of(module);
     strategy.fetcher(&mut ModuleParams::new(&read))
 }
-
-/// `module` with the parameters `dropped` replaced by empty placeholders (first dimension 0), keeping their ids
-/// and gradient settings: what a pipeline stage does with the blocks other stages run.
-///
-/// # Errors
-/// As [`ParamTable::apply`].
-pub(crate) fn drop_params<M: Module>(module: M, dropped: &HashSet<ParamId>) -> Result<M> {
-    let mut table = ParamTable::of(&module);
-    let placeholders: Vec<(ParamId, Vec<usize>, Device, burn::tensor::DType, bool)> = table
-        .entries()
-        .iter()
-        .filter(|e| dropped.contains(&e.id))
-        .map(|e| {
-            let mut dims = e.dims.clone();
-            if let Some(first) = dims.first_mut() {
-                *first = 0;
-            }
-            (e.id, dims, e.device.clone(), e.dtype, e.trainable)
-        })
-        .collect();
-    for (id, dims, device, dtype, trains) in placeholders {
-        let empty = Tensor::<1>::zeros([0], (&device, dtype));
-        table.replace(id, empty, dims, trains);
-    }
-    table.apply(module)
-}
