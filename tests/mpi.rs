@@ -541,7 +541,12 @@ fn the_never_whole_demonstration_holds_reduced() {
 #[test]
 fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
     let lm = example("transformer_lm");
-    for (np, schedule) in [(2, "1f1b"), (2, "gpipe"), (4, "1f1b")] {
+    for (np, schedule, sharding) in [
+        (2, "1f1b", "NO_SHARD"),
+        (2, "gpipe", "NO_SHARD"),
+        (4, "1f1b", "NO_SHARD"),
+        (4, "gpipe", "FULL_SHARD"),
+    ] {
         let args = [
             "--layers",
             "4",
@@ -559,6 +564,8 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
             "4",
             "--pp-schedule",
             schedule,
+            "--sharding",
+            sharding,
             "--skip-state-bytes",
         ];
         let processes = np.to_string();
@@ -576,11 +583,98 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
         let ranks = final_loss(&stdout);
-        assert_eq!(ranks, in_process, "np {np} {schedule}: {stdout}");
+        assert_eq!(ranks, in_process, "np {np} {schedule} {sharding}: {stdout}");
         assert_eq!(
             stdout.matches(" idle_fraction=").count(),
             np,
             "every rank reports its stage: {stdout}"
         );
     }
+}
+
+/// A pipelined job (2 stages on 2 processes, and 2 stages × 2 `FULL_SHARD` replicas on 4) killed right after a
+/// save resumes under `mpirun` to the loss of the job that ran straight through; resuming on another number of
+/// processes is refused with a message.
+#[test]
+fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
+    let lm = example("transformer_lm");
+    let dir = std::env::temp_dir().join(format!("pipeline-resume-mpi-{}", std::process::id()));
+    for (np, sharding) in [(2, "NO_SHARD"), (4, "FULL_SHARD")] {
+        let state = dir.join(format!("{np}-{sharding}"));
+        let state_arg = state.to_string_lossy().into_owned();
+        let args = |steps: &'static str| {
+            vec![
+                "--layers",
+                "4",
+                "--d-model",
+                "64",
+                "--seq",
+                "16",
+                "--batch",
+                "8",
+                "--steps",
+                steps,
+                "--pp-size",
+                "2",
+                "--sharding",
+                sharding,
+                "--skip-state-bytes",
+            ]
+        };
+        let straight = mpirun(np, &lm, &args("6"));
+        assert!(
+            straight.status.success(),
+            "{}",
+            String::from_utf8_lossy(&straight.stderr)
+        );
+        let straight = final_loss(&String::from_utf8_lossy(&straight.stdout));
+        let killed = mpirun(
+            np,
+            &lm,
+            &[
+                args("6"),
+                vec!["--state", &state_arg, "--save-at", "3", "--kill-after-save"],
+            ]
+            .concat(),
+        );
+        assert!(!killed.status.success(), "the killed job must fail");
+        let resumed = mpirun(
+            np,
+            &lm,
+            &[args("6"), vec!["--state", &state_arg, "--resume"]].concat(),
+        );
+        let stdout = String::from_utf8_lossy(&resumed.stdout);
+        assert!(
+            resumed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+        assert!(stdout.contains("resumed after step 3"), "{stdout}");
+        assert_eq!(final_loss(&stdout), straight, "np {np} {sharding}");
+    }
+    let state = dir.join("2-NO_SHARD").to_string_lossy().into_owned();
+    let other = Command::new(&lm)
+        .args([
+            "--processes",
+            "4",
+            "--pp-size",
+            "2",
+            "--layers",
+            "4",
+            "--d-model",
+            "64",
+            "--seq",
+            "16",
+        ])
+        .args([
+            "--batch", "8", "--steps", "6", "--state", &state, "--resume",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(
+        !other.status.success() && stderr.contains("same number of ranks"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }

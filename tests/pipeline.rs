@@ -363,6 +363,56 @@ fn fp16_loss_scaling_keeps_the_bits_and_a_tied_embedding_and_head_stay_in_sync()
 }
 
 #[test]
+fn evaluation_runs_forward_through_the_stages_and_every_rank_gets_the_outputs() {
+    let device = Device::default();
+    let data = batch(0, BATCH, &device);
+    let plain = {
+        let m = model(&device);
+        let mut h = m.input.forward(data.0.clone()).tanh();
+        for layer in &m.layers {
+            h = layer.forward(h).tanh();
+        }
+        m.head.forward(h).reshape([BATCH])
+    }
+    .into_data()
+    .try_to_vec::<f32>()
+    .unwrap();
+    for (stages, replicas) in [(2, 1), (4, 1), (2, 2)] {
+        let run = Run::new(stages, 4, PipelineSchedule::OneFOneB);
+        let outputs = run
+            .builder()
+            .launch(stages * replicas, |acc| {
+                let model = acc.prepare_blocks(model(acc.device()))?;
+                let layout = acc.pipeline_layout();
+                let rows = BATCH / layout.replicas;
+                let data = batch(layout.replica * rows, rows, acc.device());
+                let out = acc.forward_batch(
+                    &model,
+                    data,
+                    |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                    |layer, h| layer.forward(h).tanh(),
+                    |m, h, _| {
+                        let rows = h.dims()[0];
+                        m.head.forward(h).reshape([rows])
+                    },
+                )?;
+                let all = acc.gather_for_metrics(out)?;
+                Ok(all.into_data().try_to_vec::<f32>().unwrap())
+            })
+            .unwrap();
+        for (rank, values) in outputs.iter().enumerate() {
+            assert_eq!(values.len(), BATCH, "pp {stages} × {replicas}, rank {rank}");
+            let diff = values
+                .iter()
+                .zip(&plain)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(diff < 1e-6, "pp {stages} × {replicas}, rank {rank}: {diff}");
+        }
+    }
+}
+
+#[test]
 fn each_stage_holds_only_its_own_blocks() {
     let (ranks, _) = pipelined(Run {
         steps: 1,

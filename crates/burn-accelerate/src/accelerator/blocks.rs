@@ -206,6 +206,32 @@ impl Accelerator {
         )
     }
 
+    /// A forward pass for evaluation through a model made of blocks, with the closures of
+    /// [`backward_batch`](Self::backward_batch): `after(model, x, micro_batch)` returns per-sample values (a loss
+    /// per sample, a prediction, a count of correct answers) as one dimension. Returns them for the whole batch,
+    /// in order, on every rank; no gradient is kept. Without a pipeline this is `before`, every block and `after`
+    /// on the whole batch (the model gathered whole under `FULL_SHARD`); under one, the micro-batches flow forward
+    /// through the stages and the last stage's values come back on every stage, ready for
+    /// [`gather_for_metrics`](Self::gather_for_metrics).
+    ///
+    /// # Errors
+    /// As [`backward_batch`](Self::backward_batch).
+    pub fn forward_batch<M, B, const D: usize>(
+        &self,
+        model: &M,
+        batch: B,
+        before: impl Fn(&M, &B) -> Tensor<D>,
+        block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+        after: impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+        B: crate::Split,
+    {
+        self.pipeline
+            .forward_batch(model, batch, (before, block, after))
+    }
+
     /// [`prepare_model`](Self::prepare_model) for a model made of blocks: under a pipeline (`pp_size` > 1) this
     /// rank then keeps only its stage's blocks (the others' parameters are dropped to empty placeholders, so
     /// neither they nor their gradients or optimizer state take memory here); without one, the same as

@@ -251,6 +251,19 @@ impl Accelerator {
             .checkpointer
             .load_state(&self.group, dir)?
             .with_strategy(self.pipeline.strategy().clone());
+        // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it): read back by the
+        // same mesh.
+        if self.pipeline.strategy().stages().is_some()
+            && loaded.saved_num_processes() != self.num_processes()
+        {
+            return Err(crate::Error::InvalidArgument(format!(
+                "load_state: {} was saved by {} ranks of a pipeline, and this run has {}: a pipelined state \
+                 resumes on the same number of ranks and the same pp_size (each rank wrote its stage's part)",
+                loaded.dir().display(),
+                loaded.saved_num_processes(),
+                self.num_processes()
+            )));
+        }
         if let Some(scaler) = loaded.scaler() {
             self.pipeline.precision().restore_scaler(scaler);
         }

@@ -21,13 +21,16 @@ impl Accelerator {
 
     /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared dataloader, the samples that
     /// `even_batches` repeated to fill the last round are dropped, so metrics see every sample exactly once.
+    /// Under a pipeline (`pp_size` > 1) the values are gathered over the data-parallel replicas only: every stage
+    /// of a replica holds the same ones ([`forward_batch`](Self::forward_batch) hands the last stage's to all).
     /// Pass per-sample tensors (first dimension = batch), not per-batch aggregates: one tensor, or a tuple,
     /// `Vec`, `Option` or struct of them ([`Gatherable`]), gathered in one call.
     /// Tensors whose first dimension differs between ranks (dynamic padding) go through
     /// [`pad_across_processes`](Self::pad_across_processes) along their other dimensions first.
     pub fn gather_for_metrics<T: Gatherable>(&self, value: T) -> Result<T> {
         let keep = self.gradient_state().samples_to_keep();
-        value.gather_for_metrics(&MetricsGather::new(&self.group, keep))
+        // Under a pipeline every stage holds its replica's values: gathered over the replicas, once each.
+        value.gather_for_metrics(&MetricsGather::new(&self.data_group, keep))
     }
 
     /// [`gather_for_metrics`](Self::gather_for_metrics) for per-sample values that are not tensors (labels,
@@ -36,10 +39,11 @@ impl Accelerator {
         &self,
         items: &[T],
     ) -> Result<Vec<T>> {
-        let mut all: Vec<T> = collectives::gather_object_as::<[T], Vec<T>>(&self.group, items)?
-            .into_iter()
-            .flatten()
-            .collect();
+        let mut all: Vec<T> =
+            collectives::gather_object_as::<[T], Vec<T>>(&self.data_group, items)?
+                .into_iter()
+                .flatten()
+                .collect();
         if let Some(keep) = self.gradient_state().samples_to_keep() {
             all.truncate(keep);
         }

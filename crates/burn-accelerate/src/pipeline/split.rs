@@ -121,7 +121,7 @@ mod tests {
         let labels = vec![10, 20, 30, 40, 50];
         let parts = (batch, labels).split(2).unwrap();
         assert_eq!(
-            parts[0].0.to_data().to_vec::<f32>().unwrap(),
+            parts[0].0.to_data().try_to_vec::<f32>().unwrap(),
             vec![1.0, 2.0, 3.0]
         );
         assert_eq!(parts[1].1, vec![40, 50]);

@@ -349,6 +349,83 @@ impl StepPipeline {
         Ok(loss)
     }
 
+    /// A forward pass for evaluation (see `Accelerator::forward_batch`): the whole batch through the whole model,
+    /// or the micro-batches forward through the stages, the last stage's outputs then handed to every stage.
+    pub fn forward_batch<M, B, const D: usize>(
+        &self,
+        model: &M,
+        batch: B,
+        (before, block, after): (
+            impl Fn(&M, &B) -> Tensor<D>,
+            impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+            impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+        ),
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+        B: Split,
+    {
+        let whole = unshard(self.strategy.as_ref(), model)?;
+        let Some(stages) = self.strategy.stages().cloned() else {
+            let mut x = before(&whole, &batch);
+            for b in whole.blocks() {
+                x = block(b, x);
+            }
+            return Ok(after(&whole, x, &batch).detach());
+        };
+        let layout = stages.layout;
+        let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
+        let parts = batch.split(m)?;
+        let range = stages.blocks_of(model)?[s].clone();
+        let device = burn::module::Module::devices(&whole)
+            .into_iter()
+            .next()
+            .ok_or_else(|| {
+                Error::InvalidArgument("forward_batch: the model holds no parameter".into())
+            })?;
+        let mut mail = Mailbox {
+            stages: &stages,
+            pending: Vec::new(),
+            device: device.clone(),
+            started: Instant::now(),
+            spans: Vec::new(),
+        };
+        let mut outputs = Vec::with_capacity(m);
+        for (i, part) in parts.iter().enumerate() {
+            let mut y = match s {
+                0 => before(&whole, part),
+                _ => mail.receive_activation::<D>(s - 1, i)?,
+            };
+            for b in &whole.blocks()[range.clone()] {
+                y = block(b, y);
+            }
+            if layout.is_last_stage() {
+                outputs.push(after(&whole, y, part).detach().cast(DType::F32));
+            } else {
+                mail.send_activation(s + 1, &y.detach())?;
+                mail.exchange(Vec::new(), i)?;
+            }
+        }
+        // The last stage's values, on every stage: their length, then the values.
+        let values = match outputs.is_empty() {
+            true => Tensor::<1>::zeros([0], (&device, DType::F32)),
+            false => Tensor::cat(outputs, 0),
+        };
+        let len = stages.comm.all_reduce_value(
+            values.dims()[0] as f64,
+            ReduceOp::Max,
+            "pipeline outputs",
+        )? as usize;
+        let values = match layout.is_last_stage() {
+            true => values,
+            false => Tensor::zeros([len], (&device, DType::F32)),
+        };
+        stages
+            .comm
+            .broadcast(values, p - 1, "pipeline outputs")?
+            .wait()
+    }
+
     /// The window's part of a pipelined step, as [`end_backward`](Self::end_backward) for a whole model: on the
     /// window's last batch the stage's gradients (its blocks' (`own`), and those of the parameters outside the
     /// blocks its passes reached) are summed over the stages for parameters more than one stage uses (a tied
