@@ -241,9 +241,10 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             args.batch
         )));
     }
-    if layout.stages > 1 && (args.whole || args.weights.is_some() || args.save_model.is_some()) {
+    if layout.stages > 1 && (args.whole || args.weights.is_some()) {
         return Err(burn_accelerate::Error::InvalidArgument(
-            "--pp-size runs the layers through `backward_batch`: leave out --whole, --weights and --save-model"
+            "--pp-size runs the layers through `backward_batch`, each stage holding its own: leave out --whole \
+             and --weights (--save-model writes the whole model)"
                 .into(),
         ));
     }
@@ -383,7 +384,8 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         write_weights(&acc, &model, path)?;
     }
     if let Some(dir) = &args.save_model {
-        let files = acc.save_model(&model, dir, "10GB", true)?;
+        // One file of the whole model in every mode (under --pp-size each stage's layers from that stage).
+        let files = acc.save_blocks(&model, dir, "10GB")?;
         if acc.is_main_process() {
             println!(
                 "saved {} (peak RSS then {} B)",

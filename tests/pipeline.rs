@@ -413,6 +413,45 @@ fn evaluation_runs_forward_through_the_stages_and_every_rank_gets_the_outputs() 
 }
 
 #[test]
+fn save_blocks_writes_one_file_of_the_whole_model_from_every_stage() {
+    for (stages, tied) in [(2, false), (4, true)] {
+        let mut run = Run::new(stages, 2, PipelineSchedule::OneFOneB);
+        run.steps = 5;
+        run.tied = tied;
+        let dir = std::env::temp_dir().join(format!("pipeline-save-{stages}"));
+        let trained = run
+            .builder()
+            .launch(stages, |acc| {
+                let model = acc.prepare_blocks(model(acc.device()))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let (model, _) = train(&acc, &run, model, &mut optimizer, 0)?;
+                let err = acc.save_model(&model, &dir, "10GB", true).unwrap_err();
+                assert!(err.to_string().contains("save_blocks"), "{err}");
+                acc.save_blocks(&model, &dir, "10GB")?;
+                Ok(params(&model))
+            })
+            .unwrap();
+        let expected = merged(&trained, stages, 1);
+        let loaded = Accelerator::builder()
+            .launch(1, |acc| {
+                let fresh = acc.prepare_model(model_fresh(acc.device()))?;
+                let (model, _) = acc.load_checkpoint_in_model(
+                    fresh,
+                    &dir,
+                    &burn_accelerate::checkpoint::LoadOptions {
+                        strict: true,
+                        ..Default::default()
+                    },
+                )?;
+                Ok(params(&model))
+            })
+            .unwrap()
+            .remove(0);
+        assert_eq!(loaded, expected, "pp {stages}, tied {tied}");
+    }
+}
+
+#[test]
 fn each_stage_holds_only_its_own_blocks() {
     let (ranks, _) = pipelined(Run {
         steps: 1,

@@ -71,6 +71,13 @@ impl Accelerator {
         options: &SaveOptions,
     ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
+        if self.pipeline.strategy().stages().is_some() {
+            return Err(crate::Error::InvalidArgument(
+                "save_model: under a pipeline (pp_size > 1) each rank holds only its stage's blocks; save with \
+                 `accelerator.save_blocks(&model, dir, max_shard_size)`, which fetches each from its stage"
+                    .into(),
+            ));
+        }
         let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
         if options.safe_serialization
             && let Some(fetcher) = crate::distributed::strategy::param_fetcher(
@@ -78,7 +85,7 @@ impl Accelerator {
                 model,
             )
         {
-            return self.save_sharded_model(model, dir, max, options, fetcher);
+            return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
         }
         // Every rank holds the whole model (or, under FULL_SHARD with Burn's record format, takes part in
         // gathering it), and the main process writes it.
@@ -111,17 +118,49 @@ impl Accelerator {
         self.group.agree("save_model", written)
     }
 
-    /// `save_model` under `FULL_SHARD`: the main process writes each parameter as it is fetched from its owner, one
-    /// at a time, while the other ranks take part in the same fetches: no rank ever holds the whole model.
+    /// [`save_model`](Self::save_model) of a model made of blocks, under a pipeline too: each rank holds only its
+    /// stage's blocks there, so every parameter is fetched from the stage that trains it, one at a time, and the
+    /// main process writes one file of the whole model (no rank ever holds it). Without a pipeline, the same as
+    /// `save_model`. Call it on every rank.
+    ///
+    /// # Errors
+    /// As [`save_model`](Self::save_model).
+    pub fn save_blocks<M: crate::Blocks>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        max_shard_size: &str,
+    ) -> Result<Vec<PathBuf>> {
+        let Some(stages) = self.pipeline.strategy().stages().cloned() else {
+            return self.save_model(model, dir, max_shard_size, true);
+        };
+        let dir = dir.as_ref();
+        let max = crate::checkpoint::parse_size(max_shard_size)?;
+        let whole = self.unshard(model)?;
+        let fetcher = crate::distributed::stages::fetch::StageFetcher::new(
+            &stages,
+            &self.group,
+            stages.world.clone(),
+            &whole,
+        )?;
+        let options = SaveOptions {
+            max_shard_size: max_shard_size.to_string(),
+            ..SaveOptions::default()
+        };
+        self.save_sharded_model(&whole, dir, max, &options, std::rc::Rc::new(fetcher))
+    }
+
+    /// `save_model` under `FULL_SHARD` (or a pipeline): the main process writes each parameter as it is fetched
+    /// from its owner, one at a time, while the other ranks take part in the same fetches: no rank ever holds the
+    /// whole model.
     fn save_sharded_model<M: Module>(
         &self,
         model: &M,
         dir: &Path,
         max: u64,
         options: &SaveOptions,
-        fetcher: crate::distributed::strategy::ParamFetcher,
+        fetcher: std::rc::Rc<dyn crate::checkpoint::safetensors::write::LazyParams>,
     ) -> Result<Vec<PathBuf>> {
-        let fetcher = std::rc::Rc::new(fetcher);
         let lazy = || -> std::rc::Rc<dyn crate::checkpoint::safetensors::write::LazyParams> {
             fetcher.clone()
         };

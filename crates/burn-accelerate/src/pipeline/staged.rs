@@ -518,6 +518,34 @@ fn sum_tied(
                         "backward_batch: reading the tied parameters: {e:?}"
                     ))
                 })?;
+            // The first stage that trains each (where a save takes it from).
+            let stage = stages.layout.stage as f32;
+            let firsts: Vec<f32> = rest
+                .iter()
+                .map(|(id, _)| match held.contains(id) {
+                    true => stage,
+                    false => stages.layout.stages as f32,
+                })
+                .collect();
+            let firsts = stages
+                .comm
+                .all_reduce(
+                    Tensor::<1>::from_floats(firsts.as_slice(), &device),
+                    Reduction::Op(ReduceOp::Min),
+                    "pipeline parameter owners",
+                )?
+                .wait()?
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .map_err(|e| Error::other(format!("backward_batch: reading the owners: {e:?}")))?;
+            *stages.rest_owner.lock().unwrap_or_else(|e| e.into_inner()) = Some(
+                rest.iter()
+                    .zip(firsts)
+                    .filter(|(_, s)| (*s as usize) < stages.layout.stages)
+                    .map(|((id, _), s)| (*id, s as usize))
+                    .collect(),
+            );
             *known = Some(
                 rest.iter()
                     .zip(counts)

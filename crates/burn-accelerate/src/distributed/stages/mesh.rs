@@ -2,7 +2,7 @@
 //! of a pipelined rank ([`Staged`]): the data-parallel strategy of its stage's group, with what a step shares
 //! across the stages (the fp16 overflow verdict, the gradient norm, the initial weights) widened to them.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
@@ -92,6 +92,11 @@ pub(crate) struct Stages {
     /// The parameters outside the blocks that more than one stage uses (a tied embedding and head), with their
     /// lengths: found at the first window's end.
     pub tied: Mutex<Option<Vec<(ParamId, usize)>>>,
+    /// The first stage that trains each parameter outside the blocks (the one a save takes it from): found at the
+    /// first window's end.
+    pub rest_owner: Mutex<Option<HashMap<ParamId, usize>>>,
+    /// The whole run's ranks (initial weights, a save's fetches).
+    pub world: Arc<dyn TensorComm>,
 }
 
 impl Stages {
@@ -156,6 +161,8 @@ pub(crate) fn for_mesh(
         cut: Mutex::new(None),
         dropping: Mutex::new(None),
         tied: Mutex::new(None),
+        rest_owner: Mutex::new(None),
+        world: world_comm.clone(),
     });
     Ok((
         Arc::new(Staged {
@@ -359,8 +366,10 @@ impl Strategy for Staged {
         self.inner.after_step(params)
     }
 
-    fn fetcher(&self, params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
-        self.inner.fetcher(params)
+    /// None: a pipelined save fetches each parameter from its stage (`StageFetcher`), not from one group's
+    /// slices.
+    fn fetcher(&self, _params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
+        None
     }
 
     fn check_learner(&self) -> Result<()> {
