@@ -224,6 +224,25 @@ fn the_learner_trains_sharded_as_unsharded_and_refuses_full_shard() {
     }
 }
 
+#[test]
+fn the_learner_refuses_a_pipeline_with_a_message_saying_what_to_use() {
+    let errors = Accelerator::builder()
+        .pp_size(2)
+        .launch(2, |acc| {
+            Ok(AcceleratedStrategy::new(Arc::new(acc))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string())
+        })
+        .unwrap();
+    for error in errors {
+        assert!(
+            error.contains("pp_size 2") && error.contains("backward_batch"),
+            "{error}"
+        );
+    }
+}
+
 /// The values of one metric file of rank 0 (`split/epoch-N/Name.log`: `value,batch` lines, then
 /// `value,final`).
 fn metric_log(run: &Run, split: &str, epoch: usize, name: &str) -> Vec<(f64, String)> {

@@ -163,6 +163,27 @@ impl fmt::Display for EnvReport {
                 sharding.peak_memory()
             )?;
         }
+        if let Ok(settings) = &self.settings {
+            let value = |name: &str| {
+                settings
+                    .iter()
+                    .find(|(key, _, _)| *key == name)
+                    .map(|(_, v, _)| v.clone())
+            };
+            let stages = value("pp_size").and_then(|v| v.parse::<usize>().ok());
+            let micro_batches = value("pp_microbatches").and_then(|v| v.parse::<usize>().ok());
+            if let (Some(p), Some(m)) = (stages, micro_batches)
+                && p > 1
+            {
+                writeln!(
+                    f,
+                    "- Pipeline: {p} stages ({} schedule, {m} micro-batches per batch; each stage idle {:.0} % of a \
+                     step); rank r of W runs stage r / (W / {p}) of data-parallel replica r % (W / {p})",
+                    value("pp_schedule").unwrap_or_default(),
+                    100.0 * (p - 1) as f64 / (m + p - 1) as f64
+                )?;
+            }
+        }
         if let Some(refused) = &self.refused {
             writeln!(f, "- A run refuses these settings: {refused}")?;
         }

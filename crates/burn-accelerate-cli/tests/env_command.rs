@@ -91,6 +91,27 @@ fn env_shows_checkpointing_and_what_full_shard_costs() {
 }
 
 #[test]
+fn env_shows_the_pipeline_and_where_each_rank_sits() {
+    let dir = std::env::temp_dir().join(format!("env-pp-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("HF_HOME", &dir)
+        .env("ACCELERATE_PP_SIZE", "4")
+        .env("ACCELERATE_PP_MICROBATCHES", "12")
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "pp_size = 4 (environment ACCELERATE_PP_SIZE)",
+        "pp_schedule = 1f1b (default)",
+        "- Pipeline: 4 stages (1f1b schedule, 12 micro-batches per batch; each stage idle 20 % of a step); rank r \
+         of W runs stage r / (W / 4) of data-parallel replica r % (W / 4)",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
+}
+
+#[test]
 fn unknown_subcommand_is_a_usage_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
         .arg("frobnicate")

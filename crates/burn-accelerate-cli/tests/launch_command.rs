@@ -192,6 +192,30 @@ fn fsdp_flags_choose_the_sharding_and_reach_the_program() {
         settings(&out)
     );
     assert!(fsdp_vars(&out).contains(&"FSDP_SHARDING_STRATEGY=HYBRID_SHARD".into()));
+    // Pipeline parallelism's flags reach the program.
+    let out = launch()
+        .args([
+            "--pp-size",
+            "2",
+            "--pp_microbatches",
+            "8",
+            "--pp-schedule",
+            "gpipe",
+            "env",
+        ])
+        .output()
+        .unwrap();
+    for setting in [
+        "pp_size=2 (command line)",
+        "pp_microbatches=8 (command line)",
+        "pp_schedule=gpipe (command line)",
+    ] {
+        assert!(
+            settings(&out).contains(setting),
+            "{setting}: {}",
+            settings(&out)
+        );
+    }
     assert!(fsdp_vars(&out).contains(&"FSDP_ACTIVATION_CHECKPOINTING=false".into()));
     // Activation checkpointing, with Accelerate's value (a value is required, so the program's name is never
     // taken for one).

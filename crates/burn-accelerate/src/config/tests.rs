@@ -86,6 +86,26 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
         config.source(Key::DpShardSize),
         Source::File("hybrid.yaml".into())
     );
+    let pipeline = "parallelism_config:\n  parallelism_config_pp_size: 4\n  \
+                    parallelism_config_pp_microbatches: 8\n  parallelism_config_pp_schedule: GPipe\n";
+    let mut config = AcceleratorConfig::default();
+    config.apply_yaml(pipeline, "pp.yaml").unwrap();
+    assert_eq!(config.pipeline.pp_size, 4);
+    assert_eq!(config.pipeline.microbatches(), 8);
+    assert_eq!(config.pipeline.pp_schedule, crate::PipelineSchedule::GPipe);
+    assert_eq!(config.source(Key::PpSize), Source::File("pp.yaml".into()));
+    config.validate().unwrap();
+    let err = AcceleratorConfig::default()
+        .apply_yaml(
+            "parallelism_config:\n  parallelism_config_pp_schedule: zero-bubble\n",
+            "pp.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("pp_schedule") && err.contains("gpipe or 1f1b"),
+        "{err}"
+    );
     let err = AcceleratorConfig::default()
         .apply_yaml(
             "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID\n",

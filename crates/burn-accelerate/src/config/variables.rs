@@ -251,6 +251,9 @@ mod tests {
         launched.distributed.fsdp_param_dtype = Some(crate::ShardDtype::Bf16);
         launched.distributed.fsdp_reduce_dtype = Some(crate::ShardDtype::Fp32);
         launched.memory.activation_checkpointing = true;
+        launched.pipeline.pp_size = 2;
+        launched.pipeline.pp_microbatches = Some(6);
+        launched.pipeline.pp_schedule = crate::PipelineSchedule::GPipe;
         launched.set_source(Key::MixedPrecision, Source::CommandLine);
         let vars = launched.launch_env();
         let read = read_back(&vars);
