@@ -406,6 +406,33 @@ fn sharded_training_block_wise_prints_the_unsharded_loss() {
     assert_eq!(sharded["final_loss"], plain["final_loss"]);
 }
 
+/// `--pp-size 2`: the layers cut into two stages, the batch run through them as micro-batches, print one process's
+/// loss (the GPU kit's `pipeline-cuda` steps, here on the CPU): exactly with one micro-batch, within float rounding
+/// with four.
+#[test]
+fn sharded_training_in_two_pipeline_stages_prints_the_loss_of_one_process() {
+    let one = run("sharded_training", &["--processes", "1", "--blocks"]);
+    let staged = |micro_batches: &str| {
+        run(
+            "sharded_training",
+            &[
+                "--processes",
+                "2",
+                "--blocks",
+                "--pp-size",
+                "2",
+                "--pp-microbatches",
+                micro_batches,
+            ],
+        )
+    };
+    assert!(one.contains_key("final_loss"), "{one:?}");
+    assert_eq!(staged("1")["final_loss"], one["final_loss"]);
+    let four: f64 = staged("4")["final_loss"].parse().unwrap();
+    let one: f64 = one["final_loss"].parse().unwrap();
+    assert!((four - one).abs() <= 1e-3 * one.abs(), "{four} vs {one}");
+}
+
 /// `--bf16 --param-dtype bf16`: the block-wise pass in bf16 with each layer gathered in bf16 (FSDP2's
 /// `param_dtype`) prints the loss of gathering in f32 and casting (the GPU kit's `blockwise-bf16-cuda` step, here
 /// on the CPU), and a half gather without bf16 mixed precision is refused.

@@ -73,6 +73,13 @@ struct Args {
     /// with the same mixed precision, e.g. `--bf16`).
     #[arg(long)]
     param_dtype: Option<ShardDtype>,
+    /// Pipeline stages (with `--blocks`): the layers cut into this many stages, one per group of ranks, the batch
+    /// run through them as micro-batches (`backward_batch`).
+    #[arg(long = "pp-size")]
+    pp_size: Option<usize>,
+    /// Micro-batches per batch under `--pp-size`.
+    #[arg(long = "pp-microbatches")]
+    pp_microbatches: Option<usize>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 20)]
     steps: usize,
@@ -83,17 +90,24 @@ struct Args {
 
 fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     let (rank, ranks) = (acc.process_index(), acc.num_processes());
-    if !args.batch.is_multiple_of(ranks) {
+    // Under a pipeline, the ranks of one stage are the replicas that read different data.
+    let layout = acc.pipeline_layout();
+    if !args.batch.is_multiple_of(layout.replicas) {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
-            "--batch {} is not divisible by {ranks} ranks",
-            args.batch
+            "--batch {} is not divisible by {} data-parallel replicas",
+            args.batch, layout.replicas
         )));
+    }
+    if layout.stages > 1 && !args.blocks {
+        return Err(burn_accelerate::Error::InvalidArgument(
+            "--pp-size cuts the layers into stages: add --blocks".into(),
+        ));
     }
     let device = acc.device().clone();
     // What `prepare_model` adds to the resident memory at its peak (one rank per process: under a launcher).
     held::reset_peak();
     let before_prepare = held::peak("VmRSS:");
-    let mut model = acc.prepare_model(initial)?;
+    let mut model = acc.prepare_blocks(initial)?;
     let arrival = held::peak("VmHWM:").saturating_sub(before_prepare);
     let input = args.input.unwrap_or(args.width);
     let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-3);
@@ -101,16 +115,18 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
     // What the steps pass through host memory (0 where in-process ranks share a device).
     let before = acc.host_values();
     for step in 0..args.steps {
-        let rows = args.batch / ranks;
-        let samples = (step * args.batch + rank * rows, rows);
+        let rows = args.batch / layout.replicas;
+        let samples = (step * args.batch + layout.replica * rows, rows);
         let (x, _) = stack::batch(input, samples, &device);
         let (_, y) = stack::batch(args.width, samples, &device);
         if args.blocks {
-            let loss = acc.backward_blocks(
+            // The same call in every mode: block by block, and through the stages under --pp-size.
+            let loss = acc.backward_batch(
                 &model,
-                |_| x.clone(),
+                (x, y),
+                |_, (x, _)| x.clone(),
                 |layer, h| acc.autocast(layer, h, |l, h| l.forward(h).tanh()),
-                |_, h| (h - y.clone()).powi_scalar(2).mean(),
+                |_, h, (_, y)| (h - y.clone()).powi_scalar(2).mean(),
             )?;
             last_loss = Some(loss);
         } else {
@@ -168,6 +184,12 @@ fn run() -> Result<()> {
     }
     if let Some(dtype) = args.param_dtype {
         builder = builder.fsdp_param_dtype(dtype);
+    }
+    if let Some(stages) = args.pp_size {
+        builder = builder.pp_size(stages);
+    }
+    if let Some(micro_batches) = args.pp_microbatches {
+        builder = builder.pp_microbatches(micro_batches);
     }
     if let Some(loss) =
         ranks::run_ranks(builder, args.processes, |acc| train(acc, &args, initial()))?

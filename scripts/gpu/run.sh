@@ -440,6 +440,13 @@ run_step blockwise-cuda gpu 180 check_same sh -c \
 # (fsdp_param_dtype) against gathered in f32 and cast by autocast: the same loss.
 run_step blockwise-bf16-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD --blocks --bf16 && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --sharding FULL_SHARD --blocks --bf16 --param-dtype bf16'
+# Pipeline parallelism: the layers cut into two in-process stages on one GPU, activations and their gradients
+# handed over on the device (the shared device path, not host memory): one micro-batch gives one process's loss
+# bit for bit, four give it within float rounding (the micro-batches' gradients summed in another order).
+run_step pipeline-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 1 --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 1'
+run_step pipeline-4mb-cuda gpu 180 check_near_1e3 sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 1 --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

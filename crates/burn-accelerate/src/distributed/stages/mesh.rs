@@ -133,10 +133,17 @@ pub(crate) fn for_mesh(
     let data = Arc::new(group.split(layout.stage, layout.replica)?);
     let pipe = Arc::new(group.split(layout.replica, layout.stage)?);
     let inner = for_group(&data, config)?;
-    let stage_comm: Arc<dyn TensorComm> = Arc::new(Checked::new(
-        Arc::new(HostTensorComm::new(pipe.clone())),
-        pipe,
-    ));
+    // Activations and their gradients go where the gradient transport goes: the device where it can (in-process
+    // stages sharing a GPU hand each other the tensors), host memory otherwise.
+    let (stage_comm, choice) = crate::distributed::tensor_comm::on_device::select(
+        &pipe,
+        config.distributed.gradient_transport,
+        config.collective_timeout(),
+        false,
+    )?;
+    if group.is_main_process() {
+        log::info!("activations cross pipeline stages through {choice}");
+    }
     let world_comm: Arc<dyn TensorComm> = Arc::new(Checked::new(
         Arc::new(HostTensorComm::new(group.clone())),
         group.clone(),
