@@ -121,4 +121,6 @@ mod pages {
     struct Concepts;
     #[doc = include_str!("weights.md")]
     struct Weights;
+    #[doc = include_str!("pipeline.md")]
+    struct Pipeline;
 }
