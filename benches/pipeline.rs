@@ -37,7 +37,11 @@ fn env(name: &str, default: usize) -> usize {
 
 /// Every stage's trace of each steady step.
 fn run(stages: usize, micro_batches: usize, schedule: PipelineSchedule) -> Vec<Vec<StageTrace>> {
-    let (width, rows, steps) = (env("PP_WIDTH", 768), env("PP_ROWS", 128), env("PP_STEPS", 8));
+    let (width, rows, steps) = (
+        env("PP_WIDTH", 768),
+        env("PP_ROWS", 128),
+        env("PP_STEPS", 8),
+    );
     let layers = 8;
     let out = Accelerator::builder()
         .pp_size(stages)

@@ -68,8 +68,6 @@ fn deterministic<M: Module>(module: M) -> M {
 }
 
 /// Rows `first..first + rows` of the synthetic set: inputs and targets.
-
-/// Rows `first..first + rows` of the data.
 fn batch(first: usize, rows: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
     let x: Vec<f32> = (0..rows * 6)
         .map(|k| ((first + k / 6) as f32 * 0.37 + (k % 6) as f32 * 0.11).sin())
@@ -252,7 +250,7 @@ fn reference(run: Run) -> (Vec<Vec<f32>>, Vec<f32>) {
             let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
             let mut losses = Vec::new();
             for step in 0..run.steps {
-                let parts = batch(step * BATCH, rows, &device).split(run.micro_batches)?;
+                let parts = batch(step * BATCH, rows, &device).micro_batches(run.micro_batches)?;
                 let mut sum = 0.0;
                 for (x, y) in parts {
                     acc.accumulate();

@@ -8,7 +8,8 @@ use crate::error::{Error, Result};
 /// [`Accelerator::backward_batch`](crate::Accelerator::backward_batch): a pipeline runs each micro-batch through
 /// its stages in turn (torch's `TensorChunkSpec(0)`). Tensors split along dimension 0 into parts whose sizes
 /// differ by at most one (the first ones larger, as `torch.tensor_split`); tuples and `Vec`s split each member
-/// alike; implement it for a batch type of your own by splitting each of its tensors:
+/// alike; implement it for a batch type of your own by splitting each of its tensors (the method is
+/// `micro_batches`, so that it never hides Burn's own `Tensor::split`):
 ///
 /// ```
 /// use burn::tensor::{Int, Tensor};
@@ -20,16 +21,16 @@ use crate::error::{Error, Result};
 /// }
 ///
 /// impl Split for Batch {
-///     fn split(self, parts: usize) -> burn_accelerate::Result<Vec<Self>> {
-///         let tokens = self.tokens.split(parts)?;
-///         let targets = self.targets.split(parts)?;
+///     fn micro_batches(self, parts: usize) -> burn_accelerate::Result<Vec<Self>> {
+///         let tokens = self.tokens.micro_batches(parts)?;
+///         let targets = self.targets.micro_batches(parts)?;
 ///         Ok(tokens.into_iter().zip(targets).map(|(tokens, targets)| Batch { tokens, targets }).collect())
 ///     }
 /// }
 ///
 /// let device = Default::default();
 /// let batch = Batch { tokens: Tensor::zeros([5, 3], &device), targets: Tensor::zeros([5, 3], &device) };
-/// let parts = batch.split(2)?;
+/// let parts = batch.micro_batches(2)?;
 /// assert_eq!(parts[0].tokens.dims(), [3, 3]);
 /// assert_eq!(parts[1].targets.dims(), [2, 3]);
 /// # Ok::<(), burn_accelerate::Error>(())
@@ -39,7 +40,7 @@ pub trait Split: Sized {
     ///
     /// # Errors
     /// The batch holds fewer samples than `parts`, or its members disagree on how many they hold.
-    fn split(self, parts: usize) -> Result<Vec<Self>>;
+    fn micro_batches(self, parts: usize) -> Result<Vec<Self>>;
 }
 
 /// The ranges of `len` samples cut into `parts` parts whose sizes differ by at most one, the first ones larger.
@@ -63,7 +64,7 @@ pub(crate) fn even_ranges(len: usize, parts: usize) -> Result<Vec<std::ops::Rang
 }
 
 impl<const D: usize, K: Basic> Split for Tensor<D, K> {
-    fn split(self, parts: usize) -> Result<Vec<Self>> {
+    fn micro_batches(self, parts: usize) -> Result<Vec<Self>> {
         let ranges = even_ranges(self.dims()[0], parts)?;
         Ok(ranges
             .into_iter()
@@ -73,18 +74,18 @@ impl<const D: usize, K: Basic> Split for Tensor<D, K> {
 }
 
 impl<A: Split, B: Split> Split for (A, B) {
-    fn split(self, parts: usize) -> Result<Vec<Self>> {
-        let (a, b) = (self.0.split(parts)?, self.1.split(parts)?);
+    fn micro_batches(self, parts: usize) -> Result<Vec<Self>> {
+        let (a, b) = (self.0.micro_batches(parts)?, self.1.micro_batches(parts)?);
         Ok(a.into_iter().zip(b).collect())
     }
 }
 
 impl<A: Split, B: Split, C: Split> Split for (A, B, C) {
-    fn split(self, parts: usize) -> Result<Vec<Self>> {
+    fn micro_batches(self, parts: usize) -> Result<Vec<Self>> {
         let (a, b, c) = (
-            self.0.split(parts)?,
-            self.1.split(parts)?,
-            self.2.split(parts)?,
+            self.0.micro_batches(parts)?,
+            self.1.micro_batches(parts)?,
+            self.2.micro_batches(parts)?,
         );
         Ok(a.into_iter()
             .zip(b)
@@ -96,7 +97,7 @@ impl<A: Split, B: Split, C: Split> Split for (A, B, C) {
 
 /// A list of samples (items not yet collated) splits into consecutive runs of samples.
 impl<T> Split for Vec<T> {
-    fn split(self, parts: usize) -> Result<Vec<Self>> {
+    fn micro_batches(self, parts: usize) -> Result<Vec<Self>> {
         let ranges = even_ranges(self.len(), parts)?;
         let mut items = self.into_iter();
         Ok(ranges
@@ -119,7 +120,7 @@ mod tests {
         let device = Default::default();
         let batch = Tensor::<1>::from_floats([1.0, 2.0, 3.0, 4.0, 5.0], &device);
         let labels = vec![10, 20, 30, 40, 50];
-        let parts = (batch, labels).split(2).unwrap();
+        let parts = (batch, labels).micro_batches(2).unwrap();
         assert_eq!(
             parts[0].0.to_data().try_to_vec::<f32>().unwrap(),
             vec![1.0, 2.0, 3.0]

@@ -195,7 +195,7 @@ impl StepPipeline {
         let started = Instant::now();
         let layout = stages.layout;
         let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
-        let parts = batch.split(m)?;
+        let parts = batch.micro_batches(m)?;
         let range = stages.blocks_of(model)?[s].clone();
         let whole = unshard(self.strategy.as_ref(), model)?;
         let blocks = &whole.blocks()[range.clone()];
@@ -375,7 +375,7 @@ impl StepPipeline {
         };
         let layout = stages.layout;
         let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
-        let parts = batch.split(m)?;
+        let parts = batch.micro_batches(m)?;
         let range = stages.blocks_of(model)?[s].clone();
         let device = burn::module::Module::devices(&whole)
             .into_iter()

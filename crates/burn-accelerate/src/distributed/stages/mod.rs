@@ -1,6 +1,8 @@
-//! Pipeline parallelism: how a model's blocks are cut into stages ([`partition`]), the schedules that order each
-//! stage's micro-batches ([`schedule`]), the pipeline × data mesh and a pipelined rank's strategy ([`mesh`]), and
-//! each step's trace ([`trace`]). The step itself runs in the step pipeline (`crate::pipeline::staged`).
+//! Pipeline parallelism: where a rank sits in the pipeline × data mesh ([`PipelineLayout`]) and what one
+//! pipelined step did in time ([`StageTrace`], [`chrome_trace`]). Inside the crate: how a model's blocks are cut
+//! into stages (`partition`), the schedules that order each stage's micro-batches (`schedule`), a pipelined rank's
+//! strategy (`mesh`) and a save's fetches (`fetch`); the step itself runs in the step pipeline
+//! (`crate::pipeline::staged`). See `docs/pipeline.md`.
 
 pub(crate) mod fetch;
 pub(crate) mod mesh;
