@@ -534,19 +534,28 @@ fn the_never_whole_demonstration_holds_reduced() {
     }
 }
 
-/// Pipeline parallelism under `mpirun`: the transformer example's layers cut into 2 stages (and 2 stages × 2
-/// data-parallel replicas on 4 processes), both schedules, 4 micro-batches, train to the very loss of the same
-/// pipeline as in-process ranks (activations and gradients cross processes through batched send/recv, with no
+/// Pipeline parallelism under `mpirun`: the transformer example's layers cut into 2 and 4 stages, 1, 2, 4 and 8
+/// micro-batches, both schedules (and 2 stages × 2 data-parallel replicas on 4 processes, `NO_SHARD` and
+/// `FULL_SHARD`), train to the very loss of the same pipeline as in-process ranks (which `tests/pipeline.rs` checks
+/// bit for bit against one process accumulating the same micro-batches) (activations and gradients cross processes through batched send/recv, with no
 /// deadlock under MPI's rendezvous protocol for messages of 128 KiB).
 #[test]
 fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
     let lm = example("transformer_lm");
-    for (np, schedule, sharding) in [
-        (2, "1f1b", "NO_SHARD"),
-        (2, "gpipe", "NO_SHARD"),
-        (4, "1f1b", "NO_SHARD"),
-        (4, "gpipe", "FULL_SHARD"),
-    ] {
+    // (processes, stages, micro-batches, schedule, sharding inside a stage)
+    let mut cases = vec![
+        (4, 2, "4", "1f1b", "NO_SHARD"),
+        (4, 2, "4", "gpipe", "FULL_SHARD"),
+    ];
+    for stages in [2, 4] {
+        for micro_batches in ["1", "2", "4", "8"] {
+            for schedule in ["gpipe", "1f1b"] {
+                cases.push((stages, stages, micro_batches, schedule, "NO_SHARD"));
+            }
+        }
+    }
+    for (np, stages, micro_batches, schedule, sharding) in cases {
+        let stages = stages.to_string();
         let args = [
             "--layers",
             "4",
@@ -559,9 +568,9 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
             "--steps",
             "4",
             "--pp-size",
-            "2",
+            &stages,
             "--pp-microbatches",
-            "4",
+            micro_batches,
             "--pp-schedule",
             schedule,
             "--sharding",
@@ -583,7 +592,10 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
         let ranks = final_loss(&stdout);
-        assert_eq!(ranks, in_process, "np {np} {schedule} {sharding}: {stdout}");
+        assert_eq!(
+            ranks, in_process,
+            "np {np}, {stages} stages, {micro_batches} micro-batches, {schedule}, {sharding}: {stdout}"
+        );
         assert_eq!(
             stdout.matches(" idle_fraction=").count(),
             np,

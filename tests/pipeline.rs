@@ -450,6 +450,36 @@ fn save_blocks_writes_one_file_of_the_whole_model_from_every_stage() {
 }
 
 #[test]
+fn a_stage_that_fails_ends_the_run_with_its_own_error_not_a_hang() {
+    let run = Run::new(2, 4, PipelineSchedule::OneFOneB);
+    let started = std::time::Instant::now();
+    let err = run
+        .builder()
+        .collective_timeout(std::time::Duration::from_secs(20))
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let (model, _) = train(&acc, &Run { steps: 2, ..run }, model, &mut optimizer, 0)?;
+            if acc.pipeline_layout().stage == 1 {
+                return Err(burn_accelerate::Error::InvalidArgument(
+                    "stage 1 stops here".into(),
+                ));
+            }
+            // Stage 0 goes on into a step whose activations nobody receives.
+            train(&acc, &run, model, &mut optimizer, 2)?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("stage 1 stops here"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(15),
+        "the other stage was released at once, not by its timeout: {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn each_stage_holds_only_its_own_blocks() {
     let (ranks, _) = pipelined(Run {
         steps: 1,

@@ -438,7 +438,11 @@ impl Accelerator {
             .config
             .scheduler
             .scheduler_rule
-            .steps_per_optimizer_step(self.num_processes(), self.config.data.split_batches);
+            // The ranks that read different batches (under a pipeline, the replicas).
+            .steps_per_optimizer_step(
+                self.data_group.num_processes(),
+                self.config.data.split_batches,
+            );
         if steps > 1 && self.is_main_process() {
             static WARNED: Once = Once::new();
             WARNED.call_once(|| {
