@@ -307,6 +307,14 @@ fn fp16_loss_scaling_keeps_the_bits_and_a_tied_embedding_and_head_stay_in_sync()
         let diff = max_diff(&merged(&ranks, 4, 1), &reference(run).0);
         assert!(diff < 1e-5, "{run:?}: {diff}");
     }
+    // Clipped: the tied weight's gradient counts once in the norm that spans the stages.
+    let mut run = Run::new(4, 2, PipelineSchedule::OneFOneB);
+    run.tied = true;
+    run.clip = true;
+    let (ranks, _) = pipelined(run);
+    assert_eq!(ranks[0][0], ranks[3][0], "{run:?}");
+    let diff = max_diff(&merged(&ranks, 4, 1), &reference(run).0);
+    assert!(diff < 1e-5, "{run:?}: {diff}");
 }
 
 #[test]
@@ -426,6 +434,29 @@ fn a_stage_that_fails_ends_the_run_with_its_own_error_not_a_hang() {
         "the other stage was released at once, not by its timeout: {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn a_stage_receives_only_its_own_blocks_and_what_is_outside_them() {
+    let run = Run::new(4, 2, PipelineSchedule::OneFOneB);
+    let received = run
+        .builder()
+        .launch(4, |acc| {
+            let before = acc.host_values();
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            Ok((acc.host_values() - before, params(&model)))
+        })
+        .unwrap();
+    let whole: usize = params(&model(&Device::default()))
+        .iter()
+        .map(Vec::len)
+        .sum();
+    for (rank, (values, held)) in received.iter().enumerate().skip(1) {
+        let held: usize = held.iter().map(Vec::len).sum();
+        // Its 2 blocks and the input layer and head, once each: not the other stages' 6 blocks.
+        assert_eq!(*values as usize, held, "rank {rank}");
+        assert!(held < whole / 2, "rank {rank}: {held} of {whole}");
+    }
 }
 
 #[test]

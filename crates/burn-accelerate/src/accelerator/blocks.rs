@@ -233,9 +233,10 @@ impl Accelerator {
     }
 
     /// [`prepare_model`](Self::prepare_model) for a model made of blocks: under a pipeline (`pp_size` > 1) this
-    /// rank then keeps only its stage's blocks (the others' parameters are dropped to empty placeholders, so
-    /// neither they nor their gradients or optimizer state take memory here); without one, the same as
-    /// `prepare_model`.
+    /// rank keeps only its stage's blocks. The main process draws each parameter and sends a block's only to the
+    /// ranks of the stage that runs it; elsewhere it arrives as an empty placeholder, so that neither it nor its
+    /// gradient or optimizer state ever takes memory there (what is outside the blocks goes to every rank).
+    /// Without a pipeline, the same as `prepare_model`.
     ///
     /// # Errors
     /// As [`prepare_model`](Self::prepare_model); under a pipeline, fewer blocks than stages.
@@ -243,25 +244,22 @@ impl Accelerator {
         let Some(stages) = self.pipeline.strategy().stages() else {
             return self.prepare_model(model);
         };
-        let layout = stages.layout;
         let ranges = stages.blocks_of(&model)?;
-        let others: std::collections::HashSet<burn::module::ParamId> = model
-            .blocks()
+        let mut stage_of = std::collections::HashMap::new();
+        for (i, block) in model.blocks().iter().enumerate() {
+            let stage = ranges.iter().position(|r| r.contains(&i));
+            for id in crate::grad::param_ids(block) {
+                stage_of.insert(id, stage);
+            }
+        }
+        let owners = crate::grad::param_ids(&model)
             .iter()
-            .enumerate()
-            .filter(|(i, _)| !ranges[layout.stage].contains(i))
-            .flat_map(|(_, b)| crate::grad::param_ids(b))
+            .map(|id| stage_of.get(id).copied().flatten())
             .collect();
-        let positions = crate::grad::param_ids(&model)
-            .iter()
-            .enumerate()
-            .filter(|(_, id)| others.contains(id))
-            .map(|(i, _)| i)
-            .collect();
-        // The other stages' parameters arrive as placeholders, one at a time (see `Staged::arrive`).
-        *stages.dropping.lock().unwrap_or_else(|e| e.into_inner()) = Some((positions, 0));
+        // Each block's parameters arrive only on its stage's ranks, placeholders elsewhere (see `Staged::arrive`).
+        *stages.arrivals.lock().unwrap_or_else(|e| e.into_inner()) = Some((owners, 0));
         let prepared = self.prepare_model(model);
-        *stages.dropping.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *stages.arrivals.lock().unwrap_or_else(|e| e.into_inner()) = None;
         prepared
     }
 

@@ -612,10 +612,23 @@ impl Accelerator {
         norm_type: NormType,
     ) -> Result<f64> {
         let ids = grad::param_ids(model);
+        // A gradient held alike on several ranks of those the norm combines counts once.
+        let strategy = self.pipeline.strategy();
+        let counted: Vec<_> = ids
+            .iter()
+            .copied()
+            .filter(|id| strategy.counts_in_norm(*id))
+            .collect();
         let total = self.pipeline.total_norm();
         let mut core = self.pipeline.shared().lock();
         let started = std::time::Instant::now();
-        let norm = grad::clip_grad_norm(&mut core.grads, &ids, max_norm, norm_type, &total);
+        let norm = grad::clip_grad_norm_counting(
+            &mut core.grads,
+            (&ids, &counted),
+            max_norm,
+            norm_type,
+            &total,
+        );
         core.phases.gradient_sync += started.elapsed();
         norm
     }

@@ -114,6 +114,19 @@ pub(crate) fn clip_grad_norm(
     norm_type: NormType,
     total: &TotalNorm<'_>,
 ) -> Result<f64> {
+    clip_grad_norm_counting(buffer, (ids, ids), max_norm, norm_type, total)
+}
+
+/// [`clip_grad_norm`] of the gradients of `ids` whose norm counts only those of `counted` (a subset of `ids`): a
+/// gradient two ranks hold the same copy of (a pipeline's tied embedding and head) counts on one of them, and is
+/// clipped on both.
+pub(crate) fn clip_grad_norm_counting(
+    buffer: &mut GradientBuffer,
+    (ids, counted): (&[ParamId], &[ParamId]),
+    max_norm: f64,
+    norm_type: NormType,
+    total: &TotalNorm<'_>,
+) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm >= 0.0) {
         return Err(Error::InvalidArgument(format!(
             "clip_grad_norm: max_norm={max_norm} must be a finite number >= 0"
@@ -121,7 +134,7 @@ pub(crate) fn clip_grad_norm(
     }
     let norm_type = norm_type.validate()?;
     let norms: Vec<Tensor<1>> = buffer
-        .flat(ids)
+        .flat(counted)
         .into_iter()
         .map(|g| {
             let g = g.cast(FloatDType::F32);

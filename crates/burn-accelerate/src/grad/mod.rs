@@ -14,7 +14,8 @@ pub(crate) mod window;
 pub(crate) use buffer::{GradSource, GradientBuffer, param_ids};
 pub use clip::NormType;
 pub(crate) use clip::{
-    check_executed, clip_grad_norm, clip_grad_value, combined_norm, has_non_finite, local_norm,
+    check_executed, clip_grad_norm, clip_grad_norm_counting, clip_grad_value, combined_norm,
+    has_non_finite, local_norm,
 };
 pub use phases::StepPhases;
 pub use window::GradientState;

@@ -86,9 +86,9 @@ pub(crate) struct Stages {
     pub last_trace: Mutex<Option<StageTrace>>,
     /// Each stage's blocks, once cut (at `prepare_blocks`, or at the first step of a model prepared whole).
     pub cut: Mutex<Option<Vec<Range<usize>>>>,
-    /// While `prepare_blocks` prepares a model: the positions (visiting order) of the parameters this stage does
-    /// not run, which arrive as placeholders, and the position of the next parameter to arrive.
-    pub dropping: Mutex<Option<(HashSet<usize>, usize)>>,
+    /// While `prepare_blocks` prepares a model: the stage that runs each parameter, by position (visiting order;
+    /// `None` for those outside the blocks, which every stage keeps), and the position of the next to arrive.
+    pub arrivals: Mutex<Option<(Vec<Option<usize>>, usize)>>,
     /// The parameters outside the blocks that more than one stage uses (a tied embedding and head), with their
     /// lengths: found at the first window's end.
     pub tied: Mutex<Option<Vec<(ParamId, usize)>>>,
@@ -166,7 +166,7 @@ pub(crate) fn for_mesh(
         micro_batches: config.pipeline.microbatches(),
         last_trace: Mutex::new(None),
         cut: Mutex::new(None),
-        dropping: Mutex::new(None),
+        arrivals: Mutex::new(None),
         tied: Mutex::new(None),
         rest_owner: Mutex::new(None),
         world: world_comm.clone(),
@@ -276,6 +276,26 @@ impl Strategy for Staged {
         })
     }
 
+    /// A tied parameter's gradient (the same on every stage that uses it) counts on the first of them.
+    fn counts_in_norm(&self, id: ParamId) -> bool {
+        let tied = self.stages.tied.lock().unwrap_or_else(|e| e.into_inner());
+        if !tied
+            .as_ref()
+            .is_some_and(|t| t.iter().any(|(t, _)| *t == id))
+        {
+            return self.inner.counts_in_norm(id);
+        }
+        let owners = self
+            .stages
+            .rest_owner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        owners
+            .as_ref()
+            .and_then(|o| o.get(&id))
+            .is_none_or(|owner| *owner == self.stages.layout.stage)
+    }
+
     fn any_rank(&self, local: bool) -> Result<bool> {
         let stage = self.inner.any_rank(local)?;
         let any = self.stages.comm.all_reduce_value(
@@ -320,7 +340,9 @@ impl Strategy for Staged {
         self.inner.check_optimizer(optimizer)
     }
 
-    /// Rank 0's value on every rank of the run, then kept as the stage's strategy keeps it.
+    /// Rank 0's value (the run's initial weights) on the ranks that keep it, then kept as the stage's strategy
+    /// keeps it: a block's parameter is sent only to the ranks of the stage that runs it, and arrives elsewhere as
+    /// an empty placeholder (no rank receives another stage's blocks); the others go to every rank.
     fn arrive(
         &self,
         id: ParamId,
@@ -329,25 +351,63 @@ impl Strategy for Staged {
         value: Arriving,
         root: usize,
     ) -> Result<(Tensor<1>, Vec<usize>)> {
-        let dropped = self
+        let owner = self
             .stages
-            .dropping
+            .arrivals
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
-            .is_some_and(|(positions, next)| {
+            .and_then(|(owners, next)| {
                 *next += 1;
-                positions.contains(&(*next - 1))
+                owners.get(*next - 1).copied().flatten()
             });
-        let whole = self.broadcast(value.into_buffer(), root)?;
-        if dropped {
-            // Another stage's: an empty placeholder of the same rank (no stage-group collective for it).
-            let placeholder = Tensor::<1>::zeros([0], (&whole.device(), whole.dtype()));
+        let Some(stage) = owner else {
+            let whole = self.broadcast(value.into_buffer(), root)?;
+            return self
+                .inner
+                .arrive(id, dims, trains, Arriving::Value(whole), 0);
+        };
+        let replicas = self.stages.layout.replicas;
+        let holders = stage * replicas..(stage + 1) * replicas;
+        let me = self.world.rank();
+        let (device, dtype) = value.place();
+        let placeholder = || {
             let mut dims = dims.to_vec();
             if let Some(first) = dims.first_mut() {
                 *first = 0;
             }
-            return Ok((placeholder, dims));
+            (Tensor::<1>::zeros([0], (&device, dtype)), dims)
+        };
+        let whole = if me == root {
+            let whole = value.into_buffer();
+            let sends: Vec<(usize, Tensor<1>)> = holders
+                .clone()
+                .filter(|r| *r != me)
+                .map(|r| (r, whole.clone()))
+                .collect();
+            if !sends.is_empty() {
+                self.world
+                    .send_recv(sends, Vec::new(), "stage parameter arrival")?
+                    .wait()?;
+            }
+            whole
+        } else if holders.contains(&me) {
+            let incoming = crate::distributed::tensor_comm::Incoming {
+                peer: root,
+                len: dims.iter().product(),
+                device: device.clone(),
+                dtype,
+            };
+            self.world
+                .send_recv(Vec::new(), vec![incoming], "stage parameter arrival")?
+                .wait()?
+                .remove(0)
+        } else {
+            drop(value);
+            return Ok(placeholder());
+        };
+        if !holders.contains(&me) {
+            return Ok(placeholder());
         }
         self.inner
             .arrive(id, dims, trains, Arriving::Value(whole), 0)

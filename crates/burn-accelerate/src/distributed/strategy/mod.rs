@@ -205,6 +205,13 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         crate::grad::local_norm(norms, norm_type)
     }
 
+    /// Whether this rank counts parameter `id`'s gradient in [`gradient_norm`](Self::gradient_norm)'s `norms`: all
+    /// but a gradient another rank of the norm's combination holds the same copy of.
+    fn counts_in_norm(&self, id: ParamId) -> bool {
+        let _ = id;
+        true
+    }
+
     /// Whether `local` holds on any rank: the verdict every rank must share when each rank checks only its own
     /// part of the gradients (an fp16 overflow). Ranks that hold the same gradients answer `local`.
     fn any_rank(&self, local: bool) -> Result<bool> {
