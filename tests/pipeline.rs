@@ -429,6 +429,29 @@ fn a_stage_that_fails_ends_the_run_with_its_own_error_not_a_hang() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("stage 1 stops here"), "{err}");
+    // Alone, the stage left waiting says which stage it is and what it waited for.
+    let err = run
+        .builder()
+        .collective_timeout(std::time::Duration::from_secs(2))
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            if acc.pipeline_layout().stage == 1 {
+                // Stage 1 never takes part, and never fails: stage 0 waits for it until the timeout.
+                std::thread::sleep(std::time::Duration::from_secs(4));
+                return Ok(String::new());
+            }
+            match train(&acc, &run, model, &mut optimizer, 0) {
+                Ok(_) => Ok("trained".into()),
+                Err(e) => Ok(e.to_string()),
+            }
+        })
+        .unwrap()
+        .remove(0);
+    assert!(
+        err.contains("pipeline send/recv of stage 0 of 2 (replica 0, rank 0)"),
+        "{err}"
+    );
     assert!(
         started.elapsed() < std::time::Duration::from_secs(15),
         "the other stage was released at once, not by its timeout: {:?}",

@@ -98,6 +98,16 @@ pub enum CommError {
         calls: String,
     },
 
+    /// A failed call, with what its caller was doing (a pipeline stage's transfer names the stage, the replica
+    /// and the rank, and the micro-batch it waited for).
+    #[error("{context}: {error}")]
+    During {
+        /// What the caller was doing.
+        context: String,
+        /// The failure.
+        error: Box<CommError>,
+    },
+
     /// The engine itself failed.
     #[error("communication engine `{engine}` failed during {operation}: {reason}")]
     Engine {
@@ -111,10 +121,13 @@ pub enum CommError {
 }
 
 impl CommError {
-    /// The error itself, without the recorded calls [`CommError::WithRecentCalls`] adds to it.
+    /// The error itself, without the recorded calls [`CommError::WithRecentCalls`] and the caller's context
+    /// [`CommError::During`] add to it.
     pub fn root(&self) -> &CommError {
         match self {
-            CommError::WithRecentCalls { error, .. } => error.root(),
+            CommError::WithRecentCalls { error, .. } | CommError::During { error, .. } => {
+                error.root()
+            }
             other => other,
         }
     }

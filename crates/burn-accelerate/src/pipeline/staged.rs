@@ -69,11 +69,26 @@ impl Mailbox<'_> {
     fn exchange(&mut self, incoming: Vec<Incoming>, micro_batch: usize) -> Result<Vec<Tensor<1>>> {
         let start = Instant::now();
         let sends = std::mem::take(&mut self.pending);
+        let waited_for = incoming.first().map(|r| r.peer);
         let received = self
             .stages
             .comm
-            .send_recv(sends, incoming, "pipeline send/recv")?
-            .wait()?;
+            .send_recv(sends, incoming, self.stages.transfer)
+            .and_then(|pending| pending.wait())
+            .map_err(|e| match e {
+                // Which stage waited, for what: a timeout or a failed peer names the pipeline's side of it.
+                Error::Comm(error) => Error::Comm(crate::distributed::comm::CommError::During {
+                    context: match waited_for {
+                        Some(peer) => format!(
+                            "{}, micro-batch {micro_batch}, waiting for stage {peer}",
+                            self.stages.transfer
+                        ),
+                        None => format!("{}, micro-batch {micro_batch}", self.stages.transfer),
+                    },
+                    error: Box::new(error),
+                }),
+                other => other,
+            })?;
         self.spans.push(TraceSpan {
             kind: SpanKind::Transfer,
             micro_batch,

@@ -97,6 +97,9 @@ pub(crate) struct Stages {
     pub rest_owner: Mutex<Option<HashMap<ParamId, usize>>>,
     /// The whole run's ranks (initial weights, a save's fetches).
     pub world: Arc<dyn TensorComm>,
+    /// What a transfer of this stage is called in errors (a timeout, a peer that failed): it names the stage, the
+    /// replica and the rank.
+    pub transfer: &'static str,
 }
 
 impl Stages {
@@ -170,6 +173,17 @@ pub(crate) fn for_mesh(
         tied: Mutex::new(None),
         rest_owner: Mutex::new(None),
         world: world_comm.clone(),
+        // One name per accelerator, for the errors of its transfers.
+        transfer: Box::leak(
+            format!(
+                "pipeline send/recv of stage {} of {} (replica {}, rank {})",
+                layout.stage,
+                layout.stages,
+                layout.replica,
+                group.process_index()
+            )
+            .into_boxed_str(),
+        ),
     });
     Ok((
         Arc::new(Staged {
