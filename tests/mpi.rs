@@ -605,8 +605,8 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
 }
 
 /// A pipelined job (2 stages on 2 processes, and 2 stages × 2 `FULL_SHARD` replicas on 4) killed right after a
-/// save resumes under `mpirun` to the loss of the job that ran straight through; resuming on another number of
-/// processes is refused with a message.
+/// save resumes under `mpirun` to the loss of the job that ran straight through; the NO_SHARD state resumes on 2
+/// replicas, the FULL_SHARD state on another number of processes is refused with a message.
 #[test]
 fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
     let lm = example("transformer_lm");
@@ -664,29 +664,37 @@ fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
         assert!(stdout.contains("resumed after step 3"), "{stdout}");
         assert_eq!(final_loss(&stdout), straight, "np {np} {sharding}");
     }
-    let state = dir.join("2-NO_SHARD").to_string_lossy().into_owned();
-    let other = Command::new(&lm)
-        .args([
-            "--processes",
-            "4",
-            "--pp-size",
-            "2",
-            "--layers",
-            "4",
-            "--d-model",
-            "64",
-            "--seq",
-            "16",
-        ])
-        .args([
-            "--batch", "8", "--steps", "6", "--state", &state, "--resume",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&other.stderr);
+    // Sharded stages resume on the same mesh only; NO_SHARD stages on any number of replicas.
+    let resume_on = |saved: &str, processes: &str| {
+        let state = dir.join(saved).to_string_lossy().into_owned();
+        Command::new(&lm)
+            .args(["--processes", processes, "--pp-size", "2", "--layers", "4"])
+            .args([
+                "--d-model",
+                "64",
+                "--seq",
+                "16",
+                "--batch",
+                "8",
+                "--steps",
+                "6",
+            ])
+            .args(["--state", &state, "--resume", "--sharding", &saved[2..]])
+            .output()
+            .unwrap()
+    };
+    let sharded = resume_on("4-FULL_SHARD", "2");
+    let stderr = String::from_utf8_lossy(&sharded.stderr);
     assert!(
-        !other.status.success() && stderr.contains("same number of ranks"),
+        !sharded.status.success() && stderr.contains("same number of ranks"),
         "{stderr}"
+    );
+    let replicas = resume_on("2-NO_SHARD", "4");
+    let stdout = String::from_utf8_lossy(&replicas.stdout);
+    assert!(
+        replicas.status.success() && stdout.contains("resumed after step 3"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&replicas.stderr)
     );
     std::fs::remove_dir_all(&dir).ok();
 }

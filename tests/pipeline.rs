@@ -526,6 +526,68 @@ fn stages_of_two_replicas_train_as_one_process_on_the_whole_batch() {
 }
 
 #[test]
+fn a_state_saved_by_one_replica_resumes_on_two_and_stages_drop_what_they_do_not_train() {
+    let run = Run {
+        steps: 6,
+        ..Run::new(2, 2, PipelineSchedule::OneFOneB)
+    };
+    let dir = std::env::temp_dir().join("pipeline-resume-replicas");
+    let straight = {
+        let mut twice = run;
+        twice.steps = 12;
+        pipelined(twice).0
+    };
+    let saved = run
+        .builder()
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let (model, _) = train(&acc, &run, model, &mut optimizer, 0)?;
+            acc.save_state(
+                Some(&dir),
+                &StateToSave::new().model(&model)?.optimizer(&optimizer)?,
+            )?;
+            Ok(params(&model))
+        })
+        .unwrap();
+    // After a step, the first stage holds no head and the last no input layer: only the stage that trains them.
+    let count = saved[0].len();
+    assert!(saved[0][count - 1].is_empty() && saved[0][count - 2].is_empty());
+    assert!(saved[1][0].is_empty() && saved[1][1].is_empty());
+    assert!(!saved[0][0].is_empty() && !saved[1][count - 1].is_empty());
+    let twice = Run { replicas: 2, ..run };
+    let resumed = twice
+        .builder()
+        .launch(4, |acc| {
+            let model = acc.prepare_blocks(model_fresh(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let mut state = acc.load_state(Some(&dir))?;
+            let model = state.model(model)?;
+            state.optimizer(&mut optimizer)?;
+            state.finish()?;
+            let loaded = params(&model);
+            let (model, _) = train(&acc, &twice, model, &mut optimizer, 6)?;
+            Ok((loaded, params(&model)))
+        })
+        .unwrap();
+    let loaded: Vec<_> = resumed.iter().map(|r| r.0.clone()).collect();
+    for replica in 0..2 {
+        let ranks = [loaded[replica].clone(), loaded[2 + replica].clone()];
+        assert_eq!(
+            merged(&ranks, 2, 1),
+            merged(&saved, 2, 1),
+            "replica {replica}: the saved weights"
+        );
+    }
+    let trained: Vec<_> = resumed.into_iter().map(|r| r.1).collect();
+    let diff = max_diff(&merged(&trained, 2, 2), &merged(&straight, 2, 1));
+    assert!(
+        diff < 2e-5,
+        "2 replicas from step 6 vs 1 throughout: {diff}"
+    );
+}
+
+#[test]
 fn a_run_saved_and_resumed_continues_as_one_trained_straight_through() {
     let run = Run {
         steps: 6,

@@ -290,14 +290,17 @@ impl Accelerator {
             .checkpointer
             .load_state(&self.group, dir)?
             .with_strategy(self.pipeline.strategy().clone());
-        // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it): read back by the
-        // same mesh.
-        if self.pipeline.strategy().stages().is_some()
+        // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it): sharded stages are
+        // read back by the same mesh.
+        let strategy = self.pipeline.strategy();
+        if strategy.stages().is_some()
+            && (loaded.saved_split() || !strategy.splits().is_empty())
             && loaded.saved_num_processes() != self.num_processes()
         {
             return Err(crate::Error::InvalidArgument(format!(
-                "load_state: {} was saved by {} ranks of a pipeline, and this run has {}: a pipelined state \
-                 resumes on the same number of ranks and the same pp_size (each rank wrote its stage's part)",
+                "load_state: {} was saved by {} ranks of a pipeline, and this run has {}: a pipelined state whose \
+                 stages are sharded resumes on the same number of ranks and the same pp_size (each rank wrote its \
+                 slices of its stage; under NO_SHARD any number of data-parallel replicas will do)",
                 loaded.dir().display(),
                 loaded.saved_num_processes(),
                 self.num_processes()

@@ -158,6 +158,9 @@ fn read_in<M: Module>(model: &M) {
         if n > 0 {
             // One element copied out: the tensor's whole buffer is read in, where it stays.
             let _ = tensor.reshape([n]).slice(0..1).into_data();
+        } else {
+            // An empty placeholder (another pipeline stage's parameter) still names its file: read in too.
+            let _ = tensor.into_data();
         }
     }
     struct ReadIn;
@@ -277,6 +280,11 @@ impl LoadedState {
         self.manifest.num_processes
     }
 
+    /// Whether the saving run split parameters over its ranks (a sharded strategy).
+    pub(crate) fn saved_split(&self) -> bool {
+        !self.manifest.splits.is_empty()
+    }
+
     /// Moves the cursor `next` of the parts of `kind` (`model`, `optimizer`, `scheduler`), of which `saved` were
     /// saved, to the next one; returns its index.
     fn advance(dir: &Path, kind: &str, saved: usize, next: &mut usize) -> Result<usize> {
@@ -334,7 +342,15 @@ impl LoadedState {
     /// every saved file.
     fn same_layout(&self, per_rank: bool, now: Option<StateScope>) -> bool {
         let wants_per_rank = now == Some(StateScope::PerRank);
-        per_rank == wants_per_rank
+        // A pipeline whose stages keep their parameters whole drops what other stages train to placeholders, which
+        // a fresh model holds whole until its first step: always re-cut, each parameter taken from a file that
+        // holds it (never a placeholder, never a stale copy).
+        let pipelined = self
+            .strategy
+            .as_ref()
+            .is_some_and(|s| s.stages().is_some() && s.splits().is_empty());
+        !pipelined
+            && per_rank == wants_per_rank
             && (!per_rank
                 || (self.manifest.num_processes == self.num_processes && self.same_splits()))
     }

@@ -87,6 +87,8 @@ impl SavedSplits {
 pub(crate) enum Want {
     Whole,
     Part(Split, usize),
+    /// Nothing: the rank holds an empty placeholder of this shape (another pipeline stage's block).
+    Placeholder(Vec<usize>),
 }
 
 fn reader(path: &Path, what: &str) -> Result<Reader> {
@@ -137,6 +139,18 @@ impl Assembler {
         saved: Option<&Split>,
         want: &Want,
     ) -> Result<()> {
+        if let Want::Placeholder(dims) = want {
+            // Kept empty here, whatever the saving rank held; the saved id goes with it.
+            let empty = burn_pack::Tensor::new(
+                tensor.name.clone(),
+                tensor.dtype,
+                burn_pack::Shape::from(dims.clone()),
+                tensor.param_id,
+                Bytes::from_bytes_vec(Vec::new()),
+            );
+            self.whole.entry(tensor.name.clone()).or_insert(empty);
+            return Ok(());
+        }
         let shape: Vec<usize> = tensor.shape.to_vec();
         let elems: usize = shape.iter().product();
         let (split, part) = match saved {
@@ -257,6 +271,7 @@ fn wanted_of(dims: &[usize], want: &Want) -> (Vec<usize>, std::ops::Range<usize>
     match want {
         Want::Whole => (dims.to_vec(), 0..dims.iter().product()),
         Want::Part(split, q) => (split.local_dims(*q), split.held(*q)),
+        Want::Placeholder(dims) => (dims.clone(), 0..0),
     }
 }
 
@@ -362,7 +377,13 @@ pub(crate) fn model_record<M: Module>(
     let mut wanted: HashMap<String, Want> = HashMap::new();
     crate::named_params::walk(target, |p| {
         let want = match p.kind {
-            crate::named_params::Kind::Float(param) => want(param.id()),
+            crate::named_params::Kind::Float(param) => match want(param.id()) {
+                // A placeholder the strategy does not split: another pipeline stage's parameter.
+                Want::Whole if param.num_elements() == 0 && !param.dims().is_empty() => {
+                    Want::Placeholder(param.dims())
+                }
+                other => other,
+            },
             _ => Want::Whole,
         };
         wanted.insert(p.name(), want);

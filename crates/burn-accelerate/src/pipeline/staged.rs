@@ -554,6 +554,19 @@ fn sum_tied(
                 .convert::<f32>()
                 .try_to_vec::<f32>()
                 .map_err(|e| Error::other(format!("backward_batch: reading the owners: {e:?}")))?;
+            // Trained by some stage, never reached here: dropped after the step (see `Staged::after_step`).
+            *stages
+                .rest_elsewhere
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(
+                rest.iter()
+                    .zip(&firsts)
+                    .filter(|((id, _), s)| {
+                        (**s as usize) < stages.layout.stages && !held.contains(id)
+                    })
+                    .map(|((id, _), _)| *id)
+                    .collect(),
+            );
             *stages.rest_owner.lock().unwrap_or_else(|e| e.into_inner()) = Some(
                 rest.iter()
                     .zip(firsts)

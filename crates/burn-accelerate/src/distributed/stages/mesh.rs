@@ -95,6 +95,12 @@ pub(crate) struct Stages {
     /// The first stage that trains each parameter outside the blocks (the one a save takes it from): found at the
     /// first window's end.
     pub rest_owner: Mutex<Option<HashMap<ParamId, usize>>>,
+    /// The parameters outside the blocks that another stage trains and this one's passes never reach (the
+    /// embedding on the last stage, the head on the first, both on the middle ones): found at the first window's
+    /// end, then dropped to placeholders after the optimizer step (`dropped_rest` once done).
+    pub rest_elsewhere: Mutex<Option<HashSet<ParamId>>>,
+    /// Whether those were dropped.
+    pub dropped_rest: std::sync::atomic::AtomicBool,
     /// The whole run's ranks (initial weights, a save's fetches).
     pub world: Arc<dyn TensorComm>,
     /// What a transfer of this stage is called in errors (a timeout, a peer that failed): it names the stage, the
@@ -172,6 +178,8 @@ pub(crate) fn for_mesh(
         arrivals: Mutex::new(None),
         tied: Mutex::new(None),
         rest_owner: Mutex::new(None),
+        rest_elsewhere: Mutex::new(None),
+        dropped_rest: std::sync::atomic::AtomicBool::new(false),
         world: world_comm.clone(),
         // One name per accelerator, for the errors of its transfers.
         transfer: Box::leak(
@@ -443,8 +451,47 @@ impl Strategy for Staged {
         self.inner.before_step(params)
     }
 
+    /// The stage's strategy's, then (once) the parameters outside the blocks that only other stages train become
+    /// placeholders here: their copy on this stage would go stale, and take memory.
     fn after_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
-        self.inner.after_step(params)
+        self.inner.after_step(params)?;
+        let elsewhere = self
+            .stages
+            .rest_elsewhere
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default();
+        if elsewhere.is_empty()
+            || self
+                .stages
+                .dropped_rest
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(());
+        }
+        let table = params.table();
+        let placeholders: Vec<_> = table
+            .entries()
+            .iter()
+            // A parameter the stage's strategy splits keeps its slices (its gathers expect them).
+            .filter(|e| {
+                elsewhere.contains(&e.id)
+                    && e.num_elements() > 0
+                    && self.inner.split(e.id).is_none()
+            })
+            .map(|e| {
+                let mut dims = e.dims.clone();
+                if let Some(first) = dims.first_mut() {
+                    *first = 0;
+                }
+                (e.id, dims, e.device.clone(), e.dtype, e.trainable)
+            })
+            .collect();
+        for (id, dims, device, dtype, trains) in placeholders {
+            table.replace(id, Tensor::<1>::zeros([0], (&device, dtype)), dims, trains);
+        }
+        Ok(())
     }
 
     /// None: a pipelined save fetches each parameter from its stage (`StageFetcher`), not from one group's
