@@ -1,6 +1,7 @@
 //! The pipeline's bubble on this machine: each stage's measured idle share of a step (from its trace: the step's
 //! time less its forward and backward passes) against the schedule's `(pp − 1) / (m + pp − 1)`, for GPipe and 1F1B,
-//! `pp_size` 2 and 4, 2, 4 and 8 micro-batches, one compute thread per rank (in-process ranks). The model's stages
+//! `pp_size` 2 and 4, 2, 4 and 8 micro-batches, in-process ranks each with its share of the cores (one compute
+//! thread a rank on 2 cores). The model's stages
 //! are balanced: equal square layers, the layers before and after them tiny. Writes each run's Chrome / Perfetto
 //! trace to `target/pipeline-trace-pp<P>-m<M>-<schedule>.json` (open it at ui.perfetto.dev). The stages' compute
 //! must dwarf a transfer's fixed cost for the formula to hold: 8 layers of 768 × 768 on 128 rows per micro-batch.
@@ -89,9 +90,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    // One compute thread per rank, as the bubble's formula assumes stages that run side by side.
-    // SAFETY: set before any thread of this process starts.
-    unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    // In-process ranks compute in pools of their own, each its share of the cores (one thread a rank here): the
+    // stages run side by side, as the bubble's formula assumes. (RAYON_NUM_THREADS would put them in one pool.)
     println!(
         "pp  m  schedule  ideal   measured idle share per stage (median of steps)   worst |Δ|"
     );
