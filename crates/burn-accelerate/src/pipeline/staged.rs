@@ -22,7 +22,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Tensor};
+
+mod mailbox;
+mod tied;
+
+use mailbox::{Mailbox, micros};
+use tied::sum_tied;
 
 use super::StepPipeline;
 use super::blocks::Blocks;
@@ -33,7 +39,7 @@ use crate::distributed::stages::partition::balanced_stages;
 use crate::distributed::stages::schedule::{Pass, stage_passes};
 use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
 use crate::distributed::strategy::{trainable_params, unshard};
-use crate::distributed::tensor_comm::{Incoming, Reduction};
+use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
 use crate::grad::has_non_finite;
 use crate::grad::param_ids;
@@ -45,122 +51,6 @@ enum Live<const D: usize> {
     Activation(Option<Tensor<D>>, Tensor<D>),
     /// The last stage's: its input and the micro-batch's loss.
     Loss(Option<Tensor<D>>, Tensor<1>),
-}
-
-/// The element types an activation can cross stages in, as a header's last value.
-const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
-
-/// One rank's messages to its neighbouring stages, sent with its next receive.
-struct Mailbox<'a> {
-    stages: &'a Stages,
-    pending: Vec<(usize, Tensor<1>)>,
-    device: Device,
-    started: Instant,
-    spans: Vec<TraceSpan>,
-}
-
-impl Mailbox<'_> {
-    /// Queues `flat` for stage `peer`.
-    fn send(&mut self, peer: usize, flat: Tensor<1>) {
-        self.pending.push((peer, flat));
-    }
-
-    /// Sends what waits and receives `incoming`, timing the wait as a transfer of micro-batch `micro_batch`.
-    fn exchange(&mut self, incoming: Vec<Incoming>, micro_batch: usize) -> Result<Vec<Tensor<1>>> {
-        let start = Instant::now();
-        let sends = std::mem::take(&mut self.pending);
-        let waited_for = incoming.first().map(|r| r.peer);
-        let received = self
-            .stages
-            .comm
-            .send_recv(sends, incoming, self.stages.transfer)
-            .and_then(|pending| pending.wait())
-            .map_err(|e| match e {
-                // Which stage waited, for what: a timeout or a failed peer names the pipeline's side of it.
-                Error::Comm(error) => Error::Comm(crate::distributed::comm::CommError::During {
-                    context: match waited_for {
-                        Some(peer) => format!(
-                            "{}, micro-batch {micro_batch}, waiting for stage {peer}",
-                            self.stages.transfer
-                        ),
-                        None => format!("{}, micro-batch {micro_batch}", self.stages.transfer),
-                    },
-                    error: Box::new(error),
-                }),
-                other => other,
-            })?;
-        self.spans.push(TraceSpan {
-            kind: SpanKind::Transfer,
-            micro_batch,
-            start_us: micros(start - self.started),
-            duration_us: micros(start.elapsed()),
-        });
-        Ok(received)
-    }
-
-    /// Sends `y` (an activation) to stage `peer`: a header (its shape and element type), then its values.
-    fn send_activation<const D: usize>(&mut self, peer: usize, y: &Tensor<D>) -> Result<()> {
-        let dtype = y.dtype();
-        let code = DTYPES.iter().position(|d| *d == dtype).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "backward_batch: a block's output in {dtype:?} cannot cross pipeline stages (f32, f16, bf16 or f64)"
-            ))
-        })?;
-        let header: Vec<f32> = y
-            .dims()
-            .iter()
-            .map(|&d| d as f32)
-            .chain([code as f32])
-            .collect();
-        let header = Tensor::<1>::from_floats(header.as_slice(), &self.device);
-        let n = y.shape().num_elements();
-        self.send(peer, header);
-        self.send(peer, y.clone().detach().reshape([n]));
-        Ok(())
-    }
-
-    /// Receives an activation from stage `peer` (see [`send_activation`](Self::send_activation)).
-    fn receive_activation<const D: usize>(&mut self, peer: usize, i: usize) -> Result<Tensor<D>> {
-        let header = self.exchange(
-            vec![Incoming {
-                peer,
-                len: D + 1,
-                device: self.device.clone(),
-                dtype: DType::F32,
-            }],
-            i,
-        )?;
-        let header = header[0]
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .map_err(|e| {
-                Error::other(format!(
-                    "backward_batch: reading an activation's header: {e:?}"
-                ))
-            })?;
-        let mut dims = [0usize; D];
-        for (d, v) in dims.iter_mut().zip(&header) {
-            *d = *v as usize;
-        }
-        let dtype = DTYPES[(header[D] as usize).min(DTYPES.len() - 1)];
-        let len = dims.iter().product();
-        let values = self.exchange(
-            vec![Incoming {
-                peer,
-                len,
-                device: self.device.clone(),
-                dtype,
-            }],
-            i,
-        )?;
-        Ok(values[0].clone().reshape(dims))
-    }
-}
-
-fn micros(d: std::time::Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 impl StepPipeline {
@@ -490,127 +380,6 @@ impl StepPipeline {
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())
     }
-}
-
-/// Sums over the stages the gradients of the parameters outside the blocks (`rest`, the same list on every stage)
-/// that more than one stage's passes reach (`held` on this stage): a tied embedding and output head then take
-/// the same step on the first and the last stage. Which ones are shared is found at the first window's end (one
-/// small all-reduce) and kept.
-fn sum_tied(
-    stages: &Stages,
-    grads: &mut crate::grad::GradientBuffer,
-    rest: &[(ParamId, usize)],
-    held: &HashSet<ParamId>,
-) -> Result<()> {
-    if rest.is_empty() {
-        return Ok(());
-    }
-    let device = match grads.ids().first().and_then(|id| grads.flat(&[*id]).pop()) {
-        Some(g) => g.device(),
-        None => return Ok(()),
-    };
-    let shared = {
-        let mut known = stages.tied.lock().unwrap_or_else(|e| e.into_inner());
-        if known.is_none() {
-            let uses: Vec<f32> = rest
-                .iter()
-                .map(|(id, _)| f32::from(u8::from(held.contains(id))))
-                .collect();
-            let uses = Tensor::<1>::from_floats(uses.as_slice(), &device);
-            let counts = stages
-                .comm
-                .all_reduce(
-                    uses,
-                    Reduction::Op(ReduceOp::Sum),
-                    "pipeline tied parameters",
-                )?
-                .wait()?
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .map_err(|e| {
-                    Error::other(format!(
-                        "backward_batch: reading the tied parameters: {e:?}"
-                    ))
-                })?;
-            // The first stage that trains each (where a save takes it from).
-            let stage = stages.layout.stage as f32;
-            let firsts: Vec<f32> = rest
-                .iter()
-                .map(|(id, _)| match held.contains(id) {
-                    true => stage,
-                    false => stages.layout.stages as f32,
-                })
-                .collect();
-            let firsts = stages
-                .comm
-                .all_reduce(
-                    Tensor::<1>::from_floats(firsts.as_slice(), &device),
-                    Reduction::Op(ReduceOp::Min),
-                    "pipeline parameter owners",
-                )?
-                .wait()?
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .map_err(|e| Error::other(format!("backward_batch: reading the owners: {e:?}")))?;
-            // Trained by some stage, never reached here: dropped after the step (see `Staged::after_step`).
-            *stages
-                .rest_elsewhere
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Some(
-                rest.iter()
-                    .zip(&firsts)
-                    .filter(|((id, _), s)| {
-                        (**s as usize) < stages.layout.stages && !held.contains(id)
-                    })
-                    .map(|((id, _), _)| *id)
-                    .collect(),
-            );
-            *stages.rest_owner.lock().unwrap_or_else(|e| e.into_inner()) = Some(
-                rest.iter()
-                    .zip(firsts)
-                    .filter(|(_, s)| (*s as usize) < stages.layout.stages)
-                    .map(|((id, _), s)| (*id, s as usize))
-                    .collect(),
-            );
-            *known = Some(
-                rest.iter()
-                    .zip(counts)
-                    .filter(|(_, n)| *n > 1.5)
-                    .map(|((id, len), _)| (*id, *len))
-                    .collect(),
-            );
-        }
-        known.clone().unwrap_or_default()
-    };
-    if shared.is_empty() {
-        return Ok(());
-    }
-    let parts: Vec<Tensor<1>> = shared
-        .iter()
-        .map(|(id, len)| match held.contains(id) {
-            true => grads.flat(&[*id]).remove(0).cast(DType::F32),
-            false => Tensor::zeros([*len], (&device, DType::F32)),
-        })
-        .collect();
-    let summed = stages
-        .comm
-        .all_reduce(
-            Tensor::cat(parts, 0),
-            Reduction::Op(ReduceOp::Sum),
-            "pipeline tied gradients",
-        )?
-        .wait()?;
-    let mut start = 0;
-    for (id, len) in &shared {
-        if held.contains(id) {
-            let dtype = grads.flat(&[*id]).remove(0).dtype();
-            grads.set_flat(*id, summed.clone().slice(start..start + len).cast(dtype));
-        }
-        start += len;
-    }
-    Ok(())
 }
 
 /// A span of kind `kind` of micro-batch `i` from `start` to now, timed from the step's start `step`.

@@ -1,7 +1,7 @@
 //! Pipeline parallelism: where a rank sits in the pipeline × data mesh ([`PipelineLayout`]) and what one
 //! pipelined step did in time ([`StageTrace`], [`chrome_trace`]). Inside the crate: how a model's blocks are cut
 //! into stages (`partition`), the schedules that order each stage's micro-batches (`schedule`), a pipelined rank's
-//! strategy (`mesh`) and a save's fetches (`fetch`); the step itself runs in the step pipeline
+//! strategy (`stage_strategy`) and a save's fetches (`fetch`); the step itself runs in the step pipeline
 //! (`crate::pipeline::staged`). See `docs/pipeline.md`.
 
 pub(crate) mod fetch;
@@ -9,6 +9,7 @@ pub(crate) mod mesh;
 pub(crate) mod partition;
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod schedule;
+mod stage_strategy;
 mod trace;
 
 pub use mesh::PipelineLayout;

@@ -1,0 +1,328 @@
+//! The strategy of a pipelined rank ([`Staged`]): the data-parallel strategy of its stage's group for everything a
+//! stage does alone, with what a step shares across the stages widened to them (the fp16 overflow verdict, the
+//! gradient norm, the initial weights, which parameters a stage keeps).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use burn::module::ParamId;
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+
+use super::mesh::Stages;
+use crate::distributed::DistributedType;
+use crate::distributed::comm::ReduceOp;
+use crate::distributed::strategy::{
+    Arriving, BlockPass, FinishReduce, FinishUnshard, ModuleParams, ParamFetcher, Split,
+    StateScope, Strategy,
+};
+use crate::distributed::tensor_comm::TensorComm;
+use crate::error::{Error, Result};
+use crate::grad::{GradientBuffer, NormType};
+
+/// The strategy of a pipelined rank: `inner`, its stage's data-parallel strategy, for everything a stage does
+/// alone; across the stages, the fp16 verdict and the gradient norm are combined over the rank's pipeline, and
+/// the initial weights come from rank 0 of the whole run.
+#[derive(Debug)]
+pub(crate) struct Staged {
+    pub inner: Arc<dyn Strategy>,
+    pub stages: Arc<Stages>,
+    pub world: Arc<dyn TensorComm>,
+}
+
+impl Strategy for Staged {
+    fn name(&self) -> String {
+        let l = self.stages.layout;
+        format!(
+            "pipeline stage {} of {} ({} schedule, {} micro-batches), its group by {}",
+            l.stage,
+            l.stages,
+            self.stages.schedule,
+            self.stages.micro_batches,
+            self.inner.name()
+        )
+    }
+
+    /// The rank in the whole run: initial weights come from its rank 0 (see [`broadcast`](Self::broadcast)).
+    fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    fn stages(&self) -> Option<&Arc<Stages>> {
+        Some(&self.stages)
+    }
+
+    fn reduce_gradients(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()> {
+        self.inner.reduce_gradients(grads, params, scale)
+    }
+
+    fn reduces_to_itself(&self, scale: f32) -> bool {
+        self.inner.reduces_to_itself(scale)
+    }
+
+    fn start_reduce(
+        &self,
+        grads: GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<FinishReduce> {
+        self.inner.start_reduce(grads, params, scale)
+    }
+
+    /// Rank `root` of the whole run (every stage starts from its weights).
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+        self.world
+            .broadcast(flat, root, "parameter broadcast")?
+            .wait()
+    }
+
+    fn reduce_unbuffered(
+        &self,
+        grads: GradientsParams,
+    ) -> std::result::Result<GradientsParams, GradientsParams> {
+        Err(grads)
+    }
+
+    fn backward_reached_nothing(&self) -> Result<()> {
+        self.inner.backward_reached_nothing()
+    }
+
+    fn no_gradients_held(&self, operation: &'static str) -> Result<()> {
+        self.inner.no_gradients_held(operation)
+    }
+
+    /// The stage's norm, combined over the pipeline's stages.
+    fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
+        let stage = if norms.is_empty() {
+            0.0
+        } else {
+            self.inner.gradient_norm(norms, norm_type)?
+        };
+        let comm = &self.stages.comm;
+        Ok(match norm_type {
+            NormType::Inf => comm.all_reduce_value(stage, ReduceOp::Max, "gradient norm")?,
+            NormType::L2 => comm
+                .all_reduce_value(stage * stage, ReduceOp::Sum, "gradient norm")?
+                .sqrt(),
+            NormType::P(p) => comm
+                .all_reduce_value(stage.powf(p), ReduceOp::Sum, "gradient norm")?
+                .powf(1.0 / p),
+        })
+    }
+
+    /// A tied parameter's gradient (the same on every stage that uses it) counts on the first of them.
+    fn counts_in_norm(&self, id: ParamId) -> bool {
+        let tied = self.stages.tied.lock().unwrap_or_else(|e| e.into_inner());
+        if !tied
+            .as_ref()
+            .is_some_and(|t| t.iter().any(|(t, _)| *t == id))
+        {
+            return self.inner.counts_in_norm(id);
+        }
+        let owners = self
+            .stages
+            .rest_owner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        owners
+            .as_ref()
+            .and_then(|o| o.get(&id))
+            .is_none_or(|owner| *owner == self.stages.layout.stage)
+    }
+
+    fn any_rank(&self, local: bool) -> Result<bool> {
+        let stage = self.inner.any_rank(local)?;
+        let any = self.stages.comm.all_reduce_value(
+            f64::from(u8::from(stage)),
+            ReduceOp::Max,
+            "overflow verdict",
+        )?;
+        Ok(any > 0.0)
+    }
+
+    fn block_pass(&self) -> BlockPass {
+        self.inner.block_pass()
+    }
+
+    fn distributed_type(&self, launched: DistributedType) -> DistributedType {
+        self.inner.distributed_type(launched)
+    }
+
+    /// Each rank writes its stage's (and, under sharding, its slices').
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    /// Each rank writes its stage's blocks (the others are placeholders there).
+    fn model_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
+        self.inner.params_renamed(renamed)
+    }
+
+    fn split(&self, id: ParamId) -> Option<(Split, usize)> {
+        self.inner.split(id)
+    }
+
+    fn splits(&self) -> Vec<(ParamId, Split)> {
+        self.inner.splits()
+    }
+
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        self.inner.check_optimizer(optimizer)
+    }
+
+    /// Rank 0's value (the run's initial weights) on the ranks that keep it, then kept as the stage's strategy
+    /// keeps it: a block's parameter is sent only to the ranks of the stage that runs it, and arrives elsewhere as
+    /// an empty placeholder (no rank receives another stage's blocks); the others go to every rank.
+    fn arrive(
+        &self,
+        id: ParamId,
+        dims: &[usize],
+        trains: bool,
+        value: Arriving,
+        root: usize,
+    ) -> Result<(Tensor<1>, Vec<usize>)> {
+        let owner = self
+            .stages
+            .arrivals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+            .and_then(|(owners, next)| {
+                *next += 1;
+                owners.get(*next - 1).copied().flatten()
+            });
+        let Some(stage) = owner else {
+            let whole = self.broadcast(value.into_buffer(), root)?;
+            return self
+                .inner
+                .arrive(id, dims, trains, Arriving::Value(whole), 0);
+        };
+        let replicas = self.stages.layout.replicas;
+        let holders = stage * replicas..(stage + 1) * replicas;
+        let me = self.world.rank();
+        let (device, dtype) = value.place();
+        let placeholder = || {
+            let mut dims = dims.to_vec();
+            if let Some(first) = dims.first_mut() {
+                *first = 0;
+            }
+            (Tensor::<1>::zeros([0], (&device, dtype)), dims)
+        };
+        let whole = if me == root {
+            let whole = value.into_buffer();
+            let sends: Vec<(usize, Tensor<1>)> = holders
+                .clone()
+                .filter(|r| *r != me)
+                .map(|r| (r, whole.clone()))
+                .collect();
+            if !sends.is_empty() {
+                self.world
+                    .send_recv(sends, Vec::new(), "stage parameter arrival")?
+                    .wait()?;
+            }
+            whole
+        } else if holders.contains(&me) {
+            let incoming = crate::distributed::tensor_comm::Incoming {
+                peer: root,
+                len: dims.iter().product(),
+                device: device.clone(),
+                dtype,
+            };
+            self.world
+                .send_recv(Vec::new(), vec![incoming], "stage parameter arrival")?
+                .wait()?
+                .remove(0)
+        } else {
+            drop(value);
+            return Ok(placeholder());
+        };
+        if !holders.contains(&me) {
+            return Ok(placeholder());
+        }
+        self.inner
+            .arrive(id, dims, trains, Arriving::Value(whole), 0)
+    }
+
+    fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        self.inner.setup(params)
+    }
+
+    fn unshard(&self, params: &mut ModuleParams<'_>, kept: &HashSet<ParamId>) -> Result<()> {
+        self.inner.unshard(params, kept)
+    }
+
+    fn start_unshard(&self, params: &mut ModuleParams<'_>) -> Result<FinishUnshard> {
+        self.inner.start_unshard(params)
+    }
+
+    fn before_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        self.inner.before_step(params)
+    }
+
+    /// The stage's strategy's, then (once) the parameters outside the blocks that only other stages train become
+    /// placeholders here: their copy on this stage would go stale, and take memory.
+    fn after_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        self.inner.after_step(params)?;
+        let elsewhere = self
+            .stages
+            .rest_elsewhere
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default();
+        if elsewhere.is_empty()
+            || self
+                .stages
+                .dropped_rest
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(());
+        }
+        let table = params.table();
+        let placeholders: Vec<_> = table
+            .entries()
+            .iter()
+            // A parameter the stage's strategy splits keeps its slices (its gathers expect them).
+            .filter(|e| {
+                elsewhere.contains(&e.id)
+                    && e.num_elements() > 0
+                    && self.inner.split(e.id).is_none()
+            })
+            .map(|e| {
+                let mut dims = e.dims.clone();
+                if let Some(first) = dims.first_mut() {
+                    *first = 0;
+                }
+                (e.id, dims, e.device.clone(), e.dtype, e.trainable)
+            })
+            .collect();
+        for (id, dims, device, dtype, trains) in placeholders {
+            table.replace(id, Tensor::<1>::zeros([0], (&device, dtype)), dims, trains);
+        }
+        Ok(())
+    }
+
+    /// None: a pipelined save fetches each parameter from its stage (`StageFetcher`), not from one group's
+    /// slices.
+    fn fetcher(&self, _params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
+        None
+    }
+
+    fn check_learner(&self) -> Result<()> {
+        Err(Error::InvalidArgument(format!(
+            "the Learner cannot train with pp_size {}: it runs its own forward pass over the whole model, while a \
+             pipeline runs each stage's blocks on its own ranks; train in your own loop with \
+             `accelerator.backward_batch`, or set pp_size to 1 for the Learner",
+            self.stages.layout.stages
+        )))
+    }
+}
