@@ -525,6 +525,38 @@ fn stages_of_two_replicas_train_as_one_process_on_the_whole_batch() {
     }
 }
 
+/// `run` trained for `run.steps` steps and saved into `dir` (every rank calls it): the model at the save.
+fn trained_and_saved(acc: &Accelerator, run: &Run, dir: &std::path::Path) -> Result<Deep> {
+    let model = acc.prepare_blocks(model(acc.device()))?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let (model, _) = train(acc, run, model, &mut optimizer, 0)?;
+    acc.save_state(
+        Some(dir),
+        &StateToSave::new().model(&model)?.optimizer(&optimizer)?,
+    )?;
+    Ok(model)
+}
+
+/// A fresh model and optimizer restored from `dir` (every rank calls it).
+fn restored(acc: &Accelerator, dir: &std::path::Path) -> Result<(Deep, AcceleratedOptimizer)> {
+    let model = acc.prepare_blocks(model_fresh(acc.device()))?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let mut state = acc.load_state(Some(dir))?;
+    let model = state.model(model)?;
+    state.optimizer(&mut optimizer)?;
+    state.finish()?;
+    Ok((model, optimizer))
+}
+
+/// The whole model after `run` trained twice its steps straight through.
+fn straight_through(run: Run) -> Vec<Vec<f32>> {
+    let twice = Run {
+        steps: 2 * run.steps,
+        ..run
+    };
+    merged(&pipelined(twice).0, run.stages, 1)
+}
+
 #[test]
 fn a_state_saved_by_one_replica_resumes_on_two_and_stages_drop_what_they_do_not_train() {
     let run = Run {
@@ -532,23 +564,9 @@ fn a_state_saved_by_one_replica_resumes_on_two_and_stages_drop_what_they_do_not_
         ..Run::new(2, 2, PipelineSchedule::OneFOneB)
     };
     let dir = std::env::temp_dir().join("pipeline-resume-replicas");
-    let straight = {
-        let mut twice = run;
-        twice.steps = 12;
-        pipelined(twice).0
-    };
     let saved = run
         .builder()
-        .launch(2, |acc| {
-            let model = acc.prepare_blocks(model(acc.device()))?;
-            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-            let (model, _) = train(&acc, &run, model, &mut optimizer, 0)?;
-            acc.save_state(
-                Some(&dir),
-                &StateToSave::new().model(&model)?.optimizer(&optimizer)?,
-            )?;
-            Ok(params(&model))
-        })
+        .launch(2, |acc| Ok(params(&trained_and_saved(&acc, &run, &dir)?)))
         .unwrap();
     // After a step, the first stage holds no head and the last no input layer: only the stage that trains them.
     let count = saved[0].len();
@@ -559,20 +577,14 @@ fn a_state_saved_by_one_replica_resumes_on_two_and_stages_drop_what_they_do_not_
     let resumed = twice
         .builder()
         .launch(4, |acc| {
-            let model = acc.prepare_blocks(model_fresh(acc.device()))?;
-            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-            let mut state = acc.load_state(Some(&dir))?;
-            let model = state.model(model)?;
-            state.optimizer(&mut optimizer)?;
-            state.finish()?;
+            let (model, mut optimizer) = restored(&acc, &dir)?;
             let loaded = params(&model);
             let (model, _) = train(&acc, &twice, model, &mut optimizer, 6)?;
             Ok((loaded, params(&model)))
         })
         .unwrap();
-    let loaded: Vec<_> = resumed.iter().map(|r| r.0.clone()).collect();
     for replica in 0..2 {
-        let ranks = [loaded[replica].clone(), loaded[2 + replica].clone()];
+        let ranks = [resumed[replica].0.clone(), resumed[2 + replica].0.clone()];
         assert_eq!(
             merged(&ranks, 2, 1),
             merged(&saved, 2, 1),
@@ -580,7 +592,7 @@ fn a_state_saved_by_one_replica_resumes_on_two_and_stages_drop_what_they_do_not_
         );
     }
     let trained: Vec<_> = resumed.into_iter().map(|r| r.1).collect();
-    let diff = max_diff(&merged(&trained, 2, 2), &merged(&straight, 2, 1));
+    let diff = max_diff(&merged(&trained, 2, 2), &straight_through(run));
     assert!(
         diff < 2e-5,
         "2 replicas from step 6 vs 1 throughout: {diff}"
@@ -594,33 +606,16 @@ fn a_run_saved_and_resumed_continues_as_one_trained_straight_through() {
         ..Run::new(2, 2, PipelineSchedule::OneFOneB)
     };
     let dir = std::env::temp_dir().join("pipeline-resume");
-    let straight = {
-        let mut twice = run;
-        twice.steps = 12;
-        pipelined(twice).0
-    };
     let resumed = run
         .builder()
         .launch(2, |acc| {
-            let model = acc.prepare_blocks(model(acc.device()))?;
-            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-            let (model, _) = train(&acc, &run, model, &mut optimizer, 0)?;
-            acc.save_state(
-                Some(&dir),
-                &StateToSave::new().model(&model)?.optimizer(&optimizer)?,
-            )?;
-            // A fresh start, restored from the checkpoint.
-            let model = acc.prepare_blocks(model_fresh(acc.device()))?;
-            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-            let mut state = acc.load_state(Some(&dir))?;
-            let model = state.model(model)?;
-            state.optimizer(&mut optimizer)?;
-            state.finish()?;
+            trained_and_saved(&acc, &run, &dir)?;
+            let (model, mut optimizer) = restored(&acc, &dir)?;
             let (model, _) = train(&acc, &run, model, &mut optimizer, 6)?;
             Ok(params(&model))
         })
         .unwrap();
-    assert_eq!(merged(&resumed, 2, 1), merged(&straight, 2, 1));
+    assert_eq!(merged(&resumed, 2, 1), straight_through(run));
 }
 
 /// A model with other weights than [`model`]'s, for a restore to overwrite.
