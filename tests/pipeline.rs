@@ -483,6 +483,35 @@ fn a_stage_receives_only_its_own_blocks_and_what_is_outside_them() {
 }
 
 #[test]
+fn stages_cut_where_the_user_says_train_the_same_bits() {
+    let run = Run::new(2, 4, PipelineSchedule::OneFOneB);
+    let counts = |blocks: Vec<usize>| {
+        run.builder().pp_stage_blocks(blocks).launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+            let (model, _) = train(&acc, &run, model, &mut optimizer, 0)?;
+            Ok(params(&model))
+        })
+    };
+    let ranks = counts(vec![2, 6]).unwrap();
+    let held = |rank: usize| {
+        (0..LAYERS)
+            .filter(|l| !ranks[rank][2 + 2 * l].is_empty())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(held(0), vec![0, 1]);
+    assert_eq!(held(1), (2..LAYERS).collect::<Vec<_>>());
+    assert_eq!(merged(&ranks, 2, 1), reference(run).0);
+    let err = counts(vec![3, 3]).unwrap_err().to_string();
+    assert!(
+        err.contains("pp_stage_blocks [3, 3] runs 6 block(s), and the model has 8"),
+        "{err}"
+    );
+    let err = counts(vec![8]).unwrap_err().to_string();
+    assert!(err.contains("one count of blocks per stage"), "{err}");
+}
+
+#[test]
 fn each_stage_holds_only_its_own_blocks() {
     let (ranks, _) = pipelined(Run {
         steps: 1,

@@ -77,6 +77,10 @@ pub struct LaunchArgs {
     /// The pipeline's schedule: gpipe or 1f1b (ACCELERATE_PP_SCHEDULE); default 1f1b.
     #[arg(long = "pp-schedule", visible_alias = "pp_schedule")]
     pub pp_schedule: Option<burn_accelerate::PipelineSchedule>,
+    /// Blocks per pipeline stage, first stage first, e.g. 3,5 (ACCELERATE_PP_STAGE_BLOCKS); default: cut by the
+    /// blocks' parameters.
+    #[arg(long = "pp-stage-blocks", visible_alias = "pp_stage_blocks")]
+    pub pp_stage_blocks: Option<String>,
     /// The dtype blocks are gathered in under FULL_SHARD / HYBRID_SHARD: fp32, bf16 or fp16 (FSDP2's
     /// param_dtype; FSDP_PARAM_DTYPE); bf16 and fp16 need the same --mixed_precision. Default: the parameters'.
     #[arg(long = "fsdp-param-dtype", visible_alias = "fsdp_param_dtype")]
@@ -265,6 +269,12 @@ impl Plan {
         if let Some(schedule) = args.pp_schedule {
             resolved.pipeline.pp_schedule = schedule;
             flag(Key::PpSchedule, &mut resolved);
+        }
+        if let Some(text) = &args.pp_stage_blocks {
+            let counts = burn_accelerate::PipelineSettings::parse_stage_blocks(text)
+                .map_err(|e| fail(format!("--pp-stage-blocks: {e}")))?;
+            resolved.pipeline.pp_stage_blocks = Some(counts);
+            flag(Key::PpStageBlocks, &mut resolved);
         }
         if let Some(dtype) = args.fsdp_param_dtype {
             resolved.distributed.fsdp_param_dtype = Some(dtype);

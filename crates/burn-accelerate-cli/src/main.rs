@@ -42,7 +42,7 @@ enum Command {
     },
     /// Run a program on one process, or on several through mpirun (`--num-processes`, `--hostfile`), with the
     /// settings of the command line over the environment over the config file.
-    Launch(launch::LaunchArgs),
+    Launch(Box<launch::LaunchArgs>),
     /// Check that distributed training works here: collectives, data sharding and a short parity training
     /// across `--num-processes` processes (through mpirun when built with the `mpi` feature).
     Test(selftest::TestArgs),

@@ -413,6 +413,7 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
             pp_size: None,
             pp_microbatches: None,
             pp_schedule: None,
+            pp_stage_blocks: None,
             fsdp_param_dtype: None,
             fsdp_reduce_dtype: None,
             fsdp_activation_checkpointing: None,

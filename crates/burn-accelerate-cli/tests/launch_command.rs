@@ -201,6 +201,8 @@ fn fsdp_flags_choose_the_sharding_and_reach_the_program() {
             "8",
             "--pp-schedule",
             "gpipe",
+            "--pp-stage-blocks",
+            "3,5",
             "env",
         ])
         .output()
@@ -209,6 +211,7 @@ fn fsdp_flags_choose_the_sharding_and_reach_the_program() {
         "pp_size=2 (command line)",
         "pp_microbatches=8 (command line)",
         "pp_schedule=gpipe (command line)",
+        "pp_stage_blocks=3,5 (command line)",
     ] {
         assert!(
             settings(&out).contains(setting),

@@ -43,6 +43,7 @@ pub struct AcceleratorBuilder {
     pp_size: Option<usize>,
     pp_microbatches: Option<usize>,
     pp_schedule: Option<crate::config::PipelineSchedule>,
+    pp_stage_blocks: Option<Vec<usize>>,
     fsdp_param_dtype: Option<crate::config::ShardDtype>,
     fsdp_reduce_dtype: Option<crate::config::ShardDtype>,
     activation_checkpointing: Option<bool>,
@@ -258,6 +259,14 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// How many blocks each pipeline stage runs, first stage first (default: cut by the blocks' parameters;
+    /// `ACCELERATE_PP_STAGE_BLOCKS=3,5`): one count per stage, summing to the model's blocks. Give the first and
+    /// the last stage fewer blocks when what precedes or follows the blocks (an embedding, a large head) weighs.
+    pub fn pp_stage_blocks(mut self, counts: Vec<usize>) -> Self {
+        self.pp_stage_blocks = Some(counts);
+        self
+    }
+
     /// FSDP2's `param_dtype`: the dtype [`Accelerator::backward_blocks`] gathers each block's parameters in under a
     /// strategy that reshards them (`FULL_SHARD`, `HYBRID_SHARD`): half the traffic and half the gathered block in
     /// bf16 or fp16, where each rank keeps its slices (and their optimizer state) in the parameters' own dtype.
@@ -418,6 +427,10 @@ impl AcceleratorBuilder {
         if let Some(schedule) = self.pp_schedule {
             config.pipeline.pp_schedule = schedule;
             config.set_source(Key::PpSchedule, Source::Builder);
+        }
+        if let Some(counts) = self.pp_stage_blocks.clone() {
+            config.pipeline.pp_stage_blocks = Some(counts);
+            config.set_source(Key::PpStageBlocks, Source::Builder);
         }
         if let Some(dtype) = self.fsdp_param_dtype {
             config.distributed.fsdp_param_dtype = Some(dtype);

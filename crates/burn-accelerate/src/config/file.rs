@@ -245,6 +245,18 @@ fn read_parallelism_config(
                     config.set_source(Key::PpMicrobatches, source);
                 }
             }
+            "parallelism_config_pp_stage_blocks" => {
+                let counts = crate::config::PipelineSettings::parse_stage_blocks(&raw).map_err(|_| {
+                    Error::config(
+                        "parallelism_config.parallelism_config_pp_stage_blocks",
+                        &raw,
+                        origin,
+                        "counts of blocks per stage separated by commas, each 1 or more (`3,5`)",
+                    )
+                })?;
+                config.pipeline.pp_stage_blocks = Some(counts);
+                config.set_source(Key::PpStageBlocks, Source::File(origin.to_string()));
+            }
             "parallelism_config_pp_schedule" => {
                 config.pipeline.pp_schedule = raw.parse().map_err(|_| {
                     Error::config(

@@ -56,6 +56,7 @@ keys! {
     PpSize => "pp_size",
     PpMicrobatches => "pp_microbatches",
     PpSchedule => "pp_schedule",
+    PpStageBlocks => "pp_stage_blocks",
     FsdpParamDtype => "fsdp_param_dtype",
     FsdpReduceDtype => "fsdp_reduce_dtype",
     ActivationCheckpointing => "activation_checkpointing",

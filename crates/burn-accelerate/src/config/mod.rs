@@ -17,7 +17,8 @@ pub use groups::{
 };
 pub use key::Key;
 pub use pipeline::{
-    PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, PipelineSchedule, PipelineSettings,
+    PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, PP_STAGE_BLOCKS_VAR, PipelineSchedule,
+    PipelineSettings,
 };
 pub use shard_dtype::ShardDtype;
 pub use sharding::ShardingStrategy;
@@ -231,7 +232,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 17] {
+    fn values(&self) -> [(Key, String); 18] {
         [
             (
                 Key::MixedPrecision,
@@ -274,6 +275,12 @@ impl AcceleratorConfig {
                 self.pipeline.microbatches().to_string(),
             ),
             (Key::PpSchedule, self.pipeline.pp_schedule.to_string()),
+            (
+                Key::PpStageBlocks,
+                self.pipeline
+                    .stage_blocks_text()
+                    .unwrap_or_else(|| "by parameters".into()),
+            ),
             (
                 Key::ActivationCheckpointing,
                 self.memory.activation_checkpointing.to_string(),
@@ -360,6 +367,19 @@ impl AcceleratorConfig {
                 "0",
                 self.source(Key::PpMicrobatches).to_string(),
                 "a number of micro-batches per batch >= 1",
+            ));
+        }
+        if let Some(counts) = &self.pipeline.pp_stage_blocks
+            && (counts.len() != self.pipeline.pp_size || counts.contains(&0))
+        {
+            return Err(Error::config(
+                "pp_stage_blocks",
+                self.pipeline.stage_blocks_text().unwrap_or_default(),
+                self.source(Key::PpStageBlocks).to_string(),
+                format!(
+                    "one count of blocks per stage, each 1 or more: {} of them for pp_size {}",
+                    self.pipeline.pp_size, self.pipeline.pp_size
+                ),
             ));
         }
         if self.pipeline.is_pipelined() && self.distributed.sharding.is_hybrid() {

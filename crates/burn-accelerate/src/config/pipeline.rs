@@ -14,6 +14,8 @@ pub const PP_SIZE_VAR: &str = "ACCELERATE_PP_SIZE";
 pub const PP_MICROBATCHES_VAR: &str = "ACCELERATE_PP_MICROBATCHES";
 /// The environment variable that sets [`PipelineSettings::pp_schedule`].
 pub const PP_SCHEDULE_VAR: &str = "ACCELERATE_PP_SCHEDULE";
+/// The environment variable that sets [`PipelineSettings::pp_stage_blocks`] (`3,5`: 3 blocks, then 5).
+pub const PP_STAGE_BLOCKS_VAR: &str = "ACCELERATE_PP_STAGE_BLOCKS";
 
 /// How a pipeline stage orders its micro-batches' forward and backward passes (`torch.distributed.pipelining`'s
 /// `ScheduleGPipe` and `Schedule1F1B`). Both leave each stage idle for the same share of a step,
@@ -89,6 +91,10 @@ pub struct PipelineSettings {
     pub pp_microbatches: Option<usize>,
     /// The schedule (default [`PipelineSchedule::OneFOneB`]; `ACCELERATE_PP_SCHEDULE`).
     pub pp_schedule: PipelineSchedule,
+    /// How many blocks each stage runs, first stage first (default: cut by the blocks' parameters;
+    /// `ACCELERATE_PP_STAGE_BLOCKS=3,5`): one count per stage, each at least 1, summing to the model's blocks.
+    /// torchtitan's `pipeline_parallel_split_points`, as counts.
+    pub pp_stage_blocks: Option<Vec<usize>>,
 }
 
 impl Default for PipelineSettings {
@@ -97,6 +103,7 @@ impl Default for PipelineSettings {
             pp_size: 1,
             pp_microbatches: None,
             pp_schedule: PipelineSchedule::default(),
+            pp_stage_blocks: None,
         }
     }
 }
@@ -105,6 +112,35 @@ impl PipelineSettings {
     /// Whether the blocks run as a pipeline (more than one stage).
     pub fn is_pipelined(&self) -> bool {
         self.pp_size > 1
+    }
+
+    /// `pp_stage_blocks` as the setting's text (`3,5`).
+    pub fn stage_blocks_text(&self) -> Option<String> {
+        self.pp_stage_blocks.as_ref().map(|counts| {
+            counts
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+    }
+
+    /// Reads `pp_stage_blocks` from its text (`3,5`).
+    ///
+    /// # Errors
+    /// A part that is not a count of 1 or more.
+    pub fn parse_stage_blocks(text: &str) -> Result<Vec<usize>> {
+        text.split(',')
+            .map(|part| part.trim().parse::<usize>().ok().filter(|n| *n > 0))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                Error::config(
+                    "pp_stage_blocks",
+                    text.trim(),
+                    "configuration",
+                    "counts of blocks per stage separated by commas, each 1 or more (`3,5`)",
+                )
+            })
     }
 
     /// The micro-batches each batch is split into: the setting, else `pp_size`.

@@ -87,13 +87,15 @@ fn every_key_python_accelerate_writes_is_accepted_and_unusable_values_fail_only_
         Source::File("hybrid.yaml".into())
     );
     let pipeline = "parallelism_config:\n  parallelism_config_pp_size: 4\n  \
-                    parallelism_config_pp_microbatches: 8\n  parallelism_config_pp_schedule: GPipe\n";
+                    parallelism_config_pp_microbatches: 8\n  parallelism_config_pp_schedule: GPipe\n  \
+                    parallelism_config_pp_stage_blocks: 1,2,2,3\n";
     let mut config = AcceleratorConfig::default();
     config.apply_yaml(pipeline, "pp.yaml").unwrap();
     assert_eq!(config.pipeline.pp_size, 4);
     assert_eq!(config.pipeline.microbatches(), 8);
     assert_eq!(config.pipeline.pp_schedule, crate::PipelineSchedule::GPipe);
     assert_eq!(config.source(Key::PpSize), Source::File("pp.yaml".into()));
+    assert_eq!(config.pipeline.pp_stage_blocks, Some(vec![1, 2, 2, 3]));
     config.validate().unwrap();
     let err = AcceleratorConfig::default()
         .apply_yaml(

@@ -4,8 +4,8 @@
 
 use super::{
     ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, DP_SHARD_SIZE_VAR,
-    FSDP_VARS, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, RESTART_COUNT_VARS,
-    RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR, env,
+    FSDP_VARS, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, PP_STAGE_BLOCKS_VAR,
+    RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR, env,
 };
 use crate::error::{Error, Result};
 
@@ -85,6 +85,23 @@ const VARIABLES: &[Variable] = &[
             parse(name, text, "gpipe or 1f1b").map(|v| c.pipeline.pp_schedule = v)
         },
         write: Some(|c| Some(c.pipeline.pp_schedule.to_string())),
+    },
+    Variable {
+        name: PP_STAGE_BLOCKS_VAR,
+        key: Key::PpStageBlocks,
+        read: |c, name, text| {
+            super::PipelineSettings::parse_stage_blocks(text)
+                .map_err(|_| {
+                    Error::config(
+                        name,
+                        text,
+                        "environment",
+                        "counts of blocks per stage separated by commas, each 1 or more (`3,5`)",
+                    )
+                })
+                .map(|v| c.pipeline.pp_stage_blocks = Some(v))
+        },
+        write: Some(|c| c.pipeline.stage_blocks_text()),
     },
     Variable {
         name: "FSDP_PARAM_DTYPE",
@@ -254,6 +271,7 @@ mod tests {
         launched.pipeline.pp_size = 2;
         launched.pipeline.pp_microbatches = Some(6);
         launched.pipeline.pp_schedule = crate::PipelineSchedule::GPipe;
+        launched.pipeline.pp_stage_blocks = Some(vec![3, 5]);
         launched.set_source(Key::MixedPrecision, Source::CommandLine);
         let vars = launched.launch_env();
         let read = read_back(&vars);

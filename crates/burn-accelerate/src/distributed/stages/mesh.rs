@@ -77,6 +77,8 @@ pub(crate) struct Stages {
     pub last_trace: Mutex<Option<StageTrace>>,
     /// Each stage's blocks, once cut (at `prepare_blocks`, or at the first step of a model prepared whole).
     pub cut: Mutex<Option<Vec<Range<usize>>>>,
+    /// The user's counts of blocks per stage (`pp_stage_blocks`), if any.
+    pub stage_blocks: Option<Vec<usize>>,
     /// While `prepare_blocks` prepares a model: the stage that runs each parameter, by position (visiting order;
     /// `None` for those outside the blocks, which every stage keeps), and the position of the next to arrive.
     pub arrivals: Mutex<Option<(Vec<Option<usize>>, usize)>>,
@@ -112,7 +114,27 @@ impl Stages {
         {
             return Ok(ranges.clone());
         }
-        let ranges = crate::pipeline::stage_blocks(model, self.layout.stages)?;
+        let ranges = match &self.stage_blocks {
+            Some(counts) => {
+                let blocks = model.blocks().len();
+                if counts.iter().sum::<usize>() != blocks {
+                    return Err(Error::InvalidArgument(format!(
+                        "pp_stage_blocks {counts:?} runs {} block(s), and the model has {blocks}: give each stage its \
+                         count so that they add up to the model's blocks",
+                        counts.iter().sum::<usize>()
+                    )));
+                }
+                let mut start = 0;
+                counts
+                    .iter()
+                    .map(|n| {
+                        start += n;
+                        start - n..start
+                    })
+                    .collect()
+            }
+            None => crate::pipeline::stage_blocks(model, self.layout.stages)?,
+        };
         *cut = Some(ranges.clone());
         Ok(ranges)
     }
@@ -166,6 +188,7 @@ pub(crate) fn for_mesh(
         micro_batches: config.pipeline.microbatches(),
         last_trace: Mutex::new(None),
         cut: Mutex::new(None),
+        stage_blocks: config.pipeline.pp_stage_blocks.clone(),
         arrivals: Mutex::new(None),
         tied: Mutex::new(None),
         rest_owner: Mutex::new(None),
