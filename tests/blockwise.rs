@@ -13,7 +13,7 @@ mod deep;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Tensor;
@@ -85,22 +85,7 @@ impl Setup {
 
 /// Every float parameter's values, in visiting order.
 fn flatten<M: Module>(model: &M) -> Vec<f32> {
-    struct Values(Vec<f32>);
-    impl ModuleVisitor for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.extend(
-                param
-                    .val()
-                    .into_data()
-                    .convert::<f32>()
-                    .try_to_vec::<f32>()
-                    .unwrap(),
-            );
-        }
-    }
-    let mut values = Values(Vec::new());
-    model.visit(&mut values);
-    values.0
+    deep::params(model).concat()
 }
 
 /// Trains `model` for `setup.steps` micro-batches from micro-batch `from`, with `backward_blocks` (or the

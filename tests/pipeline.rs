@@ -11,11 +11,10 @@ mod isolation;
 #[path = "support/deep.rs"]
 mod deep;
 
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::LinearConfig;
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Tensor};
-use deep::{Deep, WIDTH, batch};
+use deep::{Deep, WIDTH, batch, params};
 
 use burn_accelerate::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, MixedPrecision, PipelineSchedule,
@@ -28,26 +27,6 @@ const LAYERS: usize = 8;
 
 fn model(device: &Device) -> Deep {
     deep::model(LAYERS, device)
-}
-
-/// Each float parameter's values, in visiting order (empty for a placeholder).
-fn params<M: Module>(model: &M) -> Vec<Vec<f32>> {
-    struct Values(Vec<Vec<f32>>);
-    impl ModuleVisitor for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(
-                param
-                    .val()
-                    .into_data()
-                    .convert::<f32>()
-                    .try_to_vec::<f32>()
-                    .unwrap(),
-            );
-        }
-    }
-    let mut values = Values(Vec::new());
-    model.visit(&mut values);
-    values.0
 }
 
 /// The loss of a micro-batch: the summed squared error over the rows of a whole micro-batch.

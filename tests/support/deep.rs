@@ -1,7 +1,7 @@
 //! The deep stack the block-wise and pipeline tests train: an input layer, square blocks with tanh, a head; its
 //! weights from a fixed formula and its data made up, so that every run of every test starts alike.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 use burn_accelerate::Blocks;
@@ -68,4 +68,24 @@ pub fn batch(first: usize, rows: usize, device: &Device) -> (Tensor<2>, Tensor<2
         Tensor::<1>::from_floats(x.as_slice(), device).reshape([rows, 6]),
         Tensor::<1>::from_floats(y.as_slice(), device).reshape([rows, 1]),
     )
+}
+
+/// Each float parameter's values, in visiting order (empty for a placeholder).
+pub fn params<M: Module>(model: &M) -> Vec<Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(
+                param
+                    .val()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
 }

@@ -317,12 +317,23 @@ impl StepPipeline {
                 .map_flat(&param_ids(model), |g| g.mul_scalar(scale)),
             Reduced::Unscaled | Reduced::Scaled => {}
         }
+        self.record_overflow(&mut precision, core, &param_ids(model), model_key(model))
+    }
+
+    /// Under fp16 loss scaling, whether any gradient of `ids` overflowed on any rank (the strategy's
+    /// [`any_rank`](Strategy::any_rank)), recorded as the window of `key`'s verdict; nothing without loss scaling.
+    fn record_overflow(
+        &self,
+        precision: &mut Precision,
+        core: &mut crate::grad::window::StepCore,
+        ids: &[burn::module::ParamId],
+        key: crate::grad::window::ModelKey,
+    ) -> Result<()> {
         if precision.loss_scale().is_some() {
             let grads = &mut core.grads;
             let strategy = &self.strategy;
-            let overflow = precision
-                .verdict(|| strategy.any_rank(has_non_finite(grads, &param_ids(model))?))?;
-            core.state.record_overflow(model_key(model), overflow);
+            let overflow = precision.verdict(|| strategy.any_rank(has_non_finite(grads, ids)?))?;
+            core.state.record_overflow(key, overflow);
         }
         Ok(())
     }
@@ -347,10 +358,23 @@ impl StepPipeline {
         if self.strategy.reduces_to_itself(scale) {
             return Ok(());
         }
-        let params = trainable_params(model);
+        self.average_params(grads, model, &trainable_params(model), scale)
+    }
+
+    /// [`average`](Self::average) of `params`, parameters of `module` (a pipeline stage's share of it).
+    fn average_params<M: Module>(
+        &self,
+        grads: &mut GradientBuffer,
+        module: &M,
+        params: &[(burn::module::ParamId, usize)],
+        scale: f32,
+    ) -> Result<()> {
+        if self.strategy.reduces_to_itself(scale) {
+            return Ok(());
+        }
         // A rank whose part of the batch reached none of them still makes every other rank's collective calls.
-        grads.hold_one_of(model, &params);
-        self.strategy.reduce_gradients(grads, &params, scale)
+        grads.hold_one_of(module, params);
+        self.strategy.reduce_gradients(grads, params, scale)
     }
 }
 

@@ -41,7 +41,6 @@ use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
 use crate::distributed::strategy::{trainable_params, unshard};
 use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
-use crate::grad::has_non_finite;
 use crate::grad::param_ids;
 use crate::grad::window::{BackwardPlan, model_key};
 
@@ -104,21 +103,8 @@ impl StepPipeline {
         let range = stages.blocks_of(model)?[s].clone();
         let whole = unshard(self.strategy.as_ref(), model)?;
         let blocks = &whole.blocks()[range.clone()];
-        let device = burn::module::Module::devices(&whole)
-            .into_iter()
-            .next()
-            .ok_or_else(|| {
-                Error::InvalidArgument(
-                    "backward_batch: the model's blocks hold no parameter".into(),
-                )
-            })?;
-        let mut mail = Mailbox {
-            stages,
-            pending: Vec::new(),
-            device: device.clone(),
-            started,
-            spans: Vec::new(),
-        };
+        let mut mail = Mailbox::new(stages, &whole, started, "backward_batch")?;
+        let device = mail.device.clone();
         let mut live: HashMap<usize, Live<D>> = HashMap::new();
         let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
         let last = layout.is_last_stage();
@@ -282,19 +268,8 @@ impl StepPipeline {
         let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
         let parts = batch.micro_batches(m)?;
         let range = stages.blocks_of(model)?[s].clone();
-        let device = burn::module::Module::devices(&whole)
-            .into_iter()
-            .next()
-            .ok_or_else(|| {
-                Error::InvalidArgument("forward_batch: the model holds no parameter".into())
-            })?;
-        let mut mail = Mailbox {
-            stages: &stages,
-            pending: Vec::new(),
-            device: device.clone(),
-            started: Instant::now(),
-            spans: Vec::new(),
-        };
+        let mut mail = Mailbox::new(&stages, &whole, Instant::now(), "forward_batch")?;
+        let device = mail.device.clone();
         let mut outputs = Vec::with_capacity(m);
         for (i, part) in parts.iter().enumerate() {
             let mut y = match s {
@@ -352,30 +327,27 @@ impl StepPipeline {
         };
         let sync_started = Instant::now();
         let held: HashSet<ParamId> = core.grads.ids().into_iter().collect();
-        let rest: Vec<(ParamId, usize)> = trainable_params(whole)
-            .into_iter()
+        let trainable = trainable_params(whole);
+        let rest: Vec<(ParamId, usize)> = trainable
+            .iter()
             .filter(|(id, _)| !block_ids.contains(id))
+            .copied()
             .collect();
         sum_tied(stages, &mut core.grads, &rest, &held)?;
-        let params: Vec<(ParamId, usize)> = trainable_params(whole)
+        // In visiting order: this stage's blocks, and what outside the blocks its passes reached.
+        let params: Vec<(ParamId, usize)> = trainable
             .into_iter()
-            .filter(|(id, _)| own.contains(id) || (!block_ids.contains(id) && held.contains(id)))
+            .filter(|(id, _)| match block_ids.contains(id) {
+                true => own.contains(id),
+                false => held.contains(id),
+            })
             .collect();
         let mut precision = self.precision();
         let scale =
             precision.unscaled(self.normalisation_of(micro_batches, micro_batches_per_batch));
-        if !self.strategy.reduces_to_itself(scale) {
-            core.grads.hold_one_of(whole, &params);
-            self.strategy
-                .reduce_gradients(&mut core.grads, &params, scale)?;
-        }
-        if precision.loss_scale().is_some() {
-            let ids: Vec<ParamId> = params.iter().map(|(id, _)| *id).collect();
-            let grads = &mut core.grads;
-            let strategy = &self.strategy;
-            let overflow = precision.verdict(|| strategy.any_rank(has_non_finite(grads, &ids)?))?;
-            core.state.record_overflow(model_key(model), overflow);
-        }
+        self.average_params(&mut core.grads, whole, &params, scale)?;
+        let ids: Vec<ParamId> = params.iter().map(|(id, _)| *id).collect();
+        self.record_overflow(&mut precision, &mut core, &ids, model_key(model))?;
         drop(precision);
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())

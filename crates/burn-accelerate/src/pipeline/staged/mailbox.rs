@@ -22,7 +22,30 @@ pub(super) struct Mailbox<'a> {
     pub spans: Vec<TraceSpan>,
 }
 
-impl Mailbox<'_> {
+impl<'a> Mailbox<'a> {
+    /// The mailbox of a stage of `stages` whose model (this stage's part gathered, `whole`) lives where its first
+    /// parameter does; its spans are timed from `started`.
+    ///
+    /// # Errors
+    /// The model holds no parameter (`operation` names the call).
+    pub fn new<M: burn::module::Module>(
+        stages: &'a Stages,
+        whole: &M,
+        started: Instant,
+        operation: &str,
+    ) -> Result<Self> {
+        let device = whole.devices().into_iter().next().ok_or_else(|| {
+            Error::InvalidArgument(format!("{operation}: the model holds no parameter"))
+        })?;
+        Ok(Self {
+            stages,
+            pending: Vec::new(),
+            device,
+            started,
+            spans: Vec::new(),
+        })
+    }
+
     /// Queues `flat` for stage `peer`.
     pub fn send(&mut self, peer: usize, flat: Tensor<1>) {
         self.pending.push((peer, flat));
