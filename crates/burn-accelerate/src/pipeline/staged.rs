@@ -44,12 +44,28 @@ use crate::error::{Error, Result};
 use crate::grad::param_ids;
 use crate::grad::window::{BackwardPlan, model_key};
 
-/// What a forward pass left for its backward pass.
-enum Live<const D: usize> {
-    /// An inner stage's: its input (tracked, to send its gradient back) and its output.
-    Activation(Option<Tensor<D>>, Tensor<D>),
-    /// The last stage's: its input and the micro-batch's loss.
-    Loss(Option<Tensor<D>>, Tensor<1>),
+/// What a forward pass left for its backward pass: the graph of each of the stage's blocks apart, cut at every
+/// block's input, so that a backward pass runs block by block from the last, adding each block's gradients to the
+/// window's before the next block's are computed. (One graph for the stage would hold a whole second set of the
+/// stage's gradients beside the window's until its backward pass ends: a stage accumulating micro-batches then
+/// peaks at 4 more bytes a parameter than one process.)
+struct Live<const D: usize> {
+    /// The stage's input, received from the stage before (tracked, to send its gradient back; none on the first
+    /// stage).
+    input: Option<Tensor<D>>,
+    /// Each inner cut, from the first: the output of the block before it (tracked in that block's graph) and the
+    /// input of the block after it (the same values, tracked anew).
+    cuts: Vec<(Tensor<D>, Tensor<D>)>,
+    /// Where the last block's graph ends.
+    end: End<D>,
+}
+
+/// Where a stage's last graph ends.
+enum End<const D: usize> {
+    /// An inner stage's output, sent to the next stage, whose gradient comes back from it.
+    Output(Tensor<D>),
+    /// The last stage's micro-batch loss.
+    Loss(Tensor<1>),
 }
 
 impl StepPipeline {
@@ -113,20 +129,26 @@ impl StepPipeline {
             let next = passes.get(k + 1).copied();
             match pass {
                 Pass::Forward(i) => {
-                    let x = if s == 0 {
+                    let input = if s == 0 {
                         None
                     } else {
                         Some(mail.receive_activation::<D>(s - 1, i)?.require_grad())
                     };
                     let start = Instant::now();
-                    let mut y = match &x {
+                    let mut y = match &input {
                         Some(x) => x.clone(),
                         None => before(&whole, &parts[i]),
                     };
-                    for b in blocks {
+                    let mut cuts = Vec::with_capacity(blocks.len().saturating_sub(1));
+                    for (j, b) in blocks.iter().enumerate() {
+                        if j > 0 {
+                            let next = y.clone().detach().require_grad();
+                            cuts.push((y, next.clone()));
+                            y = next;
+                        }
                         y = block(b, y);
                     }
-                    let kept = if last {
+                    let end = if last {
                         let loss = after(&whole, y, &parts[i]);
                         if !loss.is_tracked() {
                             return Err(Error::InvalidArgument(
@@ -136,12 +158,12 @@ impl StepPipeline {
                                     .into(),
                             ));
                         }
-                        Live::Loss(x, loss)
+                        End::Loss(loss)
                     } else {
-                        Live::Activation(x, y)
+                        End::Output(y)
                     };
                     mail.spans.push(span(SpanKind::Forward, i, started, start));
-                    if let Live::Activation(_, y) = &kept {
+                    if let End::Output(y) = &end {
                         mail.send_activation(s + 1, y)?;
                         // Goes with the next receive when that comes from the same stage (a backward's
                         // gradient: Megatron's send_forward_recv_backward), else now.
@@ -149,22 +171,21 @@ impl StepPipeline {
                             mail.exchange(Vec::new(), i)?;
                         }
                     }
-                    live.insert(i, kept);
+                    live.insert(i, Live { input, cuts, end });
                 }
                 Pass::Backward(i) => {
-                    let kept = live.remove(&i).ok_or_else(|| {
+                    let Live { input, cuts, end } = live.remove(&i).ok_or_else(|| {
                         Error::other(format!(
                             "backward_batch: micro-batch {i} was not run forward"
                         ))
                     })?;
-                    let (x, mut grads, start) = match kept {
-                        Live::Loss(x, loss) => {
+                    let (mut grads, start) = match end {
+                        End::Loss(loss) => {
                             let start = Instant::now();
                             losses[i] = Some(loss.clone().detach());
-                            let grads = self.precision().scale_loss(loss).backward();
-                            (x, grads, start)
+                            (self.precision().scale_loss(loss).backward(), start)
                         }
-                        Live::Activation(x, y) => {
+                        End::Output(y) => {
                             let n = y.shape().num_elements();
                             let incoming = Incoming {
                                 peer: s + 1,
@@ -177,16 +198,20 @@ impl StepPipeline {
                                 .remove(0)
                                 .reshape(y.dims());
                             let start = Instant::now();
-                            (x, (y * g).sum().backward(), start)
+                            ((y * g).sum().backward(), start)
                         }
                     };
-                    let dx = match &x {
-                        Some(x) => Some(x.grad_remove(&mut grads).ok_or_else(|| {
-                            Error::InvalidArgument(format!(
-                                "backward_batch: stage {s}'s output does not depend on its input; `block` must \
-                                 compute each block's output from the activation it is given"
-                            ))
-                        })?),
+                    // Block by block from the last: each block's gradients join the window's before the block
+                    // before it runs backward (the same values as one graph's: the gradient crossing a cut is
+                    // the one the graph would pass on, and `sum(y * g)` hands `g` on exactly).
+                    for (output, next) in cuts.into_iter().rev() {
+                        let g = input_grad(&next, &mut grads, s)?;
+                        self.shared.lock().grads.collect(&whole, &mut grads);
+                        drop((grads, next));
+                        grads = (output * g).sum().backward();
+                    }
+                    let dx = match &input {
+                        Some(x) => Some(input_grad(x, &mut grads, s)?),
                         None => None,
                     };
                     self.shared.lock().grads.collect(&whole, &mut grads);
@@ -352,6 +377,23 @@ impl StepPipeline {
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())
     }
+}
+
+/// The gradient `grads` holds for `x`, the input of one of stage `s`'s blocks.
+///
+/// # Errors
+/// None: the blocks' output does not depend on `x`.
+fn input_grad<const D: usize>(
+    x: &Tensor<D>,
+    grads: &mut burn::tensor::Gradients,
+    s: usize,
+) -> Result<Tensor<D>> {
+    x.grad_remove(grads).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "backward_batch: stage {s}'s output does not depend on a block's input; `block` must compute each \
+             block's output from the activation it is given"
+        ))
+    })
 }
 
 /// A span of kind `kind` of micro-batch `i` from `start` to now, timed from the step's start `step`.
