@@ -3,16 +3,20 @@
 //! `pp_size` 2 and 4, 2, 4 and 8 micro-batches, in-process ranks each with its share of the cores (one compute
 //! thread a rank on 2 cores). The model's stages
 //! are balanced: equal square layers, the layers before and after them tiny. Writes each run's Chrome / Perfetto
-//! trace to `target/pipeline-trace-pp<P>-m<M>-<schedule>.json` (open it at ui.perfetto.dev). The stages' compute
+//! trace to `target/pipeline-trace-pp<P>-m<M>-<schedule>-<memory>.json` (open it at ui.perfetto.dev) and its
+//! picture beside it (`.svg`). The stages' compute
 //! must dwarf a transfer's fixed cost for the formula to hold: 8 layers of 768 × 768 on 128 rows per micro-batch.
 //! With `pp_size` 4 on a 2-core machine, 4 ranks share 2 cores: reported, not comparable to the formula.
+//! Runs `pp_size` 2 twice: with glibc's default allocator, then keeping the memory it frees (see
+//! `keep_freed_memory`), and `pp_size` 4 with the latter; the traces are named after the allocator
+//! (`...-default.json`, `...-kept.json`).
 //! `cargo bench -p burn-accelerate-examples --bench pipeline` (`PP_WIDTH`, `PP_ROWS`, `PP_STEPS` to change the size).
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::SgdConfig;
 use burn::tensor::Tensor;
-use burn_accelerate::distributed::stages::chrome_trace;
+use burn_accelerate::distributed::stages::{chrome_trace, svg_trace};
 use burn_accelerate::{Accelerator, Blocks, PipelineSchedule, StageTrace};
 
 #[derive(Module, Debug)]
@@ -41,7 +45,7 @@ fn run(stages: usize, micro_batches: usize, schedule: PipelineSchedule) -> Vec<V
     let (width, rows, steps) = (
         env("PP_WIDTH", 768),
         env("PP_ROWS", 128),
-        env("PP_STEPS", 8),
+        env("PP_STEPS", 16),
     );
     let layers = 8;
     let out = Accelerator::builder()
@@ -89,13 +93,18 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-fn main() {
-    // In-process ranks compute in pools of their own, each its share of the cores (one thread a rank here): the
-    // stages run side by side, as the bubble's formula assumes. (RAYON_NUM_THREADS would put them in one pool.)
-    println!(
-        "pp  m  schedule  ideal   measured idle share per stage (median of steps)   worst |Δ|"
-    );
-    for stages in [2, 4] {
+/// glibc hands memory freed at a step's end back to the system and the next step's first passes fault it in anew,
+/// which makes them slower than the rest (a first backward pass 20–30 % slower here, GPipe's growing forward passes
+/// 15 %); the formula assumes equal passes. A process started with these variables keeps what its allocator frees
+/// (glibc's tunables; other allocators ignore them), which makes the passes equal.
+const KEEP_FREED_MEMORY: [(&str, &str); 2] = [
+    ("MALLOC_TRIM_THRESHOLD_", "1073741824"),
+    ("MALLOC_MMAP_THRESHOLD_", "33554432"),
+];
+
+/// Runs every case of `stage_counts` and prints its idle shares, with `allocator` in each line.
+fn report(stage_counts: &[usize], allocator: &str) {
+    for &stages in stage_counts {
         for micro_batches in [2, 4, 8] {
             for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
                 let steps = run(stages, micro_batches, schedule);
@@ -105,7 +114,7 @@ fn main() {
                     .collect();
                 let worst = idle.iter().map(|i| (i - ideal).abs()).fold(0.0, f64::max);
                 println!(
-                    "{stages}  {micro_batches}  {:<8}  {ideal:.3}   {}   {worst:.3}",
+                    "{stages}  {micro_batches}  {:<8}  {allocator:<7}  {ideal:.3}   {}   {worst:.3}",
                     schedule.name(),
                     idle.iter()
                         .map(|i| format!("{i:.3}"))
@@ -113,12 +122,37 @@ fn main() {
                         .join(" "),
                 );
                 let path = format!(
-                    "target/pipeline-trace-pp{stages}-m{micro_batches}-{}.json",
+                    "target/pipeline-trace-pp{stages}-m{micro_batches}-{}-{allocator}.json",
                     schedule.name()
                 );
-                let trace = chrome_trace(steps.last().expect("a steady step"));
-                std::fs::write(&path, trace.to_string()).expect("the trace file");
+                let last = steps.last().expect("a steady step");
+                std::fs::write(&path, chrome_trace(last).to_string()).expect("the trace file");
+                let picture = path.replace(".json", ".svg");
+                std::fs::write(&picture, svg_trace(last)).expect("the trace's picture");
             }
         }
+    }
+}
+
+fn main() {
+    // In-process ranks compute in pools of their own, each its share of the cores (one thread a rank here): the
+    // stages run side by side, as the bubble's formula assumes. (RAYON_NUM_THREADS would put them in one pool.)
+    match std::env::var("PP_BENCH_MEMORY").as_deref() {
+        Ok("default") => return report(&[2], "default"),
+        Ok("kept") => return report(&[2, 4], "kept"),
+        _ => {}
+    }
+    println!(
+        "pp  m  schedule  memory   ideal   measured idle share per stage (median of steps)   worst |Δ|"
+    );
+    // Each allocator setting in a process of its own: first as glibc does by default, then keeping freed memory.
+    let me = std::env::current_exe().expect("the bench's own path");
+    for (memory, vars) in [("default", &[][..]), ("kept", &KEEP_FREED_MEMORY[..])] {
+        let status = std::process::Command::new(&me)
+            .env("PP_BENCH_MEMORY", memory)
+            .envs(vars.iter().copied())
+            .status()
+            .expect("the bench's run");
+        assert!(status.success(), "the run with {memory} memory failed");
     }
 }

@@ -74,7 +74,7 @@ struct Args {
     #[arg(long = "pp-schedule")]
     pp_schedule: Option<burn_accelerate::PipelineSchedule>,
     /// Write the last step's pipeline trace (every stage's forward, backward and transfers) here, as a Chrome /
-    /// Perfetto trace (open it at ui.perfetto.dev).
+    /// Perfetto trace (open it at ui.perfetto.dev), or as a picture when the name ends in `.svg`.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Activation checkpointing: recompute each layer in backward instead of keeping its activations.
@@ -357,8 +357,14 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             let traces: Vec<burn_accelerate::StageTrace> =
                 acc.gather_object(&trace)?.into_iter().flatten().collect();
             if acc.is_main_process() {
-                let json = burn_accelerate::distributed::stages::chrome_trace(&traces);
-                std::fs::write(path, json.to_string()).map_err(burn_accelerate::Error::other)?;
+                // A picture for `.svg`, else the Chrome / Perfetto trace.
+                let text = match path.extension().is_some_and(|e| e == "svg") {
+                    true => burn_accelerate::distributed::stages::svg_trace(&traces),
+                    false => {
+                        burn_accelerate::distributed::stages::chrome_trace(&traces).to_string()
+                    }
+                };
+                std::fs::write(path, text).map_err(burn_accelerate::Error::other)?;
                 println!("wrote the pipeline trace to {}", path.display());
             }
         }

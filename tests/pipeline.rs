@@ -655,3 +655,88 @@ fn a_hybrid_stage_or_an_uneven_mesh_is_refused_with_a_message_saying_what_to_set
         "{err}"
     );
 }
+
+/// The trace of a step shows the schedule the stages ran: under 1F1B with 2 stages and 4 micro-batches, stage 0
+/// runs F0 F1 B0 F2 B1 F3 B2 B3 and stage 1 F0 B0 F1 B1 F2 B2 F3 B3 (GPipe: every forward, then every backward),
+/// each pass after the last on its rank and within the step; a stage's idle share is what its passes leave of the
+/// step; the Chrome trace and the picture hold a slice / a box per pass.
+#[test]
+fn the_trace_shows_each_stage_running_its_schedule() {
+    use burn_accelerate::distributed::stages::{SpanKind, chrome_trace, svg_trace};
+    for (schedule, expected) in [
+        (
+            PipelineSchedule::OneFOneB,
+            ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+        ),
+        (
+            PipelineSchedule::GPipe,
+            ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"],
+        ),
+    ] {
+        let run = Run {
+            steps: 2,
+            ..Run::new(2, 4, schedule)
+        };
+        let traces = run
+            .builder()
+            .launch(2, |acc| {
+                let model = acc.prepare_blocks(model(acc.device()))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                train(&acc, &run, model, &mut optimizer, 0)?;
+                Ok(acc.pipeline_trace().expect("a pipelined step's trace"))
+            })
+            .unwrap();
+        for (stage, trace) in traces.iter().enumerate() {
+            assert_eq!(
+                (trace.stage, trace.stages, trace.micro_batches),
+                (stage, 2, 4)
+            );
+            let passes: Vec<String> = trace
+                .spans
+                .iter()
+                .filter_map(|s| match s.kind {
+                    SpanKind::Forward => Some(format!("F{}", s.micro_batch)),
+                    SpanKind::Backward => Some(format!("B{}", s.micro_batch)),
+                    SpanKind::Transfer => None,
+                })
+                .collect();
+            assert_eq!(
+                passes.join(" "),
+                expected[stage],
+                "{schedule:?} stage {stage}"
+            );
+            let mut end = 0.0;
+            for span in &trace.spans {
+                assert!(
+                    span.start_us >= end - 1.0,
+                    "{schedule:?}: spans overlap: {trace:?}"
+                );
+                end = span.start_us + span.duration_us;
+            }
+            assert!(end <= trace.step_us + 1.0, "{trace:?}");
+            let busy: f64 = trace
+                .spans
+                .iter()
+                .filter(|s| s.kind != SpanKind::Transfer)
+                .map(|s| s.duration_us)
+                .sum();
+            let idle = trace.idle_fraction();
+            assert!((idle - (1.0 - busy / trace.step_us)).abs() < 1e-9 && idle > 0.0 && idle < 1.0);
+            assert!((trace.ideal_idle_fraction() - 0.2).abs() < 1e-12);
+        }
+        let chrome = chrome_trace(&traces);
+        let slices = chrome["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["cat"] != "transfer")
+            .count();
+        assert_eq!(slices, 2 * 2 * 4, "a slice per pass: {chrome}");
+        let svg = svg_trace(&traces);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains(">stage 0<") && svg.contains(">stage 1<"));
+        assert_eq!(svg.matches("<title>F").count(), 8, "{svg}");
+        assert_eq!(svg.matches("<title>B").count(), 8, "{svg}");
+        assert_eq!(svg.matches("(schedule 0.20)").count(), 2);
+    }
+}

@@ -13,4 +13,4 @@ mod stage_strategy;
 mod trace;
 
 pub use mesh::PipelineLayout;
-pub use trace::{SpanKind, StageTrace, TraceSpan, chrome_trace};
+pub use trace::{SpanKind, StageTrace, TraceSpan, chrome_trace, svg_trace};

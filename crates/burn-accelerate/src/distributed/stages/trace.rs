@@ -107,3 +107,134 @@ pub fn chrome_trace(stages: &[StageTrace]) -> serde_json::Value {
     }
     serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }
+
+/// A picture of several ranks' steps as a self-contained SVG (open it in a browser, or put it in a page): one row
+/// per stage (and replica), forward passes blue, backward passes orange, transfers grey, what is left of the step
+/// blank (the bubble), each row ending with its idle share against the schedule's.
+///
+/// ```
+/// use burn_accelerate::distributed::stages::{svg_trace, SpanKind, StageTrace, TraceSpan};
+/// let stage = StageTrace {
+///     stage: 0, stages: 2, replica: 0, micro_batches: 1, step_us: 10.0,
+///     spans: vec![TraceSpan { kind: SpanKind::Forward, micro_batch: 0, start_us: 0.0, duration_us: 4.0 }],
+/// };
+/// let svg = svg_trace(&[stage]);
+/// assert!(svg.starts_with("<svg") && svg.contains(">F0<") && svg.contains("idle 0.60"));
+/// ```
+pub fn svg_trace(stages: &[StageTrace]) -> String {
+    use std::fmt::Write as _;
+    const LEFT: f64 = 110.0;
+    const PLOT: f64 = 760.0;
+    const RIGHT: f64 = 170.0;
+    const ROW: f64 = 34.0;
+    const TOP: f64 = 10.0;
+    let mut rows: Vec<&StageTrace> = stages.iter().collect();
+    rows.sort_by_key(|t| (t.replica, t.stage));
+    let end = rows
+        .iter()
+        .flat_map(|t| {
+            std::iter::once(t.step_us).chain(t.spans.iter().map(|s| s.start_us + s.duration_us))
+        })
+        .fold(0.0_f64, f64::max)
+        .max(1.0);
+    let x = |us: f64| LEFT + us / end * PLOT;
+    let axis = TOP + ROW * rows.len() as f64 + 6.0;
+    let (width, height) = (LEFT + PLOT + RIGHT, axis + 30.0);
+    let mut svg = String::new();
+    let _ = write!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = write!(
+        svg,
+        r##"<rect width="{width}" height="{height}" fill="#ffffff"/>"##
+    );
+    let replicas = rows.iter().any(|t| t.replica > 0);
+    for (row, trace) in rows.iter().enumerate() {
+        let y = TOP + ROW * row as f64;
+        let label = match replicas {
+            true => format!("replica {} stage {}", trace.replica, trace.stage),
+            false => format!("stage {}", trace.stage),
+        };
+        let _ = write!(
+            svg,
+            r##"<text x="{}" y="{}" text-anchor="end">{label}</text><rect x="{LEFT}" y="{}" width="{}" height="{}" fill="#f2f2f2"/>"##,
+            LEFT - 8.0,
+            y + ROW / 2.0 + 4.0,
+            y + 4.0,
+            x(trace.step_us) - LEFT,
+            ROW - 8.0,
+        );
+        for span in &trace.spans {
+            let (fill, name, inset) = match span.kind {
+                SpanKind::Forward => ("#4c78a8", format!("F{}", span.micro_batch), 4.0),
+                SpanKind::Backward => ("#f58518", format!("B{}", span.micro_batch), 4.0),
+                SpanKind::Transfer => ("#9d9d9d", String::new(), 13.0),
+            };
+            let (left, right) = (x(span.start_us), x(span.start_us + span.duration_us));
+            let _ = write!(
+                svg,
+                r##"<rect x="{left:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{fill}"><title>{} {:.2} ms</title></rect>"##,
+                y + inset,
+                (right - left).max(0.5),
+                ROW - 2.0 * inset,
+                match name.is_empty() {
+                    true => "send/recv",
+                    false => &name,
+                },
+                span.duration_us / 1e3,
+            );
+            if !name.is_empty() && right - left >= 18.0 {
+                let _ = write!(
+                    svg,
+                    r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" fill="#ffffff">{name}</text>"##,
+                    (left + right) / 2.0,
+                    y + ROW / 2.0 + 4.0,
+                );
+            }
+        }
+        let _ = write!(
+            svg,
+            r#"<text x="{}" y="{}">idle {:.2} (schedule {:.2})</text>"#,
+            LEFT + PLOT + 8.0,
+            y + ROW / 2.0 + 4.0,
+            trace.idle_fraction(),
+            trace.ideal_idle_fraction(),
+        );
+    }
+    let _ = write!(
+        svg,
+        r##"<line x1="{LEFT}" y1="{axis}" x2="{}" y2="{axis}" stroke="#666666"/>"##,
+        LEFT + PLOT
+    );
+    let end_ms = end / 1e3;
+    let tick = [
+        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 2e3, 5e3, 1e4,
+    ]
+    .into_iter()
+    .find(|t| end_ms / t <= 10.0)
+    .unwrap_or(1e4);
+    let mut t = 0.0;
+    while t <= end_ms + 1e-9 {
+        let at = x(t * 1e3);
+        let _ = write!(
+            svg,
+            r##"<line x1="{at:.1}" y1="{axis}" x2="{at:.1}" y2="{}" stroke="#666666"/><text x="{at:.1}" y="{}" text-anchor="middle">{} ms</text>"##,
+            axis + 4.0,
+            axis + 16.0,
+            format_ms(t),
+        );
+        t += tick;
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// `ms` with as many decimals as a tick needs.
+fn format_ms(ms: f64) -> String {
+    if ms == ms.round() {
+        format!("{ms:.0}")
+    } else {
+        format!("{ms:.1}")
+    }
+}
