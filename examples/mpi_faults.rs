@@ -9,6 +9,11 @@
 //! - `save`: every rank saves a state whose folder the main process cannot create (a file is in the way), so
 //!   the failure happens on rank 0 and must reach the others at once.
 //!
+//! - `pipeline-oom`: every rank is a pipeline stage (`pp_size` = the ranks, 2 micro-batches) and the ranks search
+//!   for a batch size with `find_executable_batch_size` from 16 rows; the last stage's `after` panics as LibTorch's
+//!   out-of-memory failure does for a micro-batch of more than 3 rows. Each rank prints `rank <r> fitted <n>
+//!   after trying [..] in <secs>s`.
+//!
 //! Each rank that gets an error prints `rank <r> got after <secs>s: <error>` and exits with status 1; the test
 //! checks the words and that the whole job ends within the collective timeout plus a small margin.
 
@@ -82,7 +87,7 @@ fn run(fault: &str, bytes: usize, timeout: Duration) -> Result<(), Box<dyn std::
             }
             other => {
                 return Err(format!(
-                    "unknown --fault {other}: use panic, error, sigkill, collective, length, silent or save"
+                    "unknown --fault {other}: use panic, error, sigkill, collective, length, silent, save or pipeline-oom"
                 )
                 .into());
             }
@@ -106,12 +111,83 @@ fn run(fault: &str, bytes: usize, timeout: Duration) -> Result<(), Box<dyn std::
     Ok(())
 }
 
+/// A stack of linear blocks, for `pipeline-oom`.
+#[derive(burn::module::Module, Debug)]
+struct Stack {
+    input: burn::nn::Linear,
+    layers: Vec<burn::nn::Linear>,
+    head: burn::nn::Linear,
+}
+
+impl burn_accelerate::Blocks for Stack {
+    type Block = burn::nn::Linear;
+    fn blocks(&self) -> &[burn::nn::Linear] {
+        &self.layers
+    }
+}
+
+/// The `pipeline-oom` fault (see the module's documentation).
+fn pipeline_oom(timeout: Duration) -> Result<(), Box<dyn std::error::Error>> {
+    use burn::nn::LinearConfig;
+    let stages: usize = arg("--stages").and_then(|s| s.parse().ok()).unwrap_or(2);
+    let accelerator = Accelerator::builder()
+        .collective_timeout(timeout)
+        .pp_size(stages)
+        .pp_microbatches(2)
+        .build()?;
+    let (rank, device) = (accelerator.process_index(), accelerator.device().clone());
+    let start = Instant::now();
+    let mut tried = Vec::new();
+    let fitted = accelerator
+        .find_executable_batch_size(16, |rows| {
+            tried.push(rows);
+            let model = Stack {
+                input: LinearConfig::new(4, 32).init(&device),
+                layers: (0..2 * stages)
+                    .map(|_| LinearConfig::new(32, 32).init(&device))
+                    .collect(),
+                head: LinearConfig::new(32, 1).init(&device),
+            };
+            let mut model = accelerator.prepare_blocks(model)?;
+            let mut optimizer =
+                accelerator.prepare_optimizer(burn::optim::SgdConfig::new().init(), 1e-2);
+            for _ in 0..2 {
+                let x = Tensor::<2>::ones([rows, 4], &device);
+                accelerator.backward_batch(
+                    &model,
+                    x,
+                    |m, x| m.input.forward(x.clone()),
+                    |layer, h| layer.forward(h).tanh(),
+                    |m, h, x| {
+                        let micro_batch = x.dims()[0];
+                        if micro_batch > 3 {
+                            panic!("CUDA out of memory. Tried to allocate 2.00 GiB ({micro_batch} rows)");
+                        }
+                        m.head.forward(h).powi_scalar(2).mean()
+                    },
+                )?;
+                model = optimizer.try_step(model)?;
+            }
+            Ok::<_, burn_accelerate::Error>(rows)
+        })
+        .map_err(|e| e.to_string())?;
+    println!(
+        "rank {rank} fitted {fitted} after trying {tried:?} in {:.1}s",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 fn main() {
     let fault = arg("--fault").unwrap_or_else(|| "panic".into());
     let bytes: usize = arg("--bytes").and_then(|b| b.parse().ok()).unwrap_or(1024);
     let timeout =
         Duration::from_secs_f64(arg("--timeout").and_then(|t| t.parse().ok()).unwrap_or(5.0));
-    if let Err(e) = run(&fault, bytes, timeout) {
+    let result = match fault.as_str() {
+        "pipeline-oom" => pipeline_oom(timeout),
+        _ => run(&fault, bytes, timeout),
+    };
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

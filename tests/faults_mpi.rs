@@ -219,3 +219,45 @@ fn a_save_that_fails_on_the_main_process_stops_every_rank_at_once() {
         run.elapsed
     );
 }
+
+/// A pipeline stage that runs out of memory (LibTorch's panic, on the last stage, for micro-batches of more than 3
+/// rows) under `mpirun`, 2 and 4 stages a process each: the step fails on every stage at once and
+/// `find_executable_batch_size` shrinks the batch for all of them, 16 to 6 rows, long before the collective
+/// timeout.
+#[test]
+fn a_pipeline_stage_out_of_memory_shrinks_the_batch_of_every_stage() {
+    for np in ["2", "4"] {
+        let out = examples::own_mpi_session(&mut Command::new("mpirun"))
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", np])
+            .arg(examples::example("mpi_faults"))
+            .args(["--fault", "pipeline-oom", "--stages", np])
+            .args(["--timeout", &LONG_TIMEOUT_SECS.to_string()])
+            .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+            .env_remove("ACCELERATE_DEBUG_MODE")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("mpirun runs (install openmpi-bin)");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        let fitted: Vec<&str> = stdout.lines().filter(|l| l.contains(" fitted ")).collect();
+        assert_eq!(
+            fitted.len(),
+            np.parse::<usize>().unwrap(),
+            "{stdout}\n{stderr}"
+        );
+        for line in fitted {
+            assert!(
+                line.contains("fitted 6 after trying [16, 14, 12, 10, 9, 8, 7, 6]"),
+                "{line}"
+            );
+            let secs: f64 = line
+                .rsplit(" in ")
+                .next()
+                .and_then(|s| s.strip_suffix('s'))
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(f64::MAX);
+            assert!(secs < LONG_TIMEOUT_SECS / 2.0, "{line}");
+        }
+    }
+}

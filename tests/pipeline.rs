@@ -740,3 +740,138 @@ fn the_trace_shows_each_stage_running_its_schedule() {
         assert_eq!(svg.matches("(schedule 0.20)").count(), 2);
     }
 }
+
+/// Where a test's pass runs out of memory.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Failing {
+    /// `before`, on the first stage.
+    First,
+    /// `after`, on the last stage.
+    Last,
+    /// Nowhere.
+    Nowhere,
+}
+
+/// `find_executable_batch_size` over a pipelined loop from `start` rows: each attempt prepares the model, then
+/// trains 2 batches of 2 micro-batches; a micro-batch of more than 3 rows panics as LibTorch's out-of-memory does,
+/// in `before` or `after` as `failing` says. Every rank's sizes tried, parameters and losses.
+#[allow(clippy::type_complexity)]
+fn search(
+    stages: usize,
+    schedule: PipelineSchedule,
+    failing: Failing,
+    start: usize,
+) -> Vec<(Vec<usize>, Vec<Vec<f32>>, Vec<f32>)> {
+    let run = Run::new(stages, 2, schedule);
+    let oom = |rows: usize, here: Failing| {
+        if failing == here && rows > 3 {
+            panic!("CUDA out of memory. Tried to allocate 2.00 GiB ({rows} rows)");
+        }
+    };
+    run.builder()
+        .collective_timeout(std::time::Duration::from_secs(30))
+        .launch(stages, |acc| {
+            let device = acc.device().clone();
+            let mut tried = Vec::new();
+            let (params, losses) = acc
+                .find_executable_batch_size(start, |batch_size| {
+                    tried.push(batch_size);
+                    let mut model = acc.prepare_blocks(model(&device))?;
+                    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                    let mut losses = Vec::new();
+                    for step in 0..2 {
+                        let loss = acc.backward_batch(
+                            &model,
+                            batch(step * batch_size, batch_size, &device),
+                            |m, (x, _)| {
+                                oom(x.dims()[0], Failing::First);
+                                m.input.forward(x.clone()).tanh()
+                            },
+                            |layer, h| layer.forward(h).tanh(),
+                            |m, h, (_, y)| {
+                                oom(y.dims()[0], Failing::Last);
+                                run.after(m, h, y)
+                            },
+                        )?;
+                        losses.push(loss.into_scalar::<f32>());
+                        model = optimizer.try_step(model)?;
+                    }
+                    Ok::<_, burn_accelerate::Error>((params(&model), losses))
+                })
+                .map_err(|e| burn_accelerate::Error::other(e.to_string()))?;
+            Ok((tried, params, losses))
+        })
+        .unwrap_or_else(|e| panic!("{stages} stages, {schedule:?}, {failing:?}: {e}"))
+}
+
+/// A pass that runs out of memory on one stage fails the step on every stage at once (the stage sends on what
+/// its neighbours wait for, and every rank learns the verdict), so `find_executable_batch_size` shrinks the batch
+/// for all of them: 16, 14, 12, 10, 9, 8, 7 rows fail (a micro-batch of 4 or more), 6 fits; the failed attempts
+/// leave nothing behind: the run then trains the bits of a search that started at 6. No transfer waits for its
+/// timeout.
+#[test]
+fn find_executable_batch_size_shrinks_the_batch_of_every_stage_when_one_runs_out_of_memory() {
+    for (stages, schedule, failing) in [
+        (2, PipelineSchedule::OneFOneB, Failing::Last),
+        (2, PipelineSchedule::GPipe, Failing::First),
+        (4, PipelineSchedule::OneFOneB, Failing::First),
+        (4, PipelineSchedule::GPipe, Failing::Last),
+    ] {
+        let started = std::time::Instant::now();
+        let searched = search(stages, schedule, failing, 16);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "no stage waited for the 30 s timeout: {:?}",
+            started.elapsed()
+        );
+        let straight = search(stages, schedule, Failing::Nowhere, 6);
+        for (rank, ((tried, params, losses), (fitted, want, want_losses))) in
+            searched.iter().zip(&straight).enumerate()
+        {
+            let case = format!("{stages} stages, {schedule:?}, {failing:?}, rank {rank}");
+            assert_eq!(tried, &[16, 14, 12, 10, 9, 8, 7, 6], "{case}");
+            assert_eq!(fitted, &[6], "{case}");
+            assert_eq!(params, want, "{case}: the weights of a run at 6 rows");
+            assert_eq!(losses, want_losses, "{case}");
+        }
+    }
+}
+
+/// A stage whose pass fails with an error that is not about memory (here a loss computed from nothing the model
+/// holds) ends the step on every stage at once: that stage returns its own error, the others an error naming its
+/// rank, long before the collective timeout.
+#[test]
+fn a_stage_whose_pass_fails_ends_the_step_on_every_stage_at_once() {
+    let started = std::time::Instant::now();
+    let errors = Run::new(2, 4, PipelineSchedule::OneFOneB)
+        .builder()
+        .collective_timeout(std::time::Duration::from_secs(30))
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let device = acc.device().clone();
+            let result = acc.backward_batch(
+                &model,
+                batch(0, BATCH, &device),
+                |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                |layer, h| layer.forward(h).tanh(),
+                |_, _, (_, y)| y.clone().sum(),
+            );
+            Ok(result.map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    assert!(
+        errors[1].contains("the loss is not connected"),
+        "{}",
+        errors[1]
+    );
+    assert!(
+        errors[0].contains("rank 1 failed") && errors[0].contains("pipeline stage 1 failed"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}

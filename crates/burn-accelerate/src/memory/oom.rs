@@ -55,6 +55,9 @@ impl OutOfMemory for Error {
     fn is_out_of_memory(&self) -> bool {
         match self {
             Error::Execution { reason, .. } => is_out_of_memory_message(reason),
+            // A rank that stopped because another ran out of memory (a pipeline stage): the step fails on every
+            // rank, and a batch-size search shrinks the batch for all.
+            Error::OtherRankFailed { message, .. } => is_out_of_memory_message(message),
             _ => false,
         }
     }

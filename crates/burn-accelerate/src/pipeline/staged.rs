@@ -56,8 +56,9 @@ struct Live<const D: usize> {
     /// Each inner cut, from the first: the output of the block before it (tracked in that block's graph) and the
     /// input of the block after it (the same values, tracked anew).
     cuts: Vec<(Tensor<D>, Tensor<D>)>,
-    /// Where the last block's graph ends.
-    end: End<D>,
+    /// Where the last block's graph ends (none when this stage did not compute the micro-batch: a pass failed
+    /// here or before).
+    end: Option<End<D>>,
 }
 
 /// Where a stage's last graph ends.
@@ -125,53 +126,91 @@ impl StepPipeline {
         let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
         let last = layout.is_last_stage();
         let passes = stage_passes(stages.schedule, s, p, m);
+        // A pass that fails (an error, or a panic such as LibTorch's out-of-memory one) stops this stage computing
+        // the step, but not its messages: it sends on what its neighbours wait for (a header marked failed for an
+        // activation, zeros for a gradient), so every stage ends the step and learns of the failure together.
+        let mut failure: Option<Failure> = None;
         for (k, &pass) in passes.iter().enumerate() {
             let next = passes.get(k + 1).copied();
             match pass {
                 Pass::Forward(i) => {
-                    let input = if s == 0 {
-                        None
-                    } else {
-                        Some(mail.receive_activation::<D>(s - 1, i)?.require_grad())
+                    let input = match s {
+                        0 => None,
+                        _ => match mail.receive_activation::<D>(s - 1, i)? {
+                            Some(x) => Some(x.require_grad()),
+                            None => {
+                                failure.get_or_insert(Failure::Upstream);
+                                None
+                            }
+                        },
                     };
                     let start = Instant::now();
-                    let mut y = match &input {
-                        Some(x) => x.clone(),
-                        None => before(&whole, &parts[i]),
-                    };
-                    let mut cuts = Vec::with_capacity(blocks.len().saturating_sub(1));
-                    for (j, b) in blocks.iter().enumerate() {
-                        if j > 0 {
-                            let next = y.clone().detach().require_grad();
-                            cuts.push((y, next.clone()));
-                            y = next;
+                    let forward = || -> Result<Live<D>> {
+                        let mut y = match &input {
+                            Some(x) => x.clone(),
+                            None => before(&whole, &parts[i]),
+                        };
+                        let mut cuts = Vec::with_capacity(blocks.len().saturating_sub(1));
+                        for (j, b) in blocks.iter().enumerate() {
+                            if j > 0 {
+                                let next = y.clone().detach().require_grad();
+                                cuts.push((y, next.clone()));
+                                y = next;
+                            }
+                            y = block(b, y);
                         }
-                        y = block(b, y);
+                        let end = if last {
+                            let loss = after(&whole, y, &parts[i]);
+                            if !loss.is_tracked() {
+                                return Err(Error::InvalidArgument(
+                                    "backward_batch: the loss is not connected to any parameter that requires a \
+                                     gradient; prepare the model with `accelerator.prepare_model(model)` and \
+                                     compute the loss in `after` from the activation it is given"
+                                        .into(),
+                                ));
+                            }
+                            End::Loss(loss)
+                        } else {
+                            End::Output(y)
+                        };
+                        Ok(Live {
+                            input: input.clone(),
+                            cuts,
+                            end: Some(end),
+                        })
+                    };
+                    let kept = match failure {
+                        Some(_) => None,
+                        None => guarded(forward)
+                            .map_err(|e| failure = Some(Failure::Here(e)))
+                            .ok(),
+                    };
+                    if kept.is_some() {
+                        mail.spans.push(span(SpanKind::Forward, i, started, start));
                     }
-                    let end = if last {
-                        let loss = after(&whole, y, &parts[i]);
-                        if !loss.is_tracked() {
-                            return Err(Error::InvalidArgument(
-                                "backward_batch: the loss is not connected to any parameter that requires a \
-                                 gradient; prepare the model with `accelerator.prepare_model(model)` and compute \
-                                 the loss in `after` from the activation it is given"
-                                    .into(),
-                            ));
+                    let mut kept = kept.unwrap_or(Live {
+                        input,
+                        cuts: Vec::new(),
+                        end: None,
+                    });
+                    if !last {
+                        let sent = match &kept.end {
+                            Some(End::Output(y)) => mail.send_activation(s + 1, y),
+                            _ => Err(Error::other("no activation")),
+                        };
+                        if let Err(e) = sent {
+                            if kept.end.take().is_some() {
+                                failure.get_or_insert(Failure::Here(Caught::Error(e)));
+                            }
+                            mail.send_failed::<D>(s + 1);
                         }
-                        End::Loss(loss)
-                    } else {
-                        End::Output(y)
-                    };
-                    mail.spans.push(span(SpanKind::Forward, i, started, start));
-                    if let End::Output(y) = &end {
-                        mail.send_activation(s + 1, y)?;
                         // Goes with the next receive when that comes from the same stage (a backward's
                         // gradient: Megatron's send_forward_recv_backward), else now.
                         if !matches!(next, Some(Pass::Backward(_))) {
                             mail.exchange(Vec::new(), i)?;
                         }
                     }
-                    live.insert(i, Live { input, cuts, end });
+                    live.insert(i, kept);
                 }
                 Pass::Backward(i) => {
                     let Live { input, cuts, end } = live.remove(&i).ok_or_else(|| {
@@ -179,46 +218,72 @@ impl StepPipeline {
                             "backward_batch: micro-batch {i} was not run forward"
                         ))
                     })?;
-                    let (mut grads, start) = match end {
-                        End::Loss(loss) => {
-                            let start = Instant::now();
-                            losses[i] = Some(loss.clone().detach());
-                            (self.precision().scale_loss(loss).backward(), start)
-                        }
-                        End::Output(y) => {
-                            let n = y.shape().num_elements();
+                    // The gradient of the activation this stage sent forward, if it sent one (a stage that had
+                    // none sent a failed header, and its neighbour sends nothing back).
+                    let g = match &end {
+                        Some(End::Output(y)) => {
                             let incoming = Incoming {
                                 peer: s + 1,
-                                len: n,
+                                len: y.shape().num_elements(),
                                 device: device.clone(),
                                 dtype: y.dtype(),
                             };
-                            let g = mail
-                                .exchange(vec![incoming], i)?
-                                .remove(0)
-                                .reshape(y.dims());
-                            let start = Instant::now();
-                            ((y * g).sum().backward(), start)
+                            Some(
+                                mail.exchange(vec![incoming], i)?
+                                    .remove(0)
+                                    .reshape(y.dims()),
+                            )
                         }
+                        _ => None,
                     };
-                    // Block by block from the last: each block's gradients join the window's before the block
-                    // before it runs backward (the same values as one graph's: the gradient crossing a cut is
-                    // the one the graph would pass on, and `sum(y * g)` hands `g` on exactly).
-                    for (output, next) in cuts.into_iter().rev() {
-                        let g = input_grad(&next, &mut grads, s)?;
+                    let start = Instant::now();
+                    let backward = || -> Result<Option<Tensor<D>>> {
+                        let mut grads = match end {
+                            Some(End::Loss(loss)) => {
+                                losses[i] = Some(loss.clone().detach());
+                                self.precision().scale_loss(loss).backward()
+                            }
+                            Some(End::Output(y)) => {
+                                let g = g.ok_or_else(|| Error::other("no gradient came back"))?;
+                                (y * g).sum().backward()
+                            }
+                            None => return Err(Error::other("the forward pass did not run")),
+                        };
+                        // Block by block from the last: each block's gradients join the window's before the block
+                        // before it runs backward (the same values as one graph's: the gradient crossing a cut is
+                        // the one the graph would pass on, and `sum(y * g)` hands `g` on exactly).
+                        for (output, next) in cuts.into_iter().rev() {
+                            let g = input_grad(&next, &mut grads, s)?;
+                            self.shared.lock().grads.collect(&whole, &mut grads);
+                            drop((grads, next));
+                            grads = (output * g).sum().backward();
+                        }
+                        let dx = match &input {
+                            Some(x) => Some(input_grad(x, &mut grads, s)?),
+                            None => None,
+                        };
                         self.shared.lock().grads.collect(&whole, &mut grads);
-                        drop((grads, next));
-                        grads = (output * g).sum().backward();
-                    }
-                    let dx = match &input {
-                        Some(x) => Some(input_grad(x, &mut grads, s)?),
-                        None => None,
+                        Ok(dx)
                     };
-                    self.shared.lock().grads.collect(&whole, &mut grads);
-                    drop(grads);
-                    mail.spans.push(span(SpanKind::Backward, i, started, start));
-                    if let Some(dx) = dx {
-                        let n = dx.shape().num_elements();
+                    let dx = match failure {
+                        Some(_) => None,
+                        None => match guarded(backward) {
+                            Ok(dx) => {
+                                mail.spans.push(span(SpanKind::Backward, i, started, start));
+                                dx
+                            }
+                            Err(e) => {
+                                failure = Some(Failure::Here(e));
+                                None
+                            }
+                        },
+                    };
+                    // The stage before waits for the gradient of every activation it sent: zeros once this
+                    // stage has failed.
+                    if let Some(x) = &input {
+                        let n = x.shape().num_elements();
+                        let dx =
+                            dx.unwrap_or_else(|| Tensor::zeros(x.shape(), (&device, x.dtype())));
                         mail.send(s - 1, dx.reshape([n]));
                         // With the next forward's input from the same stage (send_backward_recv_forward), else now.
                         if !matches!(next, Some(Pass::Forward(_))) {
@@ -230,6 +295,40 @@ impl StepPipeline {
         }
         if !mail.pending.is_empty() {
             mail.exchange(Vec::new(), m - 1)?;
+        }
+        // Every rank learns whether a stage failed before any other collective of the step: the lowest rank
+        // that did, and whether it ran out of memory.
+        let verdict = stages.world.all_reduce_value(
+            failure_code(&failure, stages.world.rank()),
+            ReduceOp::Min,
+            "pipeline step verdict",
+        )?;
+        if verdict < HEALTHY {
+            {
+                let mut core = self.shared.lock();
+                core.grads.clear();
+                core.state.reset_window();
+            }
+            return Err(match failure {
+                Some(Failure::Here(Caught::Panic(payload))) => std::panic::resume_unwind(payload),
+                Some(Failure::Here(Caught::Error(e))) => e,
+                _ => {
+                    let rank = (verdict / 2.0) as usize;
+                    let stage = rank / layout.replicas.max(1);
+                    Error::OtherRankFailed {
+                        operation: "backward_batch",
+                        rank,
+                        message: match verdict as usize % 2 {
+                            0 => format!(
+                                "a pass of pipeline stage {stage} ran out of memory (its rank reports the error)"
+                            ),
+                            _ => format!(
+                                "a pass of pipeline stage {stage} failed (its rank reports the error)"
+                            ),
+                        },
+                    }
+                }
+            });
         }
         let busy: f64 = mail
             .spans
@@ -299,7 +398,9 @@ impl StepPipeline {
         for (i, part) in parts.iter().enumerate() {
             let mut y = match s {
                 0 => before(&whole, part),
-                _ => mail.receive_activation::<D>(s - 1, i)?,
+                _ => mail.receive_activation::<D>(s - 1, i)?.ok_or_else(|| {
+                    Error::other(format!("forward_batch: stage {} sent no activation", s - 1))
+                })?,
             };
             for b in &whole.blocks()[range.clone()] {
                 y = block(b, y);
@@ -376,6 +477,61 @@ impl StepPipeline {
         drop(precision);
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())
+    }
+}
+
+/// Why a stage stopped computing a step.
+enum Failure {
+    /// One of its own passes failed.
+    Here(Caught),
+    /// The stage before it had no activation to send.
+    Upstream,
+}
+
+/// A pass's failure: its error, or the panic it raised (re-raised once every stage knows).
+enum Caught {
+    Error(Error),
+    Panic(Box<dyn std::any::Any + Send>),
+}
+
+impl Caught {
+    /// Whether it reports an out-of-memory failure.
+    fn is_out_of_memory(&self) -> bool {
+        use crate::memory::{OutOfMemory, is_out_of_memory_message};
+        match self {
+            Caught::Error(e) => e.is_out_of_memory(),
+            Caught::Panic(payload) => payload
+                .downcast_ref::<&str>()
+                .map(|m| is_out_of_memory_message(m))
+                .or_else(|| {
+                    payload
+                        .downcast_ref::<String>()
+                        .map(|m| is_out_of_memory_message(m))
+                })
+                .unwrap_or(false),
+        }
+    }
+}
+
+/// `f`, its error or panic caught.
+fn guarded<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, Caught> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(Caught::Error(e)),
+        Err(payload) => Err(Caught::Panic(payload)),
+    }
+}
+
+/// A step's verdict on a rank that failed nowhere (the minimum over ranks is the failed rank's code).
+const HEALTHY: f64 = f64::MAX;
+
+/// This rank's part of a step's verdict: `2 × rank` when one of its passes ran out of memory, `2 × rank + 1` when
+/// one failed otherwise, [`HEALTHY`] else (a stage stopped only by the stage before it reports nothing: that
+/// stage does).
+fn failure_code(failure: &Option<Failure>, rank: usize) -> f64 {
+    match failure {
+        Some(Failure::Here(caught)) => (2 * rank + usize::from(!caught.is_out_of_memory())) as f64,
+        _ => HEALTHY,
     }
 }
 

@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 /// The element types an activation can cross stages in, as a header's last value.
 const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
 
+/// A header's last value when the sending stage has no activation to send (a pass failed).
+const FAILED: f32 = -1.0;
+
 /// One rank's messages to its neighbouring stages, sent with its next receive.
 pub(super) struct Mailbox<'a> {
     pub stages: &'a Stages,
@@ -109,12 +112,21 @@ impl<'a> Mailbox<'a> {
         Ok(())
     }
 
-    /// Receives an activation from stage `peer` (see [`send_activation`](Self::send_activation)).
+    /// Tells stage `peer` that this stage has no activation for it (a pass failed here or before it): a header
+    /// marked failed, and no values. The peer then stops computing the step and sends no gradient for it.
+    pub fn send_failed<const D: usize>(&mut self, peer: usize) {
+        let header: Vec<f32> = std::iter::repeat_n(0.0, D).chain([FAILED]).collect();
+        let header = Tensor::<1>::from_floats(header.as_slice(), &self.device);
+        self.send(peer, header);
+    }
+
+    /// Receives an activation from stage `peer` (see [`send_activation`](Self::send_activation)); `None` when
+    /// the peer sent word that it has none ([`send_failed`](Self::send_failed)).
     pub fn receive_activation<const D: usize>(
         &mut self,
         peer: usize,
         i: usize,
-    ) -> Result<Tensor<D>> {
+    ) -> Result<Option<Tensor<D>>> {
         let header = self.exchange(
             vec![Incoming {
                 peer,
@@ -134,6 +146,9 @@ impl<'a> Mailbox<'a> {
                     "backward_batch: reading an activation's header: {e:?}"
                 ))
             })?;
+        if header[D] == FAILED {
+            return Ok(None);
+        }
         let mut dims = [0usize; D];
         for (d, v) in dims.iter_mut().zip(&header) {
             *d = *v as usize;
@@ -149,7 +164,7 @@ impl<'a> Mailbox<'a> {
             }],
             i,
         )?;
-        Ok(values[0].clone().reshape(dims))
+        Ok(Some(values[0].clone().reshape(dims)))
     }
 }
 
