@@ -604,6 +604,59 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
     }
 }
 
+/// Debug mode under `mpirun`: two processes started with different `--pp-microbatches` (mpirun's `:` syntax) stop
+/// at their first step, each naming every stage's rank and settings, instead of deadlocking in their transfers.
+#[test]
+fn debug_mode_names_the_stages_whose_pipeline_settings_differ_under_mpirun() {
+    let lm = example("transformer_lm");
+    let common = [
+        "--pp-size",
+        "2",
+        "--layers",
+        "4",
+        "--d-model",
+        "32",
+        "--seq",
+        "16",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+    ];
+    let out = examples::own_mpi_session(&mut Command::new("mpirun"))
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-x",
+            "ACCELERATE_DEBUG_MODE",
+        ])
+        .args(["-np", "1"])
+        .arg(&lm)
+        .args(common)
+        .args(["--pp-microbatches", "2", ":", "-np", "1"])
+        .arg(&lm)
+        .args(common)
+        .args(["--pp-microbatches", "4"])
+        .env("ACCELERATE_DEBUG_MODE", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .output()
+        .expect("mpirun runs");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{all}");
+    for needle in [
+        "debug mode: backward_batch",
+        "the pipeline's settings differ",
+        "stage 0 (rank 0): 2 stages, 2 micro-batches",
+        "stage 1 (rank 1): 2 stages, 4 micro-batches",
+    ] {
+        assert!(all.contains(needle), "{needle}: {all}");
+    }
+}
+
 /// A pipeline stage accumulating micro-batches holds one block's gradients beside the window's, not a second set
 /// of all its gradients: 2 stages of 4 wide layers (28 MB of gradients a layer, 113 MB a stage) under 1F1B, with
 /// micro-batches of one short sequence so that activations hardly count. Each stage's peak with 4 micro-batches

@@ -875,3 +875,61 @@ fn a_stage_whose_pass_fails_ends_the_step_on_every_stage_at_once() {
         started.elapsed()
     );
 }
+
+/// Debug mode compares what every stage of a pipeline runs a step with: with the same batch on every stage the
+/// step trains as without it; a stage given a batch of another size (a dataloader sharded by rank instead of by
+/// replica) is an error on every stage, at once, naming each stage, its rank and its batch.
+#[test]
+fn debug_mode_names_the_stage_and_rank_whose_batch_differs() {
+    let run = Run::new(2, 2, PipelineSchedule::OneFOneB);
+    let outcomes = run
+        .builder()
+        .debug(true)
+        .collective_timeout(std::time::Duration::from_secs(30))
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let device = acc.device().clone();
+            let step = |rows: usize| {
+                acc.backward_batch(
+                    &model,
+                    batch(0, rows, &device),
+                    |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                    |layer, h| layer.forward(h).tanh(),
+                    |m, h, (_, y)| run.after(m, h, y),
+                )
+            };
+            let same = step(BATCH).map(|l| l.into_scalar::<f32>());
+            let stage = acc.pipeline_layout().stage;
+            let differing = step(if stage == 1 { BATCH - 4 } else { BATCH });
+            Ok((same, differing.map(|_| ()).unwrap_err().to_string()))
+        })
+        .unwrap();
+    let plain = run
+        .builder()
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let device = acc.device().clone();
+            acc.backward_batch(
+                &model,
+                batch(0, BATCH, &device),
+                |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                |layer, h| layer.forward(h).tanh(),
+                |m, h, (_, y)| run.after(m, h, y),
+            )
+            .map(|l| l.into_scalar::<f32>())
+        })
+        .unwrap();
+    for ((same, error), plain) in outcomes.iter().zip(&plain) {
+        assert_eq!(same.as_ref().unwrap(), plain);
+        for needle in [
+            "debug mode",
+            "batches of different sizes",
+            "stage 0 (rank 0)",
+            "a batch of 16 samples",
+            "stage 1 (rank 1)",
+            "a batch of 12 samples",
+        ] {
+            assert!(error.contains(needle), "{needle}: {error}");
+        }
+    }
+}

@@ -41,6 +41,13 @@ pub trait Split: Sized {
     /// # Errors
     /// The batch holds fewer samples than `parts`, or its members disagree on how many they hold.
     fn micro_batches(self, parts: usize) -> Result<Vec<Self>>;
+
+    /// How many samples the batch holds, where it can tell (a tensor: its first dimension; a tuple: its first
+    /// member that can tell; a `Vec`: its length; `None` by default). Debug mode compares it between the stages
+    /// of a pipeline, which must all get the same batch.
+    fn samples(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// The ranges of `len` samples cut into `parts` parts whose sizes differ by at most one, the first ones larger.
@@ -71,12 +78,20 @@ impl<const D: usize, K: Basic> Split for Tensor<D, K> {
             .map(|range| self.clone().narrow(0, range.start, range.len()))
             .collect())
     }
+
+    fn samples(&self) -> Option<usize> {
+        self.dims().first().copied()
+    }
 }
 
 impl<A: Split, B: Split> Split for (A, B) {
     fn micro_batches(self, parts: usize) -> Result<Vec<Self>> {
         let (a, b) = (self.0.micro_batches(parts)?, self.1.micro_batches(parts)?);
         Ok(a.into_iter().zip(b).collect())
+    }
+
+    fn samples(&self) -> Option<usize> {
+        self.0.samples().or_else(|| self.1.samples())
     }
 }
 
@@ -93,6 +108,13 @@ impl<A: Split, B: Split, C: Split> Split for (A, B, C) {
             .map(|((a, b), c)| (a, b, c))
             .collect())
     }
+
+    fn samples(&self) -> Option<usize> {
+        self.0
+            .samples()
+            .or_else(|| self.1.samples())
+            .or_else(|| self.2.samples())
+    }
 }
 
 /// A list of samples (items not yet collated) splits into consecutive runs of samples.
@@ -104,6 +126,10 @@ impl<T> Split for Vec<T> {
             .into_iter()
             .map(|range| items.by_ref().take(range.len()).collect())
             .collect())
+    }
+
+    fn samples(&self) -> Option<usize> {
+        Some(self.len())
     }
 }
 

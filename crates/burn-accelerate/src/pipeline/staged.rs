@@ -116,8 +116,11 @@ impl StepPipeline {
         let started = Instant::now();
         let layout = stages.layout;
         let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
-        let parts = batch.micro_batches(m)?;
         let range = stages.blocks_of(model)?[s].clone();
+        if stages.pipe.debug() {
+            check_stages_agree(stages, &range, model.blocks().len(), batch.samples())?;
+        }
+        let parts = batch.micro_batches(m)?;
         let whole = unshard(self.strategy.as_ref(), model)?;
         let blocks = &whole.blocks()[range.clone()];
         let mut mail = Mailbox::new(stages, &whole, started, "backward_batch")?;
@@ -478,6 +481,116 @@ impl StepPipeline {
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())
     }
+}
+
+/// What a stage of a pipeline runs a step with, which every stage must agree on (debug mode's check).
+#[derive(serde::Serialize, serde::Deserialize, PartialEq, Clone)]
+struct StageStep {
+    rank: usize,
+    stage: usize,
+    stages: usize,
+    micro_batches: usize,
+    schedule: String,
+    blocks: std::ops::Range<usize>,
+    model_blocks: usize,
+    samples: Option<usize>,
+}
+
+/// Debug mode, before a pipelined step: the stages of this replica's pipeline compare their settings, their cut of
+/// the blocks and the samples of their batch, so that a mismatch (a setting that differs between ranks, a batch
+/// that is not the same on every stage) is an error on every stage naming each one's stage and rank, rather than
+/// a hang in a transfer or a loss on the wrong targets.
+fn check_stages_agree(
+    stages: &Stages,
+    range: &std::ops::Range<usize>,
+    model_blocks: usize,
+    samples: Option<usize>,
+) -> Result<()> {
+    let layout = stages.layout;
+    let mine = StageStep {
+        rank: layout.stage * layout.replicas + layout.replica,
+        stage: layout.stage,
+        stages: layout.stages,
+        micro_batches: stages.micro_batches,
+        schedule: stages.schedule.name().to_string(),
+        blocks: range.clone(),
+        model_blocks,
+        samples,
+    };
+    let bytes = serde_json::to_vec(&mine).map_err(Error::other)?;
+    let all: Vec<StageStep> = stages
+        .pipe
+        .comm()
+        .all_gather(bytes)?
+        .iter()
+        .map(|b| serde_json::from_slice(b).map_err(Error::other))
+        .collect::<Result<_>>()?;
+    let describe = |s: &StageStep| {
+        format!(
+            "stage {} (rank {}): {} stages, {} micro-batches, {}, blocks {}..{} of {}, {}",
+            s.stage,
+            s.rank,
+            s.stages,
+            s.micro_batches,
+            s.schedule,
+            s.blocks.start,
+            s.blocks.end,
+            s.model_blocks,
+            s.samples
+                .map_or("a batch of unknown size".to_string(), |n| format!(
+                    "a batch of {n} samples"
+                ))
+        )
+    };
+    let first = &all[0];
+    let mut problems: Vec<&str> = Vec::new();
+    let mut note = |problem: &'static str| {
+        if !problems.contains(&problem) {
+            problems.push(problem);
+        }
+    };
+    let mut end = 0;
+    for step in &all {
+        if (
+            step.stages,
+            step.micro_batches,
+            &step.schedule,
+            step.model_blocks,
+        ) != (
+            first.stages,
+            first.micro_batches,
+            &first.schedule,
+            first.model_blocks,
+        ) {
+            note(
+                "the pipeline's settings differ (pp_size, pp_microbatches, pp_schedule or the model's blocks)",
+            );
+        }
+        if step.blocks.start != end {
+            note("the stages' blocks do not follow each other (the cut differs: pp_stage_blocks?)");
+        }
+        end = step.blocks.end;
+        if let (Some(a), Some(b)) = (step.samples, first.samples)
+            && a != b
+        {
+            note(
+                "the stages got batches of different sizes: every stage of a pipeline must get the same batch \
+                 (prepare the dataloader with the accelerator: it shards by data-parallel replica, not by rank)",
+            );
+        }
+    }
+    if end != first.model_blocks {
+        note("the stages' blocks do not cover the model");
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "debug mode: backward_batch: the stages of pipeline replica {} disagree: {}.\n{}",
+        layout.replica,
+        problems.join("; "),
+        all.iter().map(describe).collect::<Vec<_>>().join("\n")
+    )))
 }
 
 /// Why a stage stopped computing a step.

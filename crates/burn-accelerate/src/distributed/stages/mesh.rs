@@ -96,6 +96,8 @@ pub(crate) struct Stages {
     pub dropped_rest: std::sync::atomic::AtomicBool,
     /// The whole run's ranks (initial weights, a save's fetches).
     pub world: Arc<dyn TensorComm>,
+    /// This replica's pipeline as a process group (debug mode's check of each step).
+    pub pipe: Arc<ProcessGroup>,
     /// What a transfer of this stage is called in errors (a timeout, a peer that failed): it names the stage, the
     /// replica and the rank.
     pub transfer: &'static str,
@@ -195,6 +197,7 @@ pub(crate) fn for_mesh(
         rest_elsewhere: Mutex::new(None),
         dropped_rest: std::sync::atomic::AtomicBool::new(false),
         world: world_comm.clone(),
+        pipe: pipe.clone(),
         // One name per accelerator, for the errors of its transfers.
         transfer: Box::leak(
             format!(
