@@ -701,7 +701,7 @@ fn a_stage_accumulating_micro_batches_holds_one_blocks_gradients_beside_the_wind
 
 /// A pipelined job (2 stages on 2 processes, and 2 stages × 2 `FULL_SHARD` replicas on 4) killed right after a
 /// save resumes under `mpirun` to the loss of the job that ran straight through; the NO_SHARD state resumes on 2
-/// replicas, the FULL_SHARD state on another number of processes is refused with a message.
+/// replicas and the FULL_SHARD state on 1, and on another `pp_size` it is refused with a message.
 #[test]
 fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
     let lm = example("transformer_lm");
@@ -759,11 +759,19 @@ fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
         assert!(stdout.contains("resumed after step 3"), "{stdout}");
         assert_eq!(final_loss(&stdout), straight, "np {np} {sharding}");
     }
-    // Sharded stages resume on the same mesh only; NO_SHARD stages on any number of replicas.
-    let resume_on = |saved: &str, processes: &str| {
+    // Sharded and NO_SHARD stages resume on any number of data-parallel replicas of the same stages; another
+    // pp_size is refused.
+    let resume_on = |saved: &str, processes: &str, stages: &str| {
         let state = dir.join(saved).to_string_lossy().into_owned();
         Command::new(&lm)
-            .args(["--processes", processes, "--pp-size", "2", "--layers", "4"])
+            .args([
+                "--processes",
+                processes,
+                "--pp-size",
+                stages,
+                "--layers",
+                "4",
+            ])
             .args([
                 "--d-model",
                 "64",
@@ -778,18 +786,20 @@ fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
             .output()
             .unwrap()
     };
-    let sharded = resume_on("4-FULL_SHARD", "2");
-    let stderr = String::from_utf8_lossy(&sharded.stderr);
+    for (saved, processes) in [("4-FULL_SHARD", "2"), ("2-NO_SHARD", "4")] {
+        let resumed = resume_on(saved, processes, "2");
+        let stdout = String::from_utf8_lossy(&resumed.stdout);
+        assert!(
+            resumed.status.success() && stdout.contains("resumed after step 3"),
+            "{saved} on {processes}: {stdout}{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+    }
+    let other_stages = resume_on("4-FULL_SHARD", "4", "4");
+    let stderr = String::from_utf8_lossy(&other_stages.stderr);
     assert!(
-        !sharded.status.success() && stderr.contains("same number of ranks"),
+        !other_stages.status.success() && stderr.contains("set pp_size as the saving run did"),
         "{stderr}"
-    );
-    let replicas = resume_on("2-NO_SHARD", "4");
-    let stdout = String::from_utf8_lossy(&replicas.stdout);
-    assert!(
-        replicas.status.success() && stdout.contains("resumed after step 3"),
-        "{stdout}{}",
-        String::from_utf8_lossy(&replicas.stderr)
     );
     std::fs::remove_dir_all(&dir).ok();
 }

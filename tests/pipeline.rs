@@ -933,3 +933,73 @@ fn debug_mode_names_the_stage_and_rank_whose_batch_differs() {
         }
     }
 }
+
+/// Sharded stages resume on another number of data-parallel replicas: a state saved by 2 stages × 2 `FULL_SHARD`
+/// replicas (each rank its slices of its stage; the manifest lists every stage's splits) loads on 2 stages × 1 and
+/// 2 stages × 4 replicas (slices re-cut, some of them empty), with the saved weights, and trains on within
+/// float rounding of a run straight through; on another `pp_size` it is refused with a message.
+#[test]
+fn sharded_stages_resume_on_another_number_of_replicas() {
+    let run = Run {
+        steps: 6,
+        replicas: 2,
+        sharding: ShardingStrategy::FullShard,
+        ..Run::new(2, 2, PipelineSchedule::OneFOneB)
+    };
+    let dir = std::env::temp_dir().join(format!("pipeline-resume-sharded-{}", std::process::id()));
+    let saved = run
+        .builder()
+        .launch(4, |acc| {
+            let model = trained_and_saved(&acc, &run, &dir)?;
+            Ok(params(&acc.unshard(&model)?))
+        })
+        .unwrap();
+    let straight = straight_through(Run {
+        replicas: 1,
+        sharding: ShardingStrategy::NoShard,
+        ..run
+    });
+    for replicas in [1, 4] {
+        let now = Run { replicas, ..run };
+        let resumed = now
+            .builder()
+            .launch(2 * replicas, |acc| {
+                let (model, mut optimizer) = restored(&acc, &dir)?;
+                let loaded = params(&acc.unshard(&model)?);
+                let (model, _) = train(&acc, &now, model, &mut optimizer, 6)?;
+                Ok((loaded, params(&acc.unshard(&model)?)))
+            })
+            .unwrap_or_else(|e| panic!("{replicas} replica(s): {e}"));
+        for replica in 0..replicas {
+            let ranks = [
+                resumed[replica].0.clone(),
+                resumed[replicas + replica].0.clone(),
+            ];
+            assert_eq!(
+                merged(&ranks, 2, 1),
+                merged(&saved, 2, 2),
+                "{replicas} replica(s), replica {replica}: the saved weights"
+            );
+        }
+        let trained: Vec<_> = resumed.into_iter().map(|r| r.1).collect();
+        let diff = max_diff(&merged(&trained, 2, replicas), &straight);
+        assert!(
+            diff < 2e-5,
+            "{replicas} replica(s) from step 6 vs 1 throughout: {diff}"
+        );
+    }
+    let err = Run {
+        replicas: 1,
+        ..Run::new(4, 2, PipelineSchedule::OneFOneB)
+    }
+    .builder()
+    .sharding(ShardingStrategy::FullShard)
+    .launch(4, |acc| restored(&acc, &dir).map(|_| ()))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("2 pipeline stages") && err.contains("set pp_size as the saving run did"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

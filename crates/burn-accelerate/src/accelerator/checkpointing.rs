@@ -270,12 +270,21 @@ impl Accelerator {
         self.pipeline.check_no_pending_gradients("save_state")?;
         let scaler = self.loss_scaler();
         let strategy = self.pipeline.strategy();
-        let splits = strategy
+        let mut splits: Vec<_> = strategy
             .splits()
             .iter()
             .map(|(id, split)| crate::checkpoint::repartition::SavedSplit::of(*id, split))
             .collect();
-        let scopes = (strategy.optimizer_state(), strategy.model_state(), splits);
+        let pp_size = strategy.stages().map(|stages| stages.layout.stages);
+        if let Some(stages) = strategy.stages() {
+            splits = every_stage_splits(self, stages, splits)?;
+        }
+        let scopes = (
+            strategy.optimizer_state(),
+            strategy.model_state(),
+            splits,
+            pp_size,
+        );
         self.checkpointer
             .save_state(&self.group, dir, parts, scaler, scopes)
     }
@@ -290,20 +299,32 @@ impl Accelerator {
             .checkpointer
             .load_state(&self.group, dir)?
             .with_strategy(self.pipeline.strategy().clone());
-        // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it): sharded stages are
-        // read back by the same mesh.
+        // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it, the manifest listing
+        // every stage's splits): sharded stages re-cut for another number of data-parallel replicas of the same
+        // stages.
         let strategy = self.pipeline.strategy();
-        if strategy.stages().is_some()
+        if let Some(stages) = strategy.stages()
             && (loaded.saved_split() || !strategy.splits().is_empty())
-            && loaded.saved_num_processes() != self.num_processes()
+            && match loaded.saved_pp_size() {
+                Some(pp) => pp != stages.layout.stages,
+                None => loaded.saved_num_processes() != self.num_processes(),
+            }
         {
+            let saved = match loaded.saved_pp_size() {
+                Some(pp) => format!("{pp} pipeline stages"),
+                None => {
+                    "a pipeline whose manifest does not list every stage's slices (an older save)"
+                        .into()
+                }
+            };
             return Err(crate::Error::InvalidArgument(format!(
-                "load_state: {} was saved by {} ranks of a pipeline, and this run has {}: a pipelined state whose \
-                 stages are sharded resumes on the same number of ranks and the same pp_size (each rank wrote its \
-                 slices of its stage; under NO_SHARD any number of data-parallel replicas will do)",
+                "load_state: {} was saved by {} ranks of {saved}, and this run has {} ranks of {} stages: a \
+                 pipelined state whose stages are sharded resumes on the same pp_size, with any number of \
+                 data-parallel replicas; set pp_size as the saving run did",
                 loaded.dir().display(),
                 loaded.saved_num_processes(),
-                self.num_processes()
+                self.num_processes(),
+                stages.layout.stages
             )));
         }
         if let Some(scaler) = loaded.scaler() {
@@ -394,4 +415,50 @@ impl Accelerator {
         }
         self.load_state(Some(&dir)).map(Some)
     }
+}
+
+/// Under a pipeline, every parameter's split as the stage that trains it saved it, with the ranks of that stage
+/// as the only files holding its parts: each stage splits its own blocks, holds the others' as empty
+/// placeholders, and, sharded, keeps stale slices of the embeddings or head that another stage trains; a load on
+/// another number of data-parallel replicas then reads each parameter from its stage's files alone. (A
+/// collective: every rank passes its own `splits`.)
+fn every_stage_splits(
+    accelerator: &Accelerator,
+    stages: &crate::distributed::stages::mesh::Stages,
+    splits: Vec<crate::checkpoint::repartition::SavedSplit>,
+) -> Result<Vec<crate::checkpoint::repartition::SavedSplit>> {
+    let mine: Vec<_> = splits
+        .into_iter()
+        .map(|split| {
+            let held = split.dims.iter().product::<usize>() > 0;
+            let trains = stages
+                .trains_here(burn::module::ParamId::from(split.id))
+                .unwrap_or(held);
+            (split, held && trains)
+        })
+        .collect();
+    let replicas = stages.layout.replicas;
+    let mut by_id: std::collections::BTreeMap<
+        u64,
+        (crate::checkpoint::repartition::SavedSplit, bool),
+    > = Default::default();
+    for (rank, splits) in accelerator.gather_object(&mine)?.into_iter().enumerate() {
+        let stage = rank / replicas;
+        for (mut split, trains) in splits {
+            if trains {
+                split.holders = Some(stage * replicas..(stage + 1) * replicas);
+            }
+            match by_id.get(&split.id) {
+                Some((_, true)) => {}
+                _ if trains => {
+                    by_id.insert(split.id, (split, true));
+                }
+                None => {
+                    by_id.insert(split.id, (split, false));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(by_id.into_values().map(|(split, _)| split).collect())
 }

@@ -96,10 +96,11 @@ impl Checkpointer {
         dir: Option<&Path>,
         parts: &StateToSave,
         scaler: Option<LossScaler>,
-        (optimizer_state, model_state, splits): (
+        (optimizer_state, model_state, splits, pp_size): (
             StateScope,
             StateScope,
             Vec<super::repartition::SavedSplit>,
+            Option<usize>,
         ),
     ) -> Result<PathBuf> {
         // Every rank learns whether every rank may write there (a refusal on one must not leave the others
@@ -124,6 +125,7 @@ impl Checkpointer {
             optimizer_state,
             model_state,
             splits,
+            pp_size,
         };
         save::save(&dir, parts, ctx)?;
         if automatic {

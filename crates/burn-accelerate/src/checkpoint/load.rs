@@ -280,6 +280,11 @@ impl LoadedState {
         self.manifest.num_processes
     }
 
+    /// The saving run's pipeline stages, where it was pipelined (and recorded them).
+    pub(crate) fn saved_pp_size(&self) -> Option<usize> {
+        self.manifest.pp_size
+    }
+
     /// Whether the saving run split parameters over its ranks (a sharded strategy).
     pub(crate) fn saved_split(&self) -> bool {
         !self.manifest.splits.is_empty()
@@ -388,6 +393,10 @@ impl LoadedState {
             .clone()
             .filter(|s| scope(s.as_ref()) == StateScope::PerRank);
         move |id| match strategy.as_ref().and_then(|s| s.split(id)) {
+            // A split of nothing: a sharded pipeline stage's placeholder for another stage's parameter.
+            Some((split, _)) if split.dims().iter().product::<usize>() == 0 => {
+                repartition::Want::Placeholder(split.dims().to_vec())
+            }
             Some((split, q)) => repartition::Want::Part(split, q),
             None => repartition::Want::Whole,
         }

@@ -49,6 +49,11 @@ pub(crate) struct Manifest {
     /// parameter whole, and in older checkpoints.
     #[serde(default)]
     pub(crate) splits: Vec<super::repartition::SavedSplit>,
+    /// The saving run's pipeline stages, when it was pipelined: `splits` then lists every stage's parameters
+    /// (each rank's splits, gathered), so that sharded stages re-cut for another number of data-parallel
+    /// replicas. Absent in other and older checkpoints.
+    #[serde(default)]
+    pub(crate) pp_size: Option<usize>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -41,6 +41,10 @@ pub(crate) struct SavedSplit {
     pub parts: usize,
     /// The rank holding it whole, or `None` where it was cut in rows.
     pub owner: Option<usize>,
+    /// The saving ranks whose files hold its parts (a pipeline stage's ranks: the other stages' files hold an
+    /// empty placeholder, or a stale copy of a parameter they do not train); `None`: every rank's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holders: Option<std::ops::Range<usize>>,
 }
 
 impl SavedSplit {
@@ -54,6 +58,7 @@ impl SavedSplit {
                 SplitKind::Rows => None,
                 SplitKind::Whole { owner } => Some(owner),
             },
+            holders: None,
         }
     }
 
@@ -71,14 +76,31 @@ impl SavedSplit {
     }
 }
 
-/// The splits of a saved checkpoint, by saved parameter id.
+/// The splits of a saved checkpoint, by saved parameter id, with the ranks whose files hold each one's parts.
 #[derive(Debug, Default)]
-pub(crate) struct SavedSplits(HashMap<u64, Split>);
+pub(crate) struct SavedSplits(HashMap<u64, (Split, Option<std::ops::Range<usize>>)>);
 
 impl SavedSplits {
     /// The splits the manifest lists.
     pub fn new(saved: &[SavedSplit]) -> Self {
-        Self(saved.iter().map(|s| (s.id, s.split())).collect())
+        Self(
+            saved
+                .iter()
+                .map(|s| (s.id, (s.split(), s.holders.clone())))
+                .collect(),
+        )
+    }
+
+    /// How parameter `id` was split, if it was.
+    fn get(&self, id: u64) -> Option<&Split> {
+        self.0.get(&id).map(|(split, _)| split)
+    }
+
+    /// Whether rank `rank`'s file holds parameter `id`'s part (not a placeholder or a stale copy).
+    fn held_by(&self, id: Option<u64>, rank: usize) -> bool {
+        id.and_then(|id| self.0.get(&id))
+            .and_then(|(_, holders)| holders.as_ref())
+            .is_none_or(|holders| holders.contains(&rank))
     }
 }
 
@@ -303,8 +325,15 @@ pub(crate) fn optimizer_record(
             .map_err(|e| corrupt(&path, format!("unreadable optimizer record: {e}")))?;
         for tensor in read {
             let id = tensor.param_id.or_else(|| key_id(&tensor.name));
-            let split = id.and_then(|id| saved.0.get(&id));
+            if !saved.held_by(id, rank) {
+                continue;
+            }
+            let split = id.and_then(|id| saved.get(id));
             let wanted = id.map_or(Want::Whole, |id| want(ParamId::from(id)));
+            if matches!(wanted, Want::Placeholder(_)) {
+                // The state of a parameter this rank holds nothing of (another pipeline stage's).
+                continue;
+            }
             assembler.take(&path, rank, tensor, split, &wanted)?;
         }
         last = path;
@@ -358,7 +387,10 @@ pub(crate) fn whole_tensors(
 ) -> Result<Vec<burn_pack::Tensor>> {
     let mut assembler = Assembler::default();
     let last = each_model_tensor(sources, |path, rank, tensor| {
-        let split = tensor.param_id.and_then(|id| saved.0.get(&id));
+        if !saved.held_by(tensor.param_id, rank) {
+            return Ok(());
+        }
+        let split = tensor.param_id.and_then(|id| saved.get(id));
         assembler.take(path, rank, tensor, split, &Want::Whole)
     })?;
     assembler.finish(&last)
@@ -377,13 +409,14 @@ pub(crate) fn model_record<M: Module>(
     let mut wanted: HashMap<String, Want> = HashMap::new();
     crate::named_params::walk(target, |p| {
         let want = match p.kind {
-            crate::named_params::Kind::Float(param) => match want(param.id()) {
-                // A placeholder the strategy does not split: another pipeline stage's parameter.
-                Want::Whole if param.num_elements() == 0 && !param.dims().is_empty() => {
-                    Want::Placeholder(param.dims())
-                }
-                other => other,
-            },
+            // An empty placeholder (another pipeline stage's parameter; under a sharded stage, its "slice" of
+            // nothing) stays one; an empty slice of a parameter this rank holds parts of is the same nothing.
+            crate::named_params::Kind::Float(param)
+                if param.num_elements() == 0 && !param.dims().is_empty() =>
+            {
+                Want::Placeholder(param.dims())
+            }
+            crate::named_params::Kind::Float(param) => want(param.id()),
             _ => Want::Whole,
         };
         wanted.insert(p.name(), want);
@@ -399,7 +432,10 @@ pub(crate) fn model_record<M: Module>(
                 ),
             ));
         };
-        let split = tensor.param_id.and_then(|id| saved.0.get(&id));
+        if !saved.held_by(tensor.param_id, rank) {
+            return Ok(());
+        }
+        let split = tensor.param_id.and_then(|id| saved.get(id));
         assembler.take(path, rank, tensor, split, want)
     })?;
     let tensors = assembler.finish(&last)?;

@@ -149,6 +149,8 @@ pub(crate) struct SaveContext<'a> {
     pub model_state: StateScope,
     /// How the strategy split each parameter over the ranks (none where every rank holds every parameter).
     pub splits: Vec<super::repartition::SavedSplit>,
+    /// The pipeline's stages, when the run is pipelined (`splits` then holds every rank's).
+    pub pp_size: Option<usize>,
 }
 
 /// Writes a checkpoint into `dir` atomically, with every rank taking part. Each phase ends with every rank
@@ -285,6 +287,7 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
             ctx.model_state == StateScope::PerRank,
         )?,
         splits: ctx.splits.clone(),
+        pp_size: ctx.pp_size,
     };
     write_synced(
         &partial.join(MANIFEST),

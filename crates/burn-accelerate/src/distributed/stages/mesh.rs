@@ -104,6 +104,17 @@ pub(crate) struct Stages {
 }
 
 impl Stages {
+    /// Whether this stage trains parameter `id` outside the blocks (the first stage whose passes reach it), once
+    /// the first window's end found out; `None` for a parameter of the blocks, and before that.
+    pub fn trains_here(&self, id: ParamId) -> Option<bool> {
+        self.rest_owner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|owners| owners.get(&id))
+            .map(|owner| *owner == self.layout.stage)
+    }
+
     /// Each stage's contiguous run of `model`'s blocks: cut once, from the blocks' parameters while the model is
     /// whole, and kept (a stage's model holds placeholders for the other stages' blocks afterwards).
     ///
