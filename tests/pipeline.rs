@@ -1003,3 +1003,48 @@ fn sharded_stages_resume_on_another_number_of_replicas() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A block that runs its layer `times` times: blocks of equal parameters and unequal compute.
+#[derive(burn::module::Module, Debug)]
+struct Repeated {
+    linear: burn::nn::Linear,
+    times: usize,
+}
+
+/// Stages cut by measured compute: four blocks of the same parameters, the last running its layer 12 times,
+/// measure about 12 times costlier, so two stages balanced by their cost run 3 and 1 blocks (by parameters, 2
+/// and 2).
+#[test]
+fn stages_cut_by_measured_compute_give_the_costly_block_a_stage_of_its_own() {
+    use burn_accelerate::distributed::stages::{measure_block_costs, stage_blocks_for};
+    let device = Device::default().autodiff();
+    let blocks: Vec<Repeated> = [1, 1, 1, 12]
+        .into_iter()
+        .map(|times| Repeated {
+            linear: LinearConfig::new(256, 256).init(&device),
+            times,
+        })
+        .collect();
+    let costs = measure_block_costs(
+        &blocks,
+        Tensor::<2>::ones([256, 256], &device),
+        |b, mut x| {
+            for _ in 0..b.times {
+                x = b.linear.forward(x).tanh();
+            }
+            x
+        },
+        5,
+    )
+    .unwrap();
+    assert!(
+        costs[3] > 4.0 * costs[..3].iter().cloned().fold(0.0, f64::max),
+        "{costs:?}"
+    );
+    assert_eq!(
+        stage_blocks_for(&costs, 2).unwrap(),
+        vec![3, 1],
+        "{costs:?}"
+    );
+    assert_eq!(stage_blocks_for(&[1.0; 4], 2).unwrap(), vec![2, 2]);
+}
