@@ -61,6 +61,10 @@ struct Args {
     /// environment's setting when absent.
     #[arg(long)]
     sharding: Option<ShardingStrategy>,
+    /// Ranks per shard group of a hybrid strategy (HYBRID_SHARD), within each pipeline stage's ranks under
+    /// --pp-size.
+    #[arg(long = "dp-shard-size")]
+    dp_shard_size: Option<usize>,
     /// Gather the whole model for the forward pass (`unshard` + `backward`) instead of block by block.
     #[arg(long)]
     whole: bool,
@@ -515,6 +519,9 @@ fn run() -> Result<()> {
     }
     if let Some(sharding) = args.sharding {
         builder = builder.sharding(sharding);
+    }
+    if let Some(size) = args.dp_shard_size {
+        builder = builder.dp_shard_size(size);
     }
     if let Some(loss) = ranks::run_ranks(builder, args.processes, |acc| train(acc, &args))? {
         println!("final_loss={loss:.6}");

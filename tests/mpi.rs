@@ -536,7 +536,7 @@ fn the_never_whole_demonstration_holds_reduced() {
 
 /// Pipeline parallelism under `mpirun`: the transformer example's layers cut into 2 and 4 stages, 1, 2, 4 and 8
 /// micro-batches, both schedules (and 2 stages × 2 data-parallel replicas on 4 processes, `NO_SHARD` and
-/// `FULL_SHARD`), train to the very loss of the same pipeline as in-process ranks (which `tests/pipeline.rs` checks
+/// `FULL_SHARD`, and 2 stages × 4 `HYBRID_SHARD` replicas in shard groups of 2 on 8), train to the very loss of the same pipeline as in-process ranks (which `tests/pipeline.rs` checks
 /// bit for bit against one process accumulating the same micro-batches) (activations and gradients cross processes through batched send/recv, with no
 /// deadlock under MPI's rendezvous protocol for messages of 128 KiB).
 #[test]
@@ -546,6 +546,8 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
     let mut cases = vec![
         (4, 2, "4", "1f1b", "NO_SHARD"),
         (4, 2, "4", "gpipe", "FULL_SHARD"),
+        // Each stage's 4 ranks: two shard groups of 2.
+        (8, 2, "2", "1f1b", "HYBRID_SHARD"),
     ];
     for stages in [2, 4] {
         for micro_batches in ["1", "2", "4", "8"] {
@@ -575,6 +577,8 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
             schedule,
             "--sharding",
             sharding,
+            "--dp-shard-size",
+            "2",
             "--skip-state-bytes",
         ];
         let processes = np.to_string();

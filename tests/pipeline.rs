@@ -49,6 +49,8 @@ struct Run {
     fp16: bool,
     /// The head also uses the input layer's weight (a tied embedding and head: on the first and the last stage).
     tied: bool,
+    /// Ranks per shard group of a hybrid strategy inside each stage.
+    shard_size: Option<usize>,
 }
 
 impl Run {
@@ -64,6 +66,7 @@ impl Run {
             steps: 20,
             fp16: false,
             tied: false,
+            shard_size: None,
         }
     }
 
@@ -74,6 +77,10 @@ impl Run {
             .pp_schedule(self.schedule)
             .gradient_accumulation_steps(self.accumulation)
             .sharding(self.sharding);
+        let builder = match self.shard_size {
+            Some(size) => builder.dp_shard_size(size),
+            None => builder,
+        };
         self.precision(builder)
     }
 
@@ -533,6 +540,40 @@ fn stages_of_two_replicas_train_as_one_process_on_the_whole_batch() {
     }
 }
 
+/// A hybrid strategy inside each stage: 2 stages × 4 replicas, each stage's 4 ranks two shard groups of 2
+/// (`HYBRID_SHARD`: sharded in a group, replicated across them; `_HYBRID_SHARD_ZERO2` likewise for gradients and
+/// optimizer state), train as one process on the whole batch.
+#[test]
+fn hybrid_stages_train_as_one_process_on_the_whole_batch() {
+    for sharding in [
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ] {
+        let run = Run {
+            replicas: 4,
+            sharding,
+            shard_size: Some(2),
+            steps: 10,
+            ..Run::new(2, 2, PipelineSchedule::OneFOneB)
+        };
+        let (ranks, _) = pipelined(run);
+        let alone = Run {
+            replicas: 1,
+            sharding: ShardingStrategy::NoShard,
+            shard_size: None,
+            ..run
+        };
+        let diff = max_diff(&merged(&ranks, 2, 4), &reference(alone).0);
+        assert!(diff < 2e-5, "{run:?}: {diff}");
+        for replica in 1..4 {
+            assert_eq!(
+                ranks[0], ranks[replica],
+                "{sharding}: replica {replica} of stage 0"
+            );
+        }
+    }
+}
+
 /// `run` trained for `run.steps` steps and saved into `dir` (every rank calls it): the model at the save.
 fn trained_and_saved(acc: &Accelerator, run: &Run, dir: &std::path::Path) -> Result<Deep> {
     let model = acc.prepare_blocks(model(acc.device()))?;
@@ -634,15 +675,17 @@ fn model_fresh(device: &Device) -> Deep {
 }
 
 #[test]
-fn a_hybrid_stage_or_an_uneven_mesh_is_refused_with_a_message_saying_what_to_set() {
+fn a_hybrid_stage_of_uneven_shard_groups_or_an_uneven_mesh_is_refused_with_a_message_saying_what_to_set()
+ {
     let err = Accelerator::builder()
         .pp_size(2)
         .sharding(ShardingStrategy::HybridShard)
-        .launch(2, |_| Ok(()))
+        .dp_shard_size(3)
+        .launch(4, |_| Ok(()))
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("pp_size") && err.contains("FULL_SHARD"),
+        err.contains("dp_shard_size") && err.contains("divides the 2 ranks"),
         "{err}"
     );
     let err = Accelerator::builder()

@@ -382,18 +382,6 @@ impl AcceleratorConfig {
                 ),
             ));
         }
-        if self.pipeline.is_pipelined() && self.distributed.sharding.is_hybrid() {
-            return Err(Error::config(
-                "pp_size",
-                self.pipeline.pp_size.to_string(),
-                self.source(Key::PpSize).to_string(),
-                format!(
-                    "1 with sharding {}: a pipeline's stages train NO_SHARD, SHARD_GRAD_OP or FULL_SHARD inside \
-                     their data-parallel groups, not a hybrid strategy; pick one of those, or pp_size 1",
-                    self.distributed.sharding
-                ),
-            ));
-        }
         if !(self.distributed.bucket_size_mb.is_finite() && self.distributed.bucket_size_mb > 0.0) {
             return Err(Error::config(
                 "bucket_size_mb",
