@@ -57,7 +57,9 @@ fn batch(first: usize, rows: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
 /// Dropout inside the blocks with activation checkpointing on several in-process ranks: each block's recompute
 /// draws the masks its forward pass drew, although the ranks share the process's random generator and each
 /// reseeds it before every block (a pause between the reseed and the draw lets the other ranks run there). A
-/// recompute with other masks would back-propagate through another function than the one the loss saw.
+/// recompute with other masks would back-propagate through another function than the one the loss saw. No
+/// block of any pass repeats another's masks (a rank's recompute leaves the shared generator where its forward
+/// pass did: seeds drawn from it after that would repeat).
 #[test]
 fn dropout_masks_of_a_recompute_match_the_forward_pass_on_concurrent_ranks() {
     for (processes, sharding) in [
@@ -105,6 +107,14 @@ fn dropout_masks_of_a_recompute_match_the_forward_pass_on_concurrent_ranks() {
             })
             .unwrap_or_else(|e| panic!("{sharding}: {e}"));
         for (rank, steps) in masks.iter().enumerate() {
+            // Every block of every pass draws masks of its own: no pass repeats another's.
+            let forward: Vec<&Vec<f32>> = steps.iter().flat_map(|calls| &calls[..BLOCKS]).collect();
+            for (a, mask) in forward.iter().enumerate() {
+                assert!(
+                    forward[a + 1..].iter().all(|other| other != mask),
+                    "{sharding}, rank {rank}: a forward pass drew the masks of another block or step"
+                );
+            }
             for (step, calls) in steps.iter().enumerate() {
                 // Forward: blocks 0..B; recompute: blocks B-1..0.
                 assert_eq!(

@@ -73,6 +73,9 @@ pub(crate) struct StepPipeline {
     /// process's generator in turns with the other ranks of the process (`pipeline::blocks`). Unknown, so `true`,
     /// before the first pass.
     blocks_draw: std::sync::atomic::AtomicBool,
+    /// Checkpointed passes' seeds: a base drawn once from the device's generator, and the passes seeded from it
+    /// since (`pipeline::blocks`).
+    recompute_seeds: Mutex<Option<(u64, u64)>>,
 }
 
 impl StepPipeline {
@@ -89,15 +92,16 @@ impl StepPipeline {
             accumulation_steps: config.accumulation.gradient_accumulation_steps,
             sync_each_batch: config.accumulation.sync_each_batch,
             blocks_draw: std::sync::atomic::AtomicBool::new(true),
+            recompute_seeds: Mutex::new(None),
         }
     }
 
     /// Whether the blocks of the last block-wise pass drew random numbers (`true` before the first).
-    fn blocks_draw(&self) -> bool {
+    pub(super) fn blocks_draw(&self) -> bool {
         self.blocks_draw.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn set_blocks_draw(&self, draws: bool) {
+    pub(super) fn set_blocks_draw(&self, draws: bool) {
         self.blocks_draw
             .store(draws, std::sync::atomic::Ordering::Relaxed);
     }

@@ -125,7 +125,10 @@ impl Accelerator {
     ///   (`gradient_accumulation_steps` = micro-batches). Each stage's data-parallel group reduces its
     ///   gradients as [`backward`](Self::backward) does; the fp16 overflow verdict and
     ///   [`clip_grad_norm`](Self::clip_grad_norm)'s norm span every stage. The last stage's loss (the mean over
-    ///   the micro-batches) comes back on every rank.
+    ///   the micro-batches) comes back on every rank. With
+    ///   [`activation_checkpointing`](crate::AcceleratorBuilder::activation_checkpointing) a stage keeps only
+    ///   each block's input for each micro-batch in flight and recomputes the block in the backward pass (with
+    ///   its forward pass's dropout masks): the same bits, less memory, one more forward pass.
     ///
     /// ```
     /// use burn::module::Module;

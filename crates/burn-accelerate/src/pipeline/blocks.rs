@@ -144,7 +144,7 @@ impl StepPipeline {
             before(&rest)
         };
         let device = h0.device();
-        let seeds = BlockSeeds::draw(&device)?;
+        let seeds = self.pass_seeds(&device)?;
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
         let mut draws = true;
@@ -324,6 +324,37 @@ impl StepPipeline {
     }
 }
 
+impl StepPipeline {
+    /// The block seeds of a checkpointed pass (a whole block-wise pass, or one micro-batch of a pipeline): from a
+    /// base drawn once from the device's generator (so that a run is reproducible from the user's seed), mixed
+    /// with the rank and a count of passes. Drawing a base for each pass would not do: ranks of one process share
+    /// the generator, and a rank's recompute puts it back in the state its forward pass left, so that a base
+    /// another rank drew right after both would repeat, and with it a whole pass's dropout masks.
+    pub(super) fn pass_seeds(&self, device: &burn::tensor::Device) -> Result<BlockSeeds> {
+        let mut seeds = self
+            .recompute_seeds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (base, count) = match *seeds {
+            Some(state) => state,
+            None => (BlockSeeds::draw(device)?.0, 0),
+        };
+        *seeds = Some((base, count + 1));
+        let rank = self.strategy.rank() as u64;
+        Ok(BlockSeeds(splitmix64(
+            base ^ splitmix64(rank.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ count),
+        )))
+    }
+}
+
+/// SplitMix64's output function: a well-mixed 64-bit value of `x`.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// Burn's random generators are process-wide (Flex keeps one behind a lock, not one per thread), so ranks of one
 /// process share them: another rank reseeding or drawing between this rank's reseed before a block and the
 /// block's draws would give a recompute other dropout masks than its forward pass. While the blocks draw random
@@ -333,7 +364,7 @@ impl StepPipeline {
 /// ([`BlockSeeds::block_drew`]).
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn generator() -> std::sync::MutexGuard<'static, ()> {
+pub(super) fn generator() -> std::sync::MutexGuard<'static, ()> {
     GENERATOR.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -356,14 +387,14 @@ fn probe(device: &burn::tensor::Device) -> Result<u32> {
 }
 
 /// The seeds that make a block's recompute draw the same random numbers (dropout masks) as its forward pass.
-struct BlockSeeds(u64);
+pub(super) struct BlockSeeds(u64);
 
 impl BlockSeeds {
     /// A base seed drawn from the device's generator, so that runs stay reproducible from the user's seed.
     ///
     /// # Errors
     /// The device's random numbers cannot be read back (never on Burn's backends).
-    fn draw(device: &burn::tensor::Device) -> Result<Self> {
+    pub(super) fn draw(device: &burn::tensor::Device) -> Result<Self> {
         let _generator = generator();
         let draw: Tensor<1> = Tensor::random([2], Distribution::Uniform(0.0, 1.0), device);
         let values = draw
@@ -387,19 +418,19 @@ impl BlockSeeds {
     /// Whether block `block`, just run after [`before_block`](Self::before_block), drew random numbers: the
     /// generator's next number differs from the first one after the block's seed. Call it under [`generator`],
     /// so that nothing else draws in between.
-    fn block_drew(&self, device: &burn::tensor::Device, block: usize) -> Result<bool> {
+    pub(super) fn block_drew(&self, device: &burn::tensor::Device, block: usize) -> Result<bool> {
         let next = probe(device)?;
         self.before_block(device, block);
         let first = probe(device)?;
         Ok(next != first)
     }
 
-    fn before_block(&self, device: &burn::tensor::Device, block: usize) {
+    pub(super) fn before_block(&self, device: &burn::tensor::Device, block: usize) {
         device.seed(self.0.wrapping_add(block as u64 + 1));
     }
 
     /// The generator continues from a seed of its own after the pass.
-    fn after_pass(&self, device: &burn::tensor::Device) {
+    pub(super) fn after_pass(&self, device: &burn::tensor::Device) {
         let _generator = generator();
         device.seed(self.0.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15);
     }

@@ -31,7 +31,7 @@ use mailbox::{Mailbox, micros};
 use tied::sum_tied;
 
 use super::StepPipeline;
-use super::blocks::Blocks;
+use super::blocks::{BlockSeeds, Blocks, generator};
 use super::split::Split;
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::stages::mesh::Stages;
@@ -56,9 +56,25 @@ struct Live<const D: usize> {
     /// Each inner cut, from the first: the output of the block before it (tracked in that block's graph) and the
     /// input of the block after it (the same values, tracked anew).
     cuts: Vec<(Tensor<D>, Tensor<D>)>,
+    /// Under activation checkpointing, instead of the cuts: each block's input, the blocks run without a graph
+    /// and recomputed with one in the backward pass.
+    recompute: Option<Recompute<D>>,
     /// Where the last block's graph ends (none when this stage did not compute the micro-batch: a pass failed
     /// here or before).
     end: Option<End<D>>,
+}
+
+/// What a checkpointed forward pass keeps for the backward pass's recompute.
+struct Recompute<const D: usize> {
+    /// Each block's input, from the first: on the first stage the first is `before`'s output with its graph (the
+    /// embeddings'), on the others the received activation (tracked); the rest hold no graph.
+    inputs: Vec<Tensor<D>>,
+    /// The seeds that give each block's recompute the random numbers (dropout masks) of its forward pass.
+    seeds: BlockSeeds,
+    /// Whether the blocks draw random numbers (then each seed and block runs under the process's generator lock).
+    draws: bool,
+    /// On the last stage, the last block's output tracked anew: where the loss's graph starts.
+    top: Option<Tensor<D>>,
 }
 
 /// Where a stage's last graph ends.
@@ -94,7 +110,7 @@ impl StepPipeline {
                 checkpoint,
             );
         };
-        self.pipelined(&stages, model, batch, (before, block, after))
+        self.pipelined(&stages, model, batch, (before, block, after), checkpoint)
     }
 
     /// [`backward_batch`](Self::backward_batch) on a stage of `stages`.
@@ -108,6 +124,7 @@ impl StepPipeline {
             impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
             impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
         ),
+        checkpoint: bool,
     ) -> Result<Tensor<1>>
     where
         M: Blocks,
@@ -179,11 +196,75 @@ impl StepPipeline {
                         Ok(Live {
                             input: input.clone(),
                             cuts,
+                            recompute: None,
+                            end: Some(end),
+                        })
+                    };
+                    // Activation checkpointing: the blocks run without a graph, keeping only their inputs.
+                    let forward_checkpointed = || -> Result<Live<D>> {
+                        let first = match &input {
+                            Some(x) => x.clone(),
+                            None => {
+                                let _generator = self.blocks_draw().then(generator);
+                                before(&whole, &parts[i])
+                            }
+                        };
+                        let seeds = self.pass_seeds(&device)?;
+                        let mut draws = self.blocks_draw();
+                        let mut inputs = Vec::with_capacity(blocks.len());
+                        let mut y = first;
+                        for (j, b) in blocks.iter().enumerate() {
+                            inputs.push(y.clone());
+                            let (b, x) = (burn::module::Module::no_grad(b.clone()), y.detach());
+                            y = if k == 0 && j == 0 {
+                                // Whether the blocks draw random numbers, found on the step's first block.
+                                let _generator = generator();
+                                seeds.before_block(&device, j);
+                                let y = block(&b, x).detach();
+                                draws = seeds.block_drew(&device, j)?;
+                                self.set_blocks_draw(draws);
+                                y
+                            } else {
+                                let _generator = draws.then(generator);
+                                seeds.before_block(&device, j);
+                                block(&b, x).detach()
+                            };
+                        }
+                        let (end, top) = if last {
+                            let top = y.require_grad();
+                            let loss = {
+                                let _generator = draws.then(generator);
+                                after(&whole, top.clone(), &parts[i])
+                            };
+                            if !loss.is_tracked() {
+                                return Err(Error::InvalidArgument(
+                                    "backward_batch: the loss is not connected to any parameter that requires a \
+                                     gradient; prepare the model with `accelerator.prepare_model(model)` and \
+                                     compute the loss in `after` from the activation it is given"
+                                        .into(),
+                                ));
+                            }
+                            (End::Loss(loss), Some(top))
+                        } else {
+                            (End::Output(y), None)
+                        };
+                        Ok(Live {
+                            input: input.clone(),
+                            cuts: Vec::new(),
+                            recompute: Some(Recompute {
+                                inputs,
+                                seeds,
+                                draws,
+                                top,
+                            }),
                             end: Some(end),
                         })
                     };
                     let kept = match failure {
                         Some(_) => None,
+                        None if checkpoint => guarded(forward_checkpointed)
+                            .map_err(|e| failure = Some(Failure::Here(e)))
+                            .ok(),
                         None => guarded(forward)
                             .map_err(|e| failure = Some(Failure::Here(e)))
                             .ok(),
@@ -194,6 +275,7 @@ impl StepPipeline {
                     let mut kept = kept.unwrap_or(Live {
                         input,
                         cuts: Vec::new(),
+                        recompute: None,
                         end: None,
                     });
                     if !last {
@@ -216,7 +298,12 @@ impl StepPipeline {
                     live.insert(i, kept);
                 }
                 Pass::Backward(i) => {
-                    let Live { input, cuts, end } = live.remove(&i).ok_or_else(|| {
+                    let Live {
+                        input,
+                        cuts,
+                        recompute,
+                        end,
+                    } = live.remove(&i).ok_or_else(|| {
                         Error::other(format!(
                             "backward_batch: micro-batch {i} was not run forward"
                         ))
@@ -241,6 +328,32 @@ impl StepPipeline {
                     };
                     let start = Instant::now();
                     let backward = || -> Result<Option<Tensor<D>>> {
+                        if let Some(recompute) = recompute {
+                            let g = match end {
+                                Some(End::Loss(loss)) => {
+                                    losses[i] = Some(loss.clone().detach());
+                                    let mut grads = self.precision().scale_loss(loss).backward();
+                                    let top = recompute.top.as_ref().ok_or_else(|| {
+                                        Error::other("the last stage kept no output")
+                                    })?;
+                                    let g = input_grad(top, &mut grads, s)?;
+                                    self.shared.lock().grads.collect(&whole, &mut grads);
+                                    g
+                                }
+                                Some(End::Output(_)) => {
+                                    g.ok_or_else(|| Error::other("no gradient came back"))?
+                                }
+                                None => return Err(Error::other("the forward pass did not run")),
+                            };
+                            return self.recompute_backward(
+                                &whole,
+                                blocks,
+                                &block,
+                                recompute,
+                                g,
+                                (s, &device),
+                            );
+                        }
                         let mut grads = match end {
                             Some(End::Loss(loss)) => {
                                 losses[i] = Some(loss.clone().detach());
@@ -365,6 +478,52 @@ impl StepPipeline {
             spans: mail.spans,
         });
         Ok(loss)
+    }
+
+    /// A checkpointed micro-batch's backward pass on stage `s`: each block recomputed with a graph, from the last,
+    /// with the seeds of its forward pass, its gradients added to the window's before the block before it runs,
+    /// from `g`, the gradient of the stage's output; returns the gradient of the stage's input (none on the first
+    /// stage, where it goes on into `before`'s graph, the embeddings').
+    fn recompute_backward<M: Blocks, const D: usize>(
+        &self,
+        whole: &M,
+        blocks: &[M::Block],
+        block: &impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+        recompute: Recompute<D>,
+        mut g: Tensor<D>,
+        (s, device): (usize, &burn::tensor::Device),
+    ) -> Result<Option<Tensor<D>>> {
+        let Recompute {
+            inputs,
+            seeds,
+            draws,
+            ..
+        } = recompute;
+        let first = inputs.first().cloned();
+        for (j, (b, stored)) in blocks.iter().zip(inputs).enumerate().rev() {
+            // A received activation is the leaf its gradient is read from; any other input starts a graph anew.
+            let x = match (j, s) {
+                (0, 1..) => stored,
+                _ => stored.detach().require_grad(),
+            };
+            let y = {
+                let _generator = draws.then(generator);
+                seeds.before_block(device, j);
+                block(b, x.clone())
+            };
+            let mut grads = (y * g).sum().backward();
+            g = input_grad(&x, &mut grads, s)?;
+            self.shared.lock().grads.collect(whole, &mut grads);
+        }
+        match first {
+            Some(h0) if s == 0 && h0.is_tracked() => {
+                let mut grads = (h0 * g).sum().backward();
+                self.shared.lock().grads.collect(whole, &mut grads);
+                Ok(None)
+            }
+            _ if s == 0 => Ok(None),
+            _ => Ok(Some(g)),
+        }
     }
 
     /// A forward pass for evaluation (see `Accelerator::forward_batch`): the whole batch through the whole model,

@@ -1,0 +1,116 @@
+//! Dropout in the blocks of a pipeline with activation checkpointing, on in-process stages. Burn's random
+//! generators are process-wide, and each stage reseeds before every block of every micro-batch so that the block's
+//! recompute draws its forward pass's masks: the stages must not reseed or draw in between each other's reseed and
+//! block. This binary holds this one test, so that no other test's draws (a model's initial weights) run beside it.
+
+#[path = "support/isolation.rs"]
+mod isolation;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::AdamConfig;
+use burn::tensor::{Device, Distribution, Tensor};
+use burn_accelerate::{Accelerator, Blocks, PipelineSchedule, ShardingStrategy};
+
+const WIDTH: usize = 16;
+const BLOCKS: usize = 4;
+const BATCH: usize = 16;
+const MICRO_BATCHES: usize = 4;
+const STEPS: usize = 3;
+
+#[derive(Module, Debug)]
+struct Deep {
+    input: Linear,
+    layers: Vec<Linear>,
+    head: Linear,
+}
+
+impl Blocks for Deep {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        &self.layers
+    }
+}
+
+fn model(device: &Device) -> Deep {
+    Deep {
+        input: LinearConfig::new(6, WIDTH).init(device),
+        layers: (0..BLOCKS)
+            .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
+            .collect(),
+        head: LinearConfig::new(WIDTH, 1).init(device),
+    }
+}
+
+/// Each block's recompute draws the masks its forward pass drew, on every stage and micro-batch, under both
+/// schedules and with 2 data-parallel replicas of each stage: every mask a stage drew comes up exactly twice
+/// (its forward pass and its recompute). A recompute with other masks would back-propagate through another
+/// function than the one the loss saw.
+#[test]
+fn dropout_masks_of_a_pipelined_recompute_match_the_forward_pass() {
+    for (replicas, schedule, sharding) in [
+        (1, PipelineSchedule::OneFOneB, ShardingStrategy::NoShard),
+        (1, PipelineSchedule::GPipe, ShardingStrategy::NoShard),
+        (2, PipelineSchedule::OneFOneB, ShardingStrategy::FullShard),
+    ] {
+        let drawn = Accelerator::builder()
+            .pp_size(2)
+            .pp_microbatches(MICRO_BATCHES)
+            .pp_schedule(schedule)
+            .sharding(sharding)
+            .activation_checkpointing(true)
+            .launch(2 * replicas, |acc| {
+                let device = acc.device().clone();
+                let mut model = acc.prepare_blocks(model(&device))?;
+                let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+                let rows = BATCH / replicas;
+                let masks = std::sync::Mutex::new(Vec::new());
+                for step in 0..STEPS {
+                    let first = step * BATCH + acc.pipeline_layout().replica * rows;
+                    let x: Vec<f32> = (0..rows * 6)
+                        .map(|k| ((first * 6 + k) as f32 * 0.37).sin())
+                        .collect();
+                    let x = Tensor::<1>::from_floats(x.as_slice(), &device).reshape([rows, 6]);
+                    let y = x.clone().sum_dim(1).tanh();
+                    acc.backward_batch(
+                        &model,
+                        (x, y),
+                        |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                        |layer, h| {
+                            std::thread::sleep(std::time::Duration::from_millis(2));
+                            let mask: Tensor<2> = Tensor::random(
+                                h.shape(),
+                                Distribution::Bernoulli(0.5),
+                                &h.device(),
+                            );
+                            masks
+                                .lock()
+                                .unwrap()
+                                .push(mask.to_data().convert::<f32>().try_to_vec::<f32>().unwrap());
+                            layer.forward(h * mask * 2.0).tanh()
+                        },
+                        |m, h, (_, y)| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
+                    )?;
+                    model = optimizer.try_step(model)?;
+                }
+                Ok(masks.into_inner().unwrap())
+            })
+            .unwrap_or_else(|e| panic!("{schedule:?}, {sharding}: {e}"));
+        for (rank, masks) in drawn.iter().enumerate() {
+            let case = format!("{schedule:?}, {sharding}, rank {rank}");
+            // Each stage runs half the blocks: forward and recompute of each, for every micro-batch and step.
+            assert_eq!(
+                masks.len(),
+                2 * (BLOCKS / 2) * MICRO_BATCHES * STEPS,
+                "{case}"
+            );
+            for mask in masks {
+                let copies = masks.iter().filter(|m| *m == mask).count();
+                assert_eq!(
+                    copies, 2,
+                    "{case}: a mask drawn {copies} time(s): a recompute drew other dropout masks than its forward pass"
+                );
+            }
+        }
+    }
+}
