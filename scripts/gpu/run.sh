@@ -447,6 +447,10 @@ run_step pipeline-cuda gpu 180 check_same sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 1 --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 1'
 run_step pipeline-4mb-cuda gpu 180 check_near_1e3 sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 1 --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4'
+# Activation checkpointing in the stages on the device: each block recomputed in the backward pass gives the
+# loss of the stages keeping their activations, bit for bit (the kit runs without autotuning: the same kernels).
+run_step pipeline-ckpt-cuda gpu 180 check_same sh -c \
+  'BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4 && echo --- && BURN_DEVICE=cuda FSDP_ACTIVATION_CHECKPOINTING=true sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu
