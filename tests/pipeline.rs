@@ -1131,3 +1131,61 @@ fn activation_checkpointing_under_a_pipeline_trains_the_same_bits() {
         assert_eq!(losses, kept_losses, "{run:?}");
     }
 }
+
+/// Evaluation through the stages fails together too: `after` running out of memory on the last stage for
+/// micro-batches of more than 3 rows fails `forward_batch` on every stage at once, and
+/// `find_executable_batch_size` shrinks the evaluation batch for all of them (2 micro-batches: 6 rows fit), with
+/// the outputs of a plain forward pass.
+#[test]
+fn evaluation_out_of_memory_on_one_stage_shrinks_the_batch_of_every_stage() {
+    let started = std::time::Instant::now();
+    let outcomes = Run::new(2, 2, PipelineSchedule::OneFOneB)
+        .builder()
+        .collective_timeout(std::time::Duration::from_secs(30))
+        .launch(2, |acc| {
+            let model = acc.prepare_blocks(model(acc.device()))?;
+            let mut tried = Vec::new();
+            let values = acc
+                .find_executable_batch_size(16, |rows| {
+                    tried.push(rows);
+                    acc.forward_batch(
+                        &model,
+                        batch(0, rows, acc.device()),
+                        |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                        |layer, h| layer.forward(h).tanh(),
+                        |m, h, _| {
+                            let rows = h.dims()[0];
+                            if rows > 3 {
+                                panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+                            }
+                            m.head.forward(h).reshape([rows])
+                        },
+                    )
+                })
+                .map_err(|e| burn_accelerate::Error::other(e.to_string()))?;
+            Ok((tried, values.into_data().try_to_vec::<f32>().unwrap()))
+        })
+        .unwrap();
+    let device = Device::default();
+    let plain = {
+        let m = model(&device);
+        let mut h = m.input.forward(batch(0, 6, &device).0).tanh();
+        for layer in &m.layers {
+            h = layer.forward(h).tanh();
+        }
+        m.head.forward(h).reshape([6])
+    }
+    .into_data()
+    .try_to_vec::<f32>()
+    .unwrap();
+    for (rank, (tried, values)) in outcomes.iter().enumerate() {
+        assert_eq!(tried, &[16, 14, 12, 10, 9, 8, 7, 6], "rank {rank}");
+        let diff = values
+            .iter()
+            .zip(&plain)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(values.len() == 6 && diff < 1e-6, "rank {rank}: {values:?}");
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+}

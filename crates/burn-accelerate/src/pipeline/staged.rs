@@ -412,39 +412,12 @@ impl StepPipeline {
         if !mail.pending.is_empty() {
             mail.exchange(Vec::new(), m - 1)?;
         }
-        // Every rank learns whether a stage failed before any other collective of the step: the lowest rank
-        // that did, and whether it ran out of memory.
-        let verdict = stages.world.all_reduce_value(
-            failure_code(&failure, stages.world.rank()),
-            ReduceOp::Min,
-            "pipeline step verdict",
-        )?;
-        if verdict < HEALTHY {
-            {
-                let mut core = self.shared.lock();
-                core.grads.clear();
-                core.state.reset_window();
-            }
-            return Err(match failure {
-                Some(Failure::Here(Caught::Panic(payload))) => std::panic::resume_unwind(payload),
-                Some(Failure::Here(Caught::Error(e))) => e,
-                _ => {
-                    let rank = (verdict / 2.0) as usize;
-                    let stage = rank / layout.replicas.max(1);
-                    Error::OtherRankFailed {
-                        operation: "backward_batch",
-                        rank,
-                        message: match verdict as usize % 2 {
-                            0 => format!(
-                                "a pass of pipeline stage {stage} ran out of memory (its rank reports the error)"
-                            ),
-                            _ => format!(
-                                "a pass of pipeline stage {stage} failed (its rank reports the error)"
-                            ),
-                        },
-                    }
-                }
-            });
+        // Every rank learns whether a stage failed before any other collective of the step.
+        if let Err(e) = verdict(stages, failure, "backward_batch") {
+            let mut core = self.shared.lock();
+            core.grads.clear();
+            core.state.reset_window();
+            return Err(e);
         }
         let busy: f64 = mail
             .spans
@@ -557,23 +530,61 @@ impl StepPipeline {
         let mut mail = Mailbox::new(&stages, &whole, Instant::now(), "forward_batch")?;
         let device = mail.device.clone();
         let mut outputs = Vec::with_capacity(m);
+        // A pass that fails stops this stage computing, not its messages (as in `backward_batch`).
+        let mut failure: Option<Failure> = None;
         for (i, part) in parts.iter().enumerate() {
-            let mut y = match s {
-                0 => before(&whole, part),
-                _ => mail.receive_activation::<D>(s - 1, i)?.ok_or_else(|| {
-                    Error::other(format!("forward_batch: stage {} sent no activation", s - 1))
-                })?,
+            let input = match s {
+                0 => None,
+                _ => match mail.receive_activation::<D>(s - 1, i)? {
+                    Some(x) => Some(x),
+                    None => {
+                        failure.get_or_insert(Failure::Upstream);
+                        None
+                    }
+                },
             };
-            for b in &whole.blocks()[range.clone()] {
-                y = block(b, y);
-            }
+            let forward = || -> Result<Tensor<D>> {
+                let mut y = match &input {
+                    Some(x) => x.clone(),
+                    None => before(&whole, part),
+                };
+                for b in &whole.blocks()[range.clone()] {
+                    y = block(b, y);
+                }
+                Ok(y)
+            };
+            let y = match failure {
+                Some(_) => None,
+                None => match guarded(forward) {
+                    Ok(y) => Some(y),
+                    Err(e) => {
+                        failure = Some(Failure::Here(e));
+                        None
+                    }
+                },
+            };
             if layout.is_last_stage() {
-                outputs.push(after(&whole, y, part).detach().cast(DType::F32));
+                if let Some(y) = y {
+                    match guarded(|| Ok(after(&whole, y, part).detach().cast(DType::F32))) {
+                        Ok(values) => outputs.push(values),
+                        Err(e) => failure = Some(Failure::Here(e)),
+                    }
+                }
             } else {
-                mail.send_activation(s + 1, &y.detach())?;
+                let sent = match &y {
+                    Some(y) => mail.send_activation(s + 1, y),
+                    None => Err(Error::other("no activation")),
+                };
+                if let Err(e) = sent {
+                    if y.is_some() {
+                        failure.get_or_insert(Failure::Here(Caught::Error(e)));
+                    }
+                    mail.send_failed::<D>(s + 1);
+                }
                 mail.exchange(Vec::new(), i)?;
             }
         }
+        verdict(&stages, failure, "forward_batch")?;
         // The last stage's values, on every stage: their length, then the values.
         let values = match outputs.is_empty() {
             true => Tensor::<1>::zeros([0], (&device, DType::F32)),
@@ -792,6 +803,40 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, Caught> {
         Ok(Err(e)) => Err(Caught::Error(e)),
         Err(payload) => Err(Caught::Panic(payload)),
     }
+}
+
+/// Every rank of the run learns whether a stage failed in `operation`'s passes (one small all-reduce, before any
+/// other collective of the step): `Ok` when none did; else this rank's own error (its panic raised again), or
+/// [`Error::OtherRankFailed`] naming the lowest rank that failed and whether it ran out of memory.
+fn verdict(stages: &Stages, failure: Option<Failure>, operation: &'static str) -> Result<()> {
+    let verdict = stages.world.all_reduce_value(
+        failure_code(&failure, stages.world.rank()),
+        ReduceOp::Min,
+        "pipeline step verdict",
+    )?;
+    if verdict >= HEALTHY {
+        return Ok(());
+    }
+    Err(match failure {
+        Some(Failure::Here(Caught::Panic(payload))) => std::panic::resume_unwind(payload),
+        Some(Failure::Here(Caught::Error(e))) => e,
+        _ => {
+            let rank = (verdict / 2.0) as usize;
+            let stage = rank / stages.layout.replicas.max(1);
+            Error::OtherRankFailed {
+                operation,
+                rank,
+                message: match verdict as usize % 2 {
+                    0 => format!(
+                        "a pass of pipeline stage {stage} ran out of memory (its rank reports the error)"
+                    ),
+                    _ => format!(
+                        "a pass of pipeline stage {stage} failed (its rank reports the error)"
+                    ),
+                },
+            }
+        }
+    })
 }
 
 /// A step's verdict on a rank that failed nowhere (the minimum over ranks is the failed rank's code).
