@@ -6,41 +6,20 @@
 #[path = "support/isolation.rs"]
 mod isolation;
 
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
-use burn::optim::AdamConfig;
-use burn::tensor::{Device, Distribution, Tensor};
-use burn_accelerate::{Accelerator, Blocks, PipelineSchedule, ShardingStrategy};
+#[path = "support/deep.rs"]
+mod deep;
 
-const WIDTH: usize = 16;
+use burn::optim::AdamConfig;
+use burn::tensor::{Distribution, Tensor};
+use burn_accelerate::{Accelerator, PipelineSchedule, ShardingStrategy};
+use deep::{batch, model};
+
 const BLOCKS: usize = 4;
-const BATCH: usize = 16;
+/// Rows per step: micro-batches of 4 rows or more on every replica, so that two masks of 32 values or more never
+/// come out equal by chance.
+const BATCH: usize = 32;
 const MICRO_BATCHES: usize = 4;
 const STEPS: usize = 3;
-
-#[derive(Module, Debug)]
-struct Deep {
-    input: Linear,
-    layers: Vec<Linear>,
-    head: Linear,
-}
-
-impl Blocks for Deep {
-    type Block = Linear;
-    fn blocks(&self) -> &[Linear] {
-        &self.layers
-    }
-}
-
-fn model(device: &Device) -> Deep {
-    Deep {
-        input: LinearConfig::new(6, WIDTH).init(device),
-        layers: (0..BLOCKS)
-            .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
-            .collect(),
-        head: LinearConfig::new(WIDTH, 1).init(device),
-    }
-}
 
 /// Each block's recompute draws the masks its forward pass drew, on every stage and micro-batch, under both
 /// schedules and with 2 data-parallel replicas of each stage: every mask a stage drew comes up exactly twice
@@ -61,17 +40,16 @@ fn dropout_masks_of_a_pipelined_recompute_match_the_forward_pass() {
             .activation_checkpointing(true)
             .launch(2 * replicas, |acc| {
                 let device = acc.device().clone();
-                let mut model = acc.prepare_blocks(model(&device))?;
+                let mut model = acc.prepare_blocks(model(BLOCKS, &device))?;
                 let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
                 let rows = BATCH / replicas;
                 let masks = std::sync::Mutex::new(Vec::new());
                 for step in 0..STEPS {
-                    let first = step * BATCH + acc.pipeline_layout().replica * rows;
-                    let x: Vec<f32> = (0..rows * 6)
-                        .map(|k| ((first * 6 + k) as f32 * 0.37).sin())
-                        .collect();
-                    let x = Tensor::<1>::from_floats(x.as_slice(), &device).reshape([rows, 6]);
-                    let y = x.clone().sum_dim(1).tanh();
+                    let (x, y) = batch(
+                        step * BATCH + acc.pipeline_layout().replica * rows,
+                        rows,
+                        &device,
+                    );
                     acc.backward_batch(
                         &model,
                         (x, y),

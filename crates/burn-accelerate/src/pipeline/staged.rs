@@ -181,14 +181,7 @@ impl StepPipeline {
                         }
                         let end = if last {
                             let loss = after(&whole, y, &parts[i]);
-                            if !loss.is_tracked() {
-                                return Err(Error::InvalidArgument(
-                                    "backward_batch: the loss is not connected to any parameter that requires a \
-                                     gradient; prepare the model with `accelerator.prepare_model(model)` and \
-                                     compute the loss in `after` from the activation it is given"
-                                        .into(),
-                                ));
-                            }
+                            tracked(&loss)?;
                             End::Loss(loss)
                         } else {
                             End::Output(y)
@@ -236,14 +229,7 @@ impl StepPipeline {
                                 let _generator = draws.then(generator);
                                 after(&whole, top.clone(), &parts[i])
                             };
-                            if !loss.is_tracked() {
-                                return Err(Error::InvalidArgument(
-                                    "backward_batch: the loss is not connected to any parameter that requires a \
-                                     gradient; prepare the model with `accelerator.prepare_model(model)` and \
-                                     compute the loss in `after` from the activation it is given"
-                                        .into(),
-                                ));
-                            }
+                            tracked(&loss)?;
                             (End::Loss(loss), Some(top))
                         } else {
                             (End::Output(y), None)
@@ -850,6 +836,18 @@ fn failure_code(failure: &Option<Failure>, rank: usize) -> f64 {
         Some(Failure::Here(caught)) => (2 * rank + usize::from(!caught.is_out_of_memory())) as f64,
         _ => HEALTHY,
     }
+}
+
+/// `Ok` when the last stage's `loss` is connected to a parameter that requires a gradient.
+fn tracked(loss: &Tensor<1>) -> Result<()> {
+    if loss.is_tracked() {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(
+        "backward_batch: the loss is not connected to any parameter that requires a gradient; prepare the model \
+         with `accelerator.prepare_model(model)` and compute the loss in `after` from the activation it is given"
+            .into(),
+    ))
 }
 
 /// The gradient `grads` holds for `x`, the input of one of stage `s`'s blocks.
