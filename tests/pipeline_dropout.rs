@@ -7,6 +7,7 @@
 mod isolation;
 
 #[path = "support/deep.rs"]
+#[allow(dead_code)] // the stack and its data; not its parameter reader
 mod deep;
 
 use burn::optim::AdamConfig;
