@@ -32,7 +32,9 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 fail() { echo "FAILED: $*" >&2; exit 1; }
 mpi() { local np=$1; shift; mpirun --allow-run-as-root --oversubscribe -np "$np" "$@"; }
 field() { grep -oE "$1=[0-9]+" "$2" | cut -d= -f2 | sort -n | tail -1; }
-ran_out_of_memory() { grep -qE "memory allocation of [0-9]+ bytes failed|out of memory|ran out of memory|Cannot allocate memory" "$1"; }
+# Open MPI reports an allocation that fails inside a collective under the limit as MPI_ERR_NO_MEM or, in some
+# versions, as an internal error of the collective.
+ran_out_of_memory() { grep -qE "memory allocation of [0-9]+ bytes failed|out of memory|ran out of memory|Cannot allocate memory|MPI_ERR_NO_MEM|MPI_ERR_INTERN: internal error" "$1"; }
 
 # What the model's f32 parameters alone take, and what each rank needs for its share: the peak address space of an
 # unlimited block-wise run of two steps (the second holds the optimizer state) on RANKS ranks before it saves the
