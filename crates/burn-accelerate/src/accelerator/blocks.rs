@@ -238,7 +238,9 @@ impl Accelerator {
     /// [`prepare_model`](Self::prepare_model) for a model made of blocks: under a pipeline (`pp_size` > 1) this
     /// rank keeps only its stage's blocks. The main process draws each parameter and sends a block's only to the
     /// ranks of the stage that runs it; elsewhere it arrives as an empty placeholder, so that neither it nor its
-    /// gradient or optimizer state ever takes memory there (what is outside the blocks goes to every rank).
+    /// gradient or optimizer state ever takes memory there. What is outside the blocks (embeddings, the head) goes
+    /// to the first and the last stage, where `before` and `after` run; the stages between never hold it (so
+    /// `block` must reach nothing outside its block, as it is given only the block).
     /// Without a pipeline, the same as `prepare_model`.
     ///
     /// # Errors
@@ -250,14 +252,17 @@ impl Accelerator {
         let ranges = stages.blocks_of(&model)?;
         let mut stage_of = std::collections::HashMap::new();
         for (i, block) in model.blocks().iter().enumerate() {
-            let stage = ranges.iter().position(|r| r.contains(&i));
-            for id in crate::grad::param_ids(block) {
-                stage_of.insert(id, stage);
+            if let Some(stage) = ranges.iter().position(|r| r.contains(&i)) {
+                for id in crate::grad::param_ids(block) {
+                    stage_of.insert(id, vec![stage]);
+                }
             }
         }
+        // What is outside the blocks only `before` (the first stage) and `after` (the last) can reach.
+        let ends = vec![0, stages.layout.stages - 1];
         let owners = crate::grad::param_ids(&model)
             .iter()
-            .map(|id| stage_of.get(id).copied().flatten())
+            .map(|id| stage_of.get(id).cloned().unwrap_or_else(|| ends.clone()))
             .collect();
         // Each block's parameters arrive only on its stage's ranks, placeholders elsewhere (see `Staged::arrive`).
         *stages.arrivals.lock().unwrap_or_else(|e| e.into_inner()) = Some((owners, 0));

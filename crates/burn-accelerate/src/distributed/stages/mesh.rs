@@ -79,9 +79,13 @@ pub(crate) struct Stages {
     pub cut: Mutex<Option<Vec<Range<usize>>>>,
     /// The user's counts of blocks per stage (`pp_stage_blocks`), if any.
     pub stage_blocks: Option<Vec<usize>>,
-    /// While `prepare_blocks` prepares a model: the stage that runs each parameter, by position (visiting order;
-    /// `None` for those outside the blocks, which every stage keeps), and the position of the next to arrive.
-    pub arrivals: Mutex<Option<(Vec<Option<usize>>, usize)>>,
+    /// While `prepare_blocks` prepares a model: the stages that keep each parameter, by position (visiting order:
+    /// a block's, the stage that runs it; one outside the blocks, the first and the last stage, whose `before` and
+    /// `after` can reach it; empty: every stage), and the position of the next to arrive.
+    pub arrivals: Mutex<Option<(Vec<Vec<usize>>, usize)>>,
+    /// The elements of each parameter outside the blocks that arrived here as a placeholder (a middle stage's
+    /// embeddings and head): what a sum over the stages needs of it.
+    pub rest_lens: Mutex<HashMap<ParamId, usize>>,
     /// The parameters outside the blocks that more than one stage uses (a tied embedding and head), with their
     /// lengths: found at the first window's end.
     pub tied: Mutex<Option<Vec<(ParamId, usize)>>>,
@@ -203,6 +207,7 @@ pub(crate) fn for_mesh(
         cut: Mutex::new(None),
         stage_blocks: config.pipeline.pp_stage_blocks.clone(),
         arrivals: Mutex::new(None),
+        rest_lens: Mutex::new(HashMap::new()),
         tied: Mutex::new(None),
         rest_owner: Mutex::new(None),
         rest_elsewhere: Mutex::new(None),

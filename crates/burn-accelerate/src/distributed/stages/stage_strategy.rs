@@ -180,8 +180,9 @@ impl Strategy for Staged {
     }
 
     /// Rank 0's value (the run's initial weights) on the ranks that keep it, then kept as the stage's strategy
-    /// keeps it: a block's parameter is sent only to the ranks of the stage that runs it, and arrives elsewhere as
-    /// an empty placeholder (no rank receives another stage's blocks); the others go to every rank.
+    /// keeps it: a block's parameter is sent only to the ranks of the stage that runs it, one outside the blocks
+    /// to those of the first and the last stage, and each arrives elsewhere as an empty placeholder (no rank
+    /// receives another stage's blocks).
     fn arrive(
         &self,
         id: ParamId,
@@ -190,7 +191,7 @@ impl Strategy for Staged {
         value: Arriving,
         root: usize,
     ) -> Result<(Tensor<1>, Vec<usize>)> {
-        let owner = self
+        let keepers = self
             .stages
             .arrivals
             .lock()
@@ -198,16 +199,21 @@ impl Strategy for Staged {
             .as_mut()
             .and_then(|(owners, next)| {
                 *next += 1;
-                owners.get(*next - 1).copied().flatten()
-            });
-        let Some(stage) = owner else {
+                owners.get(*next - 1).cloned()
+            })
+            .unwrap_or_default();
+        if keepers.is_empty() {
             let whole = self.broadcast(value.into_buffer(), root)?;
             return self
                 .inner
                 .arrive(id, dims, trains, Arriving::Value(whole), 0);
-        };
+        }
         let replicas = self.stages.layout.replicas;
-        let holders = stage * replicas..(stage + 1) * replicas;
+        let mut holders: Vec<usize> = keepers
+            .iter()
+            .flat_map(|stage| stage * replicas..(stage + 1) * replicas)
+            .collect();
+        holders.dedup();
         let me = self.world.rank();
         let (device, dtype) = value.place();
         let placeholder = || {
@@ -220,9 +226,9 @@ impl Strategy for Staged {
         let whole = if me == root {
             let whole = value.into_buffer();
             let sends: Vec<(usize, Tensor<1>)> = holders
-                .clone()
-                .filter(|r| *r != me)
-                .map(|r| (r, whole.clone()))
+                .iter()
+                .filter(|r| **r != me)
+                .map(|r| (*r, whole.clone()))
                 .collect();
             if !sends.is_empty() {
                 self.world
@@ -243,9 +249,22 @@ impl Strategy for Staged {
                 .remove(0)
         } else {
             drop(value);
+            // What a sum over the stages of this parameter's gradient needs of it here (zeros of its length).
+            self.stages
+                .rest_lens
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, dims.iter().product());
             return Ok(placeholder());
         };
         if !holders.contains(&me) {
+            // The main process, sender of another stage's parameter.
+            drop(whole);
+            self.stages
+                .rest_lens
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, dims.iter().product());
             return Ok(placeholder());
         }
         self.inner

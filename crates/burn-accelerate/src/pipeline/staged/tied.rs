@@ -94,11 +94,15 @@ pub(super) fn sum_tied(
                     .map(|((id, _), s)| (*id, s as usize))
                     .collect(),
             );
+            // A stage between the first and the last holds these as placeholders: their lengths as they arrived.
+            let placeholders = stages.rest_lens.lock().unwrap_or_else(|e| e.into_inner());
             *known = Some(
                 rest.iter()
                     .zip(counts)
                     .filter(|(_, n)| *n > 1.5)
-                    .map(|((id, len), _)| (*id, *len))
+                    .map(|((id, len), _)| {
+                        (*id, (*len).max(placeholders.get(id).copied().unwrap_or(0)))
+                    })
                     .collect(),
             );
         }
