@@ -216,7 +216,13 @@ impl Strategy for Staged {
         holders.dedup();
         let me = self.world.rank();
         let (device, dtype) = value.place();
+        // An empty placeholder, its length kept for a sum over the stages of its gradient (zeros of it here).
         let placeholder = || {
+            self.stages
+                .rest_lens
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, dims.iter().product());
             let mut dims = dims.to_vec();
             if let Some(first) = dims.first_mut() {
                 *first = 0;
@@ -249,22 +255,11 @@ impl Strategy for Staged {
                 .remove(0)
         } else {
             drop(value);
-            // What a sum over the stages of this parameter's gradient needs of it here (zeros of its length).
-            self.stages
-                .rest_lens
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, dims.iter().product());
             return Ok(placeholder());
         };
         if !holders.contains(&me) {
             // The main process, sender of another stage's parameter.
             drop(whole);
-            self.stages
-                .rest_lens
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, dims.iter().product());
             return Ok(placeholder());
         }
         self.inner
