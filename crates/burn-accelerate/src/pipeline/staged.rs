@@ -140,6 +140,14 @@ impl StepPipeline {
         let parts = batch.micro_batches(m)?;
         let whole = unshard(self.strategy.as_ref(), model)?;
         let blocks = &whole.blocks()[range.clone()];
+        // Under activation checkpointing the forward passes run the blocks without a graph: frozen once a step.
+        let frozen: Vec<M::Block> = match checkpoint {
+            true => blocks
+                .iter()
+                .map(|b| burn::module::Module::no_grad(b.clone()))
+                .collect(),
+            false => Vec::new(),
+        };
         let mut mail = Mailbox::new(stages, &whole, started, "backward_batch")?;
         let device = mail.device.clone();
         let mut live: HashMap<usize, Live<D>> = HashMap::new();
@@ -204,23 +212,23 @@ impl StepPipeline {
                         };
                         let seeds = self.pass_seeds(&device)?;
                         let mut draws = self.blocks_draw();
-                        let mut inputs = Vec::with_capacity(blocks.len());
+                        let mut inputs = Vec::with_capacity(frozen.len());
                         let mut y = first;
-                        for (j, b) in blocks.iter().enumerate() {
+                        for (j, b) in frozen.iter().enumerate() {
                             inputs.push(y.clone());
-                            let (b, x) = (burn::module::Module::no_grad(b.clone()), y.detach());
+                            let x = y.detach();
                             y = if k == 0 && j == 0 {
                                 // Whether the blocks draw random numbers, found on the step's first block.
                                 let _generator = generator();
                                 seeds.before_block(&device, j);
-                                let y = block(&b, x).detach();
+                                let y = block(b, x).detach();
                                 draws = seeds.block_drew(&device, j)?;
                                 self.set_blocks_draw(draws);
                                 y
                             } else {
                                 let _generator = draws.then(generator);
                                 seeds.before_block(&device, j);
-                                block(&b, x).detach()
+                                block(b, x).detach()
                             };
                         }
                         let (end, top) = if last {

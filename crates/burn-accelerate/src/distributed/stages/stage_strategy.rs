@@ -6,7 +6,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use burn::module::ParamId;
-use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
 use super::mesh::Stages;
@@ -79,13 +78,6 @@ impl Strategy for Staged {
         self.world
             .broadcast(flat, root, "parameter broadcast")?
             .wait()
-    }
-
-    fn reduce_unbuffered(
-        &self,
-        grads: GradientsParams,
-    ) -> std::result::Result<GradientsParams, GradientsParams> {
-        Err(grads)
     }
 
     fn backward_reached_nothing(&self) -> Result<()> {
