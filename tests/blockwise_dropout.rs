@@ -7,11 +7,15 @@
 #[path = "support/isolation.rs"]
 mod isolation;
 
+#[path = "support/dropout.rs"]
+mod dropout;
+
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::AdamConfig;
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{Device, Tensor};
 use burn_accelerate::{Accelerator, Blocks, ShardingStrategy};
+use dropout::dropout_block;
 
 const WIDTH: usize = 8;
 const BLOCKS: usize = 4;
@@ -85,19 +89,7 @@ fn dropout_masks_of_a_recompute_match_the_forward_pass_on_concurrent_ranks() {
                     acc.backward_blocks(
                         &model,
                         |m| m.input.forward(x.clone()).tanh(),
-                        |layer, h| {
-                            std::thread::sleep(std::time::Duration::from_millis(2));
-                            let mask: Tensor<2> = Tensor::random(
-                                h.shape(),
-                                Distribution::Bernoulli(0.5),
-                                &h.device(),
-                            );
-                            step_masks
-                                .lock()
-                                .unwrap()
-                                .push(mask.to_data().convert::<f32>().try_to_vec::<f32>().unwrap());
-                            layer.forward(h * mask * 2.0).tanh()
-                        },
+                        |layer, h| dropout_block(layer, h, &step_masks),
                         |m, h| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
                     )?;
                     model = optimizer.try_step(model)?;

@@ -6,14 +6,17 @@
 #[path = "support/isolation.rs"]
 mod isolation;
 
+#[path = "support/dropout.rs"]
+mod dropout;
+
 #[path = "support/deep.rs"]
 #[allow(dead_code)] // the stack and its data; not its parameter reader
 mod deep;
 
 use burn::optim::AdamConfig;
-use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::{Accelerator, PipelineSchedule, ShardingStrategy};
 use deep::{batch, model};
+use dropout::dropout_block;
 
 const BLOCKS: usize = 4;
 /// Rows per step: micro-batches of 4 rows or more on every replica, so that two masks of 32 values or more never
@@ -55,19 +58,7 @@ fn dropout_masks_of_a_pipelined_recompute_match_the_forward_pass() {
                         &model,
                         (x, y),
                         |m, (x, _)| m.input.forward(x.clone()).tanh(),
-                        |layer, h| {
-                            std::thread::sleep(std::time::Duration::from_millis(2));
-                            let mask: Tensor<2> = Tensor::random(
-                                h.shape(),
-                                Distribution::Bernoulli(0.5),
-                                &h.device(),
-                            );
-                            masks
-                                .lock()
-                                .unwrap()
-                                .push(mask.to_data().convert::<f32>().try_to_vec::<f32>().unwrap());
-                            layer.forward(h * mask * 2.0).tanh()
-                        },
+                        |layer, h| dropout_block(layer, h, &masks),
                         |m, h, (_, y)| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
                     )?;
                     model = optimizer.try_step(model)?;
