@@ -15,6 +15,8 @@ pub struct EnvReport {
     probes: Vec<backend::probe::Probe>,
     /// The gradient transport a multi-rank run would use here, and why.
     transport: String,
+    /// Where each call goes on that path.
+    per_call: Vec<(&'static str, &'static str)>,
     os: String,
     kernel: Option<String>,
     kernel_warning: Option<String>,
@@ -75,12 +77,17 @@ impl EnvReport {
             Ok(c) => burn_accelerate::distributed::describe_gradient_transport(c),
             Err(e) => format!("unknown (settings unreadable: {e})"),
         };
+        let per_call = resolved
+            .as_ref()
+            .map(burn_accelerate::distributed::describe_transport_per_call)
+            .unwrap_or_default();
         let settings = resolved.map(|c| c.settings()).map_err(|e| e.to_string());
         Self {
             version: env!("CARGO_PKG_VERSION"),
             backends,
             probes,
             transport,
+            per_call,
             os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
             kernel_warning: kernel.as_deref().and_then(sys::kernel_warning),
             kernel,
@@ -134,6 +141,9 @@ impl fmt::Display for EnvReport {
             }
         }
         writeln!(f, "- Gradient transport: {}", self.transport)?;
+        for (call, path) in &self.per_call {
+            writeln!(f, "  - {call}: {path}")?;
+        }
         match &self.config_file {
             Some(path) => {
                 let status = if path.exists() { "found" } else { "not found" };

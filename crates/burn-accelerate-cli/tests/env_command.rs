@@ -169,26 +169,44 @@ fn env_says_which_gradient_transport_runs_and_why() {
                 .trim()
                 .to_string()
         };
+        // Where each call goes on the path chosen, one line each under the transport.
+        let per_call: Vec<String> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("- Gradient transport: "))
+            .skip(1)
+            .take_while(|l| l.starts_with("  - "))
+            .map(|l| l.trim().to_string())
+            .collect();
         (
             line("- Gradient transport: "),
             line("- gradient_transport = "),
+            per_call,
         )
     };
     // In-process ranks on the CPU share one device: tensors pass between them as they are.
-    let (chosen, setting) = transport(&[]);
+    let (chosen, setting, per_call) = transport(&[]);
     assert_eq!(
         chosen,
         "- Gradient transport: device exchange (in-process ranks sharing one device) (2 in-process ranks on one \
          device: tensors pass between them as they are), for 2 in-process ranks"
     );
     assert_eq!(setting, "- gradient_transport = auto (default)");
-    let (chosen, setting) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "host")]);
+    assert_eq!(per_call.len(), 6, "{per_call:?}");
+    assert!(
+        per_call.contains(&"- send/recv: device".to_string()),
+        "{per_call:?}"
+    );
+    let (chosen, setting, per_call) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "host")]);
     assert!(chosen.contains("(gradient_transport = host)"), "{chosen}");
+    assert!(
+        per_call.iter().all(|l| l.ends_with(": host")),
+        "{per_call:?}"
+    );
     assert_eq!(
         setting,
         "- gradient_transport = host (environment ACCELERATE_GRADIENT_TRANSPORT)"
     );
-    let (chosen, _) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "device")]);
+    let (chosen, _, _) = transport(&[("ACCELERATE_GRADIENT_TRANSPORT", "device")]);
     assert!(chosen.contains("device exchange"), "{chosen}");
     // Under a launcher, its ranks are the ones described: CPU processes average in host memory, and say why.
     let launched = [
@@ -197,7 +215,7 @@ fn env_says_which_gradient_transport_runs_and_why() {
         ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
         ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
     ];
-    let (chosen, _) = transport(&launched);
+    let (chosen, _, _) = transport(&launched);
     assert!(
         chosen.starts_with("- Gradient transport: host all-reduce (the ranks run on ")
             && chosen.contains("device collectives between them on CUDA only")
@@ -205,7 +223,7 @@ fn env_says_which_gradient_transport_runs_and_why() {
         "{chosen}"
     );
     // Asking for the device path where there is none: env shows the refusal a run would meet.
-    let (chosen, _) = transport(
+    let (chosen, _, _) = transport(
         &[
             &launched[..],
             &[("ACCELERATE_GRADIENT_TRANSPORT", "device")],

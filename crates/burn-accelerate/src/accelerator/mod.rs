@@ -205,7 +205,7 @@ impl Accelerator {
     }
 
     /// How training is distributed on this rank, in words: `single device`, `data parallel over host
-    /// all-reduce`, `data parallel over device all-reduce (NCCL)`, `sharded data parallel (SHARD_GRAD_OP) over
+    /// all-reduce`, `data parallel over device collectives (NCCL)`, `sharded data parallel (SHARD_GRAD_OP) over
     /// host reduce and broadcast`, `sharded data parallel (FULL_SHARD) over device exchange (in-process ranks
     /// sharing one device)`. The main process also logs the transport and why it was chosen.
     pub fn strategy_name(&self) -> String {

@@ -178,7 +178,7 @@ pub(crate) fn for_mesh(
         &pipe,
         config.distributed.gradient_transport,
         config.collective_timeout(),
-        false,
+        crate::distributed::tensor_comm::on_device::Exchanges::Messages,
     )?;
     if group.is_main_process() {
         log::info!("activations cross pipeline stages through {choice}");

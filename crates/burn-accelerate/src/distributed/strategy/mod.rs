@@ -36,7 +36,7 @@ use burn::tensor::{DType, Device, Tensor};
 
 use crate::distributed::tensor_comm::on_device;
 #[cfg(test)]
-use crate::distributed::tensor_comm::on_device::{DeviceAverage, OnDevice};
+use crate::distributed::tensor_comm::on_device::{DeviceEngine, OnDevice};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
@@ -366,7 +366,7 @@ pub(crate) fn for_group(
             group,
             config.distributed.gradient_transport,
             config.collective_timeout(),
-            true,
+            on_device::Exchanges::Shards,
         )?;
         if group.is_main_process() {
             log::info!("sharded training's exchanges go through {choice}");
@@ -408,7 +408,7 @@ pub(crate) fn for_group(
         group,
         config.distributed.gradient_transport,
         config.collective_timeout(),
-        false,
+        on_device::Exchanges::Gradients,
     )?;
     if group.is_main_process() {
         log::info!("gradients cross ranks through {choice}");

@@ -13,7 +13,7 @@
 //! | implementation | where the values travel |
 //! |---|---|
 //! | [`HostTensorComm`] | host memory, through the rank's [`Communicator`](crate::distributed::comm::Communicator) (in-process, MPI) |
-//! | the device all-reduce ([`on_device`]) | the device (NCCL, Burn's CUDA collective) for all-reduces; host memory for the rest, and for sub-groups |
+//! | a device engine ([`on_device`]) | the device: every call on NCCL (sub-groups split from the group's communicator), the mean all-reduce on Burn's CUDA collective; host memory for single values and for what an engine lacks |
 //! | [`shared_device::SharedDevice`] | nowhere: in-process ranks on one device hand each other the tensors themselves, every call |
 //!
 //! Sub-groups (a hybrid strategy's shard and replica groups) come from [`TensorComm::on_group`] over a split of the
@@ -161,7 +161,7 @@ impl<T> fmt::Debug for Pending<T> {
 /// names the call in messages and in debug mode's comparison; every rank of the group makes the same calls in
 /// the same order, whatever it holds.
 pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
-    /// How its all-reduces travel, for messages (`host all-reduce`, `device all-reduce (NCCL)`).
+    /// How its all-reduces travel, for messages (`host all-reduce`, `device collectives (NCCL)`).
     fn name(&self) -> &'static str;
 
     /// This rank's index in the group.
@@ -327,8 +327,6 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
     /// # Errors
     /// A peer outside the group; a message whose length differs from its receive's (an error on the receiving
     /// rank); nothing from a peer within the timeout, or a peer that failed.
-    // The pipeline schedule is its first caller; the tests drive it on every engine until then.
-    #[cfg_attr(not(test), allow(dead_code))]
     fn send_recv(
         &self,
         sends: Vec<(usize, Tensor<1>)>,

@@ -34,7 +34,7 @@ struct DeviceDouble {
     calls: Arc<AtomicUsize>,
 }
 
-impl DeviceAverage for DeviceDouble {
+impl DeviceEngine for DeviceDouble {
     fn name(&self) -> &'static str {
         "device double"
     }
@@ -154,10 +154,10 @@ fn another_gradient_transport_trains_the_same_model_as_the_host_all_reduce() {
 
 #[test]
 fn the_device_all_reduce_path_trains_the_same_model_as_the_host_all_reduce() {
-    // DeviceAllReduce as NCCL drives it (id from rank 0 over the communicator, asynchronous calls polled
+    // DeviceCollectives as NCCL drives it (id from rank 0 over the communicator, asynchronous calls polled
     // against the timeout), over the host-memory double of the library.
     let device = AcceleratorBuilder::default().strategy(Arc::new(|group| {
-        let transport = on_device::DeviceAllReduce::connect(
+        let transport = on_device::DeviceCollectives::connect(
             group.clone(),
             &on_device::double::HostLibrary::default(),
             std::time::Duration::from_secs(30),

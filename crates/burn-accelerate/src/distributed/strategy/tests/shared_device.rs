@@ -1,6 +1,7 @@
-//! In-process ranks on one device (Flex here, one GPU in the GPU kit): every strategy trains through the shared
-//! device path with no parameter or gradient through host memory — over a communicator double that refuses every
-//! call carrying values — and trains the weights of the host path.
+//! Every strategy with no parameter or gradient through host memory — over a communicator double that refuses
+//! every call carrying values — training the weights of the host path: in-process ranks on one device (Flex here,
+//! one GPU in the GPU kit) through the shared device path, and ranks on a device library's path (NCCL's code,
+//! over the library's host-memory double).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -18,11 +19,13 @@ use crate::distributed::tensor_comm::{Checked, TensorComm};
 
 /// A communicator that refuses every call carrying values through host memory (collective buffers and
 /// point-to-point messages), and forwards the rest: byte messages (control: agreements, call checks, counted)
-/// and the shared values of ranks in one process.
+/// and the shared values of ranks in one process; with `single_values`, also the all-reduce of one f64 (a
+/// verdict or a norm, counted with the control bytes), which a device library's path leaves on the host.
 #[derive(Debug)]
 struct NoHostBuffers {
     inner: Arc<dyn Communicator>,
     control_bytes: Arc<AtomicUsize>,
+    single_values: bool,
 }
 
 impl NoHostBuffers {
@@ -51,7 +54,11 @@ impl Communicator for NoHostBuffers {
     fn concurrent(&self) -> bool {
         self.inner.concurrent()
     }
-    fn all_reduce(&self, data: ReduceBuffer, _op: ReduceOp) -> CommResult<ReduceBuffer> {
+    fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> CommResult<ReduceBuffer> {
+        if self.single_values && matches!(&data, ReduceBuffer::F64(v) if v.len() == 1) {
+            self.control_bytes.fetch_add(8, Ordering::Relaxed);
+            return self.inner.all_reduce(data, op);
+        }
         self.refuse("all_reduce", data.len(), data.kind())
     }
     fn reduce_scatter(
@@ -96,6 +103,7 @@ impl Communicator for NoHostBuffers {
         Ok(Arc::new(Self {
             inner: self.inner.split(color, key)?,
             control_bytes: self.control_bytes.clone(),
+            single_values: self.single_values,
         }))
     }
     fn shares_memory(&self) -> bool {
@@ -113,10 +121,10 @@ impl Communicator for NoHostBuffers {
     }
 }
 
-/// Runs `f` on `ranks` in-process ranks built by `builder`, each over a [`NoHostBuffers`] double; the results,
-/// and the control bytes every rank sent together.
+/// Runs `f` on `ranks` in-process ranks built by `builder`, each over a [`NoHostBuffers`] double (passing single
+/// values where `single_values`); the results, and the control bytes every rank sent together.
 fn launch_without_host_buffers<T: Send>(
-    builder: &AcceleratorBuilder,
+    (builder, single_values): (&AcceleratorBuilder, bool),
     ranks: usize,
     f: impl Fn(Accelerator) -> Result<T> + Send + Sync,
 ) -> (Vec<T>, usize) {
@@ -129,6 +137,7 @@ fn launch_without_host_buffers<T: Send>(
             Arc::new(NoHostBuffers {
                 inner,
                 control_bytes: counted.clone(),
+                single_values,
             }) as Arc<dyn Communicator>
         },
         |cluster| f(builder.build_in(cluster)?),
@@ -154,6 +163,106 @@ fn train_stack_steps(acc: Accelerator, dir: &std::path::Path) -> Result<(Vec<f32
     Ok((stack_weights(&acc.unshard(&net)?), acc.strategy_name()))
 }
 
+/// The strategy of `mode` over `comm` for `group`'s rank, with 64-byte buckets (hybrids: shard groups of 2).
+fn strategy_over(
+    comm: Arc<dyn TensorComm>,
+    group: &Arc<ProcessGroup>,
+    mode: ShardingStrategy,
+) -> Arc<dyn Strategy> {
+    let bucket = 64;
+    match mode {
+        ShardingStrategy::NoShard => Arc::new(DataParallel::new(comm, bucket)),
+        m if m.is_hybrid() => {
+            Arc::new(Sharded::hybrid(group.clone(), comm, 2, m, bucket).expect("hybrid sub-groups"))
+        }
+        m => Arc::new(Sharded::new(group.clone(), comm, m, bucket)),
+    }
+}
+
+/// Every strategy, on how many ranks, with activation checkpointing or not.
+const CASES: [(ShardingStrategy, usize, bool); 7] = [
+    (ShardingStrategy::NoShard, 2, false),
+    (ShardingStrategy::ShardGradOp, 2, false),
+    (ShardingStrategy::FullShard, 2, false),
+    (ShardingStrategy::FullShard, 3, true),
+    (ShardingStrategy::HybridShard, 4, false),
+    (ShardingStrategy::HybridShardZero2, 4, false),
+    (ShardingStrategy::NoShard, 3, true),
+];
+
+/// A builder for `mode` with small buckets (several rounds per step) and shard groups of 2 for hybrids.
+fn case_builder(mode: ShardingStrategy, checkpointing: bool) -> AcceleratorBuilder {
+    let builder = AcceleratorBuilder::default()
+        .sharding(mode)
+        .activation_checkpointing(checkpointing)
+        .bucket_size_mb(64.0 / (1 << 20) as f64);
+    if mode.is_hybrid() {
+        builder.dp_shard_size(2)
+    } else {
+        builder
+    }
+}
+
+#[test]
+fn every_strategy_trains_through_a_device_librarys_path_without_host_buffers_as_through_host_memory()
+ {
+    let base = std::env::temp_dir().join(format!(
+        "burn-accelerate-device-library-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&base);
+    for (n, (mode, ranks, checkpointing)) in CASES.into_iter().enumerate() {
+        let dir = base.join(format!("case{n}"));
+        let host_dir = dir.join("host");
+        let host = case_builder(mode, checkpointing)
+            .gradient_transport(GradientTransport::Host)
+            .launch(ranks, |acc| train_stack_steps(acc, &host_dir))
+            .unwrap();
+        let library = crate::distributed::tensor_comm::on_device::double::HostLibrary::default();
+        let counted = library.clone();
+        let on_library = case_builder(mode, checkpointing).strategy(Arc::new(move |group| {
+            let engine = crate::distributed::tensor_comm::on_device::DeviceCollectives::connect(
+                group.clone(),
+                &counted,
+                std::time::Duration::from_secs(60),
+            )
+            .expect("the library's double connects");
+            strategy_over(OnDevice::checked(Box::new(engine), group), group, mode)
+        }));
+        let library_dir = dir.join("library");
+        let (through_library, control_bytes) =
+            launch_without_host_buffers((&on_library, true), ranks, |acc| {
+                train_stack_steps(acc, &library_dir)
+            });
+        for rank in 0..ranks {
+            // The library sums in f64 from the last rank: other roundings than the host engine's.
+            let diff = max_relative_difference(&host[rank].0, &through_library[rank].0);
+            println!(
+                "{mode} on {ranks} ranks, rank {rank}: max relative |Δ| vs host path = {diff:e}"
+            );
+            assert!(diff <= 1e-5, "{mode} rank {rank}: {diff}");
+            assert!(
+                through_library[rank]
+                    .1
+                    .contains("device collectives (NCCL)"),
+                "{mode}: {}",
+                through_library[rank].1
+            );
+        }
+        let calls = library.started.load(Ordering::Relaxed);
+        println!(
+            "{mode} on {ranks} ranks: {calls} library calls, {} splits, {control_bytes} control bytes and \
+             single values through host memory in all",
+            library.splits.load(Ordering::Relaxed)
+        );
+        assert!(calls > 0, "{mode}: nothing went through the library");
+        if mode.is_hybrid() {
+            assert_eq!(library.splits.load(Ordering::Relaxed), 2 * ranks, "{mode}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 #[test]
 fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host_memory() {
     let base = std::env::temp_dir().join(format!(
@@ -161,28 +270,8 @@ fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&base);
-    let cases: [(ShardingStrategy, usize, bool); 7] = [
-        (ShardingStrategy::NoShard, 2, false),
-        (ShardingStrategy::ShardGradOp, 2, false),
-        (ShardingStrategy::FullShard, 2, false),
-        (ShardingStrategy::FullShard, 3, true),
-        (ShardingStrategy::HybridShard, 4, false),
-        (ShardingStrategy::HybridShardZero2, 4, false),
-        (ShardingStrategy::NoShard, 3, true),
-    ];
-    for (n, (mode, ranks, checkpointing)) in cases.into_iter().enumerate() {
-        let builder = || {
-            let builder = AcceleratorBuilder::default()
-                .sharding(mode)
-                .activation_checkpointing(checkpointing)
-                // Small buckets: several rounds per step.
-                .bucket_size_mb(64.0 / (1 << 20) as f64);
-            if mode.is_hybrid() {
-                builder.dp_shard_size(2)
-            } else {
-                builder
-            }
-        };
+    for (n, (mode, ranks, checkpointing)) in CASES.into_iter().enumerate() {
+        let builder = || case_builder(mode, checkpointing);
         let dir = base.join(format!("case{n}"));
         let host_dir = dir.join("host");
         let host = builder()
@@ -190,9 +279,10 @@ fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host
             .launch(ranks, |acc| train_stack_steps(acc, &host_dir))
             .unwrap();
         let shared_dir = dir.join("shared");
-        let (shared, control_bytes) = launch_without_host_buffers(&builder(), ranks, |acc| {
-            train_stack_steps(acc, &shared_dir)
-        });
+        let (shared, control_bytes) =
+            launch_without_host_buffers((&builder(), false), ranks, |acc| {
+                train_stack_steps(acc, &shared_dir)
+            });
         // The protocol of deferred backends (queues run around every call, copies, a second round), on Flex.
         let deferred_dir = dir.join("deferred");
         let deferred = builder().strategy(Arc::new(move |group| {
@@ -200,16 +290,9 @@ fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host
                 Arc::new(SharedDevice::with_deferred(group.clone(), true)),
                 group.clone(),
             ));
-            let bucket = 64;
-            match mode {
-                ShardingStrategy::NoShard => Arc::new(DataParallel::new(comm, bucket)),
-                m if m.is_hybrid() => Arc::new(
-                    Sharded::hybrid(group.clone(), comm, 2, m, bucket).expect("hybrid sub-groups"),
-                ),
-                m => Arc::new(Sharded::new(group.clone(), comm, m, bucket)),
-            }
+            strategy_over(comm, group, mode)
         }));
-        let (deferred, _) = launch_without_host_buffers(&deferred, ranks, |acc| {
+        let (deferred, _) = launch_without_host_buffers((&deferred, false), ranks, |acc| {
             train_stack_steps(acc, &deferred_dir)
         });
         for rank in 0..ranks {

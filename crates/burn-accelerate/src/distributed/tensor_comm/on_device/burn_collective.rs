@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use burn::tensor::Tensor;
 
-use super::DeviceAverage;
+use super::DeviceEngine;
 use super::device::wire_type;
 use crate::distributed::ProcessGroup;
 use crate::distributed::comm::CommError;
@@ -148,7 +148,7 @@ impl Drop for BurnCollective {
     }
 }
 
-impl DeviceAverage for BurnCollective {
+impl DeviceEngine for BurnCollective {
     fn name(&self) -> &'static str {
         "device all-reduce (Burn's CUDA collective)"
     }

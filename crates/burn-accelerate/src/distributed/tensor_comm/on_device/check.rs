@@ -15,7 +15,7 @@ use super::{
     TransportChoice, TransportKind, choose, facts_for, from_host, select, start_device, to_host,
 };
 use crate::distributed::ProcessGroup;
-use crate::distributed::tensor_comm::{Reduction, TensorComm};
+use crate::distributed::tensor_comm::{Incoming, Reduction, TensorComm};
 use crate::error::Result;
 
 /// How a device transport compares with the exact mean in one dtype.
@@ -51,8 +51,9 @@ pub struct TransportCheck {
     pub transport: String,
     /// One result per dtype, f32 first.
     pub dtypes: Vec<DtypeCheck>,
-    /// One result per other collective: a mean's reduce-scatter, an all-gather and a broadcast, in equal parts
-    /// of an odd length (so every part has an unaligned tail). The `dtype` field of each is f32.
+    /// One result per other call: a mean's reduce-scatter, an all-gather, a broadcast, a sum onto one rank, a
+    /// ring of messages and a split sub-group's sum, in parts of an odd length (so every part has an unaligned
+    /// tail). The `dtype` field of each is f32.
     pub collectives: Vec<(&'static str, DtypeCheck)>,
 }
 
@@ -94,8 +95,9 @@ fn compare(got: &[f32], exact: &[f64], bound: f64, dtype: DType) -> DtypeCheck {
     }
 }
 
-/// Checks `transport`'s reduce-scatter (mean), all-gather and broadcast in f32 on every rank of `group` against
-/// values each rank computes by itself: parts of `(1 << 18) + 1` values per rank.
+/// Checks `transport`'s reduce-scatter (mean), all-gather, broadcast, reduce (sum), point-to-point batch (a
+/// ring) and a split sub-group's all-reduce (sum) in f32 on every rank of `group` against values each rank
+/// computes by itself: parts of `(1 << 18) + 1` values per rank.
 pub(crate) fn check_collectives(
     group: &Arc<ProcessGroup>,
     transport: &dyn TensorComm,
@@ -150,10 +152,86 @@ pub(crate) fn check_collectives(
         DType::F32,
     );
 
+    // A sum onto rank 0; the other ranks receive nothing.
+    let reduced = transport
+        .reduce(
+            tensor(values(rank, part))?,
+            0,
+            Reduction::Op(crate::distributed::comm::ReduceOp::Sum),
+            "collective check",
+        )?
+        .wait()?;
+    let sum_bound = rounding_bound(DType::F32, world, 0.5 * world as f64);
+    let reduce = match (rank, reduced) {
+        (0, Some(sum)) => {
+            let exact: Vec<f64> = (0..part)
+                .map(|i| (0..world).map(|r| check_value(r, i) as f64).sum())
+                .collect();
+            compare(
+                &to_host(sum, "collective check")?,
+                &exact,
+                sum_bound,
+                DType::F32,
+            )
+        }
+        (0, None) | (_, Some(_)) => compare(&[], &[f64::NAN], 0.0, DType::F32),
+        (_, None) => compare(&[], &[], 0.0, DType::F32),
+    };
+
+    // A ring of messages in one batch: each rank sends to the next and receives from the one before (on one
+    // rank, to itself).
+    let (next, previous) = ((rank + 1) % world, (rank + world - 1) % world);
+    let received = transport
+        .send_recv(
+            vec![(next, tensor(values(rank, part))?)],
+            vec![Incoming {
+                peer: previous,
+                len: part,
+                device: device.clone(),
+                dtype: DType::F32,
+            }],
+            "collective check",
+        )?
+        .wait()?;
+    let exact: Vec<f64> = values(previous, part).into_iter().map(f64::from).collect();
+    let send_recv = match received.into_iter().next() {
+        Some(message) => compare(
+            &to_host(message, "collective check")?,
+            &exact,
+            0.0,
+            DType::F32,
+        ),
+        None => compare(&[], &exact, 0.0, DType::F32),
+    };
+
+    // A sub-group of the ranks of one parity (on one rank, itself), split from the group's connection, sums.
+    let sub = Arc::new(group.split(rank % 2, rank)?);
+    let members: Vec<usize> = (0..world).filter(|r| r % 2 == rank % 2).collect();
+    let sub_transport = transport.on_group(sub)?;
+    let summed = sub_transport
+        .all_reduce(
+            tensor(values(rank, part))?,
+            Reduction::Op(crate::distributed::comm::ReduceOp::Sum),
+            "collective check",
+        )?
+        .wait()?;
+    let exact: Vec<f64> = (0..part)
+        .map(|i| members.iter().map(|&r| check_value(r, i) as f64).sum())
+        .collect();
+    let split = compare(
+        &to_host(summed, "collective check")?,
+        &exact,
+        rounding_bound(DType::F32, members.len(), 0.5 * members.len() as f64),
+        DType::F32,
+    );
+
     Ok(vec![
         ("reduce-scatter (mean)", reduce_scatter),
         ("all-gather", all_gather),
         ("broadcast", broadcast),
+        ("reduce (sum)", reduce),
+        ("send/recv", send_recv),
+        ("split sub-group all-reduce (sum)", split),
     ])
 }
 
@@ -242,7 +320,7 @@ pub(crate) fn check_against_reference(
             world: 2,
             local_world: 1,
             in_process: false,
-            ..facts_for(group, false)?
+            ..facts_for(group, super::Exchanges::Shards)?
         };
         match choose(preference, &facts) {
             Ok(choice) if choice.kind == TransportKind::Nccl => {
@@ -256,15 +334,24 @@ pub(crate) fn check_against_reference(
             _ => return Ok(None),
         }
     } else {
-        select(group, preference, timeout, false)?
+        select(group, preference, timeout, super::Exchanges::Gradients)?
     };
     if !choice.kind.on_device() {
         return Ok(None);
     }
+    let dtypes = check_transport(group, transport.as_ref())?;
+    // Sharded training's and pipelines' calls on the transport they take: the same one, except where Burn's
+    // collective (all-reduce only) serves data parallelism and NCCL the rest.
+    let (others, named) = if choice.kind == TransportKind::BurnCollective {
+        let (others, other) = select(group, preference, timeout, super::Exchanges::Shards)?;
+        (others, format!("{choice}; other calls: {other}"))
+    } else {
+        (transport, choice.to_string())
+    };
     Ok(Some(TransportCheck {
-        transport: choice.to_string(),
-        dtypes: check_transport(group, transport.as_ref())?,
-        collectives: check_collectives(group, transport.as_ref())?,
+        transport: named,
+        dtypes,
+        collectives: check_collectives(group, others.as_ref())?,
     }))
 }
 

@@ -27,7 +27,7 @@ impl TransportKind {
         match self {
             TransportKind::Host => "host all-reduce",
             TransportKind::BurnCollective => "device all-reduce (Burn's CUDA collective)",
-            TransportKind::Nccl => "device all-reduce (NCCL)",
+            TransportKind::Nccl => "device collectives (NCCL)",
             TransportKind::SharedDevice => crate::distributed::tensor_comm::shared_device::NAME,
         }
     }
@@ -36,6 +36,50 @@ impl TransportKind {
     pub fn on_device(self) -> bool {
         self != TransportKind::Host
     }
+
+    /// Where each call of the tensor interface goes on this path, for `env`: `(call, path)` pairs.
+    pub fn per_call(self) -> Vec<(&'static str, &'static str)> {
+        const CALLS: [&str; 6] = [
+            "all-reduce",
+            "reduce-scatter, all-gather (uneven parts padded)",
+            "reduce, broadcast",
+            "send/recv",
+            "sub-groups",
+            "single values (verdicts, norms)",
+        ];
+        let paths: [&'static str; 6] = match self {
+            TransportKind::Host => ["host"; 6],
+            TransportKind::BurnCollective => [
+                "device (mean), host (other reductions)",
+                "host",
+                "host",
+                "host",
+                "host",
+                "host",
+            ],
+            TransportKind::Nccl => [
+                "device",
+                "device",
+                "device",
+                "device (one group call)",
+                "device (ncclCommSplit)",
+                "host",
+            ],
+            TransportKind::SharedDevice => ["device"; 6],
+        };
+        CALLS.into_iter().zip(paths).collect()
+    }
+}
+
+/// What a group's transport carries: the engines differ in the calls they have, so it decides between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exchanges {
+    /// Data parallelism: gradient all-reduces.
+    Gradients,
+    /// Sharded training: reduce-scatters, all-gathers, reductions to one rank, broadcasts, sub-groups.
+    Shards,
+    /// A pipeline's activations and their gradients: point-to-point batches.
+    Messages,
 }
 
 /// What the choice depends on.
@@ -53,9 +97,8 @@ pub struct TransportFacts {
     pub cuda_devices: usize,
     /// Whether NCCL (`libnccl.so`) loads.
     pub nccl: bool,
-    /// Whether the training state is sharded (its exchanges are reduce-scatters and gathers, which only the
-    /// shared device path keeps off the host).
-    pub sharded: bool,
+    /// What the transport carries (Burn's in-process collective all-reduces only).
+    pub exchanges: Exchanges,
     /// Whether the ranks are threads of this process computing on one device (they can hand each other
     /// tensors).
     pub shared_device: bool,
@@ -121,9 +164,6 @@ fn device_path(facts: &TransportFacts) -> std::result::Result<TransportChoice, S
              collectives between them on CUDA only"
         ));
     }
-    if facts.sharded {
-        return Err("sharded training exchanges its shards through host memory".into());
-    }
     if !facts.nccl {
         return Err("libnccl.so does not load on this machine".into());
     }
@@ -133,20 +173,31 @@ fn device_path(facts: &TransportFacts) -> std::result::Result<TransportChoice, S
             facts.local_world, facts.cuda_devices
         ));
     }
-    Ok(if facts.in_process {
-        TransportChoice {
-            kind: TransportKind::BurnCollective,
-            reason: format!(
-                "{} in-process ranks on {} CUDA devices",
-                facts.world, facts.local_world
-            ),
-        }
-    } else {
-        TransportChoice {
-            kind: TransportKind::Nccl,
-            reason: format!("{} processes, one CUDA device each", facts.world),
-        }
-    })
+    Ok(
+        if facts.in_process && facts.exchanges == Exchanges::Gradients {
+            TransportChoice {
+                kind: TransportKind::BurnCollective,
+                reason: format!(
+                    "{} in-process ranks on {} CUDA devices",
+                    facts.world, facts.local_world
+                ),
+            }
+        } else if facts.in_process {
+            TransportChoice {
+                kind: TransportKind::Nccl,
+                reason: format!(
+                    "{} in-process ranks on {} CUDA devices, one NCCL communicator each (Burn's collective \
+                 all-reduces only)",
+                    facts.world, facts.local_world
+                ),
+            }
+        } else {
+            TransportChoice {
+                kind: TransportKind::Nccl,
+                reason: format!("{} processes, one CUDA device each", facts.world),
+            }
+        },
+    )
 }
 
 #[cfg(test)]
@@ -161,7 +212,7 @@ mod tests {
             backend: Ok(()),
             cuda_devices: 8,
             nccl: true,
-            sharded: false,
+            exchanges: Exchanges::Gradients,
             shared_device: false,
         }
     }
@@ -177,7 +228,7 @@ mod tests {
             TransportFacts {
                 shared_device: true,
                 backend: Err("flex".into()),
-                sharded: true,
+                exchanges: Exchanges::Shards,
                 nccl: false,
                 ..cuda(4, 4, true)
             },
@@ -204,8 +255,30 @@ mod tests {
         assert_eq!(choice.kind, TransportKind::Nccl);
         assert_eq!(
             choice.to_string(),
-            "device all-reduce (NCCL) (16 processes, one CUDA device each)"
+            "device collectives (NCCL) (16 processes, one CUDA device each)"
         );
+        // Sharded training and pipelines take NCCL too, between processes and between the devices of one
+        // process, where Burn's collective (all-reduce only) would send every other call through host memory.
+        for exchanges in [Exchanges::Shards, Exchanges::Messages] {
+            for in_process in [true, false] {
+                let facts = TransportFacts {
+                    exchanges,
+                    ..cuda(4, 4, in_process)
+                };
+                let choice = choose(Preference::Auto, &facts).unwrap();
+                assert_eq!(choice.kind, TransportKind::Nccl, "{facts:?}");
+                assert!(
+                    choice
+                        .kind
+                        .per_call()
+                        .iter()
+                        .take(5)
+                        .all(|(_, path)| path.starts_with("device")),
+                    "{:?}",
+                    choice.kind.per_call()
+                );
+            }
+        }
         assert_eq!(
             choose(Preference::Device, &cuda(2, 2, false)).unwrap().kind,
             TransportKind::Nccl
@@ -214,7 +287,7 @@ mod tests {
 
     #[test]
     fn host_memory_elsewhere_with_the_reason() {
-        let cases: [(TransportFacts, &str); 5] = [
+        let cases: [(TransportFacts, &str); 4] = [
             (
                 TransportFacts {
                     backend: Err("flex".into()),
@@ -236,13 +309,6 @@ mod tests {
                     ..cuda(2, 2, true)
                 },
                 "2 ranks on this machine share 1 CUDA device(s), and NCCL needs one device per rank",
-            ),
-            (
-                TransportFacts {
-                    sharded: true,
-                    ..cuda(2, 2, false)
-                },
-                "sharded training exchanges its shards through host memory",
             ),
             (cuda(1, 1, true), "one rank: no gradient crosses ranks"),
         ];

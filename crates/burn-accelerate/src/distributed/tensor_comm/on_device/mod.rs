@@ -1,11 +1,13 @@
-//! How data parallelism's gradients cross ranks: which implementation of the tensor-level interface
-//! ([`TensorComm`]) a run uses, and the device all-reduce engines behind it.
+//! How tensors cross ranks: which implementation of the tensor-level interface ([`TensorComm`]) a run uses, and
+//! the device engines behind it.
 //!
 //! The host implementation ([`HostTensorComm`](crate::distributed::tensor_comm::HostTensorComm)) copies buffers
-//! to host memory and goes through the rank's communicator; [`OnDevice`] keeps the gradient all-reduce on the
-//! device (NCCL between processes, Burn's CUDA collective between the devices of one process: a
-//! [`DeviceAverage`] engine) and sends the rest of the interface's calls through host memory. [`choose`] picks
-//! one from facts every rank gathers ([`TransportFacts`]); bucketing is the strategy's business
+//! to host memory and goes through the rank's communicator; [`OnDevice`] runs every call its [`DeviceEngine`] has
+//! on the device — NCCL ([`DeviceCollectives`]: all-reduce, reduce, reduce-scatter, all-gather, broadcast,
+//! point-to-point batches, split sub-groups), or Burn's CUDA collective between the devices of one process
+//! (all-reduce only) — and the rest through host memory; in-process ranks on one device hand each other the
+//! tensors themselves ([`shared_device`]). [`choose`] picks one from facts every rank gathers
+//! ([`TransportFacts`]) and from what the group carries ([`Exchanges`]); bucketing is the strategy's business
 //! ([`bucket`](crate::distributed::tensor_comm::bucket)), not the transport's.
 
 // Driven by Burn's CUDA collective in CUDA builds, by a function in tests.
@@ -21,9 +23,9 @@ mod nccl;
 
 pub(crate) use check::check_against_reference;
 pub use check::{DtypeCheck, TransportCheck, rounding_bound};
-pub(crate) use choice::{TransportChoice, TransportFacts, TransportKind, choose};
+pub(crate) use choice::{Exchanges, TransportChoice, TransportFacts, TransportKind, choose};
 #[cfg(test)]
-pub(crate) use device::{DeviceAllReduce, double};
+pub(crate) use device::{DeviceCollectives, double};
 
 use std::fmt;
 use std::sync::Arc;
@@ -37,20 +39,32 @@ use crate::distributed::collectives;
 use crate::distributed::comm::{ReduceBuffer, ReduceOp};
 use crate::distributed::tensor_comm::host::{from_buffer, to_buffer};
 use crate::distributed::tensor_comm::{
-    Checked, HostTensorComm, Pending, Reduction, TensorComm, shared_device,
+    Checked, HostTensorComm, Incoming, Pending, Reduction, TensorComm, shared_device,
 };
 use crate::error::{Error, Result};
 
 /// A device engine: averages one flat gradient buffer across ranks on the device, and, where it has them, the
-/// equal-part collectives of sharded training (`None`: the engine has no such call, and it goes through host
-/// memory — the same answer on every rank, since every rank runs the same engine).
+/// other calls of the tensor interface (`None`: the engine has no such call, and it goes through host memory —
+/// the same answer on every rank, since every rank runs the same engine).
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
-pub(crate) trait DeviceAverage: Send + Sync + fmt::Debug {
-    /// A short name for messages and `env` (`device all-reduce (NCCL)`, ...).
+pub(crate) trait DeviceEngine: Send + Sync + fmt::Debug {
+    /// A short name for messages and `env` (`device collectives (NCCL)`, ...).
     fn name(&self) -> &'static str;
 
     /// The mean of `flat` over the ranks, times `scale`, in `flat`'s dtype and on its device.
     fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>>;
+
+    /// `flat` combined with `op` over the ranks, on every rank.
+    fn all_reduce(&self, flat: Tensor<1>, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+        let _ = (flat, op);
+        None
+    }
+
+    /// `flat` combined with `op` over the ranks; the result is `root`'s alone (another rank's is unspecified).
+    fn reduce(&self, flat: Tensor<1>, root: usize, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+        let _ = (flat, root, op);
+        None
+    }
 
     /// `flat` combined with `op` over the ranks in as many equal parts as ranks; this rank's part.
     fn reduce_scatter(&self, flat: Tensor<1>, op: ReduceOp) -> Option<Result<Tensor<1>>> {
@@ -69,6 +83,23 @@ pub(crate) trait DeviceAverage: Send + Sync + fmt::Debug {
         let _ = (flat, root);
         None
     }
+
+    /// A point-to-point batch: every send posted, then every receive, in order.
+    fn send_recv(
+        &self,
+        sends: Vec<(usize, Tensor<1>)>,
+        recvs: Vec<Incoming>,
+    ) -> Option<Result<Vec<Tensor<1>>>> {
+        let _ = (sends, recvs);
+        None
+    }
+
+    /// The same engine over `group`, a sub-group just split from this engine's group (every rank of this
+    /// group calls it, in the same order).
+    fn on_group(&self, group: Arc<ProcessGroup>) -> Option<Result<Box<dyn DeviceEngine>>> {
+        let _ = group;
+        None
+    }
 }
 
 /// Whether `counts` gives every one of `world` ranks the same number of elements (what a device reduce-scatter
@@ -77,19 +108,58 @@ fn equal_parts(counts: &[usize], world: usize) -> bool {
     counts.len() == world && counts.windows(2).all(|w| w[0] == w[1])
 }
 
-/// The tensor interface with its gradient all-reduces ([`Reduction::Average`]) on the device, through `engine`,
-/// and every other call through host memory.
+/// `flat`, the parts of `counts` one after the other, laid out as `counts.len()` parts of `width` elements each,
+/// each part padded with zeros at its end: uneven parts in the equal ones a device reduce-scatter takes.
+fn pad_parts(flat: Tensor<1>, counts: &[usize], width: usize) -> Tensor<1> {
+    let like = (flat.device(), flat.dtype());
+    let mut pieces = Vec::with_capacity(2 * counts.len());
+    let mut start = 0;
+    for &count in counts {
+        if count > 0 {
+            pieces.push(flat.clone().slice(start..start + count));
+        }
+        if width > count {
+            pieces.push(Tensor::zeros([width - count], (&like.0, like.1)));
+        }
+        start += count;
+    }
+    Tensor::cat(pieces, 0)
+}
+
+/// `part` padded with zeros to `width` elements.
+fn pad_to(part: Tensor<1>, width: usize) -> Tensor<1> {
+    let len = part.dims()[0];
+    if len == width {
+        return part;
+    }
+    let zeros = Tensor::zeros([width - len], (&part.device(), part.dtype()));
+    Tensor::cat(vec![part, zeros], 0)
+}
+
+/// The first `len` elements of `flat` (an empty tensor for 0).
+fn head(flat: Tensor<1>, len: usize) -> Tensor<1> {
+    if len == 0 {
+        Tensor::zeros([0], (&flat.device(), flat.dtype()))
+    } else if len == flat.dims()[0] {
+        flat
+    } else {
+        flat.slice(0..len)
+    }
+}
+
+/// The tensor interface on a device engine: every call the engine has runs on the device (uneven parts padded
+/// to equal ones), the others through host memory.
 #[derive(Debug)]
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
 pub(crate) struct OnDevice {
-    engine: Box<dyn DeviceAverage>,
+    engine: Box<dyn DeviceEngine>,
     host: HostTensorComm,
 }
 
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
 impl OnDevice {
-    /// `engine`'s averages, and host memory over `group` for the rest.
-    pub fn new(engine: Box<dyn DeviceAverage>, group: Arc<ProcessGroup>) -> Self {
+    /// `engine`'s calls, and host memory over `group` for the rest.
+    pub fn new(engine: Box<dyn DeviceEngine>, group: Arc<ProcessGroup>) -> Self {
         Self {
             engine,
             host: HostTensorComm::new(group),
@@ -98,13 +168,21 @@ impl OnDevice {
 
     /// `engine` behind the interface, checked over `group` (debug mode compares every call first).
     pub fn checked(
-        engine: Box<dyn DeviceAverage>,
+        engine: Box<dyn DeviceEngine>,
         group: &Arc<ProcessGroup>,
     ) -> Arc<dyn TensorComm> {
         Arc::new(Checked::new(
             Arc::new(Self::new(engine, group.clone())),
             group.clone(),
         ))
+    }
+}
+
+/// `result` multiplied by `factor` where there is one.
+fn scaled(result: Tensor<1>, factor: Option<f32>) -> Tensor<1> {
+    match factor {
+        Some(factor) => result.mul_scalar(factor),
+        None => result,
     }
 }
 
@@ -127,9 +205,13 @@ impl TensorComm for OnDevice {
         how: Reduction,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        match how {
-            Reduction::Average(scale) => Ok(Pending::ready(self.engine.average(flat, scale)?)),
-            other => self.host.all_reduce(flat, other, operation),
+        if let Reduction::Average(scale) = how {
+            return Ok(Pending::ready(self.engine.average(flat, scale)?));
+        }
+        let (op, factor) = how.split(self.world_size());
+        match self.engine.all_reduce(flat.clone(), op) {
+            Some(result) => Ok(Pending::ready(scaled(result?, factor))),
+            None => self.host.all_reduce(flat, how, operation),
         }
     }
 
@@ -140,10 +222,21 @@ impl TensorComm for OnDevice {
         how: Reduction,
         operation: &'static str,
     ) -> Result<Pending<Option<Tensor<1>>>> {
-        self.host.reduce(flat, root, how, operation)
+        crate::distributed::comm::check_root_public(operation, root, self.world_size())?;
+        let (op, factor) = how.split(self.world_size());
+        match self.engine.reduce(flat.clone(), root, op) {
+            Some(result) => {
+                let result = result?;
+                Ok(Pending::ready(
+                    (self.rank() == root).then(|| scaled(result, factor)),
+                ))
+            }
+            None => self.host.reduce(flat, root, how, operation),
+        }
     }
 
-    /// On the device where the parts are equal and the engine has the call; through host memory otherwise.
+    /// On the device where the engine has the call, uneven parts padded to the largest; through host memory
+    /// otherwise.
     fn reduce_scatter(
         &self,
         flat: Tensor<1>,
@@ -152,31 +245,52 @@ impl TensorComm for OnDevice {
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
         let world = self.world_size();
-        if equal_parts(counts, world) && flat.dims()[0] == counts.iter().sum::<usize>() {
+        if counts.len() == world && flat.dims()[0] == counts.iter().sum::<usize>() {
             let (op, factor) = how.split(world);
-            if let Some(part) = self.engine.reduce_scatter(flat.clone(), op) {
-                let part = part?;
-                return Ok(Pending::ready(match factor {
-                    Some(factor) => part.mul_scalar(factor),
-                    None => part,
-                }));
+            let width = counts.iter().copied().max().unwrap_or(0);
+            let mine = counts[self.rank()];
+            let input = if equal_parts(counts, world) {
+                flat.clone()
+            } else {
+                pad_parts(flat.clone(), counts, width)
+            };
+            if width == 0 {
+                return Ok(Pending::ready(head(flat, 0)));
+            }
+            if let Some(part) = self.engine.reduce_scatter(input, op) {
+                return Ok(Pending::ready(scaled(head(part?, mine), factor)));
             }
         }
         self.host.reduce_scatter(flat, counts, how, operation)
     }
 
-    /// On the device where the parts are equal and the engine has the call; through host memory otherwise.
+    /// On the device where the engine has the call, uneven parts padded to the largest; through host memory
+    /// otherwise.
     fn all_gather(
         &self,
         part: Tensor<1>,
         counts: &[usize],
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        if equal_parts(counts, self.world_size())
-            && counts.first() == Some(&part.dims()[0])
-            && let Some(all) = self.engine.all_gather(part.clone())
-        {
-            return Ok(Pending::ready(all?));
+        let world = self.world_size();
+        if counts.len() == world && counts[self.rank()] == part.dims()[0] {
+            let width = counts.iter().copied().max().unwrap_or(0);
+            if width == 0 {
+                return Ok(Pending::ready(head(part, 0)));
+            }
+            if let Some(all) = self.engine.all_gather(pad_to(part.clone(), width)) {
+                let all = all?;
+                if equal_parts(counts, world) {
+                    return Ok(Pending::ready(all));
+                }
+                let pieces: Vec<Tensor<1>> = counts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, count)| **count > 0)
+                    .map(|(r, count)| all.clone().slice(r * width..r * width + count))
+                    .collect();
+                return Ok(Pending::ready(Tensor::cat(pieces, 0)));
+            }
         }
         self.host.all_gather(part, counts, operation)
     }
@@ -204,19 +318,27 @@ impl TensorComm for OnDevice {
         self.host.all_reduce_value(value, op, operation)
     }
 
-    /// Point-to-point messages go through host memory: the device engines all-reduce only.
+    /// On the device where the engine has point-to-point batches (NCCL's group call); through host memory
+    /// otherwise.
     fn send_recv(
         &self,
         sends: Vec<(usize, Tensor<1>)>,
-        recvs: Vec<crate::distributed::tensor_comm::Incoming>,
+        recvs: Vec<Incoming>,
         operation: &'static str,
     ) -> Result<Pending<Vec<Tensor<1>>>> {
+        if let Some(received) = self.engine.send_recv(sends.clone(), recvs.clone()) {
+            return Ok(Pending::ready(received?));
+        }
         self.host.send_recv(sends, recvs, operation)
     }
 
-    /// A sub-group goes through host memory: the device engines connect whole groups only.
+    /// A communicator split from the engine's where it can split (NCCL's `ncclCommSplit`); host memory
+    /// otherwise.
     fn on_group(&self, group: Arc<ProcessGroup>) -> Result<Arc<dyn TensorComm>> {
-        self.host.on_group(group)
+        match self.engine.on_group(group.clone()) {
+            Some(engine) => Ok(Arc::new(Self::new(engine?, group))),
+            None => self.host.on_group(group),
+        }
     }
 }
 
@@ -248,7 +370,7 @@ pub(crate) fn from_host(
 ///
 /// # Errors
 /// The devices' comparison (a timeout, a rank that failed).
-pub(crate) fn facts_for(group: &ProcessGroup, sharded: bool) -> Result<TransportFacts> {
+pub(crate) fn facts_for(group: &ProcessGroup, exchanges: Exchanges) -> Result<TransportFacts> {
     let world = group.num_processes();
     let in_process = group.comm().engine() == crate::distributed::comm::IN_PROCESS_ENGINE;
     let local_world = if in_process {
@@ -261,7 +383,7 @@ pub(crate) fn facts_for(group: &ProcessGroup, sharded: bool) -> Result<Transport
     let shared_device = world > 1 && shared_device::one_device(group)?;
     Ok(TransportFacts {
         shared_device,
-        ..facts_from(group.backend(), world, local_world, in_process, sharded)
+        ..facts_from(group.backend(), world, local_world, in_process, exchanges)
     })
 }
 
@@ -272,7 +394,7 @@ pub(crate) fn facts_from(
     world: usize,
     local_world: usize,
     in_process: bool,
-    sharded: bool,
+    exchanges: Exchanges,
 ) -> TransportFacts {
     let probe = (backend == Some(Backend::Cuda)).then(|| probe::probe(Backend::Cuda));
     TransportFacts {
@@ -286,7 +408,7 @@ pub(crate) fn facts_from(
         },
         cuda_devices: probe.as_ref().map_or(0, probe::Probe::devices),
         nccl: probe.as_ref().is_some_and(|p| p.collectives),
-        sharded,
+        exchanges,
         shared_device: false,
     }
 }
@@ -303,9 +425,9 @@ pub(crate) fn select(
     group: &Arc<ProcessGroup>,
     preference: crate::config::GradientTransport,
     timeout: std::time::Duration,
-    sharded: bool,
+    exchanges: Exchanges,
 ) -> Result<(Arc<dyn TensorComm>, TransportChoice)> {
-    let facts = facts_for(group, sharded)?;
+    let facts = facts_for(group, exchanges)?;
     let mut local = choose(preference, &facts);
     if facts.backend.is_ok() && facts.world > 1 {
         // Every rank reaches this exchange, even one whose own choice failed, so none is left waiting.
@@ -354,10 +476,28 @@ pub(crate) fn select(
     }
 }
 
-/// The gradient transport a multi-rank run of `config` would use on this machine, and why: what
-/// `burn-accelerate env` prints. The ranks are the launcher's (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`, ...) when this
-/// process was started by one, else 2 in-process ranks.
+/// The transport a multi-rank run of `config` would use on this machine, and why: what `burn-accelerate env`
+/// prints. The ranks are the launcher's (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`, ...) when this process was started by
+/// one, else 2 in-process ranks.
 pub fn describe(config: &AcceleratorConfig) -> String {
+    match described_choice(config) {
+        Ok((choice, ranks)) => format!("{choice}, for {ranks}"),
+        Err(e) => e,
+    }
+}
+
+/// Where each call of the tensor interface goes (`device` or `host`, with how) on the path [`describe`] names:
+/// `(call, path)` pairs, empty when no path can be chosen.
+pub fn describe_per_call(config: &AcceleratorConfig) -> Vec<(&'static str, &'static str)> {
+    described_choice(config)
+        .map(|(choice, _)| choice.kind.per_call())
+        .unwrap_or_default()
+}
+
+/// The choice [`describe`] reports and the ranks it is for, or what stops it, in words.
+fn described_choice(
+    config: &AcceleratorConfig,
+) -> std::result::Result<(TransportChoice, String), String> {
     let vars = crate::distributed::cluster::LauncherVars::read_lenient();
     let in_process = vars.launcher.is_none();
     let world = vars.world_size.unwrap_or(2).max(2);
@@ -370,10 +510,8 @@ pub fn describe(config: &AcceleratorConfig) -> String {
         cpu: config.device.cpu,
         ..Default::default()
     };
-    let (first, backend) = match crate::backend::select_device(&request, 0) {
-        Ok(selected) => selected,
-        Err(_) => return "none: no compiled backend can run on this machine".into(),
-    };
+    let (first, backend) = crate::backend::select_device(&request, 0)
+        .map_err(|_| "none: no compiled backend can run on this machine".to_string())?;
     // In-process ranks take their devices from the request, rank by rank: one device for all, or several.
     let shared_device = in_process
         && (1..world).all(|rank| {
@@ -386,7 +524,13 @@ pub fn describe(config: &AcceleratorConfig) -> String {
             world,
             local_world,
             in_process,
-            config.distributed.sharding.is_sharded(),
+            if config.pipeline.pp_size > 1 {
+                Exchanges::Messages
+            } else if config.distributed.sharding.is_sharded() {
+                Exchanges::Shards
+            } else {
+                Exchanges::Gradients
+            },
         )
     };
     let ranks = if in_process {
@@ -394,10 +538,9 @@ pub fn describe(config: &AcceleratorConfig) -> String {
     } else {
         format!("{world} processes, {local_world} on this machine")
     };
-    match choose(config.distributed.gradient_transport, &facts) {
-        Ok(choice) => format!("{choice}, for {ranks}"),
-        Err(e) => format!("refused: {e}"),
-    }
+    choose(config.distributed.gradient_transport, &facts)
+        .map(|choice| (choice, ranks))
+        .map_err(|e| format!("refused: {e}"))
 }
 
 /// Starts the device transport `kind` on `group`'s rank.
@@ -409,7 +552,7 @@ fn start_device(
 ) -> Result<Arc<dyn TensorComm>> {
     Ok(match kind {
         TransportKind::Nccl => OnDevice::checked(
-            Box::new(device::DeviceAllReduce::connect(
+            Box::new(device::DeviceCollectives::connect(
                 group.clone(),
                 &nccl::Nccl::new(group.device()),
                 timeout,

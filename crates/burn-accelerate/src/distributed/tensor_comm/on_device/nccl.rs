@@ -1,15 +1,18 @@
-//! NCCL between processes, one CUDA device each: the [`DeviceCommLibrary`] behind [`DeviceAllReduce`]
-//! (see [`super::device`] for the id exchange, timeouts and aborts, which are tested without a GPU).
+//! NCCL between processes (or between the CUDA devices of one process), one CUDA device per rank: the
+//! [`DeviceCommLibrary`] behind [`DeviceCollectives`] (see [`super::device`] for the id exchange, timeouts and
+//! aborts, which are tested without a GPU).
 //!
-//! NCCL is loaded at run time through `cudarc` (the same library Burn's CUDA runtime uses). A gradient's device
-//! memory is reached through the tensor's cubecl buffer: the flat gradient is resolved to its `CubeTensor`
-//! (draining Burn's fusion queue), both buffers are pinned with `get_resource`, the device is synchronised (so
-//! every kernel that produced the gradient has finished: cubecl's own stream is private), and `ncclAllReduce`
-//! (`ncclAvg`) writes into a fresh tensor on this module's stream, whose completion an event reports.
+//! NCCL is loaded at run time through `cudarc` (the same library Burn's CUDA runtime uses). A tensor's device
+//! memory is reached through its cubecl buffer: the flat tensor is resolved to its `CubeTensor` (draining Burn's
+//! fusion queue), its buffer pinned with `get_resource`, the device synchronised (so every kernel that produced
+//! it has finished: cubecl's own stream is private), and NCCL writes into a fresh tensor on this module's stream,
+//! whose completion an event reports. Collectives are NCCL's (`ncclAllReduce`, `ncclReduce`,
+//! `ncclReduceScatter`, `ncclAllGather`, `ncclBroadcast`); a point-to-point batch is one group call of
+//! `ncclSend`s and `ncclRecv`s; a sub-group's communicator is split from the group's (`ncclCommSplit`).
 //! Communicators are non-blocking, so a peer that never arrives leaves the call in progress until the
 //! collective timeout, when the communicator is aborted.
 //!
-//! [`DeviceAllReduce`]: super::DeviceAllReduce
+//! [`DeviceCollectives`]: super::device::DeviceCollectives
 
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex};
@@ -25,6 +28,7 @@ use cudarc::nccl::sys;
 
 use super::device::{DeviceCall, DeviceComm, DeviceCommLibrary};
 use crate::distributed::comm::ReduceOp;
+use crate::distributed::tensor_comm::Incoming;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
@@ -110,44 +114,42 @@ impl DeviceCommLibrary for Nccl {
         let stream = context
             .new_stream()
             .map_err(|e| format!("creating a CUDA stream: {e:?}"))?;
-        // NCCL_CONFIG_INITIALIZER, non-blocking: calls return at once and `ncclCommGetAsyncError` says when
-        // they are done, so a missing peer is a timeout rather than a thread stuck inside NCCL.
-        const UNDEF: c_int = i32::MIN;
-        let mut config = sys::ncclConfig_t {
-            size: std::mem::size_of::<sys::ncclConfig_t>(),
-            magic: 0xcafe_beef,
-            version: 2 * 10000 + 30 * 100,
-            blocking: 0,
-            cgaClusterSize: UNDEF,
-            minCTAs: UNDEF,
-            maxCTAs: UNDEF,
-            netName: std::ptr::null(),
-            splitShare: UNDEF,
-            trafficClass: UNDEF,
-            commName: std::ptr::null(),
-            collnetEnable: UNDEF,
-            CTAPolicy: UNDEF,
-            shrinkShare: UNDEF,
-            nvlsCTAs: UNDEF,
-            nChannelsPerNetPeer: UNDEF,
-            nvlinkCentricSched: UNDEF,
-            graphUsageMode: UNDEF,
-            numRmaCtx: UNDEF,
-            maxP2pPeers: UNDEF,
-        };
+        let mut config = nonblocking_config();
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` and `config` outlive the call; the id came from ncclGetUniqueId on rank 0.
         unsafe {
             nccl::comm_init_rank_config(&mut comm, world as c_int, id, rank as c_int, &mut config)
         }
         .map_err(|e| format!("ncclCommInitRankConfig (rank {rank} of {world}): {e:?}"))?;
-        Ok(Box::new(NcclComm {
-            comm: CommHandle(comm),
-            world,
-            stream,
-            pending: Mutex::new(None),
-            aborted: std::sync::atomic::AtomicBool::new(false),
-        }))
+        Ok(Box::new(NcclComm::new(comm, world, stream)))
+    }
+}
+
+/// NCCL_CONFIG_INITIALIZER, non-blocking: calls return at once and `ncclCommGetAsyncError` says when they are
+/// done, so a missing peer is a timeout rather than a thread stuck inside NCCL.
+fn nonblocking_config() -> sys::ncclConfig_t {
+    const UNDEF: c_int = i32::MIN;
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 2 * 10000 + 30 * 100,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
     }
 }
 
@@ -160,14 +162,14 @@ unsafe impl Send for CommHandle {}
 // SAFETY: as above; `abort` may run from any thread by NCCL's contract.
 unsafe impl Sync for CommHandle {}
 
-/// A collective in flight: its output, and the input kept alive (and pinned) until it finishes.
+/// A call in flight: its outputs (with whether each goes back to autodiff), and every buffer it reads or writes,
+/// kept alive (and pinned) until it finishes.
 struct InFlight {
-    output: Tensor<1>,
-    autodiff: bool,
-    /// Recorded on the stream once NCCL has enqueued its kernel (a non-blocking communicator may still be
-    /// enqueuing when `ncclAllReduce` returns).
+    outputs: Vec<(Tensor<1>, bool)>,
+    /// Recorded on the stream once NCCL has enqueued its kernels (a non-blocking communicator may still be
+    /// enqueuing when the call returns).
     done: Option<CudaEvent>,
-    _pinned: Vec<Box<dyn Send>>,
+    _pinned: Vec<Pinned>,
 }
 
 struct NcclComm {
@@ -177,6 +179,18 @@ struct NcclComm {
     stream: Arc<CudaStream>,
     pending: Mutex<Option<InFlight>>,
     aborted: std::sync::atomic::AtomicBool,
+}
+
+impl NcclComm {
+    fn new(comm: sys::ncclComm_t, world: usize, stream: Arc<CudaStream>) -> Self {
+        Self {
+            comm: CommHandle(comm),
+            world,
+            stream,
+            pending: Mutex::new(None),
+            aborted: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
 }
 
 impl Drop for NcclComm {
@@ -226,6 +240,38 @@ fn fused_to_cube(_: Box<dyn std::any::Any>) -> std::result::Result<CubeTensor, S
         .into())
 }
 
+/// A tensor's device buffer, pinned: its address and size stay valid while this is held (the cubecl tensor
+/// and the allocator's binding are kept inside).
+struct Pinned {
+    ptr: u64,
+    size: u64,
+    elements: usize,
+    _keep: Vec<Box<dyn Send>>,
+}
+
+/// Pins `flat`'s buffer (made contiguous first).
+fn pin(flat: Tensor<1>) -> std::result::Result<Pinned, String> {
+    let cube = to_cube(flat)?;
+    let cube = if cube.is_contiguous() {
+        cube
+    } else {
+        burn_cubecl::kernel::into_contiguous(cube)
+    };
+    let elements = cube.meta.shape().num_elements();
+    let resource = cube
+        .client
+        .clone()
+        .get_resource::<CudaServer>(cube.handle.clone())
+        .map_err(|e| format!("a device buffer: {e:?}"))?;
+    let (ptr, size) = (resource.resource().ptr, resource.resource().size);
+    Ok(Pinned {
+        ptr,
+        size,
+        elements,
+        _keep: vec![Box::new(resource), Box::new(cube)],
+    })
+}
+
 impl NcclComm {
     /// The communicator, unless it was aborted: `ncclCommAbort` frees it, so any later call would use freed
     /// memory (the transport's guard refuses such calls first; this is the library's own line of defence).
@@ -236,49 +282,40 @@ impl NcclComm {
             Ok(self.comm.0)
         }
     }
-}
 
-impl DeviceComm for NcclComm {
-    fn start(&self, call: DeviceCall) -> std::result::Result<(), String> {
-        let comm = self.live()?;
-        let what = call.name();
-        let world = self.world;
-        let out_len = call.output_len(world)?;
-        let flat = call.input().clone();
-        let dtype = nccl_type(flat.dtype())?;
-        let autodiff = flat.is_autodiff();
-        let flat = flat.without_autodiff();
-        let device = flat.device();
-        let output = Tensor::<1>::empty([out_len], (&device, flat.dtype()));
-        let src = to_cube(flat)?;
-        // A clone: Burn keeps `output`'s handle, and the cubecl tensor shares its buffer.
-        let dst = to_cube(output.clone())?;
-        let src = if src.is_contiguous() {
-            src
-        } else {
-            burn_cubecl::kernel::into_contiguous(src)
-        };
-        let count = src.meta.shape().num_elements();
-        let client = src.client.clone();
-        // Pin both buffers (their addresses stay valid while held), then wait for every kernel before NCCL reads.
-        let read = client
-            .get_resource::<CudaServer>(src.handle.clone())
-            .map_err(|e| format!("the input's device buffer: {e:?}"))?;
-        let write = client
-            .get_resource::<CudaServer>(dst.handle.clone())
-            .map_err(|e| format!("the output's device buffer: {e:?}"))?;
-        device
-            .sync()
-            .map_err(|e| format!("waiting for the work that made the input: {e:?}"))?;
-        let (from, to) = (read.resource().ptr, write.resource().ptr);
-        let elt = super::device::wire_type(src.dtype)?.bytes();
-        super::device::check_range(count * elt, read.resource().size, u64::MAX)?;
-        super::device::check_range(out_len * elt, u64::MAX, write.resource().size)?;
+    /// Binds the communicator's CUDA context to this thread and returns its stream.
+    fn bound_stream(&self) -> std::result::Result<sys::cudaStream_t, String> {
         self.stream
             .context()
             .bind_to_thread()
             .map_err(|e| format!("binding the CUDA context: {e:?}"))?;
-        let stream = self.stream.cu_stream() as _;
+        Ok(self.stream.cu_stream() as _)
+    }
+
+    /// Starts a collective: its input pinned, a fresh output of the result's length, every kernel that made the
+    /// input finished (cubecl's stream is private), then NCCL's call on this communicator's stream.
+    fn start_collective(&self, call: DeviceCall) -> std::result::Result<InFlight, String> {
+        let comm = self.live()?;
+        let what = call.name();
+        let out_len = call.output_len(self.world)?;
+        let flat = call.input().ok_or("a collective without input")?.clone();
+        let dtype = nccl_type(flat.dtype())?;
+        let autodiff = flat.is_autodiff();
+        let flat = flat.without_autodiff();
+        let device = flat.device();
+        let elt = super::device::wire_type(flat.dtype())?.bytes();
+        let output = Tensor::<1>::empty([out_len], (&device, flat.dtype()));
+        let read = pin(flat)?;
+        // A clone: Burn keeps `output`'s handle, and the cubecl tensor shares its buffer.
+        let write = pin(output.clone())?;
+        device
+            .sync()
+            .map_err(|e| format!("waiting for the work that made the input: {e:?}"))?;
+        let count = read.elements;
+        super::device::check_range(count * elt, read.size, u64::MAX)?;
+        super::device::check_range(out_len * elt, u64::MAX, write.size)?;
+        let stream = self.bound_stream()?;
+        let (from, to) = (read.ptr, write.ptr);
         // SAFETY: both pointers are pinned device buffers on this communicator's device, the input of `count`
         // elements of `dtype` and the output of `out_len` (checked above), kept alive in `InFlight` until the
         // event after the call completes.
@@ -290,6 +327,16 @@ impl DeviceComm for NcclComm {
                     count,
                     dtype,
                     nccl_op(*op),
+                    comm,
+                    stream,
+                ),
+                DeviceCall::Reduce { op, root, .. } => nccl::reduce(
+                    from as *const _,
+                    to as *mut _,
+                    count,
+                    dtype,
+                    nccl_op(*op),
+                    *root as c_int,
                     comm,
                     stream,
                 ),
@@ -314,20 +361,108 @@ impl DeviceComm for NcclComm {
                     comm,
                     stream,
                 ),
+                DeviceCall::SendRecv { .. } => return Err("a point-to-point batch".into()),
             }
         }
         .map_err(|e| format!("nccl {what} of {count} values: {e:?}"))?;
-        *self.pending.lock().map_err(|_| "poisoned")? = Some(InFlight {
-            output,
-            autodiff,
+        Ok(InFlight {
+            outputs: vec![(output, autodiff)],
             done: None,
-            _pinned: vec![
-                Box::new(read),
-                Box::new(write),
-                Box::new(src),
-                Box::new(dst),
-            ],
-        });
+            _pinned: vec![read, write],
+        })
+    }
+
+    /// Starts a point-to-point batch in one NCCL group call: every send's buffer pinned, a fresh tensor per
+    /// receive, the kernels that made the sends finished, then `ncclGroupStart`, an `ncclSend` or `ncclRecv`
+    /// per message (empty ones skipped, on both sides), `ncclGroupEnd`.
+    fn start_messages(
+        &self,
+        sends: Vec<(usize, Tensor<1>)>,
+        recvs: Vec<Incoming>,
+    ) -> std::result::Result<InFlight, String> {
+        let comm = self.live()?;
+        let device = sends
+            .first()
+            .map(|(_, flat)| flat.device())
+            .or_else(|| recvs.first().map(|r| r.device.clone()));
+        let mut pinned = Vec::new();
+        let mut posted = Vec::new();
+        for (peer, flat) in sends {
+            if flat.dims()[0] == 0 {
+                continue;
+            }
+            let dtype = flat.dtype();
+            let buffer = pin(flat.without_autodiff())?;
+            super::device::check_range(
+                buffer.elements * super::device::wire_type(dtype)?.bytes(),
+                buffer.size,
+                u64::MAX,
+            )?;
+            posted.push((true, peer, buffer.ptr, buffer.elements, nccl_type(dtype)?));
+            pinned.push(buffer);
+        }
+        let mut outputs = Vec::new();
+        for r in &recvs {
+            let device = r.device.clone().without_autodiff();
+            let output = Tensor::<1>::empty([r.len], (&device, r.dtype));
+            if r.len > 0 {
+                let buffer = pin(output.clone())?;
+                super::device::check_range(
+                    r.len * super::device::wire_type(r.dtype)?.bytes(),
+                    u64::MAX,
+                    buffer.size,
+                )?;
+                posted.push((false, r.peer, buffer.ptr, r.len, nccl_type(r.dtype)?));
+                pinned.push(buffer);
+            }
+            outputs.push((output, r.device.is_autodiff()));
+        }
+        if let Some(device) = device {
+            device
+                .sync()
+                .map_err(|e| format!("waiting for the work that made the messages: {e:?}"))?;
+        }
+        let stream = self.bound_stream()?;
+        nccl::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
+        let mut outcome = Ok(());
+        for (send, peer, ptr, count, dtype) in posted {
+            // SAFETY: a pinned device buffer of `count` elements of `dtype` on this communicator's device,
+            // kept alive in `InFlight` until the event after the group completes.
+            let result = unsafe {
+                if send {
+                    nccl::send(ptr as *const _, count, dtype, peer as c_int, comm, stream)
+                } else {
+                    nccl::recv(ptr as *mut _, count, dtype, peer as c_int, comm, stream)
+                }
+            };
+            if let Err(e) = result {
+                outcome = Err(format!(
+                    "nccl {} of {count} values {} rank {peer}: {e:?}",
+                    if send { "send" } else { "recv" },
+                    if send { "to" } else { "from" }
+                ));
+                break;
+            }
+        }
+        // The group is closed whatever happened inside it (NCCL requires every start to be ended).
+        let ended = nccl::group_end().map_err(|e| format!("ncclGroupEnd: {e:?}"));
+        outcome?;
+        ended?;
+        Ok(InFlight {
+            outputs,
+            done: None,
+            _pinned: pinned,
+        })
+    }
+}
+
+impl DeviceComm for NcclComm {
+    fn start(&self, call: DeviceCall) -> std::result::Result<(), String> {
+        let in_flight = match call {
+            DeviceCall::SendRecv { sends, recvs } => self.start_messages(sends, recvs)?,
+            collective => self.start_collective(collective)?,
+        };
+        *self.pending.lock().map_err(|_| "poisoned")? = Some(in_flight);
         Ok(())
     }
 
@@ -348,7 +483,7 @@ impl DeviceComm for NcclComm {
             return Ok(true);
         };
         if in_flight.done.is_none() {
-            // NCCL's kernel is on the stream now: everything after this event is the all-reduce's completion.
+            // NCCL's kernels are on the stream now: everything after this event is the call's completion.
             in_flight.done = Some(
                 self.stream
                     .record_event(None)
@@ -358,23 +493,52 @@ impl DeviceComm for NcclComm {
         match &in_flight.done {
             Some(done) => done
                 .try_is_complete()
-                .map_err(|e| format!("the all-reduce failed on the device: {e:?}")),
+                .map_err(|e| format!("the call failed on the device: {e:?}")),
             None => Ok(false),
         }
     }
 
-    fn finish(&self) -> std::result::Result<Tensor<1>, String> {
+    fn finish(&self) -> std::result::Result<Vec<Tensor<1>>, String> {
         self.live()?;
         let in_flight = self
             .pending
             .lock()
             .map_err(|_| "poisoned")?
             .take()
-            .ok_or("no collective was started")?;
-        let InFlight {
-            output, autodiff, ..
-        } = in_flight;
-        Ok(if autodiff { output.autodiff() } else { output })
+            .ok_or("no call was started")?;
+        Ok(in_flight
+            .outputs
+            .into_iter()
+            .map(|(output, autodiff)| if autodiff { output.autodiff() } else { output })
+            .collect())
+    }
+
+    fn split(
+        &self,
+        color: usize,
+        key: usize,
+        world: usize,
+    ) -> std::result::Result<Box<dyn DeviceComm>, String> {
+        let comm = self.live()?;
+        self.bound_stream()?;
+        let stream = self
+            .stream
+            .context()
+            .new_stream()
+            .map_err(|e| format!("creating a CUDA stream: {e:?}"))?;
+        let mut config = nonblocking_config();
+        let mut child: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live communicator; `child` and `config` outlive the call. Every rank of the group calls it
+        // (the caller's contract), so the collective split completes.
+        unsafe { sys::ncclCommSplit(comm, color as c_int, key as c_int, &mut child, &mut config) }
+            .result()
+            .map_err(|e| format!("ncclCommSplit (colour {color}, key {key}): {e:?}"))?;
+        if child.is_null() {
+            return Err(format!(
+                "ncclCommSplit (colour {color}, key {key}) made no communicator"
+            ));
+        }
+        Ok(Box::new(NcclComm::new(child, world, stream)))
     }
 
     fn abort(&self) {
