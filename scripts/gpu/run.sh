@@ -271,15 +271,23 @@ check_test() {
   detail="$gpu_lines"
   [ "$2" -eq 0 ] && grep -qx 'Test is a success! You are ready for your distributed training!' "$1"
 }
-# On the GPU, one rank: the one-rank NCCL communicator must have been checked against the f64 reference, and a
-# half-precision step against f32; a run that checked neither (NCCL not found, the GPU checks skipped) checked
-# nothing on the GPU.
+# On the GPU, one rank: the one-rank NCCL communicator must have been checked against the f64 reference, every
+# call of it (the collectives, a message to itself in one group call, a split communicator), and a half-precision
+# step against f32; a run that checked neither (NCCL not found, the GPU checks skipped) checked nothing on the GPU.
 check_test_cuda() {
   check_test "$1" "$2" || return 1
   if ! grep -q 'max |device - f64 reference|' "$1"; then
     detail="NCCL was not checked (no one-rank NCCL communicator ran): $detail"
     return 1
   fi
+  local call
+  for call in 'reduce-scatter (mean)' 'all-gather' 'broadcast' 'reduce (sum)' 'send/recv' \
+    'split sub-group all-reduce (sum)'; do
+    if ! grep -qF "$call max |device - f64 reference|" "$1"; then
+      detail="NCCL's $call was not checked: $detail"
+      return 1
+    fi
+  done
   if ! grep -qE '^GPU: (BF16|F16) step within' "$1"; then
     detail="no half-precision step was checked: $detail"
     return 1
