@@ -12,7 +12,7 @@ use super::trace::StageTrace;
 use crate::config::{AcceleratorConfig, PipelineSchedule};
 use crate::distributed::ProcessGroup;
 use crate::distributed::strategy::{Strategy, for_group};
-use crate::distributed::tensor_comm::{Checked, HostTensorComm, TensorComm};
+use crate::distributed::tensor_comm::TensorComm;
 use crate::error::{Error, Result};
 
 /// Where a rank sits in the pipeline × data mesh: rank `r` of `W` runs stage `r / (W / stages)` of data-parallel
@@ -183,10 +183,14 @@ pub(crate) fn for_mesh(
     if group.is_main_process() {
         log::info!("activations cross pipeline stages through {choice}");
     }
-    let world_comm: Arc<dyn TensorComm> = Arc::new(Checked::new(
-        Arc::new(HostTensorComm::new(group.clone())),
-        group.clone(),
-    ));
+    // The whole run's exchanges (the initial weights, each stage's parameters arriving from the rank that
+    // loaded them) take the device path too.
+    let (world_comm, _) = crate::distributed::tensor_comm::on_device::select(
+        group,
+        config.distributed.gradient_transport,
+        config.collective_timeout(),
+        crate::distributed::tensor_comm::on_device::Exchanges::Messages,
+    )?;
     if group.is_main_process() {
         log::info!(
             "pipeline parallelism: {} stages × {} data-parallel replicas, {} micro-batches per batch, {} schedule; \

@@ -157,7 +157,7 @@ fn leader(calls: Arc<Calls>) -> AcceleratorBuilder {
 #[derive(Module, Debug)]
 pub(super) struct Stack {
     blocks: Vec<Linear>,
-    head: Linear,
+    pub(super) head: Linear,
 }
 
 impl Blocks for Stack {
@@ -186,7 +186,7 @@ pub(super) fn stack_weights(stack: &Stack) -> Vec<f32> {
         .collect()
 }
 
-fn input(rank: usize, step: usize, device: &Device) -> Tensor<2> {
+pub(super) fn input(rank: usize, step: usize, device: &Device) -> Tensor<2> {
     let values: Vec<f32> = (0..20)
         .map(|i| ((i * (rank + 2) + step) as f32 * 0.31).sin())
         .collect();

@@ -263,6 +263,62 @@ fn every_strategy_trains_through_a_device_librarys_path_without_host_buffers_as_
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// Steps of Adam on the block stack cut into pipeline stages (2 micro-batches a batch, the norm clipped): the
+/// losses every rank gets back, and the values this rank passed through host memory from its start.
+fn pipelined_losses(acc: Accelerator) -> Result<(Vec<f32>, u64)> {
+    let device = acc.device().clone();
+    let mut net = acc.prepare_blocks(stack(&device))?;
+    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+    let mut losses = Vec::new();
+    for step in 0..4 {
+        // Every replica reads the same batch: the stages of one replica must.
+        let x = super::leader::input(0, step, &device);
+        let loss = acc.backward_batch(
+            &net,
+            x,
+            |_, x| x.clone(),
+            |b, h| b.forward(h).tanh(),
+            |m, h, _| m.head.forward(h).powi_scalar(2).mean(),
+        )?;
+        losses.push(loss.into_scalar::<f32>());
+        acc.clip_grad_norm(&net, 0.05)?;
+        net = optimizer.try_step(net)?;
+    }
+    Ok((losses, acc.host_values()))
+}
+
+#[test]
+fn pipeline_stages_on_a_shared_device_pass_no_value_through_host_memory_and_train_as_through_it() {
+    // Two stages on 2 ranks; two stages of 2 FULL_SHARD ranks each on 4.
+    for (ranks, mode) in [
+        (2, ShardingStrategy::NoShard),
+        (4, ShardingStrategy::FullShard),
+    ] {
+        let builder = || {
+            AcceleratorBuilder::default()
+                .pp_size(2)
+                .pp_microbatches(2)
+                .sharding(mode)
+        };
+        let host = builder()
+            .gradient_transport(GradientTransport::Host)
+            .launch(ranks, pipelined_losses)
+            .unwrap();
+        let (shared, control_bytes) =
+            launch_without_host_buffers((&builder(), false), ranks, pipelined_losses);
+        for rank in 0..ranks {
+            assert!(
+                host[rank].1 > 0,
+                "the host path passes values through host memory"
+            );
+            assert_eq!(shared[rank].1, 0, "{mode} on {ranks} ranks, rank {rank}");
+            let diff = max_relative_difference(&host[rank].0, &shared[rank].0);
+            assert!(diff <= 1e-6, "{mode} on {ranks} ranks, rank {rank}: {diff}");
+        }
+        println!("pipeline, {mode} on {ranks} ranks: {control_bytes} control bytes in all");
+    }
+}
+
 #[test]
 fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host_memory() {
     let base = std::env::temp_dir().join(format!(
