@@ -393,6 +393,18 @@ PY
 }
 check_same() { check_close "$1" "$2" 0; }
 check_near_1e3() { check_close "$1" "$2" 1e-3; }
+# Every rank of the second run (after ---: in-process stages sharing the GPU) passed no value through host memory.
+second_run_on_device() {
+  local second nonzero
+  second=$(sed -n '/^---$/,$p' "$1")
+  nonzero=$(printf '%s\n' "$second" | grep -oE 'host_values=[0-9]+' | grep -vx 'host_values=0' | head -n1)
+  if [ -n "$nonzero" ] || ! printf '%s\n' "$second" | grep -q 'host_values=0'; then
+    detail="the stages passed values through host memory (${nonzero:-no rank reported host_values})"
+    return 1
+  fi
+}
+check_same_on_device() { check_same "$1" "$2" && second_run_on_device "$1"; }
+check_near_1e3_on_device() { check_near_1e3 "$1" "$2" && second_run_on_device "$1"; }
 
 # In-process ranks sharing the GPU: NO_SHARD through host memory first, then every strategy through the shared
 # device path, checked by scripts/gpu/check-shared-device.py (no value through host memory, the host run's loss).
@@ -451,13 +463,13 @@ run_step blockwise-bf16-cuda gpu 180 check_same sh -c \
 # Pipeline parallelism: the layers cut into two in-process stages on one GPU, activations and their gradients
 # handed over on the device (the shared device path, not host memory): one micro-batch gives one process's loss
 # bit for bit, four give it within float rounding (the micro-batches' gradients summed in another order).
-run_step pipeline-cuda gpu 180 check_same sh -c \
+run_step pipeline-cuda gpu 180 check_same_on_device sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 1 --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 1'
-run_step pipeline-4mb-cuda gpu 180 check_near_1e3 sh -c \
+run_step pipeline-4mb-cuda gpu 180 check_near_1e3_on_device sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 1 --blocks && echo --- && BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4'
 # Activation checkpointing in the stages on the device: each block recomputed in the backward pass gives the
 # loss of the stages keeping their activations, bit for bit (the kit runs without autotuning: the same kernels).
-run_step pipeline-ckpt-cuda gpu 180 check_same sh -c \
+run_step pipeline-ckpt-cuda gpu 180 check_same_on_device sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4 && echo --- && BURN_DEVICE=cuda FSDP_ACTIVATION_CHECKPOINTING=true sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
