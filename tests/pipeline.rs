@@ -452,8 +452,11 @@ fn a_stage_that_fails_ends_the_run_with_its_own_error_not_a_hang() {
 #[test]
 fn a_stage_receives_only_its_own_blocks_and_what_is_outside_them() {
     let run = Run::new(4, 2, PipelineSchedule::OneFOneB);
+    // Through host memory, where `host_values` counts what arrives (in-process stages sharing a device hand it
+    // over without copies: 0 there).
     let received = run
         .builder()
+        .gradient_transport(burn_accelerate::GradientTransport::Host)
         .launch(4, |acc| {
             let before = acc.host_values();
             let model = acc.prepare_blocks(model(acc.device()))?;
