@@ -37,7 +37,7 @@
 //!    [`Communicator`](distributed::comm::Communicator); [`backend`] picks the device of the local rank; the
 //!    [`ProcessGroup`] holds rank, device and communicator. The builder then picks the rank's distribution
 //!    strategy (`distributed::strategy`: one device, data parallelism over a gradient transport (the host
-//!    all-reduce, or a device all-reduce on CUDA), or sharded data parallelism under a [`ShardingStrategy`], the
+//!    all-reduce, the device itself for in-process ranks sharing one, or NCCL on CUDA), or sharded data parallelism under a [`ShardingStrategy`], the
 //!    hybrid ones over sub-groups of the communicator), and the
 //!    accelerator composes a step pipeline, a checkpointer and a trigger for that rank.
 //! 2. **`prepare_model`** — every rank takes rank 0's parameter ids (checkpoints key optimizer state by id); the

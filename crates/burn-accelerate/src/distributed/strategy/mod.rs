@@ -15,9 +15,11 @@
 //! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's slices | each rank, its dim-0 slice of every parameter; then all-gathered (`SHARD_GRAD_OP`) or kept (`FULL_SHARD`) | 1/P of every tensor per rank |
 //! | [`Sharded`], hybrid (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`) | reduce-scatter within the shard group, all-reduce across the replicas | as above, within the shard group (a sub-group of the communicator) | one slice per rank (replicas write the same) |
 //!
-//! Data parallelism's implementation of the tensor interface is chosen per run (`on_device::select`, from the
-//! `gradient_transport` setting and what the machine has): host copies through the communicator on every
-//! backend, or a device all-reduce on CUDA (Burn's in-process collective, NCCL between processes). The tests
+//! Each strategy's implementation of the tensor interface is chosen per run (`on_device::select`, from the
+//! `gradient_transport` setting, what the machine has and what the strategy exchanges): host copies through the
+//! communicator on every backend, the device tensors themselves between in-process ranks sharing a device, or
+//! NCCL on CUDA (every call; Burn's in-process collective for data parallelism's all-reduce between the GPUs of
+//! one process). The tests
 //! train through another transport, through the device path's test double, and through a strategy of their own
 //! built from the trait's actions alone.
 
