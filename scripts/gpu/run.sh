@@ -272,8 +272,9 @@ check_test() {
   [ "$2" -eq 0 ] && grep -qx 'Test is a success! You are ready for your distributed training!' "$1"
 }
 # On the GPU, one rank: the one-rank NCCL communicator must have been checked against the f64 reference, every
-# call of it (the collectives, a message to itself in one group call, a split communicator), and a half-precision
-# step against f32; a run that checked neither (NCCL not found, the GPU checks skipped) checked nothing on the GPU.
+# call of it (the collectives, a message to itself in one group call, a split communicator), each sharded strategy
+# trained through it against the GPU alone, and a half-precision step against f32; a run that checked neither
+# (NCCL not found, the GPU checks skipped) checked nothing on the GPU.
 check_test_cuda() {
   check_test "$1" "$2" || return 1
   if ! grep -q 'max |device - f64 reference|' "$1"; then
@@ -285,6 +286,12 @@ check_test_cuda() {
     'split sub-group all-reduce (sum)'; do
     if ! grep -qF "$call max |device - f64 reference|" "$1"; then
       detail="NCCL's $call was not checked: $detail"
+      return 1
+    fi
+  done
+  for call in 'SHARD_GRAD_OP training' 'FULL_SHARD training' 'HYBRID_SHARD training'; do
+    if ! grep -qF "$call: max |weights - the device alone's|" "$1"; then
+      detail="$call through NCCL was not checked: $detail"
       return 1
     fi
   done
@@ -419,7 +426,7 @@ run_step test-cpu cpu 120 check_test env BURN_DEVICE=flex burn-accelerate test -
 run_step quicktour-cpu cpu 120 check_loss env BURN_DEVICE=flex quicktour
 reference_loss=$(figures "$work/logs/quicktour-cpu.log" final_loss | sed -E 's/final_loss=([^;]*);/\1/')
 reference_initial=$(figures "$work/logs/quicktour-cpu.log" initial_loss | sed -E 's/initial_loss=([^;]*);/\1/')
-run_step test-cuda gpu 150 check_test_cuda env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
+run_step test-cuda gpu 180 check_test_cuda env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
 run_step test-cuda-shared gpu 150 check_test_shared env BURN_DEVICE=cuda burn-accelerate test --num-processes 2
 # Every strategy on in-process ranks sharing the one GPU, no parameter or gradient through host memory.
 run_step shared-device-cuda gpu 240 check_shared_device sh -c '

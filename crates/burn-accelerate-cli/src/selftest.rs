@@ -181,6 +181,21 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
                     ));
                 }
             }
+            for (name, training) in &check.training {
+                if main {
+                    println!(
+                        "GPU: {}: {name}: max |weights - the device alone's| = {:.2e} (bound {:.2e})",
+                        check.transport, training.max_error, training.bound
+                    );
+                }
+                if !training.passed() {
+                    failures.push(format!(
+                        "{name} through the device transport: rank {rank}'s weights differ from training on the \
+                         device alone by {} (bound {}): {} of {} weights beyond the bound",
+                        training.max_error, training.bound, training.wrong, training.checked
+                    ));
+                }
+            }
             if check.dtypes.is_empty() {
                 failures.push(format!("device all-reduce: rank {rank} checked no dtype"));
             }

@@ -57,7 +57,7 @@ pub struct AcceleratorBuilder {
 
 /// Makes the distribution strategy of one rank (a test double, or a strategy chosen by a later setting).
 pub(crate) type StrategyFactory =
-    Arc<dyn Fn(&Arc<ProcessGroup>) -> Arc<dyn Strategy> + Send + Sync>;
+    Arc<dyn Fn(&Arc<ProcessGroup>) -> Result<Arc<dyn Strategy>> + Send + Sync>;
 
 impl AcceleratorBuilder {
     /// Runs on this device (autodiff is switched on for it).
@@ -454,7 +454,6 @@ impl AcceleratorBuilder {
 
     /// Distributes training with the strategy `make` returns for each rank instead of the one chosen from the
     /// settings.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn strategy(mut self, make: StrategyFactory) -> Self {
         self.strategy = Some(make);
         self
@@ -519,7 +518,7 @@ impl AcceleratorBuilder {
             .with_debug(config.distributed.debug);
         let group = Arc::new(state);
         let (strategy, data_group) = match &self.strategy {
-            Some(make) => (make(&group), group.clone()),
+            Some(make) => (make(&group)?, group.clone()),
             None if config.pipeline.is_pipelined() => {
                 crate::distributed::stages::mesh::for_mesh(&group, &config)?
             }

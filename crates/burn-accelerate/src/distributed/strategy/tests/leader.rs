@@ -146,10 +146,10 @@ fn leader(calls: Arc<Calls>) -> AcceleratorBuilder {
         } else {
             Arc::default()
         };
-        Arc::new(Leader {
+        Ok(Arc::new(Leader {
             comm: Arc::new(Checked::host(group.clone())),
             calls,
-        })
+        }))
     }))
 }
 

@@ -136,10 +136,10 @@ fn another_gradient_transport_trains_the_same_model_as_the_host_all_reduce() {
             group: group.clone(),
             calls: counted.clone(),
         };
-        Arc::new(DataParallel::new(
+        Ok(Arc::new(DataParallel::new(
             OnDevice::checked(Box::new(transport), group),
             25 << 20,
-        ))
+        )))
     }));
     let host = train(AcceleratorBuilder::default(), 20);
     let other = train(device, 20);
@@ -161,12 +161,11 @@ fn the_device_all_reduce_path_trains_the_same_model_as_the_host_all_reduce() {
             group.clone(),
             &on_device::double::HostLibrary::default(),
             std::time::Duration::from_secs(30),
-        )
-        .unwrap();
-        Arc::new(DataParallel::new(
+        )?;
+        Ok(Arc::new(DataParallel::new(
             OnDevice::checked(Box::new(transport), group),
             25 << 20,
-        ))
+        )))
     }));
     let host = train(AcceleratorBuilder::default(), 20);
     let other = train(device, 20);

@@ -135,12 +135,12 @@ fn each_block_is_gathered_and_reduced_while_its_neighbour_computes_and_never_mor
                 inner: Arc::new(Checked::host(group.clone())),
                 log: recorded.clone(),
             });
-            Arc::new(Sharded::new(
+            Ok(Arc::new(Sharded::new(
                 group.clone(),
                 comm,
                 ShardingStrategy::FullShard,
                 25 << 20,
-            ))
+            )))
         }));
     let blocks_log = log.clone();
     builder

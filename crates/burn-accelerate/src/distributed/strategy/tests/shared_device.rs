@@ -168,15 +168,13 @@ fn strategy_over(
     comm: Arc<dyn TensorComm>,
     group: &Arc<ProcessGroup>,
     mode: ShardingStrategy,
-) -> Arc<dyn Strategy> {
+) -> Result<Arc<dyn Strategy>> {
     let bucket = 64;
-    match mode {
+    Ok(match mode {
         ShardingStrategy::NoShard => Arc::new(DataParallel::new(comm, bucket)),
-        m if m.is_hybrid() => {
-            Arc::new(Sharded::hybrid(group.clone(), comm, 2, m, bucket).expect("hybrid sub-groups"))
-        }
+        m if m.is_hybrid() => Arc::new(Sharded::hybrid(group.clone(), comm, 2, m, bucket)?),
         m => Arc::new(Sharded::new(group.clone(), comm, m, bucket)),
-    }
+    })
 }
 
 /// Every strategy, on how many ranks, with activation checkpointing or not.
@@ -225,8 +223,7 @@ fn every_strategy_trains_through_a_device_librarys_path_without_host_buffers_as_
                 group.clone(),
                 &counted,
                 std::time::Duration::from_secs(60),
-            )
-            .expect("the library's double connects");
+            )?;
             strategy_over(OnDevice::checked(Box::new(engine), group), group, mode)
         }));
         let library_dir = dir.join("library");

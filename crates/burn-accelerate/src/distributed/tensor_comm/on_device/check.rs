@@ -9,12 +9,19 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{DType, bf16, f16};
+use burn::module::{Module, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::AdamConfig;
+use burn::tensor::{DType, Device, Tensor, bf16, f16};
 
 use super::{
-    TransportChoice, TransportKind, choose, facts_for, from_host, select, start_device, to_host,
+    DeviceEngine, OnDevice, TransportChoice, TransportKind, choose, facts_for, from_host, select,
+    start_device, to_host,
 };
+use crate::accelerator::AcceleratorBuilder;
+use crate::config::ShardingStrategy;
 use crate::distributed::ProcessGroup;
+use crate::distributed::strategy::{Sharded, Strategy};
 use crate::distributed::tensor_comm::{Incoming, Reduction, TensorComm};
 use crate::error::Result;
 
@@ -55,15 +62,123 @@ pub struct TransportCheck {
     /// ring of messages and a split sub-group's sum, in parts of an odd length (so every part has an unaligned
     /// tail). The `dtype` field of each is f32.
     pub collectives: Vec<(&'static str, DtypeCheck)>,
+    /// One result per sharded strategy trained through the transport on one rank (a one-rank NCCL
+    /// communicator), against the same training on the device alone: the weights after a few Adam steps, within
+    /// 1e-5 of their scale. Empty where the transport connects several ranks (their strategies are checked by
+    /// training them, in the GPU kit).
+    pub training: Vec<(&'static str, DtypeCheck)>,
 }
 
 impl TransportCheck {
-    /// Whether every dtype and every collective passed.
+    /// Whether every dtype, every collective and every training passed.
     pub fn passed(&self) -> bool {
         !self.dtypes.is_empty()
             && self.dtypes.iter().all(DtypeCheck::passed)
             && self.collectives.iter().all(|(_, c)| c.passed())
+            && self.training.iter().all(|(_, c)| c.passed())
     }
+}
+
+/// The check's model: two linear layers with fixed weights.
+#[derive(Module, Debug)]
+struct CheckNet {
+    a: Linear,
+    b: Linear,
+}
+
+/// A linear layer `d_in` → `d_out` with weights drawn from `salt` by a formula (every run the same).
+fn fixed_linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+    let mut layer = LinearConfig::new(d_in, d_out).init(device);
+    let values: Vec<f32> = (0..d_in * d_out)
+        .map(|i| (i as f32 * 0.37 + salt).sin() * 0.5)
+        .collect();
+    layer.weight = Param::from_tensor(
+        Tensor::<1>::from_floats(values.as_slice(), device).reshape([d_in, d_out]),
+    );
+    layer.bias = Some(Param::from_tensor(Tensor::zeros([d_out], device)));
+    layer
+}
+
+/// Trains [`CheckNet`] for 3 Adam steps on fixed data, on the one rank `builder` makes: its weights after.
+fn train_check_net(builder: AcceleratorBuilder) -> Result<Vec<f32>> {
+    let weights = builder.launch(1, |acc| {
+        let device = acc.device().clone();
+        let net = CheckNet {
+            a: fixed_linear(12, 10, 0.3, &device),
+            b: fixed_linear(10, 3, 1.7, &device),
+        };
+        let mut net = acc.prepare_model(net)?;
+        let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
+        for step in 0..3 {
+            let values: Vec<f32> = (0..8 * 12)
+                .map(|i| ((i * 5 + step * 3) as f32 * 0.21).cos())
+                .collect();
+            let x = Tensor::<1>::from_floats(values.as_slice(), &device).reshape([8, 12]);
+            let whole = acc.unshard(&net)?;
+            let loss = whole
+                .b
+                .forward(whole.a.forward(x).tanh())
+                .powi_scalar(2)
+                .mean();
+            acc.backward(loss, &whole)?;
+            net = optimizer.try_step(net)?;
+        }
+        let whole = acc.unshard(&net)?;
+        Ok([whole.a.weight.val(), whole.b.weight.val()]
+            .into_iter()
+            .flat_map(|w| w.into_data().try_to_vec::<f32>().unwrap_or_default())
+            .collect::<Vec<f32>>())
+    })?;
+    weights.into_iter().next().ok_or_else(|| {
+        crate::error::Error::InvalidArgument("the check's rank returned nothing".into())
+    })
+}
+
+/// Makes a device engine for a rank's group (a one-rank NCCL communicator, in the check).
+pub(crate) type EngineFactory =
+    Arc<dyn Fn(&Arc<ProcessGroup>) -> Result<Box<dyn DeviceEngine>> + Send + Sync>;
+
+/// Trains [`CheckNet`] on one rank on `device` under `SHARD_GRAD_OP`, `FULL_SHARD` and `HYBRID_SHARD` (shard
+/// groups of one: both sub-groups split from the engine's connection), every exchange through an engine `engines`
+/// makes, in small buckets, and alone on the device; `(strategy, check)` of the weights, within 1e-5 of their
+/// scale (one rank's collectives are copies: only a transport that garbles or drops values differs).
+pub(crate) fn check_training_on_one_rank(
+    device: &Device,
+    timeout: std::time::Duration,
+    engines: EngineFactory,
+) -> Result<Vec<(&'static str, DtypeCheck)>> {
+    let base = || {
+        AcceleratorBuilder::default()
+            .device(device.clone().without_autodiff())
+            .collective_timeout(timeout)
+    };
+    let alone: Vec<f64> = train_check_net(base())?
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let bound = 1e-5 * alone.iter().fold(0.0f64, |m, w| m.max(w.abs())).max(1.0);
+    [
+        ("SHARD_GRAD_OP training", ShardingStrategy::ShardGradOp),
+        ("FULL_SHARD training", ShardingStrategy::FullShard),
+        ("HYBRID_SHARD training", ShardingStrategy::HybridShard),
+    ]
+    .into_iter()
+    .map(|(name, mode)| {
+        let engines = engines.clone();
+        let builder = base().sharding(mode).strategy(Arc::new(move |group| {
+            let comm = OnDevice::checked(engines(group)?, group);
+            // 256-byte buckets: several exchanges a step.
+            let strategy: Arc<dyn Strategy> = if mode.is_hybrid() {
+                Arc::new(Sharded::hybrid(group.clone(), comm, 1, mode, 256)?)
+            } else {
+                Arc::new(Sharded::new(group.clone(), comm, mode, 256))
+            };
+            Ok(strategy)
+        }));
+        let got = train_check_net(builder)?;
+        Ok((name, compare(&got, &alone, bound, DType::F32)))
+    })
+    .collect()
 }
 
 /// `got` (values of `dtype`, widened) against `exact`, element by element, within `bound`; a NaN, or a length of
@@ -348,10 +463,17 @@ pub(crate) fn check_against_reference(
     } else {
         (transport, choice.to_string())
     };
+    // On one rank, the sharded strategies trained through fresh one-rank connections of the same library.
+    let training = if group.num_processes() == 1 {
+        check_training_on_one_rank(group.device(), timeout, super::nccl_engines(timeout)?)?
+    } else {
+        Vec::new()
+    };
     Ok(Some(TransportCheck {
         transport: named,
         dtypes,
         collectives: check_collectives(group, others.as_ref())?,
+        training,
     }))
 }
 
@@ -395,6 +517,7 @@ mod tests {
             transport: "t".into(),
             dtypes,
             collectives: Vec::new(),
+            training: Vec::new(),
         };
         assert!(check(vec![ok.clone()]).passed());
         assert!(!check(vec![ok, nan]).passed());

@@ -1209,6 +1209,90 @@ mod tests {
         }
     }
 
+    /// An engine whose results all come back shifted by 1e-3 (a library that garbles what it moves).
+    #[derive(Debug)]
+    struct Shifting(Box<dyn DeviceEngine>);
+
+    impl Shifting {
+        fn shift(result: Option<Result<Tensor<1>>>) -> Option<Result<Tensor<1>>> {
+            result.map(|r| r.map(|t| t.add_scalar(1e-3)))
+        }
+    }
+
+    impl DeviceEngine for Shifting {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn average(&self, flat: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
+            Ok(self.0.average(flat, scale)?.add_scalar(1e-3))
+        }
+        fn all_reduce(&self, flat: Tensor<1>, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+            Self::shift(self.0.all_reduce(flat, op))
+        }
+        fn reduce(&self, flat: Tensor<1>, root: usize, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+            Self::shift(self.0.reduce(flat, root, op))
+        }
+        fn reduce_scatter(&self, flat: Tensor<1>, op: ReduceOp) -> Option<Result<Tensor<1>>> {
+            Self::shift(self.0.reduce_scatter(flat, op))
+        }
+        fn all_gather(&self, part: Tensor<1>) -> Option<Result<Tensor<1>>> {
+            Self::shift(self.0.all_gather(part))
+        }
+        fn broadcast(&self, flat: Tensor<1>, root: usize) -> Option<Result<Tensor<1>>> {
+            Self::shift(self.0.broadcast(flat, root))
+        }
+        fn on_group(&self, group: Arc<ProcessGroup>) -> Option<Result<Box<dyn DeviceEngine>>> {
+            self.0
+                .on_group(group)
+                .map(|e| e.map(|e| Box::new(Shifting(e)) as Box<dyn DeviceEngine>))
+        }
+    }
+
+    #[test]
+    fn sharded_training_through_a_one_rank_library_matches_the_device_alone_and_a_garbling_one_does_not()
+     {
+        let library = HostLibrary::default();
+        let timeout = Duration::from_secs(60);
+        let engines = {
+            let library = library.clone();
+            Arc::new(move |group: &Arc<ProcessGroup>| {
+                let engine = DeviceCollectives::connect(group.clone(), &library, timeout)?;
+                Ok(Box::new(engine) as Box<dyn DeviceEngine>)
+            })
+        };
+        let device = burn::tensor::Device::default();
+        let checks =
+            super::super::check::check_training_on_one_rank(&device, timeout, engines).unwrap();
+        let names: Vec<&str> = checks.iter().map(|(name, _)| *name).collect();
+        assert_eq!(
+            names,
+            [
+                "SHARD_GRAD_OP training",
+                "FULL_SHARD training",
+                "HYBRID_SHARD training"
+            ]
+        );
+        for (name, check) in &checks {
+            assert!(check.passed() && check.checked == 150, "{name}: {check:?}");
+        }
+        assert!(
+            library.started.load(Ordering::Relaxed) > 3 * 3,
+            "every step went through the library"
+        );
+        // The hybrid strategy split its shard and replica groups from the library's connection.
+        assert_eq!(library.splits.load(Ordering::Relaxed), 2);
+        let garbling = Arc::new(move |group: &Arc<ProcessGroup>| {
+            let engine =
+                DeviceCollectives::connect(group.clone(), &HostLibrary::default(), timeout)?;
+            Ok(Box::new(Shifting(Box::new(engine))) as Box<dyn DeviceEngine>)
+        });
+        let checks =
+            super::super::check::check_training_on_one_rank(&device, timeout, garbling).unwrap();
+        for (name, check) in &checks {
+            assert!(!check.passed(), "{name}: {check:?}");
+        }
+    }
+
     #[test]
     fn wire_types_ids_and_buffer_ranges() {
         assert_eq!(wire_type(DType::F32), Ok(WireType::F32));

@@ -571,6 +571,27 @@ fn start_device(
     })
 }
 
+/// Engines on one-rank NCCL communicators, one per group asked (the one-rank check's sharded trainings).
+#[cfg(feature = "cuda-bare")]
+fn nccl_engines(timeout: std::time::Duration) -> Result<check::EngineFactory> {
+    Ok(Arc::new(move |group: &Arc<ProcessGroup>| {
+        let engine = device::DeviceCollectives::connect(
+            group.clone(),
+            &nccl::Nccl::new(group.device()),
+            timeout,
+        )?;
+        Ok(Box::new(engine) as Box<dyn DeviceEngine>)
+    }))
+}
+
+/// Without CUDA there is no NCCL to check.
+#[cfg(not(feature = "cuda-bare"))]
+fn nccl_engines(_timeout: std::time::Duration) -> Result<check::EngineFactory> {
+    Err(Error::InvalidArgument(
+        "NCCL needs the `cuda` feature of burn-accelerate".into(),
+    ))
+}
+
 /// The shared-device implementation for `group`'s rank, checked.
 fn shared(group: &Arc<ProcessGroup>) -> Arc<dyn TensorComm> {
     Arc::new(Checked::new(
