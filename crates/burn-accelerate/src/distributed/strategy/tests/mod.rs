@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::module::{Module, Param};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::Linear;
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
 
@@ -48,14 +48,7 @@ impl DeviceEngine for DeviceDouble {
 /// A linear layer with fixed, uneven weights: the device's random generator is shared by the tests that
 /// run beside this one, and Burn draws parameters lazily, so drawn weights would differ between runs.
 fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
-    let mut layer = LinearConfig::new(d_in, d_out).init(device);
-    let values: Vec<f32> = (0..d_in * d_out)
-        .map(|i| (i as f32 * 0.37 + salt).sin() * 0.5)
-        .collect();
-    let weight = Tensor::<1>::from_floats(values.as_slice(), device).reshape([d_in, d_out]);
-    layer.weight = Param::from_tensor(weight);
-    layer.bias = Some(Param::from_tensor(Tensor::zeros([d_out], device)));
-    layer
+    on_device::fixed_linear(d_in, d_out, salt, device)
 }
 
 fn net(device: &Device) -> Net {

@@ -87,7 +87,7 @@ struct CheckNet {
 }
 
 /// A linear layer `d_in` → `d_out` with weights drawn from `salt` by a formula (every run the same).
-fn fixed_linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+pub(crate) fn fixed_linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
     let mut layer = LinearConfig::new(d_in, d_out).init(device);
     let values: Vec<f32> = (0..d_in * d_out)
         .map(|i| (i as f32 * 0.37 + salt).sin() * 0.5)
@@ -124,10 +124,13 @@ fn train_check_net(builder: AcceleratorBuilder) -> Result<Vec<f32>> {
             net = optimizer.try_step(net)?;
         }
         let whole = acc.unshard(&net)?;
-        Ok([whole.a.weight.val(), whole.b.weight.val()]
-            .into_iter()
-            .flat_map(|w| w.into_data().try_to_vec::<f32>().unwrap_or_default())
-            .collect::<Vec<f32>>())
+        let mut weights = Vec::new();
+        for weight in [whole.a.weight.val(), whole.b.weight.val()] {
+            weights.extend(weight.into_data().try_to_vec::<f32>().map_err(|e| {
+                crate::error::Error::InvalidArgument(format!("the check's weights: {e:?}"))
+            })?);
+        }
+        Ok(weights)
     })?;
     weights.into_iter().next().ok_or_else(|| {
         crate::error::Error::InvalidArgument("the check's rank returned nothing".into())

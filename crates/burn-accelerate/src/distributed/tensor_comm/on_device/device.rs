@@ -239,6 +239,42 @@ impl DeviceCall {
         Ok(())
     }
 
+    /// The call as the library runs it on `world` ranks: each reduction through [`library_op`].
+    fn for_library(self, world: usize) -> Self {
+        match self {
+            DeviceCall::AllReduce { flat, op } => DeviceCall::AllReduce {
+                flat,
+                op: library_op(op, world),
+            },
+            DeviceCall::Reduce { flat, op, root } => DeviceCall::Reduce {
+                flat,
+                op: library_op(op, world),
+                root,
+            },
+            DeviceCall::ReduceScatter { flat, op } => DeviceCall::ReduceScatter {
+                flat,
+                op: library_op(op, world),
+            },
+            other => other,
+        }
+    }
+
+    /// The results of a call that moves nothing ([`is_empty`](Self::is_empty)): empty tensors where the
+    /// results would land.
+    fn empty_results(&self) -> Vec<Tensor<1>> {
+        match self {
+            DeviceCall::SendRecv { recvs, .. } => recvs
+                .iter()
+                .map(|r| Tensor::zeros([0], (&r.device, r.dtype)))
+                .collect(),
+            collective => collective
+                .input()
+                .map(|input| Tensor::zeros([0], (&input.device(), input.dtype())))
+                .into_iter()
+                .collect(),
+        }
+    }
+
     /// Whether the call moves no value at all (every length 0: the same on every rank, so every rank skips it).
     fn is_empty(&self) -> bool {
         match self {
@@ -257,7 +293,8 @@ pub(crate) trait DeviceComm: Send + Sync + fmt::Debug {
     fn start(&self, call: DeviceCall) -> std::result::Result<(), String>;
 
     /// The results of the last [`start`](Self::start), once [`poll`](Self::poll) has reported it done: one
-    /// tensor for a collective, the receives in order for a point-to-point batch.
+    /// tensor for a collective (autodiff where its input was), the receives in order for a point-to-point batch
+    /// (each on its [`Incoming`]'s device, autodiff included).
     fn finish(&self) -> std::result::Result<Vec<Tensor<1>>, String>;
 
     /// `Ok(true)` when everything enqueued so far has finished (or the connection has formed), `Ok(false)` while
@@ -523,33 +560,9 @@ impl DeviceCollectives {
         // Debug mode's comparison of the ranks' collective calls wraps this engine (`Checked`).
         call.check(world).map_err(Error::InvalidArgument)?;
         if call.is_empty() {
-            return Ok(match call {
-                DeviceCall::SendRecv { recvs, .. } => recvs
-                    .iter()
-                    .map(|r| Tensor::zeros([0], (&r.device, r.dtype)))
-                    .collect(),
-                other => {
-                    let input = other.input().expect("a collective has an input");
-                    vec![Tensor::zeros([0], (&input.device(), input.dtype()))]
-                }
-            });
+            return Ok(call.empty_results());
         }
-        let call = match call {
-            DeviceCall::AllReduce { flat, op } => DeviceCall::AllReduce {
-                flat,
-                op: library_op(op, world),
-            },
-            DeviceCall::Reduce { flat, op, root } => DeviceCall::Reduce {
-                flat,
-                op: library_op(op, world),
-                root,
-            },
-            DeviceCall::ReduceScatter { flat, op } => DeviceCall::ReduceScatter {
-                flat,
-                op: library_op(op, world),
-            },
-            other => other,
-        };
+        let call = call.for_library(world);
         let failed = |e: String| {
             self.comm.abort();
             Error::Execution {
@@ -617,22 +630,12 @@ impl DeviceEngine for DeviceCollectives {
         sends: Vec<(usize, Tensor<1>)>,
         recvs: Vec<Incoming>,
     ) -> Option<Result<Vec<Tensor<1>>>> {
-        Some((|| {
-            if self.group.debug() {
-                self.check_messages(&sends, &recvs)?;
-            }
-            let autodiff: Vec<bool> = recvs.iter().map(|r| r.device.is_autodiff()).collect();
-            let received = self.run(DeviceCall::SendRecv { sends, recvs })?;
-            Ok(received
-                .into_iter()
-                .zip(autodiff)
-                .map(|(t, autodiff)| match (autodiff, t.is_autodiff()) {
-                    (true, false) => t.autodiff(),
-                    (false, true) => t.without_autodiff(),
-                    _ => t,
-                })
-                .collect())
-        })())
+        if self.group.debug()
+            && let Err(e) = self.check_messages(&sends, &recvs)
+        {
+            return Some(Err(e));
+        }
+        Some(self.run(DeviceCall::SendRecv { sends, recvs }))
     }
 
     fn on_group(&self, group: Arc<ProcessGroup>) -> Option<Result<Box<dyn DeviceEngine>>> {

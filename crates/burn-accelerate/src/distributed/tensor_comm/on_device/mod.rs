@@ -22,6 +22,8 @@ mod device;
 mod nccl;
 
 pub(crate) use check::check_against_reference;
+#[cfg(test)]
+pub(crate) use check::fixed_linear;
 pub use check::{DtypeCheck, TransportCheck, rounding_bound};
 pub(crate) use choice::{Exchanges, TransportChoice, TransportFacts, TransportKind, choose};
 #[cfg(test)]
@@ -246,17 +248,17 @@ impl TensorComm for OnDevice {
     ) -> Result<Pending<Tensor<1>>> {
         let world = self.world_size();
         if counts.len() == world && flat.dims()[0] == counts.iter().sum::<usize>() {
-            let (op, factor) = how.split(world);
             let width = counts.iter().copied().max().unwrap_or(0);
+            if width == 0 {
+                return Ok(Pending::ready(head(flat, 0)));
+            }
+            let (op, factor) = how.split(world);
             let mine = counts[self.rank()];
             let input = if equal_parts(counts, world) {
                 flat.clone()
             } else {
                 pad_parts(flat.clone(), counts, width)
             };
-            if width == 0 {
-                return Ok(Pending::ready(head(flat, 0)));
-            }
             if let Some(part) = self.engine.reduce_scatter(input, op) {
                 return Ok(Pending::ready(scaled(head(part?, mine), factor)));
             }

@@ -392,7 +392,7 @@ impl NcclComm {
                 continue;
             }
             let dtype = flat.dtype();
-            let buffer = pin(flat.without_autodiff())?;
+            let buffer = pin(flat)?;
             super::device::check_range(
                 buffer.elements * super::device::wire_type(dtype)?.bytes(),
                 buffer.size,
