@@ -308,6 +308,12 @@ check_test_shared() {
     detail="the shared device path was not checked: $detail"
     return 1
   fi
+  # Every strategy trained over a communicator that refuses every buffer through host memory.
+  local missing
+  if ! missing=$("$root/scripts/gpu/check-no-host-buffers.sh" "$1" 2>&1 >/dev/null); then
+    detail="$missing: $detail"
+    return 1
+  fi
 }
 check_loss() {
   local f
@@ -427,7 +433,7 @@ run_step quicktour-cpu cpu 120 check_loss env BURN_DEVICE=flex quicktour
 reference_loss=$(figures "$work/logs/quicktour-cpu.log" final_loss | sed -E 's/final_loss=([^;]*);/\1/')
 reference_initial=$(figures "$work/logs/quicktour-cpu.log" initial_loss | sed -E 's/initial_loss=([^;]*);/\1/')
 run_step test-cuda gpu 180 check_test_cuda env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
-run_step test-cuda-shared gpu 150 check_test_shared env BURN_DEVICE=cuda burn-accelerate test --num-processes 2
+run_step test-cuda-shared gpu 210 check_test_shared env BURN_DEVICE=cuda burn-accelerate test --num-processes 2
 # Every strategy on in-process ranks sharing the one GPU, no parameter or gradient through host memory.
 run_step shared-device-cuda gpu 240 check_shared_device sh -c '
   export BURN_DEVICE=cuda

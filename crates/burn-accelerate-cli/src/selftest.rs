@@ -196,6 +196,22 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
                     ));
                 }
             }
+            for (name, training) in &check.without_host_buffers {
+                if main {
+                    println!(
+                        "GPU: {}: {name} with no buffer through host memory: max |weights - the host path's| = \
+                         {:.2e} (bound {:.2e})",
+                        check.transport, training.max_error, training.bound
+                    );
+                }
+                if !training.passed() {
+                    failures.push(format!(
+                        "{name} with no buffer through host memory: its weights differ from the host path's by \
+                         {} (bound {}): {} of {} weights beyond the bound",
+                        training.max_error, training.bound, training.wrong, training.checked
+                    ));
+                }
+            }
             if check.dtypes.is_empty() {
                 failures.push(format!("device all-reduce: rank {rank} checked no dtype"));
             }

@@ -79,8 +79,8 @@ where
     launch_ranks_over(num_processes, timeout, |comm| comm, f)
 }
 
-/// [`launch_ranks`], each rank's communicator passed through `wrap` first (a test double around it).
-#[cfg_attr(not(test), allow(dead_code))]
+/// [`launch_ranks`], each rank's communicator passed through `wrap` first (a test double around it, or the
+/// transport check's communicator that refuses host buffers).
 pub(crate) fn launch_ranks_over<T, F, W>(
     num_processes: usize,
     timeout: Duration,

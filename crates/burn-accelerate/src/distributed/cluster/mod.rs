@@ -21,9 +21,7 @@ use crate::error::Result;
 
 pub use env_vars::{Launcher, LauncherVars, launched_by_mpi};
 pub use group::{DistributedType, ProcessGroup, current, current_rank};
-pub(crate) use in_process::launch_ranks;
-#[cfg(test)]
-pub(crate) use in_process::launch_ranks_over;
+pub(crate) use in_process::{launch_ranks, launch_ranks_over};
 
 /// How the ranks of a run were started and how they talk.
 pub trait ClusterEnvironment: std::fmt::Debug {

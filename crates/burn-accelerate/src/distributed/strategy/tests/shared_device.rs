@@ -11,115 +11,10 @@ use super::leader::{stack, stack_steps, stack_weights};
 use super::*;
 use crate::config::GradientTransport;
 use crate::distributed::cluster::launch_ranks_over;
-use crate::distributed::comm::{
-    CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, SharedValue,
-};
+use crate::distributed::comm::Communicator;
+use crate::distributed::tensor_comm::on_device::NoHostBuffers;
 use crate::distributed::tensor_comm::shared_device::SharedDevice;
 use crate::distributed::tensor_comm::{Checked, TensorComm};
-
-/// A communicator that refuses every call carrying values through host memory (collective buffers and
-/// point-to-point messages), and forwards the rest: byte messages (control: agreements, call checks, counted)
-/// and the shared values of ranks in one process; with `single_values`, also the all-reduce of one f64 (a
-/// verdict or a norm, counted with the control bytes), which a device library's path leaves on the host.
-#[derive(Debug)]
-struct NoHostBuffers {
-    inner: Arc<dyn Communicator>,
-    control_bytes: Arc<AtomicUsize>,
-    single_values: bool,
-}
-
-impl NoHostBuffers {
-    fn refuse<T>(&self, operation: &str, values: usize, kind: &str) -> CommResult<T> {
-        Err(CommError::Engine {
-            engine: "no host buffers",
-            operation: operation.into(),
-            reason: format!("{values} {kind} values through host memory"),
-        })
-    }
-}
-
-impl Communicator for NoHostBuffers {
-    fn engine(&self) -> &'static str {
-        self.inner.engine()
-    }
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn barrier(&self) -> CommResult<()> {
-        self.inner.barrier()
-    }
-    fn concurrent(&self) -> bool {
-        self.inner.concurrent()
-    }
-    fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> CommResult<ReduceBuffer> {
-        if self.single_values && matches!(&data, ReduceBuffer::F64(v) if v.len() == 1) {
-            self.control_bytes.fetch_add(8, Ordering::Relaxed);
-            return self.inner.all_reduce(data, op);
-        }
-        self.refuse("all_reduce", data.len(), data.kind())
-    }
-    fn reduce_scatter(
-        &self,
-        data: ReduceBuffer,
-        _counts: &[usize],
-        _op: ReduceOp,
-    ) -> CommResult<ReduceBuffer> {
-        self.refuse("reduce_scatter", data.len(), data.kind())
-    }
-    fn reduce(
-        &self,
-        data: ReduceBuffer,
-        _root: usize,
-        _op: ReduceOp,
-    ) -> CommResult<Option<ReduceBuffer>> {
-        self.refuse("reduce", data.len(), data.kind())
-    }
-    fn broadcast_buffer(&self, data: ReduceBuffer, _root: usize) -> CommResult<ReduceBuffer> {
-        self.refuse("broadcast_buffer", data.len(), data.kind())
-    }
-    fn all_gather_parts(&self, data: ReduceBuffer, _counts: &[usize]) -> CommResult<ReduceBuffer> {
-        self.refuse("all_gather_parts", data.len(), data.kind())
-    }
-    fn send_recv(
-        &self,
-        sends: Vec<(usize, ReduceBuffer)>,
-        recvs: Vec<(usize, ReduceBuffer)>,
-    ) -> CommResult<Vec<ReduceBuffer>> {
-        let values = sends.iter().chain(&recvs).map(|(_, b)| b.len()).sum();
-        self.refuse("send_recv", values, "f32")
-    }
-    fn all_gather(&self, data: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
-        self.control_bytes.fetch_add(data.len(), Ordering::Relaxed);
-        self.inner.all_gather(data)
-    }
-    fn broadcast(&self, data: Vec<u8>, root: usize) -> CommResult<Vec<u8>> {
-        self.control_bytes.fetch_add(data.len(), Ordering::Relaxed);
-        self.inner.broadcast(data, root)
-    }
-    fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
-        Ok(Arc::new(Self {
-            inner: self.inner.split(color, key)?,
-            control_bytes: self.control_bytes.clone(),
-            single_values: self.single_values,
-        }))
-    }
-    fn shares_memory(&self) -> bool {
-        self.inner.shares_memory()
-    }
-    fn share(&self, operation: &'static str, value: SharedValue) -> CommResult<Vec<SharedValue>> {
-        self.inner.share(operation, value)
-    }
-    fn send_recv_shared(
-        &self,
-        sends: Vec<(usize, SharedValue)>,
-        recvs: Vec<usize>,
-    ) -> CommResult<Vec<SharedValue>> {
-        self.inner.send_recv_shared(sends, recvs)
-    }
-}
 
 /// Runs `f` on `ranks` in-process ranks built by `builder`, each over a [`NoHostBuffers`] double (passing single
 /// values where `single_values`); the results, and the control bytes every rank sent together.
@@ -134,11 +29,8 @@ fn launch_without_host_buffers<T: Send>(
         ranks,
         std::time::Duration::from_secs(60),
         move |inner| {
-            Arc::new(NoHostBuffers {
-                inner,
-                control_bytes: counted.clone(),
-                single_values,
-            }) as Arc<dyn Communicator>
+            Arc::new(NoHostBuffers::new(inner, counted.clone(), single_values))
+                as Arc<dyn Communicator>
         },
         |cluster| f(builder.build_in(cluster)?),
     )

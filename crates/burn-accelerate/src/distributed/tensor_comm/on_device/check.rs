@@ -67,6 +67,13 @@ pub struct TransportCheck {
     /// 1e-5 of their scale. Empty where the transport connects several ranks (their strategies are checked by
     /// training them, in the GPU kit).
     pub training: Vec<(&'static str, DtypeCheck)>,
+    /// Where the ranks are threads of one process sharing a device (the shared device path): one result per
+    /// strategy (`NO_SHARD`, `SHARD_GRAD_OP`, `FULL_SHARD` whole and block-wise, both hybrids) trained on fresh
+    /// in-process ranks on this device over a communicator that refuses every buffer through host memory,
+    /// against the same training through host memory: every rank's weights, within 1e-5 of their scale. A
+    /// buffer through host memory fails the check with an error naming it. Filled on the main process (it
+    /// trains for the group); empty elsewhere and on other paths.
+    pub without_host_buffers: Vec<(&'static str, DtypeCheck)>,
 }
 
 impl TransportCheck {
@@ -76,6 +83,7 @@ impl TransportCheck {
             && self.dtypes.iter().all(DtypeCheck::passed)
             && self.collectives.iter().all(|(_, c)| c.passed())
             && self.training.iter().all(|(_, c)| c.passed())
+            && self.without_host_buffers.iter().all(|(_, c)| c.passed())
     }
 }
 
@@ -186,7 +194,7 @@ pub(crate) fn check_training_on_one_rank(
 
 /// `got` (values of `dtype`, widened) against `exact`, element by element, within `bound`; a NaN, or a length of
 /// its own, fails.
-fn compare(got: &[f32], exact: &[f64], bound: f64, dtype: DType) -> DtypeCheck {
+pub(super) fn compare(got: &[f32], exact: &[f64], bound: f64, dtype: DType) -> DtypeCheck {
     let mut max_error = if got.len() == exact.len() {
         0.0
     } else {
@@ -472,11 +480,25 @@ pub(crate) fn check_against_reference(
     } else {
         Vec::new()
     };
+    let collectives = check_collectives(group, others.as_ref())?;
+    // Ranks sharing a device: every strategy trained over a communicator that refuses host buffers, once, by
+    // the main process (the other ranks go on to their next exchange and wait for it there).
+    let without_host_buffers =
+        if choice.kind == TransportKind::SharedDevice && group.is_main_process() {
+            super::host_free::check_strategies_without_host_buffers(
+                group.device(),
+                timeout,
+                preference,
+            )?
+        } else {
+            Vec::new()
+        };
     Ok(Some(TransportCheck {
         transport: named,
         dtypes,
-        collectives: check_collectives(group, others.as_ref())?,
+        collectives,
         training,
+        without_host_buffers,
     }))
 }
 
@@ -521,6 +543,7 @@ mod tests {
             dtypes,
             collectives: Vec::new(),
             training: Vec::new(),
+            without_host_buffers: Vec::new(),
         };
         assert!(check(vec![ok.clone()]).passed());
         assert!(!check(vec![ok, nan]).passed());

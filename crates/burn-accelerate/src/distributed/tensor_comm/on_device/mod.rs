@@ -18,6 +18,7 @@ mod choice;
 // Driven by NCCL in CUDA builds, by its host-memory double in tests.
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
 mod device;
+mod host_free;
 #[cfg(feature = "cuda-bare")]
 mod nccl;
 
@@ -28,6 +29,8 @@ pub use check::{DtypeCheck, TransportCheck, rounding_bound};
 pub(crate) use choice::{Exchanges, TransportChoice, TransportFacts, TransportKind, choose};
 #[cfg(test)]
 pub(crate) use device::{DeviceCollectives, double};
+#[cfg(test)]
+pub(crate) use host_free::NoHostBuffers;
 
 use std::fmt;
 use std::sync::Arc;
