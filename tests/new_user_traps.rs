@@ -171,6 +171,40 @@ fn a_setting_in_force_whose_call_never_comes_is_reported_once_by_the_main_proces
         warnings_of(bf16(), 1, true, "mixed_precision"),
         Vec::<String>::new()
     );
+
+    // A model drawn on every rank before `prepare_model` under FULL_SHARD: the memory sharding saves is spent, and
+    // a rank other than the main process says so once, with the bytes and the lazy way. A lazy model says nothing.
+    let drawn_whole = |eager: bool| {
+        let before = CAPTURE.0.lock().unwrap().len();
+        Accelerator::builder()
+            .sharding(burn_accelerate::ShardingStrategy::FullShard)
+            .launch(2, |acc| {
+                let model = Mlp::new(acc.device());
+                if eager {
+                    mlp::weights(&model);
+                }
+                acc.prepare_model(model).map(|_| ())
+            })
+            .unwrap();
+        CAPTURE.0.lock().unwrap()[before..]
+            .iter()
+            .filter(|w| w.starts_with("prepare_model: rank"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(drawn_whole(false), Vec::<String>::new());
+    let bytes: usize = mlp::weights(&Mlp::new(&Default::default()))
+        .iter()
+        .map(|w| 4 * w.len())
+        .sum();
+    let said = drawn_whole(true);
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].starts_with(&format!("prepare_model: rank 1 was handed {bytes} bytes"))
+            && said[0].contains("Param::uninitialized")
+            && said[0].contains("FULL_SHARD"),
+        "{said:?}"
+    );
 }
 
 /// Saves `count` automatic checkpoints of a 1-rank run into `project` (keeping at most 3).

@@ -1211,3 +1211,69 @@ fn evaluation_out_of_memory_on_one_stage_shrinks_the_batch_of_every_stage() {
     }
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
+
+/// A short last batch (`even_batches = false`): a replica whose batch holds fewer samples than `pp_microbatches`
+/// runs one micro-batch a sample, to the weights of data parallelism on the same rows (2 stages × 2 replicas, 4
+/// and 3 rows); a replica whose batch holds none fails the step on every rank of the run at once, each with an
+/// error, and every rank goes on to its next collective (before, that replica's ranks returned from the step
+/// while the other's waited in its verdict).
+#[test]
+fn a_short_last_batch_runs_fewer_micro_batches_and_an_empty_one_fails_every_rank() {
+    use burn::optim::SgdConfig;
+    let train = |stages: usize, rows_of: [usize; 2]| {
+        Accelerator::builder()
+            .pp_size(stages)
+            .pp_microbatches(4)
+            .collective_timeout(std::time::Duration::from_secs(20))
+            .launch(2 * stages, |acc| {
+                let mut model = acc.prepare_blocks(model(acc.device()))?;
+                let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 0.05);
+                let layout = acc.pipeline_layout();
+                let rows = rows_of[layout.replica];
+                let mut outcomes = Vec::new();
+                for step in 0..3 {
+                    let data = batch(step * 16 + layout.replica * 8, rows, acc.device());
+                    let outcome = acc.backward_batch(
+                        &model,
+                        data,
+                        |m, (x, _)| m.input.forward(x.clone()).tanh(),
+                        |layer, h| layer.forward(h).tanh(),
+                        |m, h, (_, y)| loss(m.head.forward(h), y.clone()),
+                    );
+                    outcomes.push(outcome.map(|_| ()).map_err(|e| e.to_string()));
+                    model = optimizer.try_step(model)?;
+                    // The next collective: every rank reaches it whether its step failed or not.
+                    acc.wait_for_everyone()?;
+                }
+                Ok((params(&acc.unshard(&model)?), outcomes))
+            })
+            .unwrap_or_else(|e| panic!("{stages} stages, rows {rows_of:?}: {e}"))
+    };
+    let data_parallel = train(1, [4, 3]);
+    let pipelined = train(2, [4, 3]);
+    for (_, outcomes) in data_parallel.iter().chain(&pipelined) {
+        assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    }
+    let expected = &data_parallel[0].0;
+    for (r, (ranks, _)) in pipelined.iter().enumerate() {
+        for (j, (p, q)) in ranks.iter().zip(expected).enumerate() {
+            if !p.is_empty() {
+                let diff = max_diff(std::slice::from_ref(p), std::slice::from_ref(q));
+                assert!(diff <= 1e-6, "rank {r}, parameter {j}: {diff:e}");
+            }
+        }
+    }
+    for (r, (_, outcomes)) in train(2, [4, 0]).iter().enumerate() {
+        for outcome in outcomes {
+            let err = outcome
+                .as_ref()
+                .expect_err("a replica without samples fails the step");
+            assert!(
+                err.contains("cannot be cut into 4 micro-batch")
+                    || err.contains("rank 1 failed")
+                    || err.contains("rank 3 failed"),
+                "rank {r}: {err}"
+            );
+        }
+    }
+}

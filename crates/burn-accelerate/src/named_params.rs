@@ -31,6 +31,9 @@ pub(crate) trait FloatParam {
 
     /// Draws its value now, if it is still lazy.
     fn draw(&self);
+
+    /// Whether its value is drawn (materialised) already, not lazy.
+    fn is_drawn(&self) -> bool;
 }
 
 impl<const D: usize> FloatParam for Param<Tensor<D>> {
@@ -74,6 +77,10 @@ impl<const D: usize> FloatParam for Param<Tensor<D>> {
         if !Param::is_initialized(self) {
             let _ = self.base();
         }
+    }
+
+    fn is_drawn(&self) -> bool {
+        Param::is_initialized(self)
     }
 }
 

@@ -76,6 +76,8 @@ pub(crate) struct StepPipeline {
     /// Checkpointed passes' seeds: a base drawn once from the device's generator, and the passes seeded from it
     /// since (`pipeline::blocks`).
     recompute_seeds: Mutex<Option<(u64, u64)>>,
+    /// The micro-batches a pipelined window ran so far (a short last batch runs fewer than `pp_microbatches`).
+    window_splits: Mutex<usize>,
 }
 
 impl StepPipeline {
@@ -93,6 +95,7 @@ impl StepPipeline {
             sync_each_batch: config.accumulation.sync_each_batch,
             blocks_draw: std::sync::atomic::AtomicBool::new(true),
             recompute_seeds: Mutex::new(None),
+            window_splits: Mutex::new(0),
         }
     }
 
@@ -353,6 +356,16 @@ impl StepPipeline {
         match self.normalization {
             LossNormalization::ActualMicroBatches => 1.0 / (backwards * splits) as f32,
             LossNormalization::Nominal => 1.0 / (self.accumulation_steps * splits) as f32,
+        }
+    }
+
+    /// The normalisation of a pipelined window that ran `splits` micro-batches in all, of `per_batch` each
+    /// (`pp_microbatches`) but for a short last batch: the mean over every micro-batch it ran, or the nominal
+    /// count's under `LossNormalization::Nominal`.
+    fn normalisation_of_splits(&self, splits: usize, per_batch: usize) -> f32 {
+        match self.normalization {
+            LossNormalization::ActualMicroBatches => 1.0 / splits.max(1) as f32,
+            LossNormalization::Nominal => 1.0 / (self.accumulation_steps * per_batch) as f32,
         }
     }
 

@@ -345,6 +345,7 @@ impl Accelerator {
             // without drawing it. Rank 0's parameter ids too: checkpoints key optimizer state by id, and a
             // sharding strategy keeps each rank's slice under it as the parameter arrives.
             self.wait_for_everyone()?;
+            self.warn_if_drawn_whole(&model);
             let ids: Vec<u64> = crate::grad::param_ids(&model)
                 .iter()
                 .map(|id| id.val())
@@ -362,6 +363,44 @@ impl Accelerator {
         let model = self.pipeline.after_prepare(model);
         crate::memory::release_free_heap();
         model
+    }
+
+    /// Under a mode whose ranks keep only part of the model (`FULL_SHARD`, the hybrids, a pipeline's stages), says
+    /// once, on a rank other than the main process, how many bytes of `model` this rank had drawn already
+    /// (`Param::from_tensor`, a constructor that calls `Tensor::random`): the memory that mode saves is spent
+    /// before `prepare_model` can cut it. A lazy parameter (Burn's `*Config::init`, `Param::uninitialized`) is
+    /// drawn on the main process alone and arrives as this rank's part.
+    fn warn_if_drawn_whole<M: Module>(&self, model: &M) {
+        let keeps_part = self.config.distributed.sharding.reshards_parameters()
+            || self.config.pipeline.pp_size > 1;
+        if !keeps_part || self.is_main_process() {
+            return;
+        }
+        let mut drawn = 0usize;
+        crate::named_params::floats(model, |p| {
+            if p.is_drawn() {
+                drawn += p.num_elements() * p.placement().1.size();
+            }
+        });
+        if drawn == 0 {
+            return;
+        }
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            let mode = match self.config.pipeline.pp_size {
+                1 => self.config.distributed.sharding.to_string(),
+                stages => format!("pp_size {stages}"),
+            };
+            crate::logging::warn_visibly(&format!(
+                "prepare_model: rank {} was handed {drawn} bytes ({:.1} MiB) of parameters already drawn: under \
+                 {mode} each rank keeps only its part, but this memory was spent before the model reached \
+                 prepare_model, on every rank. Leave the parameters lazy (Burn's `*Config::init`, or \
+                 `Param::uninitialized` for values of your own) so that only the main process draws them and each \
+                 rank receives its part; see docs/troubleshoot.md (said once)",
+                self.process_index(),
+                drawn as f64 / (1024.0 * 1024.0)
+            ));
+        });
     }
 
     /// `model` with every parameter whole on this rank, for the forward and backward pass.

@@ -231,6 +231,32 @@ impl AcceleratedOptimizer {
         Ok(tensors.iter().map(burn_pack::Tensor::byte_len).sum())
     }
 
+    /// The parameters this rank holds optimizer state for (Adam's moments, SGD's momentum), each once, in id
+    /// order: a frozen parameter (`Module::no_grad`) is never among them, and under a sharded strategy only the
+    /// parameters whose slices this rank steps are. Like [`state_bytes`](Self::state_bytes), it serialises the
+    /// state: a check, not something to call every step.
+    ///
+    /// # Errors
+    /// Burn could not serialise the state.
+    pub fn state_params(&self) -> Result<Vec<burn::module::ParamId>> {
+        let bytes = self
+            .inner
+            .to_record()
+            .into_bytes()
+            .map_err(crate::error::Error::other)?;
+        let tensors = burn_pack::Reader::from_bytes(bytes)
+            .and_then(|reader| reader.into_tensors())
+            .map_err(crate::error::Error::other)?;
+        let mut ids = Vec::with_capacity(tensors.len());
+        for tensor in tensors {
+            let (_, _, _, id, _) = tensor.into_parts().map_err(crate::error::Error::other)?;
+            ids.extend(id);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(ids.into_iter().map(burn::module::ParamId::from).collect())
+    }
+
     /// The wrapped Burn optimizer.
     pub fn inner(&self) -> &ModuleOptimizer {
         &self.inner

@@ -148,6 +148,9 @@ impl StepPipeline {
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
         let mut draws = true;
+        // Which blocks train (a frozen block, `Module::no_grad`, has no parameter that does), from the gathered
+        // blocks: the same on every rank.
+        let mut trains = Vec::with_capacity(model.blocks().len());
         // Prefetch (FSDP's forward prefetch): block i + 1's gather is started before block i computes, so it
         // runs meanwhile; at most two blocks are gathered at once.
         let mut next = None;
@@ -156,7 +159,9 @@ impl StepPipeline {
                 Some(started) => started,
                 None => start_unshard(strategy, b)?,
             };
-            let whole = started.finish()?.no_grad();
+            let whole = started.finish()?;
+            trains.push(!trainable_params(&whole).is_empty());
+            let whole = whole.no_grad();
             if let Some(b) = model.blocks().get(i + 1) {
                 next = Some(start_unshard(strategy, b)?);
             }
@@ -208,21 +213,32 @@ impl StepPipeline {
         drop(grads);
 
         // The blocks in reverse: recompute with a graph, back-propagate the gradient from above; block i - 1's
-        // gather is started before block i computes (FSDP's backward prefetch).
+        // gather is started before block i computes (FSDP's backward prefetch). Below the lowest block that trains
+        // (the bottom of a model fine-tuned from its top, frozen with `Module::no_grad`) nothing needs a gradient:
+        // those blocks are neither gathered again nor recomputed, on every rank alike.
+        let lowest = match h0.is_tracked() {
+            true => 0,
+            false => trains.iter().position(|t| *t).unwrap_or(trains.len()),
+        };
         let mut next = None;
         // The last part's reduction, running while the next block computes.
         let mut in_flight: Option<FinishReduce> = None;
-        for (i, b) in model.blocks().iter().enumerate().rev() {
+        for (i, b) in model.blocks().iter().enumerate().skip(lowest).rev() {
             let started = match next.take() {
                 Some(started) => started,
                 None => start_unshard(strategy, b)?,
             };
             let whole = started.finish()?;
-            if let Some(b) = i.checked_sub(1).and_then(|j| model.blocks().get(j)) {
+            if let Some(b) = i
+                .checked_sub(1)
+                .filter(|j| *j >= lowest)
+                .and_then(|j| model.blocks().get(j))
+            {
                 next = Some(start_unshard(strategy, b)?);
             }
             let input = boundaries.pop().expect("one activation per block");
-            let needs_input_grad = i > 0 || h0.is_tracked();
+            // The lowest block's input needs a gradient only where `before` has parameters that train.
+            let needs_input_grad = i > lowest || h0.is_tracked();
             let x = if needs_input_grad {
                 input.require_grad()
             } else {

@@ -132,12 +132,14 @@ impl StepPipeline {
     {
         let started = Instant::now();
         let layout = stages.layout;
-        let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
+        let (s, p) = (layout.stage, layout.stages);
         let range = stages.blocks_of(model)?[s].clone();
         if stages.pipe.debug() {
             check_stages_agree(stages, &range, model.blocks().len(), batch.samples())?;
         }
-        let parts = batch.micro_batches(m)?;
+        // A batch that cannot be cut stops this replica's stages computing, not their collectives: every rank
+        // learns of it at the step's verdict (see `micro_batches`).
+        let (m, parts, unsplit) = micro_batches(batch, stages.micro_batches, "backward_batch");
         let whole = unshard(self.strategy.as_ref(), model)?;
         let blocks = &whole.blocks()[range.clone()];
         // Under activation checkpointing the forward passes run the blocks without a graph: frozen once a step.
@@ -157,7 +159,7 @@ impl StepPipeline {
         // A pass that fails (an error, or a panic such as LibTorch's out-of-memory one) stops this stage computing
         // the step, but not its messages: it sends on what its neighbours wait for (a header marked failed for an
         // activation, zeros for a gradient), so every stage ends the step and learns of the failure together.
-        let mut failure: Option<Failure> = None;
+        let mut failure: Option<Failure> = unsplit.map(|e| Failure::Here(Caught::Error(e)));
         for (k, &pass) in passes.iter().enumerate() {
             let next = passes.get(k + 1).copied();
             match pass {
@@ -353,6 +355,8 @@ impl StepPipeline {
                                 losses[i] = Some(loss.clone().detach());
                                 self.precision().scale_loss(loss).backward()
                             }
+                            // A first stage whose blocks and `before` are all frozen: nothing to back-propagate.
+                            Some(End::Output(y)) if !y.is_tracked() => return Ok(None),
                             Some(End::Output(y)) => {
                                 let g = g.ok_or_else(|| Error::other("no gradient came back"))?;
                                 (y * g).sum().backward()
@@ -366,6 +370,11 @@ impl StepPipeline {
                             let g = input_grad(&next, &mut grads, s)?;
                             self.shared.lock().grads.collect(&whole, &mut grads);
                             drop((grads, next));
+                            if !output.is_tracked() {
+                                // The blocks below are frozen, and so is what feeds them (the first stage's
+                                // `before`): nothing below needs a gradient.
+                                return Ok(None);
+                            }
                             grads = (output * g).sum().backward();
                         }
                         let dx = match &input {
@@ -411,6 +420,7 @@ impl StepPipeline {
             let mut core = self.shared.lock();
             core.grads.clear();
             core.state.reset_window();
+            *self.window_splits.lock().unwrap_or_else(|e| e.into_inner()) = 0;
             return Err(e);
         }
         let busy: f64 = mail
@@ -435,7 +445,7 @@ impl StepPipeline {
 
         let block_ids: HashSet<ParamId> = whole.blocks().iter().flat_map(param_ids).collect();
         let own: HashSet<ParamId> = blocks.iter().flat_map(param_ids).collect();
-        self.end_stage_window(stages, model, &whole, m, (&own, &block_ids))?;
+        self.end_stage_window(stages, model, &whole, (m, &device), (&own, &block_ids))?;
         *stages.last_trace.lock().unwrap_or_else(|e| e.into_inner()) = Some(StageTrace {
             stage: s,
             stages: p,
@@ -467,20 +477,37 @@ impl StepPipeline {
             ..
         } = recompute;
         let first = inputs.first().cloned();
-        for (j, (b, stored)) in blocks.iter().zip(inputs).enumerate().rev() {
+        // On the first stage, below the lowest block that trains nothing needs a gradient when `before` is frozen
+        // too: those blocks are not recomputed. A later stage sends its input's gradient back, so recomputes all.
+        let lowest = match (s, &first) {
+            (0, Some(h0)) if !h0.is_tracked() => blocks
+                .iter()
+                .position(|b| !trainable_params(b).is_empty())
+                .unwrap_or(blocks.len()),
+            _ => 0,
+        };
+        for (j, (b, stored)) in blocks.iter().zip(inputs).enumerate().skip(lowest).rev() {
+            let needs_input_grad =
+                s > 0 || j > lowest || first.as_ref().is_some_and(|h| h.is_tracked());
             // A received activation is the leaf its gradient is read from; any other input starts a graph anew.
             let x = match (j, s) {
                 (0, 1..) => stored,
-                _ => stored.detach().require_grad(),
+                _ if needs_input_grad => stored.detach().require_grad(),
+                _ => stored.detach(),
             };
             let y = {
                 let _generator = draws.then(generator);
                 seeds.before_block(device, j);
                 block(b, x.clone())
             };
-            let mut grads = (y * g).sum().backward();
-            g = input_grad(&x, &mut grads, s)?;
+            let mut grads = (y * g.clone()).sum().backward();
+            if needs_input_grad {
+                g = input_grad(&x, &mut grads, s)?;
+            }
             self.shared.lock().grads.collect(whole, &mut grads);
+        }
+        if lowest > 0 {
+            return Ok(None);
         }
         match first {
             Some(h0) if s == 0 && h0.is_tracked() => {
@@ -518,15 +545,15 @@ impl StepPipeline {
             return Ok(after(&whole, x, &batch).detach());
         };
         let layout = stages.layout;
-        let (s, p, m) = (layout.stage, layout.stages, stages.micro_batches);
-        let parts = batch.micro_batches(m)?;
+        let (s, p) = (layout.stage, layout.stages);
+        let (m, parts, unsplit) = micro_batches(batch, stages.micro_batches, "forward_batch");
         let range = stages.blocks_of(model)?[s].clone();
         let mut mail = Mailbox::new(&stages, &whole, Instant::now(), "forward_batch")?;
         let device = mail.device.clone();
         let mut outputs = Vec::with_capacity(m);
         // A pass that fails stops this stage computing, not its messages (as in `backward_batch`).
-        let mut failure: Option<Failure> = None;
-        for (i, part) in parts.iter().enumerate() {
+        let mut failure: Option<Failure> = unsplit.map(|e| Failure::Here(Caught::Error(e)));
+        for i in 0..m {
             let input = match s {
                 0 => None,
                 _ => match mail.receive_activation::<D>(s - 1, i)? {
@@ -540,7 +567,7 @@ impl StepPipeline {
             let forward = || -> Result<Tensor<D>> {
                 let mut y = match &input {
                     Some(x) => x.clone(),
-                    None => before(&whole, part),
+                    None => before(&whole, &parts[i]),
                 };
                 for b in &whole.blocks()[range.clone()] {
                     y = block(b, y);
@@ -559,7 +586,7 @@ impl StepPipeline {
             };
             if layout.is_last_stage() {
                 if let Some(y) = y {
-                    match guarded(|| Ok(after(&whole, y, part).detach().cast(DType::F32))) {
+                    match guarded(|| Ok(after(&whole, y, &parts[i]).detach().cast(DType::F32))) {
                         Ok(values) => outputs.push(values),
                         Err(e) => failure = Some(Failure::Here(e)),
                     }
@@ -610,14 +637,22 @@ impl StepPipeline {
         stages: &Stages,
         model: &M,
         whole: &M,
-        micro_batches_per_batch: usize,
+        (micro_batches_run, device): (usize, &burn::tensor::Device),
         (own, block_ids): (&HashSet<ParamId>, &HashSet<ParamId>),
     ) -> Result<()> {
         let mut core = self.shared.lock();
         let plan = core.state.record_backward(model_key(model), false);
-        let BackwardPlan::EndWindow { micro_batches } = plan else {
-            return Ok(());
+        let splits = {
+            let mut window = self.window_splits.lock().unwrap_or_else(|e| e.into_inner());
+            *window += micro_batches_run;
+            match plan {
+                BackwardPlan::EndWindow { micro_batches } => {
+                    (micro_batches, std::mem::take(&mut *window))
+                }
+                _ => return Ok(()),
+            }
         };
+        let (micro_batches, splits) = splits;
         let sync_started = Instant::now();
         let held: HashSet<ParamId> = core.grads.ids().into_iter().collect();
         let trainable = trainable_params(whole);
@@ -626,18 +661,34 @@ impl StepPipeline {
             .filter(|(id, _)| !block_ids.contains(id))
             .copied()
             .collect();
-        sum_tied(stages, &mut core.grads, &rest, &held)?;
-        // In visiting order: this stage's blocks, and what outside the blocks its passes reached.
+        sum_tied(stages, &mut core.grads, &rest, &held, device)?;
+        // In visiting order: this stage's blocks, and what outside the blocks its passes reached on any of its
+        // replicas (the same list on each, whatever this one's data reached).
+        let reached = stages
+            .rest_reached
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default();
         let params: Vec<(ParamId, usize)> = trainable
             .into_iter()
             .filter(|(id, _)| match block_ids.contains(id) {
                 true => own.contains(id),
-                false => held.contains(id),
+                false => reached.contains(id),
             })
             .collect();
         let mut precision = self.precision();
-        let scale =
-            precision.unscaled(self.normalisation_of(micro_batches, micro_batches_per_batch));
+        // Every rank of the stage's group reduces at one scale, the window's nominal count's; a replica that ran
+        // fewer micro-batches (a short last batch) weighs its own gradients up to the mean over those it ran
+        // first, so that each replica counts as much as the others, as each rank's mean does in data parallelism.
+        let nominal = micro_batches * stages.micro_batches;
+        let scale = precision.unscaled(self.normalisation_of_splits(nominal, stages.micro_batches));
+        let fewer = self.normalisation_of_splits(splits, stages.micro_batches)
+            / self.normalisation_of_splits(nominal, stages.micro_batches);
+        if fewer != 1.0 {
+            let ids = core.grads.ids();
+            core.grads.map_flat(&ids, |g| g.mul_scalar(fewer));
+        }
         self.average_params(&mut core.grads, whole, &params, scale)?;
         let ids: Vec<ParamId> = params.iter().map(|(id, _)| *id).collect();
         self.record_overflow(&mut precision, &mut core, &ids, model_key(model))?;
@@ -681,14 +732,7 @@ fn check_stages_agree(
         model_blocks,
         samples,
     };
-    let bytes = serde_json::to_vec(&mine).map_err(Error::other)?;
-    let all: Vec<StageStep> = stages
-        .pipe
-        .comm()
-        .all_gather(bytes)?
-        .iter()
-        .map(|b| serde_json::from_slice(b).map_err(Error::other))
-        .collect::<Result<_>>()?;
+    let all: Vec<StageStep> = crate::distributed::collectives::gather_object(&stages.pipe, &mine)?;
     let describe = |s: &StageStep| {
         format!(
             "stage {} (rank {}): {} stages, {} micro-batches, {}, blocks {}..{} of {}, {}",
@@ -755,6 +799,32 @@ fn check_stages_agree(
         problems.join("; "),
         all.iter().map(describe).collect::<Vec<_>>().join("\n")
     )))
+}
+
+/// `batch` cut into `per_batch` micro-batches (`pp_microbatches`), or into one a sample where it holds fewer (a
+/// short last batch under `even_batches = false`): how many, the parts, and why it could not be cut (no sample,
+/// or members that disagree). Every stage of a replica gets the same batch, so its stages cut it alike; a cut that
+/// fails does not return early, since the other replicas' ranks wait in the step's collectives: the step runs its
+/// passes as failed and every rank learns of it at the verdict.
+fn micro_batches<B: Split>(
+    batch: B,
+    per_batch: usize,
+    operation: &str,
+) -> (usize, Vec<B>, Option<Error>) {
+    let m = match batch.samples() {
+        Some(n) if n > 0 && n < per_batch => {
+            log::debug!(
+                "{operation}: a batch of {n} sample(s) runs as {n} micro-batch(es) of one, fewer than \
+                 pp_microbatches = {per_batch}"
+            );
+            n
+        }
+        _ => per_batch,
+    };
+    match batch.micro_batches(m) {
+        Ok(parts) => (m, parts, None),
+        Err(e) => (m, Vec::new(), Some(e)),
+    }
 }
 
 /// Why a stage stopped computing a step.

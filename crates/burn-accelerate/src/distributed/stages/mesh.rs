@@ -92,6 +92,9 @@ pub(crate) struct Stages {
     /// The first stage that trains each parameter outside the blocks (the one a save takes it from): found at the
     /// first window's end.
     pub rest_owner: Mutex<Option<HashMap<ParamId, usize>>>,
+    /// The parameters outside the blocks that this stage's passes reach, on any of its replicas: what its
+    /// data-parallel group reduces of them, the same list on every replica. Found at the first window's end.
+    pub rest_reached: Mutex<Option<HashSet<ParamId>>>,
     /// The parameters outside the blocks that another stage trains and this one's passes never reach (the
     /// embedding on the last stage, the head on the first, both on the middle ones): found at the first window's
     /// end, then dropped to placeholders after the optimizer step (`dropped_rest` once done).
@@ -214,6 +217,7 @@ pub(crate) fn for_mesh(
         rest_lens: Mutex::new(HashMap::new()),
         tied: Mutex::new(None),
         rest_owner: Mutex::new(None),
+        rest_reached: Mutex::new(None),
         rest_elsewhere: Mutex::new(None),
         dropped_rest: std::sync::atomic::AtomicBool::new(false),
         world: world_comm.clone(),

@@ -452,17 +452,17 @@ impl Sharded {
             .as_ref()
             .map(|r| (r.clone(), scale / self.world.num_processes() as f32));
         // A rank that holds none of these gradients (its part of the batch used none of them) still takes part,
-        // with zeros where the model keeps them.
-        let Some((device, dtype)) = grads
+        // with zeros where the model keeps them; of parameters it has never seen whole either (unfrozen after
+        // `prepare_model`), with zeros on its group's device, in its default float dtype. It never leaves its
+        // peers in a reduce-scatter it skipped.
+        let (device, dtype) = grads
             .device_and_dtype(params.iter().map(|(id, _)| *id))
             .or_else(|| self.placement_of(params.iter().map(|(id, _)| *id)))
-        else {
-            return Ok(ReduceStarted {
-                grads,
-                buckets: Vec::new(),
-                replicas,
+            .unwrap_or_else(|| {
+                let device = self.world.device().clone();
+                let dtype = Tensor::<1>::zeros([0], &device).dtype();
+                (device, dtype)
             });
-        };
         let me = self.shard_rank();
         self.check_world("hybrid sharded gradient sync", params.len())?;
         let splits = self.splits_for(params);

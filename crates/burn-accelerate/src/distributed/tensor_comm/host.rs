@@ -432,6 +432,29 @@ mod tests {
         }
     }
 
+    /// A part beyond the root's buffer is an error on every rank at once, not a receive that waits for the
+    /// timeout: each rank then goes on to its next collective with its peers.
+    #[test]
+    fn a_scatter_part_outside_the_roots_buffer_fails_every_rank_at_once() {
+        let results = on_ranks(3, |comm, device| {
+            let flat = Tensor::<1>::zeros([4], (device, DType::F32));
+            let refused = comm
+                .scatter(flat.clone(), &[0..1, 1..2, 2..9], 0, "test scatter")
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            let next = comm.all_reduce_value(1.0, ReduceOp::Sum, "test after the scatter")?;
+            Ok((refused, next))
+        });
+        for (rank, (refused, next)) in results.into_iter().enumerate() {
+            let err = refused.expect_err("the scatter is refused");
+            assert!(
+                err.contains("rank 0") && err.contains("outside") && !err.contains("timed out"),
+                "rank {rank}: {err}"
+            );
+            assert_eq!(next, 3.0, "rank {rank}: the next collective");
+        }
+    }
+
     #[test]
     fn host_values_combine_in_f64() {
         let results = on_ranks(3, |comm, _| {

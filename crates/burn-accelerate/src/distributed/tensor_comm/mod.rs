@@ -263,6 +263,35 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
         }
         let like = (flat.device(), flat.dtype());
         let empty = || Tensor::<1>::zeros([0], (&like.0, like.1));
+        // Only `root` knows its buffer's length: every rank learns whether the ranges fit it before any waits for
+        // its part, so that a bad range is an error on every rank at once, not a receive that never completes.
+        let len = flat.dims()[0];
+        let outside = (me == root)
+            .then(|| {
+                parts
+                    .iter()
+                    .enumerate()
+                    .find(|(_, p)| p.start > p.end || p.end > len)
+            })
+            .flatten();
+        if world > 1 {
+            let fits = self.all_reduce_value(
+                f64::from(u8::from(outside.is_none())),
+                ReduceOp::Min,
+                operation,
+            )?;
+            if fits == 0.0 && outside.is_none() {
+                return Err(crate::error::Error::InvalidArgument(format!(
+                    "{operation}: rank {root}'s scatter has a part outside its buffer (its error names it); no \
+                     part was sent"
+                )));
+            }
+        }
+        if let Some((r, part)) = outside {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "{operation}: rank {r}'s part {part:?} lies outside rank {root}'s {len} elements"
+            )));
+        }
         if me != root {
             let part = &parts[me];
             if part.is_empty() {
@@ -283,16 +312,6 @@ pub(crate) trait TensorComm: Send + Sync + fmt::Debug {
                     })
                 },
             ));
-        }
-        let len = flat.dims()[0];
-        if let Some((r, part)) = parts
-            .iter()
-            .enumerate()
-            .find(|(_, p)| p.start > p.end || p.end > len)
-        {
-            return Err(crate::error::Error::InvalidArgument(format!(
-                "{operation}: rank {r}'s part {part:?} lies outside rank {root}'s {len} elements"
-            )));
         }
         for (r, part) in parts.iter().enumerate() {
             if r != root && !part.is_empty() {
@@ -368,6 +387,12 @@ impl Checked {
     }
 }
 
+/// The layout debug mode compares for a call over `counts`: the counts, then whether this rank's buffer agrees
+/// with them (1) or not (0).
+fn layout(counts: &[usize], fits: bool) -> Vec<usize> {
+    counts.iter().copied().chain([usize::from(fits)]).collect()
+}
+
 impl TensorComm for Checked {
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -413,7 +438,10 @@ impl TensorComm for Checked {
         how: Reduction,
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        self.check(operation, flat.dtype(), counts)?;
+        // The counts, and whether this rank's buffer agrees with them: a rank whose buffer does not is named on
+        // every rank.
+        let fits = flat.dims()[0] == counts.iter().sum::<usize>();
+        self.check(operation, flat.dtype(), &layout(counts, fits))?;
         self.inner.reduce_scatter(flat, counts, how, operation)
     }
 
@@ -423,7 +451,8 @@ impl TensorComm for Checked {
         counts: &[usize],
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
-        self.check(operation, part.dtype(), counts)?;
+        let fits = counts.get(self.rank()) == Some(&part.dims()[0]);
+        self.check(operation, part.dtype(), &layout(counts, fits))?;
         self.inner.all_gather(part, counts, operation)
     }
 

@@ -461,3 +461,55 @@ fn a_backward_that_reaches_none_of_its_models_parameters_is_an_error_alone_and_z
     // With peers it takes part in the reduction with zeros, on every rank alike.
     assert_eq!(outcome(2), vec![None, None]);
 }
+
+/// A rank that holds none of the gradients of parameters its strategy never saw whole (unfrozen after
+/// `prepare_model`; its part of the batch reached none of them) takes part in their reduce-scatter with zeros:
+/// before, it returned at once and left its peer in the collective until the timeout.
+#[test]
+fn a_rank_without_gradients_of_unknown_parameters_still_joins_their_reduction() {
+    let ids = [ParamId::new(), ParamId::new()];
+    let slices = Accelerator::builder()
+        .cpu(true)
+        .collective_timeout(std::time::Duration::from_secs(20))
+        .launch(2, move |acc| {
+            let group = acc.group_arc();
+            let comm: Arc<dyn crate::distributed::tensor_comm::TensorComm> = Arc::new(
+                crate::distributed::tensor_comm::Checked::host(group.clone()),
+            );
+            let sharded = Sharded::new(group, comm, ShardingStrategy::FullShard, 1 << 20);
+            let mut grads = GradientBuffer::new();
+            if acc.process_index() == 0 {
+                for (k, id) in ids.iter().enumerate() {
+                    let values: Vec<f32> = (0..4).map(|i| (10 * k + i) as f32).collect();
+                    grads.add(
+                        *id,
+                        Tensor::<1>::from_floats(values.as_slice(), acc.device()),
+                    );
+                }
+            }
+            let params: Vec<(ParamId, usize)> = ids.iter().map(|id| (*id, 4)).collect();
+            sharded.reduce_gradients(&mut grads, &params, 1.0)?;
+            Ok(ids
+                .iter()
+                .map(|id| {
+                    grads
+                        .flat(&[*id])
+                        .pop()
+                        .map(|g| g.into_data().convert::<f32>().try_to_vec::<f32>().unwrap())
+                        .unwrap_or_default()
+                })
+                .collect::<Vec<_>>())
+        })
+        .unwrap();
+    // Each parameter owned whole by one rank (balanced), holding the mean: rank 0's values halved.
+    let mut held: Vec<Vec<f32>> = slices
+        .into_iter()
+        .flatten()
+        .filter(|g| !g.is_empty())
+        .collect();
+    held.sort_by(|a, b| a[0].total_cmp(&b[0]));
+    assert_eq!(
+        held,
+        vec![vec![0.0, 0.5, 1.0, 1.5], vec![5.0, 5.5, 6.0, 6.5]]
+    );
+}

@@ -831,6 +831,76 @@ mod tests {
         results.into_iter().map(|(_, r)| r).collect()
     }
 
+    /// Where a call goes is chosen from what every rank passes alike: a rank whose buffer disagrees with the
+    /// counts once took host memory while its peers waited on the device until the timeout. Now debug mode names it
+    /// on every rank at once (and without debug mode that rank fails at once, without reaching host memory), and
+    /// the ranks go on to their next call together.
+    #[test]
+    fn a_buffer_that_disagrees_with_the_counts_fails_every_rank_and_never_takes_host_memory() {
+        let library = HostLibrary::default();
+        let results = on_ranks(2, &library, (true, Duration::from_secs(20)), |acc, comm| {
+            let rank = acc.process_index();
+            let tensor = |n: usize| Tensor::<1>::ones([n], acc.device());
+            let before = acc.host_values();
+            // Rank 1's buffer holds 5 values where the counts add up to 4.
+            let scattered = comm
+                .reduce_scatter(
+                    tensor(4 + rank),
+                    &[2, 2],
+                    Reduction::Op(ReduceOp::Sum),
+                    "rs",
+                )
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            // Rank 1 sends 3 values where its count is 2.
+            let gathered = comm
+                .all_gather(tensor(2 + rank), &[2, 2], "ag")
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            let next = comm
+                .all_reduce(tensor(2), Reduction::Op(ReduceOp::Sum), "next")?
+                .wait()?;
+            Ok((
+                scattered,
+                gathered,
+                next.into_data().try_to_vec::<f32>().unwrap(),
+                acc.host_values() - before,
+            ))
+        });
+        for (rank, outcome) in results.into_iter().enumerate() {
+            let (scattered, gathered, next, _) = outcome.unwrap();
+            for err in [scattered.unwrap_err(), gathered.unwrap_err()] {
+                assert!(!err.contains("timed out"), "rank {rank}: {err}");
+                assert!(err.contains("Process 1: [2, 2, 0]"), "rank {rank}: {err}");
+            }
+            assert_eq!(next, vec![2.0, 2.0], "rank {rank}: the next call");
+        }
+        // Without debug mode: the rank whose buffer disagrees fails before any exchange, through neither path.
+        let library = HostLibrary::default();
+        let results = on_ranks(
+            1,
+            &library,
+            (false, Duration::from_secs(20)),
+            |acc, comm| {
+                let before = acc.host_values();
+                let err = comm
+                    .reduce_scatter(
+                        Tensor::<1>::ones([3], acc.device()),
+                        &[2],
+                        Reduction::Op(ReduceOp::Sum),
+                        "rs",
+                    )
+                    .map(|_| ())
+                    .unwrap_err()
+                    .to_string();
+                Ok((err, acc.host_values() - before))
+            },
+        );
+        let (err, through_host) = results.into_iter().next().unwrap().unwrap();
+        assert!(err.contains("holds 3 elements"), "{err}");
+        assert_eq!(through_host, 0);
+    }
+
     #[test]
     fn point_to_point_batches_run_on_the_engine_in_order_to_self_and_to_autodiff_devices() {
         let library = HostLibrary::default();

@@ -113,6 +113,30 @@ fn equal_parts(counts: &[usize], world: usize) -> bool {
     counts.len() == world && counts.windows(2).all(|w| w[0] == w[1])
 }
 
+/// `Ok` when `counts` names each of `world` ranks and this rank's buffer holds `len` elements, `expected` (the
+/// counts' `what`); else the error that says which.
+fn check_counts(
+    operation: &str,
+    counts: &[usize],
+    world: usize,
+    len: usize,
+    expected: usize,
+    what: &str,
+) -> Result<()> {
+    if counts.len() != world {
+        return Err(Error::InvalidArgument(format!(
+            "{operation}: {} counts for a group of {world} ranks (one count per rank)",
+            counts.len()
+        )));
+    }
+    if len != expected {
+        return Err(Error::InvalidArgument(format!(
+            "{operation}: this rank's buffer holds {len} elements, the {what} the counts {counts:?} is {expected}"
+        )));
+    }
+    Ok(())
+}
+
 /// `flat`, the parts of `counts` one after the other, laid out as `counts.len()` parts of `width` elements each,
 /// each part padded with zeros at its end: uneven parts in the equal ones a device reduce-scatter takes.
 fn pad_parts(flat: Tensor<1>, counts: &[usize], width: usize) -> Tensor<1> {
@@ -250,21 +274,30 @@ impl TensorComm for OnDevice {
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
         let world = self.world_size();
-        if counts.len() == world && flat.dims()[0] == counts.iter().sum::<usize>() {
-            let width = counts.iter().copied().max().unwrap_or(0);
-            if width == 0 {
-                return Ok(Pending::ready(head(flat, 0)));
-            }
-            let (op, factor) = how.split(world);
-            let mine = counts[self.rank()];
-            let input = if equal_parts(counts, world) {
-                flat.clone()
-            } else {
-                pad_parts(flat.clone(), counts, width)
-            };
-            if let Some(part) = self.engine.reduce_scatter(input, op) {
-                return Ok(Pending::ready(scaled(head(part?, mine), factor)));
-            }
+        // The path is chosen from what every rank passes alike (the counts, the engine), never from this rank's
+        // own buffer: a buffer that disagrees with the counts is an error here, not a call through host memory
+        // while the other ranks wait on the device.
+        check_counts(
+            operation,
+            counts,
+            world,
+            flat.dims()[0],
+            counts.iter().sum(),
+            "sum of",
+        )?;
+        let width = counts.iter().copied().max().unwrap_or(0);
+        if width == 0 {
+            return Ok(Pending::ready(head(flat, 0)));
+        }
+        let (op, factor) = how.split(world);
+        let mine = counts[self.rank()];
+        let input = if equal_parts(counts, world) {
+            flat.clone()
+        } else {
+            pad_parts(flat.clone(), counts, width)
+        };
+        if let Some(part) = self.engine.reduce_scatter(input, op) {
+            return Ok(Pending::ready(scaled(head(part?, mine), factor)));
         }
         self.host.reduce_scatter(flat, counts, how, operation)
     }
@@ -278,24 +311,32 @@ impl TensorComm for OnDevice {
         operation: &'static str,
     ) -> Result<Pending<Tensor<1>>> {
         let world = self.world_size();
-        if counts.len() == world && counts[self.rank()] == part.dims()[0] {
-            let width = counts.iter().copied().max().unwrap_or(0);
-            if width == 0 {
-                return Ok(Pending::ready(head(part, 0)));
+        // As in `reduce_scatter`: the path from the counts alone.
+        let own = counts.get(self.rank()).copied().unwrap_or(0);
+        check_counts(
+            operation,
+            counts,
+            world,
+            part.dims()[0],
+            own,
+            "this rank's count,",
+        )?;
+        let width = counts.iter().copied().max().unwrap_or(0);
+        if width == 0 {
+            return Ok(Pending::ready(head(part, 0)));
+        }
+        if let Some(all) = self.engine.all_gather(pad_to(part.clone(), width)) {
+            let all = all?;
+            if equal_parts(counts, world) {
+                return Ok(Pending::ready(all));
             }
-            if let Some(all) = self.engine.all_gather(pad_to(part.clone(), width)) {
-                let all = all?;
-                if equal_parts(counts, world) {
-                    return Ok(Pending::ready(all));
-                }
-                let pieces: Vec<Tensor<1>> = counts
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, count)| **count > 0)
-                    .map(|(r, count)| all.clone().slice(r * width..r * width + count))
-                    .collect();
-                return Ok(Pending::ready(Tensor::cat(pieces, 0)));
-            }
+            let pieces: Vec<Tensor<1>> = counts
+                .iter()
+                .enumerate()
+                .filter(|(_, count)| **count > 0)
+                .map(|(r, count)| all.clone().slice(r * width..r * width + count))
+                .collect();
+            return Ok(Pending::ready(Tensor::cat(pieces, 0)));
         }
         self.host.all_gather(part, counts, operation)
     }
