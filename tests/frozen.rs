@@ -1,5 +1,5 @@
-//! Partial fine-tuning: a model whose bottom (the input layer and the first k blocks), a middle block, or
-//! everything but the head is frozen (`Module::no_grad`) trains in every mode to the weights of one process
+//! Partial fine-tuning: a model whose bottom (the input layer and the first k blocks), a middle block, a whole
+//! middle pipeline stage, or everything but the head is frozen (`Module::no_grad`) trains in every mode to the weights of one process
 //! training the same model with the same layers frozen (SGD with momentum, within 1e-6): one process with and
 //! without activation checkpointing, `SHARD_GRAD_OP`, `FULL_SHARD` whole and block-wise, both hybrids, and
 //! pipelines of 2 and 4 stages (GPipe and 1F1B, with and without checkpointing, with 2 data-parallel replicas per
@@ -36,18 +36,19 @@ const LR: f64 = 0.05;
 enum Frozen {
     /// The input layer and the first `k` blocks.
     Bottom(usize),
-    /// Block `i` alone.
-    Middle(usize),
+    /// Blocks `a..b` (one middle block; or a whole middle stage of 4, which holds no parameter that trains).
+    Middle(usize, usize),
     /// Everything but the head.
     AllButHead,
 }
 
 impl Frozen {
-    const ALL: [Frozen; 5] = [
+    const ALL: [Frozen; 6] = [
         Frozen::Bottom(1),
         Frozen::Bottom(2),
         Frozen::Bottom(4),
-        Frozen::Middle(5),
+        Frozen::Middle(5, 6),
+        Frozen::Middle(2, 4),
         Frozen::AllButHead,
     ];
 
@@ -55,8 +56,10 @@ impl Frozen {
         let k = match self {
             Frozen::Bottom(k) => k,
             Frozen::AllButHead => LAYERS,
-            Frozen::Middle(i) => {
-                model.layers[i] = model.layers[i].clone().no_grad();
+            Frozen::Middle(a, b) => {
+                for layer in &mut model.layers[a..b] {
+                    *layer = layer.clone().no_grad();
+                }
                 return model;
             }
         };
@@ -71,12 +74,12 @@ impl Frozen {
     /// are frozen.
     fn mask(self) -> Vec<bool> {
         let mut mask = Vec::new();
-        let input = !matches!(self, Frozen::Middle(_));
+        let input = !matches!(self, Frozen::Middle(..));
         mask.extend([input; 2]);
         for i in 0..LAYERS {
             let frozen = match self {
                 Frozen::Bottom(k) => i < k,
-                Frozen::Middle(j) => i == j,
+                Frozen::Middle(a, b) => (a..b).contains(&i),
                 Frozen::AllButHead => true,
             };
             mask.extend([frozen; 2]);
@@ -167,6 +170,11 @@ impl Mode {
             }
             modes.push(Mode::pipeline(stages, 2, OneFOneB, false));
         }
+        // Each stage's 2 replicas shard their blocks.
+        modes.push(Mode {
+            sharding: FullShard,
+            ..Mode::pipeline(2, 2, GPipe, false)
+        });
         modes
     }
 }
@@ -212,6 +220,8 @@ fn any_gradient(acc: &Accelerator, model: &Deep, ids: &HashSet<ParamId>) -> bool
 /// placeholders empty), whether a frozen parameter ever held a gradient, and the parameters its optimizer holds
 /// state for.
 struct Ended {
+    /// The rank's pipeline stage, and how many there are.
+    stage: (usize, usize),
     params: Vec<Vec<f32>>,
     gradient_on_frozen: bool,
     state_on_frozen: bool,
@@ -259,6 +269,7 @@ fn run(mode: Mode, frozen: Frozen) -> Vec<Ended> {
             }
             let held = optimizer.state_params()?;
             Ok(Ended {
+                stage: (layout.stage, layout.stages),
                 params: params(&acc.unshard(&model)?),
                 gradient_on_frozen,
                 state_on_frozen: held.iter().any(|id| frozen.contains(id)),
@@ -267,15 +278,31 @@ fn run(mode: Mode, frozen: Frozen) -> Vec<Ended> {
         .unwrap_or_else(|e| panic!("{mode:?}, {frozen:?}: {e}"))
 }
 
-/// The whole model from a run's ranks: each parameter from the first rank holding it (a pipeline's stages hold
-/// placeholders of the others' blocks).
+impl Ended {
+    /// Parameter `j` as this rank trains it: `None` for a placeholder, and for what is outside the blocks on a
+    /// stage that does not run it (the input layer is the first stage's, the head the last's; under a sharded
+    /// stage the others keep untrained slices of them).
+    fn trained(&self, j: usize) -> Option<&Vec<f32>> {
+        let (stage, stages) = self.stage;
+        let count = self.params.len();
+        let here = match j {
+            0 | 1 => stage == 0,
+            _ if j + 2 >= count => stage + 1 == stages,
+            _ => true,
+        };
+        let p = &self.params[j];
+        (here && !p.is_empty()).then_some(p)
+    }
+}
+
+/// The whole model from a run's ranks: each parameter from the first rank that trains it (a pipeline's stages
+/// hold placeholders of the others' blocks).
 fn merged(ranks: &[Ended]) -> Vec<Vec<f32>> {
     (0..ranks[0].params.len())
         .map(|j| {
             ranks
                 .iter()
-                .map(|r| &r.params[j])
-                .find(|p| !p.is_empty())
+                .find_map(|r| r.trained(j))
                 .cloned()
                 .unwrap_or_default()
         })
@@ -334,10 +361,10 @@ fn frozen_layers_train_in_every_mode_to_the_weights_of_one_process() {
                 }
             }
             let mut diff = max_diff(&reference, &merged(&ranks));
-            // Every rank's copy of what it holds, replicas and stages alike.
+            // Every rank's copy of what it trains, replicas and stages alike.
             for ended in &ranks {
-                for (p, q) in ended.params.iter().zip(&reference) {
-                    if !p.is_empty() {
+                for (j, q) in reference.iter().enumerate() {
+                    if let Some(p) = ended.trained(j) {
                         diff = diff.max(max_diff(std::slice::from_ref(p), std::slice::from_ref(q)));
                     }
                 }
