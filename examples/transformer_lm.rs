@@ -22,9 +22,11 @@
 //! ```
 //!
 //! `--whole` gathers the whole model for the forward pass instead (`unshard` and `backward`: today's `FULL_SHARD`
-//! without blocks), `--checkpointing` turns activation checkpointing on. Every rank prints what it held:
+//! without blocks), `--checkpointing` turns activation checkpointing on, `--freeze-bottom K` freezes the embeddings
+//! and the first K layers (fine-tuning the top). Every rank prints what it held:
 //! `rank r/P mode=... params=N params_at_rest=B grads=B optimizer_state=B peak_rss=B peak_vm=B step_secs=S`; the main
-//! process prints `final_loss=<x>`, and `--weights <file>` writes the final weights (every float parameter in
+//! process prints `final_loss=<x>` and `weights_digest=<x>` (a digest of the final weights' bits, each part from
+//! the stage that trains it: equal where two runs end with the same weights), and `--weights <file>` writes the final weights (every float parameter in
 //! visiting order, little-endian f32) for comparing runs (then every rank prints `final_peak_vm=B`). `--state <dir> --save-at K [--kill-after-save]` saves the
 //! training state after step K (each rank its slices; the ranks then SIGKILL themselves), `--state <dir> --resume`
 //! continues from it to `--steps`, on any number of ranks. `--load-pretrained <dir>` starts from weights that
@@ -84,6 +86,9 @@ struct Args {
     /// Activation checkpointing: recompute each layer in backward instead of keeping its activations.
     #[arg(long)]
     checkpointing: bool,
+    /// Fine-tune the top: the embeddings and the first K layers frozen (`Module::no_grad`), the rest trained.
+    #[arg(long = "freeze-bottom")]
+    freeze_bottom: Option<usize>,
     /// Transformer layers (the blocks).
     #[arg(long, default_value_t = 4)]
     layers: usize,
@@ -253,7 +258,14 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         ));
     }
     let device = acc.device().clone();
-    let initial = ByteLm::new(args, &device);
+    let mut initial = ByteLm::new(args, &device);
+    if let Some(k) = args.freeze_bottom {
+        initial.tokens = initial.tokens.no_grad();
+        initial.positions = initial.positions.no_grad();
+        for layer in initial.layers.iter_mut().take(k) {
+            *layer = layer.clone().no_grad();
+        }
+    }
     let params = initial.num_params();
     let mut model = acc.prepare_blocks(initial)?;
     if let Some(path) = &args.load_pretrained {
@@ -390,6 +402,21 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
          optimizer_state={state} peak_rss={peak_rss} peak_vm={peak_vm} step_secs={step_secs:.3}",
         mode(&acc, args).replace(' ', "_")
     );
+    // The final weights' digest, bit for bit: each part from a rank that trains it (under a pipeline, the
+    // embeddings from the first stage, each layer from its own, the norm and the head from the last).
+    let whole = acc.unshard(&model)?;
+    let (first, last) = (layout.is_first_stage(), layout.is_last_stage());
+    let mut parts = vec![
+        first.then(|| held::digest(&whole.tokens)).flatten(),
+        first.then(|| held::digest(&whole.positions)).flatten(),
+    ];
+    parts.extend(whole.layers.iter().map(held::digest));
+    parts.push(last.then(|| held::digest(&whole.norm)).flatten());
+    parts.push(last.then(|| held::digest(&whole.head)).flatten());
+    drop(whole);
+    if let Some(digest) = held::weights_digest(&acc, parts)? {
+        println!("weights_digest={digest}");
+    }
     if let Some(path) = &args.weights {
         write_weights(&acc, &model, path)?;
     }

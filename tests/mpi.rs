@@ -302,6 +302,15 @@ fn final_loss(stdout: &str) -> f64 {
         .unwrap_or_else(|| panic!("no final_loss in {stdout}"))
 }
 
+/// The `weights_digest=` the main process printed: the final weights, bit for bit.
+fn weights_digest(stdout: &str) -> String {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("weights_digest="))
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("no weights_digest in {stdout}"))
+}
+
 /// Pretrained weights in PyTorch's layout (the transformer example's, written by `save_model` after two steps)
 /// load into block-wise `FULL_SHARD` on 4 MPI ranks with each rank reading only its slices: the next step's loss
 /// is one process's from the same file (and not the freshly drawn model's), and a rank's peak, during the load and
@@ -434,16 +443,21 @@ fn a_sharded_model_never_arrives_whole_and_one_large_tensor_is_shared_evenly() {
     for r in &sharded {
         assert_eq!(r["params_at_rest"], model / 4);
     }
-    // Each parameter is scattered: a receiving rank adds its slices and its part in flight, under one layer;
-    // the main process, which draws each layer whole, its slices and the layer it drew (with what Burn's
-    // initializer holds while it draws). Measured: receivers slices + 1.5 MB, the main process slices + 7.5 MB
-    // (1.8 layers); before the scatter, receivers slices + 3 layers and the main process the whole model (it
-    // took its parameters for frozen ones, whose value on a device without autodiff does not show their setting).
+    // Each parameter is scattered: a receiving rank adds its slices and the part in flight, its slice of the
+    // largest parameter (a layer's weight) twice (the host buffer MPI receives into, and the tensor made of it),
+    // and the allocator's rounding (under 1 MiB): slices + 3.1 MB, where a layer arriving whole and then cut would
+    // add 4.2 MB. The main process, which draws each layer whole, its slices and the layer it drew (with what Burn's
+    // initializer holds while it draws). Measured: receivers slices + 2.2-2.4 MB, the main process slices + 7.5 MB
+    // (1.8 layers); before the scatter, receivers slices + 3 layers and the main process
+    // the whole model (it took its parameters for frozen ones, whose value on a device without autodiff does not
+    // show their setting).
     let (receivers, main) = sharded.split_at(3);
+    let largest_slice = 1024 * 1024 * 4 / 4;
     for r in receivers {
         assert!(
-            r["prepare_peak"] <= model / 4 + layer,
-            "FULL_SHARD: {} B added at prepare_model, slices {} B: {r:?}",
+            r["prepare_peak"] <= model / 4 + 2 * largest_slice + (1 << 20),
+            "FULL_SHARD: {} B added at prepare_model, slices {} B, the largest parameter's slice {largest_slice} B: \
+             {r:?}",
             r["prepare_peak"],
             model / 4
         );
@@ -536,7 +550,8 @@ fn the_never_whole_demonstration_holds_reduced() {
 
 /// Pipeline parallelism under `mpirun`: the transformer example's layers cut into 2 and 4 stages, 1, 2, 4 and 8
 /// micro-batches, both schedules (and 2 stages × 2 data-parallel replicas on 4 processes, `NO_SHARD` and
-/// `FULL_SHARD`, and 2 stages × 4 `HYBRID_SHARD` replicas in shard groups of 2 on 8), train to the very loss of the same pipeline as in-process ranks (which `tests/pipeline.rs` checks
+/// `FULL_SHARD`, and 2 stages × 4 `HYBRID_SHARD` replicas in shard groups of 2 on 8), train to the very loss and
+/// weights (their digest, bit for bit) of the same pipeline as in-process ranks (which `tests/pipeline.rs` checks
 /// bit for bit against one process accumulating the same micro-batches) (activations and gradients cross processes through batched send/recv, with no
 /// deadlock under MPI's rendezvous protocol for messages of 128 KiB).
 #[test]
@@ -587,7 +602,8 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
             .args(["--processes", &processes])
             .output()
             .unwrap();
-        let in_process = final_loss(&String::from_utf8_lossy(&local.stdout));
+        let local_out = String::from_utf8_lossy(&local.stdout);
+        let in_process = (final_loss(&local_out), weights_digest(&local_out));
         let out = mpirun(np, &lm, &args);
         assert!(
             out.status.success(),
@@ -595,7 +611,8 @@ fn pipeline_stages_under_mpirun_train_as_in_process_stages() {
             String::from_utf8_lossy(&out.stderr)
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
-        let ranks = final_loss(&stdout);
+        let ranks = (final_loss(&stdout), weights_digest(&stdout));
+        // The loss and every weight, bit for bit.
         assert_eq!(
             ranks, in_process,
             "np {np}, {stages} stages, {micro_batches} micro-batches, {schedule}, {sharding}: {stdout}"
@@ -704,7 +721,7 @@ fn a_stage_accumulating_micro_batches_holds_one_blocks_gradients_beside_the_wind
 }
 
 /// A pipelined job (2 stages on 2 processes, and 2 stages × 2 `FULL_SHARD` replicas on 4) killed right after a
-/// save resumes under `mpirun` to the loss of the job that ran straight through; the NO_SHARD state resumes on 2
+/// save resumes under `mpirun` to the loss and weights (bit for bit) of the job that ran straight through; the NO_SHARD state resumes on 2
 /// replicas and the FULL_SHARD state on 1, and on another `pp_size` it is refused with a message.
 #[test]
 fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
@@ -738,7 +755,8 @@ fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
             "{}",
             String::from_utf8_lossy(&straight.stderr)
         );
-        let straight = final_loss(&String::from_utf8_lossy(&straight.stdout));
+        let straight = String::from_utf8_lossy(&straight.stdout);
+        let straight = (final_loss(&straight), weights_digest(&straight));
         let killed = mpirun(
             np,
             &lm,
@@ -761,7 +779,12 @@ fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
             String::from_utf8_lossy(&resumed.stderr)
         );
         assert!(stdout.contains("resumed after step 3"), "{stdout}");
-        assert_eq!(final_loss(&stdout), straight, "np {np} {sharding}");
+        // The loss and every weight, bit for bit.
+        assert_eq!(
+            (final_loss(&stdout), weights_digest(&stdout)),
+            straight,
+            "np {np} {sharding}"
+        );
     }
     // Sharded and NO_SHARD stages resume on any number of data-parallel replicas of the same stages; another
     // pp_size is refused.
@@ -806,4 +829,99 @@ fn a_pipelined_job_killed_after_a_save_resumes_to_the_same_loss() {
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Fine-tuning the top under `mpirun`: the transformer example with its embeddings and first layers frozen
+/// (`--freeze-bottom`), block-wise `FULL_SHARD` with activation checkpointing on 2 processes, a pipeline of 2
+/// stages whose first stage is wholly frozen, and 2 stages × 2 `FULL_SHARD` replicas, train to the loss and
+/// weights (bit for bit) of the same ranks in one process, which `tests/frozen.rs` checks against one rank in
+/// every mode.
+#[test]
+fn frozen_bottom_layers_under_mpirun_train_as_in_process_ranks() {
+    let lm = example("transformer_lm");
+    let common = [
+        "--layers",
+        "4",
+        "--d-model",
+        "64",
+        "--seq",
+        "16",
+        "--batch",
+        "8",
+        "--steps",
+        "3",
+        "--skip-state-bytes",
+    ];
+    let cases: [(usize, &[&str]); 3] = [
+        (
+            2,
+            &[
+                "--sharding",
+                "FULL_SHARD",
+                "--checkpointing",
+                "--freeze-bottom",
+                "2",
+            ],
+        ),
+        (
+            2,
+            &[
+                "--pp-size",
+                "2",
+                "--pp-microbatches",
+                "4",
+                "--freeze-bottom",
+                "2",
+            ],
+        ),
+        (
+            4,
+            &[
+                "--pp-size",
+                "2",
+                "--pp-schedule",
+                "gpipe",
+                "--sharding",
+                "FULL_SHARD",
+                "--freeze-bottom",
+                "1",
+            ],
+        ),
+    ];
+    let unfrozen = {
+        let out = Command::new(&lm).args(common).output().unwrap();
+        weights_digest(&String::from_utf8_lossy(&out.stdout))
+    };
+    for (np, case) in cases {
+        let args: Vec<&str> = common.iter().chain(case).copied().collect();
+        let processes = np.to_string();
+        let local = Command::new(&lm)
+            .args(&args)
+            .args(["--processes", &processes])
+            .output()
+            .unwrap();
+        let local_out = String::from_utf8_lossy(&local.stdout);
+        assert!(
+            local.status.success(),
+            "{case:?}: {}",
+            String::from_utf8_lossy(&local.stderr)
+        );
+        let out = mpirun(np, &lm, &args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{case:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            (final_loss(&stdout), weights_digest(&stdout)),
+            (final_loss(&local_out), weights_digest(&local_out)),
+            "{case:?}: {stdout}"
+        );
+        assert_ne!(
+            weights_digest(&stdout),
+            unfrozen,
+            "{case:?}: the frozen layers made no difference"
+        );
+    }
 }

@@ -24,7 +24,8 @@
 //! state tensors as a checkpoint saves them, peak RSS of the process from `/proc/self/status`, and `prepare_peak`:
 //! what `prepare_model` added to the resident memory at its peak, meaningful with one rank per process, under a
 //! launcher); `--input` widens the first layer (an embedding's share of the parameters). The main process prints
-//! `final_loss=<x>`, the same with and without sharding. `--bf16` runs the block-wise pass (`--blocks`) in bf16
+//! `final_loss=<x>`, the same with and without sharding, and `weights_digest=<x>`, a digest of the final weights' bits
+//! (equal where two runs end with the same weights, bit for bit). `--bf16` runs the block-wise pass (`--blocks`) in bf16
 //! (mixed precision, each layer under `autocast`), and `--param-dtype bf16` gathers the layers in bf16 (FSDP2's
 //! `param_dtype`) instead of casting them after an f32 gather: the same loss.
 
@@ -139,6 +140,16 @@ fn train(acc: Accelerator, args: &Args, initial: Stack) -> Result<f32> {
         model = optimizer.try_step(model)?;
     }
     let host_values = acc.host_values() - before;
+    // The final weights' digest, bit for bit: each layer from a rank that trains it (gathered under FULL_SHARD).
+    let whole = acc.unshard(&model)?;
+    let parts = burn_accelerate::Blocks::blocks(&whole)
+        .iter()
+        .map(held::digest)
+        .collect();
+    drop(whole);
+    if let Some(digest) = held::weights_digest(&acc, parts)? {
+        println!("weights_digest={digest}");
+    }
     let loss_value = match last_loss {
         Some(loss) => acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>(),
         None => 0.0,

@@ -55,3 +55,47 @@ pub fn peak(what: &str) -> u64 {
 pub fn reset_peak() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
+
+/// A digest of `module`'s float parameters: FNV-1a over the bits of every value, in visiting order (f32 as
+/// stored); `None` where this rank holds none of them (a pipeline stage's placeholders of another's part).
+pub fn digest<M: Module>(module: &M) -> Option<u64> {
+    struct Fnv(u64, bool);
+    impl ModuleVisitor for Fnv {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            for value in data.iter::<f32>() {
+                self.1 = true;
+                for byte in value.to_bits().to_le_bytes() {
+                    self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+        }
+    }
+    let mut fnv = Fnv(0xcbf2_9ce4_8422_2325, false);
+    module.visit(&mut fnv);
+    fnv.1.then_some(fnv.0)
+}
+
+/// The digest of a whole model from every rank's digests of its parts (`mine`: one per part, in order, `None`
+/// where this rank does not train that part): each part's from the first rank that trains it, combined; on the
+/// main process only, as 16 hex digits. Two runs that end with the same weights, bit for bit, print the same.
+/// Every rank must call it.
+pub fn weights_digest(
+    acc: &Accelerator,
+    mine: Vec<Option<u64>>,
+) -> burn_accelerate::Result<Option<String>> {
+    let all: Vec<Vec<Option<u64>>> = acc.gather_object(&mine)?;
+    if !acc.is_main_process() {
+        return Ok(None);
+    }
+    let mut combined: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in 0..mine.len() {
+        let digest = all
+            .iter()
+            .find_map(|rank| rank.get(part).copied().flatten());
+        for byte in digest.unwrap_or(0).to_le_bytes() {
+            combined = (combined ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    Ok(Some(format!("{combined:016x}")))
+}

@@ -4,6 +4,8 @@
 #   scripts/gpu/run.sh [KIT_DIR]        # default target/gpu-kit; the report goes to $OUT (default target/gpu-report)
 #
 # KIT_STEPS (names separated by spaces) runs only those steps, for a short rerun of new checks.
+# KIT_OPTIONAL (names) lists steps the verdict may do without on a GPU machine that lacks their tool (e.g.
+# quicktour-vulkan where the image has no Vulkan driver); otherwise such a skip fails the verdict.
 #
 # Every step runs under its own timeout (a hang costs one step, not the call), and the whole run keeps to
 # RUN_BUDGET_S seconds (default 360; with the unpack, under 7 minutes): steps that no longer fit are reported as
@@ -51,8 +53,8 @@ PY
 }
 
 report() {
-  "$python" - "$results" "$out" "$gpu_note" "$(elapsed)" "$kit/MANIFEST" <<'PY'
-import json, sys
+  KIT_SCRIPTS="$root/scripts/gpu" "$python" - "$results" "$out" "$gpu_note" "$(elapsed)" "$kit/MANIFEST" <<'PY'
+import json, os, sys
 results, out, gpu, seconds, manifest = sys.argv[1:6]
 steps = [json.loads(l) for l in open(results) if l.strip()]
 try:
@@ -60,16 +62,19 @@ try:
 except OSError:
     manifest = "(no MANIFEST)"
 counts = {s: sum(1 for x in steps if x["status"] == s) for s in ("pass", "fail", "skip", "figure")}
-# On a machine with a GPU, a GPU step that did not run (the budget spent, a check skipped) is not a pass.
+# On a machine with a GPU, a GPU step that did not run (the budget spent, a check skipped) is not a pass, nor is a
+# step skipped for a tool the machine lacks (a Vulkan driver), unless KIT_OPTIONAL names it (kit_checks.verdict).
 on_gpu = not gpu.startswith("none")
-unrun = [x["step"] for x in steps if on_gpu and x["kind"] == "gpu" and x["status"] == "skip"]
-verdict = "fail" if counts["fail"] or unrun else "pass"
+sys.path.insert(0, os.environ["KIT_SCRIPTS"])
+from kit_checks import verdict as judge
+verdict, unrun = judge(steps, on_gpu, set(os.environ.get("KIT_OPTIONAL", "").split()))
 json.dump({"gpu": gpu, "seconds": int(seconds), "counts": counts, "unrun_gpu_steps": unrun, "verdict": verdict,
            "manifest": manifest, "steps": steps}, open(f"{out}/gpu-report.json", "w"), indent=2)
 lines = ["# GPU kit report", "", f"- GPU: {gpu}", f"- wall time: {seconds} s",
          f"- steps: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped, "
          f"{counts['figure']} measured (no threshold)",
-         f"- verdict: {verdict}" + (f" (GPU steps that did not run on this GPU: {', '.join(unrun)})" if unrun else ""),
+         f"- verdict: {verdict}" + (f" (steps that did not run on this GPU machine: {', '.join(unrun)}; KIT_OPTIONAL "
+                                    "lists steps the verdict may do without)" if unrun else ""),
          "",
          "| step | kind | result | s | figures | detail |", "|---|---|---|---|---|---|"]
 for s in steps:
@@ -387,22 +392,17 @@ check_oom() {
   batch=$(figures "$1" batch_size | sed -E 's/batch_size=([^;]*);/\1/')
   [ "$2" -eq 0 ] && [ "$retries" -ge 1 ] && [ -n "$batch" ] && [ "$batch" -lt "$oom_start" ]
 }
-# Two runs' `final_loss`/`accuracy` lines (the command prints both runs, separated by ---) must agree: equal, or
-# within $3 (relative) where the runs split the batch differently (other summation orders on a GPU).
+# Two runs' `final_loss`/`accuracy` lines (the command prints both runs, separated by ---) must agree within $3
+# (relative) where the runs split the batch differently (other summation orders on a GPU); with no bound
+# (check_same), the runs must end with the same weights bit for bit: their `weights_digest` lines present and equal
+# (scripts/gpu/kit_checks.py, whose self-test CI runs).
 check_close() {
-  local log=$1 rc=$2 bound=${3:-0} a b
-  a=$(sed -n '1,/^---$/p' "$log" | grep -E '^(final_loss|accuracy)=' | tr '\n' ' ')
-  b=$(sed -n '/^---$/,$p' "$log" | grep -E '^(final_loss|accuracy)=' | tr '\n' ' ')
-  printf 'first=%s;second=%s;' "${a// /,}" "${b// /,}"
-  [ "$rc" -eq 0 ] && [ -n "$a" ] || return 1
-  "$python" - "$a" "$b" "$bound" <<'PY'
-import sys
-a, b, bound = sys.argv[1].split(), sys.argv[2].split(), float(sys.argv[3])
-values = lambda xs: {x.split("=")[0]: float(x.split("=")[1]) for x in xs}
-a, b = values(a), values(b)
-ok = a.keys() == b.keys() and all(abs(a[k] - b[k]) <= bound * abs(a[k]) for k in a)
-sys.exit(0 if ok else 1)
-PY
+  local out status
+  out=$("$python" "$root/scripts/gpu/kit_checks.py" same "$1" "${3:-0}")
+  status=$?
+  printf '%s' "$(printf '%s\n' "$out" | sed -n 1p)"
+  detail=$(printf '%s\n' "$out" | sed -n 2p)
+  [ "$2" -eq 0 ] && [ "$status" -eq 0 ]
 }
 check_same() { check_close "$1" "$2" 0; }
 check_near_1e3() { check_close "$1" "$2" 1e-3; }
@@ -433,6 +433,19 @@ run_step quicktour-cpu cpu 120 check_loss env BURN_DEVICE=flex quicktour
 reference_loss=$(figures "$work/logs/quicktour-cpu.log" final_loss | sed -E 's/final_loss=([^;]*);/\1/')
 reference_initial=$(figures "$work/logs/quicktour-cpu.log" initial_loss | sed -E 's/initial_loss=([^;]*);/\1/')
 run_step test-cuda gpu 180 check_test_cuda env BURN_DEVICE=cuda burn-accelerate test --num-processes 1
+# NCCL's communicator lifecycle on one rank: a sub-group split from a fresh communicator (the parent polled until
+# NCCL has written the child's handle, then the child), its all-reduce, both ended by finalize and destroy; and a
+# batch of messages whose second call NCCL refuses: the communicator aborted with its buffers kept, then refused.
+check_nccl() {
+  detail=$(grep -E '^NCCL ' "$1" | head -n1 | tr ';|' ',/')
+  [ "$2" -eq 0 ] && grep -qE "^NCCL $3: rank 0 passed" "$1" && ! grep -qE 'panicked|Segmentation fault' "$1"
+}
+check_nccl_split() { check_nccl "$1" "$2" split; }
+check_nccl_failing_group() { check_nccl "$1" "$2" failing-group; }
+run_step nccl-split-cuda gpu 90 check_nccl_split \
+  env BURN_DEVICE=cuda burn-accelerate test --num-processes 1 --nccl-lifecycle split
+run_step nccl-failing-group-cuda gpu 90 check_nccl_failing_group \
+  env BURN_DEVICE=cuda burn-accelerate test --num-processes 1 --nccl-lifecycle failing-group
 run_step test-cuda-shared gpu 210 check_test_shared env BURN_DEVICE=cuda burn-accelerate test --num-processes 2
 # Every strategy on in-process ranks sharing the one GPU, no parameter or gradient through host memory.
 run_step shared-device-cuda gpu 240 check_shared_device sh -c '

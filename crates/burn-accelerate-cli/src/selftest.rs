@@ -29,6 +29,10 @@ pub struct TestArgs {
     /// mpirun's hostfile: every machine is checked for reachability first.
     #[arg(long)]
     pub hostfile: Option<PathBuf>,
+    /// The GPU kit's checks of NCCL's communicator lifecycle instead of the usual ones (one in-process rank per
+    /// GPU): `split` or `failing-group`.
+    #[arg(long = "nccl-lifecycle", hide = true)]
+    pub nccl_lifecycle: Option<String>,
 }
 
 /// The checks one rank runs; every rank learns whether all passed.
@@ -415,6 +419,9 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
         .launch
         .num_processes;
     let n = args.num_processes.or(configured).unwrap_or(1).max(1);
+    if let Some(which) = &args.nccl_lifecycle {
+        return nccl_lifecycle(n, which);
+    }
     if let Some(hostfile) = &args.hostfile {
         let unreachable = unreachable_hosts(hostfile)?;
         if !unreachable.is_empty() {
@@ -467,6 +474,36 @@ pub fn run(args: &TestArgs) -> std::result::Result<i32, LaunchError> {
     let failures = burn_accelerate::launch(n, worker)
         .map_err(|e| LaunchError(format!("Test failed: {e}"), 1))?;
     Ok(report(&failures[0]))
+}
+
+/// The GPU kit's NCCL lifecycle check `which` (`split` or `failing-group`) on `n` in-process ranks: one line per
+/// rank's result (`NCCL <check>: passed|failed: ...`), then the usual verdict.
+fn nccl_lifecycle(n: usize, which: &str) -> std::result::Result<i32, LaunchError> {
+    if !["split", "failing-group"].contains(&which) {
+        return Err(LaunchError(
+            format!("--nccl-lifecycle {which}: the checks are `split` and `failing-group`"),
+            2,
+        ));
+    }
+    let outcomes = burn_accelerate::launch(n, |acc| acc.check_nccl_lifecycle())
+        .map_err(|e| LaunchError(format!("Test failed: {e}"), 1))?;
+    let mut failures = Vec::new();
+    for (rank, checks) in outcomes.into_iter().enumerate() {
+        let Some(checks) = checks else {
+            failures.push(format!(
+                "rank {rank}: no CUDA device here, so no NCCL to check"
+            ));
+            continue;
+        };
+        for (name, passed, seen) in checks.into_iter().filter(|(name, ..)| *name == which) {
+            let verdict = if passed { "passed" } else { "failed" };
+            println!("NCCL {name}: rank {rank} {verdict}: {seen}");
+            if !passed {
+                failures.push(format!("NCCL {name} on rank {rank}: {seen}"));
+            }
+        }
+    }
+    Ok(report(&failures))
 }
 
 /// Prints the outcome of one rank's checks (the main rank's, which includes whether all passed).

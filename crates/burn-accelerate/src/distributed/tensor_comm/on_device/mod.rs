@@ -630,6 +630,23 @@ fn nccl_engines(timeout: std::time::Duration) -> Result<check::EngineFactory> {
     }))
 }
 
+/// The GPU kit's checks of NCCL's communicator lifecycle (see `nccl::lifecycle_check`): `None` where this rank's
+/// device is not a CUDA device, or in a build without CUDA.
+///
+/// # Errors
+/// NCCL cannot make a communicator on this rank's device.
+pub(crate) fn nccl_lifecycle_check(
+    group: &Arc<ProcessGroup>,
+    timeout: std::time::Duration,
+) -> Result<Option<Vec<(&'static str, bool, String)>>> {
+    #[cfg(feature = "cuda-bare")]
+    if nccl::cuda_ordinal(group.device()).is_some() {
+        return nccl::lifecycle_check(group, timeout).map(Some);
+    }
+    let _ = (group, timeout);
+    Ok(None)
+}
+
 /// Without CUDA there is no NCCL to check.
 #[cfg(not(feature = "cuda-bare"))]
 fn nccl_engines(_timeout: std::time::Duration) -> Result<check::EngineFactory> {

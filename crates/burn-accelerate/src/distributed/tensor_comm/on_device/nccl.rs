@@ -64,6 +64,9 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 /// NCCL on the CUDA device of one rank.
 pub(crate) struct Nccl {
     device: Device,
+    /// For the GPU kit's check of a batch that fails part way: the call of each batch of messages (0 the first)
+    /// posted with a peer outside the group, which NCCL refuses.
+    refused_call: Option<usize>,
 }
 
 impl Nccl {
@@ -72,6 +75,16 @@ impl Nccl {
     pub fn new(device: &Device) -> Self {
         Self {
             device: device.clone(),
+            refused_call: None,
+        }
+    }
+
+    /// NCCL on `device`, whose communicators post call `k` of every batch of messages with a peer outside the
+    /// group, which NCCL refuses: the failing batch of [`lifecycle_check`], never a training's.
+    fn refusing_call(device: &Device, k: usize) -> Self {
+        Self {
+            refused_call: Some(k),
+            ..Self::new(device)
         }
     }
 
@@ -115,13 +128,16 @@ impl DeviceCommLibrary for Nccl {
             .new_stream()
             .map_err(|e| format!("creating a CUDA stream: {e:?}"))?;
         let mut config = nonblocking_config();
-        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` and `config` outlive the call; the id came from ncclGetUniqueId on rank 0.
+        let mut comm = CommHandle::empty();
+        // SAFETY: the handle's slot (boxed, kept in the communicator) and `config` outlive the call; the id came
+        // from ncclGetUniqueId on rank 0.
         unsafe {
-            nccl::comm_init_rank_config(&mut comm, world as c_int, id, rank as c_int, &mut config)
+            nccl::comm_init_rank_config(comm.slot(), world as c_int, id, rank as c_int, &mut config)
         }
         .map_err(|e| format!("ncclCommInitRankConfig (rank {rank} of {world}): {e:?}"))?;
-        Ok(Box::new(NcclComm::new(comm, world, stream)))
+        let mut comm = NcclComm::new(comm, world, stream);
+        comm.refused_call = self.refused_call;
+        Ok(Box::new(comm))
     }
 }
 
@@ -153,9 +169,29 @@ fn nonblocking_config() -> sys::ncclConfig_t {
     }
 }
 
-/// An NCCL communicator handle (a pointer NCCL allows from any thread, one call at a time: the transport's
-/// calls are sequential on its rank).
-struct CommHandle(sys::ncclComm_t);
+/// Where an NCCL communicator handle lives (a pointer NCCL allows from any thread, one call at a time: the
+/// transport's calls are sequential on its rank). Boxed, so that its address stays put: a non-blocking
+/// `ncclCommSplit` writes the child's handle there only when the parent leaves `ncclInProgress`, after the call
+/// returned, and the slot must outlive that write.
+struct CommHandle(Box<sys::ncclComm_t>);
+
+impl CommHandle {
+    /// An empty slot, for NCCL to write a handle into.
+    fn empty() -> Self {
+        Self(Box::new(std::ptr::null_mut()))
+    }
+
+    /// Where NCCL writes the handle.
+    fn slot(&mut self) -> *mut sys::ncclComm_t {
+        &mut *self.0
+    }
+
+    /// The handle, as NCCL last wrote it (read afresh: NCCL's own thread writes it).
+    fn get(&self) -> sys::ncclComm_t {
+        // SAFETY: the box is valid for reads for as long as `self`.
+        unsafe { std::ptr::read_volatile(&*self.0) }
+    }
+}
 
 // SAFETY: see `CommHandle`; NCCL communicators may be used from any thread when calls do not overlap.
 unsafe impl Send for CommHandle {}
@@ -178,25 +214,30 @@ struct NcclComm {
     world: usize,
     stream: Arc<CudaStream>,
     pending: Mutex<Option<InFlight>>,
+    /// Freed: aborted, or destroyed after a normal end.
     aborted: std::sync::atomic::AtomicBool,
+    /// See [`Nccl::refusing_call`].
+    refused_call: Option<usize>,
 }
 
 impl NcclComm {
-    fn new(comm: sys::ncclComm_t, world: usize, stream: Arc<CudaStream>) -> Self {
+    fn new(comm: CommHandle, world: usize, stream: Arc<CudaStream>) -> Self {
         Self {
-            comm: CommHandle(comm),
+            comm,
             world,
             stream,
             pending: Mutex::new(None),
             aborted: std::sync::atomic::AtomicBool::new(false),
+            refused_call: None,
         }
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        // Aborting frees a communicator in any state (still forming, or with a call in flight after an error
-        // elsewhere), where destroying one could wait for peers that are gone.
+        // A communicator that was neither destroyed after its finalize (the transport's normal end) nor aborted
+        // is aborted: that frees it in any state (still forming, or with a call in flight after an error
+        // elsewhere), where destroying one could wait for peers that are gone. Its buffers go after.
         self.abort();
     }
 }
@@ -277,10 +318,15 @@ impl NcclComm {
     /// memory (the transport's guard refuses such calls first; this is the library's own line of defence).
     fn live(&self) -> std::result::Result<sys::ncclComm_t, String> {
         if self.aborted.load(std::sync::atomic::Ordering::Acquire) {
-            Err("the NCCL communicator was aborted".into())
-        } else {
-            Ok(self.comm.0)
+            return Err("the NCCL communicator was aborted".into());
         }
+        let comm = self.comm.get();
+        if comm.is_null() {
+            // A split child polled before its parent completed the split (the transport polls the parent
+            // first), or a split that NCCL reported done without making one.
+            return Err("ncclCommSplit has not written this communicator's handle".into());
+        }
+        Ok(comm)
     }
 
     /// Binds the communicator's CUDA context to this thread and returns its stream.
@@ -424,8 +470,13 @@ impl NcclComm {
         }
         let stream = self.bound_stream()?;
         nccl::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
-        let mut outcome = Ok(());
-        for (send, peer, ptr, count, dtype) in posted {
+        let mut outcome: std::result::Result<(), String> = Ok(());
+        for (k, (send, peer, ptr, count, dtype)) in posted.into_iter().enumerate() {
+            // The kit's failing batch: a peer NCCL refuses, past every check of ours.
+            let peer = match self.refused_call {
+                Some(refused) if refused == k => self.world,
+                _ => peer,
+            };
             // SAFETY: a pinned device buffer of `count` elements of `dtype` on this communicator's device,
             // kept alive in `InFlight` until the event after the group completes.
             let result = unsafe {
@@ -446,13 +497,18 @@ impl NcclComm {
         }
         // The group is closed whatever happened inside it (NCCL requires every start to be ended).
         let ended = nccl::group_end().map_err(|e| format!("ncclGroupEnd: {e:?}"));
-        outcome?;
-        ended?;
-        Ok(InFlight {
+        let in_flight = InFlight {
             outputs,
             done: None,
             _pinned: pinned,
-        })
+        };
+        if let Err(e) = outcome.and(ended.map(|_| ())) {
+            // What was posted may still run and write into these buffers: they stay with the communicator, which
+            // the transport aborts now; they go only with it, after the abort returned.
+            *self.pending.lock().map_err(|_| "poisoned")? = Some(in_flight);
+            return Err(e);
+        }
+        Ok(in_flight)
     }
 }
 
@@ -527,24 +583,152 @@ impl DeviceComm for NcclComm {
             .new_stream()
             .map_err(|e| format!("creating a CUDA stream: {e:?}"))?;
         let mut config = nonblocking_config();
-        let mut child: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: a live communicator; `child` and `config` outlive the call. Every rank of the group calls it
-        // (the caller's contract), so the collective split completes.
-        unsafe { sys::ncclCommSplit(comm, color as c_int, key as c_int, &mut child, &mut config) }
-            .result()
-            .map_err(|e| format!("ncclCommSplit (colour {color}, key {key}): {e:?}"))?;
-        if child.is_null() {
-            return Err(format!(
-                "ncclCommSplit (colour {color}, key {key}) made no communicator"
-            ));
+        // NCCL writes the child's handle here when this communicator leaves `ncclInProgress` (NVIDIA/nccl issue
+        // 1472): the slot is the child's own, boxed, so it outlives the write; the child is polled only after
+        // this communicator's poll reported the split done (the transport's contract).
+        let mut child = CommHandle::empty();
+        // SAFETY: a live communicator; the child's slot and `config` outlive the call (and the write NCCL makes
+        // into the slot later). Every rank of the group calls it (the caller's contract), so the collective split
+        // completes.
+        unsafe {
+            sys::ncclCommSplit(
+                comm,
+                color as c_int,
+                key as c_int,
+                child.slot(),
+                &mut config,
+            )
         }
+        .result()
+        .map_err(|e| format!("ncclCommSplit (colour {color}, key {key}): {e:?}"))?;
+        SPLIT_HANDLE_AT_RETURN.store(
+            if child.get().is_null() { 2 } else { 1 },
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Ok(Box::new(NcclComm::new(child, world, stream)))
+    }
+
+    fn finalize(&self) -> std::result::Result<(), String> {
+        let comm = self.live()?;
+        // SAFETY: a live communicator with nothing in flight (every call was waited for).
+        unsafe { nccl::comm_finalize(comm) }
+            .map(|_| ())
+            .map_err(|e| format!("ncclCommFinalize: {e:?}"))
+    }
+
+    fn destroy(&self) -> std::result::Result<(), String> {
+        let comm = self.live()?;
+        // Freed either way: never aborted or destroyed again.
+        self.aborted
+            .store(true, std::sync::atomic::Ordering::Release);
+        // SAFETY: a live communicator whose finalize completed.
+        unsafe { nccl::comm_destroy(comm) }
+            .map(|_| ())
+            .map_err(|e| format!("ncclCommDestroy: {e:?}"))
     }
 
     fn abort(&self) {
         if !self.aborted.swap(true, std::sync::atomic::Ordering::AcqRel) {
-            // SAFETY: a live communicator; aborting is allowed while calls are in progress.
-            let _ = unsafe { nccl::comm_abort(self.comm.0) };
+            let comm = self.comm.get();
+            if !comm.is_null() {
+                // SAFETY: a communicator NCCL made (a split child whose handle was never written has none);
+                // aborting is allowed while calls are in progress.
+                let _ = unsafe { nccl::comm_abort(comm) };
+            }
         }
     }
+}
+
+/// Whether the last `ncclCommSplit` had written the child's handle when it returned (1) or only later, when the
+/// parent left `ncclInProgress` (2); 0 before any split. What [`lifecycle_check`] reports of the NCCL it ran on.
+static SPLIT_HANDLE_AT_RETURN: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The GPU kit's checks of NCCL's communicator lifecycle on `group`'s ranks (one GPU each; one rank will do):
+/// `split`, a sub-group split from a fresh communicator (the parent polled, then the child, within one budget),
+/// its all-reduce, then both finalized and destroyed; `failing-group`, a batch of messages whose second call NCCL
+/// refuses, after which the communicator is aborted and the next call refused. Each entry: the check's name,
+/// whether it passed, what it saw.
+///
+/// # Errors
+/// A communicator cannot be made at all (no NCCL, no CUDA device).
+pub(crate) fn lifecycle_check(
+    group: &Arc<crate::distributed::ProcessGroup>,
+    timeout: std::time::Duration,
+) -> crate::error::Result<Vec<(&'static str, bool, String)>> {
+    use super::DeviceEngine;
+    use super::device::DeviceCollectives;
+    let device = group.device().clone();
+    let world = group.num_processes();
+    let mut checks = Vec::new();
+
+    let parent = DeviceCollectives::connect(group.clone(), &Nccl::new(&device), timeout)?;
+    let sub = Arc::new(group.split(0, group.process_index())?);
+    let split = parent.split_for(sub).and_then(|child| {
+        let sum = child
+            .all_reduce(Tensor::<1>::ones([5], &device), ReduceOp::Sum)
+            .ok_or_else(|| crate::error::Error::other("no all-reduce"))??
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| crate::error::Error::other(format!("{e:?}")))?;
+        Ok((sum, child.close()))
+    });
+    let handle = match SPLIT_HANDLE_AT_RETURN.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => "at ncclCommSplit's return",
+        2 => "only when the parent's poll completed (non-blocking split)",
+        _ => "never (no split ran)",
+    };
+    let closed = parent.close();
+    checks.push(match split {
+        Ok((sum, child_closed)) => {
+            let right = sum.iter().all(|v| *v == world as f32);
+            let ended = child_closed.is_ok() && closed.is_ok();
+            (
+                "split",
+                right && ended,
+                format!(
+                    "the child's handle was written {handle}; its all-reduce gave {sum:?} (expected {world} each); \
+                     finalize and destroy: child {child_closed:?}, parent {closed:?}"
+                ),
+            )
+        }
+        Err(e) => ("split", false, format!("the split failed: {e}; the handle was written {handle}")),
+    });
+
+    let comm =
+        DeviceCollectives::connect(group.clone(), &Nccl::refusing_call(&device, 1), timeout)?;
+    let me = group.process_index();
+    let part = || Tensor::<1>::ones([4], &device);
+    let incoming = || crate::distributed::tensor_comm::Incoming {
+        peer: me,
+        len: 4,
+        device: device.clone(),
+        dtype: part().dtype(),
+    };
+    let refused = comm
+        .send_recv(
+            vec![(me, part()), (me, part())],
+            vec![incoming(), incoming()],
+        )
+        .ok_or_else(|| crate::error::Error::other("no send/recv"))?
+        .map(|_| ());
+    let next = comm
+        .all_reduce(part(), ReduceOp::Sum)
+        .ok_or_else(|| crate::error::Error::other("no all-reduce"))?
+        .map(|_| ());
+    checks.push(match (refused, next) {
+        (Err(refused), Err(next)) => (
+            "failing-group",
+            next.to_string().contains("aborted"),
+            format!("the batch was refused ({refused}); the next call was refused ({next})"),
+        ),
+        (refused, next) => (
+            "failing-group",
+            false,
+            format!(
+                "the refused batch gave {refused:?} and the next call {next:?}: both must fail"
+            ),
+        ),
+    });
+    Ok(checks)
 }

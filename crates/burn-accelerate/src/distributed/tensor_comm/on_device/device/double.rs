@@ -5,6 +5,13 @@
 //! split forms a group per colour, as `ncclCommSplit`. A rank told to hang never deposits nor sends, so the
 //! others time out and abort. Every call a communicator receives after it was aborted is counted (NCCL frees an
 //! aborted communicator: such a call would use freed memory).
+//!
+//! It behaves as NCCL's non-blocking communicators do where the code could get them wrong: a split child has no
+//! handle (a null `ncclComm_t`) until its parent's poll reports the split done, and the parent takes no other
+//! call meanwhile; a normal end is a finalize, polled, then a destroy; a batch of messages can be made to fail at
+//! one of its calls, as `ncclSend` does on a bad argument, the sends before it going out (a partial batch) and its
+//! buffers kept until the abort. What each communicator went through is written in the library's
+//! [`lifecycle`](HostLibrary::lifecycle).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -16,7 +23,7 @@ use super::{DeviceCall, DeviceComm, DeviceCommLibrary};
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::tensor_comm::on_device::{from_host, to_host};
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Round {
     deposits: Vec<Option<Vec<f32>>>,
     /// Each rank's result.
@@ -111,7 +118,7 @@ fn results(kind: Kind, deposits: &[Vec<f32>], defect: Defect) -> Vec<Vec<f32>> {
     }
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Shared {
     world: usize,
     connected: usize,
@@ -147,12 +154,20 @@ fn join(id: &[u8], world: usize) -> Arc<Mutex<Shared>> {
 }
 
 /// The library; `hang_rank` never takes part in collectives nor sends (a stuck peer), `fail_connect` cannot
-/// connect, `defect` computes something wrong (for checks that must fail).
+/// connect, `fail_split` cannot split, `fail_message` `(rank, k)` refuses the `k`-th call (sends first, then
+/// receives, from 0) of that rank's next batch of messages, `defect` computes something wrong (for checks that
+/// must fail).
 #[derive(Debug, Default, Clone)]
 pub struct HostLibrary {
     pub hang_rank: Option<usize>,
     pub fail_connect: Option<usize>,
+    pub fail_split: Option<usize>,
+    pub fail_message: Option<(usize, usize)>,
     pub defect: Defect,
+    /// What each communicator went through, in order: `(its group's id, its rank, what)`, `what` one of
+    /// `finalize`, `destroy`, `abort`, `released` (the buffers of a batch that failed), `destroy before its
+    /// finalize completed` (a misuse).
+    pub lifecycle: Arc<Mutex<Vec<(Vec<u8>, usize, &'static str)>>>,
     /// Calls made on a communicator after it was aborted, over every communicator of this library.
     pub uses_after_abort: Arc<AtomicUsize>,
     /// Calls started (collectives and point-to-point batches), over every communicator of this library.
@@ -180,8 +195,10 @@ impl DeviceCommLibrary for HostLibrary {
             return Err("ncclSystemError: no route to peer".into());
         }
         super::group_id(id)?;
+        let handle = OnceLock::new();
+        let _ = handle.set(join(id, world));
         Ok(Box::new(HostComm {
-            shared: join(id, world),
+            handle: Arc::new(handle),
             id: id.to_vec(),
             rank,
             library: self.clone(),
@@ -200,15 +217,49 @@ enum Started {
     Messages(Vec<(usize, usize, Device, DType)>),
 }
 
+/// Where a split child's group lands once its parent's poll completes the split (NCCL's `*newcomm`).
+type Handle = Arc<OnceLock<Arc<Mutex<Shared>>>>;
+
+/// The buffers of a batch that failed part way, kept until the abort; dropping them says so in the lifecycle.
+struct Kept {
+    _buffers: Vec<Tensor<1>>,
+    lifecycle: Arc<Mutex<Vec<(Vec<u8>, usize, &'static str)>>>,
+    id: Vec<u8>,
+    rank: usize,
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.lifecycle
+            .lock()
+            .unwrap()
+            .push((self.id.clone(), self.rank, "released"));
+    }
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Kept")
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     round: usize,
     splits: usize,
     pending: Option<Started>,
+    /// A split not yet completed by this communicator's poll: the child's handle, its group's id and size.
+    splitting: Option<(Handle, Vec<u8>, usize)>,
+    /// `finalize` was called (and completes at the next poll).
+    finalized: bool,
+    /// A failed batch's buffers, until the abort.
+    kept: Option<Kept>,
 }
 
 pub struct HostComm {
-    shared: Arc<Mutex<Shared>>,
+    /// The group this communicator belongs to: empty for a split child until its parent's poll completes the
+    /// split, as NCCL leaves `*newcomm` unwritten until then.
+    handle: Handle,
     id: Vec<u8>,
     rank: usize,
     library: HostLibrary,
@@ -238,18 +289,71 @@ impl HostComm {
         self.library.hang_rank == Some(self.rank)
     }
 
+    /// The group, once this communicator has one: a child polled or used before its parent completed the split
+    /// is a null communicator to NCCL.
+    fn shared(&self) -> Result<&Arc<Mutex<Shared>>, String> {
+        self.handle.get().ok_or_else(|| {
+            "ncclInvalidArgument: a NULL communicator (ncclCommSplit writes it once the parent communicator's \
+             poll reports the split done)"
+                .to_string()
+        })
+    }
+
+    fn note(&self, what: &'static str) {
+        self.library
+            .lifecycle
+            .lock()
+            .unwrap()
+            .push((self.id.clone(), self.rank, what));
+    }
+
     /// Posts every send of a batch; what to receive is kept for `poll` and `finish`.
     fn start_messages(
         &self,
         sends: Vec<(usize, Tensor<1>)>,
         recvs: &[crate::distributed::tensor_comm::Incoming],
     ) -> Result<Started, String> {
+        let failing = match self.library.fail_message {
+            Some((rank, k)) if rank == self.rank => Some(k),
+            _ => None,
+        };
+        if let Some(k) = failing.filter(|k| *k < sends.len() + recvs.len()) {
+            // The calls before the `k`-th were posted (the sends among them go out: a partial batch); the rest
+            // never is. Every buffer stays with the communicator until it is aborted.
+            let buffers: Vec<Tensor<1>> = sends.iter().map(|(_, t)| t.clone()).collect();
+            let mut shared = self.shared()?.lock().unwrap();
+            for (peer, flat) in sends.iter().take(k) {
+                let values = to_host(flat.clone(), "double").map_err(|e| e.to_string())?;
+                shared
+                    .mail
+                    .entry((self.rank, *peer))
+                    .or_default()
+                    .push_back(values);
+            }
+            drop(shared);
+            self.state.lock().unwrap().kept = Some(Kept {
+                _buffers: buffers,
+                lifecycle: self.library.lifecycle.clone(),
+                id: self.id.clone(),
+                rank: self.rank,
+            });
+            let what = match sends.get(k) {
+                Some((peer, t)) => format!("ncclSend of {} values to rank {peer}", t.dims()[0]),
+                None => {
+                    let r = &recvs[k - sends.len()];
+                    format!("ncclRecv of {} values from rank {}", r.len, r.peer)
+                }
+            };
+            return Err(format!(
+                "ncclInvalidArgument: {what} (call {k} of the batch)"
+            ));
+        }
         if !self.hangs() {
             let values = sends
                 .into_iter()
                 .map(|(peer, flat)| Ok((peer, to_host(flat, "double").map_err(|e| e.to_string())?)))
                 .collect::<Result<Vec<_>, String>>()?;
-            let mut shared = self.shared.lock().unwrap();
+            let mut shared = self.shared()?.lock().unwrap();
             for (peer, values) in values {
                 shared
                     .mail
@@ -270,7 +374,7 @@ impl HostComm {
     fn start_round(&self, kind: Kind, flat: Tensor<1>, round: usize) -> Result<Started, String> {
         let values = to_host(flat.clone(), "double").map_err(|e| e.to_string())?;
         if !self.hangs() {
-            let mut shared = self.shared.lock().unwrap();
+            let mut shared = self.shared()?.lock().unwrap();
             let world = shared.world;
             if shared.rounds.len() <= round {
                 shared.rounds.resize_with(round + 1, Round::default);
@@ -297,8 +401,14 @@ impl HostComm {
 impl DeviceComm for HostComm {
     fn start(&self, call: DeviceCall) -> Result<(), String> {
         self.check_live()?;
+        self.shared()?;
         self.library.started.fetch_add(1, Ordering::Relaxed);
-        let mut state = self.state.lock().unwrap();
+        if self.state.lock().unwrap().splitting.is_some() {
+            return Err(
+                "ncclInvalidUsage: a call on a communicator whose split is still in progress"
+                    .into(),
+            );
+        }
         let started = match call {
             DeviceCall::SendRecv { sends, recvs } => self.start_messages(sends, &recvs)?,
             collective => {
@@ -311,12 +421,15 @@ impl DeviceComm for HostComm {
                     DeviceCall::SendRecv { .. } => unreachable!("matched above"),
                 };
                 let flat = collective.input().ok_or("no input")?.clone();
-                let round = state.round;
-                state.round += 1;
+                let round = {
+                    let mut state = self.state.lock().unwrap();
+                    state.round += 1;
+                    state.round - 1
+                };
                 self.start_round(kind, flat, round)?
             }
         };
-        state.pending = Some(started);
+        self.state.lock().unwrap().pending = Some(started);
         Ok(())
     }
 
@@ -324,7 +437,7 @@ impl DeviceComm for HostComm {
         self.check_live()?;
         let mut state = self.state.lock().unwrap();
         let started = state.pending.take().ok_or("nothing was started")?;
-        let mut shared = self.shared.lock().unwrap();
+        let mut shared = self.shared()?.lock().unwrap();
         match started {
             Started::Round(round, flat) => {
                 let values = shared
@@ -360,14 +473,24 @@ impl DeviceComm for HostComm {
 
     fn poll(&self) -> Result<bool, String> {
         self.check_live()?;
-        let shared = self.shared.lock().unwrap();
+        let shared = self.shared()?.lock().unwrap();
         if shared.aborted {
             return Err("ncclRemoteError: a peer aborted the communicator".into());
         }
         if shared.connected < shared.world {
             return Ok(false);
         }
-        let state = self.state.lock().unwrap();
+        drop(shared);
+        let mut state = self.state.lock().unwrap();
+        // A split is this communicator's operation: it completes here, where NCCL writes the child's handle.
+        if let Some((child, id, world)) = state.splitting.take() {
+            let _ = child.set(join(&id, world));
+            return Ok(true);
+        }
+        if state.finalized {
+            return Ok(true);
+        }
+        let shared = self.shared()?.lock().unwrap();
         Ok(match &state.pending {
             None => true,
             Some(Started::Round(round, _)) => shared
@@ -391,18 +514,22 @@ impl DeviceComm for HostComm {
 
     fn split(&self, color: usize, key: usize, world: usize) -> Result<Box<dyn DeviceComm>, String> {
         self.check_live()?;
+        self.shared()?;
+        if self.library.fail_split == Some(self.rank) {
+            return Err("ncclInternalError: the split could not be set up".into());
+        }
         self.library.splits.fetch_add(1, Ordering::Relaxed);
-        let n = {
-            let mut state = self.state.lock().unwrap();
-            state.splits += 1;
-            state.splits
-        };
+        let mut state = self.state.lock().unwrap();
+        state.splits += 1;
         // The child's id: the parent's, which split of it, and the colour.
         let mut id = self.id.clone();
-        id.extend_from_slice(&(n as u64).to_le_bytes());
+        id.extend_from_slice(&(state.splits as u64).to_le_bytes());
         id.extend_from_slice(&(color as u64).to_le_bytes());
+        // No group yet: the parent's next poll completes the split.
+        let handle: Handle = Arc::new(OnceLock::new());
+        state.splitting = Some((handle.clone(), id.clone(), world));
         Ok(Box::new(HostComm {
-            shared: join(&id, world),
+            handle,
             id,
             rank: key,
             library: HostLibrary {
@@ -415,11 +542,38 @@ impl DeviceComm for HostComm {
         }))
     }
 
+    fn finalize(&self) -> Result<(), String> {
+        self.check_live()?;
+        self.shared()?;
+        self.note("finalize");
+        self.state.lock().unwrap().finalized = true;
+        Ok(())
+    }
+
+    fn destroy(&self) -> Result<(), String> {
+        self.check_live()?;
+        let finalized = self.state.lock().unwrap().finalized;
+        self.note(if finalized {
+            "destroy"
+        } else {
+            "destroy before its finalize completed"
+        });
+        // Freed: any later call is a use after free, as after an abort.
+        self.aborted.store(true, Ordering::Release);
+        Ok(())
+    }
+
     fn abort(&self) {
         // NCCL's abort of an aborted communicator is itself a use after free.
         self.check_live().ok();
+        self.note("abort");
         self.aborted.store(true, Ordering::Release);
-        self.shared.lock().unwrap().aborted = true;
+        if let Ok(shared) = self.shared() {
+            shared.lock().unwrap().aborted = true;
+        }
+        // Only now may the buffers of a batch that failed part way go.
+        let kept = self.state.lock().unwrap().kept.take();
+        drop(kept);
     }
 }
 
