@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
-use burn_accelerate::optim::FusedAdamWConfig;
+use burn_accelerate::optim::{FusedAdamWConfig, FusedAdamWUpdates};
 use burn_accelerate::{Accelerator, MixedPrecision, Result, ShardingStrategy, StateToSave};
 use fixtures::initial;
 use mlp::{Mlp, SampleBatcher, weights};
@@ -25,26 +25,51 @@ enum Which {
     Fused,
 }
 
-fn optimizer(which: Which, weight_decay: f32) -> ModuleOptimizer {
+/// The optimizer, and for the fused one the count of its updates each way.
+fn counted(which: Which, weight_decay: f32) -> (ModuleOptimizer, Option<FusedAdamWUpdates>) {
     match which {
-        Which::Burn => AdamWConfig::new().with_weight_decay(weight_decay).init(),
-        Which::Fused => FusedAdamWConfig::new()
-            .with_weight_decay(weight_decay)
-            .init(),
+        Which::Burn => (
+            AdamWConfig::new().with_weight_decay(weight_decay).init(),
+            None,
+        ),
+        Which::Fused => {
+            let (optimizer, updates) = FusedAdamWConfig::new()
+                .with_weight_decay(weight_decay)
+                .init_counted();
+            (optimizer, Some(updates))
+        }
     }
+}
+
+fn optimizer(which: Which, weight_decay: f32) -> ModuleOptimizer {
+    counted(which, weight_decay).0
+}
+
+/// Every update of `updates` went through the fused loop: `expected` of them, none through Burn's AdamW (so that
+/// the comparison with Burn's AdamW compares two implementations, not one with itself).
+fn all_fused(updates: &FusedAdamWUpdates, expected: u64, what: &str) {
+    assert_eq!(
+        (updates.fused(), updates.fallback()),
+        (expected, 0),
+        "{what}: updates by the fused loop and by Burn's AdamW"
+    );
 }
 
 /// `steps` steps of a plain Burn loop (no accelerator) from the fixed initial model.
 fn plain(which: Which, weight_decay: f32, steps: usize) -> Vec<Vec<f32>> {
     let mut model = initial();
     let device = burn::tensor::Device::default().autodiff();
-    let mut optim = optimizer(which, weight_decay);
+    let (mut optim, updates) = counted(which, weight_decay);
     for step in 0..steps {
         let batch = SampleBatcher.batch(mlp::samples(32, step as u64), &device);
         let grads = GradientsParams::from_grads(model.loss(batch).backward(), &model);
         model = optim.step(1e-2, model, grads);
     }
-    weights(&model)
+    let weights = weights(&model);
+    if let Some(updates) = updates {
+        all_fused(&updates, (steps * weights.len()) as u64, "a plain loop");
+    }
+    weights
 }
 
 #[test]
@@ -80,7 +105,8 @@ fn accelerated(
         .launch(ranks, move |acc| -> Result<Vec<Vec<f32>>> {
             let device = acc.device().clone();
             let mut model = acc.prepare_model(initial())?;
-            let mut optim = acc.prepare_optimizer(optimizer(which, 0.01), 1e-2);
+            let (optim, updates) = counted(which, 0.01);
+            let mut optim = acc.prepare_optimizer(optim, 1e-2);
             for step in 0..steps {
                 let seed = (step * ranks + acc.process_index()) as u64;
                 let batch = SampleBatcher.batch(mlp::samples(16, seed), &device);
@@ -92,6 +118,18 @@ fn accelerated(
                 }
                 drop(whole);
                 model = optim.try_step(model)?;
+            }
+            // Every parameter this rank steps (its slices, under sharding), on every step that applied, went
+            // through the fused loop (none skipped here: fp16's first steps may overflow and skip).
+            if let Some(updates) = updates {
+                assert!(updates.fused() > 0, "{sharding}: no fused update");
+                assert_eq!(
+                    updates.fallback(),
+                    0,
+                    "{sharding} {precision:?} accumulation {accumulation}: updates through Burn's AdamW ({} \
+                     fused)",
+                    updates.fused()
+                );
             }
             Ok(weights(&acc.unshard(&model)?))
         })
@@ -199,7 +237,7 @@ fn tensors_the_loop_cannot_take_step_through_burns_adamw() {
             (&device, DType::F64),
         ));
         layer.bias = None;
-        let mut optim = optimizer(which, 0.01);
+        let (mut optim, updates) = counted(which, 0.01);
         for step in 0..5 {
             let x = Tensor::<2>::from_data(
                 TensorData::new(vec![step as f64 * 0.1 + 0.3; 12], [4, 3]),
@@ -212,6 +250,10 @@ fn tensors_the_loop_cannot_take_step_through_burns_adamw() {
             layer = optim.step(1e-2, layer, grads);
         }
         assert_eq!(layer.weight.val().dtype(), DType::F64);
+        if let Some(updates) = updates {
+            // The fallback, as documented: every update through Burn's AdamW, none through the loop.
+            assert_eq!((updates.fused(), updates.fallback()), (0, 5));
+        }
         layer.weight.val().into_data().try_to_vec::<f64>().unwrap()
     };
     assert_eq!(run(Which::Fused), run(Which::Burn));

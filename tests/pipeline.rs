@@ -178,6 +178,32 @@ fn merged(ranks: &[Vec<Vec<f32>>], stages: usize, replicas: usize) -> Vec<Vec<f3
         .collect()
 }
 
+/// Every replica of every stage holds the weights of its stage's replica 0, bit for bit: each parameter the stage
+/// trains (its blocks; the input layer on the first stage, the head on the last), all of them compared.
+fn replicas_agree(ranks: &[Vec<Vec<f32>>], stages: usize, replicas: usize, what: &str) {
+    let count = ranks[0].len();
+    for stage in 0..stages {
+        let first = &ranks[stage * replicas];
+        let trained: Vec<usize> = (0..count)
+            .filter(|&j| match j {
+                0 | 1 => stage == 0,
+                _ if j + 2 >= count => stage + 1 == stages,
+                _ => !first[j].is_empty(),
+            })
+            .collect();
+        assert!(!trained.is_empty(), "{what}: stage {stage} trains nothing");
+        for replica in 1..replicas {
+            let other = &ranks[stage * replicas + replica];
+            for &j in &trained {
+                assert_eq!(
+                    first[j], other[j],
+                    "{what}: stage {stage}, replica {replica}, parameter {j}"
+                );
+            }
+        }
+    }
+}
+
 /// One process accumulating the same micro-batches in the same order, `accumulation` batches per step.
 fn reference(run: Run) -> (Vec<Vec<f32>>, Vec<f32>) {
     let rows = BATCH;
@@ -474,23 +500,39 @@ fn a_stage_receives_only_its_own_blocks_and_what_is_outside_them() {
         .map(Vec::len)
         .sum();
     let count = layers.len();
-    for (rank, (values, held)) in received.iter().enumerate().skip(1) {
+    let block = layers[2].len() + layers[3].len();
+    for (rank, (values, held)) in received.iter().enumerate() {
         let total: usize = held.iter().map(Vec::len).sum();
         // Its 2 blocks, and on the first and the last stage the input layer and the head, once each: not the
-        // other stages' 6 blocks; the stages between hold nothing outside their blocks.
-        assert_eq!(*values as usize, total, "rank {rank}");
+        // other stages' 6 blocks; the stages between hold nothing outside their blocks. The main process (the
+        // first stage) draws every parameter, receives none, and sends each stage its part, once.
+        let sent: usize = received[1..]
+            .iter()
+            .map(|(_, held)| held.iter().map(Vec::len).sum::<usize>())
+            .sum();
+        let expected = if rank == 0 { sent } else { total };
+        assert_eq!(*values as usize, expected, "rank {rank}");
         assert!(total < whole / 2, "rank {rank}: {total} of {whole}");
         let outside = held[0].len() + held[1].len() + held[count - 2].len() + held[count - 1].len();
+        let own: Vec<usize> = (0..LAYERS)
+            .filter(|l| !held[2 + 2 * l].is_empty())
+            .collect();
+        assert_eq!(own, vec![2 * rank, 2 * rank + 1], "rank {rank}'s blocks");
         match rank {
-            3 => assert_eq!(
+            0 | 3 => assert_eq!(
                 outside, rest,
-                "the last stage holds the input layer and the head"
+                "rank {rank}: the first and the last stage hold the input layer and the head"
             ),
             _ => assert_eq!(
                 outside, 0,
                 "rank {rank} (a middle stage) holds none of them"
             ),
         }
+        assert_eq!(
+            total,
+            2 * block + outside,
+            "rank {rank}: its blocks and what is outside"
+        );
     }
 }
 
@@ -561,8 +603,8 @@ fn stages_of_two_replicas_train_as_one_process_on_the_whole_batch() {
         let got = merged(&ranks, 2, 2);
         let diff = max_diff(&got, &expected.0);
         assert!(diff < 2e-5, "{run:?}: {diff}");
-        // Replicas of a stage hold the same weights.
-        assert_eq!(ranks[0][0], ranks[1][0], "{sharding}");
+        // Replicas of a stage hold the same weights: every parameter of every stage.
+        replicas_agree(&ranks, 2, 2, &sharding.to_string());
     }
 }
 
@@ -591,12 +633,7 @@ fn hybrid_stages_train_as_one_process_on_the_whole_batch() {
         };
         let diff = max_diff(&merged(&ranks, 2, 4), &reference(alone).0);
         assert!(diff < 2e-5, "{run:?}: {diff}");
-        for replica in 1..4 {
-            assert_eq!(
-                ranks[0], ranks[replica],
-                "{sharding}: replica {replica} of stage 0"
-            );
-        }
+        replicas_agree(&ranks, 2, 4, &sharding.to_string());
     }
 }
 
@@ -1094,18 +1131,25 @@ fn stages_cut_by_measured_compute_give_the_costly_block_a_stage_of_its_own() {
             times,
         })
         .collect();
-    let costs = measure_block_costs(
-        &blocks,
-        Tensor::<2>::ones([256, 256], &device),
-        |b, mut x| {
-            for _ in 0..b.times {
-                x = b.linear.forward(x).tanh();
-            }
-            x
-        },
-        5,
-    )
-    .unwrap();
+    // Each block's least cost over three measurements: the tests beside this one share the cores, and a
+    // measurement they interrupt is not what the block costs.
+    let measure = || {
+        measure_block_costs(
+            &blocks,
+            Tensor::<2>::ones([256, 256], &device),
+            |b, mut x| {
+                for _ in 0..b.times {
+                    x = b.linear.forward(x).tanh();
+                }
+                x
+            },
+            5,
+        )
+        .unwrap()
+    };
+    let costs = (0..2).fold(measure(), |least, _| {
+        least.iter().zip(measure()).map(|(a, b)| a.min(b)).collect()
+    });
     assert!(
         costs[3] > 4.0 * costs[..3].iter().cloned().fold(0.0, f64::max),
         "{costs:?}"

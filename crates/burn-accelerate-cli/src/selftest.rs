@@ -201,12 +201,24 @@ fn gpu_checks(acc: &Accelerator) -> Result<Vec<String>> {
                 }
             }
             for (name, training) in &check.without_host_buffers {
+                let control = check
+                    .control_bytes
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or(0, |(_, c)| *c);
                 if main {
                     println!(
                         "GPU: {}: {name} with no buffer through host memory: max |weights - the host path's| = \
-                         {:.2e} (bound {:.2e})",
-                        check.transport, training.max_error, training.bound
+                         {:.2e} (bound {:.2e}), control_bytes={control} (budget {})",
+                        check.transport, training.max_error, training.bound, check.control_budget
                     );
+                }
+                if control > check.control_budget {
+                    failures.push(format!(
+                        "{name} with no buffer through host memory: {control} control bytes through host memory, \
+                         past the budget of {}",
+                        check.control_budget
+                    ));
                 }
                 if !training.passed() {
                     failures.push(format!(

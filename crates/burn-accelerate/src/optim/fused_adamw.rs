@@ -6,6 +6,9 @@
 //! cannot take (another backend, another dtype than f32, a strided view) go through Burn's AdamW, as do AMSGrad
 //! and cautious weight decay, which this optimizer does not offer.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use burn::optim::{AdamW, AdamWConfig, AdamWState, LearningRate, ModuleOptimizer, Optimizer};
 use burn::tensor::{Device, Tensor};
 
@@ -81,12 +84,50 @@ impl FusedAdamWConfig {
         FusedAdamW {
             config: *self,
             burn: self.to_burn().build(),
+            updates: FusedAdamWUpdates::default(),
         }
     }
 
     /// The optimizer of a whole module, for `Accelerator::prepare_optimizer` or burn-train's `Learner`.
     pub fn init(&self) -> ModuleOptimizer {
         ModuleOptimizer::from(self.build())
+    }
+
+    /// [`init`](Self::init), with a count of the tensor updates the fused loop made and of those that went
+    /// through Burn's AdamW (to see that a setup takes the fast path):
+    ///
+    /// ```
+    /// use burn_accelerate::optim::FusedAdamWConfig;
+    /// let (optimizer, updates) = FusedAdamWConfig::new().init_counted();
+    /// # drop(optimizer);
+    /// assert_eq!((updates.fused(), updates.fallback()), (0, 0));
+    /// ```
+    pub fn init_counted(&self) -> (ModuleOptimizer, FusedAdamWUpdates) {
+        let optimizer = self.build();
+        let updates = optimizer.updates();
+        (ModuleOptimizer::from(optimizer), updates)
+    }
+}
+
+/// How many tensor updates a [`FusedAdamW`] (and its copies) made in its fused loop, and how many went through
+/// Burn's AdamW (another backend or dtype, a strided view); shared, so that it can be read while the optimizer
+/// steps.
+#[derive(Debug, Clone, Default)]
+pub struct FusedAdamWUpdates(Arc<[AtomicU64; 2]>);
+
+impl FusedAdamWUpdates {
+    /// Tensor updates made by the fused loop.
+    pub fn fused(&self) -> u64 {
+        self.0[0].load(Ordering::Relaxed)
+    }
+
+    /// Tensor updates that went through Burn's AdamW.
+    pub fn fallback(&self) -> u64 {
+        self.0[1].load(Ordering::Relaxed)
+    }
+
+    fn count(&self, fused: bool) {
+        self.0[usize::from(!fused)].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -95,6 +136,14 @@ impl FusedAdamWConfig {
 pub struct FusedAdamW {
     config: FusedAdamWConfig,
     burn: AdamW,
+    updates: FusedAdamWUpdates,
+}
+
+impl FusedAdamW {
+    /// The count of this optimizer's updates, each way (shared with its copies).
+    pub fn updates(&self) -> FusedAdamWUpdates {
+        self.updates.clone()
+    }
 }
 
 impl std::fmt::Debug for FusedAdamW {
@@ -117,9 +166,13 @@ impl Optimizer for FusedAdamW {
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         #[cfg(feature = "flex")]
         let (tensor, grad, state) = match flex::step(&self.config, lr, tensor, grad, state) {
-            Ok(done) => return done,
+            Ok(done) => {
+                self.updates.count(true);
+                return done;
+            }
             Err(given_back) => *given_back,
         };
+        self.updates.count(false);
         self.burn.step(lr, tensor, grad, state)
     }
 
@@ -211,6 +264,15 @@ mod flex {
         matches!(flex.layout().contiguous_offsets(), Some((0, _))).then_some(flex)
     }
 
+    /// A handle on `tensor`'s Flex buffer and where its values start, when they lie contiguous anywhere in it: a
+    /// gradient that is a view into a bucket's reduced buffer, a rank's slice of a parameter (`SHARD_GRAD_OP` cuts
+    /// each to its slice before the step: a view into the whole, then the view's alone).
+    fn readable<const D: usize>(tensor: &Tensor<D>) -> Option<(FlexTensor, usize)> {
+        let flex = tensor.clone().try_into_primitive::<Flex>().ok()?;
+        let (start, _) = flex.layout().contiguous_offsets()?;
+        Some((flex, start))
+    }
+
     /// The fused step, or the inputs back when a tensor is not a plain f32 Flex tensor.
     pub(super) fn step<const D: usize>(
         config: &FusedAdamWConfig,
@@ -234,12 +296,12 @@ mod flex {
         let first = state.is_none();
         let time = state.as_ref().map_or(1, |s| s.momentum.time + 1);
         let handles = (
-            primitive(&tensor),
-            primitive(&grad),
+            readable(&tensor),
+            readable(&grad),
             state.as_ref().map(|s| primitive(&s.momentum.moment_1)),
             state.as_ref().map(|s| primitive(&s.momentum.moment_2)),
         );
-        let (mut param, grad_flex, mut m, mut v) = match handles {
+        let ((mut param, at), grad_flex, mut m, mut v) = match handles {
             (Some(p), Some(g), None, None) => {
                 let device = tensor.device();
                 let zeros = || primitive(&Tensor::<D>::zeros(shape.clone(), &device));
@@ -255,8 +317,10 @@ mod flex {
         drop((tensor, grad, state));
         let coefficients = Coefficients::new(config, lr, time);
         {
-            let grads: &[f32] = &grad_flex.storage::<f32>()[..n];
-            let params: &mut [f32] = &mut param.storage_mut::<f32>()[..n];
+            let (grad_flex, start) = grad_flex;
+            let grads: &[f32] = &grad_flex.storage::<f32>()[start..start + n];
+            // A slice's buffer is its own by now (the whole it was cut from is gone), so this writes in place.
+            let params: &mut [f32] = &mut param.storage_mut::<f32>()[at..at + n];
             let ms: &mut [f32] = &mut m.storage_mut::<f32>()[..n];
             let vs: &mut [f32] = &mut v.storage_mut::<f32>()[..n];
             for (((p, g), m), v) in params

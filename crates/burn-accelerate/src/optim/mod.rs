@@ -23,7 +23,7 @@ use crate::distributed::strategy::{Placed, Strategy, prepare_step, share_stepped
 use crate::error::Result;
 use crate::grad::window::{SharedStep, StepOutcome};
 
-pub use fused_adamw::{FusedAdamW, FusedAdamWConfig};
+pub use fused_adamw::{FusedAdamW, FusedAdamWConfig, FusedAdamWUpdates};
 
 /// The learning rate an optimizer uses, shared with the scheduler that drives it.
 #[derive(Clone)]

@@ -12,14 +12,33 @@ use super::*;
 use crate::config::GradientTransport;
 use crate::distributed::cluster::launch_ranks_over;
 use crate::distributed::comm::Communicator;
-use crate::distributed::tensor_comm::on_device::NoHostBuffers;
+use crate::distributed::tensor_comm::on_device::{ControlBudget, NoHostBuffers};
 use crate::distributed::tensor_comm::shared_device::SharedDevice;
 use crate::distributed::tensor_comm::{Checked, TensorComm};
 
+/// The control each run on the shared device path may pass through host memory, all its ranks together
+/// (agreements, call checks, parameter ids; a save and a load): measured at most 126 bytes, under one parameter of
+/// the stack (a 6 × 6 weight, 144 bytes; one step's gradients are 316 bytes a rank).
+const BUDGET: ControlBudget = ControlBudget {
+    name: "the shared-device tests",
+    bytes: 144,
+    single_values: 0,
+};
+
+/// On a device library's path the communicator's id (128 bytes) and each sub-group's colours cross host memory
+/// too, and so do single values (verdicts, norms, each a value of its own): under 512 bytes in all, where the
+/// stack's gradients of the 3 steps are 948 bytes a rank, and 24 single values a rank.
+const LIBRARY_BUDGET: ControlBudget = ControlBudget {
+    name: "the device library's path in the shared-device tests",
+    bytes: 512,
+    single_values: 24,
+};
+
 /// Runs `f` on `ranks` in-process ranks built by `builder`, each over a [`NoHostBuffers`] double (passing single
-/// values where `single_values`); the results, and the control bytes every rank sent together.
+/// values where `budget` lets any through) within `budget`; the results, and the control bytes every rank sent
+/// together.
 fn launch_without_host_buffers<T: Send>(
-    (builder, single_values): (&AcceleratorBuilder, bool),
+    (builder, budget): (&AcceleratorBuilder, ControlBudget),
     ranks: usize,
     f: impl Fn(Accelerator) -> Result<T> + Send + Sync,
 ) -> (Vec<T>, usize) {
@@ -29,8 +48,12 @@ fn launch_without_host_buffers<T: Send>(
         ranks,
         std::time::Duration::from_secs(60),
         move |inner| {
-            Arc::new(NoHostBuffers::new(inner, counted.clone(), single_values))
-                as Arc<dyn Communicator>
+            Arc::new(NoHostBuffers::new(
+                inner,
+                counted.clone(),
+                budget.single_values > 0,
+                budget,
+            )) as Arc<dyn Communicator>
         },
         |cluster| f(builder.build_in(cluster)?),
     )
@@ -120,7 +143,7 @@ fn every_strategy_trains_through_a_device_librarys_path_without_host_buffers_as_
         }));
         let library_dir = dir.join("library");
         let (through_library, control_bytes) =
-            launch_without_host_buffers((&on_library, true), ranks, |acc| {
+            launch_without_host_buffers((&on_library, LIBRARY_BUDGET), ranks, |acc| {
                 train_stack_steps(acc, &library_dir)
             });
         for rank in 0..ranks {
@@ -194,7 +217,7 @@ fn pipeline_stages_on_a_shared_device_pass_no_value_through_host_memory_and_trai
             .launch(ranks, pipelined_losses)
             .unwrap();
         let (shared, control_bytes) =
-            launch_without_host_buffers((&builder(), false), ranks, pipelined_losses);
+            launch_without_host_buffers((&builder(), BUDGET), ranks, pipelined_losses);
         for rank in 0..ranks {
             assert!(
                 host[rank].1 > 0,
@@ -225,7 +248,7 @@ fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host
             .unwrap();
         let shared_dir = dir.join("shared");
         let (shared, control_bytes) =
-            launch_without_host_buffers((&builder(), false), ranks, |acc| {
+            launch_without_host_buffers((&builder(), BUDGET), ranks, |acc| {
                 train_stack_steps(acc, &shared_dir)
             });
         // The protocol of deferred backends (queues run around every call, copies, a second round), on Flex.
@@ -237,7 +260,7 @@ fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host
             ));
             strategy_over(comm, group, mode)
         }));
-        let (deferred, _) = launch_without_host_buffers((&deferred, false), ranks, |acc| {
+        let (deferred, _) = launch_without_host_buffers((&deferred, BUDGET), ranks, |acc| {
             train_stack_steps(acc, &deferred_dir)
         });
         for rank in 0..ranks {
@@ -265,11 +288,29 @@ fn every_strategy_trains_on_a_shared_device_without_host_buffers_as_through_host
         println!(
             "{mode} on {ranks} ranks: {control_bytes} control bytes through host memory in all"
         );
-        // Agreements and call checks only: less than one parameter of the stack would take.
+        // Agreements and call checks only (the double refuses more): less than one parameter of the stack.
         assert!(
-            control_bytes < 4 * 36,
+            control_bytes <= BUDGET.bytes,
             "{mode}: {control_bytes} control bytes"
         );
     }
     let _ = std::fs::remove_dir_all(&base);
+}
+
+/// The budget is what lets control bytes through, and no more: a rank that sends values as bytes (every step's
+/// gradients of the stack serialised, as a strategy could to dodge the refusal of buffers) is refused.
+#[test]
+fn values_sent_as_bytes_are_refused_past_the_control_budget() {
+    let builder = AcceleratorBuilder::default();
+    let (outcomes, _) = launch_without_host_buffers((&builder, BUDGET), 2, |acc| {
+        let gradients: Vec<f32> = (0..79).map(|i| i as f32 * 0.01).collect();
+        Ok(acc
+            .gather_object(&gradients)
+            .map(|_| ())
+            .map_err(|e| e.to_string()))
+    });
+    for outcome in outcomes {
+        let err = outcome.unwrap_err();
+        assert!(err.contains("past the budget of 144"), "{err}");
+    }
 }

@@ -74,6 +74,13 @@ pub struct TransportCheck {
     /// buffer through host memory fails the check with an error naming it. Filled on the main process (it
     /// trains for the group); empty elsewhere and on other paths.
     pub without_host_buffers: Vec<(&'static str, DtypeCheck)>,
+    /// For each training of [`without_host_buffers`](Self::without_host_buffers), the control bytes (agreements,
+    /// call checks, parameter ids) its ranks passed through host memory, together; each within
+    /// [`control_budget`](Self::control_budget), past which the double refuses them too.
+    pub control_bytes: Vec<(&'static str, usize)>,
+    /// The control bytes each of those trainings may pass through host memory, all its ranks together: well under
+    /// one step's gradients of the check's model.
+    pub control_budget: usize,
 }
 
 impl TransportCheck {
@@ -84,6 +91,10 @@ impl TransportCheck {
             && self.collectives.iter().all(|(_, c)| c.passed())
             && self.training.iter().all(|(_, c)| c.passed())
             && self.without_host_buffers.iter().all(|(_, c)| c.passed())
+            && self
+                .control_bytes
+                .iter()
+                .all(|(_, c)| *c <= self.control_budget)
     }
 }
 
@@ -483,22 +494,28 @@ pub(crate) fn check_against_reference(
     let collectives = check_collectives(group, others.as_ref())?;
     // Ranks sharing a device: every strategy trained over a communicator that refuses host buffers, once, by
     // the main process (the other ranks go on to their next exchange and wait for it there).
-    let without_host_buffers =
-        if choice.kind == TransportKind::SharedDevice && group.is_main_process() {
-            super::host_free::check_strategies_without_host_buffers(
-                group.device(),
-                timeout,
-                preference,
-            )?
-        } else {
-            Vec::new()
-        };
+    let trainings = if choice.kind == TransportKind::SharedDevice && group.is_main_process() {
+        super::host_free::check_strategies_without_host_buffers(
+            group.device(),
+            timeout,
+            preference,
+        )?
+    } else {
+        Vec::new()
+    };
+    let control_bytes = trainings.iter().map(|(n, _, c)| (*n, *c)).collect();
+    let without_host_buffers = trainings
+        .into_iter()
+        .map(|(n, check, _)| (n, check))
+        .collect();
     Ok(Some(TransportCheck {
         transport: named,
         dtypes,
         collectives,
         training,
         without_host_buffers,
+        control_bytes,
+        control_budget: super::host_free::CHECK_BUDGET.bytes,
     }))
 }
 
@@ -544,6 +561,8 @@ mod tests {
             collectives: Vec::new(),
             training: Vec::new(),
             without_host_buffers: Vec::new(),
+            control_bytes: Vec::new(),
+            control_budget: 0,
         };
         assert!(check(vec![ok.clone()]).passed());
         assert!(!check(vec![ok, nan]).passed());

@@ -23,29 +23,83 @@ use crate::distributed::comm::{
 use crate::error::{Error, Result};
 
 /// A communicator that refuses every call carrying values through host memory (collective buffers and
-/// point-to-point messages) and forwards the rest: byte messages (control: agreements, call checks; counted in
-/// `control_bytes`) and the shared values of ranks in one process; with `single_values`, also the all-reduce
-/// of one f64 (a verdict or a norm, counted with the control bytes), which a device library's path leaves on
-/// the host.
+/// point-to-point messages) and forwards the rest: byte messages (control: agreements, call checks, parameter
+/// ids) and the shared values of ranks in one process; with `single_values`, also the all-reduce of one f64 (a
+/// verdict or a norm), which a device library's path leaves on the host. The bytes and single values it forwards
+/// are counted in `control_bytes` (shared by the ranks of one run; single values apart, each rank its own)
+/// and bounded by its [`ControlBudget`]: past it, they are refused too, so that values sent as bytes (a serialised
+/// gradient) or one by one cannot pass for control.
 #[derive(Debug)]
 pub(crate) struct NoHostBuffers {
     inner: Arc<dyn Communicator>,
     control_bytes: Arc<AtomicUsize>,
+    single_values_sent: Arc<AtomicUsize>,
     single_values: bool,
+    budget: ControlBudget,
 }
 
+/// The control bytes a run over [`NoHostBuffers`] may pass through host memory, all its ranks together: what its
+/// agreements, call checks and parameter ids take, well under one step's parameters or gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ControlBudget {
+    /// What the budget is for, in the refusal.
+    pub name: &'static str,
+    /// Bytes, all ranks together.
+    pub bytes: usize,
+    /// Single values (where they are let through), each rank.
+    pub single_values: usize,
+}
+
+/// The budget of [`check_strategies_without_host_buffers`]'s trainings (3 steps of a 273-parameter stack on 2 or
+/// 4 ranks): their agreements and parameter ids measured 122 to 126 bytes, where one block's weight is 400 bytes
+/// and one step's gradients 1,092 bytes a rank.
+pub(crate) const CHECK_BUDGET: ControlBudget = ControlBudget {
+    name: "the no-host-buffer check's trainings",
+    bytes: 256,
+    single_values: 0,
+};
+
 impl NoHostBuffers {
-    /// `inner`, refusing buffers; control bytes added to `control_bytes`.
+    /// `inner`, refusing buffers; control bytes added to `control_bytes`, and refused past `budget`.
     pub fn new(
         inner: Arc<dyn Communicator>,
         control_bytes: Arc<AtomicUsize>,
         single_values: bool,
+        budget: ControlBudget,
     ) -> Self {
         Self {
             inner,
             control_bytes,
+            single_values_sent: Arc::new(AtomicUsize::new(0)),
             single_values,
+            budget,
         }
+    }
+
+    /// Counts `bytes` of control; an error once the run's control is past its budget.
+    fn control(&self, operation: &str, bytes: usize) -> CommResult<()> {
+        let total = self.control_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.within(operation, total, self.budget.bytes, "control bytes")
+    }
+
+    /// Counts one single value; an error once the run's single values are past their budget.
+    fn single_value(&self, operation: &str) -> CommResult<()> {
+        let total = self.single_values_sent.fetch_add(1, Ordering::Relaxed) + 1;
+        self.within(operation, total, self.budget.single_values, "single values")
+    }
+
+    fn within(&self, operation: &str, total: usize, budget: usize, what: &str) -> CommResult<()> {
+        if total <= budget {
+            return Ok(());
+        }
+        Err(CommError::Engine {
+            engine: "no host buffers",
+            operation: operation.into(),
+            reason: format!(
+                "{total} {what} through host memory, past the budget of {budget} for {}: values sent as control?",
+                self.budget.name
+            ),
+        })
     }
 
     fn refuse<T>(&self, operation: &str, values: usize, kind: &str) -> CommResult<T> {
@@ -75,7 +129,7 @@ impl Communicator for NoHostBuffers {
     }
     fn all_reduce(&self, data: ReduceBuffer, op: ReduceOp) -> CommResult<ReduceBuffer> {
         if self.single_values && matches!(&data, ReduceBuffer::F64(v) if v.len() == 1) {
-            self.control_bytes.fetch_add(8, Ordering::Relaxed);
+            self.single_value("all_reduce")?;
             return self.inner.all_reduce(data, op);
         }
         self.refuse("all_reduce", data.len(), data.kind())
@@ -111,18 +165,20 @@ impl Communicator for NoHostBuffers {
         self.refuse("send_recv", values, "f32")
     }
     fn all_gather(&self, data: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
-        self.control_bytes.fetch_add(data.len(), Ordering::Relaxed);
+        self.control("all_gather", data.len())?;
         self.inner.all_gather(data)
     }
     fn broadcast(&self, data: Vec<u8>, root: usize) -> CommResult<Vec<u8>> {
-        self.control_bytes.fetch_add(data.len(), Ordering::Relaxed);
+        self.control("broadcast", data.len())?;
         self.inner.broadcast(data, root)
     }
     fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
         Ok(Arc::new(Self {
             inner: self.inner.split(color, key)?,
             control_bytes: self.control_bytes.clone(),
+            single_values_sent: self.single_values_sent.clone(),
             single_values: self.single_values,
+            budget: self.budget,
         }))
     }
     fn shares_memory(&self) -> bool {
@@ -220,8 +276,9 @@ fn train(acc: Accelerator, block_wise: bool) -> Result<Vec<f32>> {
 }
 
 /// Trains every strategy of [`CASES`] on in-process ranks on `device` twice: through host memory, and with
-/// `transport` over a communicator that refuses every buffer ([`NoHostBuffers`]); `(strategy, check)` of every
-/// rank's weights against the host path's, within 1e-5 of their scale (the paths combine in other orders).
+/// `transport` over a communicator that refuses every buffer ([`NoHostBuffers`], within [`CHECK_BUDGET`]);
+/// `(strategy, check, control bytes)`: every rank's weights against the host path's, within 1e-5 of their scale
+/// (the paths combine in other orders), and the control bytes the ranks passed through host memory.
 ///
 /// # Errors
 /// A training that failed, named: where `transport` passes a buffer through host memory, the refusal.
@@ -229,7 +286,7 @@ pub(crate) fn check_strategies_without_host_buffers(
     device: &Device,
     timeout: Duration,
     transport: GradientTransport,
-) -> Result<Vec<(&'static str, DtypeCheck)>> {
+) -> Result<Vec<(&'static str, DtypeCheck, usize)>> {
     let device = device.clone().without_autodiff();
     CASES
         .into_iter()
@@ -262,8 +319,12 @@ pub(crate) fn check_strategies_without_host_buffers(
                 ranks,
                 timeout,
                 |inner| {
-                    Arc::new(NoHostBuffers::new(inner, control.clone(), false))
-                        as Arc<dyn Communicator>
+                    Arc::new(NoHostBuffers::new(
+                        inner,
+                        control.clone(),
+                        false,
+                        CHECK_BUDGET,
+                    )) as Arc<dyn Communicator>
                 },
                 |cluster| train(refusing.build_in(cluster)?, block_wise),
             )
@@ -271,7 +332,8 @@ pub(crate) fn check_strategies_without_host_buffers(
             let got: Vec<f32> = refused.concat();
             let exact: Vec<f64> = host.concat().into_iter().map(f64::from).collect();
             let bound = 1e-5 * exact.iter().fold(0.0f64, |m, w| m.max(w.abs())).max(1.0);
-            Ok((name, compare(&got, &exact, bound, DType::F32)))
+            let control = control.load(Ordering::Relaxed);
+            Ok((name, compare(&got, &exact, bound, DType::F32), control))
         })
         .collect()
 }
@@ -290,11 +352,12 @@ mod tests {
             check_strategies_without_host_buffers(&device, timeout, GradientTransport::Auto)
                 .unwrap();
         assert_eq!(checks.len(), CASES.len());
-        for (name, check) in &checks {
+        for (name, check, control) in &checks {
             println!(
-                "{name}: max |weights - the host path's| = {:e} (bound {:e}, {} weights)",
+                "{name}: max |weights - the host path's| = {:e} (bound {:e}, {} weights), {control} control bytes",
                 check.max_error, check.bound, check.checked
             );
+            assert!(*control <= CHECK_BUDGET.bytes, "{name}: {control}");
             assert!(check.passed(), "{name}: {check:?}");
             assert!(check.checked > 0, "{name}");
         }

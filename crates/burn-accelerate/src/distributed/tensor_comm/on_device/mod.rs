@@ -30,7 +30,7 @@ pub(crate) use choice::{Exchanges, TransportChoice, TransportFacts, TransportKin
 #[cfg(test)]
 pub(crate) use device::{DeviceCollectives, double};
 #[cfg(test)]
-pub(crate) use host_free::NoHostBuffers;
+pub(crate) use host_free::{ControlBudget, NoHostBuffers};
 
 use std::fmt;
 use std::sync::Arc;
