@@ -285,7 +285,7 @@ fn train(acc: &Accelerator, case: Case, args: &Args, initial: Mlp) -> Result<(Ml
                 let mlp::Batch { x, y } = batch;
                 acc.backward_blocks(
                     &model,
-                    |_| x,
+                    |_| x.clone(),
                     |layer, x| acc.autocast(layer, x, Mlp::hidden),
                     |model, h| {
                         acc.autocast(model, (h, y), |model, (h, y)| {

@@ -374,7 +374,8 @@ fn a_block_wise_run_resumes_with_the_weights_of_one_straight_through() {
 }
 
 /// A block-wise `FULL_SHARD` pass gathers what is outside the blocks without them (`before` sees the blocks as
-/// this rank's dim-0 slices) and each block whole only when it runs, once forward and once recomputed.
+/// this rank's dim-0 slices, in its forward pass and in its recompute) and each block whole only when it runs,
+/// once forward and once recomputed.
 #[test]
 fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
     let calls = AtomicUsize::new(0);
@@ -384,18 +385,19 @@ fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
             let device = acc.device().clone();
             let model = acc.prepare_model(model(4, &device))?;
             let (x, y) = batch(0, 6, &device);
-            let mut whole_blocks = usize::MAX;
+            let whole_blocks = std::cell::Cell::new(usize::MAX);
             acc.accumulate();
             acc.backward_blocks(
                 &model,
                 |m| {
                     // Outside the blocks: whole. The blocks: this rank's slice of each.
                     assert_eq!(m.input.weight.dims(), [6, WIDTH]);
-                    whole_blocks = m
-                        .layers
-                        .iter()
-                        .filter(|l| l.weight.dims()[0] == WIDTH)
-                        .count();
+                    whole_blocks.set(
+                        m.layers
+                            .iter()
+                            .filter(|l| l.weight.dims()[0] == WIDTH)
+                            .count(),
+                    );
                     assert!(
                         m.layers
                             .iter()
@@ -411,7 +413,7 @@ fn a_block_wise_pass_gathers_each_block_only_when_it_runs() {
                 },
                 |m, h| (m.head.forward(h) - y.clone()).powi_scalar(2).mean(),
             )?;
-            Ok(whole_blocks)
+            Ok(whole_blocks.get())
         })
         .unwrap();
     // Before the blocks run no rank holds a block whole (a pass that gathered them up front would show 4).

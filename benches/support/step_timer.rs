@@ -87,7 +87,7 @@ pub fn time_per_step(
                 } else {
                     acc.backward_blocks(
                         &model,
-                        |_| x,
+                        |_| x.clone(),
                         |layer, h| layer.forward(h).tanh(),
                         |_, h| (h - y).powi_scalar(2).mean(),
                     )?;

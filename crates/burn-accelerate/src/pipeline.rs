@@ -78,6 +78,8 @@ pub(crate) struct StepPipeline {
     recompute_seeds: Mutex<Option<(u64, u64)>>,
     /// The micro-batches a pipelined window ran so far (a short last batch runs fewer than `pp_microbatches`).
     window_splits: Mutex<usize>,
+    /// Each model's parts of what is outside its blocks, learnt on its first block-wise `FULL_SHARD` pass.
+    rest_parts: Mutex<std::collections::HashMap<crate::grad::window::ModelKey, blocks::RestParts>>,
 }
 
 impl StepPipeline {
@@ -96,6 +98,7 @@ impl StepPipeline {
             blocks_draw: std::sync::atomic::AtomicBool::new(true),
             recompute_seeds: Mutex::new(None),
             window_splits: Mutex::new(0),
+            rest_parts: Mutex::new(std::collections::HashMap::new()),
         }
     }
 

@@ -27,7 +27,11 @@ impl Accelerator {
     /// - Otherwise: `before`, every block and `after` on the whole model, then [`backward`](Self::backward).
     ///
     /// `before` and `after` are given the model with everything outside the blocks whole (under `FULL_SHARD` the
-    /// blocks in it are this rank's slices: reach the blocks only through `block`). The device's random
+    /// blocks in it are this rank's slices: reach the blocks only through `block`). Under `FULL_SHARD` what is
+    /// outside the blocks is gathered for each use and freed after it (FSDP2's units of their own): for `before`,
+    /// for `after` and the loss, and for `before` again in the backward pass, which recomputes it (so `before` is
+    /// a `Fn`, and draws the same random numbers both times); each part's gradients are reduce-scattered as soon
+    /// as they exist. The device's random
     /// number generator is reseeded before each block, with the same value in its forward pass and its
     /// recompute, so that dropout draws the same masks in both. Burn's generators are process-wide, so while the
     /// blocks draw random numbers, ranks of one process ([`launch`](crate::launch)) take turns to run `before`,
@@ -90,7 +94,7 @@ impl Accelerator {
     pub fn backward_blocks<M, const D: usize>(
         &self,
         model: &M,
-        before: impl FnOnce(&M) -> Tensor<D>,
+        before: impl Fn(&M) -> Tensor<D>,
         block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
         after: impl FnOnce(&M, Tensor<D>) -> Tensor<1>,
     ) -> Result<Tensor<1>>

@@ -72,6 +72,78 @@ fn block_ids<M: Blocks>(model: &M) -> HashSet<ParamId> {
     model.blocks().iter().flat_map(param_ids).collect()
 }
 
+/// The device `model`'s parameters live on.
+///
+/// # Errors
+/// A model without a float parameter.
+fn model_device<M: Module>(model: &M) -> Result<burn::tensor::Device> {
+    let mut device = None;
+    crate::named_params::floats(model, |p| {
+        device.get_or_insert_with(|| p.placement().0);
+    });
+    device.ok_or_else(|| {
+        Error::InvalidArgument(
+            "backward_blocks: the model has no float parameter; prepare a model with parameters to train".into(),
+        )
+    })
+}
+
+/// What a block-wise `FULL_SHARD` pass reduces of the parameters outside the blocks, and when: `after`'s part
+/// (what the loss reached on some rank) as soon as the head's backward pass has run, the rest (what `before`
+/// reached, and anything no rank's `after` did) once `before`'s recompute has. Learnt on a model's first pass
+/// (one all-reduce of which ranks reached what), the same lists on every rank.
+#[derive(Debug, Clone)]
+pub(super) struct RestParts {
+    /// The parameters outside the blocks these parts cover, in visiting order.
+    of: Vec<ParamId>,
+    after: Vec<(ParamId, usize)>,
+    before: Vec<(ParamId, usize)>,
+}
+
+impl StepPipeline {
+    /// The parts learnt for `model` whose parameters outside the blocks are `rest` (none before its first pass,
+    /// or when they changed: a layer unfrozen since).
+    fn rest_parts<M: Module>(&self, model: &M, rest: &[(ParamId, usize)]) -> Option<RestParts> {
+        let parts = self.rest_parts.lock().unwrap_or_else(|e| e.into_inner());
+        parts
+            .get(&model_key(model))
+            .filter(|p| p.of.iter().eq(rest.iter().map(|(id, _)| id)))
+            .cloned()
+    }
+
+    /// Learns `model`'s parts from what this rank's first pass reached, `after` and `before`, and every other
+    /// rank's (one all-reduce over the ranks): `after`'s part, what some rank's `after` reached; `before`'s, what
+    /// some rank's `before` reached and whatever `after`'s part lacks.
+    fn learn_rest_parts<M: Module>(
+        &self,
+        model: &M,
+        rest: &[(ParamId, usize)],
+        after: &HashSet<ParamId>,
+        before: &HashSet<ParamId>,
+    ) -> Result<()> {
+        let flags: Vec<bool> = rest
+            .iter()
+            .map(|(id, _)| after.contains(id))
+            .chain(rest.iter().map(|(id, _)| before.contains(id)))
+            .collect();
+        let any = self.strategy.any_rank_each(&flags)?;
+        let n = rest.len();
+        let parts = RestParts {
+            of: rest.iter().map(|(id, _)| *id).collect(),
+            after: (0..n).filter(|&j| any[j]).map(|j| rest[j]).collect(),
+            before: (0..n)
+                .filter(|&j| any[n + j] || !any[j])
+                .map(|j| rest[j])
+                .collect(),
+        };
+        self.rest_parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(model_key(model), parts);
+        Ok(())
+    }
+}
+
 /// Where a block-wise pass puts each part's gradients.
 enum Sink {
     /// Into one local buffer, reduced across ranks as a whole at the end of the pass, as `backward` does.
@@ -89,7 +161,7 @@ impl StepPipeline {
     pub fn backward_blocks<M, const D: usize>(
         &self,
         model: &M,
-        before: impl FnOnce(&M) -> Tensor<D>,
+        before: impl Fn(&M) -> Tensor<D>,
         block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
         after: impl FnOnce(&M, Tensor<D>) -> Tensor<1>,
         checkpoint: bool,
@@ -113,7 +185,30 @@ impl StepPipeline {
         let started = std::time::Instant::now();
         let sync_before = self.shared.lock().phases.gradient_sync;
         let blocks = block_ids(model);
-        let rest = unshard_except(strategy, model, &blocks)?;
+        // What is outside the blocks (embeddings, the head): where every rank holds it whole, held for the whole
+        // pass; under FULL_SHARD gathered for each use and freed after it, as FSDP2 shards them as units of their
+        // own (torchtitan's `tok_embeddings`, `norm` + `output`): for `before`'s forward, for `after` and the
+        // loss, and for `before`'s recompute in the backward pass, each part's gradients reduce-scattered as soon
+        // as they exist.
+        let kept_rest = match gather_each_block {
+            false => Some(unshard_except(strategy, model, &blocks)?),
+            true => None,
+        };
+        let gather_rest = || -> Result<M> {
+            match &kept_rest {
+                Some(rest) => Ok(rest.clone()),
+                None => unshard_except(strategy, model, &blocks),
+            }
+        };
+        let rest = gather_rest()?;
+        let rest_params: Vec<(ParamId, usize)> = trainable_params(&rest)
+            .into_iter()
+            .filter(|(id, _)| !blocks.contains(id))
+            .collect();
+        let parts = match gather_each_block {
+            true => self.rest_parts(model, &rest_params),
+            false => None,
+        };
         let mut sink = if !gather_each_block {
             Sink::Local(Box::default())
         } else if self
@@ -138,13 +233,36 @@ impl StepPipeline {
 
         // Forward, without a graph: only the activations between blocks are kept.
         // The generator is taken in turns only while the blocks draw random numbers (see `GENERATOR`): the last
-        // pass's finding for `before`, this pass's (its first block's forward pass) for the rest.
-        let h0 = {
-            let _generator = self.blocks_draw().then(generator);
-            before(&rest)
+        // pass's finding for `before`, this pass's (its first block's forward pass) for the rest. Where `before`
+        // runs again in the backward pass (its part gathered anew), it is seeded alike both times.
+        let (h0, device, seeds) = if gather_each_block {
+            let device = model_device(model)?;
+            let seeds = self.pass_seeds(&device)?;
+            let h0 = {
+                let _generator = self.blocks_draw().then(generator);
+                seeds.before_rest(&device);
+                before(&rest)
+            };
+            (h0, device, seeds)
+        } else {
+            let h0 = {
+                let _generator = self.blocks_draw().then(generator);
+                before(&rest)
+            };
+            let device = h0.device();
+            let seeds = self.pass_seeds(&device)?;
+            (h0, device, seeds)
         };
-        let device = h0.device();
-        let seeds = self.pass_seeds(&device)?;
+        // Whether `before` has parameters that train (a frozen embedding has none).
+        let before_trains = h0.is_tracked();
+        let h0 = match gather_each_block {
+            // Its graph goes with the gathered part; `before` is recomputed with one in the backward pass.
+            true => {
+                drop(rest);
+                h0.detach()
+            }
+            false => h0,
+        };
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
         boundaries.push(h0.clone().detach());
         let mut draws = true;
@@ -187,6 +305,7 @@ impl StepPipeline {
             .pop()
             .expect("the first activation is always there")
             .require_grad();
+        let rest = gather_rest()?;
         let loss = {
             let _generator = draws.then(generator);
             after(&rest, top.clone())
@@ -211,18 +330,36 @@ impl StepPipeline {
         let mut rest_grads = GradientBuffer::new();
         rest_grads.collect(&rest, &mut grads);
         drop(grads);
+        let after_reached: HashSet<ParamId> = rest_grads.ids().into_iter().collect();
+        // Where the parts are known (every pass but a model's first), `after`'s are reduced now, while the
+        // blocks run backward; what it reached of `before`'s part waits for that part.
+        let mut in_flight: Option<FinishReduce> = None;
+        if let Some(parts) = &parts {
+            let mut waiting = GradientBuffer::new();
+            let own: HashSet<ParamId> = parts.after.iter().map(|(id, _)| *id).collect();
+            for id in rest_grads.ids() {
+                if !own.contains(&id)
+                    && let Some((shape, flat)) = rest_grads.take(id)
+                {
+                    waiting.put(id, shape, flat);
+                }
+            }
+            rest_grads.hold_one_of(&rest, &parts.after);
+            self.add_part(&mut sink, rest_grads, &parts.after, &mut in_flight)?;
+            rest_grads = waiting;
+        }
+        drop(rest);
 
         // The blocks in reverse: recompute with a graph, back-propagate the gradient from above; block i - 1's
         // gather is started before block i computes (FSDP's backward prefetch). Below the lowest block that trains
         // (the bottom of a model fine-tuned from its top, frozen with `Module::no_grad`) nothing needs a gradient:
         // those blocks are neither gathered again nor recomputed, on every rank alike.
-        let lowest = match h0.is_tracked() {
+        let lowest = match before_trains {
             true => 0,
             false => trains.iter().position(|t| *t).unwrap_or(trains.len()),
         };
         let mut next = None;
-        // The last part's reduction, running while the next block computes.
-        let mut in_flight: Option<FinishReduce> = None;
+        // The last part's reduction runs while the next block computes.
         for (i, b) in model.blocks().iter().enumerate().skip(lowest).rev() {
             let started = match next.take() {
                 Some(started) => started,
@@ -238,7 +375,7 @@ impl StepPipeline {
             }
             let input = boundaries.pop().expect("one activation per block");
             // The lowest block's input needs a gradient only where `before` has parameters that train.
-            let needs_input_grad = i > lowest || h0.is_tracked();
+            let needs_input_grad = i > lowest || before_trains;
             let x = if needs_input_grad {
                 input.require_grad()
             } else {
@@ -272,21 +409,49 @@ impl StepPipeline {
         }
         seeds.after_pass(&device);
 
-        // What precedes the blocks (embeddings), then the rest's gradients as one part.
-        if h0.is_tracked() {
+        // What precedes the blocks (embeddings): its part gathered again and recomputed with a graph under
+        // FULL_SHARD, then its gradients (and what `after` reached of its part) as one part.
+        let mut before_reached = HashSet::new();
+        if before_trains {
+            let rest = gather_rest()?;
+            let h0 = match gather_each_block {
+                true => {
+                    let _generator = self.blocks_draw().then(generator);
+                    seeds.before_rest(&device);
+                    before(&rest)
+                }
+                false => h0,
+            };
             let mut grads = (h0 * upstream).sum().backward();
-            rest_grads.collect(&rest, &mut grads);
+            let mut part = GradientBuffer::new();
+            part.collect(&rest, &mut grads);
+            drop(grads);
+            before_reached.extend(part.ids());
+            rest_grads.absorb(part);
+            let list = parts.as_ref().map_or(&rest_params, |p| &p.before);
+            if matches!(sink, Sink::ReducedPerPart { .. }) {
+                rest_grads.hold_one_of(&rest, list);
+            }
+            // The gathered part goes before its gradients are reduced: under FULL_SHARD a rank then holds the
+            // part's gradients and their reduction's buffers, not the part itself as well; and what the blocks'
+            // gathers freed goes back to the system first (glibc keeps freed blocks of their size on its heap).
+            drop(rest);
+            if gather_each_block {
+                crate::memory::release_free_heap();
+            }
         }
-        let rest_params: Vec<(ParamId, usize)> = trainable_params(&rest)
-            .into_iter()
-            .filter(|(id, _)| !blocks.contains(id))
-            .collect();
-        if matches!(sink, Sink::ReducedPerPart { .. }) {
-            rest_grads.hold_one_of(&rest, &rest_params);
+        match &parts {
+            Some(parts) => self.add_part(&mut sink, rest_grads, &parts.before, &mut in_flight)?,
+            None => {
+                self.add_part(&mut sink, rest_grads, &rest_params, &mut in_flight)?;
+                if gather_each_block {
+                    // The model's first pass: every rank learns what `after` and `before` reached, once.
+                    self.learn_rest_parts(model, &rest_params, &after_reached, &before_reached)?;
+                }
+            }
         }
-        self.add_part(&mut sink, rest_grads, &rest_params, &mut in_flight)?;
         self.finish_part(&mut in_flight)?;
-        drop(rest);
+        drop(kept_rest);
         {
             // The pass so far is back-propagation (with its recomputes), but for the parts' reductions.
             let mut core = self.shared.lock();
@@ -443,6 +608,16 @@ impl BlockSeeds {
 
     pub(super) fn before_block(&self, device: &burn::tensor::Device, block: usize) {
         device.seed(self.0.wrapping_add(block as u64 + 1));
+    }
+
+    /// Before `before` runs (its forward pass, and its recompute where it is gathered anew for the backward).
+    pub(super) fn before_rest(&self, device: &burn::tensor::Device) {
+        device.seed(self.0 ^ 0x5bd1_e995_5bd1_e995);
+    }
+
+    /// Before `after` runs (a pipeline's last stage, where the head is gathered anew for the backward pass).
+    pub(super) fn before_after(&self, device: &burn::tensor::Device) {
+        device.seed(self.0 ^ 0x27d4_eb2f_1656_67c5);
     }
 
     /// The generator continues from a seed of its own after the pass.

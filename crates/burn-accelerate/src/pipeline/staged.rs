@@ -38,7 +38,7 @@ use crate::distributed::stages::mesh::Stages;
 use crate::distributed::stages::partition::balanced_stages;
 use crate::distributed::stages::schedule::{Pass, stage_passes};
 use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
-use crate::distributed::strategy::{trainable_params, unshard};
+use crate::distributed::strategy::{BlockPass, trainable_params, unshard, unshard_except};
 use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
 use crate::grad::param_ids;
@@ -62,6 +62,21 @@ struct Live<const D: usize> {
     /// Where the last block's graph ends (none when this stage did not compute the micro-batch: a pass failed
     /// here or before).
     end: Option<End<D>>,
+    /// Under a sharded stage, what `before` and `after` run again in the backward pass (see [`Deferred`]).
+    deferred: Option<Deferred<D>>,
+}
+
+/// Under a sharded stage (`FULL_SHARD`, the hybrids), what is outside the blocks (the embeddings on the first
+/// stage, the head on the last) is gathered for each use and freed after it, as FSDP2 shards them as units of
+/// their own: for each micro-batch's `before` or `after`, and again for its backward pass, which runs them anew
+/// (with the random numbers of their forward pass) instead of keeping them gathered for the whole step.
+struct Deferred<const D: usize> {
+    /// On the first stage, `before`'s output, tracked anew where `before` trains: its recompute's gradient.
+    h0: Option<Tensor<D>>,
+    /// On the last stage, the blocks' output, tracked anew: where the loss's recompute starts.
+    top: Option<Tensor<D>>,
+    /// The seeds of `before`'s and `after`'s draws.
+    seeds: BlockSeeds,
 }
 
 /// What a checkpointed forward pass keeps for the backward pass's recompute.
@@ -83,6 +98,9 @@ enum End<const D: usize> {
     Output(Tensor<D>),
     /// The last stage's micro-batch loss.
     Loss(Tensor<1>),
+    /// The last stage's micro-batch loss, its value only: the graph is made anew in the backward pass (see
+    /// [`Deferred`]).
+    Deferred(Tensor<1>),
 }
 
 impl StepPipeline {
@@ -140,7 +158,27 @@ impl StepPipeline {
         // A batch that cannot be cut stops this replica's stages computing, not their collectives: every rank
         // learns of it at the step's verdict (see `micro_batches`).
         let (m, parts, unsplit) = micro_batches(batch, stages.micro_batches, "backward_batch");
-        let whole = unshard(self.strategy.as_ref(), model)?;
+        let last = layout.is_last_stage();
+        // Under a sharded stage the stage's blocks are gathered for the step and what is outside them for each use
+        // (see `Deferred`); otherwise every rank of the stage holds it all already.
+        let per_use = self.strategy.block_pass() == BlockPass::GatherEachBlock && (s == 0 || last);
+        let all_blocks: HashSet<ParamId> = model.blocks().iter().flat_map(param_ids).collect();
+        let whole = match per_use {
+            true => {
+                let rest: HashSet<ParamId> = param_ids(model)
+                    .into_iter()
+                    .filter(|id| !all_blocks.contains(id))
+                    .collect();
+                unshard_except(self.strategy.as_ref(), model, &rest)?
+            }
+            false => unshard(self.strategy.as_ref(), model)?,
+        };
+        let gather_rest = || -> Result<M> {
+            match per_use {
+                true => unshard_except(self.strategy.as_ref(), &whole, &all_blocks),
+                false => Ok(whole.clone()),
+            }
+        };
         let blocks = &whole.blocks()[range.clone()];
         // Under activation checkpointing the forward passes run the blocks without a graph: frozen once a step.
         let frozen: Vec<M::Block> = match checkpoint {
@@ -154,7 +192,6 @@ impl StepPipeline {
         let device = mail.device.clone();
         let mut live: HashMap<usize, Live<D>> = HashMap::new();
         let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
-        let last = layout.is_last_stage();
         let passes = stage_passes(stages.schedule, s, p, m);
         // A pass that fails (an error, or a panic such as LibTorch's out-of-memory one) stops this stage computing
         // the step, but not its messages: it sends on what its neighbours wait for (a header marked failed for an
@@ -175,10 +212,52 @@ impl StepPipeline {
                         },
                     };
                     let start = Instant::now();
+                    // `before` on its part gathered for it, then freed (see `Deferred`).
+                    let deferred_before =
+                        |seeds: &BlockSeeds| -> Result<(Tensor<D>, Option<Tensor<D>>)> {
+                            let rest = gather_rest()?;
+                            let h = {
+                                let _generator = self.blocks_draw().then(generator);
+                                seeds.before_rest(&device);
+                                before(&rest, &parts[i])
+                            };
+                            let trains = h.is_tracked();
+                            let h = match trains {
+                                true => h.detach().require_grad(),
+                                false => h.detach(),
+                            };
+                            Ok((h.clone(), trains.then_some(h)))
+                        };
+                    // The loss's value on the head gathered for it, then freed; the graph is made anew in the
+                    // backward pass.
+                    let deferred_after =
+                        |top: &Tensor<D>, seeds: &BlockSeeds| -> Result<Tensor<1>> {
+                            let rest = gather_rest()?;
+                            let loss = {
+                                let _generator = self.blocks_draw().then(generator);
+                                seeds.before_after(&device);
+                                after(&rest, top.clone(), &parts[i])
+                            };
+                            tracked(&loss)?;
+                            Ok(loss.detach())
+                        };
                     let forward = || -> Result<Live<D>> {
-                        let mut y = match &input {
-                            Some(x) => x.clone(),
-                            None => before(&whole, &parts[i]),
+                        let mut deferred = match per_use {
+                            true => Some(Deferred {
+                                h0: None,
+                                top: None,
+                                seeds: self.pass_seeds(&device)?,
+                            }),
+                            false => None,
+                        };
+                        let mut y = match (&input, &mut deferred) {
+                            (Some(x), _) => x.clone(),
+                            (None, Some(d)) => {
+                                let (h, h0) = deferred_before(&d.seeds)?;
+                                d.h0 = h0;
+                                h
+                            }
+                            (None, None) => before(&whole, &parts[i]),
                         };
                         let mut cuts = Vec::with_capacity(blocks.len().saturating_sub(1));
                         for (j, b) in blocks.iter().enumerate() {
@@ -189,25 +268,47 @@ impl StepPipeline {
                             }
                             y = block(b, y);
                         }
-                        let end = if last {
-                            let loss = after(&whole, y, &parts[i]);
-                            tracked(&loss)?;
-                            End::Loss(loss)
-                        } else {
-                            End::Output(y)
+                        let end = match (last, &mut deferred) {
+                            (true, Some(d)) => {
+                                let top = y.clone().detach().require_grad();
+                                cuts.push((y, top.clone()));
+                                let value = deferred_after(&top, &d.seeds)?;
+                                d.top = Some(top);
+                                End::Deferred(value)
+                            }
+                            (true, None) => {
+                                let loss = after(&whole, y, &parts[i]);
+                                tracked(&loss)?;
+                                End::Loss(loss)
+                            }
+                            (false, _) => End::Output(y),
                         };
                         Ok(Live {
                             input: input.clone(),
                             cuts,
                             recompute: None,
                             end: Some(end),
+                            deferred,
                         })
                     };
                     // Activation checkpointing: the blocks run without a graph, keeping only their inputs.
                     let forward_checkpointed = || -> Result<Live<D>> {
-                        let first = match &input {
-                            Some(x) => x.clone(),
-                            None => {
+                        let mut deferred = match per_use {
+                            true => Some(Deferred {
+                                h0: None,
+                                top: None,
+                                seeds: self.pass_seeds(&device)?,
+                            }),
+                            false => None,
+                        };
+                        let first = match (&input, &mut deferred) {
+                            (Some(x), _) => x.clone(),
+                            (None, Some(d)) => {
+                                let (h, h0) = deferred_before(&d.seeds)?;
+                                d.h0 = h0;
+                                h
+                            }
+                            (None, None) => {
                                 let _generator = self.blocks_draw().then(generator);
                                 before(&whole, &parts[i])
                             }
@@ -233,16 +334,23 @@ impl StepPipeline {
                                 block(b, x).detach()
                             };
                         }
-                        let (end, top) = if last {
-                            let top = y.require_grad();
-                            let loss = {
-                                let _generator = draws.then(generator);
-                                after(&whole, top.clone(), &parts[i])
-                            };
-                            tracked(&loss)?;
-                            (End::Loss(loss), Some(top))
-                        } else {
-                            (End::Output(y), None)
+                        let (end, top) = match (last, &mut deferred) {
+                            (true, Some(d)) => {
+                                let top = y.require_grad();
+                                let value = deferred_after(&top, &d.seeds)?;
+                                d.top = Some(top.clone());
+                                (End::Deferred(value), Some(top))
+                            }
+                            (true, None) => {
+                                let top = y.require_grad();
+                                let loss = {
+                                    let _generator = draws.then(generator);
+                                    after(&whole, top.clone(), &parts[i])
+                                };
+                                tracked(&loss)?;
+                                (End::Loss(loss), Some(top))
+                            }
+                            (false, _) => (End::Output(y), None),
                         };
                         Ok(Live {
                             input: input.clone(),
@@ -254,6 +362,7 @@ impl StepPipeline {
                                 top,
                             }),
                             end: Some(end),
+                            deferred,
                         })
                     };
                     let kept = match failure {
@@ -273,6 +382,7 @@ impl StepPipeline {
                         cuts: Vec::new(),
                         recompute: None,
                         end: None,
+                        deferred: None,
                     });
                     if !last {
                         let sent = match &kept.end {
@@ -299,6 +409,7 @@ impl StepPipeline {
                         cuts,
                         recompute,
                         end,
+                        deferred,
                     } = live.remove(&i).ok_or_else(|| {
                         Error::other(format!(
                             "backward_batch: micro-batch {i} was not run forward"
@@ -323,6 +434,38 @@ impl StepPipeline {
                         _ => None,
                     };
                     let start = Instant::now();
+                    // The loss's graph made anew on the head gathered for it (see `Deferred`): its gradients
+                    // collected, the head freed, the gradient of the blocks' output returned.
+                    let deferred_loss = |d: &Deferred<D>| -> Result<burn::tensor::Gradients> {
+                        let top = d
+                            .top
+                            .as_ref()
+                            .ok_or_else(|| Error::other("the last stage kept no output"))?;
+                        let rest = gather_rest()?;
+                        let loss = {
+                            let _generator = self.blocks_draw().then(generator);
+                            d.seeds.before_after(&device);
+                            after(&rest, top.clone(), &parts[i])
+                        };
+                        let mut grads = self.precision().scale_loss(loss).backward();
+                        self.shared.lock().grads.collect(&rest, &mut grads);
+                        Ok(grads)
+                    };
+                    // `before` made anew on its part gathered for it, back-propagated from `g`, the gradient of
+                    // its output; its gradients collected and the part freed.
+                    let deferred_embed = |d: &Deferred<D>, g: Tensor<D>| -> Result<()> {
+                        let rest = gather_rest()?;
+                        let h = {
+                            let _generator = self.blocks_draw().then(generator);
+                            d.seeds.before_rest(&device);
+                            before(&rest, &parts[i])
+                        };
+                        let mut grads = (h * g).sum().backward();
+                        self.shared.lock().grads.collect(&rest, &mut grads);
+                        drop((grads, rest));
+                        crate::memory::release_free_heap();
+                        Ok(())
+                    };
                     let backward = || -> Result<Option<Tensor<D>>> {
                         if let Some(recompute) = recompute {
                             let g = match end {
@@ -336,24 +479,52 @@ impl StepPipeline {
                                     self.shared.lock().grads.collect(&whole, &mut grads);
                                     g
                                 }
+                                Some(End::Deferred(value)) => {
+                                    losses[i] = Some(value);
+                                    let d = deferred.as_ref().ok_or_else(|| {
+                                        Error::other("the last stage kept no deferred loss")
+                                    })?;
+                                    let mut grads = deferred_loss(d)?;
+                                    let top = d.top.as_ref().ok_or_else(|| {
+                                        Error::other("the last stage kept no output")
+                                    })?;
+                                    input_grad(top, &mut grads, s)?
+                                }
                                 Some(End::Output(_)) => {
                                     g.ok_or_else(|| Error::other("no gradient came back"))?
                                 }
                                 None => return Err(Error::other("the forward pass did not run")),
                             };
-                            return self.recompute_backward(
+                            let embed = deferred.as_ref().filter(|d| d.h0.is_some());
+                            let dx = self.recompute_backward(
                                 &whole,
                                 blocks,
                                 &block,
                                 recompute,
                                 g,
-                                (s, &device),
-                            );
+                                (s, &device, embed.is_some()),
+                            )?;
+                            return match (embed, s) {
+                                (Some(d), 0) => {
+                                    let g = dx.ok_or_else(|| {
+                                        Error::other("no gradient reached the embeddings")
+                                    })?;
+                                    deferred_embed(d, g)?;
+                                    Ok(None)
+                                }
+                                _ => Ok(dx),
+                            };
                         }
                         let mut grads = match end {
                             Some(End::Loss(loss)) => {
                                 losses[i] = Some(loss.clone().detach());
                                 self.precision().scale_loss(loss).backward()
+                            }
+                            Some(End::Deferred(value)) => {
+                                losses[i] = Some(value);
+                                deferred_loss(deferred.as_ref().ok_or_else(|| {
+                                    Error::other("the last stage kept no deferred loss")
+                                })?)?
                             }
                             // A first stage whose blocks and `before` are all frozen: nothing to back-propagate.
                             Some(End::Output(y)) if !y.is_tracked() => return Ok(None),
@@ -381,7 +552,15 @@ impl StepPipeline {
                             Some(x) => Some(input_grad(x, &mut grads, s)?),
                             None => None,
                         };
+                        let embed = match deferred.as_ref().and_then(|d| d.h0.as_ref()) {
+                            Some(h0) => Some(input_grad(h0, &mut grads, s)?),
+                            None => None,
+                        };
                         self.shared.lock().grads.collect(&whole, &mut grads);
+                        drop(grads);
+                        if let (Some(d), Some(g)) = (deferred.as_ref(), embed) {
+                            deferred_embed(d, g)?;
+                        }
                         Ok(dx)
                     };
                     let dx = match failure {
@@ -460,7 +639,8 @@ impl StepPipeline {
     /// A checkpointed micro-batch's backward pass on stage `s`: each block recomputed with a graph, from the last,
     /// with the seeds of its forward pass, its gradients added to the window's before the block before it runs,
     /// from `g`, the gradient of the stage's output; returns the gradient of the stage's input (none on the first
-    /// stage, where it goes on into `before`'s graph, the embeddings').
+    /// stage, where it goes on into `before`'s graph, the embeddings'; but the gradient of `before`'s output where
+    /// `embed_deferred`: the caller runs `before` anew).
     fn recompute_backward<M: Blocks, const D: usize>(
         &self,
         whole: &M,
@@ -468,7 +648,7 @@ impl StepPipeline {
         block: &impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
         recompute: Recompute<D>,
         mut g: Tensor<D>,
-        (s, device): (usize, &burn::tensor::Device),
+        (s, device, embed_deferred): (usize, &burn::tensor::Device, bool),
     ) -> Result<Option<Tensor<D>>> {
         let Recompute {
             inputs,
@@ -508,6 +688,10 @@ impl StepPipeline {
         }
         if lowest > 0 {
             return Ok(None);
+        }
+        if embed_deferred && s == 0 {
+            // The embeddings are made anew by the caller (see `Deferred`): the gradient of their output.
+            return Ok(Some(g));
         }
         match first {
             Some(h0) if s == 0 && h0.is_tracked() => {
@@ -655,7 +839,7 @@ impl StepPipeline {
         let (micro_batches, splits) = splits;
         let sync_started = Instant::now();
         let held: HashSet<ParamId> = core.grads.ids().into_iter().collect();
-        let trainable = trainable_params(whole);
+        let trainable = self.stage_params(whole);
         let rest: Vec<(ParamId, usize)> = trainable
             .iter()
             .filter(|(id, _)| !block_ids.contains(id))
@@ -695,6 +879,23 @@ impl StepPipeline {
         drop(precision);
         core.phases.gradient_sync += sync_started.elapsed();
         Ok(())
+    }
+}
+
+impl StepPipeline {
+    /// `(id, whole number of elements)` of every float parameter of `whole` that trains, in visiting order, the
+    /// same on every rank of a stage: under a sharded stage, what is outside the blocks is this rank's slices
+    /// (gathered only for each use), and a rank whose slice of a parameter is empty holds it as not training.
+    fn stage_params<M: Blocks>(&self, whole: &M) -> Vec<(ParamId, usize)> {
+        let mut params = Vec::new();
+        crate::named_params::floats(whole, |p| match self.strategy.split(p.id()) {
+            Some((split, _)) if p.require_grad() || p.num_elements() == 0 => {
+                params.push((p.id(), split.len()))
+            }
+            _ if p.require_grad() => params.push((p.id(), p.num_elements())),
+            _ => {}
+        });
+        params
     }
 }
 

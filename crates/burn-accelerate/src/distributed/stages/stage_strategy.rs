@@ -29,6 +29,18 @@ pub(crate) struct Staged {
     pub world: Arc<dyn TensorComm>,
 }
 
+impl Staged {
+    /// The parameters outside the blocks that only other stages train (known from the first window's end).
+    fn elsewhere(&self) -> HashSet<ParamId> {
+        self.stages
+            .rest_elsewhere
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default()
+    }
+}
+
 impl Strategy for Staged {
     fn name(&self) -> String {
         let l = self.stages.layout;
@@ -135,6 +147,10 @@ impl Strategy for Staged {
             "overflow verdict",
         )?;
         Ok(any > 0.0)
+    }
+
+    fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        self.inner.any_rank_each(flags)
     }
 
     fn block_pass(&self) -> BlockPass {
@@ -262,8 +278,15 @@ impl Strategy for Staged {
         self.inner.setup(params)
     }
 
+    /// The stage's strategy's, but for the parameters outside the blocks that only other stages train: their
+    /// copy here is a placeholder (or, before the first step's end, stale), never gathered.
     fn unshard(&self, params: &mut ModuleParams<'_>, kept: &HashSet<ParamId>) -> Result<()> {
-        self.inner.unshard(params, kept)
+        let elsewhere = self.elsewhere();
+        if elsewhere.is_empty() {
+            return self.inner.unshard(params, kept);
+        }
+        let kept: HashSet<ParamId> = kept.union(&elsewhere).copied().collect();
+        self.inner.unshard(params, &kept)
     }
 
     fn start_unshard(&self, params: &mut ModuleParams<'_>) -> Result<FinishUnshard> {
@@ -275,16 +298,11 @@ impl Strategy for Staged {
     }
 
     /// The stage's strategy's, then (once) the parameters outside the blocks that only other stages train become
-    /// placeholders here: their copy on this stage would go stale, and take memory.
+    /// placeholders here: their copy on this stage would go stale, and take memory (under a sharded stage, their
+    /// slices: [`unshard`](Self::unshard) never gathers them).
     fn after_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
         self.inner.after_step(params)?;
-        let elsewhere = self
-            .stages
-            .rest_elsewhere
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .unwrap_or_default();
+        let elsewhere = self.elsewhere();
         if elsewhere.is_empty()
             || self
                 .stages
@@ -297,20 +315,19 @@ impl Strategy for Staged {
         let placeholders: Vec<_> = table
             .entries()
             .iter()
-            // A parameter the stage's strategy splits keeps its slices (its gathers expect them).
-            .filter(|e| {
-                elsewhere.contains(&e.id)
-                    && e.num_elements() > 0
-                    && self.inner.split(e.id).is_none()
-            })
+            .filter(|e| elsewhere.contains(&e.id) && e.num_elements() > 0)
             .map(|e| {
                 let mut dims = e.dims.clone();
                 if let Some(first) = dims.first_mut() {
                     *first = 0;
                 }
-                (e.id, dims, e.device.clone(), e.dtype, e.trainable)
+                // One the stage's strategy split: it forgets it (no more gathers, cuts or reductions of it here),
+                // and the placeholder trains no longer.
+                let split = self.inner.split(e.id).is_some();
+                (e.id, dims, e.device.clone(), e.dtype, e.trainable && !split)
             })
             .collect();
+        self.inner.forget(&elsewhere);
         for (id, dims, device, dtype, trains) in placeholders {
             table.replace(id, Tensor::<1>::zeros([0], (&device, dtype)), dims, trains);
         }

@@ -220,6 +220,16 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
         Ok(local)
     }
 
+    /// For each of `flags`, whether it holds on any rank the strategy distributes over (every rank of a hybrid
+    /// strategy): the lists every rank must agree on before its collectives. Ranks that hold the same gradients
+    /// answer `flags`.
+    ///
+    /// # Errors
+    /// The all-reduce's (a timeout, a peer that failed).
+    fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        Ok(flags.to_vec())
+    }
+
     /// How this strategy runs a block-wise pass (see [`BlockPass`]).
     fn block_pass(&self) -> BlockPass {
         BlockPass::Whole
@@ -239,6 +249,12 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     /// Whether a checkpoint holds one model record or one per rank (each holding that rank's parameters).
     fn model_state(&self) -> StateScope {
         StateScope::Replicated
+    }
+
+    /// The parameters `ids` are no longer this rank's to hold (a pipeline stage drops what only other stages
+    /// train, once it knows): the strategy stops gathering, cutting and reducing them.
+    fn forget(&self, ids: &HashSet<ParamId>) {
+        let _ = ids;
     }
 
     /// The parameters `(old, new)` now have new ids (a checkpoint restored the saved ones).

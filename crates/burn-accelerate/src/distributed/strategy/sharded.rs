@@ -736,6 +736,11 @@ impl Strategy for Sharded {
         self.split_of(id).map(|split| (split, self.shard_rank()))
     }
 
+    fn forget(&self, ids: &HashSet<ParamId>) {
+        self.known().retain(|id, _| !ids.contains(id));
+        self.adopted().retain(|id, _| !ids.contains(id));
+    }
+
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
         let mut known = self.known();
         let moved: Vec<(ParamId, Known)> = renamed
@@ -805,6 +810,26 @@ impl Strategy for Sharded {
             "sharded overflow verdict",
         )?;
         Ok(any != 0.0)
+    }
+
+    fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        if flags.is_empty() {
+            return Ok(Vec::new());
+        }
+        let values: Vec<f32> = flags.iter().map(|f| f32::from(u8::from(*f))).collect();
+        let any = self
+            .everyone
+            .all_reduce(
+                Tensor::<1>::from_floats(values.as_slice(), self.world.device()),
+                crate::distributed::tensor_comm::Reduction::Op(ReduceOp::Max),
+                "sharded agreement",
+            )?
+            .wait()?
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| Error::other(format!("reading the ranks' agreement: {e:?}")))?;
+        Ok(any.into_iter().map(|v| v > 0.5).collect())
     }
 
     fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {

@@ -215,7 +215,7 @@ pub(super) fn stack_steps(
         } else {
             acc.backward_blocks(
                 &net,
-                |_| x,
+                |_| x.clone(),
                 |b, h| b.forward(h).tanh(),
                 |m, h| m.head.forward(h).powi_scalar(2).mean(),
             )?;

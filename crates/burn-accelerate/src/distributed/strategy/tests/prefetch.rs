@@ -182,7 +182,8 @@ fn each_block_is_gathered_and_reduced_while_its_neighbour_computes_and_never_mor
         })
         .unwrap();
     let log = log.lock().unwrap().clone();
-    // The first gather is what lies outside the blocks (the head); then one per block, forward and backward.
+    // The first gather is what lies outside the blocks (the head), for `before`; then one per block forward, the
+    // head again for `after`, and one per block backward.
     let computes: Vec<usize> = log
         .iter()
         .enumerate()
@@ -193,12 +194,13 @@ fn each_block_is_gathered_and_reduced_while_its_neighbour_computes_and_never_mor
     let gathers_before = |at: usize| log[..at].iter().filter(|e| *e == "G").count();
     for (k, &at) in computes.iter().enumerate() {
         // Forward: block k runs after the rest and blocks 0..=k+1 were started (block k + 1 prefetched). Backward
-        // (k = BLOCKS + j runs block BLOCKS - 1 - j): the forward's gathers, then BLOCKS - j + 1 of its own.
+        // (k = BLOCKS + j runs block BLOCKS - 1 - j): the forward's gathers, the rest gathered again for `after`
+        // (it was freed after `before`), then BLOCKS - j + 1 of its own.
         let expected = if k < BLOCKS {
             1 + (k + 2).min(BLOCKS)
         } else {
             let j = k - BLOCKS;
-            1 + BLOCKS + (j + 2).min(BLOCKS)
+            1 + BLOCKS + 1 + (j + 2).min(BLOCKS)
         };
         assert_eq!(
             gathers_before(at),

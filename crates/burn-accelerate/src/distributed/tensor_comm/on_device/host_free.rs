@@ -253,7 +253,7 @@ fn train(acc: Accelerator, block_wise: bool) -> Result<Vec<f32>> {
         if block_wise {
             acc.backward_blocks(
                 &net,
-                |_| x,
+                |_| x.clone(),
                 |b, h| b.forward(h).tanh(),
                 |m, h| m.head.forward(h).powi_scalar(2).mean(),
             )?;
