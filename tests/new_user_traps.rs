@@ -1,10 +1,13 @@
 //! What a program written from the README alone runs into: the scheduler keeps the 1-rank schedule under the
 //! README's data-parallel recipe, a setting whose applying call never comes is reported, a new run never
-//! overwrites or prunes an earlier run's checkpoints, and a rank's closure returns errors of its own kind.
+//! overwrites or prunes an earlier run's checkpoints, a rank's closure returns errors of its own kind, and a process
+//! a launcher started with peers it cannot join never trains alone in silence.
 
 #[path = "support/isolation.rs"]
 mod isolation;
 
+#[path = "support/examples.rs"]
+mod examples;
 #[path = "support/fixtures.rs"]
 mod fixtures;
 #[path = "../examples/support/mlp.rs"]
@@ -292,4 +295,59 @@ fn a_ranks_closure_returns_errors_of_its_own_kind() {
     })
     .unwrap_err();
     assert_eq!(message.to_string(), "the data folder is empty");
+}
+
+/// A process a launcher started with peers it cannot join (this build has no `mpi` feature; SLURM tasks without an
+/// MPI plugin; torchrun-style variables) refuses to train alone: building its accelerator fails saying why and how
+/// to join them. With `ACCELERATE_INDEPENDENT_PROCESSES=1` it runs as an independent job and says so on standard
+/// error, in a program that installed no logger (the checkpointing example).
+#[test]
+fn a_process_a_launcher_started_with_peers_never_trains_alone_in_silence() {
+    let program = examples::example("checkpointing");
+    let cases: [(&[(&str, &str)], &str); 3] = [
+        (
+            &[("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")],
+            "--features burn-accelerate/mpi",
+        ),
+        (
+            &[("SLURM_NTASKS", "2"), ("SLURM_PROCID", "0")],
+            "srun --mpi=pmix",
+        ),
+        (
+            &[("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")],
+            "burn-accelerate launch --num-processes 2",
+        ),
+    ];
+    for (n, (vars, fix)) in cases.into_iter().enumerate() {
+        let dir = temp_dir(&format!("alone-{n}"));
+        let run = |independent: bool| {
+            let mut command = std::process::Command::new(&program);
+            command
+                .args(["--project-dir", &dir.to_string_lossy(), "--steps", "2"])
+                .envs(vars.iter().copied());
+            if independent {
+                command.env("ACCELERATE_INDEPENDENT_PROCESSES", "1");
+            }
+            command.output().expect("the example runs")
+        };
+        let refused = run(false);
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "{vars:?}: it trained alone");
+        assert!(
+            stderr.contains("cannot join them")
+                && stderr.contains(fix)
+                && stderr.contains("ACCELERATE_INDEPENDENT_PROCESSES=1"),
+            "{vars:?}: {stderr}"
+        );
+        let alone = run(true);
+        let stderr = String::from_utf8_lossy(&alone.stderr);
+        assert!(alone.status.success(), "{vars:?}: {stderr}");
+        assert!(
+            stderr.contains("[burn-accelerate] warning:")
+                && stderr.contains("Running as an independent job")
+                && stderr.contains(fix),
+            "{vars:?}: the warning reaches standard error without a logger: {stderr}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

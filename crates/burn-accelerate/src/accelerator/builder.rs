@@ -50,6 +50,7 @@ pub struct AcceleratorBuilder {
     autodiff_checkpointing: Option<bool>,
     gradient_transport: Option<GradientTransport>,
     resume_from_latest: Option<bool>,
+    independent_processes: Option<bool>,
     project: Option<ProjectConfiguration>,
     log_with: Vec<LogWith>,
     strategy: Option<StrategyFactory>,
@@ -341,6 +342,15 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Lets a process a launcher started with others it cannot join (a build without the `mpi` feature under
+    /// `mpirun`, SLURM tasks without an MPI plugin, torchrun-style variables) run alone, as one of several
+    /// independent jobs on purpose (`ACCELERATE_INDEPENDENT_PROCESSES`); it then says so on standard error, even
+    /// without a logger. Without it, building the accelerator there is an error that says how to join them.
+    pub fn independent_processes(mut self, on: bool) -> Self {
+        self.independent_processes = Some(on);
+        self
+    }
+
     /// How long a collective waits for the other ranks before failing with an error that names the missing
     /// ranks (default 300 s; `ACCELERATE_COLLECTIVE_TIMEOUT=<seconds>`).
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
@@ -411,6 +421,7 @@ impl AcceleratorBuilder {
             memory.autodiff_checkpointing => AutodiffCheckpointing,
             distributed.gradient_transport => GradientTransport,
             recovery.resume_from_latest => ResumeFromLatest,
+            distributed.independent_processes => IndependentProcesses,
         );
         if let Some(size) = self.dp_shard_size {
             config.distributed.dp_shard_size = Some(size);

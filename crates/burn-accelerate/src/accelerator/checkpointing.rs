@@ -388,11 +388,11 @@ impl Accelerator {
                 ));
             }
             if self.is_main_process() {
-                log::warn!(
+                crate::logging::warn_visibly(&format!(
                     "restart {} of this job starts from scratch: it keeps no checkpoints (set a project folder \
                      and call save_state(None) to resume from the last one)",
                     self.restart_count()
-                );
+                ));
             }
             return Ok(None);
         }

@@ -362,9 +362,9 @@ fn default_backend(
                 }) = &first_problem
                     && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
                 {
-                    log::warn!(
+                    crate::logging::warn_visibly(&format!(
                         "the `{skipped}` backend is compiled in but cannot run here ({missing}); using `{backend}`"
-                    );
+                    ));
                 }
                 return Ok(backend);
             }

@@ -191,11 +191,11 @@ pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
     }
     let old = with_suffix(dir, ".old");
     if old.join(MANIFEST).exists() {
-        log::warn!(
+        crate::logging::warn_visibly(&format!(
             "{} is missing or incomplete; loading {}, the checkpoint a save was replacing when it stopped",
             dir.display(),
             old.display()
-        );
+        ));
         return Ok(old);
     }
     Err(corrupt(

@@ -128,6 +128,11 @@ pub struct DistributedSettings {
     /// Check operations and shapes across ranks before every collective (default `false`;
     /// `ACCELERATE_DEBUG_MODE`).
     pub debug: bool,
+    /// Run as one process alone where a launcher's variables say this process is one of several it cannot join
+    /// (a build without the `mpi` feature under `mpirun`, SLURM tasks without an MPI plugin, torchrun-style
+    /// variables): N independent jobs on purpose. Default `false`: building the accelerator is then an error that
+    /// says how to join them (`ACCELERATE_INDEPENDENT_PROCESSES`).
+    pub independent_processes: bool,
 }
 
 impl Default for DistributedSettings {
@@ -141,6 +146,7 @@ impl Default for DistributedSettings {
             gradient_transport: GradientTransport::Auto,
             collective_timeout_secs: 300.0,
             debug: false,
+            independent_processes: false,
         }
     }
 }

@@ -64,6 +64,7 @@ keys! {
     GradientTransport => "gradient_transport",
     CollectiveTimeoutSecs => "collective_timeout_secs",
     ResumeFromLatest => "resume_from_latest",
+    IndependentProcesses => "independent_processes",
     RestartCount => "restart_count",
 }
 

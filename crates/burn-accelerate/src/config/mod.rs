@@ -79,6 +79,10 @@ pub struct AcceleratorConfig {
 /// ([`RecoverySettings::resume_from_latest`]).
 pub const RESUME_VAR: &str = "ACCELERATE_RESUME_FROM_LATEST";
 
+/// The environment variable that sets [`DistributedSettings::independent_processes`]: processes a launcher
+/// started together that cannot join each other run as independent jobs, on purpose.
+pub const INDEPENDENT_VAR: &str = "ACCELERATE_INDEPENDENT_PROCESSES";
+
 /// The variables a launcher tells a restarted job its restart count in, first found wins: `burn-accelerate
 /// launch --max-restarts`'s own, then torchrun's.
 pub const RESTART_COUNT_VARS: &[&str] = &["ACCELERATE_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
@@ -232,7 +236,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 18] {
+    fn values(&self) -> [(Key, String); 19] {
         [
             (
                 Key::MixedPrecision,
@@ -240,6 +244,10 @@ impl AcceleratorConfig {
             ),
             (Key::Cpu, self.device.cpu.to_string()),
             (Key::Debug, self.distributed.debug.to_string()),
+            (
+                Key::IndependentProcesses,
+                self.distributed.independent_processes.to_string(),
+            ),
             (
                 Key::GradientAccumulationSteps,
                 self.accumulation.gradient_accumulation_steps.to_string(),

@@ -4,8 +4,9 @@
 
 use super::{
     ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, DP_SHARD_SIZE_VAR,
-    FSDP_VARS, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR, PP_STAGE_BLOCKS_VAR,
-    RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR, env,
+    FSDP_VARS, INDEPENDENT_VAR, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR,
+    PP_STAGE_BLOCKS_VAR, RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR,
+    env,
 };
 use crate::error::{Error, Result};
 
@@ -151,6 +152,14 @@ const VARIABLES: &[Variable] = &[
         key: Key::GradientTransport,
         read: |c, name, text| {
             parse(name, text, "auto, host or device").map(|v| c.distributed.gradient_transport = v)
+        },
+        write: None,
+    },
+    Variable {
+        name: INDEPENDENT_VAR,
+        key: Key::IndependentProcesses,
+        read: |c, name, text| {
+            env::parse_bool(name, text).map(|v| c.distributed.independent_processes = v)
         },
         write: None,
     },

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use crate::config::AcceleratorConfig;
 use crate::distributed::comm::{self, Communicator};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 pub use env_vars::{Launcher, LauncherVars, launched_by_mpi};
 pub use group::{DistributedType, ProcessGroup, current, current_rank};
@@ -132,20 +132,33 @@ impl ClusterEnvironment for Mpi {
 }
 
 /// The environment of this process: MPI when built with the `mpi` feature and started by an MPI launcher,
-/// else a single process (with a warning when an MPI launcher started a build without the `mpi` feature).
+/// else a single process.
 ///
 /// # Errors
-/// A malformed launcher variable, or MPI failing to initialise.
+/// A malformed launcher variable, or MPI failing to initialise; launcher variables that say this process is one
+/// of several that it cannot join (a build without the `mpi` feature under `mpirun`, SLURM tasks without an MPI
+/// plugin, torchrun-style variables), unless `independent_processes` lets it run alone (then it says so on
+/// standard error, logger or not).
 pub fn detect(config: &AcceleratorConfig) -> Result<Box<dyn ClusterEnvironment>> {
     let vars = LauncherVars::read()?;
     #[cfg(feature = "mpi")]
     if vars.mpi {
         return Ok(Box::new(Mpi::init(config, &vars)?));
     }
-    let _ = config;
-    if let Some(warning) = alone_warning(&vars, cfg!(feature = "mpi")) {
+    if let Some(why) = alone_warning(&vars, cfg!(feature = "mpi")) {
+        if !config.distributed.independent_processes {
+            return Err(Error::InvalidArgument(format!(
+                "this process is one of several a launcher started, and cannot join them: {why} Each would train \
+                 alone, on the same data, writing the same files. To run them as independent jobs on purpose, set \
+                 ACCELERATE_INDEPENDENT_PROCESSES=1 (AcceleratorBuilder::independent_processes)."
+            )));
+        }
         static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| log::warn!("{warning}"));
+        WARNED.call_once(|| {
+            crate::logging::warn_visibly(&format!(
+                "{why} Running as an independent job (independent_processes)."
+            ))
+        });
     }
     Ok(Box::new(SingleProcess))
 }

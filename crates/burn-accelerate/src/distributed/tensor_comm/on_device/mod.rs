@@ -509,10 +509,10 @@ pub(crate) fn select(
     ) {
         Ok(transport) => Ok((transport, choice)),
         Err(e) if preference != crate::config::GradientTransport::Device => {
-            log::warn!(
+            crate::logging::warn_visibly(&format!(
                 "{} could not start ({e}); gradients go through host memory",
                 choice.kind.name()
-            );
+            ));
             Ok(host(TransportChoice {
                 kind: TransportKind::Host,
                 reason: format!("{} failed to start: {e}", choice.kind.name()),
