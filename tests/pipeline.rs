@@ -1321,3 +1321,79 @@ fn a_short_last_batch_runs_fewer_micro_batches_and_an_empty_one_fails_every_rank
         }
     }
 }
+
+/// A part outside the blocks that only some micro-batches reach (a side head `after` uses where a target is
+/// positive): the replicas of a stage whose data reach it and whose data do not reduce the same list, the union of
+/// what their passes reached, and train as data parallelism on the same rows (before, each replica listed what its
+/// own passes reached, and the two passed different bucket layouts into one reduction).
+#[test]
+fn replicas_whose_data_reach_different_parameters_reduce_the_same_list() {
+    use burn::optim::SgdConfig;
+    #[derive(burn::module::Module, Debug)]
+    struct Sided {
+        deep: Deep,
+        side: burn::nn::Linear,
+    }
+    impl burn_accelerate::Blocks for Sided {
+        type Block = burn::nn::Linear;
+        fn blocks(&self) -> &[burn::nn::Linear] {
+            &self.deep.layers
+        }
+    }
+    let train = |stages: usize| {
+        Accelerator::builder()
+            .pp_size(stages)
+            .pp_microbatches(2)
+            .collective_timeout(std::time::Duration::from_secs(20))
+            .launch(2 * stages, |acc| {
+                let device = acc.device().clone();
+                let sided = Sided {
+                    deep: model(&device),
+                    side: deep::deterministic(LinearConfig::new(WIDTH, 1).init(&device)),
+                };
+                let mut model = acc.prepare_blocks(sided)?;
+                let mut optimizer = acc.prepare_optimizer(SgdConfig::new().init(), 0.05);
+                let layout = acc.pipeline_layout();
+                for step in 0..3 {
+                    // Replica 0's targets are positive (it reaches the side head), replica 1's negative.
+                    let (x, y) = batch(step * 8 + layout.replica * 4, 4, &device);
+                    let sign = if layout.replica == 0 { 1.0 } else { -1.0 };
+                    let y = y.abs().mul_scalar(sign).add_scalar(0.01 * sign);
+                    acc.backward_batch(
+                        &model,
+                        (x, y),
+                        |m, (x, _)| m.deep.input.forward(x.clone()).tanh(),
+                        |layer, h| layer.forward(h).tanh(),
+                        |m, h, (_, y)| {
+                            let out = m.deep.head.forward(h.clone());
+                            let out = match y.clone().sum().into_scalar::<f32>() > 0.0 {
+                                true => out + m.side.forward(h),
+                                false => out,
+                            };
+                            loss(out, y.clone())
+                        },
+                    )?;
+                    model = optimizer.try_step(model)?;
+                }
+                Ok((layout.stage, params(&acc.unshard(&model)?)))
+            })
+            .unwrap_or_else(|e| panic!("{stages} stage(s): {e}"))
+    };
+    let data_parallel = train(1);
+    let expected = &data_parallel[0].1;
+    let count = expected.len();
+    for (rank, (stage, got)) in train(2).iter().enumerate() {
+        for (j, (p, q)) in got.iter().zip(expected).enumerate() {
+            // The input layer is the first stage's; the head and the side head the last's; blocks where held.
+            let trains_here = match j {
+                0 | 1 => *stage == 0,
+                _ if j + 4 >= count => *stage == 1,
+                _ => !p.is_empty(),
+            };
+            if trains_here {
+                let diff = max_diff(std::slice::from_ref(p), std::slice::from_ref(q));
+                assert!(diff <= 1e-6, "rank {rank}, parameter {j}: {diff:e}");
+            }
+        }
+    }
+}
