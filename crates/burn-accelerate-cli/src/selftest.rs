@@ -507,11 +507,14 @@ fn nccl_lifecycle(n: usize, which: &str) -> std::result::Result<i32, LaunchError
             ));
             continue;
         };
-        for (name, passed, seen) in checks.into_iter().filter(|(name, ..)| *name == which) {
-            let verdict = if passed { "passed" } else { "failed" };
-            println!("NCCL {name}: rank {rank} {verdict}: {seen}");
-            if !passed {
-                failures.push(format!("NCCL {name} on rank {rank}: {seen}"));
+        for check in checks.into_iter().filter(|c| c.name == which) {
+            let verdict = if check.passed { "passed" } else { "failed" };
+            println!("NCCL {}: rank {rank} {verdict}: {}", check.name, check.seen);
+            if !check.passed {
+                failures.push(format!(
+                    "NCCL {} on rank {rank}: {}",
+                    check.name, check.seen
+                ));
             }
         }
     }

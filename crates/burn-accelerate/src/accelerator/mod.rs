@@ -272,13 +272,13 @@ impl Accelerator {
     /// The GPU kit's checks of NCCL's communicator lifecycle on this run's ranks (one CUDA device each): `split`
     /// makes a sub-group's communicator from a fresh one (the parent polled, then the child), all-reduces on it,
     /// and ends both normally (finalize, then destroy); `failing-group` sends a batch of messages whose second
-    /// call NCCL refuses, and checks that the communicator is then aborted and refused. Each entry: the check's
-    /// name, whether it passed, what it saw. `None` off CUDA (or in a build without it). Every rank must call it.
+    /// call NCCL refuses, and checks that the communicator is then aborted and refused. `None` off CUDA (or in a
+    /// build without it). Every rank must call it.
     ///
     /// # Errors
     /// NCCL cannot make a communicator on this rank's device.
     #[doc(hidden)]
-    pub fn check_nccl_lifecycle(&self) -> Result<Option<Vec<(&'static str, bool, String)>>> {
+    pub fn check_nccl_lifecycle(&self) -> Result<Option<Vec<crate::distributed::LifecycleCheck>>> {
         crate::distributed::tensor_comm::on_device::nccl_lifecycle_check(
             &self.group,
             self.config.collective_timeout(),

@@ -34,4 +34,4 @@ pub use cluster::{DistributedType, ProcessGroup, current, current_rank};
 pub use gatherable::{Gatherable, MetricsGather};
 pub use tensor_comm::on_device::describe as describe_gradient_transport;
 pub use tensor_comm::on_device::describe_per_call as describe_transport_per_call;
-pub use tensor_comm::on_device::{DtypeCheck, TransportCheck, rounding_bound};
+pub use tensor_comm::on_device::{DtypeCheck, LifecycleCheck, TransportCheck, rounding_bound};

@@ -737,6 +737,9 @@ impl StepPipeline {
         let mut outputs = Vec::with_capacity(m);
         // A pass that fails stops this stage computing, not its messages (as in `backward_batch`).
         let mut failure: Option<Failure> = unsplit.map(|e| Failure::Here(Caught::Error(e)));
+        // By index: a batch that could not be cut has no parts, and its passes still send what their
+        // neighbours wait for.
+        #[allow(clippy::needless_range_loop)]
         for i in 0..m {
             let input = match s {
                 0 => None,

@@ -26,6 +26,7 @@ pub(crate) use check::check_against_reference;
 #[cfg(test)]
 pub(crate) use check::fixed_linear;
 pub use check::{DtypeCheck, TransportCheck, rounding_bound};
+// `LifecycleCheck` is defined below, beside the entry point that fills it.
 pub(crate) use choice::{Exchanges, TransportChoice, TransportFacts, TransportKind, choose};
 #[cfg(test)]
 pub(crate) use device::{DeviceCollectives, double};
@@ -630,6 +631,17 @@ fn nccl_engines(timeout: std::time::Duration) -> Result<check::EngineFactory> {
     }))
 }
 
+/// One of the GPU kit's checks of NCCL's communicator lifecycle (`Accelerator::check_nccl_lifecycle`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LifecycleCheck {
+    /// `split` or `failing-group`.
+    pub name: &'static str,
+    /// Whether NCCL behaved as the transport expects.
+    pub passed: bool,
+    /// What the check saw.
+    pub seen: String,
+}
+
 /// The GPU kit's checks of NCCL's communicator lifecycle (see `nccl::lifecycle_check`): `None` where this rank's
 /// device is not a CUDA device, or in a build without CUDA.
 ///
@@ -638,7 +650,7 @@ fn nccl_engines(timeout: std::time::Duration) -> Result<check::EngineFactory> {
 pub(crate) fn nccl_lifecycle_check(
     group: &Arc<ProcessGroup>,
     timeout: std::time::Duration,
-) -> Result<Option<Vec<(&'static str, bool, String)>>> {
+) -> Result<Option<Vec<LifecycleCheck>>> {
     #[cfg(feature = "cuda-bare")]
     if nccl::cuda_ordinal(group.device()).is_some() {
         return nccl::lifecycle_check(group, timeout).map(Some);

@@ -646,15 +646,14 @@ static SPLIT_HANDLE_AT_RETURN: std::sync::atomic::AtomicU8 = std::sync::atomic::
 /// The GPU kit's checks of NCCL's communicator lifecycle on `group`'s ranks (one GPU each; one rank will do):
 /// `split`, a sub-group split from a fresh communicator (the parent polled, then the child, within one budget),
 /// its all-reduce, then both finalized and destroyed; `failing-group`, a batch of messages whose second call NCCL
-/// refuses, after which the communicator is aborted and the next call refused. Each entry: the check's name,
-/// whether it passed, what it saw.
+/// refuses, after which the communicator is aborted and the next call refused.
 ///
 /// # Errors
 /// A communicator cannot be made at all (no NCCL, no CUDA device).
 pub(crate) fn lifecycle_check(
     group: &Arc<crate::distributed::ProcessGroup>,
     timeout: std::time::Duration,
-) -> crate::error::Result<Vec<(&'static str, bool, String)>> {
+) -> crate::error::Result<Vec<super::LifecycleCheck>> {
     use super::DeviceEngine;
     use super::device::DeviceCollectives;
     let device = group.device().clone();
@@ -679,11 +678,12 @@ pub(crate) fn lifecycle_check(
         _ => "never (no split ran)",
     };
     let closed = parent.close();
+    let check = |name, passed, seen| super::LifecycleCheck { name, passed, seen };
     checks.push(match split {
         Ok((sum, child_closed)) => {
             let right = sum.iter().all(|v| *v == world as f32);
             let ended = child_closed.is_ok() && closed.is_ok();
-            (
+            check(
                 "split",
                 right && ended,
                 format!(
@@ -692,7 +692,7 @@ pub(crate) fn lifecycle_check(
                 ),
             )
         }
-        Err(e) => ("split", false, format!("the split failed: {e}; the handle was written {handle}")),
+        Err(e) => check("split", false, format!("the split failed: {e}; the handle was written {handle}")),
     });
 
     let comm =
@@ -717,12 +717,12 @@ pub(crate) fn lifecycle_check(
         .ok_or_else(|| crate::error::Error::other("no all-reduce"))?
         .map(|_| ());
     checks.push(match (refused, next) {
-        (Err(refused), Err(next)) => (
+        (Err(refused), Err(next)) => check(
             "failing-group",
             next.to_string().contains("aborted"),
             format!("the batch was refused ({refused}); the next call was refused ({next})"),
         ),
-        (refused, next) => (
+        (refused, next) => check(
             "failing-group",
             false,
             format!(

@@ -167,7 +167,7 @@ pub struct HostLibrary {
     /// What each communicator went through, in order: `(its group's id, its rank, what)`, `what` one of
     /// `finalize`, `destroy`, `abort`, `released` (the buffers of a batch that failed), `destroy before its
     /// finalize completed` (a misuse).
-    pub lifecycle: Arc<Mutex<Vec<(Vec<u8>, usize, &'static str)>>>,
+    pub lifecycle: Lifecycle,
     /// Calls made on a communicator after it was aborted, over every communicator of this library.
     pub uses_after_abort: Arc<AtomicUsize>,
     /// Calls started (collectives and point-to-point batches), over every communicator of this library.
@@ -217,13 +217,16 @@ enum Started {
     Messages(Vec<(usize, usize, Device, DType)>),
 }
 
+/// What communicators went through, in order: `(their group's id, their rank, what)`.
+pub type Lifecycle = Arc<Mutex<Vec<(Vec<u8>, usize, &'static str)>>>;
+
 /// Where a split child's group lands once its parent's poll completes the split (NCCL's `*newcomm`).
 type Handle = Arc<OnceLock<Arc<Mutex<Shared>>>>;
 
 /// The buffers of a batch that failed part way, kept until the abort; dropping them says so in the lifecycle.
 struct Kept {
     _buffers: Vec<Tensor<1>>,
-    lifecycle: Arc<Mutex<Vec<(Vec<u8>, usize, &'static str)>>>,
+    lifecycle: Lifecycle,
     id: Vec<u8>,
     rank: usize,
 }
