@@ -453,9 +453,15 @@ fn a_sharded_model_never_arrives_whole_and_one_large_tensor_is_shared_evenly() {
     // show their setting).
     let (receivers, main) = sharded.split_at(3);
     let largest_slice = 1024 * 1024 * 4 / 4;
+    let receiver_bound = model / 4 + 2 * largest_slice + (1 << 20);
+    // The bound must refuse a layer arriving whole and then cut (its slices, the layer, the slice cut from it).
+    assert!(
+        receiver_bound < model / 4 + layer + largest_slice,
+        "the bound {receiver_bound} B admits a whole layer per receiver"
+    );
     for r in receivers {
         assert!(
-            r["prepare_peak"] <= model / 4 + 2 * largest_slice + (1 << 20),
+            r["prepare_peak"] <= receiver_bound,
             "FULL_SHARD: {} B added at prepare_model, slices {} B, the largest parameter's slice {largest_slice} B: \
              {r:?}",
             r["prepare_peak"],

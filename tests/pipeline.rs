@@ -204,6 +204,33 @@ fn replicas_agree(ranks: &[Vec<Vec<f32>>], stages: usize, replicas: usize, what:
     }
 }
 
+/// The replica check sees a replica that differs in any stage's parameters, the last stage's included, and
+/// passes replicas that agree: every stage's parameters are compared, not only the first stage's.
+#[test]
+fn the_replica_check_fails_on_a_replica_of_any_stage_that_differs() {
+    // Two stages of two replicas; parameters 0 and 1 are the first stage's `before`, 2 its block, 3 the second
+    // stage's block, 4 and 5 its head. A stage holds nothing of the other's blocks (empty).
+    let stage = |s: usize| -> Vec<Vec<f32>> {
+        (0..6)
+            .map(|j| match (j, s) {
+                (0..=2, 0) | (3..=5, 1) => vec![j as f32, 0.5],
+                _ => Vec::new(),
+            })
+            .collect()
+    };
+    let agreeing = vec![stage(0), stage(0), stage(1), stage(1)];
+    replicas_agree(&agreeing, 2, 2, "agreeing replicas");
+    for (rank, j) in [(1, 0), (1, 2), (3, 3), (3, 5)] {
+        let mut broken = agreeing.clone();
+        broken[rank][j][1] += 1e-3;
+        let caught = std::panic::catch_unwind(|| replicas_agree(&broken, 2, 2, "broken"));
+        assert!(
+            caught.is_err(),
+            "rank {rank}'s parameter {j} differs from its stage's first replica, and the check passed"
+        );
+    }
+}
+
 /// One process accumulating the same micro-batches in the same order, `accumulation` batches per step.
 fn reference(run: Run) -> (Vec<Vec<f32>>, Vec<f32>) {
     let rows = BATCH;
