@@ -775,7 +775,7 @@ fn a_hybrid_stage_of_uneven_shard_groups_or_an_uneven_mesh_is_refused_with_a_mes
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("dp_shard_size") && err.contains("divides the 2 ranks"),
+        err.contains("dp_shard_size") && err.contains("divides the 2 data-parallel ranks"),
         "{err}"
     );
     let err = Accelerator::builder()

@@ -25,6 +25,9 @@ pub struct EnvReport {
     variables: Vec<(String, String)>,
     /// The resolved settings with their sources, or why they cannot be read; and why a run would refuse them.
     settings: Result<Vec<(&'static str, String, config::Source)>, String>,
+    /// The device mesh the settings ask of the launcher's ranks (or the config file's `num_processes`), or why
+    /// they cannot make one.
+    mesh: Option<String>,
     refused: Option<String>,
 }
 
@@ -81,6 +84,22 @@ impl EnvReport {
             .as_ref()
             .map(burn_accelerate::distributed::describe_transport_per_call)
             .unwrap_or_default();
+        let launched = LauncherVars::read().ok();
+        let mesh = resolved.as_ref().ok().map(|c| {
+            let world = launched
+                .as_ref()
+                .and_then(|l| l.world_size)
+                .or(c.launch.num_processes)
+                .unwrap_or(1);
+            let local = launched
+                .as_ref()
+                .and_then(|l| l.local_world_size)
+                .unwrap_or(world);
+            match burn_accelerate::ParallelDims::from_config(c, world, local) {
+                Ok(dims) => format!("{dims} ({world} rank(s))"),
+                Err(e) => format!("none on {world} rank(s): {e}"),
+            }
+        });
         let settings = resolved.map(|c| c.settings()).map_err(|e| e.to_string());
         Self {
             version: env!("CARGO_PKG_VERSION"),
@@ -98,6 +117,7 @@ impl EnvReport {
             },
             variables,
             settings,
+            mesh,
             refused,
         }
     }
@@ -193,6 +213,9 @@ impl fmt::Display for EnvReport {
                     100.0 * (p - 1) as f64 / (m + p - 1) as f64
                 )?;
             }
+        }
+        if let Some(mesh) = &self.mesh {
+            writeln!(f, "- Mesh: {mesh}")?;
         }
         if let Some(refused) = &self.refused {
             writeln!(f, "- A run refuses these settings: {refused}")?;

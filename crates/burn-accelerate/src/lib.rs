@@ -123,7 +123,7 @@ pub use config::{
 };
 pub use distributed::comm::ReduceOp;
 pub use distributed::stages::{PipelineLayout, StageTrace};
-pub use distributed::{DistributedType, Gatherable, ProcessGroup};
+pub use distributed::{DistributedType, Gatherable, MeshCoords, ParallelDims, ProcessGroup};
 pub use error::{Error, Result};
 pub use grad::{GradientState, NormType, StepPhases};
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};

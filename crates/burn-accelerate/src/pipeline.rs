@@ -66,6 +66,8 @@ pub(crate) struct StepPipeline {
     shared: SharedStep,
     precision: Mutex<Precision>,
     strategy: Arc<dyn Strategy>,
+    /// This rank's pipeline stage, where the run is pipelined (`pp_size` > 1): what `backward_batch` runs.
+    stages: Option<Arc<crate::distributed::stages::mesh::Stages>>,
     normalization: LossNormalization,
     accumulation_steps: usize,
     sync_each_batch: bool,
@@ -83,8 +85,13 @@ pub(crate) struct StepPipeline {
 }
 
 impl StepPipeline {
-    /// The pipeline of a rank configured by `config`, distributed by `strategy`.
-    pub fn new(config: &AcceleratorConfig, strategy: Arc<dyn Strategy>) -> Self {
+    /// The pipeline of a rank configured by `config`, distributed by `strategy`, running `stages` under pipeline
+    /// parallelism.
+    pub fn new(
+        config: &AcceleratorConfig,
+        strategy: Arc<dyn Strategy>,
+        stages: Option<Arc<crate::distributed::stages::mesh::Stages>>,
+    ) -> Self {
         Self {
             shared: SharedStep::new(config.accumulation.gradient_accumulation_steps),
             precision: Mutex::new(Precision::new(
@@ -92,6 +99,7 @@ impl StepPipeline {
                 config.precision.loss_scaler.clone(),
             )),
             strategy,
+            stages,
             normalization: config.accumulation.loss_normalization,
             accumulation_steps: config.accumulation.gradient_accumulation_steps,
             sync_each_batch: config.accumulation.sync_each_batch,
@@ -158,6 +166,11 @@ impl StepPipeline {
     /// The distribution strategy.
     pub fn strategy(&self) -> &Arc<dyn Strategy> {
         &self.strategy
+    }
+
+    /// This rank's pipeline stage, under pipeline parallelism: the one the accelerator was built with.
+    pub fn pipeline_stage(&self) -> Option<&Arc<crate::distributed::stages::mesh::Stages>> {
+        self.stages.as_ref()
     }
 
     /// `module` with rank 0's weights on every rank (the first step of `prepare_model`).
@@ -441,7 +454,7 @@ mod tests {
     fn pipeline(config: AcceleratorConfig) -> (StepPipeline, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let strategy = Arc::new(Recording(calls.clone()));
-        (StepPipeline::new(&config, strategy), calls)
+        (StepPipeline::new(&config, strategy, None), calls)
     }
 
     fn step(pipeline: &StepPipeline, model: &Linear) {

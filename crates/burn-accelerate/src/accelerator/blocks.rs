@@ -250,7 +250,7 @@ impl Accelerator {
     /// # Errors
     /// As [`prepare_model`](Self::prepare_model); under a pipeline, fewer blocks than stages.
     pub fn prepare_blocks<M: Blocks>(&self, model: M) -> Result<M> {
-        let Some(stages) = self.pipeline.strategy().stages() else {
+        let Some(stages) = self.pipeline.pipeline_stage() else {
             return self.prepare_model(model);
         };
         let ranges = stages.blocks_of(&model)?;
@@ -277,15 +277,34 @@ impl Accelerator {
 
     /// Where this rank sits in the pipeline × data mesh (one stage, every rank a replica, without a pipeline).
     pub fn pipeline_layout(&self) -> crate::PipelineLayout {
-        match self.pipeline.strategy().stages() {
-            Some(stages) => stages.layout,
-            None => crate::PipelineLayout {
-                stage: 0,
-                stages: 1,
-                replica: self.process_index(),
-                replicas: self.num_processes(),
-            },
+        let (dims, coords) = (self.parallel_dims(), self.mesh_coords());
+        crate::PipelineLayout {
+            stage: coords.pp,
+            stages: dims.pp,
+            replica: coords.dp(&dims),
+            replicas: dims.dp(),
         }
+    }
+
+    /// The device mesh this run trains on: the size of each parallelism's dimension (`pp`, `dp_replicate`,
+    /// `dp_shard`, `cp`, `tp`), built once from the settings when the accelerator was.
+    ///
+    /// ```
+    /// use burn_accelerate::{Accelerator, ParallelDims, ShardingStrategy};
+    ///
+    /// let dims = Accelerator::builder()
+    ///     .sharding(ShardingStrategy::FullShard)
+    ///     .launch(2, |acc| Ok(acc.parallel_dims()))?;
+    /// assert_eq!(dims[0], ParallelDims { pp: 1, dp_replicate: 1, dp_shard: 2, cp: 1, tp: 1 });
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn parallel_dims(&self) -> crate::ParallelDims {
+        self.mesh.dims
+    }
+
+    /// Where this rank sits on the mesh ([`parallel_dims`](Self::parallel_dims)): its index along each dimension.
+    pub fn mesh_coords(&self) -> crate::MeshCoords {
+        self.mesh.coords
     }
 
     /// This rank's last pipelined step ([`backward_batch`](Self::backward_batch) under `pp_size` > 1): each
@@ -294,8 +313,7 @@ impl Accelerator {
     /// to see the schedule in a browser. `None` before the first pipelined step.
     pub fn pipeline_trace(&self) -> Option<crate::StageTrace> {
         self.pipeline
-            .strategy()
-            .stages()?
+            .pipeline_stage()?
             .last_trace
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -15,7 +15,8 @@ use crate::config::{
 };
 use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::{self, ClusterEnvironment};
-use crate::distributed::strategy::{self, Strategy};
+use crate::distributed::parallelize::Parallelized;
+use crate::distributed::strategy::Strategy;
 use crate::error::Result;
 use crate::precision::{LossScaler, MixedPrecision};
 use crate::tracking::{LogWith, Tracker, TrackerInit};
@@ -528,20 +529,11 @@ impl AcceleratorBuilder {
         let state = ProcessGroup::new(cluster.communicator(), local_rank, device, backend)
             .with_debug(config.distributed.debug);
         let group = Arc::new(state);
-        let (strategy, data_group) = match &self.strategy {
-            Some(make) => (make(&group)?, group.clone()),
-            None if config.pipeline.is_pipelined() => {
-                crate::distributed::stages::mesh::for_mesh(&group, &config)?
-            }
-            None => (strategy::for_group(&group, &config)?, group.clone()),
+        let parallelized = match &self.strategy {
+            Some(make) => Parallelized::with_strategy(&group, make(&group)?),
+            None => Parallelized::build(&group, &config)?,
         };
-        Accelerator::from_parts(
-            group,
-            config,
-            project,
-            self.log_with.clone(),
-            (strategy, data_group),
-        )
+        Accelerator::from_parts(group, config, project, self.log_with.clone(), parallelized)
     }
 }
 

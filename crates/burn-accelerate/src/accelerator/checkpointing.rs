@@ -71,7 +71,7 @@ impl Accelerator {
         options: &SaveOptions,
     ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
-        if self.pipeline.strategy().stages().is_some() {
+        if self.pipeline.pipeline_stage().is_some() {
             return Err(crate::Error::InvalidArgument(
                 "save_model: under a pipeline (pp_size > 1) each rank holds only its stage's blocks; save with \
                  `accelerator.save_blocks(&model, dir, max_shard_size)`, which fetches each from its stage"
@@ -131,7 +131,7 @@ impl Accelerator {
         dir: impl AsRef<Path>,
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>> {
-        let Some(stages) = self.pipeline.strategy().stages().cloned() else {
+        let Some(stages) = self.pipeline.pipeline_stage().cloned() else {
             return self.save_model(model, dir, max_shard_size, true);
         };
         let dir = dir.as_ref();
@@ -275,8 +275,11 @@ impl Accelerator {
             .iter()
             .map(|(id, split)| crate::checkpoint::repartition::SavedSplit::of(*id, split))
             .collect();
-        let pp_size = strategy.stages().map(|stages| stages.layout.stages);
-        if let Some(stages) = strategy.stages() {
+        let pp_size = self
+            .pipeline
+            .pipeline_stage()
+            .map(|stages| stages.layout.stages);
+        if let Some(stages) = self.pipeline.pipeline_stage() {
             splits = every_stage_splits(self, stages, splits)?;
         }
         let scopes = (
@@ -298,12 +301,15 @@ impl Accelerator {
         let loaded = self
             .checkpointer
             .load_state(&self.group, dir)?
-            .with_strategy(self.pipeline.strategy().clone());
+            .with_strategy(
+                self.pipeline.strategy().clone(),
+                self.pipeline.pipeline_stage().is_some(),
+            );
         // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it, the manifest listing
         // every stage's splits): sharded stages re-cut for another number of data-parallel replicas of the same
         // stages.
         let strategy = self.pipeline.strategy();
-        if let Some(stages) = strategy.stages()
+        if let Some(stages) = self.pipeline.pipeline_stage()
             && (loaded.saved_split() || !strategy.splits().is_empty())
             && match loaded.saved_pp_size() {
                 Some(pp) => pp != stages.layout.stages,

@@ -30,7 +30,7 @@ impl Accelerator {
     pub fn gather_for_metrics<T: Gatherable>(&self, value: T) -> Result<T> {
         let keep = self.gradient_state().samples_to_keep();
         // Under a pipeline every stage holds its replica's values: gathered over the replicas, once each.
-        value.gather_for_metrics(&MetricsGather::new(&self.data_group, keep))
+        value.gather_for_metrics(&MetricsGather::new(&self.mesh.dp, keep))
     }
 
     /// [`gather_for_metrics`](Self::gather_for_metrics) for per-sample values that are not tensors (labels,
@@ -39,11 +39,10 @@ impl Accelerator {
         &self,
         items: &[T],
     ) -> Result<Vec<T>> {
-        let mut all: Vec<T> =
-            collectives::gather_object_as::<[T], Vec<T>>(&self.data_group, items)?
-                .into_iter()
-                .flatten()
-                .collect();
+        let mut all: Vec<T> = collectives::gather_object_as::<[T], Vec<T>>(&self.mesh.dp, items)?
+            .into_iter()
+            .flatten()
+            .collect();
         if let Some(keep) = self.gradient_state().samples_to_keep() {
             all.truncate(keep);
         }

@@ -34,7 +34,9 @@ use crate::checkpoint::{Checkpointer, ProjectConfiguration};
 use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::distributed::collectives::Trigger;
-use crate::distributed::strategy::{Strategy, materialize};
+use crate::distributed::mesh::Mesh;
+use crate::distributed::parallelize::Parallelized;
+use crate::distributed::strategy::materialize;
 use crate::distributed::{DistributedType, ProcessGroup};
 use crate::error::Result;
 use crate::grad::{self, GradientState, NormType};
@@ -66,8 +68,9 @@ use crate::tracking::{LogWith, Trackers};
 /// ```
 pub struct Accelerator {
     group: Arc<ProcessGroup>,
-    /// The ranks that read different data: every rank, or under a pipeline the ranks of this rank's stage.
-    data_group: Arc<ProcessGroup>,
+    /// The mesh: its dimensions, this rank's place, and its data-parallel group (the ranks that read different
+    /// data: every rank, or under a pipeline the ranks of this rank's stage).
+    mesh: Mesh,
     config: AcceleratorConfig,
     pipeline: StepPipeline,
     checkpointer: Checkpointer,
@@ -121,7 +124,7 @@ impl Accelerator {
         config: AcceleratorConfig,
         project: ProjectConfiguration,
         log_with: Vec<LogWith>,
-        (strategy, data_group): (Arc<dyn Strategy>, Arc<ProcessGroup>),
+        parallelized: Parallelized,
     ) -> Result<Self> {
         group.install_for_thread();
         if group.is_main_process() {
@@ -139,16 +142,21 @@ impl Accelerator {
             "rank {} of {}: training distributed by {}",
             group.process_index(),
             group.num_processes(),
-            strategy.name()
+            parallelized.strategy.name()
         );
+        let Parallelized {
+            mesh,
+            strategy,
+            stages,
+        } = parallelized;
         Ok(Self {
             trackers: Mutex::new(Trackers::new(log_with, project.project_dir.as_deref())),
-            pipeline: StepPipeline::new(&config, strategy),
+            pipeline: StepPipeline::new(&config, strategy, stages),
             checkpointer: Checkpointer::new(project),
             trigger: Trigger::default(),
             applied: SettingsApplied::default(),
             group,
-            data_group,
+            mesh,
             config,
         })
     }
@@ -494,10 +502,7 @@ impl Accelerator {
             .scheduler
             .scheduler_rule
             // The ranks that read different batches (under a pipeline, the replicas).
-            .steps_per_optimizer_step(
-                self.data_group.num_processes(),
-                self.config.data.split_batches,
-            );
+            .steps_per_optimizer_step(self.mesh.dp.num_processes(), self.config.data.split_batches);
         if steps > 1 && self.is_main_process() {
             static WARNED: Once = Once::new();
             WARNED.call_once(|| {
@@ -524,13 +529,13 @@ impl Accelerator {
         mut loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>> {
         // A pipeline's stages read the same batches: the shuffle seed of the run's rank 0 on every stage.
-        if self.data_group.num_processes() != self.num_processes()
+        if self.mesh.dp.num_processes() != self.num_processes()
             && let Some(seed) = loader.shuffle
         {
             loader.shuffle = Some(self.broadcast_object(&seed, 0)?);
         }
         let shared = self.pipeline.shared().clone();
-        let prepared = PreparedDataLoader::prepare(loader, &self.data_group, &self.config, shared)?;
+        let prepared = PreparedDataLoader::prepare(loader, &self.mesh.dp, &self.config, shared)?;
         self.checkpointer.track_loader(prepared.cursor());
         Ok(prepared)
     }
@@ -549,8 +554,8 @@ impl Accelerator {
         loader: crate::data::StreamLoader<I, O>,
     ) -> Result<crate::data::PreparedStreamLoader<I, O>> {
         let spec = crate::data::ShardSpec {
-            num_processes: self.data_group.num_processes(),
-            rank: self.data_group.process_index(),
+            num_processes: self.mesh.dp.num_processes(),
+            rank: self.mesh.dp.process_index(),
             split_batches: self.config.data.split_batches,
             even_batches: self.config.data.even_batches,
         };

@@ -33,6 +33,8 @@ pub struct LoadedState {
     /// Told when a restored model's parameters take the saved ids (a sharded strategy keys what it knows of
     /// each parameter by id).
     strategy: Option<std::sync::Arc<dyn crate::distributed::strategy::Strategy>>,
+    /// Whether the loading run is pipelined (`pp_size` > 1).
+    pipelined: bool,
 }
 
 fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -241,6 +243,7 @@ impl LoadedState {
             next_optimizer: 0,
             next_scheduler: 0,
             strategy: None,
+            pipelined: false,
         })
     }
 
@@ -353,7 +356,7 @@ impl LoadedState {
         let pipelined = self
             .strategy
             .as_ref()
-            .is_some_and(|s| s.stages().is_some() && s.splits().is_empty());
+            .is_some_and(|s| self.pipelined && s.splits().is_empty());
         !pipelined
             && per_rank == wants_per_rank
             && (!per_rank
@@ -469,12 +472,14 @@ impl LoadedState {
         Ok(model)
     }
 
-    /// The strategy told of restored models' parameter ids.
+    /// The strategy told of restored models' parameter ids, and whether it trains a pipeline stage.
     pub(crate) fn with_strategy(
         mut self,
         strategy: std::sync::Arc<dyn crate::distributed::strategy::Strategy>,
+        pipelined: bool,
     ) -> Self {
         self.strategy = Some(strategy);
+        self.pipelined = pipelined;
         self
     }
 

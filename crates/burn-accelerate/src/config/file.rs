@@ -185,8 +185,9 @@ fn read_fsdp_config(
 
 /// Reads `parallelism_config` (Accelerate's `ParallelismConfig`): `parallelism_config_dp_shard_size` sets the shard
 /// groups of a hybrid strategy; a replicate size follows from it; `parallelism_config_pp_size`,
-/// `parallelism_config_pp_microbatches` and `parallelism_config_pp_schedule` set pipeline parallelism; tensor or
-/// context parallelism (any size but 1) is warned about as ignored.
+/// `parallelism_config_pp_microbatches` and `parallelism_config_pp_schedule` set pipeline parallelism;
+/// `parallelism_config_tp_size` and `parallelism_config_cp_size` the mesh's `tp` and `cp` dimensions (only 1 until
+/// tensor and context parallelism land: a larger value is refused when the accelerator is built).
 fn read_parallelism_config(
     value: &Value,
     origin: &str,
@@ -267,6 +268,28 @@ fn read_parallelism_config(
                     )
                 })?;
                 config.set_source(Key::PpSchedule, Source::File(origin.to_string()));
+            }
+            "parallelism_config_tp_size" | "parallelism_config_cp_size" => {
+                let size = raw
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        Error::config(
+                            format!("parallelism_config.{key}"),
+                            &raw,
+                            origin,
+                            "a number of ranks (1 or more)",
+                        )
+                    })?;
+                let source = Source::File(origin.to_string());
+                if key == "parallelism_config_tp_size" {
+                    config.distributed.tp_size = size;
+                    config.set_source(Key::TpSize, source);
+                } else {
+                    config.distributed.cp_size = size;
+                    config.set_source(Key::CpSize, source);
+                }
             }
             "parallelism_config_dp_replicate_size" => {}
             _ if raw.is_empty() || raw == "1" => {}

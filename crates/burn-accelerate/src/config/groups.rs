@@ -110,6 +110,14 @@ pub struct DistributedSettings {
     /// `ParallelismConfig.dp_shard_size`; `PARALLELISM_CONFIG_DP_SHARD_SIZE`). Default: the processes on one
     /// machine.
     pub dp_shard_size: Option<usize>,
+    /// Tensor-parallel ranks: the mesh's `tp` dimension (Accelerate's `ParallelismConfig.tp_size`;
+    /// `PARALLELISM_CONFIG_TP_SIZE`). Only 1 (the default) until tensor parallelism lands: a larger value is
+    /// refused when the accelerator is built.
+    pub tp_size: usize,
+    /// Context-parallel ranks: the mesh's `cp` dimension (Accelerate's `ParallelismConfig.cp_size`;
+    /// `PARALLELISM_CONFIG_CP_SIZE`). Only 1 (the default) until context parallelism lands: a larger value is
+    /// refused when the accelerator is built.
+    pub cp_size: usize,
     /// The dtype a block-wise pass of a sharded strategy gathers each block's parameters in (FSDP2's
     /// `param_dtype`; `FSDP_PARAM_DTYPE`). Default: the parameters' own. Each rank keeps its slices in their own
     /// dtype (the master weights); the block's gradients come back in this dtype.
@@ -140,6 +148,8 @@ impl Default for DistributedSettings {
         Self {
             sharding: ShardingStrategy::NoShard,
             dp_shard_size: None,
+            tp_size: 1,
+            cp_size: 1,
             fsdp_param_dtype: None,
             fsdp_reduce_dtype: None,
             bucket_size_mb: 25.0,

@@ -53,6 +53,8 @@ keys! {
     BucketSizeMb => "bucket_size_mb",
     Sharding => "sharding",
     DpShardSize => "dp_shard_size",
+    TpSize => "tp_size",
+    CpSize => "cp_size",
     PpSize => "pp_size",
     PpMicrobatches => "pp_microbatches",
     PpSchedule => "pp_schedule",

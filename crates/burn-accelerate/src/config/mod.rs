@@ -236,7 +236,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 19] {
+    fn values(&self) -> [(Key, String); 21] {
         [
             (
                 Key::MixedPrecision,
@@ -277,6 +277,8 @@ impl AcceleratorConfig {
                     .dp_shard_size
                     .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
             ),
+            (Key::TpSize, self.distributed.tp_size.to_string()),
+            (Key::CpSize, self.distributed.cp_size.to_string()),
             (Key::PpSize, self.pipeline.pp_size.to_string()),
             (
                 Key::PpMicrobatches,
@@ -430,6 +432,10 @@ pub const AUTODIFF_CHECKPOINTING_VAR: &str = "ACCELERATE_AUTODIFF_CHECKPOINTING"
 
 /// The size of a hybrid strategy's shard groups, as Accelerate's launcher names it.
 pub const DP_SHARD_SIZE_VAR: &str = "PARALLELISM_CONFIG_DP_SHARD_SIZE";
+/// The environment variable that sets [`DistributedSettings::tp_size`].
+pub const TP_SIZE_VAR: &str = "PARALLELISM_CONFIG_TP_SIZE";
+/// The environment variable that sets [`DistributedSettings::cp_size`].
+pub const CP_SIZE_VAR: &str = "PARALLELISM_CONFIG_CP_SIZE";
 
 /// The variables that ask for sharding, as Accelerate's launcher sets them: `ACCELERATE_USE_FSDP=true` and
 /// `FSDP_SHARDING_STRATEGY` (a name or Accelerate's number; `FULL_SHARD` when only the first is set).

@@ -3,10 +3,10 @@
 //! ([`AcceleratorConfig::launch_env`]) from this one table, so the two cannot drift apart.
 
 use super::{
-    ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, DP_SHARD_SIZE_VAR,
-    FSDP_VARS, INDEPENDENT_VAR, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR, PP_SIZE_VAR,
-    PP_STAGE_BLOCKS_VAR, RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source, TRANSPORT_VAR,
-    env,
+    ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, CP_SIZE_VAR,
+    DP_SHARD_SIZE_VAR, FSDP_VARS, INDEPENDENT_VAR, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR,
+    PP_SIZE_VAR, PP_STAGE_BLOCKS_VAR, RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source,
+    TP_SIZE_VAR, TRANSPORT_VAR, env,
 };
 use crate::error::{Error, Result};
 
@@ -64,6 +64,18 @@ const VARIABLES: &[Variable] = &[
             parse(name, text, COUNT).map(|v| c.distributed.dp_shard_size = Some(v))
         },
         write: Some(|c| c.distributed.dp_shard_size.map(|n| n.to_string())),
+    },
+    Variable {
+        name: TP_SIZE_VAR,
+        key: Key::TpSize,
+        read: |c, name, text| parse(name, text, COUNT).map(|v| c.distributed.tp_size = v),
+        write: Some(|c| (c.distributed.tp_size != 1).then(|| c.distributed.tp_size.to_string())),
+    },
+    Variable {
+        name: CP_SIZE_VAR,
+        key: Key::CpSize,
+        read: |c, name, text| parse(name, text, COUNT).map(|v| c.distributed.cp_size = v),
+        write: Some(|c| (c.distributed.cp_size != 1).then(|| c.distributed.cp_size.to_string())),
     },
     Variable {
         name: PP_SIZE_VAR,
@@ -274,6 +286,9 @@ mod tests {
         launched.device.cpu = true;
         launched.distributed.sharding = ShardingStrategy::HybridShardZero2;
         launched.distributed.dp_shard_size = Some(3);
+        // Carried though a run refuses them until tensor and context parallelism land: the refusal is the run's.
+        launched.distributed.tp_size = 2;
+        launched.distributed.cp_size = 3;
         launched.distributed.fsdp_param_dtype = Some(crate::ShardDtype::Bf16);
         launched.distributed.fsdp_reduce_dtype = Some(crate::ShardDtype::Fp32);
         launched.memory.activation_checkpointing = true;

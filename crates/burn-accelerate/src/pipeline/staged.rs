@@ -119,7 +119,7 @@ impl StepPipeline {
         M: Blocks,
         B: Split,
     {
-        let Some(stages) = self.strategy.stages().cloned() else {
+        let Some(stages) = self.stages.clone() else {
             return self.backward_blocks(
                 model,
                 |m| before(m, &batch),
@@ -721,7 +721,7 @@ impl StepPipeline {
         B: Split,
     {
         let whole = unshard(self.strategy.as_ref(), model)?;
-        let Some(stages) = self.strategy.stages().cloned() else {
+        let Some(stages) = self.stages.clone() else {
             let mut x = before(&whole, &batch);
             for b in whole.blocks() {
                 x = block(b, x);

@@ -11,12 +11,14 @@ use serde::{Deserialize, Serialize};
 use super::trace::StageTrace;
 use crate::config::{AcceleratorConfig, PipelineSchedule};
 use crate::distributed::ProcessGroup;
-use crate::distributed::strategy::{Strategy, for_group};
+use crate::distributed::mesh::Mesh;
+use crate::distributed::strategy::{Strategy, for_data_parallel};
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::{Error, Result};
 
 /// Where a rank sits in the pipeline × data mesh: rank `r` of `W` runs stage `r / (W / stages)` of data-parallel
-/// replica `r % (W / stages)` (torchtitan's mesh, pipeline dimension outermost).
+/// replica `r % (W / stages)` (torchtitan's mesh, pipeline dimension outermost; the whole mesh is
+/// [`ParallelDims`](crate::ParallelDims)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PipelineLayout {
     /// This rank's stage (0 runs what precedes the blocks, `stages - 1` what follows them and the loss).
@@ -30,26 +32,6 @@ pub struct PipelineLayout {
 }
 
 impl PipelineLayout {
-    /// The place of rank `rank` of `world` ranks cut into `stages` stages.
-    ///
-    /// # Errors
-    /// `stages` does not divide `world`.
-    pub(crate) fn of(rank: usize, world: usize, stages: usize) -> Result<Self> {
-        if stages == 0 || !world.is_multiple_of(stages) {
-            return Err(Error::InvalidArgument(format!(
-                "pp_size {stages} does not divide the {world} rank(s) of this run: each stage needs the same \
-                 number of ranks; launch a multiple of {stages} processes, or set pp_size to a divisor of {world}"
-            )));
-        }
-        let replicas = world / stages;
-        Ok(Self {
-            stage: rank / replicas,
-            stages,
-            replica: rank % replicas,
-            replicas,
-        })
-    }
-
     /// Whether this rank runs the first stage.
     pub fn is_first_stage(&self) -> bool {
         self.stage == 0
@@ -160,21 +142,29 @@ impl Stages {
     }
 }
 
-/// The groups of a pipelined rank of `group` under `config`: its data-parallel group's strategy (the ranks of its
-/// stage) wrapped in `Staged`, and the data-parallel group itself (the shard of the data this rank reads).
+/// The strategy of a pipelined rank of `mesh` under `config`: its data-parallel group's strategy (the ranks of its
+/// stage) wrapped in `Staged`, and what its pipelined steps share.
 ///
 /// # Errors
-/// `pp_size` does not divide the ranks; a group cannot be split or its strategy built.
+/// A mesh without a pipeline; a strategy that cannot be built.
 pub(crate) fn for_mesh(
-    group: &Arc<ProcessGroup>,
+    mesh: &Mesh,
     config: &AcceleratorConfig,
-) -> Result<(Arc<dyn Strategy>, Arc<ProcessGroup>)> {
-    let world = group.num_processes();
-    let layout = PipelineLayout::of(group.process_index(), world, config.pipeline.pp_size)?;
-    // Every rank splits in the same order: its stage's data-parallel group, then its replica's pipeline.
-    let data = Arc::new(group.split(layout.stage, layout.replica)?);
-    let pipe = Arc::new(group.split(layout.replica, layout.stage)?);
-    let inner = for_group(&data, config)?;
+) -> Result<(Arc<dyn Strategy>, Arc<Stages>)> {
+    let group = &mesh.world;
+    let pipe = mesh.pp.clone().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "pipeline parallelism on the mesh {}, which has one stage: set pp_size above 1",
+            mesh.dims
+        ))
+    })?;
+    let layout = PipelineLayout {
+        stage: mesh.coords.pp,
+        stages: mesh.dims.pp,
+        replica: mesh.coords.dp(&mesh.dims),
+        replicas: mesh.dims.dp(),
+    };
+    let inner = for_data_parallel(mesh, config)?;
     // Activations and their gradients go where the gradient transport goes: the device where it can (in-process
     // stages sharing a GPU hand each other the tensors), host memory otherwise.
     let (stage_comm, choice) = crate::distributed::tensor_comm::on_device::select(
@@ -234,33 +224,10 @@ pub(crate) fn for_mesh(
             .into_boxed_str(),
         ),
     });
-    Ok((
-        Arc::new(super::stage_strategy::Staged {
-            inner,
-            stages,
-            world: world_comm,
-        }),
-        data,
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ranks_fill_the_replicas_of_a_stage_first() {
-        let places: Vec<(usize, usize)> = (0..6)
-            .map(|r| {
-                let l = PipelineLayout::of(r, 6, 3).unwrap();
-                (l.stage, l.replica)
-            })
-            .collect();
-        assert_eq!(places, vec![(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]);
-        let err = PipelineLayout::of(0, 6, 4).unwrap_err().to_string();
-        assert!(
-            err.contains("pp_size 4 does not divide the 6 rank(s)"),
-            "{err}"
-        );
-    }
+    let strategy = Arc::new(super::stage_strategy::Staged {
+        inner,
+        stages: stages.clone(),
+        world: world_comm,
+    });
+    Ok((strategy, stages))
 }

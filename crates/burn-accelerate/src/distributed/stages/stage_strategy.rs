@@ -59,10 +59,6 @@ impl Strategy for Staged {
         self.world.rank()
     }
 
-    fn stages(&self) -> Option<&Arc<Stages>> {
-        Some(&self.stages)
-    }
-
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,

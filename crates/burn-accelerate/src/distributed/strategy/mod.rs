@@ -50,7 +50,6 @@ pub(crate) use sharded::{ParamFetcher, Sharded, Split, SplitKind};
 
 use crate::config::AcceleratorConfig;
 use crate::distributed::DistributedType;
-use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::grad::{GradientBuffer, NormType};
 
@@ -126,11 +125,6 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
 
     /// This rank's index in the group the strategy distributes over.
     fn rank(&self) -> usize;
-
-    /// The pipeline this rank is a stage of, where the run is pipelined (`pp_size` > 1).
-    fn stages(&self) -> Option<&Arc<crate::distributed::stages::mesh::Stages>> {
-        None
-    }
 
     /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
     /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank
@@ -366,17 +360,19 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     }
 }
 
-/// The strategy of `group`'s rank under `config`: [`SingleDevice`] for one rank; for several, [`Sharded`] when
-/// `config.distributed.sharding` asks for it, else [`DataParallel`] over the gradient transport
+/// The data-parallel strategy of a rank of `mesh` under `config`, over the mesh's data-parallel group:
+/// [`SingleDevice`] for one rank; for several, [`Sharded`] when `config.distributed.sharding` asks for it (a
+/// hybrid one over the mesh's shard and replica groups), else [`DataParallel`] over the gradient transport
 /// [`on_device::select`] picks; with buckets of at most `config.distributed.bucket_size_mb`. The main process logs
 /// the transport and why.
 ///
 /// # Errors
 /// `gradient_transport = device` where the device path is not available.
-pub(crate) fn for_group(
-    group: &Arc<ProcessGroup>,
+pub(crate) fn for_data_parallel(
+    mesh: &crate::distributed::mesh::Mesh,
     config: &AcceleratorConfig,
 ) -> Result<Arc<dyn Strategy>> {
+    let group = &mesh.dp;
     let bucket_bytes = (config.distributed.bucket_size_mb * 1024.0 * 1024.0) as usize;
     let world = group.num_processes();
     if world > 1 && config.distributed.sharding.is_sharded() {
@@ -393,15 +389,11 @@ pub(crate) fn for_group(
             config.distributed.fsdp_param_dtype.map(|d| d.dtype()),
             config.distributed.fsdp_reduce_dtype.map(|d| d.dtype()),
         );
-        if config.distributed.sharding.is_hybrid() {
-            let shard_size = config
-                .distributed
-                .dp_shard_size
-                .unwrap_or_else(|| group.local_world_size());
+        if let Some(groups) = &mesh.hybrid {
             let strategy = Sharded::hybrid(
                 group.clone(),
                 comm,
-                shard_size,
+                groups.clone(),
                 config.distributed.sharding,
                 bucket_bytes,
             )?;

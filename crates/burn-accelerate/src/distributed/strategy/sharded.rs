@@ -127,32 +127,20 @@ impl Sharded {
     }
 
     /// A hybrid strategy of `world`'s rank, reaching the other ranks through `everyone` (over `world`) and its
-    /// sub-groups: sharded within consecutive groups of `shard_size` ranks, replicated across them. Every rank
-    /// takes part in making both sub-groups.
+    /// sub-groups `groups` (the mesh's shard and replica groups of `world`): sharded within the shard group,
+    /// replicated across the replica group.
     ///
     /// # Errors
-    /// A shard size that does not divide the ranks; the sub-groups' collectives.
+    /// The sub-groups' collectives.
     pub fn hybrid(
         world: Arc<ProcessGroup>,
         everyone: Arc<dyn TensorComm>,
-        shard_size: usize,
+        groups: (Arc<ProcessGroup>, Arc<ProcessGroup>),
         mode: ShardingStrategy,
         bucket_bytes: usize,
     ) -> Result<Self> {
-        let (rank, ranks) = (world.process_index(), world.num_processes());
-        if shard_size == 0 || !ranks.is_multiple_of(shard_size) {
-            return Err(Error::config(
-                "dp_shard_size",
-                shard_size.to_string(),
-                "configuration",
-                format!(
-                    "a number of ranks per shard group that divides the {ranks} ranks (set it with \
-                     AcceleratorBuilder::dp_shard_size or PARALLELISM_CONFIG_DP_SHARD_SIZE)"
-                ),
-            ));
-        }
-        let shards = everyone.on_group(Arc::new(world.split(rank / shard_size, rank)?))?;
-        let replicas = everyone.on_group(Arc::new(world.split(rank % shard_size, rank)?))?;
+        let shards = everyone.on_group(groups.0)?;
+        let replicas = everyone.on_group(groups.1)?;
         Ok(Self {
             shards,
             everyone,

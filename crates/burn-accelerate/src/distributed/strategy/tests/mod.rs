@@ -10,6 +10,7 @@ use burn::tensor::Device;
 use super::*;
 use crate::accelerator::AcceleratorBuilder;
 use crate::config::ShardingStrategy;
+use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;
 use crate::distributed::comm::ReduceOp;
 use crate::{Accelerator, StateToSave};

@@ -8,6 +8,7 @@ use burn::nn::Linear;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::*;
+use crate::distributed::ProcessGroup;
 use crate::distributed::tensor_comm::{Checked, Incoming, Pending, Reduction, TensorComm};
 
 /// What rank 0 saw, in order: `G` a parameter all-gather started, `R` / `r` a gradient reduce-scatter started /

@@ -10,6 +10,7 @@ use burn::optim::AdamConfig;
 use super::leader::{stack, stack_steps, stack_weights};
 use super::*;
 use crate::config::GradientTransport;
+use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::launch_ranks_over;
 use crate::distributed::comm::Communicator;
 use crate::distributed::tensor_comm::on_device::{ControlBudget, NoHostBuffers};
@@ -87,7 +88,13 @@ fn strategy_over(
     let bucket = 64;
     Ok(match mode {
         ShardingStrategy::NoShard => Arc::new(DataParallel::new(comm, bucket)),
-        m if m.is_hybrid() => Arc::new(Sharded::hybrid(group.clone(), comm, 2, m, bucket)?),
+        m if m.is_hybrid() => Arc::new(Sharded::hybrid(
+            group.clone(),
+            comm,
+            crate::distributed::mesh::hybrid_groups(group, 2)?,
+            m,
+            bucket,
+        )?),
         m => Arc::new(Sharded::new(group.clone(), comm, m, bucket)),
     })
 }

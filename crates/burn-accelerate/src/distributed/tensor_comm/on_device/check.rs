@@ -191,7 +191,13 @@ pub(crate) fn check_training_on_one_rank(
             let comm = OnDevice::checked(engines(group)?, group);
             // 256-byte buckets: several exchanges a step.
             let strategy: Arc<dyn Strategy> = if mode.is_hybrid() {
-                Arc::new(Sharded::hybrid(group.clone(), comm, 1, mode, 256)?)
+                Arc::new(Sharded::hybrid(
+                    group.clone(),
+                    comm,
+                    crate::distributed::mesh::hybrid_groups(group, 1)?,
+                    mode,
+                    256,
+                )?)
             } else {
                 Arc::new(Sharded::new(group.clone(), comm, mode, 256))
             };

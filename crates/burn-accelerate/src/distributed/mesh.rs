@@ -1,0 +1,385 @@
+//! The device mesh: one named dimension per parallelism ([`ParallelDims`], torchtitan's `ParallelDims`), where
+//! this rank sits on it ([`MeshCoords`]), and the sub-groups each parallelism takes of it (`Mesh`), built once
+//! from the settings. Every group split in the crate comes from here.
+//!
+//! The dimensions, outermost first: `pp` (pipeline stages), `dp_replicate` (replicas of the whole state),
+//! `dp_shard` (ranks one state is sharded over), `cp` (context parallelism), `tp` (tensor parallelism). Rank `r`
+//! is the row-major index of its coordinates: `tp` varies fastest, `pp` slowest, so that a stage's ranks are
+//! consecutive and a shard group's too.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::AcceleratorConfig;
+use crate::distributed::ProcessGroup;
+use crate::error::{Error, Result};
+
+/// The size of each dimension of the device mesh; their product is the number of ranks.
+///
+/// ```
+/// use burn_accelerate::ParallelDims;
+///
+/// let dims = ParallelDims { pp: 2, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 1 };
+/// assert_eq!(dims.world_size(), 8);
+/// let place = dims.coords(5);
+/// assert_eq!((place.pp, place.dp_shard), (1, 1));
+/// assert_eq!(place.dp(&dims), 1);
+/// assert_eq!(dims.to_string(), "pp 2 × dp_replicate 1 × dp_shard 4 × cp 1 × tp 1");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParallelDims {
+    /// Pipeline stages (`pp_size`).
+    pub pp: usize,
+    /// Replicas of the training state: data-parallel ranks that hold the same state (`NO_SHARD`'s ranks, a hybrid
+    /// strategy's shard groups).
+    pub dp_replicate: usize,
+    /// Ranks one training state is sharded over (`SHARD_GRAD_OP`'s and `FULL_SHARD`'s ranks, a hybrid strategy's
+    /// `dp_shard_size`).
+    pub dp_shard: usize,
+    /// Context-parallel ranks (`cp_size`): each holds a slice of every sequence. 1 until context parallelism lands.
+    pub cp: usize,
+    /// Tensor-parallel ranks (`tp_size`): each holds a slice of every wide layer. 1 until tensor parallelism lands.
+    pub tp: usize,
+}
+
+/// Where one rank sits on the mesh: its index along each dimension of [`ParallelDims`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MeshCoords {
+    /// Its pipeline stage.
+    pub pp: usize,
+    /// Its replica of the training state.
+    pub dp_replicate: usize,
+    /// Its shard of the training state.
+    pub dp_shard: usize,
+    /// Its context-parallel rank.
+    pub cp: usize,
+    /// Its tensor-parallel rank.
+    pub tp: usize,
+}
+
+impl MeshCoords {
+    /// Its data-parallel index (`dp_replicate × dp_shard`): which shard of the data it reads. Every rank of one
+    /// data-parallel index (its pipeline stages, its tensor and context ranks) reads the same batches.
+    pub fn dp(&self, dims: &ParallelDims) -> usize {
+        self.dp_replicate * dims.dp_shard + self.dp_shard
+    }
+}
+
+impl ParallelDims {
+    /// One process alone: every dimension 1.
+    pub const ONE: Self = Self {
+        pp: 1,
+        dp_replicate: 1,
+        dp_shard: 1,
+        cp: 1,
+        tp: 1,
+    };
+
+    /// Plain data parallelism over `world` ranks, every rank a replica.
+    pub fn data_parallel(world: usize) -> Self {
+        Self {
+            dp_replicate: world,
+            ..Self::ONE
+        }
+    }
+
+    /// The mesh `config` asks of `world` ranks, `local_world` of them on this machine (a hybrid strategy's default
+    /// shard group).
+    ///
+    /// # Errors
+    /// A size of 0; `pp_size` × `tp_size` × `cp_size` not dividing the ranks; a `dp_shard_size` that does not divide
+    /// the data-parallel ranks; `tp_size` or `cp_size` above 1 (not available yet). Each error names its setting
+    /// and how to set it.
+    pub fn from_config(
+        config: &AcceleratorConfig,
+        world: usize,
+        local_world: usize,
+    ) -> Result<Self> {
+        let (pp, tp, cp) = (
+            config.pipeline.pp_size,
+            config.distributed.tp_size,
+            config.distributed.cp_size,
+        );
+        for (name, size, how) in [
+            ("tp_size", tp, "tensor parallelism"),
+            ("cp_size", cp, "context parallelism"),
+        ] {
+            if size == 0 {
+                return Err(Error::config(
+                    name,
+                    "0",
+                    "configuration",
+                    "a number of ranks of 1 or more",
+                ));
+            }
+            if size > 1 {
+                return Err(Error::config(
+                    name,
+                    size.to_string(),
+                    "configuration",
+                    format!(
+                        "1: {how} is not available yet (the mesh has its dimension, of size 1); leave {name} \
+                         unset, or set it to 1"
+                    ),
+                ));
+            }
+        }
+        let inner = pp * tp * cp;
+        if pp == 0 || !world.is_multiple_of(inner) {
+            return Err(Error::InvalidArgument(format!(
+                "pp_size {pp} does not divide the {world} rank(s) of this run: each stage needs the same number \
+                 of ranks; launch a multiple of {pp} processes, or set pp_size to a divisor of {world}"
+            )));
+        }
+        let dp = world / inner;
+        let sharding = config.distributed.sharding;
+        let (dp_replicate, dp_shard) = if !sharding.is_sharded() || dp == 1 {
+            (dp, 1)
+        } else if sharding.is_hybrid() {
+            let shard = config
+                .distributed
+                .dp_shard_size
+                .unwrap_or_else(|| gcd(local_world.max(1), dp));
+            if shard == 0 || !dp.is_multiple_of(shard) {
+                return Err(Error::config(
+                    "dp_shard_size",
+                    shard.to_string(),
+                    "configuration",
+                    format!(
+                        "a number of ranks per shard group that divides the {dp} data-parallel ranks (set it \
+                         with AcceleratorBuilder::dp_shard_size or PARALLELISM_CONFIG_DP_SHARD_SIZE)"
+                    ),
+                ));
+            }
+            (dp / shard, shard)
+        } else {
+            (1, dp)
+        };
+        Ok(Self {
+            pp,
+            dp_replicate,
+            dp_shard,
+            cp,
+            tp,
+        })
+    }
+
+    /// The number of ranks: the product of the dimensions.
+    pub fn world_size(&self) -> usize {
+        self.pp * self.dp() * self.cp * self.tp
+    }
+
+    /// Data-parallel ranks per stage: `dp_replicate × dp_shard`, the shards of the data.
+    pub fn dp(&self) -> usize {
+        self.dp_replicate * self.dp_shard
+    }
+
+    /// Where rank `rank` sits.
+    pub fn coords(&self, rank: usize) -> MeshCoords {
+        let tp = rank % self.tp;
+        let rest = rank / self.tp;
+        let cp = rest % self.cp;
+        let rest = rest / self.cp;
+        let dp_shard = rest % self.dp_shard;
+        let rest = rest / self.dp_shard;
+        let dp_replicate = rest % self.dp_replicate;
+        MeshCoords {
+            pp: rest / self.dp_replicate,
+            dp_replicate,
+            dp_shard,
+            cp,
+            tp,
+        }
+    }
+}
+
+impl fmt::Display for ParallelDims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "pp {} × dp_replicate {} × dp_shard {} × cp {} × tp {}",
+            self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
+        )
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The mesh of one rank: the dimensions, its coordinates, and the sub-groups its parallelisms talk over, split
+/// once, in the same order on every rank.
+#[derive(Debug, Clone)]
+pub(crate) struct Mesh {
+    /// The size of each dimension.
+    pub dims: ParallelDims,
+    /// This rank's place.
+    pub coords: MeshCoords,
+    /// Every rank of the run.
+    pub world: Arc<ProcessGroup>,
+    /// The data-parallel ranks of this rank's stage (and tensor and context rank): the ranks whose data differ,
+    /// over which gradients are reduced. The whole world without a pipeline.
+    pub dp: Arc<ProcessGroup>,
+    /// This replica's pipeline, one rank per stage, numbered by stage; `None` without a pipeline.
+    pub pp: Option<Arc<ProcessGroup>>,
+    /// Under a hybrid strategy over more than one data-parallel rank: the shard group (`dp_shard` consecutive ranks
+    /// of `dp`) and the replica group (the `dp_replicate` ranks holding the same slice), in that order.
+    pub hybrid: Option<(Arc<ProcessGroup>, Arc<ProcessGroup>)>,
+}
+
+impl Mesh {
+    /// The mesh `config` asks of `world`'s ranks, its sub-groups split.
+    ///
+    /// # Errors
+    /// As [`ParallelDims::from_config`]; a sub-group that cannot be split.
+    pub fn build(world: &Arc<ProcessGroup>, config: &AcceleratorConfig) -> Result<Self> {
+        let dims =
+            ParallelDims::from_config(config, world.num_processes(), world.local_world_size())?;
+        Self::of(world, dims, config.distributed.sharding.is_hybrid())
+    }
+
+    /// Plain data parallelism over `world` (a strategy the user made).
+    pub fn data_parallel(world: &Arc<ProcessGroup>) -> Self {
+        let dims = ParallelDims::data_parallel(world.num_processes());
+        Self {
+            coords: dims.coords(world.process_index()),
+            dims,
+            world: world.clone(),
+            dp: world.clone(),
+            pp: None,
+            hybrid: None,
+        }
+    }
+
+    fn of(world: &Arc<ProcessGroup>, dims: ParallelDims, hybrid: bool) -> Result<Self> {
+        let coords = dims.coords(world.process_index());
+        let dp_index = coords.dp(&dims);
+        // Every rank splits in the same order: its stage's data-parallel group, then its replica's pipeline, then a
+        // hybrid strategy's shard and replica groups within the data-parallel group.
+        let (dp, pp) = if dims.pp > 1 {
+            let dp = Arc::new(world.split(coords.pp, dp_index)?);
+            let pp = Arc::new(world.split(dp_index, coords.pp)?);
+            (dp, Some(pp))
+        } else {
+            (world.clone(), None)
+        };
+        let hybrid = if hybrid && dims.dp() > 1 {
+            Some(hybrid_groups(&dp, dims.dp_shard)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            dims,
+            coords,
+            world: world.clone(),
+            dp,
+            pp,
+            hybrid,
+        })
+    }
+}
+
+/// A hybrid strategy's groups of `dp`'s ranks: the shard group (`shard_size` consecutive ranks) and the replica
+/// group (the ranks holding the same slice: one per shard group), split in that order.
+///
+/// # Errors
+/// A shard size that does not divide the ranks; a group that cannot be split.
+pub(crate) fn hybrid_groups(
+    dp: &Arc<ProcessGroup>,
+    shard_size: usize,
+) -> Result<(Arc<ProcessGroup>, Arc<ProcessGroup>)> {
+    let (rank, ranks) = (dp.process_index(), dp.num_processes());
+    if shard_size == 0 || !ranks.is_multiple_of(shard_size) {
+        return Err(Error::config(
+            "dp_shard_size",
+            shard_size.to_string(),
+            "configuration",
+            format!(
+                "a number of ranks per shard group that divides the {ranks} data-parallel ranks (set it with \
+                 AcceleratorBuilder::dp_shard_size or PARALLELISM_CONFIG_DP_SHARD_SIZE)"
+            ),
+        ));
+    }
+    let shards = Arc::new(dp.split(rank / shard_size, rank)?);
+    let replicas = Arc::new(dp.split(rank % shard_size, rank)?);
+    Ok((shards, replicas))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ShardingStrategy;
+
+    fn config(pp: usize, sharding: ShardingStrategy, shard: Option<usize>) -> AcceleratorConfig {
+        let mut config = AcceleratorConfig::default();
+        config.pipeline.pp_size = pp;
+        config.distributed.sharding = sharding;
+        config.distributed.dp_shard_size = shard;
+        config
+    }
+
+    #[test]
+    fn each_strategy_takes_its_dimensions_and_the_ranks_fill_the_innermost_first() {
+        let dims = |pp, s, shard, world, local| {
+            ParallelDims::from_config(&config(pp, s, shard), world, local)
+        };
+        let no_shard = dims(1, ShardingStrategy::NoShard, None, 4, 4).unwrap();
+        assert_eq!((no_shard.dp_replicate, no_shard.dp_shard), (4, 1));
+        let full = dims(2, ShardingStrategy::FullShard, None, 8, 8).unwrap();
+        assert_eq!((full.pp, full.dp_replicate, full.dp_shard), (2, 1, 4));
+        let hybrid = dims(1, ShardingStrategy::HybridShard, Some(2), 8, 8).unwrap();
+        assert_eq!((hybrid.dp_replicate, hybrid.dp_shard), (4, 2));
+        // The default shard group: the ranks of one machine within a stage.
+        let machines = dims(2, ShardingStrategy::HybridShard, None, 8, 2).unwrap();
+        assert_eq!((machines.dp_replicate, machines.dp_shard), (2, 2));
+        for d in [no_shard, full, hybrid, machines] {
+            assert_eq!(d.world_size(), if d == no_shard { 4 } else { 8 });
+            let places: Vec<_> = (0..d.world_size()).map(|r| d.coords(r)).collect();
+            // Row-major: a stage's ranks are consecutive, and a shard group's within it.
+            for (r, c) in places.iter().enumerate() {
+                assert_eq!(c.pp * d.dp() + c.dp(&d), r, "{d}: rank {r} at {c:?}");
+            }
+        }
+        let places: Vec<_> = (0..6)
+            .map(|r| {
+                let c =
+                    ParallelDims::from_config(&config(3, ShardingStrategy::NoShard, None), 6, 6)
+                        .unwrap()
+                        .coords(r);
+                (c.pp, c.dp_replicate)
+            })
+            .collect();
+        assert_eq!(places, vec![(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]);
+    }
+
+    #[test]
+    fn a_mesh_that_does_not_fit_the_ranks_says_which_setting_to_change() {
+        let err = ParallelDims::from_config(&config(4, ShardingStrategy::NoShard, None), 6, 6)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("pp_size 4 does not divide the 6 rank(s)"),
+            "{err}"
+        );
+        let err =
+            ParallelDims::from_config(&config(1, ShardingStrategy::HybridShard, Some(3)), 4, 4)
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains("dp_shard_size") && err.contains("divides the 4"),
+            "{err}"
+        );
+        for (tp, cp, name) in [(2, 1, "tp_size"), (1, 2, "cp_size")] {
+            let mut c = config(1, ShardingStrategy::NoShard, None);
+            c.distributed.tp_size = tp;
+            c.distributed.cp_size = cp;
+            let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
+            assert!(
+                err.contains(name) && err.contains("not available yet"),
+                "{err}"
+            );
+        }
+    }
+}
