@@ -95,8 +95,12 @@
 
 // The layers, lowest first: a module uses only modules declared above it (scripts/module-graph.py checks it).
 mod error; // Error, Result
+mod notice; // warnings that reach the user without a logger
+pub(crate) mod fs; // durable file writes, folder locks, scratch files
+pub(crate) mod heap; // returning freed heap memory, telling out-of-memory failures apart
 mod host_data; // tensor data built in place
 mod named_params; // one walk over a module's parameters, with their names
+mod model; // what a model and its batches provide: blocks, micro-batches, the cut into stages
 mod traverse; // walking a batch value's tensors
 pub(crate) mod grad; // gradient buffer, clipping, the step window
 pub mod precision; // autocast, loss scaler, the precision policy
@@ -111,6 +115,7 @@ pub mod optim; // the prepared optimizer and scheduler
 pub mod checkpoint; // safetensors weights, training state, the checkpointer
 pub mod memory; // out-of-memory batch-size search, memory estimate
 pub mod accelerator; // the facade and its builder
+mod diagnostics; // what `burn-accelerate test` trains through the facade to check the device transport
 // burn-train's Learner through the facade.
 #[cfg(feature = "train")]
 pub mod learner;
@@ -126,8 +131,8 @@ pub use distributed::stages::{PipelineLayout, StageTrace};
 pub use distributed::{DistributedType, Gatherable, MeshCoords, ParallelDims, ProcessGroup};
 pub use error::{Error, Result};
 pub use grad::{GradientState, NormType, StepPhases};
+pub use model::{Blocks, Split};
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
-pub use pipeline::{Blocks, Split};
 pub use precision::{CastFloats, LossScaler, MixedPrecision};
 
 /// The MPI engine (feature `mpi`).

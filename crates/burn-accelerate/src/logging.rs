@@ -259,17 +259,6 @@ pub fn init(level: Option<LevelFilter>) -> bool {
     installed
 }
 
-/// Writes `message` as a warning where the user can see it: through the `log` crate where a logger takes
-/// warnings, on standard error where the program installed no logger at all (the `log` crate would drop it),
-/// nowhere where a logger was set to leave warnings out.
-pub(crate) fn warn_visibly(message: &str) {
-    if log::max_level() >= Level::Warn {
-        log::warn!("{message}");
-    } else if log::max_level() == LevelFilter::Off {
-        eprintln!("[burn-accelerate] warning: {message}");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,12 +41,7 @@ use crate::grad::{
 use crate::precision::Precision;
 
 mod blocks;
-mod split;
 mod staged;
-
-pub use blocks::Blocks;
-pub use split::Split;
-pub(crate) use staged::stage_blocks;
 
 /// Whether the gradients a backward pass left in the buffer were reduced across ranks already (a block-wise pass
 /// reduces each part as it produces it), and scaled for the window.

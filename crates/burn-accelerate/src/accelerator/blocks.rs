@@ -5,7 +5,7 @@ use burn::tensor::Tensor;
 
 use super::Accelerator;
 use crate::error::Result;
-use crate::pipeline::Blocks;
+use crate::model::Blocks;
 
 impl Accelerator {
     /// One micro-batch's forward and backward pass through a model made of blocks ([`Blocks`]): `before` runs

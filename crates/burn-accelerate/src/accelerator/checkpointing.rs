@@ -92,9 +92,9 @@ impl Accelerator {
         let whole = self.unshard(model)?;
         let model = &whole;
         let write = || -> Result<Vec<PathBuf>> {
-            let parent = crate::checkpoint::fs::parent_dir(dir);
+            let parent = crate::fs::parent_dir(dir);
             std::fs::create_dir_all(parent).map_err(crate::error::io("creating", parent))?;
-            let _lock = crate::checkpoint::fs::FolderLock::acquire(parent, dir)?;
+            let _lock = crate::fs::FolderLock::acquire(parent, dir)?;
             if options.safe_serialization {
                 crate::checkpoint::safetensors::write_safetensors(
                     model,
@@ -159,11 +159,10 @@ impl Accelerator {
         dir: &Path,
         max: u64,
         options: &SaveOptions,
-        fetcher: std::rc::Rc<dyn crate::checkpoint::safetensors::write::LazyParams>,
+        fetcher: std::rc::Rc<dyn crate::distributed::strategy::LazyParams>,
     ) -> Result<Vec<PathBuf>> {
-        let lazy = || -> std::rc::Rc<dyn crate::checkpoint::safetensors::write::LazyParams> {
-            fetcher.clone()
-        };
+        let lazy =
+            || -> std::rc::Rc<dyn crate::distributed::strategy::LazyParams> { fetcher.clone() };
         // Every rank plans the same file (a bad key remapping fails everywhere alike); the main process also
         // takes the folder's lock. All agree before the first fetch, so that no rank waits on one that stopped.
         let planned = crate::checkpoint::safetensors::plan(
@@ -176,9 +175,9 @@ impl Accelerator {
             if !self.is_main_process() {
                 return Ok((tensors, None));
             }
-            let parent = crate::checkpoint::fs::parent_dir(dir);
+            let parent = crate::fs::parent_dir(dir);
             std::fs::create_dir_all(parent).map_err(crate::error::io("creating", parent))?;
-            let lock = crate::checkpoint::fs::FolderLock::acquire(parent, dir)?;
+            let lock = crate::fs::FolderLock::acquire(parent, dir)?;
             Ok((tensors, Some(lock)))
         });
         let (ready, prepared) = match prepared {
@@ -235,7 +234,7 @@ impl Accelerator {
             options,
             &|id| strategy.split(id),
         );
-        crate::memory::release_free_heap();
+        crate::heap::release_free_heap();
         if strategy.splits().is_empty() {
             // Every rank holds the whole model: a rank may load on its own.
             return loaded;
@@ -394,7 +393,7 @@ impl Accelerator {
                 ));
             }
             if self.is_main_process() {
-                crate::logging::warn_visibly(&format!(
+                crate::notice::warn_visibly(&format!(
                     "restart {} of this job starts from scratch: it keeps no checkpoints (set a project folder \
                      and call save_state(None) to resume from the last one)",
                     self.restart_count()

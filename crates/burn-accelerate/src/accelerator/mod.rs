@@ -179,7 +179,6 @@ impl Accelerator {
     }
 
     /// The shared handle of this rank's process group (what strategies and transports hold).
-    #[cfg(test)]
     pub(crate) fn group_arc(&self) -> Arc<ProcessGroup> {
         self.group.clone()
     }
@@ -243,38 +242,6 @@ impl Accelerator {
     /// ```
     pub fn host_values(&self) -> u64 {
         self.process_group().host_values()
-    }
-
-    /// Checks the device gradient transport this run would use: every rank averages about a million values
-    /// through it in f32, bf16 and f16 (where the device has them), and each compares the result with the exact
-    /// mean of every rank's values, computed by itself in f64 (no collective, no shared summation order). Returns
-    /// the transport (with why it was chosen) and each dtype's largest error against its rounding bound; `None`
-    /// where gradients go through host memory anyway (CPU processes, `gradient_transport = host`). In-process
-    /// ranks on one device check the shared device path; a single CUDA rank checks a one-rank NCCL communicator.
-    /// Every rank must call it. `burn-accelerate test` runs it wherever a GPU is found.
-    ///
-    /// ```
-    /// use burn_accelerate::{Accelerator, GradientTransport};
-    ///
-    /// // In-process ranks on the CPU share one device: their path is checked, and passes.
-    /// let checks = burn_accelerate::launch(2, |acc| acc.check_gradient_transport())?;
-    /// assert!(checks.iter().all(|c| c.as_ref().is_some_and(|c| c.passed())));
-    /// // Through host memory there is no device path to check.
-    /// let host = Accelerator::builder()
-    ///     .gradient_transport(GradientTransport::Host)
-    ///     .launch(2, |acc| acc.check_gradient_transport())?;
-    /// assert_eq!(host, vec![None, None]);
-    /// # Ok::<(), burn_accelerate::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    /// A collective fails, or the device transport cannot start.
-    pub fn check_gradient_transport(&self) -> Result<Option<crate::distributed::TransportCheck>> {
-        crate::distributed::tensor_comm::on_device::check_against_reference(
-            &self.group,
-            self.config.distributed.gradient_transport,
-            self.config.collective_timeout(),
-        )
     }
 
     /// The GPU kit's checks of NCCL's communicator lifecycle on this run's ranks (one CUDA device each): `split`
@@ -385,7 +352,7 @@ impl Accelerator {
         };
         let model = with_device_checkpointing(model, self.device());
         let model = self.pipeline.after_prepare(model);
-        crate::memory::release_free_heap();
+        crate::heap::release_free_heap();
         model
     }
 
@@ -415,7 +382,7 @@ impl Accelerator {
                 1 => self.config.distributed.sharding.to_string(),
                 stages => format!("pp_size {stages}"),
             };
-            crate::logging::warn_visibly(&format!(
+            crate::notice::warn_visibly(&format!(
                 "prepare_model: rank {} was handed {drawn} bytes ({:.1} MiB) of parameters already drawn: under \
                  {mode} each rank keeps only its part, but this memory was spent before the model reached \
                  prepare_model, on every rank. Leave the parameters lazy (Burn's `*Config::init`, or \

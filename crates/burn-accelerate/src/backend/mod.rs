@@ -362,7 +362,7 @@ fn default_backend(
                 }) = &first_problem
                     && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
                 {
-                    crate::logging::warn_visibly(&format!(
+                    crate::notice::warn_visibly(&format!(
                         "the `{skipped}` backend is compiled in but cannot run here ({missing}); using `{backend}`"
                     ));
                 }

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::store::ModuleRecord;
 
-use super::fs::{read, with_suffix};
 use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
 use super::repartition;
 use crate::data::DataPosition;
 use crate::distributed::strategy::{StateScope, Strategy};
 use crate::error::{Error, Result};
+use crate::fs::{read, with_suffix};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler};
 use crate::precision::LossScaler;
 
@@ -61,7 +61,7 @@ fn guarded<T>(path: &Path, what: &str, call: impl FnOnce() -> T) -> Result<T> {
 }
 
 /// An optimizer record, and the file its tensors are read from as they are used (none: read in already).
-type Backed = (burn::optim::OptimizerRecord, Option<super::fs::Scratch>);
+type Backed = (burn::optim::OptimizerRecord, Option<crate::fs::Scratch>);
 
 /// One parameter's state out of the optimizer record in the file at `path` (its tensors, scalars and module path,
 /// the first parameter's with tensors), as a record of its own, and its number of tensors; `None` for a record
@@ -193,7 +193,7 @@ pub(crate) fn resolve(dir: &Path) -> Result<PathBuf> {
     }
     let old = with_suffix(dir, ".old");
     if old.join(MANIFEST).exists() {
-        crate::logging::warn_visibly(&format!(
+        crate::notice::warn_visibly(&format!(
             "{} is missing or incomplete; loading {}, the checkpoint a save was replacing when it stopped",
             dir.display(),
             old.display()
@@ -316,7 +316,7 @@ impl LoadedState {
         }
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         if let Some(expected) = name.and_then(|n| checksums.get(&n)) {
-            let actual = super::fs::file_crc32c(path)?;
+            let actual = crate::fs::file_crc32c(path)?;
             if actual != *expected {
                 return Err(corrupt(
                     path,
@@ -468,7 +468,7 @@ impl LoadedState {
                 .collect();
             strategy.params_renamed(&renamed);
         }
-        crate::memory::release_free_heap();
+        crate::heap::release_free_heap();
         Ok(model)
     }
 
@@ -521,7 +521,7 @@ impl LoadedState {
         guarded(&path, "optimizer", || {
             optimizer.restore(record, steps, backing)
         })?;
-        crate::memory::release_free_heap();
+        crate::heap::release_free_heap();
         Ok(())
     }
 
@@ -589,7 +589,7 @@ impl LoadedState {
                 &mut self.next_optimizer,
             )?;
             let backing = match reading {
-                Reading::AsUsed => super::fs::Scratch::link(&path, &self.dir, "optimizer"),
+                Reading::AsUsed => crate::fs::Scratch::link(&path, &self.dir, "optimizer"),
                 Reading::Now => None,
             };
             let record = match &backing {

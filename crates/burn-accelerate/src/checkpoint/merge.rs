@@ -114,6 +114,6 @@ pub fn merge_weights(state_dir: &Path, out_dir: &Path, model: usize) -> Result<P
         .map_err(|e| Error::InvalidArgument(format!("merge-weights: {e}")))?;
     std::fs::create_dir_all(out_dir).map_err(crate::error::io("creating", out_dir))?;
     let out = out_dir.join(SINGLE_FILE);
-    super::fs::write_atomic(&out, &bytes)?;
+    crate::fs::write_atomic(&out, &bytes)?;
     Ok(out)
 }

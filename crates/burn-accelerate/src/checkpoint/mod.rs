@@ -14,15 +14,14 @@
 //! a save leaves the previous checkpoint whole; loading a truncated, corrupt or mismatched checkpoint is an error
 //! naming the file and tensor.
 
-mod checkpointer;
-pub(crate) mod fs;
-mod load;
-mod manifest;
-mod merge;
-mod project;
 pub(crate) mod repartition;
+mod manifest;
+mod load;
+mod project;
 pub mod safetensors;
+mod merge;
 mod save;
+mod checkpointer;
 
 pub(crate) use checkpointer::Checkpointer;
 pub use load::LoadedState;

@@ -13,7 +13,7 @@ use burn::module::{Module, ParamId};
 use burn::tensor::Bytes;
 use burn_pack::{Reader, Writer};
 
-use super::fs::Scratch;
+use crate::fs::Scratch;
 use serde::{Deserialize, Serialize};
 
 use crate::distributed::strategy::{Split, SplitKind};

@@ -8,10 +8,10 @@ use burn::module::Module;
 #[cfg(feature = "train")]
 use burn::store::ModuleRecord;
 
-use super::fs::{FolderLock, io, parent_dir, sync_dir, with_suffix, write_synced};
 use super::manifest::{FORMAT, MANIFEST, Manifest, RankState, file, model_stem, optimizer_stem};
 use crate::data::DataPosition;
 use crate::distributed::strategy::StateScope;
+use crate::fs::{FolderLock, io, parent_dir, sync_dir, with_suffix, write_synced};
 use burn::tensor::Bytes;
 
 use crate::error::{Error, Result};
@@ -66,7 +66,7 @@ impl OptimizerPart {
             OptimizerPart::Live(optimizer) => optimizer
                 .to_record()
                 .save(path)
-                .map_err(|e| super::fs::io("writing", path)(std::io::Error::other(e.to_string()))),
+                .map_err(|e| crate::fs::io("writing", path)(std::io::Error::other(e.to_string()))),
             OptimizerPart::Bytes(bytes) => write_synced(path, bytes),
         }
     }
@@ -261,7 +261,7 @@ fn checksums(
         let name = file(Path::new(""), stem, i, "bpk")
             .to_string_lossy()
             .into_owned();
-        sums.insert(name.clone(), super::fs::file_crc32c(&partial.join(name))?);
+        sums.insert(name.clone(), crate::fs::file_crc32c(&partial.join(name))?);
     }
     Ok(sums)
 }

@@ -1,13 +1,13 @@
 //! The accelerator's configuration, where each setting came from, and where Accelerate keeps its config file.
 
 pub mod env;
-mod file;
-mod groups;
 mod key;
 mod pipeline;
 mod shard_dtype;
 mod sharding;
+mod file;
 mod transport;
+mod groups;
 mod variables;
 
 pub use file::UnsupportedValue;

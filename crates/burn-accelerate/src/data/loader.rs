@@ -101,7 +101,7 @@ impl<I, O> DataLoaderBuilder<I, O> {
     /// Items per batch (default 1). Zero is turned into one, with a warning.
     pub fn batch_size(mut self, batch_size: usize) -> Self {
         if batch_size == 0 {
-            crate::logging::warn_visibly(
+            crate::notice::warn_visibly(
                 "DataLoaderBuilder::batch_size(0) is not a batch size; using 1",
             );
         }

@@ -25,14 +25,14 @@
 //! assert_eq!(seen, 10);
 //! ```
 
-mod loader;
 mod position;
-mod prepared;
-mod dispatch;
 mod shard;
 mod stream;
+mod dispatch;
 mod stream_loader;
 mod workers;
+mod loader;
+mod prepared;
 
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
 pub(crate) use position::LoaderCursor;

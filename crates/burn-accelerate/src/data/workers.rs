@@ -115,7 +115,7 @@ impl<O: Send + 'static> Prefetcher<O> {
             match spawned {
                 Ok(handle) => handles.push(handle),
                 // Fewer workers still build every batch; none at all is reported by `next`.
-                Err(e) => crate::logging::warn_visibly(&format!(
+                Err(e) => crate::notice::warn_visibly(&format!(
                     "could not start dataloader worker {i} ({e}): fewer workers build the batches"
                 )),
             }

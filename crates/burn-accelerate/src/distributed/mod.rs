@@ -21,15 +21,15 @@
 //! [`comm::check_calls`], for the engines and debug mode alike. Nothing here knows the [`Accelerator`](crate::Accelerator):
 //! the facade composes these parts.
 
+pub mod comm;
 pub mod cluster;
 pub mod collectives;
-pub mod comm;
 mod gatherable;
 pub(crate) mod mesh;
-pub(crate) mod parallelize;
-pub mod stages;
-pub(crate) mod strategy;
 pub(crate) mod tensor_comm;
+pub(crate) mod strategy;
+pub mod stages;
+pub(crate) mod parallelize;
 
 pub(crate) use cluster::launch_ranks;
 pub use cluster::{DistributedType, ProcessGroup, current, current_rank};

@@ -55,7 +55,7 @@ pub struct AcceleratedOptimizer {
     whole_tensor_kind: Option<String>,
     /// The files a restored state is read from as each tensor is first used (a CPU backend adopts a record's
     /// file-backed bytes as they are): kept while this optimizer may still read them.
-    backing: Vec<crate::checkpoint::fs::Scratch>,
+    backing: Vec<crate::fs::Scratch>,
 }
 
 /// Burn's optimizers whose update needs a parameter whole: a trust ratio over the tensor (LAMB), factored second
@@ -197,7 +197,7 @@ impl AcceleratedOptimizer {
         &mut self,
         record: burn::optim::OptimizerRecord,
         steps: u64,
-        backing: Option<crate::checkpoint::fs::Scratch>,
+        backing: Option<crate::fs::Scratch>,
     ) {
         self.inner = self.inner.clone().load_record(record);
         self.steps = steps;

@@ -32,40 +32,7 @@ use crate::distributed::strategy::{
 use crate::error::{Error, Result};
 use crate::grad::window::model_key;
 use crate::grad::{GradientBuffer, param_ids};
-
-/// A model whose forward pass runs through a sequence of blocks of one type — a transformer's layers — so that
-/// [`Accelerator::backward_blocks`](crate::Accelerator::backward_blocks) can gather (under `FULL_SHARD`) and
-/// recompute (with activation checkpointing) one block at a time: FSDP2's `fully_shard(block)` and Accelerate's
-/// `transformer_layer_cls_to_wrap`, as a trait. What is not in a block (embeddings, the head) is gathered whole.
-///
-/// ```
-/// use burn::module::Module;
-/// use burn::nn::{Linear, LinearConfig};
-/// use burn_accelerate::Blocks;
-///
-/// #[derive(Module, Debug)]
-/// struct Stack {
-///     layers: Vec<Linear>,
-///     head: Linear,
-/// }
-///
-/// impl Blocks for Stack {
-///     type Block = Linear;
-///     fn blocks(&self) -> &[Linear] {
-///         &self.layers
-///     }
-/// }
-/// # let device = Default::default();
-/// # let stack = Stack { layers: vec![LinearConfig::new(2, 2).init(&device)], head: LinearConfig::new(2, 1).init(&device) };
-/// # assert_eq!(stack.blocks().len(), 1);
-/// ```
-pub trait Blocks: Module {
-    /// One block (a transformer layer).
-    type Block: Module;
-
-    /// The blocks, in the order the forward pass runs them.
-    fn blocks(&self) -> &[Self::Block];
-}
+use crate::model::Blocks;
 
 /// The parameter ids of every block of `model`.
 fn block_ids<M: Blocks>(model: &M) -> HashSet<ParamId> {
@@ -437,7 +404,7 @@ impl StepPipeline {
             // gathers freed goes back to the system first (glibc keeps freed blocks of their size on its heap).
             drop(rest);
             if gather_each_block {
-                crate::memory::release_free_heap();
+                crate::heap::release_free_heap();
             }
         }
         match &parts {

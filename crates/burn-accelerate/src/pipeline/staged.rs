@@ -31,11 +31,9 @@ use mailbox::{Mailbox, micros};
 use tied::sum_tied;
 
 use super::StepPipeline;
-use super::blocks::{BlockSeeds, Blocks, generator};
-use super::split::Split;
+use super::blocks::{BlockSeeds, generator};
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::stages::mesh::Stages;
-use crate::distributed::stages::partition::balanced_stages;
 use crate::distributed::stages::schedule::{Pass, stage_passes};
 use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
 use crate::distributed::strategy::{BlockPass, trainable_params, unshard, unshard_except};
@@ -43,6 +41,7 @@ use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
 use crate::grad::param_ids;
 use crate::grad::window::{BackwardPlan, model_key};
+use crate::model::{Blocks, Split};
 
 /// What a forward pass left for its backward pass: the graph of each of the stage's blocks apart, cut at every
 /// block's input, so that a backward pass runs block by block from the last, adding each block's gradients to the
@@ -463,7 +462,7 @@ impl StepPipeline {
                         let mut grads = (h * g).sum().backward();
                         self.shared.lock().grads.collect(&rest, &mut grads);
                         drop((grads, rest));
-                        crate::memory::release_free_heap();
+                        crate::heap::release_free_heap();
                         Ok(())
                     };
                     let backward = || -> Result<Option<Tensor<D>>> {
@@ -1048,7 +1047,7 @@ enum Caught {
 impl Caught {
     /// Whether it reports an out-of-memory failure.
     fn is_out_of_memory(&self) -> bool {
-        use crate::memory::{OutOfMemory, is_out_of_memory_message};
+        use crate::heap::oom::{OutOfMemory, is_out_of_memory_message};
         match self {
             Caught::Error(e) => e.is_out_of_memory(),
             Caught::Panic(payload) => payload
@@ -1157,31 +1156,4 @@ fn span(kind: SpanKind, i: usize, step: Instant, start: Instant) -> TraceSpan {
         start_us: micros(start - step),
         duration_us: micros(start.elapsed()),
     }
-}
-
-/// The contiguous runs of `model`'s blocks each of `stages` stages runs, balanced by their parameters.
-///
-/// # Errors
-/// Fewer blocks than stages.
-pub(crate) fn stage_blocks<M: Blocks>(
-    model: &M,
-    stages: usize,
-) -> Result<Vec<std::ops::Range<usize>>> {
-    let costs: Vec<f64> = model
-        .blocks()
-        .iter()
-        .map(|b| {
-            // Shapes only: a lazy parameter is not drawn.
-            let mut n = 0;
-            crate::named_params::floats(b, |p| n += p.num_elements());
-            n.max(1) as f64
-        })
-        .collect();
-    balanced_stages(&costs, stages).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "pp_size {stages}: the model has {} block(s), fewer than its stages; each stage runs at least one \
-             block, so lower pp_size or give the model more blocks",
-            costs.len()
-        ))
-    })
 }

@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-mod policy;
 mod scaler;
+mod policy;
 
 pub(crate) use policy::Precision;
 pub use scaler::LossScaler;

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use burn::tensor::DType;
 use safetensors::tensor::Dtype;
 
-use super::fs::read as read_file;
 use crate::error::{Error, Result};
+use crate::fs::read as read_file;
 
 pub use layout::{KeyRemap, WeightLayout};
 pub use read::{LoadOptions, LoadReport, load_weights};

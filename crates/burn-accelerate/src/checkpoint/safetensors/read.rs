@@ -10,9 +10,9 @@ use safetensors::tensor::{Dtype, SafeTensors};
 
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
 use super::{corrupt, from_safetensors_dtype, weight_files};
-use crate::checkpoint::fs::{io, read};
 use crate::distributed::strategy::Split;
 use crate::error::{Error, Result};
+use crate::fs::{io, read};
 
 /// What a load renamed and did not match.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -419,7 +419,7 @@ pub(crate) fn load_weights_split<M: Module>(
                 }
             });
             // The old value and the read buffers are freed: back to the system before the next tensor.
-            crate::memory::release_after_freeing(loaded.lazy_shape().num_elements() * 4);
+            crate::heap::release_after_freeing(loaded.lazy_shape().num_elements() * 4);
             loaded
         }
         fn map_int<const D: usize>(

@@ -21,8 +21,8 @@ use std::path::Path;
 use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 
-use crate::checkpoint::fs::{io, start_writeback};
 use crate::error::{Error, Result};
+use crate::fs::{io, start_writeback};
 
 /// Size of the bands a large tensor is read and written in: large enough that each read costs little more
 /// than its copy, small enough to stay in cache and to reuse the allocator's memory from band to band.

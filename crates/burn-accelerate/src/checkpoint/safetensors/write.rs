@@ -10,8 +10,9 @@ use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
 use super::stream::{BandReader, Content, TensorToWrite, band_reader};
 use super::{INDEX_FILE, SINGLE_FILE};
-use crate::checkpoint::fs::{io, sync_dir};
+use crate::distributed::strategy::LazyParams;
 use crate::error::{Error, Result};
+use crate::fs::{io, sync_dir};
 
 /// One named parameter of a module.
 struct Named {
@@ -31,24 +32,6 @@ enum Held {
         /// Fetched from another rank at its first band (see [`LazyParams`]).
         fetched: bool,
     },
-}
-
-/// Parameters a rank does not hold whole (`FULL_SHARD`), fetched one at a time while the file is written: every
-/// rank fetches the same parameters in visiting order, the writer's one when it reaches each.
-pub(crate) trait LazyParams {
-    /// The whole shape of `id` when it is fetched rather than read from the module.
-    fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>>;
-    /// The whole value of `id`, flat (a collective: every rank fetches the same parameters in the same order).
-    fn fetch(&self, id: ParamId) -> Result<Tensor<1>>;
-}
-
-impl LazyParams for crate::distributed::strategy::ParamFetcher {
-    fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>> {
-        crate::distributed::strategy::ParamFetcher::whole_dims(self, id)
-    }
-    fn fetch(&self, id: ParamId) -> Result<Tensor<1>> {
-        crate::distributed::strategy::ParamFetcher::fetch(self, id)
-    }
 }
 
 /// The one fetched parameter held at a time (dropped when the next is fetched).
@@ -409,7 +392,7 @@ pub(crate) fn write_planned(
             let path = dir.join(&file);
             // An exclusively created temporary (never a pre-existing file or link), streamed to band by band
             // (no copy of the weights in memory), then synced.
-            let (tmp, handle) = crate::checkpoint::fs::create_temporary(&path)?;
+            let (tmp, handle) = crate::fs::create_temporary(&path)?;
             staged.push((tmp.clone(), path));
             super::stream::write_file(handle, &tmp, shard, metadata)?;
         }
@@ -497,7 +480,7 @@ fn commit_weights(
         if redirected {
             sync_dir(dir)?;
             let text = serde_json::to_vec_pretty(&live).expect("JSON values");
-            crate::checkpoint::fs::write_atomic(&index_path, &text)?;
+            crate::fs::write_atomic(&index_path, &text)?;
             after_step();
         }
     }
@@ -510,7 +493,7 @@ fn commit_weights(
     sync_dir(dir)?;
     match index {
         Some(text) => {
-            crate::checkpoint::fs::write_atomic(&index_path, &text)?;
+            crate::fs::write_atomic(&index_path, &text)?;
             written.push(index_path);
             after_step();
         }

@@ -155,7 +155,7 @@ pub fn detect(config: &AcceleratorConfig) -> Result<Box<dyn ClusterEnvironment>>
         }
         static WARNED: std::sync::Once = std::sync::Once::new();
         WARNED.call_once(|| {
-            crate::logging::warn_visibly(&format!(
+            crate::notice::warn_visibly(&format!(
                 "{why} Running as an independent job (independent_processes)."
             ))
         });

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use burn::tensor::Tensor;
 
-use super::partition::balanced_stages;
 use crate::error::{Error, Result};
+use crate::model::balanced_stages;
 
 /// Seconds each of `blocks` takes for a forward and a backward pass, the blocks run in order on `input` (each
 /// block fed the previous one's output, as in the model): the median of `repeats` runs after one to warm up.

@@ -9,8 +9,8 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::mesh::Stages;
-use crate::checkpoint::safetensors::write::LazyParams;
 use crate::distributed::ProcessGroup;
+use crate::distributed::strategy::LazyParams;
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::Result;
 

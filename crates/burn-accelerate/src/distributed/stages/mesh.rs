@@ -135,7 +135,7 @@ impl Stages {
                     })
                     .collect()
             }
-            None => crate::pipeline::stage_blocks(model, self.layout.stages)?,
+            None => crate::model::stage_blocks(model, self.layout.stages)?,
         };
         *cut = Some(ranges.clone());
         Ok(ranges)

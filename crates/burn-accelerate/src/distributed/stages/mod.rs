@@ -8,7 +8,6 @@
 mod balance;
 pub(crate) mod fetch;
 pub(crate) mod mesh;
-pub(crate) mod partition;
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod schedule;
 mod stage_strategy;

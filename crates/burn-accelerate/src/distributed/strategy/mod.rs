@@ -46,7 +46,7 @@ pub(crate) use placement::{
     prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard, unshard_except,
     with_param_ids,
 };
-pub(crate) use sharded::{ParamFetcher, Sharded, Split, SplitKind};
+pub(crate) use sharded::{LazyParams, ParamFetcher, Sharded, Split, SplitKind};
 
 use crate::config::AcceleratorConfig;
 use crate::distributed::DistributedType;

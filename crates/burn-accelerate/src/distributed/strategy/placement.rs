@@ -114,7 +114,7 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
             });
             // The whole value drawn here is freed: its memory goes back to the system, not to a heap that
             // would keep it (and the next one) resident.
-            crate::memory::release_after_freeing(bytes);
+            crate::heap::release_after_freeing(bytes);
             placed
         }
     }
@@ -144,7 +144,7 @@ fn from_rank_0<M: Module>(strategy: &dyn Strategy, module: M, ids: &[u64]) -> Re
                     let local = Tensor::from_inner(local.reshape(dims_of::<D>(&local_dims)));
                     let loaded = param.transform_for_load(local, own);
                     // The buffers the part arrived in are freed.
-                    crate::memory::release_after_freeing(local_dims.iter().product::<usize>() * 4);
+                    crate::heap::release_after_freeing(local_dims.iter().product::<usize>() * 4);
                     loaded
                 }
                 Err(e) => {

@@ -47,7 +47,7 @@ mod fetch;
 mod gather;
 pub(crate) mod split;
 
-pub(crate) use fetch::ParamFetcher;
+pub(crate) use fetch::{LazyParams, ParamFetcher};
 use gather::gather;
 pub(crate) use split::{Split, SplitKind};
 

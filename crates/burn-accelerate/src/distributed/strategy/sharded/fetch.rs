@@ -3,6 +3,24 @@
 
 use super::*;
 
+/// Parameters a rank does not hold whole (`FULL_SHARD`), fetched one at a time while the file is written: every
+/// rank fetches the same parameters in visiting order, the writer's one when it reaches each.
+pub(crate) trait LazyParams {
+    /// The whole shape of `id` when it is fetched rather than read from the module.
+    fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>>;
+    /// The whole value of `id`, flat (a collective: every rank fetches the same parameters in the same order).
+    fn fetch(&self, id: ParamId) -> Result<Tensor<1>>;
+}
+
+impl LazyParams for ParamFetcher {
+    fn whole_dims(&self, id: ParamId) -> Option<Vec<usize>> {
+        ParamFetcher::whole_dims(self, id)
+    }
+    fn fetch(&self, id: ParamId) -> Result<Tensor<1>> {
+        ParamFetcher::fetch(self, id)
+    }
+}
+
 /// The parameters of a `FULL_SHARD` model joined one at a time from every rank's slices, for a save that never
 /// holds the whole model on one rank (`save_model`): every rank of the shard group fetches the same parameters
 /// in visiting order, each one all-gather.

@@ -49,7 +49,7 @@ impl DeviceEngine for DeviceDouble {
 /// A linear layer with fixed, uneven weights: the device's random generator is shared by the tests that
 /// run beside this one, and Burn draws parameters lazily, so drawn weights would differ between runs.
 fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
-    on_device::fixed_linear(d_in, d_out, salt, device)
+    crate::diagnostics::fixed_linear(d_in, d_out, salt, device)
 }
 
 fn net(device: &Device) -> Net {

@@ -10,10 +10,10 @@ use burn::optim::AdamConfig;
 use super::leader::{stack, stack_steps, stack_weights};
 use super::*;
 use crate::config::GradientTransport;
+use crate::diagnostics::{ControlBudget, NoHostBuffers};
 use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::launch_ranks_over;
 use crate::distributed::comm::Communicator;
-use crate::distributed::tensor_comm::on_device::{ControlBudget, NoHostBuffers};
 use crate::distributed::tensor_comm::shared_device::SharedDevice;
 use crate::distributed::tensor_comm::{Checked, TensorComm};
 

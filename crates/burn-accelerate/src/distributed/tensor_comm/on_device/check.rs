@@ -1,5 +1,5 @@
 //! Checking a device gradient transport against an independent reference: what `burn-accelerate test` runs on a
-//! GPU.
+//! GPU (the trainings it adds sit above the facade, in `diagnostics`).
 //!
 //! Every rank averages about a million values through the transport in f32, bf16 and f16 (where the device has
 //! them). The values of every rank are a known function of the rank, so each rank computes the exact mean of all
@@ -9,19 +9,10 @@
 
 use std::sync::Arc;
 
-use burn::module::{Module, Param};
-use burn::nn::{Linear, LinearConfig};
-use burn::optim::AdamConfig;
-use burn::tensor::{DType, Device, Tensor, bf16, f16};
+use burn::tensor::{DType, bf16, f16};
 
-use super::{
-    DeviceEngine, OnDevice, TransportChoice, TransportKind, choose, facts_for, from_host, select,
-    start_device, to_host,
-};
-use crate::accelerator::AcceleratorBuilder;
-use crate::config::ShardingStrategy;
+use super::{from_host, to_host};
 use crate::distributed::ProcessGroup;
-use crate::distributed::strategy::{Sharded, Strategy};
 use crate::distributed::tensor_comm::{Incoming, Reduction, TensorComm};
 use crate::error::Result;
 
@@ -98,120 +89,9 @@ impl TransportCheck {
     }
 }
 
-/// The check's model: two linear layers with fixed weights.
-#[derive(Module, Debug)]
-struct CheckNet {
-    a: Linear,
-    b: Linear,
-}
-
-/// A linear layer `d_in` → `d_out` with weights drawn from `salt` by a formula (every run the same).
-pub(crate) fn fixed_linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
-    let mut layer = LinearConfig::new(d_in, d_out).init(device);
-    let values: Vec<f32> = (0..d_in * d_out)
-        .map(|i| (i as f32 * 0.37 + salt).sin() * 0.5)
-        .collect();
-    layer.weight = Param::from_tensor(
-        Tensor::<1>::from_floats(values.as_slice(), device).reshape([d_in, d_out]),
-    );
-    layer.bias = Some(Param::from_tensor(Tensor::zeros([d_out], device)));
-    layer
-}
-
-/// Trains [`CheckNet`] for 3 Adam steps on fixed data, on the one rank `builder` makes: its weights after.
-fn train_check_net(builder: AcceleratorBuilder) -> Result<Vec<f32>> {
-    let weights = builder.launch(1, |acc| {
-        let device = acc.device().clone();
-        let net = CheckNet {
-            a: fixed_linear(12, 10, 0.3, &device),
-            b: fixed_linear(10, 3, 1.7, &device),
-        };
-        let mut net = acc.prepare_model(net)?;
-        let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), 1e-2);
-        for step in 0..3 {
-            let values: Vec<f32> = (0..8 * 12)
-                .map(|i| ((i * 5 + step * 3) as f32 * 0.21).cos())
-                .collect();
-            let x = Tensor::<1>::from_floats(values.as_slice(), &device).reshape([8, 12]);
-            let whole = acc.unshard(&net)?;
-            let loss = whole
-                .b
-                .forward(whole.a.forward(x).tanh())
-                .powi_scalar(2)
-                .mean();
-            acc.backward(loss, &whole)?;
-            net = optimizer.try_step(net)?;
-        }
-        let whole = acc.unshard(&net)?;
-        let mut weights = Vec::new();
-        for weight in [whole.a.weight.val(), whole.b.weight.val()] {
-            weights.extend(weight.into_data().try_to_vec::<f32>().map_err(|e| {
-                crate::error::Error::InvalidArgument(format!("the check's weights: {e:?}"))
-            })?);
-        }
-        Ok(weights)
-    })?;
-    weights.into_iter().next().ok_or_else(|| {
-        crate::error::Error::InvalidArgument("the check's rank returned nothing".into())
-    })
-}
-
-/// Makes a device engine for a rank's group (a one-rank NCCL communicator, in the check).
-pub(crate) type EngineFactory =
-    Arc<dyn Fn(&Arc<ProcessGroup>) -> Result<Box<dyn DeviceEngine>> + Send + Sync>;
-
-/// Trains [`CheckNet`] on one rank on `device` under `SHARD_GRAD_OP`, `FULL_SHARD` and `HYBRID_SHARD` (shard
-/// groups of one: both sub-groups split from the engine's connection), every exchange through an engine `engines`
-/// makes, in small buckets, and alone on the device; `(strategy, check)` of the weights, within 1e-5 of their
-/// scale (one rank's collectives are copies: only a transport that garbles or drops values differs).
-pub(crate) fn check_training_on_one_rank(
-    device: &Device,
-    timeout: std::time::Duration,
-    engines: EngineFactory,
-) -> Result<Vec<(&'static str, DtypeCheck)>> {
-    let base = || {
-        AcceleratorBuilder::default()
-            .device(device.clone().without_autodiff())
-            .collective_timeout(timeout)
-    };
-    let alone: Vec<f64> = train_check_net(base())?
-        .into_iter()
-        .map(f64::from)
-        .collect();
-    let bound = 1e-5 * alone.iter().fold(0.0f64, |m, w| m.max(w.abs())).max(1.0);
-    [
-        ("SHARD_GRAD_OP training", ShardingStrategy::ShardGradOp),
-        ("FULL_SHARD training", ShardingStrategy::FullShard),
-        ("HYBRID_SHARD training", ShardingStrategy::HybridShard),
-    ]
-    .into_iter()
-    .map(|(name, mode)| {
-        let engines = engines.clone();
-        let builder = base().sharding(mode).strategy(Arc::new(move |group| {
-            let comm = OnDevice::checked(engines(group)?, group);
-            // 256-byte buckets: several exchanges a step.
-            let strategy: Arc<dyn Strategy> = if mode.is_hybrid() {
-                Arc::new(Sharded::hybrid(
-                    group.clone(),
-                    comm,
-                    crate::distributed::mesh::hybrid_groups(group, 1)?,
-                    mode,
-                    256,
-                )?)
-            } else {
-                Arc::new(Sharded::new(group.clone(), comm, mode, 256))
-            };
-            Ok(strategy)
-        }));
-        let got = train_check_net(builder)?;
-        Ok((name, compare(&got, &alone, bound, DType::F32)))
-    })
-    .collect()
-}
-
 /// `got` (values of `dtype`, widened) against `exact`, element by element, within `bound`; a NaN, or a length of
 /// its own, fails.
-pub(super) fn compare(got: &[f32], exact: &[f64], bound: f64, dtype: DType) -> DtypeCheck {
+pub(crate) fn compare(got: &[f32], exact: &[f64], bound: f64, dtype: DType) -> DtypeCheck {
     let mut max_error = if got.len() == exact.len() {
         0.0
     } else {
@@ -448,81 +328,6 @@ pub(crate) fn check_transport(
         .filter(|&dtype| dtype == DType::F32 || device.supports_dtype(dtype))
         .map(|dtype| check_dtype(group, transport, dtype))
         .collect()
-}
-
-/// The device transport this run would choose, checked against the reference ([`check_transport`]); `None`
-/// when the run's gradients go through host memory anyway.
-pub(crate) fn check_against_reference(
-    group: &Arc<ProcessGroup>,
-    preference: crate::config::GradientTransport,
-    timeout: std::time::Duration,
-) -> Result<Option<TransportCheck>> {
-    let (transport, choice) = if group.num_processes() == 1 {
-        // One rank needs no transport, but on CUDA a one-rank NCCL communicator still shows NCCL works here.
-        let facts = super::TransportFacts {
-            world: 2,
-            local_world: 1,
-            in_process: false,
-            ..facts_for(group, super::Exchanges::Shards)?
-        };
-        match choose(preference, &facts) {
-            Ok(choice) if choice.kind == TransportKind::Nccl => {
-                let transport = start_device(TransportKind::Nccl, group, timeout)?;
-                let choice = TransportChoice {
-                    reason: "a one-rank NCCL communicator".into(),
-                    ..choice
-                };
-                (transport, choice)
-            }
-            _ => return Ok(None),
-        }
-    } else {
-        select(group, preference, timeout, super::Exchanges::Gradients)?
-    };
-    if !choice.kind.on_device() {
-        return Ok(None);
-    }
-    let dtypes = check_transport(group, transport.as_ref())?;
-    // Sharded training's and pipelines' calls on the transport they take: the same one, except where Burn's
-    // collective (all-reduce only) serves data parallelism and NCCL the rest.
-    let (others, named) = if choice.kind == TransportKind::BurnCollective {
-        let (others, other) = select(group, preference, timeout, super::Exchanges::Shards)?;
-        (others, format!("{choice}; other calls: {other}"))
-    } else {
-        (transport, choice.to_string())
-    };
-    // On one rank, the sharded strategies trained through fresh one-rank connections of the same library.
-    let training = if group.num_processes() == 1 {
-        check_training_on_one_rank(group.device(), timeout, super::nccl_engines(timeout)?)?
-    } else {
-        Vec::new()
-    };
-    let collectives = check_collectives(group, others.as_ref())?;
-    // Ranks sharing a device: every strategy trained over a communicator that refuses host buffers, once, by
-    // the main process (the other ranks go on to their next exchange and wait for it there).
-    let trainings = if choice.kind == TransportKind::SharedDevice && group.is_main_process() {
-        super::host_free::check_strategies_without_host_buffers(
-            group.device(),
-            timeout,
-            preference,
-        )?
-    } else {
-        Vec::new()
-    };
-    let control_bytes = trainings.iter().map(|(n, _, c)| (*n, *c)).collect();
-    let without_host_buffers = trainings
-        .into_iter()
-        .map(|(n, check, _)| (n, check))
-        .collect();
-    Ok(Some(TransportCheck {
-        transport: named,
-        dtypes,
-        collectives,
-        training,
-        without_host_buffers,
-        control_bytes,
-        control_budget: super::host_free::CHECK_BUDGET.bytes,
-    }))
 }
 
 #[cfg(test)]

@@ -18,20 +18,15 @@ mod choice;
 // Driven by NCCL in CUDA builds, by its host-memory double in tests.
 #[cfg_attr(not(any(test, feature = "cuda-bare")), allow(dead_code))]
 mod device;
-mod host_free;
 #[cfg(feature = "cuda-bare")]
 mod nccl;
 
-pub(crate) use check::check_against_reference;
-#[cfg(test)]
-pub(crate) use check::fixed_linear;
 pub use check::{DtypeCheck, TransportCheck, rounding_bound};
+pub(crate) use check::{check_collectives, check_transport, compare};
 // `LifecycleCheck` is defined below, beside the entry point that fills it.
 pub(crate) use choice::{Exchanges, TransportChoice, TransportFacts, TransportKind, choose};
 #[cfg(test)]
 pub(crate) use device::{DeviceCollectives, double};
-#[cfg(test)]
-pub(crate) use host_free::{ControlBudget, NoHostBuffers};
 
 use std::fmt;
 use std::sync::Arc;
@@ -510,7 +505,7 @@ pub(crate) fn select(
     ) {
         Ok(transport) => Ok((transport, choice)),
         Err(e) if preference != crate::config::GradientTransport::Device => {
-            crate::logging::warn_visibly(&format!(
+            crate::notice::warn_visibly(&format!(
                 "{} could not start ({e}); gradients go through host memory",
                 choice.kind.name()
             ));
@@ -590,9 +585,13 @@ fn described_choice(
         .map_err(|e| format!("refused: {e}"))
 }
 
+/// Makes a device engine for a rank's group (a one-rank NCCL communicator, in the check).
+pub(crate) type EngineFactory =
+    Arc<dyn Fn(&Arc<ProcessGroup>) -> Result<Box<dyn DeviceEngine>> + Send + Sync>;
+
 /// Starts the device transport `kind` on `group`'s rank.
 #[cfg(feature = "cuda-bare")]
-fn start_device(
+pub(crate) fn start_device(
     kind: TransportKind,
     group: &Arc<ProcessGroup>,
     timeout: std::time::Duration,
@@ -620,7 +619,7 @@ fn start_device(
 
 /// Engines on one-rank NCCL communicators, one per group asked (the one-rank check's sharded trainings).
 #[cfg(feature = "cuda-bare")]
-fn nccl_engines(timeout: std::time::Duration) -> Result<check::EngineFactory> {
+pub(crate) fn nccl_engines(timeout: std::time::Duration) -> Result<EngineFactory> {
     Ok(Arc::new(move |group: &Arc<ProcessGroup>| {
         let engine = device::DeviceCollectives::connect(
             group.clone(),
@@ -661,7 +660,7 @@ pub(crate) fn nccl_lifecycle_check(
 
 /// Without CUDA there is no NCCL to check.
 #[cfg(not(feature = "cuda-bare"))]
-fn nccl_engines(_timeout: std::time::Duration) -> Result<check::EngineFactory> {
+pub(crate) fn nccl_engines(_timeout: std::time::Duration) -> Result<EngineFactory> {
     Err(Error::InvalidArgument(
         "NCCL needs the `cuda` feature of burn-accelerate".into(),
     ))
@@ -678,7 +677,7 @@ fn shared(group: &Arc<ProcessGroup>) -> Arc<dyn TensorComm> {
 /// Without CUDA the one device transport is the shared device's ([`choose`] picks no other: no rank runs on
 /// CUDA).
 #[cfg(not(feature = "cuda-bare"))]
-fn start_device(
+pub(crate) fn start_device(
     kind: TransportKind,
     group: &Arc<ProcessGroup>,
     _timeout: std::time::Duration,

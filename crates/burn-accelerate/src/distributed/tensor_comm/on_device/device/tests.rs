@@ -680,8 +680,7 @@ fn sharded_training_through_a_one_rank_library_matches_the_device_alone_and_a_ga
         })
     };
     let device = burn::tensor::Device::default();
-    let checks =
-        super::super::check::check_training_on_one_rank(&device, timeout, engines).unwrap();
+    let checks = crate::diagnostics::check_training_on_one_rank(&device, timeout, engines).unwrap();
     let names: Vec<&str> = checks.iter().map(|(name, _)| *name).collect();
     assert_eq!(
         names,
@@ -705,7 +704,7 @@ fn sharded_training_through_a_one_rank_library_matches_the_device_alone_and_a_ga
         Ok(Box::new(Shifting(Box::new(engine))) as Box<dyn DeviceEngine>)
     });
     let checks =
-        super::super::check::check_training_on_one_rank(&device, timeout, garbling).unwrap();
+        crate::diagnostics::check_training_on_one_rank(&device, timeout, garbling).unwrap();
     for (name, check) in &checks {
         assert!(!check.passed(), "{name}: {check:?}");
     }

@@ -3,6 +3,9 @@
 
 use std::ops::Range;
 
+use super::Blocks;
+use crate::error::{Error, Result};
+
 /// The blocks of each of `stages` stages: contiguous, in order, every block in exactly one stage, each stage at
 /// least one block, and the costliest stage as cheap as a contiguous cut allows (`costs[b]`: block `b`'s cost).
 /// `None` when there are fewer blocks than stages.
@@ -55,6 +58,33 @@ pub(crate) fn balanced_stages(costs: &[f64], stages: usize) -> Option<Vec<Range<
         }
     }
     cuts_for(candidates[lo])
+}
+
+/// The contiguous runs of `model`'s blocks each of `stages` stages runs, balanced by their parameters.
+///
+/// # Errors
+/// Fewer blocks than stages.
+pub(crate) fn stage_blocks<M: Blocks>(
+    model: &M,
+    stages: usize,
+) -> Result<Vec<std::ops::Range<usize>>> {
+    let costs: Vec<f64> = model
+        .blocks()
+        .iter()
+        .map(|b| {
+            // Shapes only: a lazy parameter is not drawn.
+            let mut n = 0;
+            crate::named_params::floats(b, |p| n += p.num_elements());
+            n.max(1) as f64
+        })
+        .collect();
+    balanced_stages(&costs, stages).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "pp_size {stages}: the model has {} block(s), fewer than its stages; each stage runs at least one \
+             block, so lower pp_size or give the model more blocks",
+            costs.len()
+        ))
+    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use burn::nn::Linear;
 use burn::optim::AdamConfig;
 use burn::tensor::{DType, Device, Tensor};
 
-use super::check::{DtypeCheck, compare, fixed_linear};
+use super::fixed_linear;
 use crate::Blocks;
 use crate::accelerator::{Accelerator, AcceleratorBuilder};
 use crate::config::{GradientTransport, ShardingStrategy};
@@ -20,6 +20,7 @@ use crate::distributed::cluster::launch_ranks_over;
 use crate::distributed::comm::{
     CommError, CommResult, Communicator, ReduceBuffer, ReduceOp, SharedValue,
 };
+use crate::distributed::tensor_comm::on_device::{DtypeCheck, compare};
 use crate::error::{Error, Result};
 
 /// A communicator that refuses every call carrying values through host memory (collective buffers and
