@@ -16,7 +16,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::SgdConfig;
 use burn::tensor::Tensor;
-use burn_accelerate::distributed::stages::{chrome_trace, svg_trace};
+use burn_accelerate::pipeline_parallel::{chrome_trace, svg_trace};
 use burn_accelerate::{Accelerator, Blocks, PipelineSchedule, StageTrace};
 
 #[derive(Module, Debug)]

@@ -375,10 +375,8 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             if acc.is_main_process() {
                 // A picture for `.svg`, else the Chrome / Perfetto trace.
                 let text = match path.extension().is_some_and(|e| e == "svg") {
-                    true => burn_accelerate::distributed::stages::svg_trace(&traces),
-                    false => {
-                        burn_accelerate::distributed::stages::chrome_trace(&traces).to_string()
-                    }
+                    true => burn_accelerate::pipeline_parallel::svg_trace(&traces),
+                    false => burn_accelerate::pipeline_parallel::chrome_trace(&traces).to_string(),
                 };
                 std::fs::write(path, text).map_err(burn_accelerate::Error::other)?;
                 println!("wrote the pipeline trace to {}", path.display());

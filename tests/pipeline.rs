@@ -795,7 +795,7 @@ fn a_hybrid_stage_of_uneven_shard_groups_or_an_uneven_mesh_is_refused_with_a_mes
 /// step; the Chrome trace and the picture hold a slice / a box per pass.
 #[test]
 fn the_trace_shows_each_stage_running_its_schedule() {
-    use burn_accelerate::distributed::stages::{SpanKind, chrome_trace, svg_trace};
+    use burn_accelerate::pipeline_parallel::{SpanKind, chrome_trace, svg_trace};
     for (schedule, expected) in [
         (
             PipelineSchedule::OneFOneB,
@@ -1149,7 +1149,7 @@ struct Repeated {
 /// and 2).
 #[test]
 fn stages_cut_by_measured_compute_give_the_costly_block_a_stage_of_its_own() {
-    use burn_accelerate::distributed::stages::{measure_block_costs, stage_blocks_for};
+    use burn_accelerate::pipeline_parallel::{measure_block_costs, stage_blocks_for};
     let device = Device::default().autodiff();
     let blocks: Vec<Repeated> = [1, 1, 1, 12]
         .into_iter()

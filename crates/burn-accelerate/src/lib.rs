@@ -82,14 +82,16 @@
 //!
 //! | layer | modules | may use |
 //! |---|---|---|
-//! | base | `error`, `grad` (gradient buffer, clipping, step window), [`precision`], [`config`], [`backend`], [`tracking`] | each other in this order |
-//! | distribution | [`distributed`] | the base |
-//! | step | [`logging`], [`data`], `pipeline`, [`optim`] | the base, `distributed`, each other in this order |
+//! | base | `error`, `notice`, `fs`, `heap`, `named_params`, `model` ([`Blocks`], [`Split`], the cut into stages), `grad` (gradient buffer, clipping, step window), [`precision`], [`config`], [`backend`], [`tracking`] | each other in this order |
+//! | distribution | [`distributed`]: `comm`, `cluster`, `collectives`, `mesh` (the one mesh: [`ParallelDims`], [`MeshCoords`]), `tensor_comm`, `strategy` | the base |
+//! | step | `step` (the step pipeline, block-wise passes), [`pipeline_parallel`] (a rank's stage, schedules, the pipelined step, traces), `parallelize` (a rank's parallelisms on its mesh), [`logging`], [`data`], [`optim`] | the base, `distributed`, each other in this order |
 //! | persistence and search | [`checkpoint`], [`memory`] | everything above, in this order |
 //! | facade | [`accelerator`] | everything above |
-//! | bridge | `learner` (feature `train`) | the facade and everything above |
+//! | above the facade | `diagnostics` (what `burn-accelerate test` trains to check the device transport), `learner` (feature `train`) | the facade and everything above |
 //!
-//! `scripts/module-graph.py` prints the import graph of the code (levels, two-way ties, long files).
+//! The same holds among the children of each module (each declares its children lowest first).
+//! `scripts/module-graph.py` prints the import graph of the code (levels, two-way ties, long files); with `--check`
+//! (run by CI) it fails on any of them.
 
 #![warn(missing_docs)]
 
@@ -110,7 +112,9 @@ pub mod tracking; // trackers and progress bars
 pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
 pub mod logging; // rank-aware logging
 pub mod data; // prepared dataloaders: sharding, positions
-pub(crate) mod pipeline; // the step pipeline and its outcome
+pub(crate) mod step; // the step pipeline: one backward's path to the optimizer, block-wise passes
+pub mod pipeline_parallel; // pipeline parallelism: stages, schedules, the pipelined step, traces
+mod parallelize; // a rank's parallelisms composed on its mesh
 pub mod optim; // the prepared optimizer and scheduler
 pub mod checkpoint; // safetensors weights, training state, the checkpointer
 pub mod memory; // out-of-memory batch-size search, memory estimate
@@ -127,12 +131,12 @@ pub use config::{
     ShardDtype, ShardingStrategy,
 };
 pub use distributed::comm::ReduceOp;
-pub use distributed::stages::{PipelineLayout, StageTrace};
 pub use distributed::{DistributedType, Gatherable, MeshCoords, ParallelDims, ProcessGroup};
 pub use error::{Error, Result};
 pub use grad::{GradientState, NormType, StepPhases};
 pub use model::{Blocks, Split};
 pub use optim::{AcceleratedOptimizer, AcceleratedScheduler};
+pub use pipeline_parallel::{PipelineLayout, StageTrace};
 pub use precision::{CastFloats, LossScaler, MixedPrecision};
 
 /// The MPI engine (feature `mpi`).

@@ -102,7 +102,7 @@ impl Accelerator {
         M: Blocks,
     {
         self.applied.check(self);
-        self.pipeline.backward_blocks(
+        self.step.backward_blocks(
             model,
             before,
             block,
@@ -203,14 +203,20 @@ impl Accelerator {
         B: crate::Split,
     {
         self.applied.check(self);
-        self.pipeline.backward_batch(
-            model,
-            batch,
-            before,
-            block,
-            after,
-            self.config.memory.activation_checkpointing,
-        )
+        let checkpoint = self.config.memory.activation_checkpointing;
+        match &self.stage {
+            Some(stage) => {
+                self.step
+                    .backward_staged(stage, model, batch, (before, block, after), checkpoint)
+            }
+            None => self.step.backward_blocks(
+                model,
+                |m| before(m, &batch),
+                block,
+                |m, x| after(m, x, &batch),
+                checkpoint,
+            ),
+        }
     }
 
     /// A forward pass for evaluation through a model made of blocks, with the closures of
@@ -235,8 +241,14 @@ impl Accelerator {
         M: Blocks,
         B: crate::Split,
     {
-        self.pipeline
-            .forward_batch(model, batch, (before, block, after))
+        match &self.stage {
+            Some(stage) => self
+                .step
+                .forward_staged(stage, model, batch, (before, block, after)),
+            None => self
+                .step
+                .forward_whole(model, batch, (before, block, after)),
+        }
     }
 
     /// [`prepare_model`](Self::prepare_model) for a model made of blocks: under a pipeline (`pp_size` > 1) this
@@ -250,7 +262,7 @@ impl Accelerator {
     /// # Errors
     /// As [`prepare_model`](Self::prepare_model); under a pipeline, fewer blocks than stages.
     pub fn prepare_blocks<M: Blocks>(&self, model: M) -> Result<M> {
-        let Some(stages) = self.pipeline.pipeline_stage() else {
+        let Some(stages) = self.stage() else {
             return self.prepare_model(model);
         };
         let ranges = stages.blocks_of(&model)?;
@@ -309,11 +321,10 @@ impl Accelerator {
 
     /// This rank's last pipelined step ([`backward_batch`](Self::backward_batch) under `pp_size` > 1): each
     /// forward and backward pass and each transfer in time, and the stage's idle share. Gather every rank's
-    /// (`gather_for_metrics_objects`) and write [`chrome_trace`](crate::distributed::stages::chrome_trace) of them
+    /// (`gather_for_metrics_objects`) and write [`chrome_trace`](crate::pipeline_parallel::chrome_trace) of them
     /// to see the schedule in a browser. `None` before the first pipelined step.
     pub fn pipeline_trace(&self) -> Option<crate::StageTrace> {
-        self.pipeline
-            .pipeline_stage()?
+        self.stage()?
             .last_trace
             .lock()
             .unwrap_or_else(|e| e.into_inner())

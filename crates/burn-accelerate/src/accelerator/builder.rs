@@ -15,9 +15,9 @@ use crate::config::{
 };
 use crate::distributed::ProcessGroup;
 use crate::distributed::cluster::{self, ClusterEnvironment};
-use crate::distributed::parallelize::Parallelized;
 use crate::distributed::strategy::Strategy;
 use crate::error::Result;
+use crate::parallelize::Parallelized;
 use crate::precision::{LossScaler, MixedPrecision};
 use crate::tracking::{LogWith, Tracker, TrackerInit};
 

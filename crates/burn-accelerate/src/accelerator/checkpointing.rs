@@ -71,7 +71,7 @@ impl Accelerator {
         options: &SaveOptions,
     ) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
-        if self.pipeline.pipeline_stage().is_some() {
+        if self.stage().is_some() {
             return Err(crate::Error::InvalidArgument(
                 "save_model: under a pipeline (pp_size > 1) each rank holds only its stage's blocks; save with \
                  `accelerator.save_blocks(&model, dir, max_shard_size)`, which fetches each from its stage"
@@ -80,10 +80,8 @@ impl Accelerator {
         }
         let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
         if options.safe_serialization
-            && let Some(fetcher) = crate::distributed::strategy::param_fetcher(
-                self.pipeline.strategy().as_ref(),
-                model,
-            )
+            && let Some(fetcher) =
+                crate::distributed::strategy::param_fetcher(self.step.strategy().as_ref(), model)
         {
             return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
         }
@@ -131,13 +129,13 @@ impl Accelerator {
         dir: impl AsRef<Path>,
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>> {
-        let Some(stages) = self.pipeline.pipeline_stage().cloned() else {
+        let Some(stages) = self.stage().cloned() else {
             return self.save_model(model, dir, max_shard_size, true);
         };
         let dir = dir.as_ref();
         let max = crate::checkpoint::parse_size(max_shard_size)?;
         let whole = self.unshard(model)?;
-        let fetcher = crate::distributed::stages::fetch::StageFetcher::new(
+        let fetcher = crate::pipeline_parallel::fetch::StageFetcher::new(
             &stages,
             &self.group,
             stages.world.clone(),
@@ -227,7 +225,7 @@ impl Accelerator {
         path: impl AsRef<Path>,
         options: &LoadOptions,
     ) -> Result<(M, LoadReport)> {
-        let strategy = self.pipeline.strategy();
+        let strategy = self.step.strategy();
         let loaded = crate::checkpoint::safetensors::read::load_weights_split(
             model,
             path.as_ref(),
@@ -266,19 +264,16 @@ impl Accelerator {
     /// gradients still waiting for their step (inside a window) is refused rather than resumed without them.
     /// Returns the folder.
     pub fn save_state(&self, dir: Option<&Path>, parts: &StateToSave) -> Result<PathBuf> {
-        self.pipeline.check_no_pending_gradients("save_state")?;
+        self.step.check_no_pending_gradients("save_state")?;
         let scaler = self.loss_scaler();
-        let strategy = self.pipeline.strategy();
+        let strategy = self.step.strategy();
         let mut splits: Vec<_> = strategy
             .splits()
             .iter()
             .map(|(id, split)| crate::checkpoint::repartition::SavedSplit::of(*id, split))
             .collect();
-        let pp_size = self
-            .pipeline
-            .pipeline_stage()
-            .map(|stages| stages.layout.stages);
-        if let Some(stages) = self.pipeline.pipeline_stage() {
+        let pp_size = self.stage().map(|stages| stages.layout.stages);
+        if let Some(stages) = self.stage() {
             splits = every_stage_splits(self, stages, splits)?;
         }
         let scopes = (
@@ -300,15 +295,12 @@ impl Accelerator {
         let loaded = self
             .checkpointer
             .load_state(&self.group, dir)?
-            .with_strategy(
-                self.pipeline.strategy().clone(),
-                self.pipeline.pipeline_stage().is_some(),
-            );
+            .with_strategy(self.step.strategy().clone(), self.stage().is_some());
         // A pipeline's ranks each saved their stage's part (and, sharded, their slices of it, the manifest listing
         // every stage's splits): sharded stages re-cut for another number of data-parallel replicas of the same
         // stages.
-        let strategy = self.pipeline.strategy();
-        if let Some(stages) = self.pipeline.pipeline_stage()
+        let strategy = self.step.strategy();
+        if let Some(stages) = self.stage()
             && (loaded.saved_split() || !strategy.splits().is_empty())
             && match loaded.saved_pp_size() {
                 Some(pp) => pp != stages.layout.stages,
@@ -333,7 +325,7 @@ impl Accelerator {
             )));
         }
         if let Some(scaler) = loaded.scaler() {
-            self.pipeline.precision().restore_scaler(scaler);
+            self.step.precision().restore_scaler(scaler);
         }
         Ok(loaded)
     }
@@ -429,7 +421,7 @@ impl Accelerator {
 /// collective: every rank passes its own `splits`.)
 fn every_stage_splits(
     accelerator: &Accelerator,
-    stages: &crate::distributed::stages::mesh::Stages,
+    stages: &crate::pipeline_parallel::Stages,
     splits: Vec<crate::checkpoint::repartition::SavedSplit>,
 ) -> Result<Vec<crate::checkpoint::repartition::SavedSplit>> {
     let mine: Vec<_> = splits

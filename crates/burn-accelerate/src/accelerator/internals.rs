@@ -15,5 +15,5 @@ pub fn sync_flat_gradients(
     accelerator: &Accelerator,
     grads: Vec<Tensor<1>>,
 ) -> Result<Vec<Tensor<1>>> {
-    accelerator.pipeline().sync_flat_for_bench(grads)
+    accelerator.step().sync_flat_for_bench(grads)
 }

@@ -16,7 +16,7 @@ impl Accelerator {
     /// dropping the previous attempt's model, optimizer and dataloader.
     pub fn free_memory(&self) {
         {
-            let mut core = self.pipeline.shared().lock();
+            let mut core = self.step.shared().lock();
             core.grads.clear();
             core.state.reset_window();
         }
@@ -32,7 +32,7 @@ impl Accelerator {
     /// [`Error::Execution`](crate::Error::Execution) with the backend's message (check it with
     /// [`OutOfMemory::is_out_of_memory`](crate::memory::OutOfMemory)).
     pub fn check_step<const D: usize>(&self, loss: &Tensor<D>) -> Result<()> {
-        let mut core = self.pipeline.shared().lock();
+        let mut core = self.step.shared().lock();
         let ids = core.grads.ids();
         grad::check_executed(&mut core.grads, &ids, loss.clone())
     }

@@ -35,14 +35,14 @@ use crate::config::AcceleratorConfig;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::distributed::collectives::Trigger;
 use crate::distributed::mesh::Mesh;
-use crate::distributed::parallelize::Parallelized;
 use crate::distributed::strategy::materialize;
 use crate::distributed::{DistributedType, ProcessGroup};
 use crate::error::Result;
 use crate::grad::{self, GradientState, NormType};
 use crate::optim::{AcceleratedOptimizer, AcceleratedScheduler, SchedulerPolicy};
-use crate::pipeline::StepPipeline;
+use crate::parallelize::Parallelized;
 use crate::precision::{self, CastFloats, LossScaler, MixedPrecision};
+use crate::step::StepPipeline;
 use crate::tracking::{LogWith, Trackers};
 
 /// The entry point of burn-accelerate: prepare your model, optimizer, scheduler and dataloaders with it, call
@@ -72,7 +72,11 @@ pub struct Accelerator {
     /// data: every rank, or under a pipeline the ranks of this rank's stage).
     mesh: Mesh,
     config: AcceleratorConfig,
-    pipeline: StepPipeline,
+    /// The step pipeline: every backward's path to the optimizer step.
+    step: StepPipeline,
+    /// This rank's pipeline stage, under pipeline parallelism (`pp_size` > 1): what `backward_batch` and
+    /// `forward_batch` run, built with the accelerator.
+    stage: Option<Arc<crate::pipeline_parallel::Stages>>,
     checkpointer: Checkpointer,
     trigger: Trigger,
     trackers: Mutex<Trackers>,
@@ -151,7 +155,8 @@ impl Accelerator {
         } = parallelized;
         Ok(Self {
             trackers: Mutex::new(Trackers::new(log_with, project.project_dir.as_deref())),
-            pipeline: StepPipeline::new(&config, strategy, stages),
+            step: StepPipeline::new(&config, strategy),
+            stage: stages,
             checkpointer: Checkpointer::new(project),
             trigger: Trigger::default(),
             applied: SettingsApplied::default(),
@@ -184,8 +189,13 @@ impl Accelerator {
     }
 
     /// The step pipeline (for the Learner strategy and the benchmarks).
-    pub(crate) fn pipeline(&self) -> &StepPipeline {
-        &self.pipeline
+    pub(crate) fn step(&self) -> &StepPipeline {
+        &self.step
+    }
+
+    /// This rank's pipeline stage, under pipeline parallelism.
+    pub(crate) fn stage(&self) -> Option<&Arc<crate::pipeline_parallel::Stages>> {
+        self.stage.as_ref()
     }
 
     /// The global rank.
@@ -207,7 +217,7 @@ impl Accelerator {
     pub fn distributed_type(&self) -> DistributedType {
         match self.group.distributed_type() {
             DistributedType::No => DistributedType::No,
-            launched => self.pipeline.strategy().distributed_type(launched),
+            launched => self.step.strategy().distributed_type(launched),
         }
     }
 
@@ -216,7 +226,7 @@ impl Accelerator {
     /// host reduce and broadcast`, `sharded data parallel (FULL_SHARD) over device exchange (in-process ranks
     /// sharing one device)`. The main process also logs the transport and why it was chosen.
     pub fn strategy_name(&self) -> String {
-        self.pipeline.strategy().name()
+        self.step.strategy().name()
     }
 
     /// How many values (tensor elements) this rank's collectives and messages have passed through host memory so
@@ -342,7 +352,7 @@ impl Accelerator {
                 .map(|id| id.val())
                 .collect();
             let ids = self.broadcast_object(&ids, 0)?;
-            let model = self.pipeline.broadcast_initial(model, &ids)?;
+            let model = self.step.broadcast_initial(model, &ids)?;
             crate::distributed::strategy::with_param_ids(model, &ids)
         };
         let model = if self.config.device.device_placement {
@@ -351,7 +361,7 @@ impl Accelerator {
             model
         };
         let model = with_device_checkpointing(model, self.device());
-        let model = self.pipeline.after_prepare(model);
+        let model = self.step.after_prepare(model);
         crate::heap::release_free_heap();
         model
     }
@@ -417,7 +427,7 @@ impl Accelerator {
     /// # Errors
     /// A failed all-gather (a rank died, a timeout).
     pub fn unshard<M: Module>(&self, model: &M) -> Result<M> {
-        self.pipeline.unshard(model)
+        self.step.unshard(model)
     }
 
     /// Wraps a Burn optimizer (`AdamConfig::new().init()`, ...) with its learning rate.
@@ -426,8 +436,8 @@ impl Accelerator {
         optimizer: impl Into<ModuleOptimizer>,
         learning_rate: impl Into<ModuleLearningRate>,
     ) -> AcceleratedOptimizer {
-        let shared = self.pipeline.shared().clone();
-        let strategy = self.pipeline.strategy().clone();
+        let shared = self.step.shared().clone();
+        let strategy = self.step.strategy().clone();
         let type_name = std::any::type_name_of_val(&optimizer);
         let kinds = (
             crate::optim::optimizer_kind(type_name),
@@ -456,7 +466,7 @@ impl Accelerator {
             step_with_optimizer: self.config.scheduler.step_scheduler_with_optimizer,
             steps_per_optimizer_step: steps,
         };
-        let shared = self.pipeline.shared().clone();
+        let shared = self.step.shared().clone();
         AcceleratedScheduler::new(scheduler.into(), optimizer, shared, rule)
     }
 
@@ -501,7 +511,7 @@ impl Accelerator {
         {
             loader.shuffle = Some(self.broadcast_object(&seed, 0)?);
         }
-        let shared = self.pipeline.shared().clone();
+        let shared = self.step.shared().clone();
         let prepared = PreparedDataLoader::prepare(loader, &self.mesh.dp, &self.config, shared)?;
         self.checkpointer.track_loader(prepared.cursor());
         Ok(prepared)
@@ -530,7 +540,7 @@ impl Accelerator {
             loader,
             spec,
             self.device().clone(),
-            self.pipeline.shared().clone(),
+            self.step.shared().clone(),
             self.group.clone(),
         )?;
         self.checkpointer.track_loader(prepared.cursor());
@@ -587,17 +597,17 @@ impl Accelerator {
 
     /// The current fp16 loss scale (`None` unless fp16 is on).
     pub fn loss_scale(&self) -> Option<f64> {
-        self.pipeline.precision().loss_scale()
+        self.step.precision().loss_scale()
     }
 
     /// The fp16 loss scaler's state (for checkpoints).
     pub fn loss_scaler(&self) -> Option<LossScaler> {
-        self.pipeline.precision().scaler().cloned()
+        self.step.precision().scaler().cloned()
     }
 
     /// Restores the fp16 loss scaler's state (from a checkpoint).
     pub fn set_loss_scaler(&self, scaler: LossScaler) -> Result<()> {
-        self.pipeline.precision().set_scaler(scaler)
+        self.step.precision().set_scaler(scaler)
     }
 
     // ----- gradients -----------------------------------------------------------------------------------
@@ -607,7 +617,7 @@ impl Accelerator {
     /// window ends every `gradient_accumulation_steps` batches and on the last batch of a prepared dataloader;
     /// on other batches `backward` only accumulates locally (no communication) and the optimizer does nothing.
     pub fn accumulate(&self) -> bool {
-        self.pipeline.begin_micro_batch()
+        self.step.begin_micro_batch()
     }
 
     /// Computes the gradients of `loss` with respect to `model`'s trainable parameters and adds them to the
@@ -621,7 +631,7 @@ impl Accelerator {
     /// from detached tensors), or no parameter of `model` received a gradient.
     pub fn backward<const D: usize, M: Module>(&self, loss: Tensor<D>, model: &M) -> Result<()> {
         self.applied.check(self);
-        self.pipeline.backward(loss, model)
+        self.step.backward(loss, model)
     }
 
     /// Clips the gradients of `model` so that their global L2 norm is at most `max_norm`; returns the norm
@@ -640,14 +650,14 @@ impl Accelerator {
     ) -> Result<f64> {
         let ids = grad::param_ids(model);
         // A gradient held alike on several ranks of those the norm combines counts once.
-        let strategy = self.pipeline.strategy();
+        let strategy = self.step.strategy();
         let counted: Vec<_> = ids
             .iter()
             .copied()
             .filter(|id| strategy.counts_in_norm(*id))
             .collect();
-        let total = self.pipeline.total_norm();
-        let mut core = self.pipeline.shared().lock();
+        let total = self.step.total_norm();
+        let mut core = self.step.shared().lock();
         let started = std::time::Instant::now();
         let norm = grad::clip_grad_norm_counting(
             &mut core.grads,
@@ -664,9 +674,9 @@ impl Accelerator {
     /// sharded strategy each rank clamps the gradients it holds (a rank that owns no parameter holds none).
     pub fn clip_grad_value<M: Module>(&self, model: &M, clip_value: f64) -> Result<()> {
         let ids = grad::param_ids(model);
-        let strategy = self.pipeline.strategy();
+        let strategy = self.step.strategy();
         grad::clip_grad_value(
-            &mut self.pipeline.shared().lock().grads,
+            &mut self.step.shared().lock().grads,
             &ids,
             clip_value,
             |operation| strategy.no_gradients_held(operation),
@@ -678,38 +688,38 @@ impl Accelerator {
         &self,
         param: &burn::module::Param<Tensor<D>>,
     ) -> Option<Tensor<D>> {
-        self.pipeline.shared().lock().grads.get::<D>(param.id)
+        self.step.shared().lock().grads.get::<D>(param.id)
     }
 
     /// Drops every stored gradient (the prepared optimizer does it after each step; the same as
     /// [`AcceleratedOptimizer::zero_grad`], for loops that take gradients without a prepared optimizer).
     pub fn zero_grad(&self) {
-        self.pipeline.shared().lock().grads.clear();
+        self.step.shared().lock().grads.clear();
     }
 
     /// Whether the current micro-batch synchronises gradients and steps the optimizer.
     pub fn sync_gradients(&self) -> bool {
-        self.pipeline.shared().lock().state.sync_gradients()
+        self.step.shared().lock().state.sync_gradients()
     }
 
     /// The gradient-synchronisation state of the current step.
     pub fn gradient_state(&self) -> GradientState {
-        self.pipeline.shared().snapshot()
+        self.step.shared().snapshot()
     }
 
     /// The time this rank spent in each phase of its training steps so far: backward, gradient sync, optimizer
     /// (see [`StepPhases`](crate::StepPhases)).
     pub fn step_phases(&self) -> crate::StepPhases {
-        self.pipeline.shared().lock().phases
+        self.step.shared().lock().phases
     }
 
     /// Starts [`step_phases`](Self::step_phases) over from zero (after a warm-up, say).
     pub fn reset_step_phases(&self) {
-        self.pipeline.shared().lock().phases = crate::StepPhases::default();
+        self.step.shared().lock().phases = crate::StepPhases::default();
     }
 
     /// Whether the latest optimizer step was skipped (fp16 overflow).
     pub fn optimizer_step_was_skipped(&self) -> bool {
-        self.pipeline.shared().lock().state.last_step_skipped()
+        self.step.shared().lock().state.last_step_skipped()
     }
 }

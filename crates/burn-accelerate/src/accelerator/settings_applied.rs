@@ -32,7 +32,7 @@ impl SettingsApplied {
         }
         let config = accelerator.config();
         let unused = accelerator
-            .pipeline()
+            .step()
             .shared()
             .lock()
             .state

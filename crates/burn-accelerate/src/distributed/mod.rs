@@ -29,7 +29,6 @@ pub(crate) mod mesh;
 pub(crate) mod tensor_comm;
 pub(crate) mod strategy;
 pub mod stages;
-pub(crate) mod parallelize;
 
 pub(crate) use cluster::launch_ranks;
 pub use cluster::{DistributedType, ProcessGroup, current, current_rank};

@@ -18,8 +18,8 @@ use crate::accelerator::Accelerator;
 use crate::checkpoint::StateToSave;
 use crate::distributed::collectives;
 use crate::error::{Error, Result};
-use crate::pipeline::StepOutcome;
 use crate::precision::MixedPrecision;
+use crate::step::StepOutcome;
 
 /// Where a Learner run stands, saved with every checkpoint the strategy writes (registered as
 /// `burn_train_learner`).
@@ -82,7 +82,7 @@ impl AcceleratedStrategy {
     /// only this rank's parameters; `SHARD_GRAD_OP` works).
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
         // The strategy says whether the Learner can train through it (it runs the forward pass on its own model).
-        accelerator.pipeline().strategy().check_learner()?;
+        accelerator.step().strategy().check_learner()?;
         let progress = Arc::new(Mutex::new(LearnerProgress::default()));
         accelerator
             .register_for_checkpointing(PROGRESS, progress.clone())
@@ -262,7 +262,7 @@ impl AcceleratedStrategy {
         let acc = &self.accelerator;
         let main = acc.is_main_process();
         let precision = acc.config().precision.mixed_precision;
-        let pipeline = acc.pipeline();
+        let pipeline = acc.step();
         super::loader::reset_prepared_flag();
         let mut iterator = loader.iter();
         if acc.num_processes() > 1 && !super::loader::prepared_flag() {

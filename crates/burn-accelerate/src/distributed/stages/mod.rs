@@ -1,18 +1,77 @@
-//! Pipeline parallelism: where a rank sits in the pipeline × data mesh ([`PipelineLayout`]), what one
-//! pipelined step did in time ([`StageTrace`], [`chrome_trace`], [`svg_trace`]), and stages cut by measured
-//! compute ([`measure_block_costs`], [`stage_blocks_for`]). Inside the crate: how a model's blocks are cut
-//! into stages (`partition`), the schedules that order each stage's micro-batches (`schedule`), a pipelined rank's
-//! strategy (`stage_strategy`) and a save's fetches (`fetch`); the step itself runs in the step pipeline
-//! (`crate::pipeline::staged`). See `docs/pipeline.md`.
+//! The former home of pipeline parallelism's public names, now in [`crate::pipeline_parallel`]; these aliases
+//! keep programs written against the old paths compiling, with a deprecation warning.
+#![allow(deprecated)]
 
-mod balance;
-pub(crate) mod fetch;
-pub(crate) mod mesh;
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) mod schedule;
-mod stage_strategy;
-mod trace;
+use crate::error::Result;
 
-pub use balance::{measure_block_costs, stage_blocks_for};
-pub use mesh::PipelineLayout;
-pub use trace::{SpanKind, StageTrace, TraceSpan, chrome_trace, svg_trace};
+/// Moved: [`crate::PipelineLayout`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::PipelineLayout (pipeline_parallel::PipelineLayout)"
+)]
+pub type PipelineLayout = crate::pipeline_parallel::PipelineLayout;
+/// Moved: [`crate::pipeline_parallel::StageTrace`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::StageTrace"
+)]
+pub type StageTrace = crate::pipeline_parallel::StageTrace;
+/// Moved: [`crate::pipeline_parallel::TraceSpan`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::TraceSpan"
+)]
+pub type TraceSpan = crate::pipeline_parallel::TraceSpan;
+/// Moved: [`crate::pipeline_parallel::SpanKind`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::SpanKind"
+)]
+pub type SpanKind = crate::pipeline_parallel::SpanKind;
+
+/// Moved: [`crate::pipeline_parallel::chrome_trace`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::chrome_trace"
+)]
+pub fn chrome_trace(stages: &[StageTrace]) -> serde_json::Value {
+    crate::pipeline_parallel::chrome_trace(stages)
+}
+
+/// Moved: [`crate::pipeline_parallel::svg_trace`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::svg_trace"
+)]
+pub fn svg_trace(stages: &[StageTrace]) -> String {
+    crate::pipeline_parallel::svg_trace(stages)
+}
+
+/// Moved: [`crate::pipeline_parallel::stage_blocks_for`].
+///
+/// # Errors
+/// As [`crate::pipeline_parallel::stage_blocks_for`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::stage_blocks_for"
+)]
+pub fn stage_blocks_for(costs: &[f64], stages: usize) -> Result<Vec<usize>> {
+    crate::pipeline_parallel::stage_blocks_for(costs, stages)
+}
+
+/// Moved: [`crate::pipeline_parallel::measure_block_costs`].
+///
+/// # Errors
+/// As [`crate::pipeline_parallel::measure_block_costs`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use burn_accelerate::pipeline_parallel::measure_block_costs"
+)]
+pub fn measure_block_costs<B, const D: usize>(
+    blocks: &[B],
+    input: burn::tensor::Tensor<D>,
+    block: impl Fn(&B, burn::tensor::Tensor<D>) -> burn::tensor::Tensor<D>,
+    repeats: usize,
+) -> Result<Vec<f64>> {
+    crate::pipeline_parallel::measure_block_costs(blocks, input, block, repeats)
+}

@@ -5,10 +5,10 @@ use std::time::Instant;
 
 use burn::tensor::{DType, Device, Tensor};
 
-use crate::distributed::stages::mesh::Stages;
-use crate::distributed::stages::{SpanKind, TraceSpan};
 use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
+use crate::pipeline_parallel::Stages;
+use crate::pipeline_parallel::{SpanKind, TraceSpan};
 
 /// The element types an activation can cross stages in, as a header's last value.
 const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
@@ -66,7 +66,7 @@ impl<'a> Mailbox<'a> {
         let received = self
             .stages
             .comm
-            .send_recv(sends, incoming, self.stages.transfer)
+            .send_recv(sends, incoming, "pipeline send/recv")
             .and_then(|pending| pending.wait())
             .map_err(|e| match e {
                 // Which stage waited, for what: a timeout or a failed peer names the pipeline's side of it.

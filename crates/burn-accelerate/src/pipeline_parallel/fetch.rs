@@ -8,7 +8,7 @@ use std::sync::Arc;
 use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor};
 
-use super::mesh::Stages;
+use super::stage::Stages;
 use crate::distributed::ProcessGroup;
 use crate::distributed::strategy::LazyParams;
 use crate::distributed::tensor_comm::TensorComm;

@@ -40,8 +40,7 @@ use crate::grad::{
 };
 use crate::precision::Precision;
 
-mod blocks;
-mod staged;
+pub(crate) mod block_wise;
 
 /// Whether the gradients a backward pass left in the buffer were reduced across ranks already (a block-wise pass
 /// reduces each part as it produces it), and scaled for the window.
@@ -58,35 +57,29 @@ enum Reduced {
 /// A rank's step pipeline.
 #[derive(Debug)]
 pub(crate) struct StepPipeline {
-    shared: SharedStep,
-    precision: Mutex<Precision>,
-    strategy: Arc<dyn Strategy>,
-    /// This rank's pipeline stage, where the run is pipelined (`pp_size` > 1): what `backward_batch` runs.
-    stages: Option<Arc<crate::distributed::stages::mesh::Stages>>,
-    normalization: LossNormalization,
-    accumulation_steps: usize,
-    sync_each_batch: bool,
+    pub(crate) shared: SharedStep,
+    pub(crate) precision: Mutex<Precision>,
+    pub(crate) strategy: Arc<dyn Strategy>,
+    pub(crate) normalization: LossNormalization,
+    pub(crate) accumulation_steps: usize,
+    pub(crate) sync_each_batch: bool,
     /// Whether the blocks of the last block-wise pass drew random numbers (dropout): they then take the
     /// process's generator in turns with the other ranks of the process (`pipeline::blocks`). Unknown, so `true`,
     /// before the first pass.
-    blocks_draw: std::sync::atomic::AtomicBool,
+    pub(crate) blocks_draw: std::sync::atomic::AtomicBool,
     /// Checkpointed passes' seeds: a base drawn once from the device's generator, and the passes seeded from it
     /// since (`pipeline::blocks`).
-    recompute_seeds: Mutex<Option<(u64, u64)>>,
+    pub(crate) recompute_seeds: Mutex<Option<(u64, u64)>>,
     /// The micro-batches a pipelined window ran so far (a short last batch runs fewer than `pp_microbatches`).
-    window_splits: Mutex<usize>,
+    pub(crate) window_splits: Mutex<usize>,
     /// Each model's parts of what is outside its blocks, learnt on its first block-wise `FULL_SHARD` pass.
-    rest_parts: Mutex<std::collections::HashMap<crate::grad::window::ModelKey, blocks::RestParts>>,
+    pub(crate) rest_parts:
+        Mutex<std::collections::HashMap<crate::grad::window::ModelKey, block_wise::RestParts>>,
 }
 
 impl StepPipeline {
-    /// The pipeline of a rank configured by `config`, distributed by `strategy`, running `stages` under pipeline
-    /// parallelism.
-    pub fn new(
-        config: &AcceleratorConfig,
-        strategy: Arc<dyn Strategy>,
-        stages: Option<Arc<crate::distributed::stages::mesh::Stages>>,
-    ) -> Self {
+    /// The pipeline of a rank configured by `config`, distributed by `strategy`.
+    pub fn new(config: &AcceleratorConfig, strategy: Arc<dyn Strategy>) -> Self {
         Self {
             shared: SharedStep::new(config.accumulation.gradient_accumulation_steps),
             precision: Mutex::new(Precision::new(
@@ -94,7 +87,6 @@ impl StepPipeline {
                 config.precision.loss_scaler.clone(),
             )),
             strategy,
-            stages,
             normalization: config.accumulation.loss_normalization,
             accumulation_steps: config.accumulation.gradient_accumulation_steps,
             sync_each_batch: config.accumulation.sync_each_batch,
@@ -106,11 +98,11 @@ impl StepPipeline {
     }
 
     /// Whether the blocks of the last block-wise pass drew random numbers (`true` before the first).
-    pub(super) fn blocks_draw(&self) -> bool {
+    pub(crate) fn blocks_draw(&self) -> bool {
         self.blocks_draw.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    pub(super) fn set_blocks_draw(&self, draws: bool) {
+    pub(crate) fn set_blocks_draw(&self, draws: bool) {
         self.blocks_draw
             .store(draws, std::sync::atomic::Ordering::Relaxed);
     }
@@ -161,11 +153,6 @@ impl StepPipeline {
     /// The distribution strategy.
     pub fn strategy(&self) -> &Arc<dyn Strategy> {
         &self.strategy
-    }
-
-    /// This rank's pipeline stage, under pipeline parallelism: the one the accelerator was built with.
-    pub fn pipeline_stage(&self) -> Option<&Arc<crate::distributed::stages::mesh::Stages>> {
-        self.stages.as_ref()
     }
 
     /// `module` with rank 0's weights on every rank (the first step of `prepare_model`).
@@ -340,7 +327,7 @@ impl StepPipeline {
 
     /// Under fp16 loss scaling, whether any gradient of `ids` overflowed on any rank (the strategy's
     /// [`any_rank`](Strategy::any_rank)), recorded as the window of `key`'s verdict; nothing without loss scaling.
-    fn record_overflow(
+    pub(crate) fn record_overflow(
         &self,
         precision: &mut Precision,
         core: &mut crate::grad::window::StepCore,
@@ -373,7 +360,7 @@ impl StepPipeline {
     /// The normalisation of a pipelined window that ran `splits` micro-batches in all, of `per_batch` each
     /// (`pp_microbatches`) but for a short last batch: the mean over every micro-batch it ran, or the nominal
     /// count's under `LossNormalization::Nominal`.
-    fn normalisation_of_splits(&self, splits: usize, per_batch: usize) -> f32 {
+    pub(crate) fn normalisation_of_splits(&self, splits: usize, per_batch: usize) -> f32 {
         match self.normalization {
             LossNormalization::ActualMicroBatches => 1.0 / splits.max(1) as f32,
             LossNormalization::Nominal => 1.0 / (self.accumulation_steps * per_batch) as f32,
@@ -390,7 +377,7 @@ impl StepPipeline {
     }
 
     /// [`average`](Self::average) of `params`, parameters of `module` (a pipeline stage's share of it).
-    fn average_params<M: Module>(
+    pub(crate) fn average_params<M: Module>(
         &self,
         grads: &mut GradientBuffer,
         module: &M,
@@ -449,7 +436,7 @@ mod tests {
     fn pipeline(config: AcceleratorConfig) -> (StepPipeline, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let strategy = Arc::new(Recording(calls.clone()));
-        (StepPipeline::new(&config, strategy, None), calls)
+        (StepPipeline::new(&config, strategy), calls)
     }
 
     fn step(pipeline: &StepPipeline, model: &Linear) {

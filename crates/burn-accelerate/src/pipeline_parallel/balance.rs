@@ -19,7 +19,7 @@ use crate::model::balanced_stages;
 /// ```
 /// use burn::nn::{Linear, LinearConfig};
 /// use burn::tensor::Tensor;
-/// use burn_accelerate::distributed::stages::{measure_block_costs, stage_blocks_for};
+/// use burn_accelerate::pipeline_parallel::{measure_block_costs, stage_blocks_for};
 ///
 /// let device = burn::tensor::Device::default().autodiff(); // or `accelerator.device()`
 /// let blocks: Vec<Linear> = [8, 8, 8, 8].iter().map(|&w| LinearConfig::new(w, w).init(&device)).collect();

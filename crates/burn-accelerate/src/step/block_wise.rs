@@ -60,11 +60,33 @@ fn model_device<M: Module>(model: &M) -> Result<burn::tensor::Device> {
 /// reached, and anything no rank's `after` did) once `before`'s recompute has. Learnt on a model's first pass
 /// (one all-reduce of which ranks reached what), the same lists on every rank.
 #[derive(Debug, Clone)]
-pub(super) struct RestParts {
+pub(crate) struct RestParts {
     /// The parameters outside the blocks these parts cover, in visiting order.
     of: Vec<ParamId>,
     after: Vec<(ParamId, usize)>,
     before: Vec<(ParamId, usize)>,
+}
+
+impl StepPipeline {
+    /// A forward pass for evaluation of a model made of blocks (see `Accelerator::forward_batch`): the whole
+    /// batch through the whole model, without a graph.
+    pub fn forward_whole<M: Blocks, B, const D: usize>(
+        &self,
+        model: &M,
+        batch: B,
+        (before, block, after): (
+            impl Fn(&M, &B) -> Tensor<D>,
+            impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+            impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+        ),
+    ) -> Result<Tensor<1>> {
+        let whole = unshard(self.strategy.as_ref(), model)?;
+        let mut x = before(&whole, &batch);
+        for b in whole.blocks() {
+            x = block(b, x);
+        }
+        Ok(after(&whole, x, &batch).detach())
+    }
 }
 
 impl StepPipeline {
@@ -478,7 +500,7 @@ impl StepPipeline {
     /// with the rank and a count of passes. Drawing a base for each pass would not do: ranks of one process share
     /// the generator, and a rank's recompute puts it back in the state its forward pass left, so that a base
     /// another rank drew right after both would repeat, and with it a whole pass's dropout masks.
-    pub(super) fn pass_seeds(&self, device: &burn::tensor::Device) -> Result<BlockSeeds> {
+    pub(crate) fn pass_seeds(&self, device: &burn::tensor::Device) -> Result<BlockSeeds> {
         let mut seeds = self
             .recompute_seeds
             .lock()
@@ -512,7 +534,7 @@ fn splitmix64(x: u64) -> u64 {
 /// ([`BlockSeeds::block_drew`]).
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-pub(super) fn generator() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn generator() -> std::sync::MutexGuard<'static, ()> {
     GENERATOR.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -535,14 +557,14 @@ fn probe(device: &burn::tensor::Device) -> Result<u32> {
 }
 
 /// The seeds that make a block's recompute draw the same random numbers (dropout masks) as its forward pass.
-pub(super) struct BlockSeeds(u64);
+pub(crate) struct BlockSeeds(u64);
 
 impl BlockSeeds {
     /// A base seed drawn from the device's generator, so that runs stay reproducible from the user's seed.
     ///
     /// # Errors
     /// The device's random numbers cannot be read back (never on Burn's backends).
-    pub(super) fn draw(device: &burn::tensor::Device) -> Result<Self> {
+    pub(crate) fn draw(device: &burn::tensor::Device) -> Result<Self> {
         let _generator = generator();
         let draw: Tensor<1> = Tensor::random([2], Distribution::Uniform(0.0, 1.0), device);
         let values = draw
@@ -566,29 +588,29 @@ impl BlockSeeds {
     /// Whether block `block`, just run after [`before_block`](Self::before_block), drew random numbers: the
     /// generator's next number differs from the first one after the block's seed. Call it under [`generator`],
     /// so that nothing else draws in between.
-    pub(super) fn block_drew(&self, device: &burn::tensor::Device, block: usize) -> Result<bool> {
+    pub(crate) fn block_drew(&self, device: &burn::tensor::Device, block: usize) -> Result<bool> {
         let next = probe(device)?;
         self.before_block(device, block);
         let first = probe(device)?;
         Ok(next != first)
     }
 
-    pub(super) fn before_block(&self, device: &burn::tensor::Device, block: usize) {
+    pub(crate) fn before_block(&self, device: &burn::tensor::Device, block: usize) {
         device.seed(self.0.wrapping_add(block as u64 + 1));
     }
 
     /// Before `before` runs (its forward pass, and its recompute where it is gathered anew for the backward).
-    pub(super) fn before_rest(&self, device: &burn::tensor::Device) {
+    pub(crate) fn before_rest(&self, device: &burn::tensor::Device) {
         device.seed(self.0 ^ 0x5bd1_e995_5bd1_e995);
     }
 
     /// Before `after` runs (a pipeline's last stage, where the head is gathered anew for the backward pass).
-    pub(super) fn before_after(&self, device: &burn::tensor::Device) {
+    pub(crate) fn before_after(&self, device: &burn::tensor::Device) {
         device.seed(self.0 ^ 0x27d4_eb2f_1656_67c5);
     }
 
     /// The generator continues from a seed of its own after the pass.
-    pub(super) fn after_pass(&self, device: &burn::tensor::Device) {
+    pub(crate) fn after_pass(&self, device: &burn::tensor::Device) {
         let _generator = generator();
         device.seed(self.0.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15);
     }

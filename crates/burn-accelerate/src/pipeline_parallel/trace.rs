@@ -77,7 +77,7 @@ impl StageTrace {
 /// process per replica, one track per stage, one slice per forward pass, backward pass and transfer.
 ///
 /// ```
-/// use burn_accelerate::distributed::stages::{chrome_trace, SpanKind, StageTrace, TraceSpan};
+/// use burn_accelerate::pipeline_parallel::{chrome_trace, SpanKind, StageTrace, TraceSpan};
 /// let stage = StageTrace {
 ///     stage: 0, stages: 2, replica: 0, micro_batches: 1, step_us: 10.0,
 ///     spans: vec![TraceSpan { kind: SpanKind::Forward, micro_batch: 0, start_us: 0.0, duration_us: 4.0 }],
@@ -113,7 +113,7 @@ pub fn chrome_trace(stages: &[StageTrace]) -> serde_json::Value {
 /// blank (the bubble), each row ending with its idle share against the schedule's.
 ///
 /// ```
-/// use burn_accelerate::distributed::stages::{svg_trace, SpanKind, StageTrace, TraceSpan};
+/// use burn_accelerate::pipeline_parallel::{svg_trace, SpanKind, StageTrace, TraceSpan};
 /// let stage = StageTrace {
 ///     stage: 0, stages: 2, replica: 0, micro_batches: 1, step_us: 10.0,
 ///     spans: vec![TraceSpan { kind: SpanKind::Forward, micro_batch: 0, start_us: 0.0, duration_us: 4.0 }],

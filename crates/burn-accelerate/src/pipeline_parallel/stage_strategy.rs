@@ -8,7 +8,7 @@ use std::sync::Arc;
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 
-use super::mesh::Stages;
+use super::stage::Stages;
 use crate::distributed::DistributedType;
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::strategy::{

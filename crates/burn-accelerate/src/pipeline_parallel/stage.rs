@@ -9,10 +9,8 @@ use burn::module::ParamId;
 use serde::{Deserialize, Serialize};
 
 use super::trace::StageTrace;
-use crate::config::{AcceleratorConfig, PipelineSchedule};
+use crate::config::PipelineSchedule;
 use crate::distributed::ProcessGroup;
-use crate::distributed::mesh::Mesh;
-use crate::distributed::strategy::{Strategy, for_data_parallel};
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::{Error, Result};
 
@@ -89,7 +87,7 @@ pub(crate) struct Stages {
     pub pipe: Arc<ProcessGroup>,
     /// What a transfer of this stage is called in errors (a timeout, a peer that failed): it names the stage, the
     /// replica and the rank.
-    pub transfer: &'static str,
+    pub transfer: String,
 }
 
 impl Stages {
@@ -140,94 +138,4 @@ impl Stages {
         *cut = Some(ranges.clone());
         Ok(ranges)
     }
-}
-
-/// The strategy of a pipelined rank of `mesh` under `config`: its data-parallel group's strategy (the ranks of its
-/// stage) wrapped in `Staged`, and what its pipelined steps share.
-///
-/// # Errors
-/// A mesh without a pipeline; a strategy that cannot be built.
-pub(crate) fn for_mesh(
-    mesh: &Mesh,
-    config: &AcceleratorConfig,
-) -> Result<(Arc<dyn Strategy>, Arc<Stages>)> {
-    let group = &mesh.world;
-    let pipe = mesh.pp.clone().ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "pipeline parallelism on the mesh {}, which has one stage: set pp_size above 1",
-            mesh.dims
-        ))
-    })?;
-    let layout = PipelineLayout {
-        stage: mesh.coords.pp,
-        stages: mesh.dims.pp,
-        replica: mesh.coords.dp(&mesh.dims),
-        replicas: mesh.dims.dp(),
-    };
-    let inner = for_data_parallel(mesh, config)?;
-    // Activations and their gradients go where the gradient transport goes: the device where it can (in-process
-    // stages sharing a GPU hand each other the tensors), host memory otherwise.
-    let (stage_comm, choice) = crate::distributed::tensor_comm::on_device::select(
-        &pipe,
-        config.distributed.gradient_transport,
-        config.collective_timeout(),
-        crate::distributed::tensor_comm::on_device::Exchanges::Messages,
-    )?;
-    if group.is_main_process() {
-        log::info!("activations cross pipeline stages through {choice}");
-    }
-    // The whole run's exchanges (the initial weights, each stage's parameters arriving from the rank that
-    // loaded them) take the device path too.
-    let (world_comm, _) = crate::distributed::tensor_comm::on_device::select(
-        group,
-        config.distributed.gradient_transport,
-        config.collective_timeout(),
-        crate::distributed::tensor_comm::on_device::Exchanges::Messages,
-    )?;
-    if group.is_main_process() {
-        log::info!(
-            "pipeline parallelism: {} stages × {} data-parallel replicas, {} micro-batches per batch, {} schedule; \
-             each stage's group trains by {}",
-            layout.stages,
-            layout.replicas,
-            config.pipeline.microbatches(),
-            config.pipeline.pp_schedule,
-            inner.name()
-        );
-    }
-    let stages = Arc::new(Stages {
-        layout,
-        comm: stage_comm,
-        schedule: config.pipeline.pp_schedule,
-        micro_batches: config.pipeline.microbatches(),
-        last_trace: Mutex::new(None),
-        cut: Mutex::new(None),
-        stage_blocks: config.pipeline.pp_stage_blocks.clone(),
-        arrivals: Mutex::new(None),
-        rest_lens: Mutex::new(HashMap::new()),
-        tied: Mutex::new(None),
-        rest_owner: Mutex::new(None),
-        rest_reached: Mutex::new(None),
-        rest_elsewhere: Mutex::new(None),
-        dropped_rest: std::sync::atomic::AtomicBool::new(false),
-        world: world_comm.clone(),
-        pipe: pipe.clone(),
-        // One name per accelerator, for the errors of its transfers.
-        transfer: Box::leak(
-            format!(
-                "pipeline send/recv of stage {} of {} (replica {}, rank {})",
-                layout.stage,
-                layout.stages,
-                layout.replica,
-                group.process_index()
-            )
-            .into_boxed_str(),
-        ),
-    });
-    let strategy = Arc::new(super::stage_strategy::Staged {
-        inner,
-        stages: stages.clone(),
-        world: world_comm,
-    });
-    Ok((strategy, stages))
 }

@@ -30,18 +30,18 @@ mod tied;
 use mailbox::{Mailbox, micros};
 use tied::sum_tied;
 
-use super::StepPipeline;
-use super::blocks::{BlockSeeds, generator};
 use crate::distributed::comm::ReduceOp;
-use crate::distributed::stages::mesh::Stages;
-use crate::distributed::stages::schedule::{Pass, stage_passes};
-use crate::distributed::stages::{SpanKind, StageTrace, TraceSpan};
 use crate::distributed::strategy::{BlockPass, trainable_params, unshard, unshard_except};
 use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
 use crate::grad::param_ids;
 use crate::grad::window::{BackwardPlan, model_key};
 use crate::model::{Blocks, Split};
+use crate::pipeline_parallel::Stages;
+use crate::pipeline_parallel::schedule::{Pass, stage_passes};
+use crate::pipeline_parallel::{SpanKind, StageTrace, TraceSpan};
+use crate::step::StepPipeline;
+use crate::step::block_wise::{BlockSeeds, generator};
 
 /// What a forward pass left for its backward pass: the graph of each of the stage's blocks apart, cut at every
 /// block's input, so that a backward pass runs block by block from the last, adding each block's gradients to the
@@ -103,35 +103,8 @@ enum End<const D: usize> {
 }
 
 impl StepPipeline {
-    /// One batch's forward and backward pass (see `Accelerator::backward_batch`): through the pipeline's stages
-    /// where the run is pipelined, else [`backward_blocks`](Self::backward_blocks) on the whole batch.
-    pub fn backward_batch<M, B, const D: usize>(
-        &self,
-        model: &M,
-        batch: B,
-        before: impl Fn(&M, &B) -> Tensor<D>,
-        block: impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
-        after: impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
-        checkpoint: bool,
-    ) -> Result<Tensor<1>>
-    where
-        M: Blocks,
-        B: Split,
-    {
-        let Some(stages) = self.stages.clone() else {
-            return self.backward_blocks(
-                model,
-                |m| before(m, &batch),
-                block,
-                |m, x| after(m, x, &batch),
-                checkpoint,
-            );
-        };
-        self.pipelined(&stages, model, batch, (before, block, after), checkpoint)
-    }
-
-    /// [`backward_batch`](Self::backward_batch) on a stage of `stages`.
-    fn pipelined<M, B, const D: usize>(
+    /// One batch's forward and backward pass on this rank's stage of `stages` (see `Accelerator::backward_batch`).
+    pub(crate) fn backward_staged<M, B, const D: usize>(
         &self,
         stages: &Arc<Stages>,
         model: &M,
@@ -703,10 +676,11 @@ impl StepPipeline {
         }
     }
 
-    /// A forward pass for evaluation (see `Accelerator::forward_batch`): the whole batch through the whole model,
-    /// or the micro-batches forward through the stages, the last stage's outputs then handed to every stage.
-    pub fn forward_batch<M, B, const D: usize>(
+    /// A forward pass for evaluation on this rank's stage of `stages` (see `Accelerator::forward_batch`): the
+    /// micro-batches forward through the stages, the last stage's outputs then handed to every stage.
+    pub(crate) fn forward_staged<M, B, const D: usize>(
         &self,
+        stages: &Arc<Stages>,
         model: &M,
         batch: B,
         (before, block, after): (
@@ -720,18 +694,11 @@ impl StepPipeline {
         B: Split,
     {
         let whole = unshard(self.strategy.as_ref(), model)?;
-        let Some(stages) = self.stages.clone() else {
-            let mut x = before(&whole, &batch);
-            for b in whole.blocks() {
-                x = block(b, x);
-            }
-            return Ok(after(&whole, x, &batch).detach());
-        };
         let layout = stages.layout;
         let (s, p) = (layout.stage, layout.stages);
         let (m, parts, unsplit) = micro_batches(batch, stages.micro_batches, "forward_batch");
         let range = stages.blocks_of(model)?[s].clone();
-        let mut mail = Mailbox::new(&stages, &whole, Instant::now(), "forward_batch")?;
+        let mut mail = Mailbox::new(stages, &whole, Instant::now(), "forward_batch")?;
         let device = mail.device.clone();
         let mut outputs = Vec::with_capacity(m);
         // A pass that fails stops this stage computing, not its messages (as in `backward_batch`).
@@ -791,7 +758,7 @@ impl StepPipeline {
                 mail.exchange(Vec::new(), i)?;
             }
         }
-        verdict(&stages, failure, "forward_batch")?;
+        verdict(stages, failure, "forward_batch")?;
         // The last stage's values, on every stage: their length, then the values.
         let values = match outputs.is_empty() {
             true => Tensor::<1>::zeros([0], (&device, DType::F32)),

@@ -7,10 +7,10 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor};
 
 use crate::distributed::comm::ReduceOp;
-use crate::distributed::stages::mesh::Stages;
 use crate::distributed::tensor_comm::Reduction;
 use crate::error::{Error, Result};
 use crate::grad::GradientBuffer;
+use crate::pipeline_parallel::Stages;
 
 /// Sums over the stages the gradients of the parameters outside the blocks (`rest`, the same list on every stage)
 /// that more than one stage's passes reach (`held` on this rank): a tied embedding and output head then take the
