@@ -63,4 +63,20 @@ impl Accelerator {
             self.config().collective_timeout(),
         )
     }
+
+    /// The GPU kit's checks of NCCL's communicator lifecycle on this run's ranks (one CUDA device each): `split`
+    /// makes a sub-group's communicator from a fresh one (the parent polled, then the child), all-reduces on it,
+    /// and ends both normally (finalize, then destroy); `failing-group` sends a batch of messages whose second
+    /// call NCCL refuses, and checks that the communicator is then aborted and refused. `None` off CUDA (or in a
+    /// build without it). Every rank must call it.
+    ///
+    /// # Errors
+    /// NCCL cannot make a communicator on this rank's device.
+    #[doc(hidden)]
+    pub fn check_nccl_lifecycle(&self) -> Result<Option<Vec<crate::distributed::LifecycleCheck>>> {
+        crate::distributed::tensor_comm::on_device::nccl_lifecycle_check(
+            &self.group_arc(),
+            self.config().collective_timeout(),
+        )
+    }
 }

@@ -44,7 +44,7 @@ pub fn is_out_of_memory_message(message: &str) -> bool {
 }
 
 /// Errors that can say whether they are an out-of-memory failure, which
-/// [`find_executable_batch_size`](super::find_executable_batch_size) answers by retrying with a smaller batch.
+/// [`find_executable_batch_size`](crate::memory::find_executable_batch_size) answers by retrying with a smaller batch.
 /// Any other error ends the search and is returned unchanged.
 pub trait OutOfMemory {
     /// Whether this error is an out-of-memory failure.

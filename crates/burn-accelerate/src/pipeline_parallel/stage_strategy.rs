@@ -12,8 +12,8 @@ use super::stage::Stages;
 use crate::distributed::DistributedType;
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::strategy::{
-    Arriving, BlockPass, FinishReduce, FinishUnshard, ModuleParams, ParamFetcher, Split,
-    StateScope, Strategy,
+    Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
+    ParamPlacement, Split, StateScope, StateScopes, Strategy, StrategyInfo,
 };
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::{Error, Result};
@@ -41,7 +41,7 @@ impl Staged {
     }
 }
 
-impl Strategy for Staged {
+impl StrategyInfo for Staged {
     fn name(&self) -> String {
         let l = self.stages.layout;
         format!(
@@ -59,6 +59,12 @@ impl Strategy for Staged {
         self.world.rank()
     }
 
+    fn distributed_type(&self, launched: DistributedType) -> DistributedType {
+        self.inner.distributed_type(launched)
+    }
+}
+
+impl GradientSync for Staged {
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -148,23 +154,11 @@ impl Strategy for Staged {
     fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
         self.inner.any_rank_each(flags)
     }
+}
 
+impl ParamPlacement for Staged {
     fn block_pass(&self) -> BlockPass {
         self.inner.block_pass()
-    }
-
-    fn distributed_type(&self, launched: DistributedType) -> DistributedType {
-        self.inner.distributed_type(launched)
-    }
-
-    /// Each rank writes its stage's (and, under sharding, its slices').
-    fn optimizer_state(&self) -> StateScope {
-        StateScope::PerRank
-    }
-
-    /// Each rank writes its stage's blocks (the others are placeholders there).
-    fn model_state(&self) -> StateScope {
-        StateScope::PerRank
     }
 
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
@@ -177,10 +171,6 @@ impl Strategy for Staged {
 
     fn splits(&self) -> Vec<(ParamId, Split)> {
         self.inner.splits()
-    }
-
-    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
-        self.inner.check_optimizer(optimizer)
     }
 
     /// Rank 0's value (the run's initial weights) on the ranks that keep it, then kept as the stage's strategy
@@ -334,6 +324,22 @@ impl Strategy for Staged {
     /// slices.
     fn fetcher(&self, _params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
         None
+    }
+}
+
+impl StateScopes for Staged {
+    /// Each rank writes its stage's (and, under sharding, its slices').
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    /// Each rank writes its stage's blocks (the others are placeholders there).
+    fn model_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        self.inner.check_optimizer(optimizer)
     }
 
     fn check_learner(&self) -> Result<()> {

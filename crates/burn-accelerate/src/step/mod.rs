@@ -400,6 +400,7 @@ mod tests {
     use burn::tensor::Device;
 
     use super::*;
+    use crate::distributed::strategy::{GradientSync, ParamPlacement, StateScopes, StrategyInfo};
     use crate::precision::{LossScaler, MixedPrecision};
 
     /// A test double of the strategy seam: records each call's scale, and halves nothing (a world of one that
@@ -410,13 +411,17 @@ mod tests {
     /// Each call's number of parameters and scale.
     type Calls = Arc<Mutex<Vec<(usize, f32)>>>;
 
-    impl Strategy for Recording {
+    impl StrategyInfo for Recording {
         fn name(&self) -> String {
             "recording".into()
         }
+
         fn rank(&self) -> usize {
             0
         }
+    }
+
+    impl GradientSync for Recording {
         fn reduce_gradients(
             &self,
             grads: &mut GradientBuffer,
@@ -428,10 +433,15 @@ mod tests {
             grads.map_flat(&ids, |g| g.mul_scalar(scale));
             Ok(())
         }
+
         fn broadcast(&self, flat: Tensor<1>, _root: usize) -> Result<Tensor<1>> {
             Ok(flat)
         }
     }
+
+    impl ParamPlacement for Recording {}
+
+    impl StateScopes for Recording {}
 
     fn pipeline(config: AcceleratorConfig) -> (StepPipeline, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));

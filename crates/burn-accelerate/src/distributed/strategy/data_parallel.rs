@@ -8,7 +8,7 @@ use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor};
 
-use super::Strategy;
+use super::{GradientSync, ParamPlacement, StateScopes, StrategyInfo};
 use crate::distributed::tensor_comm::bucket::{
     ALONE_ELEMENTS, buckets, concat, in_dtype, max_elements,
 };
@@ -20,7 +20,7 @@ use crate::grad::GradientBuffer;
 #[derive(Debug)]
 pub(crate) struct SingleDevice;
 
-impl Strategy for SingleDevice {
+impl StrategyInfo for SingleDevice {
     fn name(&self) -> String {
         "single device".into()
     }
@@ -28,7 +28,9 @@ impl Strategy for SingleDevice {
     fn rank(&self) -> usize {
         0
     }
+}
 
+impl GradientSync for SingleDevice {
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -66,6 +68,10 @@ impl Strategy for SingleDevice {
         ))
     }
 }
+
+impl ParamPlacement for SingleDevice {}
+
+impl StateScopes for SingleDevice {}
 
 /// Data parallelism over `comm`, in buckets of at most `bucket_bytes`.
 #[derive(Debug)]
@@ -127,7 +133,7 @@ impl DataParallel {
     }
 }
 
-impl Strategy for DataParallel {
+impl StrategyInfo for DataParallel {
     fn name(&self) -> String {
         format!("data parallel over {}", self.comm.name())
     }
@@ -135,7 +141,9 @@ impl Strategy for DataParallel {
     fn rank(&self) -> usize {
         self.comm.rank()
     }
+}
 
+impl GradientSync for DataParallel {
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -158,3 +166,7 @@ impl Strategy for DataParallel {
             .wait()
     }
 }
+
+impl ParamPlacement for DataParallel {}
+
+impl StateScopes for DataParallel {}

@@ -119,13 +119,34 @@ impl Arriving {
 /// checkpointer and the Learner hand each piece of work to. Every method is an action or what the strategy does
 /// with a kind of work; the defaults are those of a strategy whose ranks hold everything and reduce gradients
 /// with [`reduce_gradients`](Self::reduce_gradients).
-pub(crate) trait Strategy: Send + Sync + fmt::Debug {
+pub(crate) trait Strategy:
+    StrategyInfo + GradientSync + ParamPlacement + StateScopes + Send + Sync + fmt::Debug
+{
+}
+
+impl<T: StrategyInfo + GradientSync + ParamPlacement + StateScopes + Send + Sync + fmt::Debug>
+    Strategy for T
+{
+}
+
+/// What a strategy is: its name, this rank's index in its group, and the kind of run users see.
+pub(crate) trait StrategyInfo {
     /// What runs, for messages and the start-up line (`data parallel over host all-reduce`, ...).
     fn name(&self) -> String;
 
     /// This rank's index in the group the strategy distributes over.
     fn rank(&self) -> usize;
 
+    /// The kind of run users see (`Accelerator::distributed_type`), from the kind the launch gave (`launched`):
+    /// a strategy that shards the training state says `FSDP`, as Accelerate does.
+    fn distributed_type(&self, launched: DistributedType) -> DistributedType {
+        launched
+    }
+}
+
+/// What a strategy does with gradients and the values every rank must agree on: reductions (whole, started
+/// early, without a buffer), broadcasts, the gradient norm and verdicts across ranks.
+pub(crate) trait GradientSync {
     /// Replaces every stored gradient of `params` (`(id, number of elements)`, in the same order on every
     /// rank) with its mean over the ranks, times `scale`. A parameter without a gradient on this rank
     /// contributes zeros. A strategy whose ranks hold slices of the parameters keeps only this rank's slices.
@@ -223,26 +244,14 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
         Ok(flags.to_vec())
     }
+}
 
+/// Where a model's parameters live: what a rank keeps when they arrive at `prepare_model`, what it gathers for
+/// a forward pass (whole or block by block) and cuts again after a step, and how each is split.
+pub(crate) trait ParamPlacement: GradientSync {
     /// How this strategy runs a block-wise pass (see [`BlockPass`]).
     fn block_pass(&self) -> BlockPass {
         BlockPass::Whole
-    }
-
-    /// The kind of run users see (`Accelerator::distributed_type`), from the kind the launch gave (`launched`):
-    /// a strategy that shards the training state says `FSDP`, as Accelerate does.
-    fn distributed_type(&self, launched: DistributedType) -> DistributedType {
-        launched
-    }
-
-    /// Whether a checkpoint holds one optimizer state or one slice per rank.
-    fn optimizer_state(&self) -> StateScope {
-        StateScope::Replicated
-    }
-
-    /// Whether a checkpoint holds one model record or one per rank (each holding that rank's parameters).
-    fn model_state(&self) -> StateScope {
-        StateScope::Replicated
     }
 
     /// The parameters `ids` are no longer this rank's to hold (a pipeline stage drops what only other stages
@@ -267,16 +276,6 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     /// holds every parameter whole.
     fn splits(&self) -> Vec<(ParamId, Split)> {
         Vec::new()
-    }
-
-    /// Whether an optimizer of kind `optimizer` (its type's name) can step what this rank holds; where it cannot
-    /// (it needs whole tensors and the strategy cuts them), an error saying what to use instead.
-    ///
-    /// # Errors
-    /// The optimizer needs whole tensors and the strategy cuts them into slices.
-    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
-        let _ = optimizer;
-        Ok(())
     }
 
     /// A parameter arriving from rank `root` at `prepare_model` (`id`: `root`'s id, `dims`: its shape, `trains`:
@@ -345,6 +344,30 @@ pub(crate) trait Strategy: Send + Sync + fmt::Debug {
     fn fetcher(&self, params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
         let _ = params;
         None
+    }
+}
+
+/// What a checkpoint holds of the training state (one copy, or one per rank), and which optimizers and trainers
+/// can step what this rank holds.
+pub(crate) trait StateScopes {
+    /// Whether a checkpoint holds one optimizer state or one slice per rank.
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::Replicated
+    }
+
+    /// Whether a checkpoint holds one model record or one per rank (each holding that rank's parameters).
+    fn model_state(&self) -> StateScope {
+        StateScope::Replicated
+    }
+
+    /// Whether an optimizer of kind `optimizer` (its type's name) can step what this rank holds; where it cannot
+    /// (it needs whole tensors and the strategy cuts them), an error saying what to use instead.
+    ///
+    /// # Errors
+    /// The optimizer needs whole tensors and the strategy cuts them into slices.
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        let _ = optimizer;
+        Ok(())
     }
 
     /// Whether burn-train's Learner can train through this strategy, which is then set up for it: the Learner

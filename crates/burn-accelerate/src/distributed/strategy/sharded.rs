@@ -31,7 +31,10 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Shape, Tensor};
 
 use super::params::{ParamEntry, ParamTable};
-use super::{Arriving, BlockPass, ModuleParams, StateScope, Strategy, balanced_owners};
+use super::{
+    Arriving, BlockPass, GradientSync, ModuleParams, ParamPlacement, StateScope, StateScopes,
+    StrategyInfo, balanced_owners,
+};
 use crate::config::ShardingStrategy;
 use crate::distributed::DistributedType;
 use crate::distributed::ProcessGroup;
@@ -45,6 +48,8 @@ use crate::grad::NormType;
 mod exchange;
 mod fetch;
 mod gather;
+mod reduce;
+mod scopes;
 pub(crate) mod split;
 
 pub(crate) use fetch::{LazyParams, ParamFetcher};
@@ -381,136 +386,6 @@ impl Sharded {
     }
 }
 
-/// One bucket of gradients whose reduce-scatter was started: each member's id, the length of this rank's buffer,
-/// its own dtype and the shape to store (`None`: its parameter's, when the optimizer takes it).
-struct Reducing {
-    pending: Pending<Tensor<1>>,
-    members: Vec<(ParamId, usize, DType, Option<Shape>)>,
-}
-
-/// A gradient reduction started ([`Sharded::start_reducing`]): every bucket's reduce-scatter issued.
-pub(crate) struct ReduceStarted {
-    grads: GradientBuffer,
-    buckets: Vec<Reducing>,
-    /// Under a hybrid strategy, the replicas' communicator and the factor of their sum.
-    replicas: Option<(Arc<dyn TensorComm>, f32)>,
-}
-
-impl ReduceStarted {
-    /// Waits for every bucket's reduce-scatter (and, under a hybrid strategy, sums each across the replicas) and
-    /// returns the buffer with this rank's reduced slices.
-    pub fn finish(mut self) -> Result<GradientBuffer> {
-        for bucket in self.buckets {
-            let mine = bucket.pending.wait()?;
-            let mine = match &self.replicas {
-                Some((replicas, factor)) if mine.dims()[0] > 0 => replicas
-                    .all_reduce(
-                        mine,
-                        Reduction::ScaledSum(*factor),
-                        "hybrid gradient all-reduce across replicas",
-                    )?
-                    .wait()?,
-                _ => mine,
-            };
-            let lens = bucket.members.iter().map(|m| m.1).collect();
-            for ((id, len, dtype, shape), flat) in
-                bucket.members.into_iter().zip(exchange::pieces(mine, lens))
-            {
-                if len > 0 {
-                    self.grads
-                        .add_reduced(id, shape, bucket::in_dtype(flat, dtype));
-                }
-            }
-        }
-        Ok(self.grads)
-    }
-}
-
-impl Sharded {
-    /// Starts reducing `grads` (see [`Strategy::reduce_gradients`]): takes each bucket's whole gradients out of
-    /// the buffer and issues its reduce-scatter; [`ReduceStarted::finish`] stores this rank's slices.
-    fn start_reducing(
-        &self,
-        mut grads: GradientBuffer,
-        params: &[(ParamId, usize)],
-        scale: f32,
-    ) -> Result<ReduceStarted> {
-        let replicas = self
-            .replica_comm
-            .as_ref()
-            .map(|r| (r.clone(), scale / self.world.num_processes() as f32));
-        // A rank that holds none of these gradients (its part of the batch used none of them) still takes part,
-        // with zeros where the model keeps them; of parameters it has never seen whole either (unfrozen after
-        // `prepare_model`), with zeros on its group's device, in its default float dtype. It never leaves its
-        // peers in a reduce-scatter it skipped.
-        let (device, dtype) = grads
-            .device_and_dtype(params.iter().map(|(id, _)| *id))
-            .or_else(|| self.placement_of(params.iter().map(|(id, _)| *id)))
-            .unwrap_or_else(|| {
-                let device = self.world.device().clone();
-                let dtype = Tensor::<1>::zeros([0], &device).dtype();
-                (device, dtype)
-            });
-        let me = self.shard_rank();
-        self.check_world("hybrid sharded gradient sync", params.len())?;
-        let splits = self.splits_for(params);
-        let own_dtypes = self.dtypes(params.iter().map(|(id, _)| *id), dtype);
-        let (cap, alone) = self.bucket_limits();
-        let mut buckets = Vec::new();
-        for members in exchange::buckets(&splits, cap, alone) {
-            // Every rank sends in the dtype of the whole bucket (the same on every rank, whatever it holds), or in
-            // the policy's reduce dtype; each slice is stored in its parameter's own.
-            let Some(wire) = bucket::common_dtype(members.iter().map(|&i| own_dtypes[i])) else {
-                continue;
-            };
-            let wire = self.reduce_dtype.unwrap_or(wire);
-            let mut wholes = Vec::with_capacity(members.len());
-            let mut stored = Vec::with_capacity(members.len());
-            for &i in &members {
-                let (id, n) = params[i];
-                // Taken out of the buffer (moved, not copied, when it travels alone); a gradient this rank lacks
-                // (its parameter was unused here) takes part as zeros.
-                let whole_shape = match grads.take_unreduced(id) {
-                    Some((shape, grad)) => {
-                        wholes.push(grad);
-                        Some(shape)
-                    }
-                    None => {
-                        wholes.push(Tensor::<1>::zeros([n], (&device, wire)));
-                        None
-                    }
-                };
-                let split = &splits[i];
-                // A parameter the strategy has not seen whole (owned whole, adopted) keeps the shape its gradient
-                // had here (or takes its parameter's when the optimizer takes it).
-                let shape = if self.known().contains_key(&id) {
-                    Some(Shape::from(split.local_dims(me)))
-                } else {
-                    whole_shape
-                };
-                stored.push((id, split.local_len(me), own_dtypes[i], shape));
-            }
-            let bucket_splits: Vec<&Split> = members.iter().map(|&i| &splits[i]).collect();
-            let pending = exchange::start_reduce_scatter(
-                self.shards.as_ref(),
-                &bucket_splits,
-                wholes,
-                (self.within_shards(scale), "sharded gradient reduce-scatter"),
-                (&device, wire),
-            )?;
-            buckets.push(Reducing {
-                pending,
-                members: stored,
-            });
-        }
-        Ok(ReduceStarted {
-            grads,
-            buckets,
-            replicas,
-        })
-    }
-}
-
 impl Known {
     /// What `entry` (seen whole) shows, split as `split`.
     fn of(split: Split, entry: &ParamEntry) -> Self {
@@ -522,7 +397,7 @@ impl Known {
     }
 }
 
-impl Strategy for Sharded {
+impl StrategyInfo for Sharded {
     fn name(&self) -> String {
         match &self.replica_comm {
             Some(replicas) => format!(
@@ -544,6 +419,12 @@ impl Strategy for Sharded {
         self.world.process_index()
     }
 
+    fn distributed_type(&self, _launched: DistributedType) -> DistributedType {
+        DistributedType::Fsdp
+    }
+}
+
+impl GradientSync for Sharded {
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -571,19 +452,49 @@ impl Strategy for Sharded {
             .wait()
     }
 
-    fn optimizer_state(&self) -> StateScope {
-        StateScope::PerRank
+    fn no_gradients_held(&self, _operation: &'static str) -> Result<()> {
+        // Each rank holds only its slices' gradients (a rank of a Learner's whole-tensor split may own none).
+        Ok(())
     }
 
-    fn model_state(&self) -> StateScope {
-        if self.mode.reshards_parameters() {
-            // Between steps each rank holds only its slices: each writes its own record, without gathering.
-            StateScope::PerRank
-        } else {
-            StateScope::Replicated
+    fn any_rank(&self, local: bool) -> Result<bool> {
+        let any = self.shards.all_reduce_value(
+            f64::from(u8::from(local)),
+            ReduceOp::Max,
+            "sharded overflow verdict",
+        )?;
+        Ok(any != 0.0)
+    }
+
+    fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        if flags.is_empty() {
+            return Ok(Vec::new());
         }
+        let values: Vec<f32> = flags.iter().map(|f| f32::from(u8::from(*f))).collect();
+        let any = self
+            .everyone
+            .all_reduce(
+                Tensor::<1>::from_floats(values.as_slice(), self.world.device()),
+                crate::distributed::tensor_comm::Reduction::Op(ReduceOp::Max),
+                "sharded agreement",
+            )?
+            .wait()?
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| Error::other(format!("reading the ranks' agreement: {e:?}")))?;
+        Ok(any.into_iter().map(|v| v > 0.5).collect())
     }
 
+    fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
+        crate::grad::combined_norm(norms, norm_type, |partial, op| {
+            self.shards
+                .all_reduce_value(partial, op, "sharded gradient norm")
+        })
+    }
+}
+
+impl ParamPlacement for Sharded {
     fn arrive(
         &self,
         id: ParamId,
@@ -701,15 +612,6 @@ impl Strategy for Sharded {
         }
     }
 
-    fn distributed_type(&self, _launched: DistributedType) -> DistributedType {
-        DistributedType::Fsdp
-    }
-
-    fn no_gradients_held(&self, _operation: &'static str) -> Result<()> {
-        // Each rank holds only its slices' gradients (a rank of a Learner's whole-tensor split may own none).
-        Ok(())
-    }
-
     fn splits(&self) -> Vec<(ParamId, Split)> {
         let mut splits: Vec<(ParamId, Split)> = self
             .known()
@@ -743,87 +645,5 @@ impl Strategy for Sharded {
             .filter_map(|(old, new)| adopted.remove(old).map(|owner| (*new, owner)))
             .collect();
         adopted.extend(moved);
-    }
-
-    fn check_learner(&self) -> Result<()> {
-        if !self.mode.reshards_parameters() {
-            // burn-train's optimizer steps the Learner's whole parameters: each is owned whole by one rank.
-            self.whole_tensors.store(true, Ordering::Relaxed);
-            let mut known = self.known();
-            let order: Vec<(ParamId, usize)> =
-                known.iter().map(|(id, k)| (*id, k.split.len())).collect();
-            let mut order = order;
-            order.sort_by_key(|(id, _)| id.val());
-            for ((id, _), owner) in order.iter().zip(balanced_owners(&order, self.world())) {
-                if let Some(k) = known.get_mut(id) {
-                    k.split = Split::new(
-                        k.split.dims().to_vec(),
-                        self.world(),
-                        SplitKind::Whole { owner },
-                    );
-                }
-            }
-            return Ok(());
-        }
-        Err(Error::InvalidArgument(format!(
-            "AcceleratedStrategy::new: {} keeps only each rank's slices of the parameters between steps, and \
-             burn-train's Learner runs the forward pass on its model without gathering them; use SHARD_GRAD_OP \
-             with the Learner (gradients and optimizer state sharded), or {} in a loop of your own with \
-             `accelerator.unshard(&model)`",
-            self.mode, self.mode
-        )))
-    }
-
-    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
-        let cut = self
-            .known()
-            .values()
-            .any(|k| k.split.kind() == SplitKind::Rows && k.split.parts() > 1);
-        if cut {
-            return Err(Error::InvalidArgument(format!(
-                "optimizer step: {optimizer} needs each parameter whole (a trust ratio, factored moments or an \
-                 orthogonalised update), and {} cuts every parameter into row slices across the ranks; use an \
-                 element-wise optimizer (Adam, AdamW, SGD, RMSprop, AdaGrad, Lion, Adan) with sharding, or \
-                 NO_SHARD",
-                self.mode
-            )));
-        }
-        Ok(())
-    }
-
-    fn any_rank(&self, local: bool) -> Result<bool> {
-        let any = self.shards.all_reduce_value(
-            f64::from(u8::from(local)),
-            ReduceOp::Max,
-            "sharded overflow verdict",
-        )?;
-        Ok(any != 0.0)
-    }
-
-    fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
-        if flags.is_empty() {
-            return Ok(Vec::new());
-        }
-        let values: Vec<f32> = flags.iter().map(|f| f32::from(u8::from(*f))).collect();
-        let any = self
-            .everyone
-            .all_reduce(
-                Tensor::<1>::from_floats(values.as_slice(), self.world.device()),
-                crate::distributed::tensor_comm::Reduction::Op(ReduceOp::Max),
-                "sharded agreement",
-            )?
-            .wait()?
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .map_err(|e| Error::other(format!("reading the ranks' agreement: {e:?}")))?;
-        Ok(any.into_iter().map(|v| v > 0.5).collect())
-    }
-
-    fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
-        crate::grad::combined_norm(norms, norm_type, |partial, op| {
-            self.shards
-                .all_reduce_value(partial, op, "sharded gradient norm")
-        })
     }
 }

@@ -12,7 +12,9 @@ use burn::nn::Linear;
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Tensor};
 
-use super::super::{ModuleParams, StateScope, Strategy};
+use super::super::{
+    GradientSync, ModuleParams, ParamPlacement, StateScope, StateScopes, StrategyInfo,
+};
 use crate::accelerator::AcceleratorBuilder;
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::tensor_comm::{Checked, Reduction, TensorComm};
@@ -38,7 +40,7 @@ struct Leader {
 
 const LEADER: usize = 0;
 
-impl Strategy for Leader {
+impl StrategyInfo for Leader {
     fn name(&self) -> String {
         "the leader steps".into()
     }
@@ -46,7 +48,9 @@ impl Strategy for Leader {
     fn rank(&self) -> usize {
         self.comm.rank()
     }
+}
 
+impl GradientSync for Leader {
     fn reduce_gradients(
         &self,
         grads: &mut GradientBuffer,
@@ -100,11 +104,9 @@ impl Strategy for Leader {
         )?;
         Ok(any != 0.0)
     }
+}
 
-    fn optimizer_state(&self) -> StateScope {
-        StateScope::PerRank
-    }
-
+impl ParamPlacement for Leader {
     fn setup(&self, _params: &mut ModuleParams<'_>) -> Result<()> {
         self.calls.set_up.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -135,6 +137,12 @@ impl Strategy for Leader {
             table.replace(id, value, dims, true);
         }
         Ok(())
+    }
+}
+
+impl StateScopes for Leader {
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::PerRank
     }
 }
 

@@ -1,0 +1,64 @@
+//! What a checkpoint holds of a sharded rank's state, and which optimizers and trainers can step its slices.
+
+use super::*;
+
+impl StateScopes for Sharded {
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    fn model_state(&self) -> StateScope {
+        if self.mode.reshards_parameters() {
+            // Between steps each rank holds only its slices: each writes its own record, without gathering.
+            StateScope::PerRank
+        } else {
+            StateScope::Replicated
+        }
+    }
+
+    fn check_learner(&self) -> Result<()> {
+        if !self.mode.reshards_parameters() {
+            // burn-train's optimizer steps the Learner's whole parameters: each is owned whole by one rank.
+            self.whole_tensors.store(true, Ordering::Relaxed);
+            let mut known = self.known();
+            let order: Vec<(ParamId, usize)> =
+                known.iter().map(|(id, k)| (*id, k.split.len())).collect();
+            let mut order = order;
+            order.sort_by_key(|(id, _)| id.val());
+            for ((id, _), owner) in order.iter().zip(balanced_owners(&order, self.world())) {
+                if let Some(k) = known.get_mut(id) {
+                    k.split = Split::new(
+                        k.split.dims().to_vec(),
+                        self.world(),
+                        SplitKind::Whole { owner },
+                    );
+                }
+            }
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "AcceleratedStrategy::new: {} keeps only each rank's slices of the parameters between steps, and \
+             burn-train's Learner runs the forward pass on its model without gathering them; use SHARD_GRAD_OP \
+             with the Learner (gradients and optimizer state sharded), or {} in a loop of your own with \
+             `accelerator.unshard(&model)`",
+            self.mode, self.mode
+        )))
+    }
+
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        let cut = self
+            .known()
+            .values()
+            .any(|k| k.split.kind() == SplitKind::Rows && k.split.parts() > 1);
+        if cut {
+            return Err(Error::InvalidArgument(format!(
+                "optimizer step: {optimizer} needs each parameter whole (a trust ratio, factored moments or an \
+                 orthogonalised update), and {} cuts every parameter into row slices across the ranks; use an \
+                 element-wise optimizer (Adam, AdamW, SGD, RMSprop, AdaGrad, Lion, Adan) with sharding, or \
+                 NO_SHARD",
+                self.mode
+            )));
+        }
+        Ok(())
+    }
+}
