@@ -209,34 +209,17 @@ fn read_parallelism_config(
         let (key, raw) = (text_of(key), text_of(value));
         match key.as_str() {
             "parallelism_config_dp_shard_size" => {
-                let size = raw
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| {
-                        Error::config(
-                            "parallelism_config.parallelism_config_dp_shard_size",
-                            &raw,
-                            origin,
-                            "a number of ranks per shard group (1 or more)",
-                        )
-                    })?;
+                let size = positive(
+                    &key,
+                    &raw,
+                    origin,
+                    "a number of ranks per shard group (1 or more)",
+                )?;
                 config.distributed.dp_shard_size = Some(size);
                 config.set_source(Key::DpShardSize, Source::File(origin.to_string()));
             }
             "parallelism_config_pp_size" | "parallelism_config_pp_microbatches" => {
-                let count = raw
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| {
-                        Error::config(
-                            format!("parallelism_config.{key}"),
-                            &raw,
-                            origin,
-                            "a count of 1 or more",
-                        )
-                    })?;
+                let count = positive(&key, &raw, origin, "a count of 1 or more")?;
                 let source = Source::File(origin.to_string());
                 if key == "parallelism_config_pp_size" {
                     config.pipeline.pp_size = count;
@@ -270,18 +253,7 @@ fn read_parallelism_config(
                 config.set_source(Key::PpSchedule, Source::File(origin.to_string()));
             }
             "parallelism_config_tp_size" | "parallelism_config_cp_size" => {
-                let size = raw
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| {
-                        Error::config(
-                            format!("parallelism_config.{key}"),
-                            &raw,
-                            origin,
-                            "a number of ranks (1 or more)",
-                        )
-                    })?;
+                let size = positive(&key, &raw, origin, "a number of ranks (1 or more)")?;
                 let source = Source::File(origin.to_string());
                 if key == "parallelism_config_tp_size" {
                     config.distributed.tp_size = size;
@@ -328,6 +300,15 @@ impl UnsupportedValue {
             ),
         )
     }
+}
+
+/// The value `raw` of `parallelism_config.{key}` as a count of 1 or more; else an error naming the key, the file
+/// and what it expects.
+fn positive(key: &str, raw: &str, origin: &str, expected: &str) -> Result<usize> {
+    raw.parse::<usize>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| Error::config(format!("parallelism_config.{key}"), raw, origin, expected))
 }
 
 /// Warns once per process about the ignored keys of a file.
