@@ -15,6 +15,8 @@ retired=(
   'memory::release_free_heap|memory::release_after_freeing|the heap is crate::heap'
   'logging::warn_visibly|warnings without a logger are crate::notice'
   'on_device::host_free|on_device::check_against_reference|the trainings that check the transport are crate::diagnostics'
+  'SplitKind|strategy::Split\b|fn splits\(|the slices of a parameter over its shard group are strategy::Slicing and SliceKind (Split is the micro-batch trait only)'
+  'on_device::select\b|the choice between the host and the device path is tensor_comm::select_transport'
 )
 # The deprecated aliases themselves, the test of every public path, the changelog and the rename table (docs/concepts.md)
 # name the old paths.

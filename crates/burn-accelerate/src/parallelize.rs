@@ -82,7 +82,7 @@ pub(crate) fn for_mesh(
     let inner = for_data_parallel(mesh, config)?;
     // Activations and their gradients go where the gradient transport goes: the device where it can (in-process
     // stages sharing a GPU hand each other the tensors), host memory otherwise.
-    let (stage_comm, choice) = crate::distributed::tensor_comm::on_device::select(
+    let (stage_comm, choice) = crate::distributed::tensor_comm::select_transport(
         &pipe,
         config.distributed.gradient_transport,
         config.collective_timeout(),
@@ -93,7 +93,7 @@ pub(crate) fn for_mesh(
     }
     // The whole run's exchanges (the initial weights, each stage's parameters arriving from the rank that
     // loaded them) take the device path too.
-    let (world_comm, _) = crate::distributed::tensor_comm::on_device::select(
+    let (world_comm, _) = crate::distributed::tensor_comm::select_transport(
         group,
         config.distributed.gradient_transport,
         config.collective_timeout(),

@@ -309,7 +309,8 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Which path gradients take between data-parallel ranks (default [`GradientTransport::Auto`]: the device
+    /// Which path tensors take between ranks: gradients, the parameter slices of sharded training and a
+    /// pipeline's activations (default [`GradientTransport::Auto`]: the device
     /// when every rank is a CUDA device and NCCL loads, host memory otherwise; `ACCELERATE_GRADIENT_TRANSPORT`).
     /// [`GradientTransport::Host`] forces host memory; [`GradientTransport::Device`] makes building fail where the
     /// device path is not available, with the reason.

@@ -230,10 +230,10 @@ impl Accelerator {
             model,
             path.as_ref(),
             options,
-            &|id| strategy.split(id),
+            &|id| strategy.slicing(id),
         );
         crate::heap::release_free_heap();
-        if strategy.splits().is_empty() {
+        if strategy.slicings().is_empty() {
             // Every rank holds the whole model: a rank may load on its own.
             return loaded;
         }
@@ -268,7 +268,7 @@ impl Accelerator {
         let scaler = self.loss_scaler();
         let strategy = self.step.strategy();
         let mut splits: Vec<_> = strategy
-            .splits()
+            .slicings()
             .iter()
             .map(|(id, split)| crate::checkpoint::repartition::SavedSplit::of(*id, split))
             .collect();
@@ -301,7 +301,7 @@ impl Accelerator {
         // stages.
         let strategy = self.step.strategy();
         if let Some(stages) = self.stage()
-            && (loaded.saved_split() || !strategy.splits().is_empty())
+            && (loaded.saved_split() || !strategy.slicings().is_empty())
             && match loaded.saved_pp_size() {
                 Some(pp) => pp != stages.layout.stages,
                 None => loaded.saved_num_processes() != self.num_processes(),

@@ -356,7 +356,7 @@ impl LoadedState {
         let pipelined = self
             .strategy
             .as_ref()
-            .is_some_and(|s| self.pipelined && s.splits().is_empty());
+            .is_some_and(|s| self.pipelined && s.slicings().is_empty());
         !pipelined
             && per_rank == wants_per_rank
             && (!per_rank
@@ -375,7 +375,7 @@ impl LoadedState {
         let mut now: Vec<_> = self
             .strategy
             .as_ref()
-            .map(|s| s.splits())
+            .map(|s| s.slicings())
             .unwrap_or_default()
             .iter()
             .map(|(id, split)| repartition::SavedSplit::of(*id, split).layout())
@@ -395,7 +395,7 @@ impl LoadedState {
             .strategy
             .clone()
             .filter(|s| scope(s.as_ref()) == StateScope::PerRank);
-        move |id| match strategy.as_ref().and_then(|s| s.split(id)) {
+        move |id| match strategy.as_ref().and_then(|s| s.slicing(id)) {
             // A split of nothing: a sharded pipeline stage's placeholder for another stage's parameter.
             Some((split, _)) if split.dims().iter().product::<usize>() == 0 => {
                 repartition::Want::Placeholder(split.dims().to_vec())

@@ -16,7 +16,7 @@ use burn_pack::{Reader, Writer};
 use crate::fs::Scratch;
 use serde::{Deserialize, Serialize};
 
-use crate::distributed::strategy::{Split, SplitKind};
+use crate::distributed::strategy::{SliceKind, Slicing};
 use crate::error::{Error, Result};
 
 fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -49,25 +49,25 @@ pub(crate) struct SavedSplit {
 
 impl SavedSplit {
     /// What `split` of parameter `id` saves.
-    pub fn of(id: ParamId, split: &Split) -> Self {
+    pub fn of(id: ParamId, split: &Slicing) -> Self {
         Self {
             id: id.val(),
             dims: split.dims().to_vec(),
             parts: split.parts(),
             owner: match split.kind() {
-                SplitKind::Rows => None,
-                SplitKind::Whole { owner } => Some(owner),
+                SliceKind::Rows => None,
+                SliceKind::Whole { owner } => Some(owner),
             },
             holders: None,
         }
     }
 
-    fn split(&self) -> Split {
+    fn slicing(&self) -> Slicing {
         let kind = match self.owner {
-            None => SplitKind::Rows,
-            Some(owner) => SplitKind::Whole { owner },
+            None => SliceKind::Rows,
+            Some(owner) => SliceKind::Whole { owner },
         };
-        Split::new(self.dims.clone(), self.parts, kind)
+        Slicing::new(self.dims.clone(), self.parts, kind)
     }
 
     /// The layout alone (shape, parts, owner), to compare two runs' splits whatever their ids.
@@ -78,7 +78,7 @@ impl SavedSplit {
 
 /// The splits of a saved checkpoint, by saved parameter id, with the ranks whose files hold each one's parts.
 #[derive(Debug, Default)]
-pub(crate) struct SavedSplits(HashMap<u64, (Split, Option<std::ops::Range<usize>>)>);
+pub(crate) struct SavedSplits(HashMap<u64, (Slicing, Option<std::ops::Range<usize>>)>);
 
 impl SavedSplits {
     /// The splits the manifest lists.
@@ -86,13 +86,13 @@ impl SavedSplits {
         Self(
             saved
                 .iter()
-                .map(|s| (s.id, (s.split(), s.holders.clone())))
+                .map(|s| (s.id, (s.slicing(), s.holders.clone())))
                 .collect(),
         )
     }
 
     /// How parameter `id` was split, if it was.
-    fn get(&self, id: u64) -> Option<&Split> {
+    fn get(&self, id: u64) -> Option<&Slicing> {
         self.0.get(&id).map(|(split, _)| split)
     }
 
@@ -108,7 +108,7 @@ impl SavedSplits {
 #[derive(Debug, Clone)]
 pub(crate) enum Want {
     Whole,
-    Part(Split, usize),
+    Part(Slicing, usize),
     /// Nothing: the rank holds an empty placeholder of this shape (another pipeline stage's block).
     Placeholder(Vec<usize>),
 }
@@ -158,7 +158,7 @@ impl Assembler {
         path: &Path,
         rank: usize,
         tensor: burn_pack::Tensor,
-        saved: Option<&Split>,
+        saved: Option<&Slicing>,
         want: &Want,
     ) -> Result<()> {
         if let Want::Placeholder(dims) = want {
@@ -185,7 +185,7 @@ impl Assembler {
                 if let (Want::Part(split, _), true) = (want, elems > 0) {
                     // A whole tensor (a replicated save) wanted as a slice: the whole is its only piece.
                     if split.dims() == shape {
-                        let whole = Split::new(shape, 1, SplitKind::Whole { owner: 0 });
+                        let whole = Slicing::new(shape, 1, SliceKind::Whole { owner: 0 });
                         return self.piece(path, tensor, &whole, 0, want);
                     }
                 }
@@ -201,7 +201,7 @@ impl Assembler {
         &mut self,
         path: &Path,
         tensor: burn_pack::Tensor,
-        split: &Split,
+        split: &Slicing,
         part: usize,
         want: &Want,
     ) -> Result<()> {

@@ -127,7 +127,8 @@ pub struct DistributedSettings {
     pub fsdp_reduce_dtype: Option<super::ShardDtype>,
     /// Size of one gradient all-reduce bucket in MiB (default 25).
     pub bucket_size_mb: f64,
-    /// Which path gradients take between ranks (default [`GradientTransport::Auto`]: the device where it can;
+    /// Which path tensors take between ranks: gradients, parameter slices and a pipeline's activations (default
+    /// [`GradientTransport::Auto`]: the device where it can;
     /// `ACCELERATE_GRADIENT_TRANSPORT`).
     pub gradient_transport: GradientTransport,
     /// Seconds a collective waits for the other ranks before failing (default 300;

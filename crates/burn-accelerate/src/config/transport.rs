@@ -1,5 +1,5 @@
-//! Which path gradients take between ranks: device memory when the backend and the machine allow it, host
-//! memory otherwise.
+//! Which path tensors take between ranks (gradients, the parameter slices of sharded training, a pipeline's
+//! activations): device memory when the backend and the machine allow it, host memory otherwise.
 
 use std::fmt;
 use std::str::FromStr;
@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 /// The environment variable that chooses the [`GradientTransport`].
 pub const TRANSPORT_VAR: &str = "ACCELERATE_GRADIENT_TRANSPORT";
 
-/// How data-parallel ranks exchange gradients.
+/// Which path every tensor between ranks takes: gradients, the parameter slices sharded training gathers and
+/// reduce-scatters, and a pipeline's activations. (The name is data parallelism's, where gradients are the only
+/// traffic; one setting governs all of it.)
 ///
 /// | value | gradients cross ranks through |
 /// |---|---|

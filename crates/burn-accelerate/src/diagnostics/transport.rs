@@ -18,7 +18,7 @@ use crate::distributed::strategy::{Sharded, Strategy};
 use crate::distributed::tensor_comm::on_device::{
     DtypeCheck, EngineFactory, Exchanges, OnDevice, TransportCheck, TransportChoice,
     TransportFacts, TransportKind, check_collectives, check_transport, choose, compare, facts_for,
-    nccl_engines, select, start_device,
+    nccl_engines, select_transport, start_device,
 };
 use crate::error::Result;
 
@@ -143,7 +143,7 @@ pub(crate) fn check_against_reference(
             _ => return Ok(None),
         }
     } else {
-        select(group, preference, timeout, Exchanges::Gradients)?
+        select_transport(group, preference, timeout, Exchanges::Gradients)?
     };
     if !choice.kind.on_device() {
         return Ok(None);
@@ -152,7 +152,7 @@ pub(crate) fn check_against_reference(
     // Sharded training's and pipelines' calls on the transport they take: the same one, except where Burn's
     // collective (all-reduce only) serves data parallelism and NCCL the rest.
     let (others, named) = if choice.kind == TransportKind::BurnCollective {
-        let (others, other) = select(group, preference, timeout, Exchanges::Shards)?;
+        let (others, other) = select_transport(group, preference, timeout, Exchanges::Shards)?;
         (others, format!("{choice}; other calls: {other}"))
     } else {
         (transport, choice.to_string())

@@ -13,7 +13,7 @@ use crate::distributed::DistributedType;
 use crate::distributed::comm::ReduceOp;
 use crate::distributed::strategy::{
     Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
-    ParamPlacement, Split, StateScope, StateScopes, Strategy, StrategyInfo,
+    ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
 };
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::{Error, Result};
@@ -165,12 +165,12 @@ impl ParamPlacement for Staged {
         self.inner.params_renamed(renamed)
     }
 
-    fn split(&self, id: ParamId) -> Option<(Split, usize)> {
-        self.inner.split(id)
+    fn slicing(&self, id: ParamId) -> Option<(Slicing, usize)> {
+        self.inner.slicing(id)
     }
 
-    fn splits(&self) -> Vec<(ParamId, Split)> {
-        self.inner.splits()
+    fn slicings(&self) -> Vec<(ParamId, Slicing)> {
+        self.inner.slicings()
     }
 
     /// Rank 0's value (the run's initial weights) on the ranks that keep it, then kept as the stage's strategy
@@ -309,7 +309,7 @@ impl ParamPlacement for Staged {
                 }
                 // One the stage's strategy split: it forgets it (no more gathers, cuts or reductions of it here),
                 // and the placeholder trains no longer.
-                let split = self.inner.split(e.id).is_some();
+                let split = self.inner.slicing(e.id).is_some();
                 (e.id, dims, e.device.clone(), e.dtype, e.trainable && !split)
             })
             .collect();

@@ -10,7 +10,7 @@ use safetensors::tensor::{Dtype, SafeTensors};
 
 use super::layout::{KeyRemap, LAYOUT_KEY, WeightLayout};
 use super::{corrupt, from_safetensors_dtype, weight_files};
-use crate::distributed::strategy::Split;
+use crate::distributed::strategy::Slicing;
 use crate::error::{Error, Result};
 use crate::fs::{io, read};
 
@@ -268,7 +268,7 @@ pub fn load_weights<M: Module>(
 
 /// How a parameter is split over the ranks of its shard group, and this rank's place there: what
 /// [`load_weights_split`] asks of each parameter.
-pub(crate) type SplitOf<'a> = &'a dyn Fn(ParamId) -> Option<(Split, usize)>;
+pub(crate) type SlicingOf<'a> = &'a dyn Fn(ParamId) -> Option<(Slicing, usize)>;
 
 /// [`load_weights`] into a model whose parameters may be held as dim-0 slices (`FULL_SHARD`): a parameter that
 /// `split_of` says this rank holds a slice of (its shape the slice's, not the whole's) gets only its rows of the
@@ -279,13 +279,13 @@ pub(crate) fn load_weights_split<M: Module>(
     module: M,
     path: &Path,
     options: &LoadOptions,
-    split_of: SplitOf<'_>,
+    split_of: SlicingOf<'_>,
 ) -> Result<(M, LoadReport)> {
     let source = Source::open(path, &options.remap)?;
     let layout = options.layout.or(source.layout).unwrap_or_default();
     struct Apply<'a> {
         source: &'a Source,
-        split_of: SplitOf<'a>,
+        split_of: SlicingOf<'a>,
         options: &'a LoadOptions,
         layout: WeightLayout,
         stack: Vec<String>,

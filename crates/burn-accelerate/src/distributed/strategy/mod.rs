@@ -15,7 +15,7 @@
 //! | [`Sharded`] (`SHARD_GRAD_OP`, `FULL_SHARD`) | reduce-scatter, keep this rank's slices | each rank, its dim-0 slice of every parameter; then all-gathered (`SHARD_GRAD_OP`) or kept (`FULL_SHARD`) | 1/P of every tensor per rank |
 //! | [`Sharded`], hybrid (`HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2`) | reduce-scatter within the shard group, all-reduce across the replicas | as above, within the shard group (a sub-group of the communicator) | one slice per rank (replicas write the same) |
 //!
-//! Each strategy's implementation of the tensor interface is chosen per run (`on_device::select`, from the
+//! Each strategy's implementation of the tensor interface is chosen per run (`tensor_comm::select_transport`, from the
 //! `gradient_transport` setting, what the machine has and what the strategy exchanges): host copies through the
 //! communicator on every backend, the device tensors themselves between in-process ranks sharing a device, or
 //! NCCL on CUDA (every call; Burn's in-process collective for data parallelism's all-reduce between the GPUs of
@@ -36,9 +36,9 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor};
 
-use crate::distributed::tensor_comm::on_device;
 #[cfg(test)]
 use crate::distributed::tensor_comm::on_device::{DeviceEngine, OnDevice};
+use crate::distributed::tensor_comm::{self, on_device};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
@@ -46,7 +46,7 @@ pub(crate) use placement::{
     prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard, unshard_except,
     with_param_ids,
 };
-pub(crate) use sharded::{LazyParams, ParamFetcher, Sharded, Split, SplitKind};
+pub(crate) use sharded::{LazyParams, ParamFetcher, Sharded, SliceKind, Slicing};
 
 use crate::config::AcceleratorConfig;
 use crate::distributed::DistributedType;
@@ -267,14 +267,14 @@ pub(crate) trait ParamPlacement: GradientSync {
 
     /// How parameter `id` is split over the ranks of the shard group, and this rank's index among them; `None`
     /// where this rank holds it whole (every parameter, unless the strategy shards them).
-    fn split(&self, id: ParamId) -> Option<(Split, usize)> {
+    fn slicing(&self, id: ParamId) -> Option<(Slicing, usize)> {
         let _ = id;
         None
     }
 
     /// How every parameter the strategy splits is split (for a checkpoint's manifest); none where every rank
     /// holds every parameter whole.
-    fn splits(&self) -> Vec<(ParamId, Split)> {
+    fn slicings(&self) -> Vec<(ParamId, Slicing)> {
         Vec::new()
     }
 
@@ -386,7 +386,7 @@ pub(crate) trait StateScopes {
 /// The data-parallel strategy of a rank of `mesh` under `config`, over the mesh's data-parallel group:
 /// [`SingleDevice`] for one rank; for several, [`Sharded`] when `config.distributed.sharding` asks for it (a
 /// hybrid one over the mesh's shard and replica groups), else [`DataParallel`] over the gradient transport
-/// [`on_device::select`] picks; with buckets of at most `config.distributed.bucket_size_mb`. The main process logs
+/// [`tensor_comm::select_transport`] picks; with buckets of at most `config.distributed.bucket_size_mb`. The main process logs
 /// the transport and why.
 ///
 /// # Errors
@@ -399,7 +399,7 @@ pub(crate) fn for_data_parallel(
     let bucket_bytes = (config.distributed.bucket_size_mb * 1024.0 * 1024.0) as usize;
     let world = group.num_processes();
     if world > 1 && config.distributed.sharding.is_sharded() {
-        let (comm, choice) = on_device::select(
+        let (comm, choice) = tensor_comm::select_transport(
             group,
             config.distributed.gradient_transport,
             config.collective_timeout(),
@@ -437,7 +437,7 @@ pub(crate) fn for_data_parallel(
     if world == 1 {
         return Ok(Arc::new(SingleDevice));
     }
-    let (transport, choice) = on_device::select(
+    let (transport, choice) = tensor_comm::select_transport(
         group,
         config.distributed.gradient_transport,
         config.collective_timeout(),

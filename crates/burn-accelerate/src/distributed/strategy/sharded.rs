@@ -1,6 +1,6 @@
 //! Sharded data parallelism: `SHARD_GRAD_OP` (ZeRO-2) and `FULL_SHARD` (ZeRO-3), as FSDP2 shards: every
 //! trainable parameter is split along its first dimension into one even slice per rank of the shard group (the
-//! last padded; FSDP2's `Shard(0)`, [`Split`]), so that every rank holds the same share of every tensor, however
+//! last padded; FSDP2's `Shard(0)`, [`Slicing`]), so that every rank holds the same share of every tensor, however
 //! unequal the tensors are. burn-train's Learner, whose optimizer steps its own model's whole parameters, has
 //! each parameter owned whole by one rank instead, balanced by size ([`balanced_owners`]).
 //!
@@ -50,18 +50,18 @@ mod fetch;
 mod gather;
 mod reduce;
 mod scopes;
-pub(crate) mod split;
+pub(crate) mod slicing;
 
 pub(crate) use fetch::{LazyParams, ParamFetcher};
 use gather::gather;
-pub(crate) use split::{Split, SplitKind};
+pub(crate) use slicing::{SliceKind, Slicing};
 
 /// What a sharded strategy remembers of a parameter it has seen whole (at `prepare_model`): how it is split
 /// (whole shape included, which a rank's slice no longer shows), and where it lives (a rank that holds none of
 /// the gradients still takes part in their reduction with zeros of the right kind).
 #[derive(Debug, Clone)]
 struct Known {
-    split: Split,
+    slicing: Slicing,
     device: Device,
     dtype: DType,
 }
@@ -208,14 +208,14 @@ impl Sharded {
     /// The splits of `whole` (`(id, whole number of elements)`, in visiting order, seen whole on every rank) for
     /// parameters met for the first time: cut in rows, or owned whole (balanced over them alone) when parameters
     /// are owned whole.
-    fn new_kinds(&self, whole: &[(ParamId, usize)]) -> Vec<SplitKind> {
+    fn new_kinds(&self, whole: &[(ParamId, usize)]) -> Vec<SliceKind> {
         if self.whole_tensors.load(Ordering::Relaxed) {
             balanced_owners(whole, self.world())
                 .into_iter()
-                .map(|owner| SplitKind::Whole { owner })
+                .map(|owner| SliceKind::Whole { owner })
                 .collect()
         } else {
-            vec![SplitKind::Rows; whole.len()]
+            vec![SliceKind::Rows; whole.len()]
         }
     }
 
@@ -235,7 +235,7 @@ impl Sharded {
         let mut known = self.known();
         for ((id, _), kind) in trainable.iter().zip(kinds) {
             if let Some(entry) = params.get(*id) {
-                let split = Split::new(entry.dims.clone(), world, kind);
+                let split = Slicing::new(entry.dims.clone(), world, kind);
                 known.insert(*id, Known::of(split, entry));
             }
         }
@@ -268,11 +268,11 @@ impl Sharded {
         for ((id, _), kind) in new.iter().zip(kinds) {
             let kind = adopted
                 .remove(id)
-                .map_or(kind, |owner| SplitKind::Whole { owner });
+                .map_or(kind, |owner| SliceKind::Whole { owner });
             if let Some(entry) = params.get(*id) {
                 known.insert(
                     *id,
-                    Known::of(Split::new(entry.dims.clone(), world, kind), entry),
+                    Known::of(Slicing::new(entry.dims.clone(), world, kind), entry),
                 );
             }
         }
@@ -283,7 +283,7 @@ impl Sharded {
     /// owned whole by one rank, balanced over the new ones alone, so that no known parameter changes hands; its
     /// shape is learnt when it is next seen whole ([`adopt`](Self::adopt)). Every rank meets the same
     /// parameters in the same calls, so every rank gives the same splits.
-    fn splits_for(&self, params: &[(ParamId, usize)]) -> Vec<Split> {
+    fn slicings_for(&self, params: &[(ParamId, usize)]) -> Vec<Slicing> {
         let known = self.known();
         let mut adopted = self.adopted();
         let new: Vec<(ParamId, usize)> = params
@@ -303,11 +303,11 @@ impl Sharded {
         params
             .iter()
             .map(|(id, n)| match known.get(id) {
-                Some(k) => k.split.clone(),
-                None => Split::new(
+                Some(k) => k.slicing.clone(),
+                None => Slicing::new(
                     vec![*n],
                     self.world(),
-                    SplitKind::Whole { owner: adopted[id] },
+                    SliceKind::Whole { owner: adopted[id] },
                 ),
             })
             .collect()
@@ -328,20 +328,20 @@ impl Sharded {
             .entries()
             .iter()
             .filter_map(|entry| match known.get(&entry.id) {
-                Some(k) => Some((entry.id, k.split.len())),
+                Some(k) => Some((entry.id, k.slicing.len())),
                 None => entry.trainable.then(|| (entry.id, entry.num_elements())),
             })
             .collect()
     }
 
     /// The split of `id`, when the strategy knows its shape.
-    fn split_of(&self, id: ParamId) -> Option<Split> {
-        self.known().get(&id).map(|k| k.split.clone())
+    fn slicing_of(&self, id: ParamId) -> Option<Slicing> {
+        self.known().get(&id).map(|k| k.slicing.clone())
     }
 
     /// This rank's buffer of `entry` (split as `split`): its value where it holds the slice already, else the
     /// slice cut from the whole value it holds.
-    fn local_value(&self, entry: &ParamEntry, split: &Split) -> Tensor<1> {
+    fn local_value(&self, entry: &ParamEntry, split: &Slicing) -> Tensor<1> {
         let me = self.shard_rank();
         let value = entry.value();
         if entry.dims == split.local_dims(me) {
@@ -357,7 +357,7 @@ impl Sharded {
         let me = self.shard_rank();
         let order = self.whole_params(params);
         for (id, _) in order {
-            let (Some(split), Some(entry)) = (self.split_of(id), params.get(id)) else {
+            let (Some(split), Some(entry)) = (self.slicing_of(id), params.get(id)) else {
                 continue;
             };
             let local = split.local_dims(me);
@@ -388,9 +388,9 @@ impl Sharded {
 
 impl Known {
     /// What `entry` (seen whole) shows, split as `split`.
-    fn of(split: Split, entry: &ParamEntry) -> Self {
+    fn of(split: Slicing, entry: &ParamEntry) -> Self {
         Self {
-            split,
+            slicing: split,
             device: entry.device.clone(),
             dtype: entry.dtype,
         }
@@ -508,7 +508,7 @@ impl ParamPlacement for Sharded {
             return Ok((self.broadcast(value.into_buffer(), root)?, dims.to_vec()));
         }
         let (device, dtype) = value.place();
-        let split = Split::new(dims.to_vec(), self.world(), SplitKind::Rows);
+        let split = Slicing::new(dims.to_vec(), self.world(), SliceKind::Rows);
         // Every rank of the world receives its slice: rank r holds slice r mod P (a hybrid strategy's shard
         // groups are consecutive ranks, so the replicas of a slice receive the same part).
         let shards = self.world();
@@ -535,11 +535,11 @@ impl ParamPlacement for Sharded {
                 drop(part);
                 split.local_of(whole, me)
             }
-            None if part.dims()[0] == 0 => split::padded(None, len, (&device, dtype)),
-            None => split::padded(Some(part), len, (&device, dtype)),
+            None if part.dims()[0] == 0 => slicing::padded(None, len, (&device, dtype)),
+            None => slicing::padded(Some(part), len, (&device, dtype)),
         };
         let known = Known {
-            split: split.clone(),
+            slicing: split.clone(),
             device,
             dtype,
         };
@@ -612,18 +612,18 @@ impl ParamPlacement for Sharded {
         }
     }
 
-    fn splits(&self) -> Vec<(ParamId, Split)> {
-        let mut splits: Vec<(ParamId, Split)> = self
+    fn slicings(&self) -> Vec<(ParamId, Slicing)> {
+        let mut splits: Vec<(ParamId, Slicing)> = self
             .known()
             .iter()
-            .map(|(id, k)| (*id, k.split.clone()))
+            .map(|(id, k)| (*id, k.slicing.clone()))
             .collect();
         splits.sort_by_key(|(id, _)| id.val());
         splits
     }
 
-    fn split(&self, id: ParamId) -> Option<(Split, usize)> {
-        self.split_of(id).map(|split| (split, self.shard_rank()))
+    fn slicing(&self, id: ParamId) -> Option<(Slicing, usize)> {
+        self.slicing_of(id).map(|split| (split, self.shard_rank()))
     }
 
     fn forget(&self, ids: &HashSet<ParamId>) {

@@ -40,6 +40,7 @@ use std::sync::Arc;
 use burn::tensor::{DType, Device, Tensor};
 
 pub(crate) use host::HostTensorComm;
+pub(crate) use on_device::select_transport;
 
 use crate::distributed::ProcessGroup;
 use crate::distributed::collectives;

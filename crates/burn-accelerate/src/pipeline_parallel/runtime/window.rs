@@ -79,7 +79,7 @@ impl StepPipeline {
     /// (gathered only for each use), and a rank whose slice of a parameter is empty holds it as not training.
     pub(super) fn stage_params<M: Blocks>(&self, whole: &M) -> Vec<(ParamId, usize)> {
         let mut params = Vec::new();
-        crate::named_params::floats(whole, |p| match self.strategy.split(p.id()) {
+        crate::named_params::floats(whole, |p| match self.strategy.slicing(p.id()) {
             Some((split, _)) if p.require_grad() || p.num_elements() == 0 => {
                 params.push((p.id(), split.len()))
             }

@@ -1,18 +1,18 @@
-//! The two exchanges of sharded training over [`Split`]s, each a bucket of parameters travelling as one flat
+//! The two exchanges of sharded training over [`Slicing`]s, each a bucket of parameters travelling as one flat
 //! collective: the reduce-scatter of whole gradients into each rank's slices, and the all-gather of every rank's
 //! slices into whole values (FSDP2's flat copy-in / copy-out). Rank `q`'s segment of a bucket is its slice of
 //! every member, in order, padded; a bucket of `Rows` members alone has equal segments on every rank.
 
 use burn::tensor::{DType, Device, Tensor};
 
-use super::split::{Split, SplitKind, padded};
+use super::slicing::{SliceKind, Slicing, padded};
 use crate::distributed::tensor_comm::{Pending, Reduction, TensorComm, bucket};
 use crate::error::Result;
 
 /// `splits` (in order) grouped into buckets of consecutive members whose buffers over every rank add up to at
 /// most `cap` elements; a member of `alone` elements or more travels alone.
-pub(super) fn buckets(splits: &[Split], cap: usize, alone: usize) -> Vec<Vec<usize>> {
-    let size = |s: &Split| (0..s.parts()).map(|q| s.local_len(q)).sum::<usize>();
+pub(super) fn buckets(splits: &[Slicing], cap: usize, alone: usize) -> Vec<Vec<usize>> {
+    let size = |s: &Slicing| (0..s.parts()).map(|q| s.local_len(q)).sum::<usize>();
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut current = Vec::new();
     let mut elems = 0;
@@ -36,7 +36,7 @@ pub(super) fn buckets(splits: &[Split], cap: usize, alone: usize) -> Vec<Vec<usi
 }
 
 /// Each rank's number of elements in a bucket of `members`.
-fn counts(members: &[&Split], parts: usize) -> Vec<usize> {
+fn counts(members: &[&Slicing], parts: usize) -> Vec<usize> {
     (0..parts)
         .map(|q| members.iter().map(|s| s.local_len(q)).sum())
         .collect()
@@ -48,14 +48,14 @@ fn counts(members: &[&Split], parts: usize) -> Vec<usize> {
 /// into that rank's buffer.
 pub(super) fn start_reduce_scatter(
     comm: &dyn TensorComm,
-    members: &[&Split],
+    members: &[&Slicing],
     wholes: Vec<Tensor<1>>,
     (how, operation): (Reduction, &'static str),
     (device, dtype): (&Device, DType),
 ) -> Result<Pending<Tensor<1>>> {
     let parts = comm.world_size();
     if let ([split], [_]) = (members, wholes.as_slice())
-        && let SplitKind::Whole { owner } = split.kind()
+        && let SliceKind::Whole { owner } = split.kind()
     {
         let whole = bucket::in_dtype(wholes.into_iter().next().expect("one"), dtype);
         let empty = (device.clone(), dtype);
@@ -69,7 +69,7 @@ pub(super) fn start_reduce_scatter(
     let total: usize = counts.iter().sum();
     let input = match (members, wholes.len()) {
         // One member cut in rows: its segments follow each other as the rows do, the padding at the end.
-        ([split], 1) if split.kind() == SplitKind::Rows => padded(
+        ([split], 1) if split.kind() == SliceKind::Rows => padded(
             wholes
                 .into_iter()
                 .next()
@@ -98,11 +98,11 @@ pub(super) fn start_reduce_scatter(
 }
 
 /// Every member's whole value (flat, in `dtype`) from each rank's slices; `locals` are this rank's, one per
-/// member, of [`Split::local_len`] elements each. A member owned whole by one rank and alone in its bucket is
+/// member, of [`Slicing::local_len`] elements each. A member owned whole by one rank and alone in its bucket is
 /// broadcast from it.
 pub(super) fn all_gather(
     comm: &dyn TensorComm,
-    members: &[&Split],
+    members: &[&Slicing],
     locals: Vec<Tensor<1>>,
     operation: &'static str,
     placement: (&Device, DType),
@@ -114,7 +114,7 @@ pub(super) fn all_gather(
 /// [`finish`](Self::finish) waits for it and joins the members' whole values.
 pub(super) struct Gathering {
     pending: Pending<Tensor<1>>,
-    members: Vec<Split>,
+    members: Vec<Slicing>,
     counts: Vec<usize>,
     /// A member owned whole and broadcast from its owner: the gathered buffer is its value.
     broadcast: bool,
@@ -124,7 +124,7 @@ pub(super) struct Gathering {
 /// Starts [`all_gather`] and returns without waiting for it.
 pub(super) fn start_all_gather(
     comm: &dyn TensorComm,
-    members: &[&Split],
+    members: &[&Slicing],
     locals: Vec<Tensor<1>>,
     operation: &'static str,
     (device, dtype): (&Device, DType),
@@ -135,9 +135,9 @@ pub(super) fn start_all_gather(
         .map(|l| bucket::in_dtype(l, dtype))
         .collect();
     let placement = (device.clone(), dtype);
-    let owned: Vec<Split> = members.iter().map(|s| (*s).clone()).collect();
+    let owned: Vec<Slicing> = members.iter().map(|s| (*s).clone()).collect();
     if let [split] = members
-        && let SplitKind::Whole { owner } = split.kind()
+        && let SliceKind::Whole { owner } = split.kind()
     {
         let flat = match locals.into_iter().next() {
             Some(own) if me == owner => own,

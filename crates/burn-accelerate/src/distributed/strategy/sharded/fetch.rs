@@ -27,7 +27,7 @@ impl LazyParams for ParamFetcher {
 pub(crate) struct ParamFetcher {
     comm: Arc<dyn TensorComm>,
     /// Every sharded parameter's split.
-    splits: HashMap<ParamId, Split>,
+    splits: HashMap<ParamId, Slicing>,
     /// This rank's slices, flat (handles on the module's tensors: no copy).
     own: HashMap<ParamId, Tensor<1>>,
     /// Each parameter's device and dtype.
@@ -77,7 +77,7 @@ impl ParamFetcher {
 /// The fetcher of the parameters of `params` (see [`ParamFetcher`]), under `FULL_SHARD` / `HYBRID_SHARD`.
 pub(super) fn fetcher(sharded: &Sharded, params: &ParamTable) -> ParamFetcher {
     let order = sharded.whole_params(params);
-    let splits = sharded.splits_for(&order);
+    let splits = sharded.slicings_for(&order);
     let mut own = HashMap::new();
     let mut placement = HashMap::new();
     let mut by_id = HashMap::new();

@@ -57,7 +57,7 @@ pub(super) fn start_gather(
     }
     let mut order = sharded.whole_params(params);
     order.retain(|(id, _)| !kept.contains(id));
-    let splits = sharded.splits_for(&order);
+    let splits = sharded.slicings_for(&order);
     let missing = |id: ParamId| {
         Error::InvalidArgument(format!(
             "parameter all-gather: parameter {id} is missing from the model"
@@ -75,7 +75,7 @@ pub(super) fn start_gather(
             let entry = params.get(id).ok_or_else(|| missing(id))?;
             placement.get_or_insert_with(|| entry.device.clone());
             // An adopted parameter owned whole whose shape the strategy has not seen keeps the one it has here.
-            let dims = if sharded.split_of(id).is_some() {
+            let dims = if sharded.slicing_of(id).is_some() {
                 splits[i].dims().to_vec()
             } else {
                 entry.dims.clone()
@@ -89,7 +89,7 @@ pub(super) fn start_gather(
         ) else {
             continue;
         };
-        let bucket_splits: Vec<&Split> = members.iter().map(|&i| &splits[i]).collect();
+        let bucket_splits: Vec<&Slicing> = members.iter().map(|&i| &splits[i]).collect();
         let gathering = exchange::start_all_gather(
             sharded.shards.as_ref(),
             &bucket_splits,

@@ -75,7 +75,7 @@ impl Sharded {
             });
         let me = self.shard_rank();
         self.check_world("hybrid sharded gradient sync", params.len())?;
-        let splits = self.splits_for(params);
+        let splits = self.slicings_for(params);
         let own_dtypes = self.dtypes(params.iter().map(|(id, _)| *id), dtype);
         let (cap, alone) = self.bucket_limits();
         let mut buckets = Vec::new();
@@ -112,7 +112,7 @@ impl Sharded {
                 };
                 stored.push((id, split.local_len(me), own_dtypes[i], shape));
             }
-            let bucket_splits: Vec<&Split> = members.iter().map(|&i| &splits[i]).collect();
+            let bucket_splits: Vec<&Slicing> = members.iter().map(|&i| &splits[i]).collect();
             let pending = exchange::start_reduce_scatter(
                 self.shards.as_ref(),
                 &bucket_splits,

@@ -22,15 +22,15 @@ impl StateScopes for Sharded {
             self.whole_tensors.store(true, Ordering::Relaxed);
             let mut known = self.known();
             let order: Vec<(ParamId, usize)> =
-                known.iter().map(|(id, k)| (*id, k.split.len())).collect();
+                known.iter().map(|(id, k)| (*id, k.slicing.len())).collect();
             let mut order = order;
             order.sort_by_key(|(id, _)| id.val());
             for ((id, _), owner) in order.iter().zip(balanced_owners(&order, self.world())) {
                 if let Some(k) = known.get_mut(id) {
-                    k.split = Split::new(
-                        k.split.dims().to_vec(),
+                    k.slicing = Slicing::new(
+                        k.slicing.dims().to_vec(),
                         self.world(),
-                        SplitKind::Whole { owner },
+                        SliceKind::Whole { owner },
                     );
                 }
             }
@@ -49,7 +49,7 @@ impl StateScopes for Sharded {
         let cut = self
             .known()
             .values()
-            .any(|k| k.split.kind() == SplitKind::Rows && k.split.parts() > 1);
+            .any(|k| k.slicing.kind() == SliceKind::Rows && k.slicing.parts() > 1);
         if cut {
             return Err(Error::InvalidArgument(format!(
                 "optimizer step: {optimizer} needs each parameter whole (a trust ratio, factored moments or an \

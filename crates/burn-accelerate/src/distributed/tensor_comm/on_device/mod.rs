@@ -463,7 +463,7 @@ pub(crate) fn facts_from(
 ///
 /// # Errors
 /// `preference` is `device` and the device path is not available, or fails to connect.
-pub(crate) fn select(
+pub(crate) fn select_transport(
     group: &Arc<ProcessGroup>,
     preference: crate::config::GradientTransport,
     timeout: std::time::Duration,

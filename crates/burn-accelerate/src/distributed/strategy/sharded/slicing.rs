@@ -1,4 +1,4 @@
-//! How one parameter is split over the ranks of a shard group ([`Split`]): FSDP2's `Shard(0)` (even slices
+//! How one parameter is split over the ranks of a shard group ([`Slicing`]): FSDP2's `Shard(0)` (even slices
 //! along the first dimension, the last padded) or one rank owning it whole, with the flat element ranges each
 //! rank holds and the conversions between a whole value and a rank's slice.
 
@@ -8,7 +8,7 @@ use burn::tensor::{DType, Device, Tensor};
 
 /// How a parameter's elements are split over `parts` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SplitKind {
+pub(crate) enum SliceKind {
     /// Even slices of the first dimension: rank `q` holds rows `[q·c, (q+1)·c)` of the whole, `c` = ⌈rows / P⌉,
     /// padded with zero rows where the whole ends first (more ranks than rows included: some hold padding only).
     Rows,
@@ -22,18 +22,18 @@ pub(crate) enum SplitKind {
 
 /// A parameter's whole shape and how it is split over the ranks of a shard group.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Split {
+pub(crate) struct Slicing {
     dims: Vec<usize>,
     parts: usize,
-    kind: SplitKind,
+    kind: SliceKind,
 }
 
-impl Split {
+impl Slicing {
     /// A parameter of whole shape `dims` split over `parts` ranks as `kind` says. A parameter without dimensions
     /// (a scalar) is owned whole by rank 0 whatever `kind` asks.
-    pub fn new(dims: Vec<usize>, parts: usize, kind: SplitKind) -> Self {
+    pub fn new(dims: Vec<usize>, parts: usize, kind: SliceKind) -> Self {
         let kind = if dims.is_empty() {
-            SplitKind::Whole { owner: 0 }
+            SliceKind::Whole { owner: 0 }
         } else {
             kind
         };
@@ -50,7 +50,7 @@ impl Split {
     }
 
     /// How it is split.
-    pub fn kind(&self) -> SplitKind {
+    pub fn kind(&self) -> SliceKind {
         self.kind
     }
 
@@ -78,12 +78,12 @@ impl Split {
     pub fn held_rows(&self, q: usize) -> Range<usize> {
         let rows = self.dims.first().copied().unwrap_or(1);
         match self.kind {
-            SplitKind::Rows => {
+            SliceKind::Rows => {
                 let c = self.rows_per_part();
                 (q * c).min(rows)..((q + 1) * c).min(rows)
             }
-            SplitKind::Whole { owner } if owner == q => 0..rows,
-            SplitKind::Whole { .. } => 0..0,
+            SliceKind::Whole { owner } if owner == q => 0..rows,
+            SliceKind::Whole { .. } => 0..0,
         }
     }
 
@@ -104,9 +104,9 @@ impl Split {
     pub fn local_dims(&self, q: usize) -> Vec<usize> {
         let mut dims = self.dims.clone();
         match self.kind {
-            SplitKind::Rows => dims[0] = self.rows_per_part(),
-            SplitKind::Whole { owner } if owner == q => {}
-            SplitKind::Whole { .. } => {
+            SliceKind::Rows => dims[0] = self.rows_per_part(),
+            SliceKind::Whole { owner } if owner == q => {}
+            SliceKind::Whole { .. } => {
                 if let Some(first) = dims.first_mut() {
                     *first = 0;
                 }
@@ -183,7 +183,7 @@ mod tests {
 
     #[test]
     fn rows_are_split_evenly_with_the_last_padded_and_more_ranks_than_rows_hold_padding() {
-        let split = Split::new(vec![5, 2], 3, SplitKind::Rows);
+        let split = Slicing::new(vec![5, 2], 3, SliceKind::Rows);
         assert_eq!(split.local_dims(0), vec![2, 2]);
         assert_eq!(
             (0..3).map(|q| split.held(q)).collect::<Vec<_>>(),
@@ -191,7 +191,7 @@ mod tests {
         );
         assert!((0..3).all(|q| split.local_len(q) == 4));
 
-        let few = Split::new(vec![2, 3], 4, SplitKind::Rows);
+        let few = Slicing::new(vec![2, 3], 4, SliceKind::Rows);
         assert_eq!(few.local_dims(3), vec![1, 3]);
         assert_eq!(
             (0..4).map(|q| few.held(q).len()).collect::<Vec<_>>(),
@@ -201,13 +201,13 @@ mod tests {
 
     #[test]
     fn a_whole_split_is_held_by_its_owner_and_placeholders_elsewhere() {
-        let split = Split::new(vec![4, 2], 3, SplitKind::Whole { owner: 1 });
+        let split = Slicing::new(vec![4, 2], 3, SliceKind::Whole { owner: 1 });
         assert_eq!(split.local_dims(1), vec![4, 2]);
         assert_eq!(split.local_dims(0), vec![0, 2]);
         assert_eq!(split.held(1), 0..8);
         assert!(split.held(2).is_empty());
-        let scalar = Split::new(Vec::new(), 4, SplitKind::Rows);
-        assert_eq!(scalar.kind(), SplitKind::Whole { owner: 0 });
+        let scalar = Slicing::new(Vec::new(), 4, SliceKind::Rows);
+        assert_eq!(scalar.kind(), SliceKind::Whole { owner: 0 });
     }
 
     #[test]
@@ -215,13 +215,13 @@ mod tests {
         let device = crate::backend::default_device().unwrap();
         let whole: Vec<f32> = (0..10).map(|x| x as f32).collect();
         for (parts, kind) in [
-            (3, SplitKind::Rows),
-            (4, SplitKind::Rows),
-            (7, SplitKind::Rows),
-            (1, SplitKind::Rows),
-            (3, SplitKind::Whole { owner: 2 }),
+            (3, SliceKind::Rows),
+            (4, SliceKind::Rows),
+            (7, SliceKind::Rows),
+            (1, SliceKind::Rows),
+            (3, SliceKind::Whole { owner: 2 }),
         ] {
-            let split = Split::new(vec![5, 2], parts, kind);
+            let split = Slicing::new(vec![5, 2], parts, kind);
             let locals: Vec<Tensor<1>> = (0..parts)
                 .map(|q| {
                     let local =
@@ -230,7 +230,7 @@ mod tests {
                     local
                 })
                 .collect();
-            if kind == SplitKind::Rows && parts == 3 {
+            if kind == SliceKind::Rows && parts == 3 {
                 assert_eq!(values(locals[2].clone()), vec![8.0, 9.0, 0.0, 0.0]);
             }
             assert_eq!(values(split.whole_of(locals)), whole, "{parts} {kind:?}");
