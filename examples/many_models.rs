@@ -2,7 +2,7 @@
 //! or as one rank of an MPI job: two models trained in alternation with accumulation (`two-models`), a head frozen
 //! at `prepare_model` and unfrozen later beside a frozen teacher (`unfreeze`), data-dependent routing that leaves
 //! ranks without some gradients or any (`routing`), and rank 1 failing with an error of its own (`rank-error`).
-//! Each rank writes the weights it ends with to `<out>/rank<r>.json`, so that `tests/parity_mpi.rs` compares an
+//! Each rank writes the weights it ends with to `<out>/rank<r>.json`, so that `tests/mpi/parity_mpi.rs` compares an
 //! MPI job with in-process ranks and with the loop a Burn user writes by hand.
 //!
 //! ```text

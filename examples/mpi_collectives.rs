@@ -1,4 +1,4 @@
-//! The collectives suite of `tests/collectives.rs`, for real processes: run it with
+//! The collectives suite of `tests/suite/collectives.rs`, for real processes: run it with
 //! `mpirun -np 2 target/release/examples/mpi_collectives` after
 //! `cargo build --release --features mpi --example mpi_collectives`. Each rank prints `suite passed on rank i of n`
 //! and the program exits non-zero on the first failed check.

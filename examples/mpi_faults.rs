@@ -1,4 +1,4 @@
-//! One rank misbehaves while the others all-reduce: the fault matrix of `tests/faults_mpi.rs`, for real processes.
+//! One rank misbehaves while the others all-reduce: the fault matrix of `tests/mpi/faults_mpi.rs`, for real processes.
 //!
 //! `mpirun -np 3 target/release/examples/mpi_faults --fault <kind> --bytes <n> [--timeout <secs>]`, after
 //! `cargo build --release --features mpi --example mpi_faults`. Rank 1 does `<kind>` where every other rank

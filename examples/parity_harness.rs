@@ -1,6 +1,6 @@
 //! The parity harness: one small training run under each setting users combine with data parallelism, on one
 //! rank, on in-process ranks (`--processes N`) or as one rank of an MPI job (`mpirun`, `burn-accelerate
-//! launch`). Every rank writes what it ended with, so that `tests/parity.rs` and `tests/parity_mpi.rs` compare
+//! launch`). Every rank writes what it ended with, so that `tests/suite/parity_in_process.rs` and `tests/mpi/parity_mpi.rs` compare
 //! runs value by value rather than by printed losses:
 //!
 //! - `<out>/<case>/rank<r>.safetensors`: rank `r`'s final weights (every float parameter, in visiting order);

@@ -20,7 +20,7 @@ retired=(
 )
 # The deprecated aliases themselves, the test of every public path, the changelog and the rename table (docs/concepts.md)
 # name the old paths.
-allowed='crates/burn-accelerate/src/distributed/stages/mod.rs|tests/public_paths.rs|CHANGELOG.md|scripts/retired-names.sh|docs/concepts.md'
+allowed='crates/burn-accelerate/src/distributed/stages/mod.rs|tests/suite/public_paths.rs|CHANGELOG.md|scripts/retired-names.sh|docs/concepts.md'
 found=0
 for entry in "${retired[@]}"; do
   pattern="${entry%|*}"

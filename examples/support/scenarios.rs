@@ -1,4 +1,4 @@
-//! The scenarios of `tests/many_models.rs` and the `many_models` example: more than one model, and parameters that
+//! The scenarios of `tests/suite/many_models.rs` and the `many_models` example: more than one model, and parameters that
 //! come and go, each as the loop a burn-accelerate user writes (on any ranks and strategy) and as the loop a Burn
 //! user writes by hand on one process with the whole batch. Nothing is downloaded: the data is a smooth function of
 //! the indices.

@@ -1,4 +1,4 @@
-"""The test network of tests/pytorch_layout.rs in numpy, with PyTorch's parameter names and layouts.
+"""The test network of tests/suite/pytorch_layout.rs in numpy, with PyTorch's parameter names and layouts.
 
 conv: Conv1d(2 -> 4, kernel 3, no padding); flatten to 24; norm: LayerNorm(24, eps 1e-5);
 fc1: Linear(24 -> 16); ReLU; fc2: Linear(16 -> 3).

@@ -1,7 +1,7 @@
 """By hand, with PyTorch installed: the Burn-saved checkpoint loads into the torch.nn module of the same
 architecture with load_state_dict(strict=True), and both give the same outputs.
 
-usage: torch_load_state_dict.py DIR   (DIR holds model.safetensors and burn_output.json from tests/pytorch_layout.rs,
+usage: torch_load_state_dict.py DIR   (DIR holds model.safetensors and burn_output.json from tests/suite/pytorch_layout.rs,
                                        kept with BURN_ACCELERATE_KEEP_DIR=DIR)
 """
 

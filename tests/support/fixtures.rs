@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use burn::module::Module;
 use burn::tensor::Device;
 use burn_accelerate::distributed::cluster::InProcess;
 use burn_accelerate::distributed::comm::{
@@ -16,19 +17,56 @@ use burn_accelerate::{Accelerator, AcceleratorBuilder, Result};
 
 use crate::mlp::{Mlp, weights};
 
-/// The quicktour MLP with its parameters drawn (Burn draws them lazily), on the autodiff device. Draw it once
-/// per test and clone it for every run and rank: tests run in parallel threads and share the device's random
-/// generator, so drawing inside a run would make runs differ.
+/// The quicktour MLP with its parameters drawn (Burn draws them lazily), on the autodiff device: the same values on
+/// every call and every run, with fresh parameter ids. Burn's random generator is process-wide, and the tests of a
+/// binary run side by side, so a draw made while a test runs could take other tests' draws in between the seed and
+/// the parameters; the values are therefore drawn once, before `main` starts any test thread (seed 17, as the
+/// tolerances of the tests that use this model were measured on), and every call loads them into a new model.
 pub fn initial() -> Mlp {
-    // The same weights on every run: the device's generator seeded and drawn from under one lock (the tests of a
-    // binary run side by side and share it), so that a tolerance measured once holds on every run.
-    static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
     let device = Device::default().autodiff();
-    device.seed(17);
-    let model = Mlp::new(&device);
-    weights(&model); // materialise the lazy parameters before the model is shared
+    let mut values = initial_values().iter();
+    let model = Mlp::new(&device).map(&mut Load(&mut values));
+    assert!(
+        values.next().is_none(),
+        "the quicktour MLP has as many parameters as were drawn"
+    );
     model
+}
+
+/// The values of [`initial`]'s parameters, in visiting order.
+fn initial_values() -> &'static [Vec<f32>] {
+    static VALUES: std::sync::OnceLock<Vec<Vec<f32>>> = std::sync::OnceLock::new();
+    VALUES.get_or_init(|| {
+        let device = Device::default().autodiff();
+        device.seed(17);
+        weights(&Mlp::new(&device))
+    })
+}
+
+#[ctor::ctor(unsafe)]
+fn draw_initial_values_before_any_test_runs() {
+    initial_values();
+}
+
+/// Replaces each float parameter, in visiting order, with the next values (same shape, same `require_grad`).
+struct Load<'a, 'b>(&'a mut std::slice::Iter<'b, Vec<f32>>);
+
+impl burn::module::ModuleMapper for Load<'_, '_> {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<burn::tensor::Tensor<D>>,
+    ) -> burn::module::Param<burn::tensor::Tensor<D>> {
+        let values = self
+            .0
+            .next()
+            .expect("more parameters than were drawn")
+            .clone();
+        param.map(|tensor| {
+            let require_grad = tensor.is_require_grad();
+            let data = burn::tensor::TensorData::new(values, tensor.shape());
+            burn::tensor::Tensor::from_data(data, &tensor.device()).set_require_grad(require_grad)
+        })
+    }
 }
 
 /// The largest absolute difference between two models' weights (as [`weights`] lists them). A different
