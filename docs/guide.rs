@@ -123,4 +123,6 @@ mod pages {
     struct Weights;
     #[doc = include_str!("pipeline.md")]
     struct Pipeline;
+    #[doc = include_str!("sharded.md")]
+    struct Sharded;
 }
