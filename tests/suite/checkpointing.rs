@@ -898,7 +898,7 @@ fn final_loss(out: std::process::Output) -> String {
 fn killed_and_resumed_run_prints_the_uninterrupted_final_loss() {
     let program = example("checkpointing");
     let dir = temp_dir("kill-resume");
-    let args = ["--save-every", "7", "--steps", "3000"];
+    let args = ["--save-every", "7", "--steps", "1000"];
     let start = std::time::Instant::now();
     let reference = final_loss(
         Command::new(&program)

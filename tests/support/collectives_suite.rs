@@ -237,7 +237,25 @@ pub fn split(acc: &Accelerator) -> Result<()> {
 /// sums, maxima and minima must match exactly; a mean may round once in its dtype.
 pub fn large_buffers(acc: &Accelerator) -> Result<()> {
     let (p, r) = (acc.num_processes(), acc.process_index());
-    let value = |rank: usize, i: usize| ((i * 31 + rank * 17) % 61) as f32 - 30.0;
+    // Rank q's element i is `value(q, i)`, which depends on i only through `i % PERIOD`: each column's expected
+    // reduction is looked up in a table of PERIOD entries (computing it element by element, in this unoptimised
+    // test code, took longer than the collectives under test).
+    const PERIOD: usize = 61;
+    let value = |rank: usize, i: usize| ((i * 31 + rank * 17) % PERIOD) as f32 - 30.0;
+    let columns: Vec<Vec<f32>> = (0..PERIOD)
+        .map(|k| (0..p).map(|q| value(q, k)).collect())
+        .collect();
+    let expected_of = |op: ReduceOp| -> Vec<f32> {
+        columns
+            .iter()
+            .map(|column| match op {
+                ReduceOp::Sum => column.iter().sum::<f32>(),
+                ReduceOp::Mean => column.iter().sum::<f32>() / p as f32,
+                ReduceOp::Max => column.iter().copied().fold(f32::MIN, f32::max),
+                _ => column.iter().copied().fold(f32::MAX, f32::min),
+            })
+            .collect()
+    };
     for bytes in [256 << 10, (256 << 10) + 8, (1 << 20) + 24, 4 << 20] {
         for (dtype, size, eps) in [
             (FloatDType::F32, 4, f32::EPSILON),
@@ -250,7 +268,6 @@ pub fn large_buffers(acc: &Accelerator) -> Result<()> {
             let n = bytes / size;
             let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
             let t = || Tensor::<1>::from_floats(mine.as_slice(), acc.device()).cast(dtype);
-            let column = |i: usize| (0..p).map(move |q| value(q, i));
             for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
                 let out = acc.reduce(t(), op)?;
                 check(out.dtype() == DType::from(dtype), || {
@@ -260,20 +277,23 @@ pub fn large_buffers(acc: &Accelerator) -> Result<()> {
                 check(got.len() == n, || {
                     format!("{bytes} B {dtype:?} {op}: length")
                 })?;
-                for (i, g) in got.iter().enumerate() {
-                    let (expected, tolerance) = match op {
-                        ReduceOp::Sum => (column(i).sum::<f32>(), 0.0),
-                        ReduceOp::Mean => {
-                            let mean = column(i).sum::<f32>() / p as f32;
-                            (mean, mean.abs() * eps)
-                        }
-                        ReduceOp::Max => (column(i).fold(f32::MIN, f32::max), 0.0),
-                        _ => (column(i).fold(f32::MAX, f32::min), 0.0),
-                    };
-                    check((g - expected).abs() <= tolerance, || {
-                        format!("{bytes} B {dtype:?} {op}: element {i} is {g}, expected {expected}")
-                    })?;
-                }
+                // Only a mean rounds: a sum, max or min of these small integers is exact in every dtype.
+                let table: Vec<(f32, f32)> = expected_of(op)
+                    .into_iter()
+                    .map(|e| match op {
+                        ReduceOp::Mean => (e, e.abs() * eps),
+                        _ => (e, 0.0),
+                    })
+                    .collect();
+                let bad = got.iter().enumerate().find(|&(i, g)| {
+                    let (expected, tolerance) = table[i % PERIOD];
+                    (g - expected).abs() > tolerance
+                });
+                check(bad.is_none(), || {
+                    let (i, g) = bad.unwrap();
+                    let expected = table[i % PERIOD].0;
+                    format!("{bytes} B {dtype:?} {op}: element {i} is {g}, expected {expected}")
+                })?;
             }
         }
         let n = bytes / 8;
@@ -291,21 +311,18 @@ pub fn large_buffers(acc: &Accelerator) -> Result<()> {
                 .convert::<i64>()
                 .try_into_vec::<i64>()
                 .unwrap();
-            let bad = (0..n).find(|&i| {
-                let column = (0..p).map(|q| value(q, i) as i64);
-                let expected = match op {
-                    ReduceOp::Sum => column.sum(),
-                    ReduceOp::Max => column.max().unwrap_or_default(),
-                    _ => column.min().unwrap_or_default(),
-                };
-                got.get(i) != Some(&expected)
-            });
+            let table: Vec<i64> = expected_of(op).into_iter().map(|e| e as i64).collect();
+            let bad = (0..n).find(|&i| got.get(i) != Some(&table[i % PERIOD]));
             check(got.len() == n && bad.is_none(), || {
                 format!("{bytes} B i64 {op}: element {bad:?} of {}", got.len())
             })?;
         }
+        // Rank q's flag i is set when `(i + q) % 3 == 0`: each column depends on `i % 3` only.
         let flags: Vec<bool> = (0..bytes).map(|i| (i + r) % 3 == 0).collect();
         let flags = Tensor::<1, Bool>::from_data(flags.as_slice(), acc.device());
+        let hits: Vec<usize> = (0..3)
+            .map(|k| (0..p).filter(|q| (k + q) % 3 == 0).count())
+            .collect();
         for (op, expected) in [
             (
                 ReduceOp::Max,
@@ -318,10 +335,8 @@ pub fn large_buffers(acc: &Accelerator) -> Result<()> {
                 .into_data()
                 .try_into_vec()
                 .unwrap();
-            let bad = (0..bytes).find(|&i| {
-                let hits = (0..p).filter(|q| (i + q) % 3 == 0).count();
-                got.get(i) != Some(&expected(hits, p))
-            });
+            let table: Vec<bool> = hits.iter().map(|&h| expected(h, p)).collect();
+            let bad = (0..bytes).find(|&i| got.get(i) != Some(&table[i % 3]));
             check(got.len() == bytes && bad.is_none(), || {
                 format!("{bytes} B bool {op}: element {bad:?}")
             })?;
@@ -329,18 +344,18 @@ pub fn large_buffers(acc: &Accelerator) -> Result<()> {
         let n = bytes / 4;
         let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
         let gathered = floats(acc.gather(Tensor::<1>::from_floats(mine.as_slice(), acc.device()))?);
-        let expected: Vec<f32> = (0..p)
-            .flat_map(|q| (0..n).map(move |i| value(q, i)))
-            .collect();
-        check(gathered == expected, || format!("{bytes} B gather"))?;
+        let bad = (0..p * n).find(|&j| gathered.get(j) != Some(&value(j / n, j % n)));
+        check(gathered.len() == p * n && bad.is_none(), || {
+            format!("{bytes} B gather: element {bad:?} of {}", gathered.len())
+        })?;
         let root = p - 1;
         let sent = floats(acc.broadcast(
             Tensor::<1>::from_floats(mine.as_slice(), acc.device()),
             root,
         )?);
-        let expected: Vec<f32> = (0..n).map(|i| value(root, i)).collect();
-        check(sent == expected, || {
-            format!("{bytes} B broadcast from rank {root}")
+        let bad = (0..n).find(|&i| sent.get(i) != Some(&value(root, i)));
+        check(sent.len() == n && bad.is_none(), || {
+            format!("{bytes} B broadcast from rank {root}: element {bad:?}")
         })?;
     }
     Ok(())
