@@ -1,14 +1,15 @@
 //! burn-train's `Learner` trained through the Accelerator: the same `SupervisedTraining` on one rank, on
 //! `--processes N` in-process ranks, or under `mpirun` / `burn-accelerate launch`, with mixed precision,
-//! gradient accumulation, and saving / resuming in the middle of an epoch. Synthetic regression data.
+//! gradient accumulation, sharding (`--sharding FULL_SHARD`: each rank holds its slices of the model between
+//! steps), and saving / resuming in the middle of an epoch. Synthetic regression data.
 //!
 //! ```text
 //! cargo run --release --features train --example learner -- --processes 2 --mixed-precision bf16
 //! ```
 //!
-//! The changes to a plain burn-train program: the dataloaders are prepared (`LearnerLoader`), the
-//! `SupervisedTraining` goes through `accelerator.prepare_training_with`, and the `TrainStep` uses
-//! `learner::autocast` and `learner::backward`. The global batch (`--batch-size`) is split between the ranks,
+//! The changes to a plain burn-train program: the dataloaders and the model are prepared (`LearnerLoader`,
+//! `accelerator.prepare_model`), the `SupervisedTraining` goes through `accelerator.prepare_training_with`, and
+//! the `TrainStep` uses `learner::unshard`, `learner::autocast` and `learner::backward`. The global batch (`--batch-size`) is split between the ranks,
 //! so every number of ranks trains the same model. Prints `final_loss=<x>` (the loss of the trained model on
 //! held-out data).
 
@@ -28,7 +29,9 @@ use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::learner::LearnerLoader;
 use burn_accelerate::learner::burn_train::metric::LossMetric;
 use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
-use burn_accelerate::{Accelerator, MixedPrecision, ProjectConfiguration, Result};
+use burn_accelerate::{
+    Accelerator, MixedPrecision, ProjectConfiguration, Result, ShardingStrategy,
+};
 use clap::Parser;
 use mlp::{Mlp, SampleBatcher};
 
@@ -64,6 +67,12 @@ struct Args {
     /// Where burn-train writes its metrics (default: a folder in the temporary directory).
     #[arg(long)]
     artifact_dir: Option<PathBuf>,
+    /// `NO_SHARD`, `SHARD_GRAD_OP`, `FULL_SHARD`, `HYBRID_SHARD`, ... (default: the configuration's).
+    #[arg(long)]
+    sharding: Option<ShardingStrategy>,
+    /// Ranks per shard group of the hybrid strategies.
+    #[arg(long)]
+    dp_shard_size: Option<usize>,
 }
 
 fn train(accelerator: Accelerator, args: &Args, start: Mlp) -> Result<f64> {
@@ -101,7 +110,9 @@ fn train(accelerator: Accelerator, args: &Args, start: Mlp) -> Result<f64> {
         }
         strategy
     })?;
-    let result = training.launch(Learner::new(start, AdamConfig::new().init(), 3e-3));
+    // Prepared before the Learner takes it: under FULL_SHARD each rank's Learner holds its slices.
+    let model = accelerator.prepare_model(start)?;
+    let result = training.launch(Learner::new(model, AdamConfig::new().init(), 3e-3));
     if let Some(error) = result.error {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
             "training failed: {error}"
@@ -121,6 +132,12 @@ fn main() {
         .split_batches(true);
     if let Some(dir) = &args.project_dir {
         builder = builder.project_configuration(ProjectConfiguration::new(dir));
+    }
+    if let Some(sharding) = args.sharding {
+        builder = builder.sharding(sharding);
+    }
+    if let Some(ranks) = args.dp_shard_size {
+        builder = builder.dp_shard_size(ranks);
     }
     // The same initial weights for any number of ranks, and for a resumed run.
     let device = ranks::default_device();

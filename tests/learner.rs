@@ -49,6 +49,8 @@ struct Run {
     /// the constant 0.1, with the learning rate logged as a metric.
     schedule: bool,
     sharding: ShardingStrategy,
+    /// Ranks per shard group of a hybrid strategy.
+    dp_shard_size: Option<usize>,
 }
 
 impl Run {
@@ -67,6 +69,7 @@ impl Run {
             checkpoints: false,
             schedule: false,
             sharding: ShardingStrategy::NoShard,
+            dp_shard_size: None,
         }
     }
 }
@@ -88,6 +91,9 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
         .mixed_precision(run.precision)
         .gradient_accumulation_steps(run.accumulation)
         .sharding(run.sharding);
+    if let Some(ranks) = run.dp_shard_size {
+        builder = builder.dp_shard_size(ranks);
+    }
     if let Some(dir) = &run.project {
         builder = builder.project_configuration(ProjectConfiguration::new(dir));
     }
@@ -129,6 +135,13 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
                 }
                 s
             })?;
+            // Under FULL_SHARD and HYBRID_SHARD the Learner holds this rank's slices: it starts from the prepared
+            // model (under the other strategies the strategy prepares it if the caller did not).
+            let start = if run.sharding.reshards_parameters() || run.ranks.is_multiple_of(2) {
+                acc.prepare_model(start.clone())?
+            } else {
+                start.clone()
+            };
             // Plain SGD: weights move linearly with the gradients, so runs whose gradients differ only by float
             // rounding (2 ranks against 1, 4 micro-batches against 1 batch) stay within 1e-5; Adam divides by the
             // gradients' own size and turns rounding on near-zero gradients into steps of the learning rate.
@@ -190,38 +203,58 @@ fn two_ranks_train_the_model_one_rank_trains_with_the_doubled_batch() {
 }
 
 #[test]
-fn the_learner_trains_sharded_as_unsharded_and_refuses_full_shard() {
+fn the_learner_trains_sharded_as_unsharded_under_every_sharding_strategy() {
     let start = initial();
-    let run = |sharding, name: &str| Run {
-        ranks: 2,
-        batch: 32,
+    let run = |ranks: usize, sharding, name: &str| Run {
+        ranks,
+        batch: 64 / ranks,
         accumulation: 2,
         schedule: true,
         sharding,
         ..Run::new(name)
     };
-    let plain = fit(&run(ShardingStrategy::NoShard, "no-shard"), &start);
-    let sharded = fit(&run(ShardingStrategy::ShardGradOp, "shard-grad-op"), &start);
+    let one = fit(&run(1, ShardingStrategy::NoShard, "one"), &start);
+    let plain = fit(&run(2, ShardingStrategy::NoShard, "no-shard"), &start);
+    let zero2 = fit(
+        &run(2, ShardingStrategy::ShardGradOp, "shard-grad-op"),
+        &start,
+    );
     assert_eq!(
-        plain.0, sharded.0,
+        plain.0, zero2.0,
         "SHARD_GRAD_OP: the same reductions, the same weights bit for bit"
     );
-    assert_eq!(plain.1.to_bits(), sharded.1.to_bits());
-    let errors = Accelerator::builder()
-        .sharding(ShardingStrategy::FullShard)
-        .launch(2, |acc| {
-            Ok(AcceleratedStrategy::new(Arc::new(acc))
-                .map(|_| ())
-                .unwrap_err()
-                .to_string())
-        })
-        .unwrap();
-    for error in errors {
+    assert_eq!(plain.1.to_bits(), zero2.1.to_bits());
+    let full = fit(&run(2, ShardingStrategy::FullShard, "full-shard"), &start);
+    let hybrid = fit(
+        &Run {
+            dp_shard_size: Some(2),
+            ..run(4, ShardingStrategy::HybridShard, "hybrid-shard")
+        },
+        &start,
+    );
+    let hybrid_zero2 = fit(
+        &Run {
+            dp_shard_size: Some(2),
+            ..run(4, ShardingStrategy::HybridShardZero2, "hybrid-shard-zero2")
+        },
+        &start,
+    );
+    for (name, (weights, loss)) in [
+        ("NO_SHARD on 2 ranks", &plain),
+        ("FULL_SHARD on 2 ranks", &full),
+        ("HYBRID_SHARD on 2 x 2 ranks", &hybrid),
+        ("_HYBRID_SHARD_ZERO2 on 2 x 2 ranks", &hybrid_zero2),
+    ] {
+        let diff = max_abs_diff(&one.0, weights);
+        assert!(diff <= 1e-5, "{name} differs from one process by {diff}");
         assert!(
-            error.contains("use SHARD_GRAD_OP with the Learner"),
-            "{error}"
+            (loss - one.1).abs() <= 1e-5,
+            "{name}: held-out loss {loss} against {}",
+            one.1
         );
     }
+    let moved = max_abs_diff(&mlp::weights(&start), &one.0);
+    assert!(moved > 1e-2, "training moved the weights by {moved} only");
 }
 
 #[test]
@@ -383,39 +416,42 @@ fn only_rank_0_writes_metrics_and_checkpoints() {
 
 #[test]
 fn a_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights() {
-    let start = initial();
-    let project = temp_dir("resume-project");
-    let base = Run {
-        ranks: 2,
-        batch: 32,
-        ..Run::new("resume")
-    };
-    let uninterrupted = fit(&base, &start);
-    // 16 steps an epoch: stop at step 21, in the middle of the second epoch, saving every 7 steps.
-    let stopped = Run {
-        project: Some(project.clone()),
-        save_every: Some(7),
-        max_steps: Some(21),
-        ..base.clone()
-    };
-    fit(&stopped, &start);
-    let checkpoints = ProjectConfiguration::new(&project).checkpoints();
-    assert_eq!(checkpoints.len(), 3, "{checkpoints:?}");
-    // Resumed from a fresh start value: everything comes from the checkpoint.
-    let resumed = fit(
-        &Run {
-            project: Some(project),
+    for sharding in [ShardingStrategy::NoShard, ShardingStrategy::FullShard] {
+        let start = initial();
+        let project = temp_dir(&format!("resume-project-{sharding}"));
+        let base = Run {
+            ranks: 2,
+            batch: 32,
+            sharding,
+            ..Run::new(&format!("resume-{sharding}"))
+        };
+        let uninterrupted = fit(&base, &start);
+        // 16 steps an epoch: stop at step 21, in the middle of the second epoch, saving every 7 steps.
+        let stopped = Run {
+            project: Some(project.clone()),
             save_every: Some(7),
-            resume: true,
+            max_steps: Some(21),
             ..base.clone()
-        },
-        &initial(),
-    );
-    assert_eq!(
-        max_abs_diff(&uninterrupted.0, &resumed.0),
-        0.0,
-        "bit for bit on the CPU"
-    );
+        };
+        fit(&stopped, &start);
+        let checkpoints = ProjectConfiguration::new(&project).checkpoints();
+        assert_eq!(checkpoints.len(), 3, "{sharding}: {checkpoints:?}");
+        // Resumed from a fresh start value: everything comes from the checkpoint.
+        let resumed = fit(
+            &Run {
+                project: Some(project),
+                save_every: Some(7),
+                resume: true,
+                ..base.clone()
+            },
+            &initial(),
+        );
+        assert_eq!(
+            max_abs_diff(&uninterrupted.0, &resumed.0),
+            0.0,
+            "{sharding}: bit for bit on the CPU"
+        );
+    }
 }
 
 /// A sharded Learner run saved by 2 ranks of 32 samples a batch resumes on 4 ranks of 16 (the same global batch),
@@ -463,18 +499,42 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
     let program = examples::example("learner");
     let run =
         |command: &mut Command| examples::result_lines(command.output().unwrap(), &["final_loss="]);
+    let mpirun = |np: usize, args: &[&str]| {
+        run(examples::own_mpi_session(&mut Command::new("mpirun"))
+            .args(["--allow-run-as-root", "--oversubscribe", "-np"])
+            .arg(np.to_string())
+            .arg(&program)
+            .args(args)
+            .env("OMPI_MCA_rmaps_base_oversubscribe", "1"))
+    };
     let one = run(Command::new(&program).args(["--processes", "1"]));
     assert_eq!(one.len(), 1, "{one:?}");
     let two = run(Command::new(&program).args(["--processes", "2"]));
-    let launched = run(examples::own_mpi_session(&mut Command::new("mpirun"))
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
-        .arg(&program)
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1"));
     assert_eq!(two, one);
     assert_eq!(
-        launched, one,
+        mpirun(2, &[]),
+        one,
         "mpirun -np 2 prints the main process's final_loss once"
     );
+    // FULL_SHARD on 2 processes and HYBRID_SHARD on 2 x 2: the in-process ranks' result, and within rounding of
+    // one process (Adam turns the reductions' other order into differences in the last digits).
+    let loss = |lines: &[String]| -> f64 { lines[0]["final_loss=".len()..].parse().unwrap() };
+    for (np, args) in [
+        (2, vec!["--sharding", "FULL_SHARD"]),
+        (
+            4,
+            vec!["--sharding", "HYBRID_SHARD", "--dp-shard-size", "2"],
+        ),
+    ] {
+        let processes = np.to_string();
+        let in_process = run(Command::new(&program)
+            .args(["--processes", processes.as_str()])
+            .args(&args));
+        let launched = mpirun(np, &args);
+        assert_eq!(launched, in_process, "{args:?} on {np} processes");
+        let diff = (loss(&launched) - loss(&one)).abs();
+        assert!(diff <= 1e-4, "{args:?}: {launched:?} against {one:?}");
+    }
 }
 
 /// A TrainStep that back-propagates with `loss.backward()`, missing the fp16 loss scale.
@@ -569,6 +629,84 @@ fn saving_without_a_project_folder_is_refused_before_training() {
             .to_string();
         assert!(
             error.contains(option) && error.contains("project_configuration"),
+            "{error}"
+        );
+    }
+}
+
+/// The error each of 2 ranks under `FULL_SHARD` ends a Learner run with, the Learner built by `learner` from the
+/// prepared accelerator, with burn-train's epoch checkpoints when `checkpoints`.
+fn full_shard_errors<M, F>(name: &str, checkpoints: bool, learner: F) -> Vec<String>
+where
+    M: burn_accelerate::learner::burn_train::LearnerModel
+        + burn_accelerate::learner::burn_train::TrainStep<Input = mlp::Batch>
+        + burn_accelerate::learner::burn_train::InferenceStep<Input = mlp::Batch>,
+    F: Fn(&Accelerator) -> Result<Learner<M>> + Sync,
+{
+    Accelerator::builder()
+        .sharding(ShardingStrategy::FullShard)
+        .launch(2, |acc| {
+            let acc = Arc::new(acc);
+            let loader = |n, seed| {
+                acc.prepare_dataloader(
+                    DataLoaderBuilder::new(SampleBatcher)
+                        .batch_size(32)
+                        .build(mlp::dataset(n, seed)),
+                )
+            };
+            let mut training = SupervisedTraining::new(
+                temp_dir(name).join(format!("rank{}", acc.process_index())),
+                LearnerLoader::train(loader(128, 4)?),
+                LearnerLoader::valid(loader(32, 5)?),
+            )
+            .with_application_logger(None);
+            if checkpoints {
+                training = training.with_default_checkpointers();
+            }
+            let training = acc
+                .prepare_training(training)?
+                .renderer(Box::new(burn_accelerate::learner::QuietRenderer));
+            let result = training.launch(learner(&acc)?);
+            Ok(result.error.map(|e| e.to_string()).unwrap_or_default())
+        })
+        .unwrap()
+}
+
+#[test]
+fn under_full_shard_the_learner_says_what_to_change_instead_of_training_wrong() {
+    // The Learner built with the model as drawn: its record cannot become each rank's slices.
+    for error in full_shard_errors("unprepared", false, |_| {
+        Ok(Learner::new(initial(), SgdConfig::new().init(), 0.1))
+    }) {
+        assert!(
+            error.contains("Learner::new(accelerator.prepare_model(model)?"),
+            "{error}"
+        );
+    }
+    // burn-train's epoch checkpoints would hold the main process's slices only.
+    for error in full_shard_errors("epoch-checkpoints", true, |acc| {
+        Ok(Learner::new(
+            acc.prepare_model(initial())?,
+            SgdConfig::new().init(),
+            0.1,
+        ))
+    }) {
+        assert!(
+            error.contains("save_every") && error.contains("with_default_checkpointers"),
+            "{error}"
+        );
+    }
+    // A TrainStep that runs its forward pass on the Learner's slices instead of `learner::unshard(self)`.
+    for error in full_shard_errors("no-unshard", false, |acc| {
+        let model = Unscaled { mlp: initial() };
+        Ok(Learner::new(
+            acc.prepare_model(model)?,
+            SgdConfig::new().init(),
+            0.1,
+        ))
+    }) {
+        assert!(
+            error.contains("burn_accelerate::learner::unshard(self)"),
             "{error}"
         );
     }

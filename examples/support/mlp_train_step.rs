@@ -1,5 +1,6 @@
 //! The quicktour MLP as a burn-train model: its `TrainStep` and `InferenceStep`, written for the
-//! Accelerator (`learner::autocast` for the forward pass, `learner::backward` for the fp16 loss scale).
+//! Accelerator (`learner::unshard` for the whole model under `FULL_SHARD`, `learner::autocast` for the forward
+//! pass, `learner::backward` for the fp16 loss scale).
 
 use burn::nn::loss::{MseLoss, Reduction};
 use burn_accelerate::learner;
@@ -25,8 +26,10 @@ impl TrainStep for Mlp {
     type Output = RegressionOutput;
 
     fn step(&self, batch: Batch) -> TrainOutput<RegressionOutput> {
-        let item = regression(self, batch);
-        TrainOutput::new(self, learner::backward(item.loss.clone()), item)
+        // Under FULL_SHARD the Learner's model holds this rank's slices: the step runs on the gathered model.
+        let model = learner::unshard(self);
+        let item = regression(&model, batch);
+        TrainOutput::new(&model, learner::backward(item.loss.clone()), item)
     }
 }
 

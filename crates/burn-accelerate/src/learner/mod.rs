@@ -11,15 +11,18 @@
 //!     .metric_train_numeric(LossMetric::new())
 //!     .num_epochs(3);
 //! let training = accelerator.prepare_training(training)?;      // the strategy; quiet on other ranks
+//! let model = accelerator.prepare_model(model)?;                // under FULL_SHARD: this rank's slices
 //! let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
 //! ```
 //!
-//! Inside `TrainStep::step`, [`autocast`] runs the forward pass under the accelerator's mixed precision and
-//! [`backward`] applies the fp16 loss scale; both are plain calls otherwise.
+//! Inside `TrainStep::step`, [`unshard`] gives the model to run on (gathered under `FULL_SHARD`), [`autocast`]
+//! runs the forward pass under the accelerator's mixed precision and [`backward`] applies the fp16 loss scale; all
+//! three are plain calls otherwise.
 //!
 //! How it relates to burn-train's own checkpoints: burn-train saves the model, optimizer and scheduler at
 //! epoch ends and resumes at an epoch boundary (`SupervisedTraining::checkpoint(epoch)`); these still work
-//! (written by the main process only). [`AcceleratedStrategy::save_every`] saves the whole run with
+//! (written by the main process only), except under `FULL_SHARD` and `HYBRID_SHARD`, where each rank holds only its
+//! slices of the model and they are refused. [`AcceleratedStrategy::save_every`] saves the whole run with
 //! `save_state` (dataloader positions included) every n optimizer steps, and [`AcceleratedStrategy::resume`]
 //! continues from it in the middle of an epoch, bit for bit on the CPU.
 
@@ -31,7 +34,7 @@ mod strategy;
 
 /// The burn-train this module is built against (use it, or depend on the same version).
 pub use burn_train;
-pub use context::{autocast, backward};
+pub use context::{autocast, backward, unshard};
 pub use loader::LearnerLoader;
 pub use renderers::{LineRenderer, QuietRenderer};
 pub use strategy::AcceleratedStrategy;

@@ -1,5 +1,6 @@
 //! [`AcceleratedStrategy`]: burn-train's training strategy seam, filled by the accelerator's step pipeline.
 
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::{Arc, Mutex};
 
 use burn::data::dataset::DatasetError;
@@ -17,6 +18,7 @@ use super::records;
 use crate::accelerator::Accelerator;
 use crate::checkpoint::StateToSave;
 use crate::distributed::collectives;
+use crate::distributed::strategy::StateScope;
 use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
 use crate::step::StepOutcome;
@@ -43,6 +45,11 @@ struct LearnerProgress {
 ///   [`LearnerLoader`](super::LearnerLoader)); only the main process renders, logs metrics, writes burn-train's
 ///   checkpoints and decides early stopping (the decision reaches every rank). Validation runs on the main
 ///   process over the whole split, so the logged metrics and early stopping equal a 1-rank run's.
+/// - Under `FULL_SHARD` and `HYBRID_SHARD` the Learner holds this rank's slices of the model between steps (build it
+///   with `accelerator.prepare_model(model)?`) and its optimizer steps them: the whole model is gathered for each
+///   step, handed to the `TrainStep` by [`learner::unshard`](super::unshard) and released after it, gradients are
+///   reduce-scattered, and validation and the returned model are gathered on every rank. burn-train's epoch
+///   checkpoints are refused there (the main process would write its slices only): use `save_every`.
 /// - [`save_every`](Self::save_every) saves the whole run with `save_state` (model, optimizer, scheduler,
 ///   dataloader positions) every n optimizer steps; [`resume`](Self::resume) continues from the latest such
 ///   checkpoint, in the middle of an epoch, bit for bit.
@@ -77,9 +84,7 @@ impl AcceleratedStrategy {
     /// checkpointing).
     ///
     /// # Errors
-    /// When a strategy was already made for this accelerator, or the accelerator shards parameters
-    /// (`FULL_SHARD` on several ranks: the Learner runs the forward pass on its own model, which would hold
-    /// only this rank's parameters; `SHARD_GRAD_OP` works).
+    /// When a strategy was already made for this accelerator, or the accelerator runs a pipeline (`pp_size` > 1).
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
         // The strategy says whether the Learner can train through it (it runs the forward pass on its own model).
         accelerator.step().strategy().check_learner()?;
@@ -151,6 +156,24 @@ impl AcceleratedStrategy {
         )))
     }
 
+    /// Whether each rank holds only its slices of the parameters between steps (`FULL_SHARD`, `HYBRID_SHARD`):
+    /// the Learner's model is then the prepared model's slices, which burn-train's optimizer steps, and the whole
+    /// model is gathered for each step (handed to the `TrainStep` by [`learner::unshard`](super::unshard)), for
+    /// validation and for the trained model the run returns.
+    fn holds_slices(&self) -> bool {
+        self.accelerator.num_processes() > 1
+            && self.accelerator.step().strategy().model_state() == StateScope::PerRank
+    }
+
+    /// The whole model of `learner` (gathered on every rank when it holds slices).
+    fn whole_model<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<M> {
+        if self.holds_slices() {
+            self.accelerator.unshard(&learner.model())
+        } else {
+            Ok(learner.model())
+        }
+    }
+
     fn progress(&self) -> LearnerProgress {
         *self.progress.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -216,7 +239,17 @@ impl AcceleratedStrategy {
         let mut state = acc.load_state(None)?;
         let (model, (optimizer, _), scheduler) = state.records()?;
         state.finish()?;
+        // The record carries the saved parameter ids: the strategy learns them (a sharded one keys its slices
+        // by id).
+        let before = crate::grad::param_ids(&learner.model());
         learner.load_model(model);
+        let after = crate::grad::param_ids(&learner.model());
+        let renamed: Vec<_> = before
+            .into_iter()
+            .zip(after)
+            .filter(|(a, b)| a != b)
+            .collect();
+        acc.step().strategy().params_renamed(&renamed);
         learner.load_optim(optimizer);
         learner.load_scheduler(scheduler);
         Ok(())
@@ -228,6 +261,7 @@ impl AcceleratedStrategy {
         &self,
         learner: &mut Learner<M>,
         grad_accumulation: Option<usize>,
+        epoch_checkpoints: bool,
     ) -> Result<()> {
         let acc = &self.accelerator;
         if let Some(n) = grad_accumulation
@@ -240,8 +274,27 @@ impl AcceleratedStrategy {
                 acc.config().accumulation.gradient_accumulation_steps
             )));
         }
-        let model = acc.prepare_model(learner.model())?;
-        learner.load_model(model.into_record());
+        if self.holds_slices() {
+            let sharding = acc.config().distributed.sharding;
+            if epoch_checkpoints {
+                return Err(Error::InvalidArgument(format!(
+                    "AcceleratedStrategy: under {sharding} each rank holds only its slices of the model, so                      burn-train's epoch checkpoints (written by the main process) would hold a part of it; save                      with `prepare_training_with(training, |s| s.save_every(n))` (each rank its part, resumed                      with `.resume(true)`) and drop `with_default_checkpointers`"
+                )));
+            }
+            // A record cannot change a model's shapes: the Learner must be built with the prepared slices.
+            let model = learner.model();
+            let prepared = acc
+                .unshard(&model)
+                .is_ok_and(|whole| whole.num_params() != model.num_params());
+            if !prepared {
+                return Err(Error::InvalidArgument(format!(
+                    "AcceleratedStrategy: under {sharding} each rank holds only its slices of the parameters                      between steps, and burn-train's Learner cannot change the shapes of its model; build the                      Learner with the prepared model: `Learner::new(accelerator.prepare_model(model)?,                      optimizer, learning_rate)`"
+                )));
+            }
+        } else {
+            let model = acc.prepare_model(learner.model())?;
+            learner.load_model(model.into_record());
+        }
         // A job restarted by its launcher continues from its latest checkpoint, as `resume(true)` asks.
         if self.resume || acc.resumes() {
             self.restore(learner)?;
@@ -288,6 +341,21 @@ impl AcceleratedStrategy {
             iteration += 1;
             let progress = iterator.progress();
             acc.accumulate();
+            // FULL_SHARD: the whole model for this step, gathered on every rank, for `learner::unshard`.
+            let whole = if self.holds_slices() {
+                match acc.unshard(&learner.model()) {
+                    Ok(whole) => {
+                        context::leave_gathered(whole.clone());
+                        Some(whole)
+                    }
+                    Err(e) => {
+                        interrupter.fail(training_error(e));
+                        return self.anyone_stops(interrupter, true);
+                    }
+                }
+            } else {
+                None
+            };
             let output = {
                 let scale = if precision == MixedPrecision::Fp16 {
                     acc.loss_scale()
@@ -295,7 +363,26 @@ impl AcceleratedStrategy {
                     None
                 };
                 let _context = context::enter(precision, scale);
-                let output = learner.train_step(item);
+                let output = if whole.is_some() {
+                    // A step that ran on the Learner's slices fails in its first layer: say what to call.
+                    let result = catch_unwind(AssertUnwindSafe(|| learner.train_step(item)));
+                    if !context::gathered_was_taken() {
+                        interrupter.fail(training_error(Error::InvalidArgument(format!(
+                            "AcceleratedStrategy: under {} the Learner's model holds only this rank's slices; \
+                             the TrainStep must run its forward pass on the whole model, `let model = \
+                             burn_accelerate::learner::unshard(self);`, and pass it to \
+                             `TrainOutput::new(&model, ..)`",
+                            acc.config().distributed.sharding
+                        ))));
+                        return self.anyone_stops(interrupter, true);
+                    }
+                    match result {
+                        Ok(output) => output,
+                        Err(panic) => resume_unwind(panic),
+                    }
+                } else {
+                    learner.train_step(item)
+                };
                 if context::autocast_was_used() {
                     acc.settings_applied().note_autocast();
                 }
@@ -314,7 +401,13 @@ impl AcceleratedStrategy {
             // The step pipeline's outcome: whether this batch ended an accumulation window (every rank is at the
             // same point then), and the gradients to apply (none while accumulating, or after an fp16 overflow:
             // skipped on every rank, and the scheduler waits).
-            let outcome = pipeline.finish(output.grads, || learner.model(), self.max_grad_norm);
+            let outcome = pipeline.finish(
+                output.grads,
+                || whole.clone().unwrap_or_else(|| learner.model()),
+                self.max_grad_norm,
+            );
+            // The gathered parameters go with the step: between steps each rank holds its slices.
+            drop(whole);
             let outcome = match outcome {
                 Ok(outcome) => outcome,
                 Err(e) => {
@@ -396,7 +489,13 @@ impl AcceleratedStrategy {
             }
             collectives::any_rank(acc.process_group(), "learner_validation", done)
         };
+        // Under FULL_SHARD every rank takes part in gathering the model the main process validates.
+        let model = match self.whole_model(learner) {
+            Ok(model) => model,
+            Err(e) => return interrupter.fail(training_error(e)),
+        };
         if !acc.is_main_process() {
+            drop(model);
             loop {
                 match heartbeat(false) {
                     Ok(false) => {}
@@ -405,7 +504,7 @@ impl AcceleratedStrategy {
                 }
             }
         }
-        self.validate_on_main(learner, loader, processor, interrupter, || {
+        self.validate_on_main(model, loader, processor, interrupter, || {
             heartbeat(false).map(|_| ())
         });
         if let Err(e) = heartbeat(true) {
@@ -416,14 +515,14 @@ impl AcceleratedStrategy {
     /// The main process's validation loop; `between_batches` runs after each batch.
     fn validate_on_main<M: LearnerModel>(
         &self,
-        learner: &Learner<M>,
+        model: M,
         loader: &ValidLoader<M>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
         between_batches: impl Fn() -> Result<()>,
     ) {
         let precision = self.accelerator.config().precision.mixed_precision;
-        let model = learner.model().valid();
+        let model = model.valid();
         let mut iterator = loader.iter();
         let mut iteration = 0;
         while let Some(item) = iterator.next() {
@@ -509,7 +608,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
         let acc = &self.accelerator;
         let main = acc.is_main_process();
         learner.fork(acc.device());
-        let setup = self.setup(&mut learner, grad_accumulation);
+        let setup = self.setup(&mut learner, grad_accumulation, checkpointer.is_some());
         if let Err(e) = acc.process_group().agree("AcceleratedStrategy", setup) {
             interrupter.fail(training_error(e));
             return (learner.model(), processor);
@@ -565,6 +664,13 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
             }
             epoch += 1;
         }
-        (learner.model(), processor)
+        // The trained model, whole on every rank.
+        match self.whole_model(&learner) {
+            Ok(model) => (model, processor),
+            Err(e) => {
+                interrupter.fail(training_error(e));
+                (learner.model(), processor)
+            }
+        }
     }
 }

@@ -370,13 +370,14 @@ pub(crate) trait StateScopes {
         Ok(())
     }
 
-    /// Whether burn-train's Learner can train through this strategy, which is then set up for it: the Learner
-    /// runs the forward pass on its own model, without gathering parameters this rank does not hold between
-    /// steps, and its optimizer steps whole parameters (a sharded strategy gives each parameter one owner instead
-    /// of cutting it in rows). Where it cannot, an error saying what to use instead.
+    /// Whether burn-train's Learner can train through this strategy, which is then set up for it: its optimizer
+    /// steps what the Learner's model holds (a sharded strategy that keeps parameters whole between steps gives
+    /// each one owner instead of cutting it in rows; one that keeps slices lets the optimizer step the slices,
+    /// the Learner strategy gathering the whole model for each step). Where it cannot, an error saying what to
+    /// use instead.
     ///
     /// # Errors
-    /// The strategy keeps only this rank's parameters between steps.
+    /// The strategy cannot run under the Learner (a pipeline).
     #[cfg_attr(not(feature = "train"), allow(dead_code))]
     fn check_learner(&self) -> Result<()> {
         Ok(())

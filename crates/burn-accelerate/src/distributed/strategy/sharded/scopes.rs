@@ -17,32 +17,29 @@ impl StateScopes for Sharded {
     }
 
     fn check_learner(&self) -> Result<()> {
-        if !self.mode.reshards_parameters() {
-            // burn-train's optimizer steps the Learner's whole parameters: each is owned whole by one rank.
-            self.whole_tensors.store(true, Ordering::Relaxed);
-            let mut known = self.known();
-            let order: Vec<(ParamId, usize)> =
-                known.iter().map(|(id, k)| (*id, k.slicing.len())).collect();
-            let mut order = order;
-            order.sort_by_key(|(id, _)| id.val());
-            for ((id, _), owner) in order.iter().zip(balanced_owners(&order, self.world())) {
-                if let Some(k) = known.get_mut(id) {
-                    k.slicing = Slicing::new(
-                        k.slicing.dims().to_vec(),
-                        self.world(),
-                        SliceKind::Whole { owner },
-                    );
-                }
-            }
+        if self.mode.reshards_parameters() {
+            // FULL_SHARD and HYBRID_SHARD: the Learner's model holds this rank's slices between steps, burn-train's
+            // optimizer steps them with the slices' gradients, and the Learner strategy gathers the whole model for
+            // each step (`learner::unshard`) and for validation.
             return Ok(());
         }
-        Err(Error::InvalidArgument(format!(
-            "AcceleratedStrategy::new: {} keeps only each rank's slices of the parameters between steps, and \
-             burn-train's Learner runs the forward pass on its model without gathering them; use SHARD_GRAD_OP \
-             with the Learner (gradients and optimizer state sharded), or {} in a loop of your own with \
-             `accelerator.unshard(&model)`",
-            self.mode, self.mode
-        )))
+        // burn-train's optimizer steps the Learner's whole parameters: each is owned whole by one rank.
+        self.whole_tensors.store(true, Ordering::Relaxed);
+        let mut known = self.known();
+        let order: Vec<(ParamId, usize)> =
+            known.iter().map(|(id, k)| (*id, k.slicing.len())).collect();
+        let mut order = order;
+        order.sort_by_key(|(id, _)| id.val());
+        for ((id, _), owner) in order.iter().zip(balanced_owners(&order, self.world())) {
+            if let Some(k) = known.get_mut(id) {
+                k.slicing = Slicing::new(
+                    k.slicing.dims().to_vec(),
+                    self.world(),
+                    SliceKind::Whole { owner },
+                );
+            }
+        }
+        Ok(())
     }
 
     fn check_optimizer(&self, optimizer: &str) -> Result<()> {
