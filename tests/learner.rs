@@ -258,6 +258,32 @@ fn the_learner_trains_sharded_as_unsharded_under_every_sharding_strategy() {
 }
 
 #[test]
+fn under_full_shard_a_frozen_input_layer_stays_and_the_rest_trains_as_on_one_process() {
+    let start = initial().with_input_frozen();
+    let run = |ranks: usize, sharding, name: &str| Run {
+        ranks,
+        batch: 64 / ranks,
+        sharding,
+        ..Run::new(name)
+    };
+    let one = fit(&run(1, ShardingStrategy::NoShard, "frozen-one"), &start);
+    let full = fit(
+        &run(2, ShardingStrategy::FullShard, "frozen-full-shard"),
+        &start,
+    );
+    let diff = max_abs_diff(&one.0, &full.0);
+    assert!(
+        diff <= 1e-5,
+        "FULL_SHARD differs from one process by {diff}"
+    );
+    let before = mlp::weights(&start);
+    // The input layer's weight and bias come first in visiting order: unchanged; the output layer moved.
+    assert_eq!(full.0[..2], before[..2], "the frozen input layer changed");
+    let moved = max_abs_diff(&before[2..], &full.0[2..]);
+    assert!(moved > 1e-2, "the output layer moved by {moved} only");
+}
+
+#[test]
 fn the_learner_refuses_a_pipeline_with_a_message_saying_what_to_use() {
     let errors = Accelerator::builder()
         .pp_size(2)
