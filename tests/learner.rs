@@ -51,6 +51,10 @@ struct Run {
     sharding: ShardingStrategy,
     /// Ranks per shard group of a hybrid strategy.
     dp_shard_size: Option<usize>,
+    /// The `TrainStep` goes block by block (`learner::backward_blocks`).
+    block_wise: bool,
+    /// Activation checkpointing (with `block_wise`).
+    checkpointing: bool,
 }
 
 impl Run {
@@ -70,6 +74,8 @@ impl Run {
             schedule: false,
             sharding: ShardingStrategy::NoShard,
             dp_shard_size: None,
+            block_wise: false,
+            checkpointing: false,
         }
     }
 }
@@ -94,78 +100,20 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
     if let Some(ranks) = run.dp_shard_size {
         builder = builder.dp_shard_size(ranks);
     }
+    if run.checkpointing {
+        builder = builder.activation_checkpointing(true);
+    }
     if let Some(dir) = &run.project {
         builder = builder.project_configuration(ProjectConfiguration::new(dir));
     }
     let results = builder
         .launch(run.ranks, |acc| -> Result<(Vec<Vec<f32>>, f32)> {
             let acc = Arc::new(acc);
-            let rank = acc.process_index();
-            let train = LearnerLoader::train(
-                acc.prepare_dataloader(
-                    DataLoaderBuilder::new(SampleBatcher)
-                        .batch_size(run.batch)
-                        .shuffle(7)
-                        .build(mlp::dataset(1024, 4)),
-                )?,
-            );
-            let valid = LearnerLoader::valid(
-                acc.prepare_dataloader(
-                    DataLoaderBuilder::new(SampleBatcher)
-                        .batch_size(128)
-                        .build(mlp::dataset(256, 5)),
-                )?,
-            );
-            let mut training = SupervisedTraining::new(artifacts(run, rank), train, valid)
-                .metric_train_numeric(LossMetric::new())
-                .metric_train_numeric(LearningRateMetric::new())
-                .metric_valid_numeric(LossMetric::new())
-                .num_epochs(run.epochs)
-                .with_application_logger(None);
-            if run.checkpoints {
-                training = training.with_default_checkpointers();
+            if run.block_wise {
+                rank_fit(&acc, run, start, |mlp| BlockWise { mlp }, |m| &m.mlp)
+            } else {
+                rank_fit(&acc, run, start, |mlp| mlp, |m| m)
             }
-            let training = acc.prepare_training_with(training, |mut s| {
-                s = s.resume(run.resume);
-                if let Some(n) = run.save_every {
-                    s = s.save_every(n);
-                }
-                if let Some(n) = run.max_steps {
-                    s = s.max_steps(n);
-                }
-                s
-            })?;
-            // Under FULL_SHARD and HYBRID_SHARD the Learner holds this rank's slices: it starts from the prepared
-            // model (under the other strategies the strategy prepares it if the caller did not).
-            let start = if run.sharding.reshards_parameters() || run.ranks.is_multiple_of(2) {
-                acc.prepare_model(start.clone())?
-            } else {
-                start.clone()
-            };
-            // Plain SGD: weights move linearly with the gradients, so runs whose gradients differ only by float
-            // rounding (2 ranks against 1, 4 micro-batches against 1 batch) stay within 1e-5; Adam divides by the
-            // gradients' own size and turns rounding on near-zero gradients into steps of the learning rate.
-            let result = if run.schedule {
-                let schedule = LinearLrSchedulerConfig::new(0.1, 0.01, 3 * 1024 / 64)
-                    .init()
-                    .map_err(burn_accelerate::Error::other)?;
-                training.launch(Learner::new(
-                    start.clone(),
-                    SgdConfig::new().init(),
-                    schedule,
-                ))
-            } else {
-                training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1))
-            };
-            assert!(result.error.is_none(), "{:?}", result.error);
-            let device = acc.device().clone().inner();
-            let eval = burn::data::dataloader::batcher::Batcher::batch(
-                &SampleBatcher,
-                mlp::samples(512, 99),
-                &device,
-            );
-            let loss = result.model.loss(eval).into_scalar::<f32>();
-            Ok((mlp::weights(&result.model), loss))
         })
         .unwrap();
     // Every rank ends with the same model; rank 0's stands for the run.
@@ -177,6 +125,95 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
         assert_eq!(loss.to_bits(), results[0].1.to_bits(), "rank {rank}'s loss");
     }
     results.into_iter().next().unwrap()
+}
+
+/// One rank's Learner run of `run`, on `start` wrapped by `wrap` (the model type the `TrainStep` belongs to);
+/// returns the trained weights and held-out loss of the MLP `mlp_of` finds in it.
+fn rank_fit<M>(
+    acc: &Arc<Accelerator>,
+    run: &Run,
+    start: &Mlp,
+    wrap: impl Fn(Mlp) -> M,
+    mlp_of: impl Fn(&M) -> &Mlp,
+) -> Result<(Vec<Vec<f32>>, f32)>
+where
+    M: burn_accelerate::learner::burn_train::LearnerModel
+        + burn_accelerate::learner::burn_train::TrainStep<
+            Input = mlp::Batch,
+            Output = burn_accelerate::learner::burn_train::RegressionOutput,
+        > + burn_accelerate::learner::burn_train::InferenceStep<
+            Input = mlp::Batch,
+            Output = burn_accelerate::learner::burn_train::RegressionOutput,
+        >,
+{
+    let rank = acc.process_index();
+    let train = LearnerLoader::train(
+        acc.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(run.batch)
+                .shuffle(7)
+                .build(mlp::dataset(1024, 4)),
+        )?,
+    );
+    let valid = LearnerLoader::valid(
+        acc.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(128)
+                .build(mlp::dataset(256, 5)),
+        )?,
+    );
+    let mut training = SupervisedTraining::new(artifacts(run, rank), train, valid)
+        .metric_train_numeric(LossMetric::new())
+        .metric_train_numeric(LearningRateMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(run.epochs)
+        .with_application_logger(None);
+    if run.checkpoints {
+        training = training.with_default_checkpointers();
+    }
+    let training = acc.prepare_training_with(training, |mut s| {
+        s = s.resume(run.resume);
+        if let Some(n) = run.save_every {
+            s = s.save_every(n);
+        }
+        if let Some(n) = run.max_steps {
+            s = s.max_steps(n);
+        }
+        s
+    })?;
+    // Under FULL_SHARD and HYBRID_SHARD the Learner holds this rank's slices: it starts from the prepared
+    // model (under the other strategies the strategy prepares it if the caller did not).
+    let start = wrap(start.clone());
+    let start = if run.sharding.reshards_parameters() || run.ranks.is_multiple_of(2) {
+        acc.prepare_model(start)?
+    } else {
+        start
+    };
+    // Plain SGD: weights move linearly with the gradients, so runs whose gradients differ only by float
+    // rounding (2 ranks against 1, 4 micro-batches against 1 batch) stay within 1e-5; Adam divides by the
+    // gradients' own size and turns rounding on near-zero gradients into steps of the learning rate.
+    let result = if run.schedule {
+        let schedule = LinearLrSchedulerConfig::new(0.1, 0.01, 3 * 1024 / 64)
+            .init()
+            .map_err(burn_accelerate::Error::other)?;
+        training.launch(Learner::new(
+            start.clone(),
+            SgdConfig::new().init(),
+            schedule,
+        ))
+    } else {
+        training.launch(Learner::new(start.clone(), SgdConfig::new().init(), 0.1))
+    };
+    assert!(result.error.is_none(), "{:?}", result.error);
+    let device = acc.device().clone().inner();
+    let eval = burn::data::dataloader::batcher::Batcher::batch(
+        &SampleBatcher,
+        mlp::samples(512, 99),
+        &device,
+    );
+    let trained = mlp_of(&result.model);
+    let loss = trained.loss(eval).into_scalar::<f32>();
+    Ok((mlp::weights(trained), loss))
 }
 
 #[test]
@@ -281,6 +318,98 @@ fn under_full_shard_a_frozen_input_layer_stays_and_the_rest_trains_as_on_one_pro
     assert_eq!(full.0[..2], before[..2], "the frozen input layer changed");
     let moved = max_abs_diff(&before[2..], &full.0[2..]);
     assert!(moved > 1e-2, "the output layer moved by {moved} only");
+}
+
+#[test]
+fn block_by_block_the_learner_trains_as_one_process_in_every_mode() {
+    let start = initial();
+    let run = |ranks: usize, sharding, name: &str| Run {
+        ranks,
+        batch: 64 / ranks,
+        accumulation: 2,
+        sharding,
+        block_wise: true,
+        ..Run::new(name)
+    };
+    let one = fit(
+        &Run {
+            block_wise: false,
+            ..run(1, ShardingStrategy::NoShard, "blocks-reference")
+        },
+        &start,
+    );
+    let frozen_start = initial().with_input_frozen();
+    let frozen_one = fit(
+        &Run {
+            block_wise: false,
+            ..run(1, ShardingStrategy::NoShard, "blocks-frozen-reference")
+        },
+        &frozen_start,
+    );
+    for (name, case, reference, start) in [
+        (
+            "one process",
+            run(1, ShardingStrategy::NoShard, "blocks-one"),
+            &one,
+            &start,
+        ),
+        (
+            "NO_SHARD on 2 ranks",
+            run(2, ShardingStrategy::NoShard, "blocks-no-shard"),
+            &one,
+            &start,
+        ),
+        (
+            "block-wise FULL_SHARD on 2 ranks",
+            run(2, ShardingStrategy::FullShard, "blocks-full-shard"),
+            &one,
+            &start,
+        ),
+        (
+            "block-wise FULL_SHARD with activation checkpointing",
+            Run {
+                checkpointing: true,
+                ..run(2, ShardingStrategy::FullShard, "blocks-checkpointing")
+            },
+            &one,
+            &start,
+        ),
+        (
+            "block-wise HYBRID_SHARD on 2 x 2 ranks",
+            Run {
+                dp_shard_size: Some(2),
+                ..run(4, ShardingStrategy::HybridShard, "blocks-hybrid")
+            },
+            &one,
+            &start,
+        ),
+        (
+            "block-wise FULL_SHARD with the input block frozen",
+            run(2, ShardingStrategy::FullShard, "blocks-frozen"),
+            &frozen_one,
+            &frozen_start,
+        ),
+    ] {
+        let (weights, loss) = fit(&case, start);
+        let diff = max_abs_diff(&reference.0, &weights);
+        assert!(diff <= 1e-5, "{name} differs from one process by {diff}");
+        assert!(
+            (loss - reference.1).abs() <= 1e-5,
+            "{name}: held-out loss {loss} against {}",
+            reference.1
+        );
+    }
+    let frozen = fit(
+        &run(2, ShardingStrategy::FullShard, "blocks-frozen-check"),
+        &frozen_start,
+    );
+    assert_eq!(
+        frozen.0[..2],
+        mlp::weights(&frozen_start)[..2],
+        "the frozen block changed"
+    );
+    let moved = max_abs_diff(&mlp::weights(&start), &one.0);
+    assert!(moved > 1e-2, "training moved the weights by {moved} only");
 }
 
 #[test]
@@ -560,6 +689,59 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         assert_eq!(launched, in_process, "{args:?} on {np} processes");
         let diff = (loss(&launched) - loss(&one)).abs();
         assert!(diff <= 1e-4, "{args:?}: {launched:?} against {one:?}");
+    }
+}
+
+/// The MLP with a `TrainStep` that goes block by block (`learner::backward_blocks`): its input layer is the one
+/// block, the head comes after it.
+#[derive(burn::module::Module, Debug)]
+struct BlockWise {
+    mlp: Mlp,
+}
+
+impl burn_accelerate::Blocks for BlockWise {
+    type Block = burn::nn::Linear;
+    fn blocks(&self) -> &[burn::nn::Linear] {
+        burn_accelerate::Blocks::blocks(&self.mlp)
+    }
+}
+
+impl burn_accelerate::learner::burn_train::TrainStep for BlockWise {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(
+        &self,
+        batch: mlp::Batch,
+    ) -> burn_accelerate::learner::burn_train::TrainOutput<Self::Output> {
+        burn_accelerate::learner::backward_blocks(
+            self,
+            |_| batch.x.clone(),
+            Mlp::hidden,
+            |model, h| {
+                let output = model.mlp.head(h);
+                let loss = burn::nn::loss::MseLoss::new().forward(
+                    output.clone(),
+                    batch.y.clone(),
+                    burn::nn::loss::Reduction::Mean,
+                );
+                burn_accelerate::learner::burn_train::RegressionOutput {
+                    loss,
+                    output,
+                    targets: batch.y.clone(),
+                }
+            },
+            |out| out.loss.clone(),
+        )
+    }
+}
+
+impl burn_accelerate::learner::burn_train::InferenceStep for BlockWise {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(&self, batch: mlp::Batch) -> Self::Output {
+        mlp_train_step::regression(&self.mlp, batch)
     }
 }
 

@@ -1,11 +1,9 @@
 //! What a `TrainStep` running under the [`AcceleratedStrategy`](super::AcceleratedStrategy) needs from the
 //! accelerator: its mixed-precision mode (for [`autocast`]) and its fp16 loss scale (for [`backward`]).
 //! burn-train calls `TrainStep::step(&model, batch)` with nothing else, so the strategy installs them for the
-//! thread that runs the step, for as long as it runs. Under a strategy that holds only each rank's slices of the
-//! parameters between steps (`FULL_SHARD`, `HYBRID_SHARD`), the strategy gathers the whole model before the step
-//! and leaves it here for [`unshard`].
+//! thread that runs the step, for as long as it runs (the calls that reach the accelerator itself, `unshard` and
+//! `backward_blocks`, are in `gathering`).
 
-use std::any::Any;
 use std::cell::RefCell;
 
 use burn::module::Module;
@@ -23,47 +21,6 @@ struct StepContext {
 
 thread_local! {
     static CONTEXT: RefCell<Option<StepContext>> = const { RefCell::new(None) };
-    /// The whole model the strategy gathered for this step, until [`unshard`] takes it.
-    static GATHERED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
-}
-
-/// Leaves the whole model `model`, gathered for this step, for [`unshard`] to take.
-pub(crate) fn leave_gathered<M: Module + 'static>(model: M) {
-    GATHERED.with(|g| *g.borrow_mut() = Some(Box::new(model)));
-}
-
-/// Whether the step took the model [`leave_gathered`] left (clearing it either way).
-pub(crate) fn gathered_was_taken() -> bool {
-    GATHERED.with(|g| g.borrow_mut().take()).is_none()
-}
-
-/// The model a `TrainStep` runs its forward pass on, under the
-/// [`AcceleratedStrategy`](super::AcceleratedStrategy): under `FULL_SHARD` or `HYBRID_SHARD`, where each rank
-/// holds only its slices of the parameters between steps, the whole model the strategy gathered for this step
-/// (FSDP's model-as-one-unit: gathered before the forward pass, its gradients reduce-scattered after the backward
-/// pass, released with the step); otherwise, and outside a step, `model` itself (a cheap clone). Pass the model
-/// it returns to `TrainOutput::new`, whose gradients are those of its parameters.
-///
-/// ```ignore
-/// impl TrainStep for Net {
-///     fn step(&self, batch: Batch) -> TrainOutput<RegressionOutput> {
-///         let net = burn_accelerate::learner::unshard(self);
-///         let out = net.forward_regression(batch);
-///         TrainOutput::new(&net, burn_accelerate::learner::backward(out.loss.clone()), out)
-///     }
-/// }
-/// ```
-pub fn unshard<M: Module + 'static>(model: &M) -> M {
-    let gathered = GATHERED.with(|g| g.borrow_mut().take());
-    match gathered.map(|m| m.downcast::<M>()) {
-        Some(Ok(whole)) => *whole,
-        Some(Err(other)) => {
-            // Another module than the Learner's (a sub-module): leave the gathered model for the right call.
-            GATHERED.with(|g| *g.borrow_mut() = Some(other));
-            model.clone()
-        }
-        None => model.clone(),
-    }
 }
 
 /// Installs the context of one training step on this thread; returns the guard that removes it.
@@ -77,6 +34,15 @@ pub(crate) fn enter(precision: MixedPrecision, loss_scale: Option<f64>) -> Guard
         })
     });
     Guard
+}
+
+/// Notes that the loss scale was applied by other means (a block-wise pass scales its loss itself).
+pub(crate) fn note_loss_scaled() {
+    CONTEXT.with(|c| {
+        if let Some(c) = c.borrow_mut().as_mut() {
+            c.scaled = true;
+        }
+    });
 }
 
 /// Whether [`backward`] scaled a loss since the context was installed.

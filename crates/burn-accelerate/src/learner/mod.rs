@@ -17,7 +17,8 @@
 //!
 //! Inside `TrainStep::step`, [`unshard`] gives the model to run on (gathered under `FULL_SHARD`), [`autocast`]
 //! runs the forward pass under the accelerator's mixed precision and [`backward`] applies the fp16 loss scale; all
-//! three are plain calls otherwise.
+//! three are plain calls otherwise. [`backward_blocks`] runs a model made of blocks block by block (block-wise
+//! `FULL_SHARD`, activation checkpointing, frozen blocks).
 //!
 //! How it relates to burn-train's own checkpoints: burn-train saves the model, optimizer and scheduler at
 //! epoch ends and resumes at an epoch boundary (`SupervisedTraining::checkpoint(epoch)`); these still work
@@ -27,6 +28,7 @@
 //! continues from it in the middle of an epoch, bit for bit on the CPU.
 
 mod context;
+mod gathering;
 mod loader;
 mod renderers;
 mod records;
@@ -34,7 +36,8 @@ mod strategy;
 
 /// The burn-train this module is built against (use it, or depend on the same version).
 pub use burn_train;
-pub use context::{autocast, backward, unshard};
+pub use context::{autocast, backward};
+pub use gathering::{backward_blocks, unshard};
 pub use loader::LearnerLoader;
 pub use renderers::{LineRenderer, QuietRenderer};
 pub use strategy::AcceleratedStrategy;

@@ -14,6 +14,7 @@ use burn_train::{
 use serde::{Deserialize, Serialize};
 
 use super::context;
+use super::gathering;
 use super::records;
 use crate::accelerator::Accelerator;
 use crate::checkpoint::StateToSave;
@@ -341,47 +342,35 @@ impl AcceleratedStrategy {
             iteration += 1;
             let progress = iterator.progress();
             acc.accumulate();
-            // FULL_SHARD: the whole model for this step, gathered on every rank, for `learner::unshard`.
-            let whole = if self.holds_slices() {
-                match acc.unshard(&learner.model()) {
-                    Ok(whole) => {
-                        context::leave_gathered(whole.clone());
-                        Some(whole)
-                    }
-                    Err(e) => {
-                        interrupter.fail(training_error(e));
-                        return self.anyone_stops(interrupter, true);
-                    }
-                }
-            } else {
-                None
-            };
-            let output = {
+            let holds_slices = self.holds_slices();
+            let (output, calls) = {
                 let scale = if precision == MixedPrecision::Fp16 {
                     acc.loss_scale()
                 } else {
                     None
                 };
                 let _context = context::enter(precision, scale);
-                let output = if whole.is_some() {
-                    // A step that ran on the Learner's slices fails in its first layer: say what to call.
-                    let result = catch_unwind(AssertUnwindSafe(|| learner.train_step(item)));
-                    if !context::gathered_was_taken() {
-                        interrupter.fail(training_error(Error::InvalidArgument(format!(
-                            "AcceleratedStrategy: under {} the Learner's model holds only this rank's slices; \
-                             the TrainStep must run its forward pass on the whole model, `let model = \
-                             burn_accelerate::learner::unshard(self);`, and pass it to \
-                             `TrainOutput::new(&model, ..)`",
-                            acc.config().distributed.sharding
-                        ))));
-                        return self.anyone_stops(interrupter, true);
-                    }
-                    match result {
-                        Ok(output) => output,
-                        Err(panic) => resume_unwind(panic),
-                    }
-                } else {
-                    learner.train_step(item)
+                let _gathering = gathering::enter(acc.clone(), holds_slices);
+                let result = catch_unwind(AssertUnwindSafe(|| learner.train_step(item)));
+                let calls = gathering::take_calls();
+                if let Some(e) = calls.failure {
+                    interrupter.fail(training_error(e));
+                    return self.anyone_stops(interrupter, true);
+                }
+                if holds_slices && calls.gathered.is_none() && !calls.block_pass {
+                    // A step on the Learner's slices fails in its first layer (or trains wrong): say what to call.
+                    interrupter.fail(training_error(Error::InvalidArgument(format!(
+                        "AcceleratedStrategy: under {} the Learner's model holds only this rank's slices; the \
+                         TrainStep must run its forward pass on the whole model, `let model = \
+                         burn_accelerate::learner::unshard(self);` (passing it to `TrainOutput::new(&model, ..)`), \
+                         or block by block with `burn_accelerate::learner::backward_blocks(self, ..)`",
+                        acc.config().distributed.sharding
+                    ))));
+                    return self.anyone_stops(interrupter, true);
+                }
+                let output = match result {
+                    Ok(output) => output,
+                    Err(panic) => resume_unwind(panic),
                 };
                 if context::autocast_was_used() {
                     acc.settings_applied().note_autocast();
@@ -396,18 +385,26 @@ impl AcceleratedStrategy {
                     )));
                     return self.anyone_stops(interrupter, true);
                 }
-                output
+                (output, calls)
             };
             // The step pipeline's outcome: whether this batch ended an accumulation window (every rank is at the
             // same point then), and the gradients to apply (none while accumulating, or after an fp16 overflow:
-            // skipped on every rank, and the scheduler waits).
-            let outcome = pipeline.finish(
-                output.grads,
-                || whole.clone().unwrap_or_else(|| learner.model()),
-                self.max_grad_norm,
-            );
-            // The gathered parameters go with the step: between steps each rank holds its slices.
-            drop(whole);
+            // skipped on every rank, and the scheduler waits). A block-wise pass put its gradients through the
+            // pipeline already.
+            let outcome = if calls.block_pass {
+                pipeline.finish_processed(&learner.model(), self.max_grad_norm)
+            } else {
+                // Under FULL_SHARD, the gradients are those of the model `learner::unshard` gathered.
+                let whole = calls
+                    .gathered
+                    .and_then(|m| m.downcast::<M>().ok())
+                    .map(|m| *m);
+                pipeline.finish(
+                    output.grads,
+                    || whole.unwrap_or_else(|| learner.model()),
+                    self.max_grad_norm,
+                )
+            };
             let outcome = match outcome {
                 Ok(outcome) => outcome,
                 Err(e) => {

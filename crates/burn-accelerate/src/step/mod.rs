@@ -207,13 +207,25 @@ impl StepPipeline {
         }
         let model = model();
         self.process(&mut grads, &model)?;
+        self.finish_processed(&model, max_grad_norm)
+    }
+
+    /// [`finish`](Self::finish) of gradients that already went through the pipeline (a block-wise pass inside
+    /// burn-train's `TrainStep`): clips them to `max_grad_norm` when the window ends, and returns the outcome for
+    /// `model`'s parameters.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub fn finish_processed<M: Module>(
+        &self,
+        model: &M,
+        max_grad_norm: Option<f64>,
+    ) -> Result<StepOutcome> {
         if let Some(max_norm) = max_grad_norm {
             let mut core = self.shared.lock();
             if core.state.sync_gradients() {
                 let started = Instant::now();
                 clip_grad_norm(
                     &mut core.grads,
-                    &param_ids(&model),
+                    &param_ids(model),
                     max_norm,
                     NormType::L2,
                     &self.total_norm(),
@@ -221,7 +233,7 @@ impl StepPipeline {
                 core.phases.gradient_sync += started.elapsed();
             }
         }
-        Ok(self.shared.take_outcome(&model))
+        Ok(self.shared.take_outcome(model))
     }
 
     /// The total norm of a model's gradients from the norms of those this rank holds (the strategy's
