@@ -1,7 +1,8 @@
 //! burn-train's `Learner` trained through the Accelerator: the same `SupervisedTraining` on one rank, on
 //! `--processes N` in-process ranks, or under `mpirun` / `burn-accelerate launch`, with mixed precision,
 //! gradient accumulation, sharding (`--sharding FULL_SHARD`: each rank holds its slices of the model between
-//! steps), and saving / resuming in the middle of an epoch. Synthetic regression data.
+//! steps; with `--block-wise` one block is gathered at a time), and saving / resuming in the middle of an epoch.
+//! Synthetic regression data.
 //!
 //! ```text
 //! cargo run --release --features train --example learner -- --processes 2 --mixed-precision bf16
@@ -28,12 +29,15 @@ use burn::optim::AdamConfig;
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::learner::LearnerLoader;
 use burn_accelerate::learner::burn_train::metric::LossMetric;
-use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
+use burn_accelerate::learner::burn_train::{
+    InferenceStep, Learner, LearnerModel, RegressionOutput, SupervisedTraining, TrainStep,
+};
 use burn_accelerate::{
     Accelerator, MixedPrecision, ProjectConfiguration, Result, ShardingStrategy,
 };
 use clap::Parser;
 use mlp::{Mlp, SampleBatcher};
+use mlp_train_step::BlockWise;
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -73,9 +77,27 @@ struct Args {
     /// Ranks per shard group of the hybrid strategies.
     #[arg(long)]
     dp_shard_size: Option<usize>,
+    /// Step block by block (`learner::backward_blocks`): under FULL_SHARD one block gathered at a time.
+    #[arg(long)]
+    block_wise: bool,
+    /// Recompute each block in the backward pass (with --block-wise).
+    #[arg(long)]
+    activation_checkpointing: bool,
 }
 
-fn train(accelerator: Accelerator, args: &Args, start: Mlp) -> Result<f64> {
+/// Trains `start` with burn-train's Learner through `accelerator`; returns the held-out loss of the MLP `mlp_of`
+/// finds in the trained model.
+fn train<M>(
+    accelerator: Accelerator,
+    args: &Args,
+    start: M,
+    mlp_of: impl Fn(&M) -> &Mlp,
+) -> Result<f64>
+where
+    M: LearnerModel
+        + TrainStep<Input = mlp::Batch, Output = RegressionOutput>
+        + InferenceStep<Input = mlp::Batch, Output = RegressionOutput>,
+{
     let accelerator = Arc::new(accelerator);
     let train = LearnerLoader::train(
         accelerator.prepare_dataloader(
@@ -121,7 +143,7 @@ fn train(accelerator: Accelerator, args: &Args, start: Mlp) -> Result<f64> {
     // Held-out loss of the trained model (the same data on every rank).
     let device = accelerator.device().clone().inner();
     let eval = SampleBatcher.batch(mlp::samples(1024, 99), &device);
-    Ok(result.model.loss(eval).into_scalar::<f32>() as f64)
+    Ok(mlp_of(&result.model).loss(eval).into_scalar::<f32>() as f64)
 }
 
 fn main() {
@@ -139,12 +161,20 @@ fn main() {
     if let Some(ranks) = args.dp_shard_size {
         builder = builder.dp_shard_size(ranks);
     }
+    if args.activation_checkpointing {
+        builder = builder.activation_checkpointing(true);
+    }
     // The same initial weights for any number of ranks, and for a resumed run.
     let device = ranks::default_device();
     device.seed(11);
     let start = Mlp::new(&device.autodiff());
     let result = ranks::run_ranks(builder, args.processes, |accelerator| {
-        train(accelerator, &args, start.clone())
+        if args.block_wise {
+            let start = BlockWise { mlp: start.clone() };
+            train(accelerator, &args, start, |m| &m.mlp)
+        } else {
+            train(accelerator, &args, start.clone(), |m| m)
+        }
     });
     ranks::exit_on_error(result.map(|loss| {
         if let Some(loss) = loss {

@@ -28,6 +28,7 @@ use burn_accelerate::{
 };
 use fixtures::{initial, max_abs_diff};
 use mlp::{Mlp, SampleBatcher};
+use mlp_train_step::BlockWise;
 
 /// One Learner run.
 #[derive(Clone)]
@@ -671,14 +672,26 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         one,
         "mpirun -np 2 prints the main process's final_loss once"
     );
-    // FULL_SHARD on 2 processes and HYBRID_SHARD on 2 x 2: the in-process ranks' result, and within rounding of
-    // one process (Adam turns the reductions' other order into differences in the last digits).
+    // FULL_SHARD on 2 and 4 processes, HYBRID_SHARD on 2 x 2, block-wise FULL_SHARD (with activation checkpointing
+    // on 4): the in-process ranks' result, and within rounding of one process (Adam turns the reductions' other
+    // order into differences in the last digits).
     let loss = |lines: &[String]| -> f64 { lines[0]["final_loss=".len()..].parse().unwrap() };
     for (np, args) in [
         (2, vec!["--sharding", "FULL_SHARD"]),
+        (4, vec!["--sharding", "FULL_SHARD"]),
         (
             4,
             vec!["--sharding", "HYBRID_SHARD", "--dp-shard-size", "2"],
+        ),
+        (2, vec!["--sharding", "FULL_SHARD", "--block-wise"]),
+        (
+            4,
+            vec![
+                "--sharding",
+                "FULL_SHARD",
+                "--block-wise",
+                "--activation-checkpointing",
+            ],
         ),
     ] {
         let processes = np.to_string();
@@ -689,59 +702,6 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         assert_eq!(launched, in_process, "{args:?} on {np} processes");
         let diff = (loss(&launched) - loss(&one)).abs();
         assert!(diff <= 1e-4, "{args:?}: {launched:?} against {one:?}");
-    }
-}
-
-/// The MLP with a `TrainStep` that goes block by block (`learner::backward_blocks`): its input layer is the one
-/// block, the head comes after it.
-#[derive(burn::module::Module, Debug)]
-struct BlockWise {
-    mlp: Mlp,
-}
-
-impl burn_accelerate::Blocks for BlockWise {
-    type Block = burn::nn::Linear;
-    fn blocks(&self) -> &[burn::nn::Linear] {
-        burn_accelerate::Blocks::blocks(&self.mlp)
-    }
-}
-
-impl burn_accelerate::learner::burn_train::TrainStep for BlockWise {
-    type Input = mlp::Batch;
-    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
-
-    fn step(
-        &self,
-        batch: mlp::Batch,
-    ) -> burn_accelerate::learner::burn_train::TrainOutput<Self::Output> {
-        burn_accelerate::learner::backward_blocks(
-            self,
-            |_| batch.x.clone(),
-            Mlp::hidden,
-            |model, h| {
-                let output = model.mlp.head(h);
-                let loss = burn::nn::loss::MseLoss::new().forward(
-                    output.clone(),
-                    batch.y.clone(),
-                    burn::nn::loss::Reduction::Mean,
-                );
-                burn_accelerate::learner::burn_train::RegressionOutput {
-                    loss,
-                    output,
-                    targets: batch.y.clone(),
-                }
-            },
-            |out| out.loss.clone(),
-        )
-    }
-}
-
-impl burn_accelerate::learner::burn_train::InferenceStep for BlockWise {
-    type Input = mlp::Batch;
-    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
-
-    fn step(&self, batch: mlp::Batch) -> Self::Output {
-        mlp_train_step::regression(&self.mlp, batch)
     }
 }
 

@@ -1,12 +1,16 @@
 //! The quicktour MLP as a burn-train model: its `TrainStep` and `InferenceStep`, written for the
 //! Accelerator (`learner::unshard` for the whole model under `FULL_SHARD`, `learner::autocast` for the forward
-//! pass, `learner::backward` for the fp16 loss scale).
+//! pass, `learner::backward` for the fp16 loss scale), and [`BlockWise`], the same model stepped block by block
+//! (`learner::backward_blocks`).
 
+#![allow(dead_code)]
+
+use burn::nn::Linear;
 use burn::nn::loss::{MseLoss, Reduction};
-use burn_accelerate::learner;
 use burn_accelerate::learner::burn_train::{
     InferenceStep, RegressionOutput, TrainOutput, TrainStep,
 };
+use burn_accelerate::{Blocks, learner};
 
 use crate::mlp::{Batch, Mlp};
 
@@ -39,5 +43,51 @@ impl InferenceStep for Mlp {
 
     fn step(&self, batch: Batch) -> RegressionOutput {
         regression(self, batch)
+    }
+}
+
+/// The MLP with a `TrainStep` that goes block by block (`learner::backward_blocks`): its input layer is the one
+/// block, the head comes after it. Under block-wise `FULL_SHARD` each rank gathers one block at a time.
+#[derive(burn::module::Module, Debug)]
+pub struct BlockWise {
+    pub mlp: Mlp,
+}
+
+impl Blocks for BlockWise {
+    type Block = Linear;
+    fn blocks(&self) -> &[Linear] {
+        self.mlp.blocks()
+    }
+}
+
+impl TrainStep for BlockWise {
+    type Input = Batch;
+    type Output = RegressionOutput;
+
+    fn step(&self, batch: Batch) -> TrainOutput<RegressionOutput> {
+        learner::backward_blocks(
+            self,
+            |_| batch.x.clone(),
+            Mlp::hidden,
+            |model, h| {
+                let output = model.mlp.head(h);
+                let loss = MseLoss::new().forward(output.clone(), batch.y.clone(), Reduction::Mean);
+                RegressionOutput {
+                    loss,
+                    output,
+                    targets: batch.y.clone(),
+                }
+            },
+            |out| out.loss.clone(),
+        )
+    }
+}
+
+impl InferenceStep for BlockWise {
+    type Input = Batch;
+    type Output = RegressionOutput;
+
+    fn step(&self, batch: Batch) -> RegressionOutput {
+        regression(&self.mlp, batch)
     }
 }
