@@ -10,8 +10,8 @@
 //!
 //! The changes to a plain burn-train program: the dataloaders and the model are prepared (`LearnerLoader`,
 //! `accelerator.prepare_model`), the `SupervisedTraining` goes through `accelerator.prepare_training_with`, and
-//! the `TrainStep` uses `learner::unshard`, `learner::autocast` and `learner::backward`. The global batch (`--batch-size`) is split between the ranks,
-//! so every number of ranks trains the same model. Prints `final_loss=<x>` (the loss of the trained model on
+//! the `TrainStep` uses `learner::unshard`, `learner::autocast` and `learner::backward`. The global batch
+//! (`--batch-size`) is split between the ranks, so every number of ranks trains the same model. Prints `final_loss=<x>` (the loss of the trained model on
 //! held-out data).
 
 #[path = "support/mlp.rs"]

@@ -847,7 +847,8 @@ fn under_full_shard_the_learner_says_what_to_change_instead_of_training_wrong() 
         Ok(Learner::new(initial(), SgdConfig::new().init(), 0.1))
     }) {
         assert!(
-            error.contains("Learner::new(accelerator.prepare_model(model)?"),
+            error.contains("Learner::new(accelerator.prepare_model(model)?")
+                && !error.contains("  "),
             "{error}"
         );
     }
@@ -860,7 +861,9 @@ fn under_full_shard_the_learner_says_what_to_change_instead_of_training_wrong() 
         ))
     }) {
         assert!(
-            error.contains("save_every") && error.contains("with_default_checkpointers"),
+            error.contains("save_every")
+                && error.contains("with_default_checkpointers")
+                && !error.contains("  "),
             "{error}"
         );
     }
@@ -874,7 +877,7 @@ fn under_full_shard_the_learner_says_what_to_change_instead_of_training_wrong() 
         ))
     }) {
         assert!(
-            error.contains("burn_accelerate::learner::unshard(self)"),
+            error.contains("burn_accelerate::learner::unshard(self)") && !error.contains("  "),
             "{error}"
         );
     }

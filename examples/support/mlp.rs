@@ -36,13 +36,13 @@ impl Mlp {
         }
     }
 
-    /// Predictions for a `[batch, FEATURES]` input.
     /// This model with its input layer frozen (`Module::no_grad`), as a fine-tuning run freezes lower layers.
     pub fn with_input_frozen(mut self) -> Self {
         self.input = self.input.no_grad();
         self
     }
 
+    /// Predictions for a `[batch, FEATURES]` input.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.output
             .forward(self.activation.forward(self.input.forward(x)))

@@ -460,13 +460,7 @@ impl LoadedState {
             .map_err(|e| corrupt(&path, format!("does not fit the model: {e}")))?;
         guarded(&path, "model", || read_in(&model))?;
         if let Some(strategy) = &self.strategy {
-            let after = crate::grad::param_ids(&model);
-            let renamed: Vec<_> = before
-                .into_iter()
-                .zip(after)
-                .filter(|(a, b)| a != b)
-                .collect();
-            strategy.params_renamed(&renamed);
+            crate::distributed::strategy::note_restored_ids(strategy.as_ref(), before, &model);
         }
         crate::heap::release_free_heap();
         Ok(model)

@@ -19,7 +19,7 @@ use super::records;
 use crate::accelerator::Accelerator;
 use crate::checkpoint::StateToSave;
 use crate::distributed::collectives;
-use crate::distributed::strategy::StateScope;
+use crate::distributed::strategy::{StateScope, note_restored_ids};
 use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
 use crate::step::StepOutcome;
@@ -162,8 +162,7 @@ impl AcceleratedStrategy {
     /// model is gathered for each step (handed to the `TrainStep` by [`learner::unshard`](super::unshard)), for
     /// validation and for the trained model the run returns.
     fn holds_slices(&self) -> bool {
-        self.accelerator.num_processes() > 1
-            && self.accelerator.step().strategy().model_state() == StateScope::PerRank
+        self.accelerator.step().strategy().model_state() == StateScope::PerRank
     }
 
     /// The whole model of `learner` (gathered on every rank when it holds slices).
@@ -244,13 +243,7 @@ impl AcceleratedStrategy {
         // by id).
         let before = crate::grad::param_ids(&learner.model());
         learner.load_model(model);
-        let after = crate::grad::param_ids(&learner.model());
-        let renamed: Vec<_> = before
-            .into_iter()
-            .zip(after)
-            .filter(|(a, b)| a != b)
-            .collect();
-        acc.step().strategy().params_renamed(&renamed);
+        note_restored_ids(acc.step().strategy().as_ref(), before, &learner.model());
         learner.load_optim(optimizer);
         learner.load_scheduler(scheduler);
         Ok(())
@@ -279,17 +272,24 @@ impl AcceleratedStrategy {
             let sharding = acc.config().distributed.sharding;
             if epoch_checkpoints {
                 return Err(Error::InvalidArgument(format!(
-                    "AcceleratedStrategy: under {sharding} each rank holds only its slices of the model, so                      burn-train's epoch checkpoints (written by the main process) would hold a part of it; save                      with `prepare_training_with(training, |s| s.save_every(n))` (each rank its part, resumed                      with `.resume(true)`) and drop `with_default_checkpointers`"
+                    "AcceleratedStrategy: under {sharding} each rank holds only its slices of the model, so \
+                     burn-train's epoch checkpoints (written by the main process) would hold a part of it; save \
+                     with `prepare_training_with(training, |s| s.save_every(n))` (each rank its part, resumed \
+                     with `.resume(true)`) and drop `with_default_checkpointers`"
                 )));
             }
-            // A record cannot change a model's shapes: the Learner must be built with the prepared slices.
-            let model = learner.model();
-            let prepared = acc
-                .unshard(&model)
-                .is_ok_and(|whole| whole.num_params() != model.num_params());
+            // A record cannot change a model's shapes: the Learner must be built with the prepared slices (the
+            // strategy knows how a prepared model's parameters are split; a model as drawn has ids it never saw).
+            let strategy = acc.step().strategy();
+            let prepared = crate::grad::param_ids(&learner.model())
+                .into_iter()
+                .any(|id| strategy.slicing(id).is_some());
             if !prepared {
                 return Err(Error::InvalidArgument(format!(
-                    "AcceleratedStrategy: under {sharding} each rank holds only its slices of the parameters                      between steps, and burn-train's Learner cannot change the shapes of its model; build the                      Learner with the prepared model: `Learner::new(accelerator.prepare_model(model)?,                      optimizer, learning_rate)`"
+                    "AcceleratedStrategy: under {sharding} each rank holds only its slices of the parameters \
+                     between steps, and burn-train's Learner cannot change the shapes of its model; build the \
+                     Learner with the prepared model: `Learner::new(accelerator.prepare_model(model)?, \
+                     optimizer, learning_rate)`"
                 )));
             }
         } else {

@@ -42,9 +42,9 @@ use crate::distributed::tensor_comm::{self, on_device};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
-    ModuleParams, Placed, after_prepare, broadcast_module, materialize, param_fetcher,
-    prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard, unshard_except,
-    with_param_ids,
+    ModuleParams, Placed, after_prepare, broadcast_module, materialize, note_restored_ids,
+    param_fetcher, prepare_step, share_stepped, share_stepped_lazily, start_unshard, unshard,
+    unshard_except, with_param_ids,
 };
 pub(crate) use sharded::{LazyParams, ParamFetcher, Sharded, SliceKind, Slicing};
 

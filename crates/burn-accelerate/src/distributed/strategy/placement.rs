@@ -265,6 +265,21 @@ fn placed<M: Module>(
     }
 }
 
+/// Tells `strategy` the new ids of `module`'s float parameters, which were `before` (in visiting order) until a
+/// record restored the saved ones: a sharded strategy keys each parameter's slices by its id.
+pub(crate) fn note_restored_ids<M: Module>(
+    strategy: &dyn Strategy,
+    before: Vec<ParamId>,
+    module: &M,
+) {
+    let renamed: Vec<_> = before
+        .into_iter()
+        .zip(crate::grad::param_ids(module))
+        .filter(|(a, b)| a != b)
+        .collect();
+    strategy.params_renamed(&renamed);
+}
+
 /// The last step of `prepare_model` (see [`Strategy::setup`]): under `FULL_SHARD` this rank keeps only its own
 /// parameters.
 pub(crate) fn after_prepare<M: Module>(strategy: &dyn Strategy, module: M) -> Result<M> {
