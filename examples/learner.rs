@@ -146,7 +146,8 @@ where
     Ok(mlp_of(&result.model).loss(eval).into_scalar::<f32>() as f64)
 }
 
-fn main() {
+/// Trains, and prints the held-out loss of the trained model.
+pub fn main() {
     let args = Args::parse();
     let mut builder = Accelerator::builder()
         .mixed_precision(args.mixed_precision)

@@ -12,7 +12,7 @@ use burn_accelerate::learner::burn_train::{
 };
 use burn_accelerate::{Blocks, learner};
 
-use crate::mlp::{Batch, Mlp};
+use super::mlp::{Batch, Mlp};
 
 /// The forward pass under the accelerator's mixed precision, the loss in f32.
 pub fn regression(model: &Mlp, batch: Batch) -> RegressionOutput {

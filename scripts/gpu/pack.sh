@@ -6,8 +6,9 @@
 #   scripts/gpu/pack.sh --binary PATH      # pack a kit binary built already (CI builds one with cuda-bare)
 #
 # The kit (default target/gpu-kit/, ignored by git; KIT_DIR to change) holds:
-#   burn-accelerate-gpu-kit.xz  the stripped multi-call binary (the CLI, the quicktour, memory, data_parallel and
-#                               sharded_training examples, the overhead and throughput benches), xz-compressed
+#   burn-accelerate-gpu-kit.xz  the stripped multi-call binary (the CLI, the quicktour, memory, data_parallel,
+#                               sharded_training and learner examples, the overhead and throughput benches),
+#                               xz-compressed
 #   lib/libvulkan.so.1          the Vulkan loader, from Debian's libvulkan1 package (the GPU image has none)
 #   lib/libGLdispatch.so.0 ...  GLVND's dispatch libraries (libglvnd0, libglx0, libegl1), which the NVIDIA driver's
 #                               Vulkan library loads (without them the loader finds no adapter)
@@ -79,7 +80,7 @@ glvnd_version="$(basename "$work"/libglvnd0_*.deb .deb)"
   echo "binary: $(stat -c %s "$work/burn-accelerate-gpu-kit") bytes stripped"
   echo "needs: $(objdump -T "$work/burn-accelerate-gpu-kit" | grep -oE 'GLIBC_[0-9.]+' | sort -uV | tail -n1 | sed 's/_/ >= /'), $(ldd "$work/burn-accelerate-gpu-kit" | awk '/=>/ {print $1}' | tr '\n' ' ')"
   echo "vulkan loader: $vulkan_version, $glvnd_version"
-  echo "programs: burn-accelerate quicktour memory data_parallel sharded_training overhead throughput"
+  echo "programs: burn-accelerate quicktour memory data_parallel sharded_training learner overhead throughput"
   (cd "$kit" && sha256sum burn-accelerate-gpu-kit.xz lib/*)
 } >"$kit/MANIFEST"
 

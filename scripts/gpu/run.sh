@@ -161,7 +161,7 @@ unpack() {
       "$kit/burn-accelerate-gpu-kit.xz" "$bin"
   fi
   chmod +x "$bin"
-  for program in burn-accelerate quicktour memory data_parallel sharded_training overhead throughput; do
+  for program in burn-accelerate quicktour memory data_parallel sharded_training learner overhead throughput; do
     ln -sf "$bin" "$work/bin/$program"
   done
   cp "$kit"/lib/* "$work/lib/"
@@ -497,6 +497,11 @@ run_step pipeline-4mb-cuda gpu 180 check_near_1e3_on_device sh -c \
 # loss of the stages keeping their activations, bit for bit (the kit runs without autotuning: the same kernels).
 run_step pipeline-ckpt-cuda gpu 180 check_same_on_device sh -c \
   'BURN_DEVICE=cuda sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4 && echo --- && BURN_DEVICE=cuda FSDP_ACTIVATION_CHECKPOINTING=true sharded_training --processes 2 --blocks --pp-size 2 --pp-microbatches 4'
+# burn-train's Learner through the Accelerator on the device: one rank, then two in-process ranks under
+# block-wise FULL_SHARD with activation checkpointing (each block gathered inside the TrainStep, its gradients
+# reduce-scattered, validation on the gathered model): the held-out loss within float rounding.
+run_step learner-blockwise-cuda gpu 180 check_near_1e3 sh -c \
+  'BURN_DEVICE=cuda learner --processes 1 && echo --- && BURN_DEVICE=cuda learner --processes 2 --sharding FULL_SHARD --block-wise --activation-checkpointing'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

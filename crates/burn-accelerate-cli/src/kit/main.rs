@@ -3,7 +3,7 @@
 //!
 //! It is a multi-call binary: it runs the program its own name says (the name it was started under, through a
 //! link) — `burn-accelerate` (the command: `env`, `test`, ...), the examples `quicktour`, `memory`,
-//! `data_parallel` and `sharded_training`, and the benches `overhead` and `throughput` — each exactly as its own
+//! `data_parallel`, `sharded_training` and `learner` (burn-train's Learner), and the benches `overhead` and `throughput` — each exactly as its own
 //! binary would, arguments included. `scripts/gpu/pack.sh` builds it with `cuda` and `vulkan`;
 //! `scripts/gpu/run.sh` makes the links and runs the checks.
 
@@ -30,6 +30,9 @@ mod data_parallel;
 #[path = "../../../../examples/by_feature/sharded_training.rs"]
 mod sharded_training;
 
+#[path = "../../../../examples/learner.rs"]
+mod learner;
+
 #[path = "../../../../benches/overhead.rs"]
 mod overhead;
 
@@ -37,12 +40,13 @@ mod overhead;
 mod throughput;
 
 /// The programs this binary holds, by the name it runs them under.
-const PROGRAMS: [&str; 7] = [
+const PROGRAMS: [&str; 8] = [
     "burn-accelerate",
     "quicktour",
     "memory",
     "data_parallel",
     "sharded_training",
+    "learner",
     "overhead",
     "throughput",
 ];
@@ -66,6 +70,7 @@ fn main() {
         "memory" => memory::main(),
         "data_parallel" => data_parallel::main(),
         "sharded_training" => sharded_training::main(),
+        "learner" => learner::main(),
         "overhead" => bench(overhead::main()),
         "throughput" => bench(throughput::main()),
         _ => {
