@@ -69,7 +69,10 @@ pub(crate) struct RestParts {
 
 impl StepPipeline {
     /// A forward pass for evaluation of a model made of blocks (see `Accelerator::forward_batch`): the whole
-    /// batch through the whole model, without a graph.
+    /// batch through the whole model, without a graph. Under `FULL_SHARD` (a strategy that gathers each block)
+    /// block by block, as the training pass: what is outside the blocks gathered for `before` and `after`, each
+    /// block gathered as the one before it computes (prefetch) and dropped after it, so that evaluation holds at
+    /// most two blocks whole beside this rank's slices.
     pub fn forward_whole<M: Blocks, B, const D: usize>(
         &self,
         model: &M,
@@ -80,12 +83,32 @@ impl StepPipeline {
             impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
         ),
     ) -> Result<Tensor<1>> {
-        let whole = unshard(self.strategy.as_ref(), model)?;
-        let mut x = before(&whole, &batch);
-        for b in whole.blocks() {
-            x = block(b, x);
+        let strategy = self.strategy.as_ref();
+        if strategy.block_pass() != BlockPass::GatherEachBlock {
+            let whole = unshard(strategy, model)?;
+            let mut x = before(&whole, &batch);
+            for b in whole.blocks() {
+                x = block(b, x);
+            }
+            return Ok(after(&whole, x, &batch).detach());
         }
-        Ok(after(&whole, x, &batch).detach())
+        let rest = unshard_except(strategy, model, &block_ids(model))?;
+        // No graph: a model that tracks gradients would keep each gathered block alive in it.
+        let mut x = before(&rest, &batch).detach();
+        let mut next = None;
+        for (i, b) in model.blocks().iter().enumerate() {
+            let started = match next.take() {
+                Some(started) => started,
+                None => start_unshard(strategy, b)?,
+            };
+            let whole = started.finish()?;
+            if let Some(b) = model.blocks().get(i + 1) {
+                next = Some(start_unshard(strategy, b)?);
+            }
+            x = block(&whole, x).detach();
+            drop(whole);
+        }
+        Ok(after(&rest, x, &batch).detach())
     }
 }
 
