@@ -63,6 +63,18 @@ pub struct Batch {
 }
 burn_accelerate::impl_batch!(Batch { x, y });
 
+/// A batch cuts into micro-batches of its samples (a pipeline's).
+impl burn_accelerate::Split for Batch {
+    fn micro_batches(self, parts: usize) -> burn_accelerate::Result<Vec<Self>> {
+        let parts = (self.x, self.y).micro_batches(parts)?;
+        Ok(parts.into_iter().map(|(x, y)| Batch { x, y }).collect())
+    }
+
+    fn samples(&self) -> Option<usize> {
+        Some(self.x.dims()[0])
+    }
+}
+
 /// Stacks samples into a [`Batch`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SampleBatcher;

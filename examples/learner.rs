@@ -1,7 +1,8 @@
 //! burn-train's `Learner` trained through the Accelerator: the same `SupervisedTraining` on one rank, on
 //! `--processes N` in-process ranks, or under `mpirun` / `burn-accelerate launch`, with mixed precision,
 //! gradient accumulation, sharding (`--sharding FULL_SHARD`: each rank holds its slices of the model between
-//! steps; with `--block-wise` one block is gathered at a time), and saving / resuming in the middle of an epoch.
+//! steps; with `--block-wise` one block is gathered at a time), pipelines (`--pp-size 2`: a deeper MLP cut into
+//! stages, the batch through them), and saving / resuming in the middle of an epoch.
 //! Synthetic regression data.
 //!
 //! ```text
@@ -33,11 +34,11 @@ use burn_accelerate::learner::burn_train::{
     InferenceStep, Learner, LearnerModel, RegressionOutput, SupervisedTraining, TrainStep,
 };
 use burn_accelerate::{
-    Accelerator, MixedPrecision, ProjectConfiguration, Result, ShardingStrategy,
+    Accelerator, Blocks, MixedPrecision, ProjectConfiguration, Result, ShardingStrategy,
 };
 use clap::Parser;
 use mlp::{Mlp, SampleBatcher};
-use mlp_train_step::BlockWise;
+use mlp_train_step::{BlockWise, DeepMlp};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -80,21 +81,29 @@ struct Args {
     /// Step block by block (`learner::backward_blocks`): under FULL_SHARD one block gathered at a time.
     #[arg(long)]
     block_wise: bool,
-    /// Recompute each block in the backward pass (with --block-wise).
+    /// Recompute each block in the backward pass (with --block-wise, or a pipeline).
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Pipeline stages: trains a deeper MLP (4 hidden blocks) cut into this many stages, the batch through them
+    /// (`learner::backward_batch`); 1 trains the same deeper MLP without a pipeline.
+    #[arg(long)]
+    pp_size: Option<usize>,
+    /// Micro-batches per batch under a pipeline.
+    #[arg(long, default_value_t = 4)]
+    pp_microbatches: usize,
 }
 
-/// Trains `start` with burn-train's Learner through `accelerator`; returns the held-out loss of the MLP `mlp_of`
-/// finds in the trained model.
+/// Trains `start` with burn-train's Learner through `accelerator`; returns what `held_out` says of the trained
+/// model on held-out data.
 fn train<M>(
     accelerator: Accelerator,
     args: &Args,
     start: M,
-    mlp_of: impl Fn(&M) -> &Mlp,
+    held_out: impl Fn(&Accelerator, &M, mlp::Batch) -> Result<f64>,
 ) -> Result<f64>
 where
     M: LearnerModel
+        + Blocks
         + TrainStep<Input = mlp::Batch, Output = RegressionOutput>
         + InferenceStep<Input = mlp::Batch, Output = RegressionOutput>,
 {
@@ -132,8 +141,9 @@ where
         }
         strategy
     })?;
-    // Prepared before the Learner takes it: under FULL_SHARD each rank's Learner holds its slices.
-    let model = accelerator.prepare_model(start)?;
+    // Prepared before the Learner takes it: under FULL_SHARD each rank's Learner holds its slices, under a
+    // pipeline its stage's blocks.
+    let model = accelerator.prepare_blocks(start)?;
     let result = training.launch(Learner::new(model, AdamConfig::new().init(), 3e-3));
     if let Some(error) = result.error {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
@@ -143,7 +153,7 @@ where
     // Held-out loss of the trained model (the same data on every rank).
     let device = accelerator.device().clone().inner();
     let eval = SampleBatcher.batch(mlp::samples(1024, 99), &device);
-    Ok(mlp_of(&result.model).loss(eval).into_scalar::<f32>() as f64)
+    held_out(&accelerator, &result.model, eval)
 }
 
 /// Trains, and prints the held-out loss of the trained model.
@@ -165,16 +175,37 @@ pub fn main() {
     if args.activation_checkpointing {
         builder = builder.activation_checkpointing(true);
     }
+    if let Some(stages) = args.pp_size {
+        builder = builder
+            .pp_size(stages)
+            .pp_microbatches(args.pp_microbatches);
+    }
     // The same initial weights for any number of ranks, and for a resumed run.
     let device = ranks::default_device();
     device.seed(11);
-    let start = Mlp::new(&device.autodiff());
+    let device = device.autodiff();
+    let start = Mlp::new(&device);
+    let deep = DeepMlp::new(&device, 4);
+    let loss = |mlp: &Mlp, eval| Ok(mlp.loss(eval).into_scalar::<f32>() as f64);
     let result = ranks::run_ranks(builder, args.processes, |accelerator| {
-        if args.block_wise {
+        if args.pp_size.is_some() {
+            // Under a pipeline each rank holds its stage: the held-out loss through the stages.
+            train(accelerator, &args, deep.clone(), |acc, model, eval| {
+                let errors =
+                    acc.forward_batch(model, eval, DeepMlp::embed, Mlp::hidden, |m, h, b| {
+                        let d = m.output.forward(h) - b.y.clone();
+                        let n = d.dims()[0];
+                        (d.clone() * d).reshape([n])
+                    })?;
+                Ok(errors.mean().into_scalar::<f32>() as f64)
+            })
+        } else if args.block_wise {
             let start = BlockWise { mlp: start.clone() };
-            train(accelerator, &args, start, |m| &m.mlp)
+            train(accelerator, &args, start, |_, m, eval| loss(&m.mlp, eval))
         } else {
-            train(accelerator, &args, start.clone(), |m| m)
+            train(accelerator, &args, start.clone(), |_, m, eval| {
+                loss(m, eval)
+            })
         }
     });
     ranks::exit_on_error(result.map(|loss| {

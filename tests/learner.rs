@@ -24,11 +24,11 @@ use burn_accelerate::learner::burn_train::metric::{LearningRateMetric, LossMetri
 use burn_accelerate::learner::burn_train::{Learner, SupervisedTraining};
 use burn_accelerate::learner::{AcceleratedStrategy, LearnerLoader};
 use burn_accelerate::{
-    Accelerator, MixedPrecision, ProjectConfiguration, Result, ShardingStrategy,
+    Accelerator, MixedPrecision, PipelineSchedule, ProjectConfiguration, Result, ShardingStrategy,
 };
 use fixtures::{initial, max_abs_diff};
 use mlp::{Mlp, SampleBatcher};
-use mlp_train_step::BlockWise;
+use mlp_train_step::{BlockWise, DeepMlp};
 
 /// One Learner run.
 #[derive(Clone)]
@@ -332,13 +332,11 @@ fn block_by_block_the_learner_trains_as_one_process_in_every_mode() {
         block_wise: true,
         ..Run::new(name)
     };
-    let one = fit(
-        &Run {
-            block_wise: false,
-            ..run(1, ShardingStrategy::NoShard, "blocks-reference")
-        },
-        &start,
-    );
+    let reference_run = Run {
+        block_wise: false,
+        ..run(1, ShardingStrategy::NoShard, "blocks-reference")
+    };
+    let one = fit(&reference_run, &start);
     let frozen_start = initial().with_input_frozen();
     let frozen_one = fit(
         &Run {
@@ -394,6 +392,18 @@ fn block_by_block_the_learner_trains_as_one_process_in_every_mode() {
         let (weights, loss) = fit(&case, start);
         let diff = max_abs_diff(&reference.0, &weights);
         assert!(diff <= 1e-5, "{name} differs from one process by {diff}");
+        if std::ptr::eq(reference, &one) {
+            // Validated block by block on every rank (`learner::forward_batch`): one process's losses, logged by
+            // the main process.
+            let (a, b) = (
+                metric_log(&reference_run, "valid", 2, "Loss"),
+                metric_log(&case, "valid", 2, "Loss"),
+            );
+            assert_eq!(a.len(), b.len(), "{name}: {b:?} against {a:?}");
+            for ((x, _), (y, _)) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-5, "{name}: {b:?} against {a:?}");
+            }
+        }
         assert!(
             (loss - reference.1).abs() <= 1e-5,
             "{name}: held-out loss {loss} against {}",
@@ -413,20 +423,402 @@ fn block_by_block_the_learner_trains_as_one_process_in_every_mode() {
     assert!(moved > 1e-2, "training moved the weights by {moved} only");
 }
 
-#[test]
-fn the_learner_refuses_a_pipeline_with_a_message_saying_what_to_use() {
-    let errors = Accelerator::builder()
-        .pp_size(2)
-        .launch(2, |acc| {
-            Ok(AcceleratedStrategy::new(Arc::new(acc))
-                .map(|_| ())
-                .unwrap_err()
-                .to_string())
+/// One Learner run of the deep MLP ([`DeepMlp`], 4 hidden blocks), pipelined when `pp` > 1.
+#[derive(Clone)]
+struct Staged {
+    ranks: usize,
+    pp: usize,
+    micro_batches: usize,
+    schedule: PipelineSchedule,
+    checkpointing: bool,
+    /// Per replica (every stage of a pipeline reads the same batches).
+    batch: usize,
+    epochs: usize,
+    project: Option<PathBuf>,
+    save_every: Option<usize>,
+    max_steps: Option<usize>,
+    resume: bool,
+    artifacts: PathBuf,
+}
+
+impl Staged {
+    fn new(name: &str) -> Self {
+        Self {
+            ranks: 1,
+            pp: 1,
+            micro_batches: 1,
+            schedule: PipelineSchedule::default(),
+            checkpointing: false,
+            batch: 64,
+            epochs: 2,
+            project: None,
+            save_every: None,
+            max_steps: None,
+            resume: false,
+            artifacts: temp_dir(name),
+        }
+    }
+
+    /// The burn-train folder of the rank that reports (the last stage of the first replica).
+    fn reporter(&self) -> PathBuf {
+        let replicas = self.ranks / self.pp;
+        self.artifacts
+            .join(format!("rank{}", (self.pp - 1) * replicas))
+    }
+}
+
+/// The deep MLP every pipelined case starts from.
+fn deep_start() -> DeepMlp {
+    DeepMlp::new(&burn::tensor::Device::default().autodiff(), 4)
+}
+
+/// Every rank's trained weights (a stage holds empty placeholders for the other stages' parameters) and
+/// held-out loss (through the stages, the same on every rank).
+fn fit_staged(run: &Staged, start: &DeepMlp) -> Vec<(Vec<Vec<f32>>, f32)> {
+    let mut builder = Accelerator::builder()
+        .pp_size(run.pp)
+        .pp_microbatches(run.micro_batches)
+        .pp_schedule(run.schedule)
+        .activation_checkpointing(run.checkpointing);
+    if let Some(dir) = &run.project {
+        builder = builder.project_configuration(ProjectConfiguration::new(dir));
+    }
+    builder
+        .launch(run.ranks, |acc| -> Result<(Vec<Vec<f32>>, f32)> {
+            let acc = Arc::new(acc);
+            let rank = acc.process_index();
+            let train = LearnerLoader::train(
+                acc.prepare_dataloader(
+                    DataLoaderBuilder::new(SampleBatcher)
+                        .batch_size(run.batch)
+                        .shuffle(7)
+                        .build(mlp::dataset(1024, 4)),
+                )?,
+            );
+            let valid = LearnerLoader::valid(
+                acc.prepare_dataloader(
+                    DataLoaderBuilder::new(SampleBatcher)
+                        .batch_size(128)
+                        .build(mlp::dataset(256, 5)),
+                )?,
+            );
+            let training =
+                SupervisedTraining::new(run.artifacts.join(format!("rank{rank}")), train, valid)
+                    .metric_train_numeric(LossMetric::new())
+                    .metric_valid_numeric(LossMetric::new())
+                    .num_epochs(run.epochs)
+                    .with_application_logger(None);
+            let training = acc.prepare_training_with(training, |mut s| {
+                s = s.resume(run.resume);
+                if let Some(n) = run.save_every {
+                    s = s.save_every(n);
+                }
+                if let Some(n) = run.max_steps {
+                    s = s.max_steps(n);
+                }
+                s
+            })?;
+            // Each rank's Learner holds its stage's blocks.
+            let model = acc.prepare_blocks(start.clone())?;
+            let result = training.launch(Learner::new(model, SgdConfig::new().init(), 0.1));
+            assert!(result.error.is_none(), "{:?}", result.error);
+            let device = acc.device().clone().inner();
+            let eval = burn::data::dataloader::batcher::Batcher::batch(
+                &SampleBatcher,
+                mlp::samples(512, 99),
+                &device,
+            );
+            let errors = acc.forward_batch(
+                &result.model,
+                eval,
+                DeepMlp::embed,
+                Mlp::hidden,
+                |model, h, batch| {
+                    let d = model.output.forward(h) - batch.y.clone();
+                    let n = d.dims()[0];
+                    (d.clone() * d).reshape([n])
+                },
+            )?;
+            Ok((
+                mlp::weights(&result.model),
+                errors.mean().into_scalar::<f32>(),
+            ))
         })
-        .unwrap();
-    for error in errors {
+        .unwrap()
+}
+
+/// Every parameter of `reference` is held by some rank of `ranks`, each rank's equal to it within `bound`, and
+/// every rank's held-out loss too.
+fn assert_stages_match(
+    name: &str,
+    reference: &(Vec<Vec<f32>>, f32),
+    ranks: &[(Vec<Vec<f32>>, f32)],
+    bound: f32,
+) {
+    for (k, want) in reference.0.iter().enumerate() {
+        let holders: Vec<&Vec<f32>> = ranks
+            .iter()
+            .map(|r| &r.0[k])
+            .filter(|w| !w.is_empty())
+            .collect();
+        assert!(!holders.is_empty(), "{name}: no rank holds parameter {k}");
+        for got in holders {
+            let diff = max_abs_diff(std::slice::from_ref(want), std::slice::from_ref(got));
+            assert!(
+                diff <= bound,
+                "{name}: parameter {k} differs from one process by {diff}"
+            );
+        }
+    }
+    for (rank, (_, loss)) in ranks.iter().enumerate() {
         assert!(
-            error.contains("pp_size 2") && error.contains("backward_batch"),
+            (loss - reference.1).abs() <= bound,
+            "{name}: rank {rank}'s held-out loss {loss} against {}",
+            reference.1
+        );
+    }
+}
+
+/// A metric file of a burn-train folder (`split/epoch-N/Name.log`: `value,batch` lines, then `value,final`).
+fn metric_file(dir: &Path, split: &str, epoch: usize, name: &str) -> Vec<(f64, String)> {
+    let path = dir.join(format!("{split}/epoch-{epoch}/{name}.log"));
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|line| {
+            let (value, tag) = line.split_once(',').unwrap();
+            (value.parse().unwrap(), tag.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn pipelined_the_learner_trains_as_one_process_under_both_schedules_and_with_replicas() {
+    let start = deep_start();
+    let one_run = Staged::new("pp-one");
+    let one = fit_staged(&one_run, &start).remove(0);
+    let piped = |name: &str| Staged {
+        ranks: 2,
+        pp: 2,
+        micro_batches: 4,
+        ..Staged::new(name)
+    };
+    for (name, run) in [
+        (
+            "pp 2, GPipe, 4 micro-batches",
+            Staged {
+                schedule: PipelineSchedule::GPipe,
+                ..piped("pp-gpipe")
+            },
+        ),
+        (
+            "pp 2, 1F1B, 4 micro-batches",
+            Staged {
+                schedule: PipelineSchedule::OneFOneB,
+                ..piped("pp-1f1b")
+            },
+        ),
+        (
+            "pp 2, activation checkpointing",
+            Staged {
+                checkpointing: true,
+                ..piped("pp-ckpt")
+            },
+        ),
+        // 2 replicas of 2 stages, each replica 32 samples a batch: the global batch of one process.
+        (
+            "pp 2 x dp 2",
+            Staged {
+                ranks: 4,
+                batch: 32,
+                ..piped("pp-dp")
+            },
+        ),
+    ] {
+        let ranks = fit_staged(&run, &start);
+        // SGD: the micro-batches' gradients summed in another order than one batch's, within float rounding.
+        assert_stages_match(name, &one, &ranks, 1e-5);
+        // The reporting rank (the last stage) logged the validation loss of one process, batch by batch.
+        for epoch in 1..=2 {
+            let (a, b) = (
+                metric_file(&one_run.artifacts.join("rank0"), "valid", epoch, "Loss"),
+                metric_file(&run.reporter(), "valid", epoch, "Loss"),
+            );
+            assert_eq!(a.len(), 3, "2 batches and the epoch's value: {a:?}");
+            assert_eq!(
+                b.len(),
+                a.len(),
+                "{name}, epoch {epoch}: {b:?} against {a:?}"
+            );
+            for ((x, tag_x), (y, tag_y)) in a.iter().zip(&b) {
+                assert_eq!(tag_x, tag_y);
+                assert!(
+                    (x - y).abs() <= 1e-5,
+                    "{name}, epoch {epoch}: {b:?} against {a:?}"
+                );
+            }
+            let train = metric_file(&run.reporter(), "train", epoch, "Loss");
+            assert_eq!(
+                train.len(),
+                1024 / 64 + 1,
+                "{name}: a training loss per batch: {train:?}"
+            );
+        }
+        // Only the reporting rank writes burn-train's files.
+        for rank in 0..run.ranks {
+            let dir = run.artifacts.join(format!("rank{rank}"));
+            if dir != run.reporter() {
+                assert_eq!(
+                    files(&dir),
+                    Vec::<PathBuf>::new(),
+                    "{name}: rank {rank} wrote"
+                );
+            }
+        }
+    }
+    let moved = max_abs_diff(&mlp::weights(&start), &one.0);
+    assert!(moved > 1e-2, "training moved the weights by {moved} only");
+}
+
+#[test]
+fn a_pipelined_learner_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights() {
+    let start = deep_start();
+    let project = temp_dir("pp-resume-project");
+    let base = Staged {
+        ranks: 2,
+        pp: 2,
+        micro_batches: 2,
+        ..Staged::new("pp-resume")
+    };
+    let uninterrupted = fit_staged(&base, &start);
+    // 16 steps an epoch: stop at step 21, in the middle of the second epoch, saving every 7 steps.
+    let stopped = Staged {
+        project: Some(project.clone()),
+        save_every: Some(7),
+        max_steps: Some(21),
+        ..base.clone()
+    };
+    fit_staged(&stopped, &start);
+    assert_eq!(ProjectConfiguration::new(&project).checkpoints().len(), 3);
+    // Resumed from a fresh start: everything comes from each stage's checkpoint.
+    let resumed = fit_staged(
+        &Staged {
+            project: Some(project),
+            save_every: Some(7),
+            resume: true,
+            ..base.clone()
+        },
+        &deep_start(),
+    );
+    for (rank, (a, b)) in uninterrupted.iter().zip(&resumed).enumerate() {
+        assert_eq!(a.0, b.0, "rank {rank}: bit for bit on the CPU");
+        assert_eq!(a.1.to_bits(), b.1.to_bits(), "rank {rank}'s held-out loss");
+    }
+}
+
+/// The deep MLP with a `TrainStep` that runs the whole model (no `learner::backward_batch`).
+#[derive(burn::module::Module, Debug)]
+struct WholeDeep {
+    deep: DeepMlp,
+}
+
+impl burn_accelerate::Blocks for WholeDeep {
+    type Block = burn::nn::Linear;
+    fn blocks(&self) -> &[burn::nn::Linear] {
+        self.deep.blocks()
+    }
+}
+
+impl burn_accelerate::learner::burn_train::TrainStep for WholeDeep {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(
+        &self,
+        batch: mlp::Batch,
+    ) -> burn_accelerate::learner::burn_train::TrainOutput<Self::Output> {
+        let h = self
+            .deep
+            .hidden
+            .iter()
+            .fold(self.deep.embed(&batch), |h, b| Mlp::hidden(b, h));
+        let item = self.deep.regression(h, &batch);
+        burn_accelerate::learner::burn_train::TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl burn_accelerate::learner::burn_train::InferenceStep for WholeDeep {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(&self, batch: mlp::Batch) -> Self::Output {
+        let h = self
+            .deep
+            .hidden
+            .iter()
+            .fold(self.deep.embed(&batch), |h, b| Mlp::hidden(b, h));
+        self.deep.regression(h, &batch)
+    }
+}
+
+#[test]
+fn under_a_pipeline_the_learner_says_what_to_change_instead_of_training_wrong() {
+    let errors = |name: &str, prepared: bool, checkpoints: bool| -> Vec<String> {
+        Accelerator::builder()
+            .pp_size(2)
+            .launch(2, |acc| {
+                let acc = Arc::new(acc);
+                let loader = |n, seed| {
+                    acc.prepare_dataloader(
+                        DataLoaderBuilder::new(SampleBatcher)
+                            .batch_size(32)
+                            .build(mlp::dataset(n, seed)),
+                    )
+                };
+                let mut training = SupervisedTraining::new(
+                    temp_dir(name).join(format!("rank{}", acc.process_index())),
+                    LearnerLoader::train(loader(128, 4)?),
+                    LearnerLoader::valid(loader(32, 5)?),
+                )
+                .with_application_logger(None);
+                if checkpoints {
+                    training = training.with_default_checkpointers();
+                }
+                let training = acc
+                    .prepare_training(training)?
+                    .renderer(Box::new(burn_accelerate::learner::QuietRenderer));
+                let model = WholeDeep { deep: deep_start() };
+                let model = if prepared {
+                    acc.prepare_blocks(model)?
+                } else {
+                    model
+                };
+                let result = training.launch(Learner::new(model, SgdConfig::new().init(), 0.1));
+                Ok(result.error.map(|e| e.to_string()).unwrap_or_default())
+            })
+            .unwrap()
+    };
+    for error in errors("pp-unprepared", false, false) {
+        assert!(
+            error.contains("pp_size 2")
+                && error.contains("accelerator.prepare_blocks(model)?")
+                && !error.contains("  "),
+            "{error}"
+        );
+    }
+    for error in errors("pp-epoch-checkpoints", true, true) {
+        assert!(
+            error.contains("save_every")
+                && error.contains("with_default_checkpointers")
+                && !error.contains("  "),
+            "{error}"
+        );
+    }
+    // The step runs the whole model on a stage that holds only its blocks.
+    for error in errors("pp-whole-step", true, false) {
+        assert!(
+            error.contains("burn_accelerate::learner::backward_batch(self, batch")
+                && !error.contains("  "),
             "{error}"
         );
     }
@@ -703,6 +1095,22 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         let diff = (loss(&launched) - loss(&one)).abs();
         assert!(diff <= 1e-4, "{args:?}: {launched:?} against {one:?}");
     }
+    // Pipelines of the deeper MLP: 2 stages on 2 processes, and 2 stages x 2 replicas on 4, against the same model
+    // on one process.
+    let deep = run(Command::new(&program).args(["--processes", "1", "--pp-size", "1"]));
+    for (np, args) in [
+        (2, vec!["--pp-size", "2"]),
+        (4, vec!["--pp-size", "2", "--activation-checkpointing"]),
+    ] {
+        let processes = np.to_string();
+        let in_process = run(Command::new(&program)
+            .args(["--processes", processes.as_str()])
+            .args(&args));
+        let launched = mpirun(np, &args);
+        assert_eq!(launched, in_process, "{args:?} on {np} processes");
+        let diff = (loss(&launched) - loss(&deep)).abs();
+        assert!(diff <= 1e-4, "{args:?}: {launched:?} against {deep:?}");
+    }
 }
 
 /// A TrainStep that back-propagates with `loss.backward()`, missing the fp16 loss scale.
@@ -725,6 +1133,36 @@ impl burn_accelerate::learner::burn_train::TrainStep for Unscaled {
 }
 
 impl burn_accelerate::learner::burn_train::InferenceStep for Unscaled {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(&self, batch: mlp::Batch) -> Self::Output {
+        mlp_train_step::regression(&self.mlp, batch)
+    }
+}
+
+/// A TrainStep on the gathered model, and an InferenceStep on `self` (the Learner's slices under `FULL_SHARD`).
+#[derive(burn::module::Module, Debug)]
+struct SlicedValidation {
+    mlp: Mlp,
+}
+
+impl burn_accelerate::learner::burn_train::TrainStep for SlicedValidation {
+    type Input = mlp::Batch;
+    type Output = burn_accelerate::learner::burn_train::RegressionOutput;
+
+    fn step(
+        &self,
+        batch: mlp::Batch,
+    ) -> burn_accelerate::learner::burn_train::TrainOutput<Self::Output> {
+        let model = burn_accelerate::learner::unshard(self);
+        let item = mlp_train_step::regression(&model.mlp, batch);
+        let grads = burn_accelerate::learner::backward(item.loss.clone());
+        burn_accelerate::learner::burn_train::TrainOutput::new(&model, grads, item)
+    }
+}
+
+impl burn_accelerate::learner::burn_train::InferenceStep for SlicedValidation {
     type Input = mlp::Batch;
     type Output = burn_accelerate::learner::burn_train::RegressionOutput;
 
@@ -863,6 +1301,23 @@ fn under_full_shard_the_learner_says_what_to_change_instead_of_training_wrong() 
         assert!(
             error.contains("save_every")
                 && error.contains("with_default_checkpointers")
+                && !error.contains("  "),
+            "{error}"
+        );
+    }
+    // An InferenceStep that runs on the Learner's slices: every rank validates, and says what to call.
+    for error in full_shard_errors("sliced-validation", false, |acc| {
+        let model = SlicedValidation { mlp: initial() };
+        Ok(Learner::new(
+            acc.prepare_model(model)?,
+            SgdConfig::new().init(),
+            0.1,
+        ))
+    }) {
+        assert!(
+            error.contains("InferenceStep")
+                && error.contains("burn_accelerate::learner::unshard(self)")
+                && error.contains("burn_accelerate::learner::forward_batch(self")
                 && !error.contains("  "),
             "{error}"
         );

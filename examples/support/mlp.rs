@@ -88,6 +88,18 @@ pub struct Batch {
 }
 burn_accelerate::impl_to_device!(Batch { x, y });
 
+/// A batch cuts into micro-batches of its samples (a pipeline's, `backward_batch`).
+impl burn_accelerate::Split for Batch {
+    fn micro_batches(self, parts: usize) -> burn_accelerate::Result<Vec<Self>> {
+        let parts = (self.x, self.y).micro_batches(parts)?;
+        Ok(parts.into_iter().map(|(x, y)| Batch { x, y }).collect())
+    }
+
+    fn samples(&self) -> Option<usize> {
+        Some(self.x.dims()[0])
+    }
+}
+
 /// Stacks samples into a [`Batch`].
 #[derive(Debug, Clone, Default)]
 pub struct SampleBatcher;

@@ -202,13 +202,36 @@ impl Accelerator {
         M: Blocks,
         B: crate::Split,
     {
+        self.backward_batch_keeping(model, batch, (before, block, after), None)
+    }
+
+    /// [`backward_batch`](Self::backward_batch), the last stage of a pipeline keeping each micro-batch's output
+    /// of the blocks in `tops` (burn-train's Learner runs the head on them once more, for the batch's item).
+    pub(crate) fn backward_batch_keeping<M, B, const D: usize>(
+        &self,
+        model: &M,
+        batch: B,
+        (before, block, after): (
+            impl Fn(&M, &B) -> Tensor<D>,
+            impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
+            impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
+        ),
+        tops: Option<&crate::pipeline_parallel::runtime::Tops<D>>,
+    ) -> Result<Tensor<1>>
+    where
+        M: Blocks,
+        B: crate::Split,
+    {
         self.applied.check(self);
         let checkpoint = self.config.memory.activation_checkpointing;
         match &self.stage {
-            Some(stage) => {
-                self.step
-                    .backward_staged(stage, model, batch, (before, block, after), checkpoint)
-            }
+            Some(stage) => self.step.backward_staged(
+                stage,
+                model,
+                batch,
+                (before, block, after),
+                (checkpoint, tops),
+            ),
             None => self.step.backward_blocks(
                 model,
                 |m| before(m, &batch),
@@ -223,7 +246,9 @@ impl Accelerator {
     /// [`backward_batch`](Self::backward_batch): `after(model, x, micro_batch)` returns per-sample values (a loss
     /// per sample, a prediction, a count of correct answers) as one dimension. Returns them for the whole batch,
     /// in order, on every rank; no gradient is kept. Without a pipeline this is `before`, every block and `after`
-    /// on the whole batch (the model gathered whole under `FULL_SHARD`); under one, the micro-batches flow forward
+    /// on the whole batch (under `FULL_SHARD` block by block, as the training pass: what is outside the blocks
+    /// gathered for `before` and `after`, each block gathered in turn and dropped after it); under one, the
+    /// micro-batches flow forward
     /// through the stages and the last stage's values come back on every stage, ready for
     /// [`gather_for_metrics`](Self::gather_for_metrics).
     ///

@@ -535,7 +535,15 @@ impl LoadedState {
         burn::lr_scheduler::LrSchedulerRecord,
     )> {
         let now = self.strategy.as_ref().map(|s| s.model_state());
-        if !self.same_layout(self.manifest.model_per_rank, now) {
+        // A pipelined Learner saved its stage's model as burn-train holds it (whole shapes: the Learner keeps its
+        // copy of what the stage dropped, see `learner::stage_model`): the same stages on as many ranks (the
+        // Learner checks the stages) each load their own record.
+        let own_stage = self.pipelined
+            && self.manifest.model_per_rank
+            && self.manifest.pp_size.is_some()
+            && self.manifest.num_processes == self.num_processes
+            && self.same_splits();
+        if !own_stage && !self.same_layout(self.manifest.model_per_rank, now) {
             return Err(corrupt(
                 &self.dir,
                 format!(

@@ -29,8 +29,12 @@ struct Installed {
 pub(crate) struct StepCalls {
     /// The whole model [`unshard`] gathered (a `Box<M>` of the Learner's model type).
     pub gathered: Option<Box<dyn Any>>,
-    /// Whether [`backward_blocks`] ran: its gradients are in the pipeline, and the `TrainOutput`'s are empty.
+    /// Whether [`backward_blocks`] or `backward_batch` ran: its gradients are in the pipeline, and the
+    /// `TrainOutput`'s are empty.
     pub block_pass: bool,
+    /// Whether `forward_batch`, or `backward_batch` under a pipeline, took the batch through the blocks (a
+    /// pipeline's stages, or the blocks gathered one by one).
+    pub batch_pass: bool,
     /// The first error of a call that could not return it.
     pub failure: Option<Error>,
 }
@@ -67,7 +71,7 @@ impl Drop for Guard {
     }
 }
 
-fn installed() -> Option<(Arc<Accelerator>, bool)> {
+pub(super) fn installed() -> Option<(Arc<Accelerator>, bool)> {
     INSTALLED.with(|i| {
         i.borrow()
             .as_ref()
@@ -75,7 +79,7 @@ fn installed() -> Option<(Arc<Accelerator>, bool)> {
     })
 }
 
-fn record(f: impl FnOnce(&mut StepCalls)) {
+pub(super) fn record(f: impl FnOnce(&mut StepCalls)) {
     CALLS.with(|c| {
         if let Some(calls) = c.borrow_mut().as_mut() {
             f(calls);
@@ -83,7 +87,7 @@ fn record(f: impl FnOnce(&mut StepCalls)) {
     });
 }
 
-fn fail(error: Error) {
+pub(super) fn fail(error: Error) {
     record(|calls| {
         calls.failure.get_or_insert(error);
     });

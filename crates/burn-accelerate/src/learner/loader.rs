@@ -16,7 +16,8 @@ use crate::data::{PreparedDataLoader, PreparedIter};
 /// them there; `slice` keeps the batches that start inside the item range.
 ///
 /// A validation loader ([`LearnerLoader::valid`]) is read whole, as one process reads it: the strategy
-/// validates on the main process only, so that burn-train's metrics and early stopping see the whole split.
+/// validates on the main process only (under a pipeline, on every stage), so that burn-train's
+/// metrics and early stopping see the whole split.
 pub struct LearnerLoader<I, O> {
     inner: Arc<PreparedDataLoader<I, O>>,
     items: usize,

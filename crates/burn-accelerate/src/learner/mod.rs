@@ -18,7 +18,8 @@
 //! Inside `TrainStep::step`, [`unshard`] gives the model to run on (gathered under `FULL_SHARD`), [`autocast`]
 //! runs the forward pass under the accelerator's mixed precision and [`backward`] applies the fp16 loss scale; all
 //! three are plain calls otherwise. [`backward_blocks`] runs a model made of blocks block by block (block-wise
-//! `FULL_SHARD`, activation checkpointing, frozen blocks).
+//! `FULL_SHARD`, activation checkpointing, frozen blocks); [`backward_batch`] and, in the `InferenceStep`,
+//! [`forward_batch`] take the whole batch through it in every mode, pipelines (`pp_size` > 1) included.
 //!
 //! How it relates to burn-train's own checkpoints: burn-train saves the model, optimizer and scheduler at
 //! epoch ends and resumes at an epoch boundary (`SupervisedTraining::checkpoint(epoch)`); these still work
@@ -29,11 +30,14 @@
 
 mod context;
 mod gathering;
+mod batch_steps;
 mod loader;
 mod renderers;
 mod records;
+mod stage_model;
 mod strategy;
 
+pub use batch_steps::{backward_batch, forward_batch};
 /// The burn-train this module is built against (use it, or depend on the same version).
 pub use burn_train;
 pub use context::{autocast, backward};
@@ -47,10 +51,20 @@ use std::sync::Arc;
 use crate::accelerator::Accelerator;
 use crate::error::Result;
 
+/// Whether this rank renders burn-train's progress, writes its metrics and decides early stopping: the main
+/// process, or under a pipeline the last stage of the first replica (the stage that computes each batch's item).
+pub(crate) fn reports(accelerator: &Accelerator) -> bool {
+    match accelerator.stage() {
+        Some(stages) => stages.layout.replica == 0 && stages.layout.is_last_stage(),
+        None => accelerator.is_main_process(),
+    }
+}
+
 impl Accelerator {
     /// Makes a burn-train `SupervisedTraining` train through this accelerator: the
     /// [`AcceleratedStrategy`], and on every rank but the main process no
-    /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes).
+    /// renderer output, no metric files and no `experiment.log` (only the main process reports and writes; under
+    /// a pipeline, the last stage of the first replica, which computes the items).
     /// Pass prepared dataloaders through [`LearnerLoader`].
     ///
     /// On the main process, burn-train renders as usual with the feature `train-tui` (its terminal UI), else a
@@ -78,7 +92,7 @@ impl Accelerator {
         strategy.validate()?;
         let training = training
             .with_training_strategy(burn_train::TrainingStrategy::Custom(Arc::new(strategy)));
-        if self.is_main_process() {
+        if reports(self) {
             // burn-train without its terminal UI prints a debug dump of its progress for every batch.
             #[cfg(not(feature = "train-tui"))]
             let training = training.renderer(Box::new(LineRenderer::new()));

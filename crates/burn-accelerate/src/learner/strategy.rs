@@ -7,12 +7,15 @@ use burn::data::dataset::DatasetError;
 use burn_train::checkpoint::CheckpointerError;
 use burn_train::metric::store::EventStoreClient;
 use burn_train::{
-    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
-    LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
-    TrainingComponents, TrainingError, TrainingItem, ValidLoader,
+    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearnerModel, LearningResult,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
+    TrainingError, TrainingItem, ValidLoader,
 };
 use serde::{Deserialize, Serialize};
 
+mod validation;
+
+use super::batch_steps::{stage_done, whole_model_under_pipeline};
 use super::context;
 use super::gathering;
 use super::records;
@@ -49,8 +52,18 @@ struct LearnerProgress {
 /// - Under `FULL_SHARD` and `HYBRID_SHARD` the Learner holds this rank's slices of the model between steps (build it
 ///   with `accelerator.prepare_model(model)?`) and its optimizer steps them: the whole model is gathered for each
 ///   step, handed to the `TrainStep` by [`learner::unshard`](super::unshard) and released after it, gradients are
-///   reduce-scattered, and validation and the returned model are gathered on every rank. burn-train's epoch
+///   reduce-scattered, and the returned model is gathered on every rank. Every rank validates (taking part in
+///   the gathers): the `InferenceStep` runs on `learner::unshard(self)`, or block by block with
+///   [`learner::forward_batch`](super::forward_batch) (one block whole at a time). burn-train's epoch
 ///   checkpoints are refused there (the main process would write its slices only): use `save_every`.
+/// - Under a pipeline (`pp_size` > 1) each rank's Learner holds its stage's blocks (build it with
+///   `accelerator.prepare_blocks(model)?`); the `TrainStep` takes the batch through the stages with
+///   [`learner::backward_batch`](super::backward_batch), the `InferenceStep` with
+///   [`learner::forward_batch`](super::forward_batch). The last stage computes each batch's item, so the last stage
+///   of the first replica renders, logs the metrics and decides early stopping; every replica's stages validate
+///   on the whole split (the first replica's last stage reports); the run returns each rank's stage (save it with
+///   [`save_blocks`](crate::Accelerator::save_blocks)). burn-train's epoch checkpoints are refused: use
+///   `save_every`.
 /// - [`save_every`](Self::save_every) saves the whole run with `save_state` (model, optimizer, scheduler,
 ///   dataloader positions) every n optimizer steps; [`resume`](Self::resume) continues from the latest such
 ///   checkpoint, in the middle of an epoch, bit for bit.
@@ -64,6 +77,9 @@ pub struct AcceleratedStrategy {
     save_every: Option<usize>,
     max_steps: Option<usize>,
     resume: bool,
+    /// Under a pipeline, the parameters the stage made placeholders of that the Learner keeps a copy of (see
+    /// `stage_model`).
+    placeholders: Mutex<std::collections::HashSet<burn::module::ParamId>>,
 }
 
 impl std::fmt::Debug for AcceleratedStrategy {
@@ -85,7 +101,7 @@ impl AcceleratedStrategy {
     /// checkpointing).
     ///
     /// # Errors
-    /// When a strategy was already made for this accelerator, or the accelerator runs a pipeline (`pp_size` > 1).
+    /// When a strategy was already made for this accelerator.
     pub fn new(accelerator: Arc<Accelerator>) -> Result<Self> {
         // The strategy says whether the Learner can train through it (it runs the forward pass on its own model).
         accelerator.step().strategy().check_learner()?;
@@ -106,6 +122,7 @@ impl AcceleratedStrategy {
             save_every: None,
             max_steps: None,
             resume: false,
+            placeholders: Mutex::default(),
         })
     }
 
@@ -157,16 +174,29 @@ impl AcceleratedStrategy {
         )))
     }
 
-    /// Whether each rank holds only its slices of the parameters between steps (`FULL_SHARD`, `HYBRID_SHARD`):
-    /// the Learner's model is then the prepared model's slices, which burn-train's optimizer steps, and the whole
-    /// model is gathered for each step (handed to the `TrainStep` by [`learner::unshard`](super::unshard)), for
-    /// validation and for the trained model the run returns.
+    /// Whether each rank holds only its part of the parameters between steps (`FULL_SHARD`, `HYBRID_SHARD`: its
+    /// slices; a pipeline: its stage): the Learner's model is then the prepared model's part, which burn-train's
+    /// optimizer steps, and the model is gathered for each step (by [`learner::unshard`](super::unshard), or block
+    /// by block), for each validation batch, and (but for a pipeline) for the trained model the run returns.
     fn holds_slices(&self) -> bool {
         self.accelerator.step().strategy().model_state() == StateScope::PerRank
     }
 
-    /// The whole model of `learner` (gathered on every rank when it holds slices).
+    /// The number of stages, under a pipeline.
+    fn pipeline_stages(&self) -> Option<usize> {
+        self.accelerator.stage().map(|s| s.layout.stages)
+    }
+
+    /// The whole model of `learner` (gathered on every rank when it holds slices); under a pipeline, this
+    /// rank's stage (no rank holds the whole model).
     fn whole_model<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<M> {
+        if self.pipeline_stages().is_some() {
+            let placeholders = self.placeholders.lock().unwrap_or_else(|p| p.into_inner());
+            return Ok(super::stage_model::with_placeholders(
+                learner.model(),
+                &placeholders,
+            ));
+        }
         if self.holds_slices() {
             self.accelerator.unshard(&learner.model())
         } else {
@@ -237,6 +267,19 @@ impl AcceleratedStrategy {
             return Ok(());
         }
         let mut state = acc.load_state(None)?;
+        if let Some(stages) = self.pipeline_stages() {
+            let (saved, ranks) = (state.saved_pp_size(), state.saved_num_processes());
+            if saved != Some(stages) || ranks != acc.num_processes() {
+                let saved = saved.map_or("no pipeline".to_string(), |p| format!("pp_size {p}"));
+                return Err(Error::InvalidArgument(format!(
+                    "AcceleratedStrategy: the latest checkpoint was saved by {ranks} ranks with {saved}, and this \
+                     run has pp_size {stages} on {} ranks; the Learner resumes a pipeline on the stages and ranks \
+                     that saved it (each rank loads its stage's part): resume with those settings, or load the \
+                     checkpoint in a loop of your own (`accelerator.load_state`), which re-cuts it",
+                    acc.num_processes()
+                )));
+            }
+        }
         let (model, (optimizer, _), scheduler) = state.records()?;
         state.finish()?;
         // The record carries the saved parameter ids: the strategy learns them (a sharded one keys its slices
@@ -268,7 +311,23 @@ impl AcceleratedStrategy {
                 acc.config().accumulation.gradient_accumulation_steps
             )));
         }
-        if self.holds_slices() {
+        if let Some(stages) = self.pipeline_stages() {
+            if epoch_checkpoints {
+                return Err(Error::InvalidArgument(format!(
+                    "AcceleratedStrategy: under pp_size {stages} each rank holds only its stage's blocks, so \
+                     burn-train's epoch checkpoints (written by one process) would hold a part of the model; save \
+                     with `prepare_training_with(training, |s| s.save_every(n))` (each rank its part, resumed \
+                     with `.resume(true)`) and drop `with_default_checkpointers`"
+                )));
+            }
+            if !super::stage_model::has_placeholder(&learner.model()) {
+                return Err(Error::InvalidArgument(format!(
+                    "AcceleratedStrategy: under pp_size {stages} each rank holds only its stage's blocks, and \
+                     burn-train's Learner cannot change the shapes of its model; build the Learner with the \
+                     prepared stage: `Learner::new(accelerator.prepare_blocks(model)?, optimizer, learning_rate)`"
+                )));
+            }
+        } else if self.holds_slices() {
             let sharding = acc.config().distributed.sharding;
             if epoch_checkpoints {
                 return Err(Error::InvalidArgument(format!(
@@ -314,7 +373,7 @@ impl AcceleratedStrategy {
         store: &EventStoreClient,
     ) -> bool {
         let acc = &self.accelerator;
-        let main = acc.is_main_process();
+        let reporter = super::reports(acc);
         let precision = acc.config().precision.mixed_precision;
         let pipeline = acc.step();
         super::loader::reset_prepared_flag();
@@ -357,6 +416,13 @@ impl AcceleratedStrategy {
                     interrupter.fail(training_error(e));
                     return self.anyone_stops(interrupter, true);
                 }
+                if let Some(stages) = self.pipeline_stages()
+                    && !calls.batch_pass
+                {
+                    // A step on the stage's model runs into the placeholders of the other stages' blocks.
+                    interrupter.fail(training_error(whole_model_under_pipeline(stages, true)));
+                    return self.anyone_stops(interrupter, true);
+                }
                 if holds_slices && calls.gathered.is_none() && !calls.block_pass {
                     // A step on the Learner's slices fails in its first layer (or trains wrong): say what to call.
                     interrupter.fail(training_error(Error::InvalidArgument(format!(
@@ -368,8 +434,10 @@ impl AcceleratedStrategy {
                     ))));
                     return self.anyone_stops(interrupter, true);
                 }
+                // A pipeline's stage other than the last ends its step without an item.
                 let output = match result {
-                    Ok(output) => output,
+                    Ok(output) => Some(output),
+                    Err(panic) if stage_done(panic.as_ref()) => None,
                     Err(panic) => resume_unwind(panic),
                 };
                 if context::autocast_was_used() {
@@ -391,6 +459,10 @@ impl AcceleratedStrategy {
             // same point then), and the gradients to apply (none while accumulating, or after an fp16 overflow:
             // skipped on every rank, and the scheduler waits). A block-wise pass put its gradients through the
             // pipeline already.
+            let (grads, item) = match output {
+                Some(output) => (output.grads, Some(output.item)),
+                None => (burn::optim::GradientsParams::new(), None),
+            };
             let outcome = if calls.block_pass {
                 pipeline.finish_processed(&learner.model(), self.max_grad_norm)
             } else {
@@ -400,7 +472,7 @@ impl AcceleratedStrategy {
                     .and_then(|m| m.downcast::<M>().ok())
                     .map(|m| *m);
                 pipeline.finish(
-                    output.grads,
+                    grads,
                     || whole.unwrap_or_else(|| learner.model()),
                     self.max_grad_norm,
                 )
@@ -420,6 +492,17 @@ impl AcceleratedStrategy {
                 }
                 learner.optimizer_step(grads);
                 match pipeline.share_stepped(|| learner.model()) {
+                    Ok(Some(model)) if self.pipeline_stages().is_some() => {
+                        // burn-train cannot change its model's shapes: the Learner keeps its copy of what the
+                        // stage made placeholders of.
+                        let (model, kept) =
+                            super::stage_model::keep_shapes(model, &learner.model());
+                        self.placeholders
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .extend(kept);
+                        learner.load_model(model.into_record());
+                    }
                     Ok(Some(model)) => learner.load_model(model.into_record()),
                     Ok(None) => {}
                     Err(e) => {
@@ -450,93 +533,14 @@ impl AcceleratedStrategy {
             if synchronising {
                 stop = self.anyone_stops(interrupter, stop);
             }
-            if main {
-                let item = TrainingItem::new(
-                    output.item,
-                    progress,
-                    Some(iteration),
-                    Some(learner.lr_current()),
-                );
+            if reporter && let Some(item) = item {
+                let item =
+                    TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
                 interrupter
                     .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
             }
             if stop {
                 return true;
-            }
-        }
-    }
-
-    /// One validation epoch, on the main process only, over the whole split (a [`LearnerLoader::valid`] reads it
-    /// as one process does): burn-train's metrics cannot be gathered across processes, so the main process
-    /// computes them all and its metrics and early stopping equal a 1-rank run's. The other ranks wait,
-    /// answering one heartbeat per validation batch so that no collective waits longer than one batch.
-    ///
-    /// [`LearnerLoader::valid`]: super::LearnerLoader::valid
-    fn valid_epoch<M: LearnerModel>(
-        &self,
-        learner: &Learner<M>,
-        loader: &ValidLoader<M>,
-        processor: &mut SupervisedTrainingEventProcessor<M>,
-        interrupter: &Interrupter,
-    ) {
-        let acc = &self.accelerator;
-        let heartbeat = |done: bool| {
-            if acc.num_processes() == 1 {
-                return Ok(done);
-            }
-            collectives::any_rank(acc.process_group(), "learner_validation", done)
-        };
-        // Under FULL_SHARD every rank takes part in gathering the model the main process validates.
-        let model = match self.whole_model(learner) {
-            Ok(model) => model,
-            Err(e) => return interrupter.fail(training_error(e)),
-        };
-        if !acc.is_main_process() {
-            drop(model);
-            loop {
-                match heartbeat(false) {
-                    Ok(false) => {}
-                    Ok(true) => return,
-                    Err(e) => return interrupter.fail(training_error(e)),
-                }
-            }
-        }
-        self.validate_on_main(model, loader, processor, interrupter, || {
-            heartbeat(false).map(|_| ())
-        });
-        if let Err(e) = heartbeat(true) {
-            interrupter.fail(training_error(e));
-        }
-    }
-
-    /// The main process's validation loop; `between_batches` runs after each batch.
-    fn validate_on_main<M: LearnerModel>(
-        &self,
-        model: M,
-        loader: &ValidLoader<M>,
-        processor: &mut SupervisedTrainingEventProcessor<M>,
-        interrupter: &Interrupter,
-        between_batches: impl Fn() -> Result<()>,
-    ) {
-        let precision = self.accelerator.config().precision.mixed_precision;
-        let model = model.valid();
-        let mut iterator = loader.iter();
-        let mut iteration = 0;
-        while let Some(item) = iterator.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(e) => return interrupter.fail(TrainingError::Dataset(e)),
-            };
-            iteration += 1;
-            let progress = iterator.progress();
-            let output = {
-                let _context = context::enter(precision, None);
-                InferenceStep::step(&model, item)
-            };
-            let item = TrainingItem::new(output, progress, Some(iteration), None);
-            interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
-            if let Err(e) = between_batches() {
-                return interrupter.fail(training_error(e));
             }
         }
     }
@@ -550,7 +554,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
         dataloader_valid: ValidLoader<M>,
         mut components: TrainingComponents<M>,
     ) -> LearningResult<M> {
-        let main = self.accelerator.is_main_process();
+        let main = super::reports(&self.accelerator);
         let interrupter = components.interrupter.clone();
         let starting_epoch = components.checkpoint.unwrap_or(0) + 1;
         if main {
@@ -603,7 +607,8 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
             ..
         } = components;
         let acc = &self.accelerator;
-        let main = acc.is_main_process();
+        // The rank that renders, logs the metrics and decides (the last stage under a pipeline).
+        let main = super::reports(acc);
         learner.fork(acc.device());
         let setup = self.setup(&mut learner, grad_accumulation, checkpointer.is_some());
         if let Err(e) = acc.process_group().agree("AcceleratedStrategy", setup) {
@@ -648,7 +653,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
                 if checkpointer.is_some() || early_stopping.is_some() {
                     interrupter.fail_on_error(processor.flush());
                 }
-                // burn-train's own epoch checkpoints and early stopping: the main process's metrics decide.
+                // burn-train's own epoch checkpoints and early stopping: the reporting rank's metrics decide.
                 if let Some(checkpointer) = &mut checkpointer {
                     checkpointer.checkpoint(&learner, epoch, &event_store);
                 }

@@ -29,8 +29,12 @@ mod tied;
 mod checks;
 mod window;
 mod forward;
+mod tops;
 
 use checks::*;
+pub(crate) use tops::Tops;
+#[cfg(feature = "train")]
+pub(crate) use tops::whole_batch_top;
 
 use mailbox::{Mailbox, micros};
 use tied::sum_tied;
@@ -109,6 +113,7 @@ enum End<const D: usize> {
 
 impl StepPipeline {
     /// One batch's forward and backward pass on this rank's stage of `stages` (see `Accelerator::backward_batch`).
+    /// On the last stage, `tops` (when given) receives each micro-batch's output of the blocks.
     pub(crate) fn backward_staged<M, B, const D: usize>(
         &self,
         stages: &Arc<Stages>,
@@ -119,7 +124,7 @@ impl StepPipeline {
             impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
             impl Fn(&M, Tensor<D>, &B) -> Tensor<1>,
         ),
-        checkpoint: bool,
+        (checkpoint, tops): (bool, Option<&Tops<D>>),
     ) -> Result<Tensor<1>>
     where
         M: Blocks,
@@ -170,6 +175,11 @@ impl StepPipeline {
         let mut live: HashMap<usize, Live<D>> = HashMap::new();
         let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
         let passes = stage_passes(stages.schedule, s, p, m);
+        let keep_top = |i: usize, y: &Tensor<D>| {
+            if let (true, Some(tops)) = (last, tops) {
+                tops.borrow_mut().push((i, y.clone().detach()));
+            }
+        };
         // A pass that fails (an error, or a panic such as LibTorch's out-of-memory one) stops this stage computing
         // the step, but not its messages: it sends on what its neighbours wait for (a header marked failed for an
         // activation, zeros for a gradient), so every stage ends the step and learns of the failure together.
@@ -245,6 +255,7 @@ impl StepPipeline {
                             }
                             y = block(b, y);
                         }
+                        keep_top(i, &y);
                         let end = match (last, &mut deferred) {
                             (true, Some(d)) => {
                                 let top = y.clone().detach().require_grad();
@@ -311,6 +322,7 @@ impl StepPipeline {
                                 block(b, x).detach()
                             };
                         }
+                        keep_top(i, &y);
                         let (end, top) = match (last, &mut deferred) {
                             (true, Some(d)) => {
                                 let top = y.require_grad();

@@ -16,7 +16,7 @@ use crate::distributed::strategy::{
     ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
 };
 use crate::distributed::tensor_comm::TensorComm;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::grad::{GradientBuffer, NormType};
 
 /// The strategy of a pipelined rank: `inner`, its stage's data-parallel strategy, for everything a stage does
@@ -161,8 +161,36 @@ impl ParamPlacement for Staged {
         self.inner.block_pass()
     }
 
+    /// The stage's strategy's, and what the stage learnt by id (a restored record brings its saved ids).
     fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
-        self.inner.params_renamed(renamed)
+        self.inner.params_renamed(renamed);
+        let rename = |id: ParamId| {
+            renamed
+                .iter()
+                .find(|(from, _)| *from == id)
+                .map_or(id, |(_, to)| *to)
+        };
+        let s = &self.stages;
+        let mut lens = s.rest_lens.lock().unwrap_or_else(|e| e.into_inner());
+        *lens = lens.drain().map(|(id, n)| (rename(id), n)).collect();
+        if let Some(tied) = s.tied.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            for (id, _) in tied.iter_mut() {
+                *id = rename(*id);
+            }
+        }
+        if let Some(owners) = s
+            .rest_owner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            *owners = owners.drain().map(|(id, o)| (rename(id), o)).collect();
+        }
+        for set in [&s.rest_reached, &s.rest_elsewhere] {
+            if let Some(ids) = set.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                *ids = ids.drain().map(rename).collect();
+            }
+        }
     }
 
     fn slicing(&self, id: ParamId) -> Option<(Slicing, usize)> {
@@ -342,12 +370,9 @@ impl StateScopes for Staged {
         self.inner.check_optimizer(optimizer)
     }
 
+    /// The stage's strategy's: the Learner trains a pipeline through `learner::backward_batch` (each stage its
+    /// blocks, the last stage's items reported).
     fn check_learner(&self) -> Result<()> {
-        Err(Error::InvalidArgument(format!(
-            "the Learner cannot train with pp_size {}: it runs its own forward pass over the whole model, while a \
-             pipeline runs each stage's blocks on its own ranks; train in your own loop with \
-             `accelerator.backward_batch`, or set pp_size to 1 for the Learner",
-            self.stages.layout.stages
-        )))
+        self.inner.check_learner()
     }
 }

@@ -377,7 +377,7 @@ pub(crate) trait StateScopes {
     /// use instead.
     ///
     /// # Errors
-    /// The strategy cannot run under the Learner (a pipeline).
+    /// The strategy cannot run under the Learner (none of this crate's today).
     #[cfg_attr(not(feature = "train"), allow(dead_code))]
     fn check_learner(&self) -> Result<()> {
         Ok(())
