@@ -128,6 +128,30 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
     results.into_iter().next().unwrap()
 }
 
+/// A split of the data as burn-train reads it.
+type Split = Arc<dyn burn::data::dataloader::DataLoader<mlp::Batch>>;
+
+/// The training split (1024 samples, shuffled, `batch` a rank) and the validation split (256 samples in batches of
+/// 128, read whole), prepared by `acc`.
+fn splits(acc: &Accelerator, batch: usize) -> Result<(Split, Split)> {
+    let train = LearnerLoader::train(
+        acc.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(batch)
+                .shuffle(7)
+                .build(mlp::dataset(1024, 4)),
+        )?,
+    );
+    let valid = LearnerLoader::valid(
+        acc.prepare_dataloader(
+            DataLoaderBuilder::new(SampleBatcher)
+                .batch_size(128)
+                .build(mlp::dataset(256, 5)),
+        )?,
+    );
+    Ok((train, valid))
+}
+
 /// One rank's Learner run of `run`, on `start` wrapped by `wrap` (the model type the `TrainStep` belongs to);
 /// returns the trained weights and held-out loss of the MLP `mlp_of` finds in it.
 fn rank_fit<M>(
@@ -148,21 +172,7 @@ where
         >,
 {
     let rank = acc.process_index();
-    let train = LearnerLoader::train(
-        acc.prepare_dataloader(
-            DataLoaderBuilder::new(SampleBatcher)
-                .batch_size(run.batch)
-                .shuffle(7)
-                .build(mlp::dataset(1024, 4)),
-        )?,
-    );
-    let valid = LearnerLoader::valid(
-        acc.prepare_dataloader(
-            DataLoaderBuilder::new(SampleBatcher)
-                .batch_size(128)
-                .build(mlp::dataset(256, 5)),
-        )?,
-    );
+    let (train, valid) = splits(acc, run.batch)?;
     let mut training = SupervisedTraining::new(artifacts(run, rank), train, valid)
         .metric_train_numeric(LossMetric::new())
         .metric_train_numeric(LearningRateMetric::new())
@@ -487,21 +497,7 @@ fn fit_staged(run: &Staged, start: &DeepMlp) -> Vec<(Vec<Vec<f32>>, f32)> {
         .launch(run.ranks, |acc| -> Result<(Vec<Vec<f32>>, f32)> {
             let acc = Arc::new(acc);
             let rank = acc.process_index();
-            let train = LearnerLoader::train(
-                acc.prepare_dataloader(
-                    DataLoaderBuilder::new(SampleBatcher)
-                        .batch_size(run.batch)
-                        .shuffle(7)
-                        .build(mlp::dataset(1024, 4)),
-                )?,
-            );
-            let valid = LearnerLoader::valid(
-                acc.prepare_dataloader(
-                    DataLoaderBuilder::new(SampleBatcher)
-                        .batch_size(128)
-                        .build(mlp::dataset(256, 5)),
-                )?,
-            );
+            let (train, valid) = splits(&acc, run.batch)?;
             let training =
                 SupervisedTraining::new(run.artifacts.join(format!("rank{rank}")), train, valid)
                     .metric_train_numeric(LossMetric::new())
@@ -764,39 +760,20 @@ impl burn_accelerate::learner::burn_train::InferenceStep for WholeDeep {
 #[test]
 fn under_a_pipeline_the_learner_says_what_to_change_instead_of_training_wrong() {
     let errors = |name: &str, prepared: bool, checkpoints: bool| -> Vec<String> {
-        Accelerator::builder()
-            .pp_size(2)
-            .launch(2, |acc| {
-                let acc = Arc::new(acc);
-                let loader = |n, seed| {
-                    acc.prepare_dataloader(
-                        DataLoaderBuilder::new(SampleBatcher)
-                            .batch_size(32)
-                            .build(mlp::dataset(n, seed)),
-                    )
-                };
-                let mut training = SupervisedTraining::new(
-                    temp_dir(name).join(format!("rank{}", acc.process_index())),
-                    LearnerLoader::train(loader(128, 4)?),
-                    LearnerLoader::valid(loader(32, 5)?),
-                )
-                .with_application_logger(None);
-                if checkpoints {
-                    training = training.with_default_checkpointers();
-                }
-                let training = acc
-                    .prepare_training(training)?
-                    .renderer(Box::new(burn_accelerate::learner::QuietRenderer));
+        learner_errors(
+            Accelerator::builder().pp_size(2),
+            name,
+            checkpoints,
+            |acc| {
                 let model = WholeDeep { deep: deep_start() };
                 let model = if prepared {
                     acc.prepare_blocks(model)?
                 } else {
                     model
                 };
-                let result = training.launch(Learner::new(model, SgdConfig::new().init(), 0.1));
-                Ok(result.error.map(|e| e.to_string()).unwrap_or_default())
-            })
-            .unwrap()
+                Ok(Learner::new(model, SgdConfig::new().init(), 0.1))
+            },
+        )
     };
     for error in errors("pp-unprepared", false, false) {
         assert!(
@@ -1249,8 +1226,24 @@ where
         + burn_accelerate::learner::burn_train::InferenceStep<Input = mlp::Batch>,
     F: Fn(&Accelerator) -> Result<Learner<M>> + Sync,
 {
-    Accelerator::builder()
-        .sharding(ShardingStrategy::FullShard)
+    let builder = Accelerator::builder().sharding(ShardingStrategy::FullShard);
+    learner_errors(builder, name, checkpoints, learner)
+}
+
+/// The error each of 2 ranks of `builder` ends a Learner run with (see [`full_shard_errors`]).
+fn learner_errors<M, F>(
+    builder: burn_accelerate::AcceleratorBuilder,
+    name: &str,
+    checkpoints: bool,
+    learner: F,
+) -> Vec<String>
+where
+    M: burn_accelerate::learner::burn_train::LearnerModel
+        + burn_accelerate::learner::burn_train::TrainStep<Input = mlp::Batch>
+        + burn_accelerate::learner::burn_train::InferenceStep<Input = mlp::Batch>,
+    F: Fn(&Accelerator) -> Result<Learner<M>> + Sync,
+{
+    builder
         .launch(2, |acc| {
             let acc = Arc::new(acc);
             let loader = |n, seed| {

@@ -20,6 +20,11 @@ use super::mlp::{Batch, FEATURES, HIDDEN, Mlp};
 /// The forward pass under the accelerator's mixed precision, the loss in f32.
 pub fn regression(model: &Mlp, batch: Batch) -> RegressionOutput {
     let (output, targets) = learner::autocast(model, batch, |m, b| (m.forward(b.x), b.y));
+    item(output, targets)
+}
+
+/// The step's item: the mean squared error of `output` against `targets`.
+pub fn item(output: Tensor<2>, targets: Tensor<2>) -> RegressionOutput {
     let loss = MseLoss::new().forward(output.clone(), targets.clone(), Reduction::Mean);
     RegressionOutput {
         loss,
@@ -73,15 +78,7 @@ impl TrainStep for BlockWise {
             self,
             |_| batch.x.clone(),
             Mlp::hidden,
-            |model, h| {
-                let output = model.mlp.head(h);
-                let loss = MseLoss::new().forward(output.clone(), batch.y.clone(), Reduction::Mean);
-                RegressionOutput {
-                    loss,
-                    output,
-                    targets: batch.y.clone(),
-                }
-            },
+            |model, h| item(model.mlp.head(h), batch.y.clone()),
             |out| out.loss.clone(),
         )
     }
@@ -98,15 +95,7 @@ impl InferenceStep for BlockWise {
             batch,
             |_, b| b.x.clone(),
             Mlp::hidden,
-            |m, h, b| {
-                let output = m.mlp.head(h);
-                let loss = MseLoss::new().forward(output.clone(), b.y.clone(), Reduction::Mean);
-                RegressionOutput {
-                    loss,
-                    output,
-                    targets: b.y.clone(),
-                }
-            },
+            |m, h, b| item(m.mlp.head(h), b.y.clone()),
         )
     }
 }
@@ -140,13 +129,7 @@ impl DeepMlp {
 
     /// The output layer and the loss (after the blocks).
     pub fn regression(&self, h: Tensor<2>, batch: &Batch) -> RegressionOutput {
-        let output = self.output.forward(h);
-        let loss = MseLoss::new().forward(output.clone(), batch.y.clone(), Reduction::Mean);
-        RegressionOutput {
-            loss,
-            output,
-            targets: batch.y.clone(),
-        }
+        item(self.output.forward(h), batch.y.clone())
     }
 
     /// The mean squared error on `batch` of the whole model (one process).
