@@ -91,6 +91,31 @@ struct Args {
     /// Micro-batches per batch under a pipeline.
     #[arg(long, default_value_t = 4)]
     pp_microbatches: usize,
+    /// Every rank kills itself (SIGKILL) as the training batch after this many is read: a job preempted in the
+    /// middle of an epoch (save with --save-every, continue with --resume).
+    #[arg(long)]
+    kill_after_batches: Option<usize>,
+}
+
+/// The training batches, built as the loop reads them; the process kills itself (SIGKILL, nothing flushed) when
+/// asked for batch `kill_at` (counted from 0 over the run).
+#[derive(Clone)]
+struct TrainBatcher {
+    kill_at: Option<usize>,
+    built: Arc<std::sync::atomic::AtomicUsize>,
+    rank: usize,
+}
+
+impl Batcher<mlp::Sample, mlp::Batch> for TrainBatcher {
+    fn batch(&self, items: Vec<mlp::Sample>, device: &burn::tensor::Device) -> mlp::Batch {
+        let n = self
+            .built
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.kill_at == Some(n) {
+            ranks::kill_self(self.rank, &format!("as training batch {n} is read"));
+        }
+        SampleBatcher.batch(items, device)
+    }
 }
 
 /// Trains `start` with burn-train's Learner through `accelerator`; returns what `held_out` says of the trained
@@ -110,10 +135,14 @@ where
     let accelerator = Arc::new(accelerator);
     let train = LearnerLoader::train(
         accelerator.prepare_dataloader(
-            DataLoaderBuilder::new(SampleBatcher)
-                .batch_size(args.batch_size)
-                .shuffle(7)
-                .build(mlp::dataset(2048, 4)),
+            DataLoaderBuilder::new(TrainBatcher {
+                kill_at: args.kill_after_batches,
+                built: Arc::default(),
+                rank: accelerator.process_index(),
+            })
+            .batch_size(args.batch_size)
+            .shuffle(7)
+            .build(mlp::dataset(2048, 4)),
         )?,
     );
     let valid = LearnerLoader::valid(

@@ -32,6 +32,8 @@
 //! continues from it to `--steps`, on any number of ranks. `--load-pretrained <dir>` starts from weights that
 //! `--save-model` wrote (PyTorch's layout): after `prepare_model`, each `FULL_SHARD` rank reads only its slices.
 
+#[path = "support/byte_lm.rs"]
+mod byte_lm;
 #[path = "support/held.rs"]
 mod held;
 #[path = "support/ranks.rs"]
@@ -42,17 +44,11 @@ use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::attention::generate_autoregressive_mask;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::AdamConfig;
-use burn::tensor::{Bool, Device, Int, Tensor};
-use burn_accelerate::{Accelerator, Blocks, ReduceOp, Result, ShardingStrategy, StateToSave};
+use burn::tensor::{Bool, Tensor};
+use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy, StateToSave};
+use byte_lm::{ByteLm, VOCAB, batch};
 use clap::Parser;
-
-/// The corpus, one token per byte.
-const CORPUS: &str = include_str!("data/corpus.txt");
-const VOCAB: usize = 256;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -139,89 +135,6 @@ struct Args {
     load_pretrained: Option<PathBuf>,
 }
 
-/// A decoder-only transformer over bytes: token and position embeddings, `layers` causal self-attention layers,
-/// a final norm and a head onto the 256 byte values.
-#[derive(Module, Debug)]
-struct ByteLm {
-    tokens: Embedding,
-    positions: Embedding,
-    layers: Vec<TransformerEncoderLayer>,
-    norm: LayerNorm,
-    head: Linear,
-}
-
-impl Blocks for ByteLm {
-    type Block = TransformerEncoderLayer;
-    fn blocks(&self) -> &[TransformerEncoderLayer] {
-        &self.layers
-    }
-}
-
-impl ByteLm {
-    fn new(args: &Args, device: &Device) -> Self {
-        let config = TransformerEncoderConfig::new(args.d_model, 4 * args.d_model, args.heads, 1)
-            .with_dropout(0.0)
-            .with_norm_first(true);
-        Self {
-            tokens: EmbeddingConfig::new(VOCAB, args.d_model).init(device),
-            positions: EmbeddingConfig::new(args.seq, args.d_model).init(device),
-            layers: (0..args.layers)
-                .map(|_| TransformerEncoderLayer::new(&config, device))
-                .collect(),
-            norm: LayerNormConfig::new(args.d_model).init(device),
-            head: LinearConfig::new(args.d_model, VOCAB).init(device),
-        }
-    }
-
-    /// The first activation: token plus position embeddings, `[batch, seq, d_model]`.
-    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [batch, seq] = tokens.dims();
-        let device = tokens.device();
-        let positions = Tensor::<1, Int>::arange(0..seq as i64, &device)
-            .reshape([1, seq])
-            .repeat_dim(0, batch);
-        self.tokens.forward(tokens) + self.positions.forward(positions)
-    }
-
-    /// The mean cross-entropy of the next byte after the last layer's activation `x`.
-    fn loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let [batch, seq, _] = x.dims();
-        let logits = self
-            .head
-            .forward(self.norm.forward(x))
-            .reshape([batch * seq, VOCAB]);
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, targets.reshape([batch * seq]))
-    }
-}
-
-/// Sequences `first..first + rows` of the corpus (wrapping around): inputs and next-byte targets.
-fn batch(
-    (first, rows): (usize, usize),
-    seq: usize,
-    device: &Device,
-) -> (Tensor<2, Int>, Tensor<2, Int>) {
-    let bytes = CORPUS.as_bytes();
-    let stride = 7;
-    let window = |i: usize, shift: usize| -> Vec<i64> {
-        (0..seq)
-            .map(|j| i64::from(bytes[(i * stride + j + shift) % bytes.len()]))
-            .collect()
-    };
-    let (inputs, targets): (Vec<i64>, Vec<i64>) = (first..first + rows)
-        .map(|i| (window(i, 0), window(i, 1)))
-        .fold((Vec::new(), Vec::new()), |(mut a, mut b), (x, y)| {
-            a.extend(x);
-            b.extend(y);
-            (a, b)
-        });
-    let tensor = |values: Vec<i64>| {
-        Tensor::<1, Int>::from_ints(values.as_slice(), device).reshape([rows, seq])
-    };
-    (tensor(inputs), tensor(targets))
-}
-
 fn mode(acc: &Accelerator, args: &Args) -> String {
     let sharding = acc.config().distributed.sharding;
     let how = if !sharding.reshards_parameters() {
@@ -258,7 +171,7 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         ));
     }
     let device = acc.device().clone();
-    let mut initial = ByteLm::new(args, &device);
+    let mut initial = ByteLm::new(args.layers, args.d_model, args.heads, args.seq, &device);
     if let Some(k) = args.freeze_bottom {
         initial.tokens = initial.tokens.no_grad();
         initial.positions = initial.positions.no_grad();

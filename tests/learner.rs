@@ -128,12 +128,12 @@ fn fit(run: &Run, start: &Mlp) -> (Vec<Vec<f32>>, f32) {
     results.into_iter().next().unwrap()
 }
 
-/// A split of the data as burn-train reads it.
-type Split = Arc<dyn burn::data::dataloader::DataLoader<mlp::Batch>>;
+/// A dataloader as burn-train reads it.
+type Loader = Arc<dyn burn::data::dataloader::DataLoader<mlp::Batch>>;
 
 /// The training split (1024 samples, shuffled, `batch` a rank) and the validation split (256 samples in batches of
 /// 128, read whole), prepared by `acc`.
-fn splits(acc: &Accelerator, batch: usize) -> Result<(Split, Split)> {
+fn loaders(acc: &Accelerator, batch: usize) -> Result<(Loader, Loader)> {
     let train = LearnerLoader::train(
         acc.prepare_dataloader(
             DataLoaderBuilder::new(SampleBatcher)
@@ -172,7 +172,7 @@ where
         >,
 {
     let rank = acc.process_index();
-    let (train, valid) = splits(acc, run.batch)?;
+    let (train, valid) = loaders(acc, run.batch)?;
     let mut training = SupervisedTraining::new(artifacts(run, rank), train, valid)
         .metric_train_numeric(LossMetric::new())
         .metric_train_numeric(LearningRateMetric::new())
@@ -497,7 +497,7 @@ fn fit_staged(run: &Staged, start: &DeepMlp) -> Vec<(Vec<Vec<f32>>, f32)> {
         .launch(run.ranks, |acc| -> Result<(Vec<Vec<f32>>, f32)> {
             let acc = Arc::new(acc);
             let rank = acc.process_index();
-            let (train, valid) = splits(&acc, run.batch)?;
+            let (train, valid) = loaders(&acc, run.batch)?;
             let training =
                 SupervisedTraining::new(run.artifacts.join(format!("rank{rank}")), train, valid)
                     .metric_train_numeric(LossMetric::new())
@@ -1087,6 +1087,80 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         assert_eq!(launched, in_process, "{args:?} on {np} processes");
         let diff = (loss(&launched) - loss(&deep)).abs();
         assert!(diff <= 1e-4, "{args:?}: {launched:?} against {deep:?}");
+    }
+}
+
+/// A Learner job killed (SIGKILL, every rank) under `mpirun -np 2` in the middle of an epoch, after a save, resumes
+/// to the uninterrupted job's final loss bit for bit: under `FULL_SHARD` (each rank its slices) and on 2 pipeline
+/// stages (each its stage).
+#[cfg(feature = "mpi")]
+#[test]
+fn a_learner_job_killed_under_mpirun_resumes_bit_for_bit() {
+    let program = examples::example("learner");
+    let final_loss = |out| examples::result_lines(out, &["final_loss="]);
+    for args in [vec!["--sharding", "FULL_SHARD"], vec!["--pp-size", "2"]] {
+        let uninterrupted = final_loss(examples::mpirun(2, &program, &args));
+        assert_eq!(uninterrupted.len(), 1, "{args:?}: {uninterrupted:?}");
+        let project = temp_dir(&format!("killed{}", args.join("")));
+        let dir = project.to_str().unwrap();
+        let saving = |extra: &[&'static str]| -> Vec<&str> {
+            let mut all = args.clone();
+            all.extend(["--project-dir", dir, "--save-every", "20"]);
+            all.extend(extra);
+            all
+        };
+        // 32 steps an epoch: killed as batch 25 is read, after the save at step 20.
+        let killed = examples::mpirun(2, &program, &saving(&["--kill-after-batches", "25"]));
+        assert!(!killed.status.success(), "{args:?}: the job was not killed");
+        let saved = ProjectConfiguration::new(&project).checkpoints();
+        assert_eq!(saved.len(), 1, "{args:?}: {saved:?}");
+        let resumed = final_loss(examples::mpirun(2, &program, &saving(&["--resume"])));
+        assert_eq!(resumed, uninterrupted, "{args:?}");
+    }
+}
+
+/// The transformer through the Learner under `mpirun -np 2`: `FULL_SHARD` block by block and whole, and 2 pipeline
+/// stages, end with one process's validation loss, and under `FULL_SHARD` each rank held half the parameters
+/// between steps (its slices) and got its half back (`return_slices`).
+#[cfg(feature = "mpi")]
+#[test]
+fn the_transformer_learner_under_mpirun_trains_one_processs_model_holding_its_slices() {
+    use std::process::Command;
+    let program = examples::example("transformer_learner");
+    let lines = |out| examples::result_lines(out, &["final_loss=", "rank "]);
+    let value = |lines: &[String], key: &str| -> Vec<f64> {
+        lines
+            .iter()
+            .flat_map(|l| l.split(' '))
+            .filter_map(|w| w.strip_prefix(key))
+            .map(|v| v.parse().unwrap())
+            .collect()
+    };
+    let one = lines(Command::new(&program).output().unwrap());
+    let (loss, held) = (
+        value(&one, "final_loss=")[0],
+        value(&one, "params_at_rest=")[0],
+    );
+    for args in [
+        vec!["--sharding", "FULL_SHARD"],
+        vec!["--sharding", "FULL_SHARD", "--whole"],
+        vec!["--pp-size", "2"],
+    ] {
+        let launched = lines(examples::mpirun(2, &program, &args));
+        let got = value(&launched, "final_loss=");
+        assert_eq!(got.len(), 1, "{args:?}: {launched:?}");
+        assert!(
+            (got[0] - loss).abs() <= 1e-4,
+            "{args:?}: {launched:?} against {one:?}"
+        );
+        let at_rest = value(&launched, "params_at_rest=");
+        assert_eq!(at_rest.len(), 2, "{args:?}: {launched:?}");
+        if args[0] == "--sharding" {
+            assert!(
+                at_rest.iter().all(|b| *b == held / 2.0),
+                "{args:?}: {launched:?} against {held}"
+            );
+        }
     }
 }
 

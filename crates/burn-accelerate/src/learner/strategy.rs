@@ -77,6 +77,7 @@ pub struct AcceleratedStrategy {
     save_every: Option<usize>,
     max_steps: Option<usize>,
     resume: bool,
+    return_slices: bool,
     /// Under a pipeline, the parameters the stage made placeholders of that the Learner keeps a copy of (see
     /// `stage_model`).
     placeholders: Mutex<std::collections::HashSet<burn::module::ParamId>>,
@@ -89,6 +90,7 @@ impl std::fmt::Debug for AcceleratedStrategy {
             .field("save_every", &self.save_every)
             .field("max_steps", &self.max_steps)
             .field("resume", &self.resume)
+            .field("return_slices", &self.return_slices)
             .finish()
     }
 }
@@ -122,6 +124,7 @@ impl AcceleratedStrategy {
             save_every: None,
             max_steps: None,
             resume: false,
+            return_slices: false,
             placeholders: Mutex::default(),
         })
     }
@@ -151,6 +154,15 @@ impl AcceleratedStrategy {
     /// boundaries from its own files; this replaces it.
     pub fn resume(mut self, resume: bool) -> Self {
         self.resume = resume;
+        self
+    }
+
+    /// Under `FULL_SHARD` and `HYBRID_SHARD`, returns each rank's slices of the trained model instead of gathering
+    /// it whole on every rank at the end (a model that does not fit one rank would not fit there either): save it
+    /// with `accelerator.save_model` (one parameter at a time), evaluate it with `accelerator.forward_batch` (one
+    /// block at a time) or gather it with `accelerator.unshard`.
+    pub fn return_slices(mut self, slices: bool) -> Self {
+        self.return_slices = slices;
         self
     }
 
@@ -187,9 +199,10 @@ impl AcceleratedStrategy {
         self.accelerator.stage().map(|s| s.layout.stages)
     }
 
-    /// The whole model of `learner` (gathered on every rank when it holds slices); under a pipeline, this
-    /// rank's stage (no rank holds the whole model).
-    fn whole_model<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<M> {
+    /// The trained model the run returns: whole (gathered on every rank when it holds slices, unless
+    /// [`return_slices`](Self::return_slices)); under a pipeline, this rank's stage (no rank holds the whole
+    /// model).
+    fn trained_model<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<M> {
         if self.pipeline_stages().is_some() {
             let placeholders = self.placeholders.lock().unwrap_or_else(|p| p.into_inner());
             return Ok(super::stage_model::with_placeholders(
@@ -197,7 +210,7 @@ impl AcceleratedStrategy {
                 &placeholders,
             ));
         }
-        if self.holds_slices() {
+        if self.holds_slices() && !self.return_slices {
             self.accelerator.unshard(&learner.model())
         } else {
             Ok(learner.model())
@@ -667,7 +680,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for AcceleratedStrategy {
             epoch += 1;
         }
         // The trained model, whole on every rank.
-        match self.whole_model(&learner) {
+        match self.trained_model(&learner) {
             Ok(model) => (model, processor),
             Err(e) => {
                 interrupter.fail(training_error(e));

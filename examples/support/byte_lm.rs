@@ -1,0 +1,119 @@
+//! The byte-level causal transformer language model of `transformer_lm` and `transformer_learner`, and its data:
+//! sequences of `examples/data/corpus.txt`, one token per byte. Its layers (Burn's `TransformerEncoderLayer` with
+//! a causal mask) are the blocks; the embeddings and the head are outside them.
+
+#![allow(dead_code)]
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor};
+use burn_accelerate::Blocks;
+
+/// The corpus, one token per byte.
+pub const CORPUS: &str = include_str!("../data/corpus.txt");
+/// One token per byte value.
+pub const VOCAB: usize = 256;
+
+/// A decoder-only transformer over bytes: token and position embeddings, `layers` causal self-attention layers,
+/// a final norm and a head onto the 256 byte values.
+#[derive(Module, Debug)]
+pub struct ByteLm {
+    pub tokens: Embedding,
+    pub positions: Embedding,
+    pub layers: Vec<TransformerEncoderLayer>,
+    pub norm: LayerNorm,
+    pub head: Linear,
+}
+
+impl Blocks for ByteLm {
+    type Block = TransformerEncoderLayer;
+    fn blocks(&self) -> &[TransformerEncoderLayer] {
+        &self.layers
+    }
+}
+
+impl ByteLm {
+    /// `layers` pre-norm layers of width `d_model` with `heads` heads, over sequences of `seq` bytes.
+    pub fn new(layers: usize, d_model: usize, heads: usize, seq: usize, device: &Device) -> Self {
+        let config = TransformerEncoderConfig::new(d_model, 4 * d_model, heads, 1)
+            .with_dropout(0.0)
+            .with_norm_first(true);
+        Self {
+            tokens: EmbeddingConfig::new(VOCAB, d_model).init(device),
+            positions: EmbeddingConfig::new(seq, d_model).init(device),
+            layers: (0..layers)
+                .map(|_| TransformerEncoderLayer::new(&config, device))
+                .collect(),
+            norm: LayerNormConfig::new(d_model).init(device),
+            head: LinearConfig::new(d_model, VOCAB).init(device),
+        }
+    }
+
+    /// The first activation: token plus position embeddings, `[batch, seq, d_model]`.
+    pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [batch, seq] = tokens.dims();
+        let device = tokens.device();
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &device)
+            .reshape([1, seq])
+            .repeat_dim(0, batch);
+        self.tokens.forward(tokens) + self.positions.forward(positions)
+    }
+
+    /// The next byte's logits after the last layer's activation `x`, `[batch * seq, VOCAB]`.
+    pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+        let [batch, seq, _] = x.dims();
+        self.head
+            .forward(self.norm.forward(x))
+            .reshape([batch * seq, VOCAB])
+    }
+
+    /// The mean cross-entropy of the next byte after the last layer's activation `x`.
+    pub fn loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let logits = self.logits(x);
+        let n = logits.dims()[0];
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, targets.reshape([n]))
+    }
+}
+
+/// Sequences `first..first + rows` of the corpus (wrapping around): inputs and next-byte targets.
+pub fn batch(
+    (first, rows): (usize, usize),
+    seq: usize,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let indices: Vec<usize> = (first..first + rows).collect();
+    sequences(&indices, seq, device)
+}
+
+/// The corpus's sequences `indices` (each `seq` bytes, 7 bytes apart, wrapping around): inputs and next-byte
+/// targets, `[indices.len(), seq]` each.
+pub fn sequences(
+    indices: &[usize],
+    seq: usize,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let bytes = CORPUS.as_bytes();
+    let stride = 7;
+    let window = |i: usize, shift: usize| -> Vec<i64> {
+        (0..seq)
+            .map(|j| i64::from(bytes[(i * stride + j + shift) % bytes.len()]))
+            .collect()
+    };
+    let (inputs, targets): (Vec<i64>, Vec<i64>) = indices
+        .iter()
+        .map(|&i| (window(i, 0), window(i, 1)))
+        .fold((Vec::new(), Vec::new()), |(mut a, mut b), (x, y)| {
+            a.extend(x);
+            b.extend(y);
+            (a, b)
+        });
+    let rows = indices.len();
+    let tensor = |values: Vec<i64>| {
+        Tensor::<1, Int>::from_ints(values.as_slice(), device).reshape([rows, seq])
+    };
+    (tensor(inputs), tensor(targets))
+}
