@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::data::dataloader::batcher::Batcher;
+use burn::module::Module;
 use burn::optim::AdamConfig;
 use burn_accelerate::data::DataLoaderBuilder;
 use burn_accelerate::learner::LearnerLoader;
@@ -91,6 +92,13 @@ struct Args {
     /// Micro-batches per batch under a pipeline.
     #[arg(long, default_value_t = 4)]
     pp_microbatches: usize,
+    /// The pipeline's schedule: gpipe or 1f1b.
+    #[arg(long)]
+    pp_schedule: Option<burn_accelerate::PipelineSchedule>,
+    /// Fine-tune: the input layer frozen (`Module::no_grad`; under --block-wise, the one block; under a pipeline,
+    /// what precedes the blocks and the first block), the rest trained.
+    #[arg(long)]
+    freeze_bottom: bool,
     /// Every rank kills itself (SIGKILL) as the training batch after this many is read: a job preempted in the
     /// middle of an epoch (save with --save-every, continue with --resume).
     #[arg(long)]
@@ -204,6 +212,9 @@ pub fn main() {
     if args.activation_checkpointing {
         builder = builder.activation_checkpointing(true);
     }
+    if let Some(schedule) = args.pp_schedule {
+        builder = builder.pp_schedule(schedule);
+    }
     if let Some(stages) = args.pp_size {
         builder = builder
             .pp_size(stages)
@@ -213,8 +224,13 @@ pub fn main() {
     let device = ranks::default_device();
     device.seed(11);
     let device = device.autodiff();
-    let start = Mlp::new(&device);
-    let deep = DeepMlp::new(&device, 4);
+    let mut start = Mlp::new(&device);
+    let mut deep = DeepMlp::new(&device, 4);
+    if args.freeze_bottom {
+        start = start.with_input_frozen();
+        deep.input = deep.input.no_grad();
+        deep.hidden[0] = deep.hidden[0].clone().no_grad();
+    }
     let loss = |mlp: &Mlp, eval| Ok(mlp.loss(eval).into_scalar::<f32>() as f64);
     let result = ranks::run_ranks(builder, args.processes, |accelerator| {
         if args.pp_size.is_some() {

@@ -1072,12 +1072,36 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
         let diff = (loss(&launched) - loss(&one)).abs();
         assert!(diff <= 1e-4, "{args:?}: {launched:?} against {one:?}");
     }
-    // Pipelines of the deeper MLP: 2 stages on 2 processes, and 2 stages x 2 replicas on 4, against the same model
-    // on one process.
-    let deep = run(Command::new(&program).args(["--processes", "1", "--pp-size", "1"]));
-    for (np, args) in [
-        (2, vec!["--pp-size", "2"]),
-        (4, vec!["--pp-size", "2", "--activation-checkpointing"]),
+    // Pipelines of the deeper MLP (2 stages on 2 processes under both schedules, 2 stages x 2 replicas on 4) and
+    // fine-tuning with the bottom frozen (block-wise FULL_SHARD, and 2 x 2 stages), each against the same model on
+    // one process.
+    let one_process = |extra: &[&str]| {
+        run(Command::new(&program)
+            .args(["--processes", "1"])
+            .args(extra))
+    };
+    let deep = one_process(&["--pp-size", "1"]);
+    let deep_frozen = one_process(&["--pp-size", "1", "--freeze-bottom"]);
+    let frozen = one_process(&["--freeze-bottom"]);
+    for (np, args, reference) in [
+        (2, vec!["--pp-size", "2"], &deep),
+        (2, vec!["--pp-size", "2", "--pp-schedule", "gpipe"], &deep),
+        (
+            4,
+            vec!["--pp-size", "2", "--activation-checkpointing"],
+            &deep,
+        ),
+        (4, vec!["--pp-size", "2", "--freeze-bottom"], &deep_frozen),
+        (
+            2,
+            vec![
+                "--sharding",
+                "FULL_SHARD",
+                "--block-wise",
+                "--freeze-bottom",
+            ],
+            &frozen,
+        ),
     ] {
         let processes = np.to_string();
         let in_process = run(Command::new(&program)
@@ -1085,9 +1109,10 @@ fn the_example_under_mpirun_matches_in_process_ranks() {
             .args(&args));
         let launched = mpirun(np, &args);
         assert_eq!(launched, in_process, "{args:?} on {np} processes");
-        let diff = (loss(&launched) - loss(&deep)).abs();
-        assert!(diff <= 1e-4, "{args:?}: {launched:?} against {deep:?}");
+        let diff = (loss(&launched) - loss(reference)).abs();
+        assert!(diff <= 1e-4, "{args:?}: {launched:?} against {reference:?}");
     }
+    assert_ne!(frozen, one, "freezing the bottom changed nothing");
 }
 
 /// A Learner job killed (SIGKILL, every rank) under `mpirun -np 2` in the middle of an epoch, after a save, resumes
