@@ -27,7 +27,7 @@ pub(crate) struct StageDone;
 /// One batch's forward and backward pass through a model made of blocks ([`Blocks`]) inside a `TrainStep` run
 /// by the [`AcceleratedStrategy`](super::AcceleratedStrategy), in every mode: under a pipeline (`pp_size` > 1)
 /// the batch is split into micro-batches that flow through the stages
-/// ([`Accelerator::backward_batch`](crate::Accelerator::backward_batch)), without one
+/// ([`Accelerator::backward_batch`](crate::Accelerator::backward_batch)); without a pipeline it is
 /// [`backward_blocks`](super::backward_blocks) on the whole batch (block-wise `FULL_SHARD`, activation
 /// checkpointing, frozen blocks). `before(model, micro_batch)` returns the first activation, `block` runs one
 /// block, `after(model, x, micro_batch)` returns the step's item (burn-train's `RegressionOutput`, ...) and `loss`
