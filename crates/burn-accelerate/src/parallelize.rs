@@ -125,6 +125,7 @@ pub(crate) fn for_mesh(
         rest_reached: Mutex::new(None),
         rest_elsewhere: Mutex::new(None),
         dropped_rest: std::sync::atomic::AtomicBool::new(false),
+        keeps_rest: std::sync::atomic::AtomicBool::new(false),
         world: world_comm.clone(),
         pipe: pipe.clone(),
         // One name per accelerator, for the errors of its transfers.

@@ -2,62 +2,15 @@
 //!
 //! After the first optimizer step a stage drops to empty placeholders what is outside the blocks and only another
 //! stage trains (the head on the first stage, the embeddings on the last). burn-train's Learner cannot take a
-//! model of other shapes (`Learner::load_model` refuses the record), so the Learner keeps its copy of those
-//! parameters, never used or trained again ([`keep_shapes`]); the trained model the run returns has the
-//! placeholders the strategy made ([`with_placeholders`]).
+//! model of other shapes (`Learner::load_model` refuses the record), so under the Learner the stage keeps its copy
+//! of those parameters, never used or trained again (`Stages::keeps_rest`); the trained model the run returns has
+//! placeholders for them ([`with_placeholders`]), and a stage prepared by `prepare_blocks` is told by its
+//! placeholders for the other stages' blocks ([`has_placeholder`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
-
-/// `placed` (the model the strategy placed after a step) where each parameter it made a placeholder of takes
-/// `current`'s value instead, so that its record loads into the Learner; returns it with those parameters' ids.
-pub(crate) fn keep_shapes<M: Module>(placed: M, current: &M) -> (M, HashSet<ParamId>) {
-    struct Whole(HashMap<ParamId, (Tensor<1>, bool)>);
-    impl ModuleVisitor for Whole {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            let n = value.shape().num_elements();
-            if n > 0 {
-                let trains = value.is_require_grad();
-                // Burn's `detach` keeps a leaf's gradient requirement: dropped, so that the flat view is a leaf.
-                let flat = value.detach().set_require_grad(false).reshape([n]);
-                self.0.insert(param.id, (flat, trains));
-            }
-        }
-    }
-    struct Restore {
-        whole: HashMap<ParamId, (Tensor<1>, bool)>,
-        kept: HashSet<ParamId>,
-    }
-    impl ModuleMapper for Restore {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let empty = param.val().shape().num_elements() == 0;
-            let Some((value, trains)) = empty.then(|| self.whole.remove(&param.id)).flatten()
-            else {
-                return param;
-            };
-            self.kept.insert(param.id);
-            param.map(|placeholder| {
-                let mut dims = placeholder.dims();
-                let n = value.dims()[0];
-                // Only the first dimension of a placeholder is emptied (see `Staged::after_step`).
-                dims[0] = n / dims[1..].iter().product::<usize>().max(1);
-                let value = value.reshape(dims);
-                if trains { value.require_grad() } else { value }
-            })
-        }
-    }
-    let mut whole = Whole(HashMap::new());
-    current.visit(&mut whole);
-    let mut restore = Restore {
-        whole: whole.0,
-        kept: HashSet::new(),
-    };
-    let placed = placed.map(&mut restore);
-    (placed, restore.kept)
-}
 
 /// `model` with the parameters `ids` as empty placeholders (their first dimension 0, no gradient).
 pub(crate) fn with_placeholders<M: Module>(model: M, ids: &HashSet<ParamId>) -> M {

@@ -78,9 +78,6 @@ pub struct AcceleratedStrategy {
     max_steps: Option<usize>,
     resume: bool,
     return_slices: bool,
-    /// Under a pipeline, the parameters the stage made placeholders of that the Learner keeps a copy of (see
-    /// `stage_model`).
-    placeholders: Mutex<std::collections::HashSet<burn::module::ParamId>>,
 }
 
 impl std::fmt::Debug for AcceleratedStrategy {
@@ -125,7 +122,6 @@ impl AcceleratedStrategy {
             max_steps: None,
             resume: false,
             return_slices: false,
-            placeholders: Mutex::default(),
         })
     }
 
@@ -203,11 +199,16 @@ impl AcceleratedStrategy {
     /// [`return_slices`](Self::return_slices)); under a pipeline, this rank's stage (no rank holds the whole
     /// model).
     fn trained_model<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<M> {
-        if self.pipeline_stages().is_some() {
-            let placeholders = self.placeholders.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(stages) = self.accelerator.stage() {
+            // The copies the Learner kept of what only other stages train (`Stages::keeps_rest`) go.
+            let elsewhere = stages
+                .rest_elsewhere
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let elsewhere = elsewhere.clone().unwrap_or_default();
             return Ok(super::stage_model::with_placeholders(
                 learner.model(),
-                &placeholders,
+                &elsewhere,
             ));
         }
         if self.holds_slices() && !self.return_slices {
@@ -505,17 +506,6 @@ impl AcceleratedStrategy {
                 }
                 learner.optimizer_step(grads);
                 match pipeline.share_stepped(|| learner.model()) {
-                    Ok(Some(model)) if self.pipeline_stages().is_some() => {
-                        // burn-train cannot change its model's shapes: the Learner keeps its copy of what the
-                        // stage made placeholders of.
-                        let (model, kept) =
-                            super::stage_model::keep_shapes(model, &learner.model());
-                        self.placeholders
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .extend(kept);
-                        learner.load_model(model.into_record());
-                    }
                     Ok(Some(model)) => learner.load_model(model.into_record()),
                     Ok(None) => {}
                     Err(e) => {

@@ -81,6 +81,10 @@ pub(crate) struct Stages {
     pub rest_elsewhere: Mutex<Option<HashSet<ParamId>>>,
     /// Whether those were dropped.
     pub dropped_rest: std::sync::atomic::AtomicBool,
+    /// Whether the stage's model keeps its copy of those instead (burn-train's Learner, which cannot change its
+    /// model's shapes): the stage's strategy forgets them all the same, so they are never used, gathered or
+    /// trained here.
+    pub keeps_rest: std::sync::atomic::AtomicBool,
     /// The whole run's ranks (initial weights, a save's fetches).
     pub world: Arc<dyn TensorComm>,
     /// This replica's pipeline as a process group (debug mode's check of each step).

@@ -313,7 +313,8 @@ impl ParamPlacement for Staged {
 
     /// The stage's strategy's, then (once) the parameters outside the blocks that only other stages train become
     /// placeholders here: their copy on this stage would go stale, and take memory (under a sharded stage, their
-    /// slices: [`unshard`](Self::unshard) never gathers them).
+    /// slices: [`unshard`](Self::unshard) never gathers them). Where the stage keeps its copy
+    /// ([`Stages::keeps_rest`]), the stage's strategy only forgets them.
     fn after_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
         self.inner.after_step(params)?;
         let elsewhere = self.elsewhere();
@@ -323,6 +324,14 @@ impl ParamPlacement for Staged {
                 .dropped_rest
                 .swap(true, std::sync::atomic::Ordering::Relaxed)
         {
+            return Ok(());
+        }
+        if self
+            .stages
+            .keeps_rest
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.inner.forget(&elsewhere);
             return Ok(());
         }
         let table = params.table();
@@ -371,8 +380,12 @@ impl StateScopes for Staged {
     }
 
     /// The stage's strategy's: the Learner trains a pipeline through `learner::backward_batch` (each stage its
-    /// blocks, the last stage's items reported).
+    /// blocks, the last stage's items reported). burn-train's Learner cannot change its model's shapes, so the
+    /// stage keeps its copy of what only other stages train (see [`Stages::keeps_rest`]).
     fn check_learner(&self) -> Result<()> {
+        self.stages
+            .keeps_rest
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.inner.check_learner()
     }
 }
