@@ -804,15 +804,7 @@ fn under_a_pipeline_the_learner_says_what_to_change_instead_of_training_wrong() 
 /// The values of one metric file of rank 0 (`split/epoch-N/Name.log`: `value,batch` lines, then
 /// `value,final`).
 fn metric_log(run: &Run, split: &str, epoch: usize, name: &str) -> Vec<(f64, String)> {
-    let path = artifacts(run, 0).join(format!("{split}/epoch-{epoch}/{name}.log"));
-    std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|line| {
-            let (value, tag) = line.split_once(',').unwrap();
-            (value.parse().unwrap(), tag.to_string())
-        })
-        .collect()
+    metric_file(&artifacts(run, 0), split, epoch, name)
 }
 
 #[test]
