@@ -30,7 +30,6 @@ use burn::data::dataset::InMemDataset;
 use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::transformer::TransformerEncoderLayer;
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::data::DataLoaderBuilder;
@@ -40,6 +39,7 @@ use burn_accelerate::learner::burn_train::{
     TrainStep,
 };
 use burn_accelerate::learner::{self, LearnerLoader};
+use burn_accelerate::tensor_parallel::ParallelTransformerLayer as TransformerEncoderLayer;
 use burn_accelerate::{Accelerator, Blocks, Result, ShardingStrategy};
 use byte_lm::ByteLm;
 use clap::Parser;

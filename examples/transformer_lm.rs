@@ -1,6 +1,6 @@
 //! A small causal transformer language model, trained byte by byte on `examples/data/corpus.txt`: the model people
-//! shard. Its layers (Burn's own `TransformerEncoderLayer`: multi-head attention and a feed-forward network, with a
-//! causal mask) are the blocks that block-wise `FULL_SHARD` gathers one at a time and that activation
+//! shard. Its layers (Burn's `TransformerEncoderLayer` as the crate's `ParallelTransformerLayer`, the same record:
+//! multi-head attention and a feed-forward network, with a causal mask) are the blocks that block-wise `FULL_SHARD` gathers one at a time and that activation
 //! checkpointing recomputes (Accelerate's `transformer_layer_cls_to_wrap`); the embeddings and the head are
 //! gathered whole. The loop is the same in every mode:
 //!
@@ -19,6 +19,14 @@
 //! cargo run --release --example transformer_lm -- --processes 2 --sharding FULL_SHARD
 //! mpirun -np 4 target/release/examples/transformer_lm --sharding FULL_SHARD \
 //!     --layers 24 --d-model 896 --steps 3                 # 231 M parameters; built with --features mpi
+//! ```
+//!
+//! `--tp-size T` splits every layer, the token embedding and the head over groups of `T` ranks (tensor
+//! parallelism, `byte_lm::plan`; the groups train data-parallel with each other), the loop unchanged:
+//!
+//! ```text
+//! cargo run --release --example transformer_lm -- --processes 2 --tp-size 2
+//! mpirun -np 4 target/release/examples/transformer_lm --tp-size 2       # tp 2 × dp 2
 //! ```
 //!
 //! `--whole` gathers the whole model for the forward pass instead (`unshard` and `backward`: today's `FULL_SHARD`
@@ -44,7 +52,7 @@ use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::attention::generate_autoregressive_mask;
-use burn::optim::AdamConfig;
+use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::{Bool, Tensor};
 use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy, StateToSave};
 use byte_lm::{ByteLm, VOCAB, batch};
@@ -66,6 +74,9 @@ struct Args {
     /// Gather the whole model for the forward pass (`unshard` + `backward`) instead of block by block.
     #[arg(long)]
     whole: bool,
+    /// Tensor-parallel ranks: each layer, the token embedding and the head split over groups of this many ranks.
+    #[arg(long = "tp-size")]
+    tp_size: Option<usize>,
     /// Pipeline stages: the layers cut into this many stages, one per group of ranks (`backward_batch`).
     #[arg(long = "pp-size")]
     pp_size: Option<usize>,
@@ -103,9 +114,21 @@ struct Args {
     /// Optimizer steps.
     #[arg(long, default_value_t = 30)]
     steps: usize,
-    /// Adam's learning rate.
+    /// The learning rate (Adam's, or SGD's with --sgd).
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
+    /// Plain SGD instead of Adam (the parity tests compare weights after SGD steps to 1e-6).
+    #[arg(long)]
+    sgd: bool,
+    /// Clip the gradients' global norm to this before each step (`clip_grad_norm`).
+    #[arg(long = "clip-norm")]
+    clip_norm: Option<f64>,
+    /// no, fp16 or bf16 (the environment's or the config file's setting when absent).
+    #[arg(long = "mixed-precision")]
+    mixed_precision: Option<burn_accelerate::MixedPrecision>,
+    /// Dropout in every layer (attention probabilities, the feed-forward network, each residual branch).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Write the final weights here (main process), gathered one layer at a time.
     #[arg(long)]
     weights: Option<PathBuf>,
@@ -149,7 +172,13 @@ fn mode(acc: &Accelerator, args: &Args) -> String {
     } else {
         ""
     };
-    format!("{sharding}{how}{checkpointing}")
+    let tp = acc.parallel_dims().tp;
+    let tp = if tp > 1 {
+        format!(" + tp {tp}")
+    } else {
+        String::new()
+    };
+    format!("{sharding}{how}{tp}{checkpointing}")
 }
 
 fn train(acc: Accelerator, args: &Args) -> Result<f32> {
@@ -171,7 +200,14 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         ));
     }
     let device = acc.device().clone();
-    let mut initial = ByteLm::new(args.layers, args.d_model, args.heads, args.seq, &device);
+    let mut initial = ByteLm::with_dropout(
+        args.layers,
+        args.d_model,
+        args.heads,
+        args.seq,
+        args.dropout,
+        &device,
+    );
     if let Some(k) = args.freeze_bottom {
         initial.tokens = initial.tokens.no_grad();
         initial.positions = initial.positions.no_grad();
@@ -180,11 +216,26 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         }
     }
     let params = initial.num_params();
-    let mut model = acc.prepare_blocks(initial)?;
+    if acc.parallel_dims().tp > 1 && args.whole {
+        return Err(burn_accelerate::Error::InvalidArgument(
+            "--tp-size trains each rank's slices through `backward_batch`: leave out --whole"
+                .into(),
+        ));
+    }
+    // Under a pipeline each stage keeps its blocks; otherwise the plan splits the layers over the tensor-parallel
+    // ranks (with one, every layer stays whole).
+    let mut model = if layout.stages > 1 {
+        acc.prepare_blocks(initial)?
+    } else {
+        acc.prepare_tensor_parallel(initial, &byte_lm::plan())?
+    };
     if let Some(path) = &args.load_pretrained {
         model = load_pretrained(&acc, model, path, args)?;
     }
-    let mut optimizer = acc.prepare_optimizer(AdamConfig::new().init(), args.lr);
+    let mut optimizer = match args.sgd {
+        true => acc.prepare_optimizer(SgdConfig::new().init(), args.lr),
+        false => acc.prepare_optimizer(AdamConfig::new().init(), args.lr),
+    };
     let mut first = 0;
     if args.resume {
         let dir = args.state.as_deref().ok_or_else(|| {
@@ -226,14 +277,19 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 &model,
                 (inputs, targets),
                 |m, (inputs, _)| m.embed(inputs.clone()),
+                // Each layer and the head under autocast (a no-op without --mixed-precision).
                 |layer, x| {
                     let sequences = x.dims()[0];
-                    layer.forward(x, None, Some(one_mask.clone().repeat_dim(0, sequences)))
+                    let mask = one_mask.clone().repeat_dim(0, sequences);
+                    acc.autocast(layer, x, |layer, x| layer.forward(x, None, Some(mask)))
                 },
-                |m, x, (_, targets)| m.loss(x, targets.clone()),
+                |m, x, (_, targets)| acc.autocast(m, x, |m, x| m.loss(x, targets.clone())),
             )?
         };
         grads = held::grad_bytes(&acc, &model);
+        if let Some(max_norm) = args.clip_norm {
+            acc.clip_grad_norm(&model, max_norm)?;
+        }
         model = optimizer.try_step(model)?;
         loss_value = acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>();
         step_secs = started.elapsed().as_secs_f64();
@@ -446,6 +502,12 @@ fn run() -> Result<()> {
     // The main process draws the initial weights (at `prepare_model`) from this seed.
     ranks::default_device().seed(42);
     let mut builder = Accelerator::builder().activation_checkpointing(args.checkpointing);
+    if let Some(ranks) = args.tp_size {
+        builder = builder.tp_size(ranks);
+    }
+    if let Some(precision) = args.mixed_precision {
+        builder = builder.mixed_precision(precision);
+    }
     if let Some(stages) = args.pp_size {
         builder = builder.pp_size(stages);
     }

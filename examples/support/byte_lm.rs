@@ -1,15 +1,20 @@
 //! The byte-level causal transformer language model of `transformer_lm` and `transformer_learner`, and its data:
-//! sequences of `examples/data/corpus.txt`, one token per byte. Its layers (Burn's `TransformerEncoderLayer` with
-//! a causal mask) are the blocks; the embeddings and the head are outside them.
+//! sequences of `examples/data/corpus.txt`, one token per byte. Its layers (Burn's `TransformerEncoderLayer` as
+//! the crate's `ParallelTransformerLayer`, the same record and, on one rank, the same numbers, with a causal
+//! mask) are the blocks; the embeddings and the head are outside them. Under tensor parallelism ([`plan`]) the
+//! layers split the Megatron way, the token embedding by vocabulary and the head by columns.
 
 #![allow(dead_code)]
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::transformer::TransformerEncoderConfig;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::Blocks;
+use burn_accelerate::tensor_parallel::{
+    ParallelEmbedding, ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan, region,
+};
 
 /// The corpus, one token per byte.
 pub const CORPUS: &str = include_str!("../data/corpus.txt");
@@ -20,34 +25,53 @@ pub const VOCAB: usize = 256;
 /// a final norm and a head onto the 256 byte values.
 #[derive(Module, Debug)]
 pub struct ByteLm {
-    pub tokens: Embedding,
+    pub tokens: ParallelEmbedding,
     pub positions: Embedding,
-    pub layers: Vec<TransformerEncoderLayer>,
+    pub layers: Vec<ParallelTransformerLayer>,
     pub norm: LayerNorm,
-    pub head: Linear,
+    pub head: ParallelLinear,
 }
 
 impl Blocks for ByteLm {
-    type Block = TransformerEncoderLayer;
-    fn blocks(&self) -> &[TransformerEncoderLayer] {
+    type Block = ParallelTransformerLayer;
+    fn blocks(&self) -> &[ParallelTransformerLayer] {
         &self.layers
     }
+}
+
+/// How tensor parallelism splits the model: every layer the Megatron way (each rank its heads and its columns of
+/// the feed-forward network), the token embedding by vocabulary, the head by columns (its logits gathered for the
+/// loss); the position embedding and the norms whole.
+pub fn plan() -> TensorParallelPlan {
+    TensorParallelPlan::megatron().split("head", Split::Columns)
 }
 
 impl ByteLm {
     /// `layers` pre-norm layers of width `d_model` with `heads` heads, over sequences of `seq` bytes.
     pub fn new(layers: usize, d_model: usize, heads: usize, seq: usize, device: &Device) -> Self {
+        Self::with_dropout(layers, d_model, heads, seq, 0.0, device)
+    }
+
+    /// [`new`](Self::new) with dropout `dropout` in every layer.
+    pub fn with_dropout(
+        layers: usize,
+        d_model: usize,
+        heads: usize,
+        seq: usize,
+        dropout: f64,
+        device: &Device,
+    ) -> Self {
         let config = TransformerEncoderConfig::new(d_model, 4 * d_model, heads, 1)
-            .with_dropout(0.0)
+            .with_dropout(dropout)
             .with_norm_first(true);
         Self {
-            tokens: EmbeddingConfig::new(VOCAB, d_model).init(device),
+            tokens: EmbeddingConfig::new(VOCAB, d_model).init(device).into(),
             positions: EmbeddingConfig::new(seq, d_model).init(device),
             layers: (0..layers)
-                .map(|_| TransformerEncoderLayer::new(&config, device))
+                .map(|_| ParallelTransformerLayer::new(&config, device))
                 .collect(),
             norm: LayerNormConfig::new(d_model).init(device),
-            head: LinearConfig::new(d_model, VOCAB).init(device),
+            head: LinearConfig::new(d_model, VOCAB).init(device).into(),
         }
     }
 
@@ -64,8 +88,8 @@ impl ByteLm {
     /// The next byte's logits after the last layer's activation `x`, `[batch * seq, VOCAB]`.
     pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
         let [batch, seq, _] = x.dims();
-        self.head
-            .forward(self.norm.forward(x))
+        // The head is a tensor-parallel region of its own: its input's gradient summed over the ranks' columns.
+        region(self.norm.forward(x), |h| self.head.forward_gathered(h))
             .reshape([batch * seq, VOCAB])
     }
 

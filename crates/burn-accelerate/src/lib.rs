@@ -112,6 +112,7 @@ pub mod tracking; // trackers and progress bars
 pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
 pub mod logging; // rank-aware logging
 pub mod data; // prepared dataloaders: sharding, positions
+pub mod tensor_parallel; // tensor parallelism: plans, split modules, regions, reproducible dropout
 pub(crate) mod step; // the step pipeline: one backward's path to the optimizer, block-wise passes
 pub mod pipeline_parallel; // pipeline parallelism: stages, schedules, the pipelined step, traces
 mod parallelize; // a rank's parallelisms composed on its mesh

@@ -11,6 +11,8 @@ use crate::distributed::mesh::Mesh;
 use crate::distributed::strategy::{Strategy, for_data_parallel};
 use crate::error::{Error, Result};
 use crate::pipeline_parallel::{PipelineLayout, Staged, Stages};
+use crate::tensor_parallel::context::TpContext;
+use crate::tensor_parallel::strategy::TensorParallel;
 
 /// What a rank trains with: its mesh, the strategy its steps go through, and its pipeline stage under pipeline
 /// parallelism.
@@ -22,6 +24,8 @@ pub(crate) struct Parallelized {
     pub strategy: Arc<dyn Strategy>,
     /// This rank's pipeline stage, with `pp` > 1.
     pub stages: Option<Arc<Stages>>,
+    /// This rank's tensor-parallel strategy (the same as `strategy`), with `tp` > 1.
+    pub tensor: Option<Arc<TensorParallel>>,
 }
 
 impl Parallelized {
@@ -38,12 +42,23 @@ impl Parallelized {
                 mesh,
                 strategy,
                 stages: Some(stages),
+                tensor: None,
+            });
+        }
+        if let Some(tp) = mesh.tp.clone() {
+            let tensor = Arc::new(for_tensor_parallel(&mesh, &tp, config)?);
+            return Ok(Self {
+                strategy: tensor.clone(),
+                mesh,
+                stages: None,
+                tensor: Some(tensor),
             });
         }
         Ok(Self {
             strategy: for_data_parallel(&mesh, config)?,
             mesh,
             stages: None,
+            tensor: None,
         })
     }
 
@@ -53,8 +68,56 @@ impl Parallelized {
             mesh: Mesh::data_parallel(world),
             strategy,
             stages: None,
+            tensor: None,
         }
     }
+}
+
+/// The strategy of a tensor-parallel rank of `mesh` (its group `tp`): its data-parallel group's strategy, with
+/// the collectives of the tensor-parallel regions on the device path where the ranks have one (in-process ranks
+/// sharing a device hand each other the tensors), and the initial weights from rank 0 of the whole run.
+///
+/// # Errors
+/// A strategy or a transport that cannot be built.
+fn for_tensor_parallel(
+    mesh: &Mesh,
+    tp: &Arc<ProcessGroup>,
+    config: &AcceleratorConfig,
+) -> Result<TensorParallel> {
+    let inner = for_data_parallel(mesh, config)?;
+    let (comm, choice) = crate::distributed::tensor_comm::select_transport(
+        tp,
+        config.distributed.gradient_transport,
+        config.collective_timeout(),
+        crate::distributed::tensor_comm::on_device::Exchanges::Shards,
+    )?;
+    let (world, _) = crate::distributed::tensor_comm::select_transport(
+        &mesh.world,
+        config.distributed.gradient_transport,
+        config.collective_timeout(),
+        crate::distributed::tensor_comm::on_device::Exchanges::Messages,
+    )?;
+    if mesh.world.is_main_process() {
+        log::info!(
+            "tensor parallelism: {} ranks per group × {} data-parallel replicas; the regions' collectives go \
+             through {choice}; each group's data-parallel ranks train by {}",
+            mesh.dims.tp,
+            mesh.dims.dp(),
+            inner.name()
+        );
+    }
+    let context = Arc::new(TpContext {
+        rank: mesh.coords.tp,
+        size: mesh.dims.tp,
+        comm,
+        dp_index: mesh.coords.dp(&mesh.dims),
+    });
+    Ok(TensorParallel {
+        inner,
+        world,
+        context,
+        splits: Mutex::new(None),
+    })
 }
 
 /// The strategy of a pipelined rank of `mesh` under `config`: its data-parallel group's strategy (the ranks of its

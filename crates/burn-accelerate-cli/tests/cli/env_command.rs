@@ -109,6 +109,26 @@ fn env_shows_the_pipeline_and_where_each_rank_sits() {
 }
 
 #[test]
+fn env_shows_the_tensor_parallel_dimension_of_the_mesh() {
+    let dir = std::env::temp_dir().join(format!("env-tp-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("HF_HOME", &dir)
+        .env("PARALLELISM_CONFIG_TP_SIZE", "2")
+        .env("WORLD_SIZE", "4")
+        .env("LOCAL_WORLD_SIZE", "4")
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "tp_size = 2 (environment PARALLELISM_CONFIG_TP_SIZE)",
+        "- Mesh: pp 1 × dp_replicate 2 × dp_shard 1 × cp 1 × tp 2 (4 rank(s))",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
+}
+
+#[test]
 fn unknown_subcommand_is_a_usage_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
         .arg("frobnicate")

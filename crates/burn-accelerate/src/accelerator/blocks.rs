@@ -102,13 +102,15 @@ impl Accelerator {
         M: Blocks,
     {
         self.applied.check(self);
-        self.step.backward_blocks(
+        let loss = self.step.backward_blocks(
             model,
             before,
             block,
             after,
             self.config.memory.activation_checkpointing,
-        )
+        );
+        crate::tensor_parallel::dropout::next_pass();
+        loss
     }
 }
 
@@ -202,7 +204,9 @@ impl Accelerator {
         M: Blocks,
         B: crate::Split,
     {
-        self.backward_batch_keeping(model, batch, (before, block, after), None)
+        let loss = self.backward_batch_keeping(model, batch, (before, block, after), None);
+        crate::tensor_parallel::dropout::next_pass();
+        loss
     }
 
     /// [`backward_batch`](Self::backward_batch), the last stage of a pipeline keeping each micro-batch's output

@@ -42,6 +42,7 @@ pub struct AcceleratorBuilder {
     sharding: Option<ShardingStrategy>,
     dp_shard_size: Option<usize>,
     pp_size: Option<usize>,
+    tp_size: Option<usize>,
     pp_microbatches: Option<usize>,
     pp_schedule: Option<crate::config::PipelineSchedule>,
     pp_stage_blocks: Option<Vec<usize>>,
@@ -247,6 +248,24 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Tensor-parallel ranks: the layers a plan splits ([`Accelerator::prepare_tensor_parallel`]) are held in
+    /// slices over groups of this many consecutive ranks, which read the same data; the groups train
+    /// data-parallel (`NO_SHARD`) with each other (default 1; `PARALLELISM_CONFIG_TP_SIZE`). It must divide the
+    /// number of ranks.
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let places = Accelerator::builder()
+    ///     .tp_size(2)
+    ///     .launch(4, |acc| Ok(acc.mesh_coords()))?;
+    /// assert_eq!((places[1].tp, places[2].tp), (1, 0));
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn tp_size(mut self, ranks: usize) -> Self {
+        self.tp_size = Some(ranks);
+        self
+    }
+
     /// Micro-batches each batch of [`Accelerator::backward_batch`] is split into under a pipeline (default:
     /// `pp_size`; `ACCELERATE_PP_MICROBATCHES`).
     pub fn pp_microbatches(mut self, micro_batches: usize) -> Self {
@@ -432,6 +451,10 @@ impl AcceleratorBuilder {
         if let Some(stages) = self.pp_size {
             config.pipeline.pp_size = stages;
             config.set_source(Key::PpSize, Source::Builder);
+        }
+        if let Some(ranks) = self.tp_size {
+            config.distributed.tp_size = ranks;
+            config.set_source(Key::TpSize, Source::Builder);
         }
         if let Some(micro_batches) = self.pp_microbatches {
             config.pipeline.pp_microbatches = Some(micro_batches);

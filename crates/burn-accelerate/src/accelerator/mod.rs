@@ -15,6 +15,7 @@ mod collectives;
 pub mod internals;
 mod memory;
 mod prepare;
+mod tensor_parallel;
 mod settings_applied;
 mod tracking;
 
@@ -77,6 +78,8 @@ pub struct Accelerator {
     /// This rank's pipeline stage, under pipeline parallelism (`pp_size` > 1): what `backward_batch` and
     /// `forward_batch` run, built with the accelerator.
     stage: Option<Arc<crate::pipeline_parallel::Stages>>,
+    /// This rank's tensor-parallel strategy, under tensor parallelism (`tp_size` > 1).
+    tensor: Option<Arc<crate::tensor_parallel::strategy::TensorParallel>>,
     checkpointer: Checkpointer,
     trigger: Trigger,
     trackers: Mutex<Trackers>,
@@ -152,11 +155,15 @@ impl Accelerator {
             mesh,
             strategy,
             stages,
+            tensor,
         } = parallelized;
+        // This thread's tensor-parallel modules talk over this rank's group (none: every module whole).
+        crate::tensor_parallel::context::install(tensor.as_ref().map(|t| t.context.clone()));
         Ok(Self {
             trackers: Mutex::new(Trackers::new(log_with, project.project_dir.as_deref())),
             step: StepPipeline::new(&config, strategy),
             stage: stages,
+            tensor,
             checkpointer: Checkpointer::new(project),
             trigger: Trigger::default(),
             applied: SettingsApplied::default(),
@@ -298,8 +305,11 @@ impl Accelerator {
     }
 
     /// Seeds the device's random generator (parameter initialisation, dropout, `Tensor::random`).
-    /// With `device_specific`, rank `i` uses `seed + i` so that ranks draw different numbers.
+    /// With `device_specific`, rank `i` uses `seed + i` so that ranks draw different numbers. The
+    /// tensor-parallel modules' dropout ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout)) takes
+    /// `seed` itself: the ranks of a tensor-parallel group draw the same masks where the model is whole.
     pub fn set_seed(&self, seed: u64, device_specific: bool) {
+        crate::tensor_parallel::manual_seed(seed);
         let seed = if device_specific {
             seed.wrapping_add(self.process_index() as u64)
         } else {
@@ -330,10 +340,19 @@ impl Accelerator {
     /// model made of blocks, [`backward_blocks`](Self::backward_blocks) gathers one block at a time instead, and
     /// the peak holds this rank's share.
     ///
+    /// Under tensor parallelism the layers a plan split are gathered whole from the tensor-parallel group too: the
+    /// whole model, for a digest, a save or an evaluation (its modules then run whole, without collectives). Train
+    /// the prepared model itself, through `backward` or `backward_blocks`.
+    ///
     /// # Errors
     /// A failed all-gather (a rank died, a timeout).
     pub fn unshard<M: Module>(&self, model: &M) -> Result<M> {
-        self.step.unshard(model)
+        let model = self.step.unshard(model)?;
+        match &self.tensor {
+            // Each tensor-parallel rank's slices gathered whole.
+            Some(tensor) => tensor.gather_whole(model),
+            None => Ok(model),
+        }
     }
 
     /// Wraps a Burn optimizer (`AdamConfig::new().init()`, ...) with its learning rate.

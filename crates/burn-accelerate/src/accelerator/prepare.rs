@@ -19,6 +19,7 @@ impl Accelerator {
     /// are; build such a model on each rank after `set_seed`, or inside
     /// [`main_process_first`](Self::main_process_first).
     pub fn prepare_model<M: Module>(&self, model: M) -> Result<M> {
+        self.check_tensor_parallel_planned()?;
         let model = if self.num_processes() == 1 {
             materialize(model)
         } else {

@@ -40,7 +40,7 @@ pub struct ParallelDims {
     pub dp_shard: usize,
     /// Context-parallel ranks (`cp_size`): each holds a slice of every sequence. 1 until context parallelism lands.
     pub cp: usize,
-    /// Tensor-parallel ranks (`tp_size`): each holds a slice of every wide layer. 1 until tensor parallelism lands.
+    /// Tensor-parallel ranks (`tp_size`): each holds a slice of every layer a plan splits.
     pub tp: usize,
 }
 
@@ -90,8 +90,8 @@ impl ParallelDims {
     ///
     /// # Errors
     /// A size of 0; `pp_size` × `tp_size` × `cp_size` not dividing the ranks; a `dp_shard_size` that does not divide
-    /// the data-parallel ranks; `tp_size` or `cp_size` above 1 (not available yet). Each error names its setting
-    /// and how to set it.
+    /// the data-parallel ranks; `tp_size` above 1 with a pipeline or a sharded strategy; `cp_size` above 1 (not
+    /// available yet). Each error names its setting and how to set it.
     pub fn from_config(
         config: &AcceleratorConfig,
         world: usize,
@@ -114,6 +114,25 @@ impl ParallelDims {
                     "a number of ranks of 1 or more",
                 ));
             }
+            if size > 1 && name == "tp_size" {
+                let sharding = config.distributed.sharding;
+                if pp > 1 || sharding.is_sharded() {
+                    let (what, fix) = match pp > 1 {
+                        true => (format!("pp_size {pp}"), "set pp_size to 1"),
+                        false => (format!("sharding {sharding}"), "set sharding to NO_SHARD"),
+                    };
+                    return Err(Error::config(
+                        name,
+                        size.to_string(),
+                        "configuration",
+                        format!(
+                            "1 with {what}: tensor parallelism composes with NO_SHARD data parallelism only for \
+                             now; {fix}, or tp_size to 1"
+                        ),
+                    ));
+                }
+                continue;
+            }
             if size > 1 {
                 return Err(Error::config(
                     name,
@@ -127,6 +146,12 @@ impl ParallelDims {
             }
         }
         let inner = pp * tp * cp;
+        if tp > 1 && !world.is_multiple_of(tp) {
+            return Err(Error::InvalidArgument(format!(
+                "tp_size {tp} does not divide the {world} rank(s) of this run: each tensor-parallel group needs \
+                 {tp} ranks; launch a multiple of {tp} processes, or set tp_size to a divisor of {world}"
+            )));
+        }
         if pp == 0 || !world.is_multiple_of(inner) {
             return Err(Error::InvalidArgument(format!(
                 "pp_size {pp} does not divide the {world} rank(s) of this run: each stage needs the same number \
@@ -224,6 +249,9 @@ pub(crate) struct Mesh {
     pub dp: Arc<ProcessGroup>,
     /// This replica's pipeline, one rank per stage, numbered by stage; `None` without a pipeline.
     pub pp: Option<Arc<ProcessGroup>>,
+    /// This rank's tensor-parallel group (the ranks of its data-parallel index), numbered by `tp` coordinate;
+    /// `None` with `tp` 1.
+    pub tp: Option<Arc<ProcessGroup>>,
     /// Under a hybrid strategy over more than one data-parallel rank: the shard group (`dp_shard` consecutive ranks
     /// of `dp`) and the replica group (the `dp_replicate` ranks holding the same slice), in that order.
     pub hybrid: Option<(Arc<ProcessGroup>, Arc<ProcessGroup>)>,
@@ -249,6 +277,7 @@ impl Mesh {
             world: world.clone(),
             dp: world.clone(),
             pp: None,
+            tp: None,
             hybrid: None,
         }
     }
@@ -258,12 +287,18 @@ impl Mesh {
         let dp_index = coords.dp(&dims);
         // Every rank splits in the same order: its stage's data-parallel group, then its replica's pipeline, then a
         // hybrid strategy's shard and replica groups within the data-parallel group.
-        let (dp, pp) = if dims.pp > 1 {
+        let (dp, pp, tp) = if dims.pp > 1 {
             let dp = Arc::new(world.split(coords.pp, dp_index)?);
             let pp = Arc::new(world.split(dp_index, coords.pp)?);
-            (dp, Some(pp))
+            (dp, Some(pp), None)
+        } else if dims.tp > 1 {
+            // The ranks of one tensor-parallel index read different data; those of one data-parallel index form a
+            // tensor-parallel group.
+            let dp = Arc::new(world.split(coords.tp, dp_index)?);
+            let tp = Arc::new(world.split(dp_index, coords.tp)?);
+            (dp, None, Some(tp))
         } else {
-            (world.clone(), None)
+            (world.clone(), None, None)
         };
         let hybrid = if hybrid && dims.dp() > 1 {
             Some(hybrid_groups(&dp, dims.dp_shard)?)
@@ -276,6 +311,7 @@ impl Mesh {
             world: world.clone(),
             dp,
             pp,
+            tp,
             hybrid,
         })
     }
@@ -371,15 +407,39 @@ mod tests {
             err.contains("dp_shard_size") && err.contains("divides the 4"),
             "{err}"
         );
-        for (tp, cp, name) in [(2, 1, "tp_size"), (1, 2, "cp_size")] {
-            let mut c = config(1, ShardingStrategy::NoShard, None);
-            c.distributed.tp_size = tp;
-            c.distributed.cp_size = cp;
+        let mut c = config(1, ShardingStrategy::NoShard, None);
+        c.distributed.cp_size = 2;
+        let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
+        assert!(
+            err.contains("cp_size") && err.contains("not available yet"),
+            "{err}"
+        );
+        for (pp, sharding, names) in [
+            (2, ShardingStrategy::NoShard, "pp_size 2"),
+            (1, ShardingStrategy::FullShard, "sharding FULL_SHARD"),
+        ] {
+            let mut c = config(pp, sharding, None);
+            c.distributed.tp_size = 2;
             let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
             assert!(
-                err.contains(name) && err.contains("not available yet"),
+                err.contains("tp_size") && err.contains(names) && err.contains("NO_SHARD"),
                 "{err}"
             );
         }
+        let mut c = config(1, ShardingStrategy::NoShard, None);
+        c.distributed.tp_size = 3;
+        let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
+        assert!(
+            err.contains("tp_size 3 does not divide the 4 rank(s)"),
+            "{err}"
+        );
+        // tp varies fastest: ranks 0 and 1 are one tensor-parallel group, 0 and 2 one data-parallel group.
+        c.distributed.tp_size = 2;
+        let dims = ParallelDims::from_config(&c, 4, 4).unwrap();
+        assert_eq!((dims.dp_replicate, dims.tp), (2, 2));
+        let places: Vec<_> = (0..4)
+            .map(|r| (dims.coords(r).dp(&dims), dims.coords(r).tp))
+            .collect();
+        assert_eq!(places, vec![(0, 0), (0, 1), (1, 0), (1, 1)]);
     }
 }

@@ -247,6 +247,8 @@ impl StepPipeline {
         // The generator is taken in turns only while the blocks draw random numbers (see `GENERATOR`): the last
         // pass's finding for `before`, this pass's (its first block's forward pass) for the rest. Where `before`
         // runs again in the backward pass (its part gathered anew), it is seeded alike both times.
+        // Where `before`'s tensor-parallel dropout draws begin, to draw them again where it is recomputed.
+        let before_sites = crate::tensor_parallel::dropout::site();
         let (h0, device, seeds) = if gather_each_block {
             let device = model_device(model)?;
             let seeds = self.pass_seeds(&device)?;
@@ -276,6 +278,7 @@ impl StepPipeline {
             false => h0,
         };
         let mut boundaries: Vec<Tensor<D>> = Vec::with_capacity(model.blocks().len() + 1);
+        let mut block_sites = Vec::with_capacity(model.blocks().len());
         boundaries.push(h0.clone().detach());
         let mut draws = true;
         // Which blocks train (a frozen block, `Module::no_grad`, has no parameter that does), from the gathered
@@ -296,6 +299,8 @@ impl StepPipeline {
                 next = Some(start_unshard(strategy, b)?);
             }
             let x = boundaries[i].clone();
+            // Where the block's tensor-parallel dropout draws begin, to draw them again in its recompute.
+            block_sites.push(crate::tensor_parallel::dropout::site());
             let y = if i == 0 {
                 let _generator = generator();
                 seeds.before_block(&device, i);
@@ -331,8 +336,9 @@ impl StepPipeline {
             ));
         }
         let value = loss.clone().detach();
-        let mut grads = self.precision().scale_loss(loss).backward();
-        let mut upstream = top.grad_remove(&mut grads).ok_or_else(|| {
+        let scaled = self.precision().scale_loss(loss);
+        let mut grads = crate::tensor_parallel::cut::backward(scaled)?;
+        let mut upstream = grads.remove(&top).ok_or_else(|| {
             Error::InvalidArgument(
                 "backward_blocks: the loss `after` returned does not depend on the activation it was given (the \
                  blocks' output); compute the loss from it"
@@ -396,11 +402,12 @@ impl StepPipeline {
             let y = {
                 let _generator = draws.then(generator);
                 seeds.before_block(&device, i);
+                crate::tensor_parallel::dropout::set_site(block_sites[i]);
                 block(&whole, x.clone())
             };
-            let mut grads = (y * upstream).sum().backward();
+            let mut grads = crate::tensor_parallel::cut::backward((y * upstream).sum())?;
             upstream = if needs_input_grad {
-                x.grad_remove(&mut grads).ok_or_else(|| {
+                grads.remove(&x).ok_or_else(|| {
                     Error::InvalidArgument(format!(
                         "backward_blocks: block {i}'s output does not depend on its input; `block` must compute \
                          the block's output from the activation it is given"
@@ -430,11 +437,12 @@ impl StepPipeline {
                 true => {
                     let _generator = self.blocks_draw().then(generator);
                     seeds.before_rest(&device);
+                    crate::tensor_parallel::dropout::set_site(before_sites);
                     before(&rest)
                 }
                 false => h0,
             };
-            let mut grads = (h0 * upstream).sum().backward();
+            let mut grads = crate::tensor_parallel::cut::backward((h0 * upstream).sum())?;
             let mut part = GradientBuffer::new();
             part.collect(&rest, &mut grads);
             drop(grads);
@@ -555,10 +563,17 @@ fn splitmix64(x: u64) -> u64 {
 /// never around a collective (a rank waiting here never holds up a peer inside a collective). Blocks that draw
 /// nothing (no dropout) run side by side: whether they draw is found on each pass's first block, under the lock
 /// ([`BlockSeeds::block_drew`]).
+///
+/// Under tensor parallelism the user code holds collectives (a row-parallel layer's all-reduce), so no lock is
+/// taken: the tensor-parallel modules draw their masks from a generator of each rank's own
+/// ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout)), never the device's.
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-pub(crate) fn generator() -> std::sync::MutexGuard<'static, ()> {
-    GENERATOR.lock().unwrap_or_else(|p| p.into_inner())
+pub(crate) fn generator() -> Option<std::sync::MutexGuard<'static, ()>> {
+    if crate::tensor_parallel::tp_rank_and_size().1 > 1 {
+        return None;
+    }
+    Some(GENERATOR.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// One random number drawn from the device's generator.

@@ -258,7 +258,10 @@ impl StepPipeline {
             ));
         }
         let started = Instant::now();
-        let mut grads = self.precision().scale_loss(loss).backward();
+        let scaled = self.precision().scale_loss(loss);
+        // Through the tensor-parallel regions' cuts, where the forward pass made any.
+        let mut grads = crate::tensor_parallel::cut::backward(scaled)?;
+        crate::tensor_parallel::dropout::next_pass();
         self.collect_and_end(&mut grads, model, started)
     }
 

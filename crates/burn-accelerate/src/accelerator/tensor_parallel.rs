@@ -1,0 +1,92 @@
+//! `prepare_tensor_parallel`: a model split over the tensor-parallel ranks by a plan.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ParamId};
+
+use super::Accelerator;
+use crate::error::{Error, Result};
+use crate::tensor_parallel::TensorParallelPlan;
+
+impl Accelerator {
+    /// Prepares `model` as [`prepare_model`](Self::prepare_model) does, with the modules `plan` names split over
+    /// the tensor-parallel ranks ([`tp_size`](crate::AcceleratorBuilder::tp_size)): the plan is resolved against
+    /// the model first, on every rank alike, so that a rule naming no module, a size the ranks do not divide or a
+    /// module the plan cannot split is an error before anything is sent; then every rank receives rank 0's
+    /// weights one parameter at a time and keeps its slice of each split one. With `tp_size` 1 the plan is
+    /// checked and the model kept whole: the same program runs on one rank.
+    ///
+    /// ```
+    /// use burn::nn::transformer::TransformerEncoderConfig;
+    /// use burn_accelerate::Accelerator;
+    /// use burn_accelerate::tensor_parallel::{ParallelTransformerLayer, TensorParallelPlan};
+    ///
+    /// let accelerator = Accelerator::new()?;
+    /// let config = TransformerEncoderConfig::new(16, 32, 4, 1);
+    /// let layer = ParallelTransformerLayer::new(&config, accelerator.device());
+    /// let layer = accelerator.prepare_tensor_parallel(layer, &TensorParallelPlan::megatron())?;
+    /// # let _ = layer;
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The plan's (see [`TensorParallelPlan`]); as [`prepare_model`](Self::prepare_model).
+    pub fn prepare_tensor_parallel<M: Module>(
+        &self,
+        model: M,
+        plan: &TensorParallelPlan,
+    ) -> Result<M> {
+        let tp = self.parallel_dims().tp;
+        let resolved = plan.resolve(&model, tp)?;
+        let Some(tensor) = &self.tensor else {
+            return self.prepare_model(model);
+        };
+        // The plan resolved alike on every rank (the same model); the split parameters under rank 0's ids, which
+        // every rank's parameters take on arrival.
+        let ids: Vec<u64> = crate::grad::param_ids(&model)
+            .iter()
+            .map(|id| id.val())
+            .collect();
+        let ids = self.broadcast_object(&ids, 0)?;
+        let mut floats = Vec::new();
+        crate::named_params::floats(&model, |p| floats.push(p.id()));
+        if floats.len() != resolved.dims.len() || floats.len() != ids.len() {
+            return Err(Error::InvalidArgument(format!(
+                "prepare_tensor_parallel: the model has {} float parameters here and {} on rank 0: every rank \
+                 must build the same model",
+                floats.len(),
+                ids.len()
+            )));
+        }
+        let splits: HashMap<ParamId, usize> = ids
+            .iter()
+            .zip(&resolved.dims)
+            .filter_map(|(id, dim)| dim.map(|d| (ParamId::from(*id), d)))
+            .collect();
+        if self.is_main_process() {
+            let (split, whole) = resolved.elements;
+            log::info!(
+                "tensor-parallel plan: {} parameters split ({split} of {whole} elements), each rank keeping 1/{tp} \
+                 of them",
+                splits.len()
+            );
+        }
+        tensor.add_splits(splits);
+        self.prepare_model(model)
+    }
+
+    /// Under tensor parallelism, a model prepared without a plan would train whole on every rank of a group, each
+    /// computing the same thing: an error that says to use
+    /// [`prepare_tensor_parallel`](Self::prepare_tensor_parallel).
+    pub(crate) fn check_tensor_parallel_planned(&self) -> Result<()> {
+        match &self.tensor {
+            Some(t) if !t.planned() => Err(Error::InvalidArgument(format!(
+                "prepare_model under tensor parallelism (tp_size {}): prepare the model with \
+                 `accelerator.prepare_tensor_parallel(model, &plan)` (TensorParallelPlan::megatron() for the \
+                 crate's transformer modules), which says how its layers are split",
+                t.context.size
+            ))),
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! The strategy of a tensor-parallel rank ([`TensorParallel`]): its data-parallel group's strategy (the ranks that
+//! hold the same slices and read different data) for gradients, with what tensor parallelism changes: the
+//! initial weights come from rank 0 of the whole run and each rank keeps its slice of a split parameter as it
+//! arrives; the gradient norm and the fp16 verdict are combined over the tensor-parallel group; a checkpoint holds
+//! each rank's slices.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use burn::module::ParamId;
+use burn::tensor::Tensor;
+
+use super::context::TpContext;
+use crate::distributed::DistributedType;
+use crate::distributed::comm::ReduceOp;
+use crate::distributed::strategy::{
+    Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
+    ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
+};
+use crate::distributed::tensor_comm::TensorComm;
+use crate::error::{Error, Result};
+use crate::grad::{GradientBuffer, NormType};
+
+/// The strategy of a rank of a tensor-parallel group.
+#[derive(Debug)]
+pub(crate) struct TensorParallel {
+    /// The data-parallel group's strategy (`NO_SHARD` over the ranks of the same tensor-parallel index).
+    pub inner: Arc<dyn Strategy>,
+    /// Every rank of the run: the initial weights come from its rank 0.
+    pub world: Arc<dyn TensorComm>,
+    /// The tensor-parallel group.
+    pub context: Arc<TpContext>,
+    /// The split parameters (rank 0's ids) and the dimension each is split along, set by
+    /// `prepare_tensor_parallel` before the weights arrive.
+    pub splits: Mutex<Option<HashMap<ParamId, usize>>>,
+}
+
+impl TensorParallel {
+    fn split_dim(&self, id: ParamId) -> Option<usize> {
+        self.splits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|s| s.get(&id).copied())
+    }
+
+    /// Whether a plan was applied (a model prepared without one would train every rank's copy whole).
+    pub fn planned(&self) -> bool {
+        self.splits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Adds the split parameters of one prepared model.
+    pub fn add_splits(&self, splits: HashMap<ParamId, usize>) {
+        self.splits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .extend(splits);
+    }
+
+    fn combined(&self, local: f64, norm_type: NormType) -> Result<f64> {
+        let comm = &self.context.comm;
+        Ok(match norm_type {
+            NormType::Inf => comm.all_reduce_value(local, ReduceOp::Max, "gradient norm")?,
+            NormType::L2 => comm
+                .all_reduce_value(local * local, ReduceOp::Sum, "gradient norm")?
+                .sqrt(),
+            NormType::P(p) => comm
+                .all_reduce_value(local.powf(p), ReduceOp::Sum, "gradient norm")?
+                .powf(1.0 / p),
+        })
+    }
+}
+
+impl StrategyInfo for TensorParallel {
+    fn name(&self) -> String {
+        format!(
+            "tensor parallel rank {} of {}, its data-parallel group by {}",
+            self.context.rank,
+            self.context.size,
+            self.inner.name()
+        )
+    }
+
+    /// The rank in the whole run: initial weights come from its rank 0.
+    fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    fn distributed_type(&self, launched: DistributedType) -> DistributedType {
+        self.inner.distributed_type(launched)
+    }
+}
+
+impl GradientSync for TensorParallel {
+    fn reduce_gradients(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<()> {
+        self.inner.reduce_gradients(grads, params, scale)
+    }
+
+    fn reduces_to_itself(&self, scale: f32) -> bool {
+        self.inner.reduces_to_itself(scale)
+    }
+
+    fn start_reduce(
+        &self,
+        grads: GradientBuffer,
+        params: &[(ParamId, usize)],
+        scale: f32,
+    ) -> Result<FinishReduce> {
+        self.inner.start_reduce(grads, params, scale)
+    }
+
+    /// Rank `root` of the whole run.
+    fn broadcast(&self, flat: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+        self.world
+            .broadcast(flat, root, "parameter broadcast")?
+            .wait()
+    }
+
+    fn backward_reached_nothing(&self) -> Result<()> {
+        self.inner.backward_reached_nothing()
+    }
+
+    fn no_gradients_held(&self, operation: &'static str) -> Result<()> {
+        self.inner.no_gradients_held(operation)
+    }
+
+    /// The norm of what this rank counts (its slices; the whole parameters on tensor-parallel rank 0 only),
+    /// combined over the group.
+    fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
+        let local = if norms.is_empty() {
+            0.0
+        } else {
+            self.inner.gradient_norm(norms, norm_type)?
+        };
+        self.combined(local, norm_type)
+    }
+
+    /// A split parameter's slice counts on every rank; a whole one (the same on every rank of the group) on the
+    /// group's rank 0.
+    fn counts_in_norm(&self, id: ParamId) -> bool {
+        (self.split_dim(id).is_some() || self.context.rank == 0) && self.inner.counts_in_norm(id)
+    }
+
+    /// Any rank of the group (each checks its own slices).
+    fn any_rank(&self, local: bool) -> Result<bool> {
+        let here = self.inner.any_rank(local)?;
+        let any = self.context.comm.all_reduce_value(
+            f64::from(u8::from(here)),
+            ReduceOp::Max,
+            "overflow verdict",
+        )?;
+        Ok(any > 0.0)
+    }
+
+    fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        self.inner.any_rank_each(flags)
+    }
+}
+
+impl ParamPlacement for TensorParallel {
+    fn block_pass(&self) -> BlockPass {
+        self.inner.block_pass()
+    }
+
+    fn forget(&self, ids: &HashSet<ParamId>) {
+        self.inner.forget(ids);
+    }
+
+    fn params_renamed(&self, renamed: &[(ParamId, ParamId)]) {
+        if let Some(splits) = self
+            .splits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            for (old, new) in renamed {
+                if let Some(dim) = splits.remove(old) {
+                    splits.insert(*new, dim);
+                }
+            }
+        }
+        self.inner.params_renamed(renamed);
+    }
+
+    fn slicing(&self, id: ParamId) -> Option<(Slicing, usize)> {
+        self.inner.slicing(id)
+    }
+
+    fn slicings(&self) -> Vec<(ParamId, Slicing)> {
+        self.inner.slicings()
+    }
+
+    /// Rank 0's value on every rank, of which a split parameter keeps this rank's slice at once (a whole
+    /// parameter in flight at a time, never the whole model).
+    fn arrive(
+        &self,
+        id: ParamId,
+        dims: &[usize],
+        trains: bool,
+        value: Arriving,
+        root: usize,
+    ) -> Result<(Tensor<1>, Vec<usize>)> {
+        let _ = trains;
+        let whole = self.broadcast(value.into_buffer(), root)?;
+        let Some(dim) = self.split_dim(id) else {
+            return Ok((whole, dims.to_vec()));
+        };
+        Ok(slice_of(
+            whole,
+            dims,
+            dim,
+            self.context.rank,
+            self.context.size,
+        ))
+    }
+
+    fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        self.inner.setup(params)
+    }
+
+    fn unshard(&self, params: &mut ModuleParams<'_>, kept: &HashSet<ParamId>) -> Result<()> {
+        self.inner.unshard(params, kept)
+    }
+
+    fn start_unshard(&self, params: &mut ModuleParams<'_>) -> Result<FinishUnshard> {
+        self.inner.start_unshard(params)
+    }
+
+    fn before_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        self.inner.before_step(params)
+    }
+
+    fn after_step(&self, params: &mut ModuleParams<'_>) -> Result<()> {
+        self.inner.after_step(params)
+    }
+
+    fn fetcher(&self, params: &mut ModuleParams<'_>) -> Option<ParamFetcher> {
+        self.inner.fetcher(params)
+    }
+}
+
+impl TensorParallel {
+    /// `module` with every split parameter gathered whole from the group (ids and gradient settings kept): what
+    /// `Accelerator::unshard` gives, for a digest, a save of the whole model, an evaluation on one rank.
+    ///
+    /// # Errors
+    /// An all-gather's (a timeout, a peer that failed).
+    pub fn gather_whole<M: burn::module::Module>(&self, module: M) -> Result<M> {
+        struct Gather<'a> {
+            strategy: &'a TensorParallel,
+            error: Option<Error>,
+        }
+        impl burn::module::ModuleMapper for Gather<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: burn::module::Param<Tensor<D>>,
+            ) -> burn::module::Param<Tensor<D>> {
+                let Some(dim) = self.strategy.split_dim(param.id) else {
+                    return param;
+                };
+                if self.error.is_some() {
+                    return param;
+                }
+                let (id, value, mapper) = param.consume();
+                let grad = value.is_require_grad();
+                match self.strategy.context.all_gather(
+                    value.clone().detach(),
+                    dim,
+                    "tensor-parallel gather",
+                ) {
+                    Ok(whole) => {
+                        let whole = if grad { whole.require_grad() } else { whole };
+                        burn::module::Param::from_mapped_value(id, whole, mapper)
+                    }
+                    Err(e) => {
+                        self.error = Some(e);
+                        burn::module::Param::from_mapped_value(id, value, mapper)
+                    }
+                }
+            }
+        }
+        let mut gather = Gather {
+            strategy: self,
+            error: None,
+        };
+        let module = module.map(&mut gather);
+        match gather.error {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
+    }
+}
+
+/// Rank `rank`'s slice (of `parts` equal ones along `dim`) of the flat tensor `whole` of shape `dims`: flat, and
+/// its shape.
+pub(crate) fn slice_of(
+    whole: Tensor<1>,
+    dims: &[usize],
+    dim: usize,
+    rank: usize,
+    parts: usize,
+) -> (Tensor<1>, Vec<usize>) {
+    let len = dims[dim] / parts;
+    let mut shape = dims.to_vec();
+    shape[dim] = len;
+    let n: usize = shape.iter().product();
+    let part = match dims.len() {
+        1 => whole.slice(rank * len..(rank + 1) * len),
+        2 => {
+            let t = whole.reshape([dims[0], dims[1]]);
+            let t = match dim {
+                0 => t.slice([rank * len..(rank + 1) * len, 0..dims[1]]),
+                _ => t.slice([0..dims[0], rank * len..(rank + 1) * len]),
+            };
+            t.reshape([n])
+        }
+        _ => {
+            // Any rank: the split dimension first, its rows taken, back in place.
+            let t = whole.reshape([
+                dims[..dim].iter().product::<usize>(),
+                dims[dim],
+                dims[dim + 1..].iter().product(),
+            ]);
+            let [a, _, c] = t.dims();
+            t.slice([0..a, rank * len..(rank + 1) * len, 0..c])
+                .reshape([n])
+        }
+    };
+    (part, shape)
+}
+
+impl StateScopes for TensorParallel {
+    /// Each rank writes its slices.
+    fn optimizer_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    /// Each rank writes its slices.
+    fn model_state(&self) -> StateScope {
+        StateScope::PerRank
+    }
+
+    fn check_optimizer(&self, optimizer: &str) -> Result<()> {
+        self.inner.check_optimizer(optimizer)
+    }
+
+    fn check_learner(&self) -> Result<()> {
+        Err(Error::InvalidArgument(format!(
+            "burn-train's Learner cannot train with tensor parallelism yet (tp_size {}): its steps run on a thread \
+             of its own, outside the tensor-parallel regions' group; train with your own loop \
+             (`accelerator.prepare_tensor_parallel` and `backward_blocks`), or set tp_size to 1",
+            self.context.size
+        )))
+    }
+}
