@@ -219,6 +219,10 @@ impl Accelerator {
     /// a whole tensor or holds the file, so a pretrained model larger than one rank's memory loads. Call it on
     /// every rank after [`prepare_model`](Self::prepare_model) (before it, every rank loads the whole model); a
     /// rank that fails to read its slices makes the call fail on every rank.
+    ///
+    /// Into a model prepared with [`prepare_tensor_parallel`](Self::prepare_tensor_parallel), each rank keeps its
+    /// slice of each split layer: every stored tensor is read whole, one at a time, cut and let go, so a rank
+    /// holds its share of the model and one whole tensor at most.
     pub fn load_checkpoint_in_model<M: Module>(
         &self,
         model: M,
@@ -226,14 +230,16 @@ impl Accelerator {
         options: &LoadOptions,
     ) -> Result<(M, LoadReport)> {
         let strategy = self.step.strategy();
-        let loaded = crate::checkpoint::safetensors::read::load_weights_split(
+        let tensor = self.tensor.as_deref();
+        let loaded = crate::checkpoint::safetensors::read::load_weights_parts(
             model,
             path.as_ref(),
             options,
             &|id| strategy.slicing(id),
+            &|id| tensor.and_then(|t| t.slice_of_param(id)),
         );
         crate::heap::release_free_heap();
-        if strategy.slicings().is_empty() {
+        if strategy.slicings().is_empty() && tensor.is_none() {
             // Every rank holds the whole model: a rank may load on its own.
             return loaded;
         }
@@ -276,11 +282,12 @@ impl Accelerator {
         if let Some(stages) = self.stage() {
             splits = every_stage_splits(self, stages, splits)?;
         }
+        let tp = self.parallel_dims().tp;
         let scopes = (
             strategy.optimizer_state(),
             strategy.model_state(),
             splits,
-            pp_size,
+            (pp_size, (tp > 1).then_some(tp)),
         );
         self.checkpointer
             .save_state(&self.group, dir, parts, scaler, scopes)
@@ -322,6 +329,22 @@ impl Accelerator {
                 loaded.saved_num_processes(),
                 self.num_processes(),
                 stages.layout.stages
+            )));
+        }
+        // Under tensor parallelism each rank's records hold its slices: the same tp_size on as many ranks.
+        let (saved_tp, tp) = (loaded.saved_tp_size().unwrap_or(1), self.parallel_dims().tp);
+        if (saved_tp > 1 || tp > 1)
+            && (saved_tp != tp || loaded.saved_num_processes() != self.num_processes())
+        {
+            return Err(crate::Error::InvalidArgument(format!(
+                "load_state: {} was saved by {} ranks with tp_size {saved_tp}, and this run has {} ranks with \
+                 tp_size {tp}: a state saved under tensor parallelism holds each rank's slices and resumes on the \
+                 same tp_size and number of ranks (re-cutting them for another comes later); launch {} ranks \
+                 with tp_size {saved_tp}, or start from the whole weights `save_model` writes",
+                loaded.dir().display(),
+                loaded.saved_num_processes(),
+                self.num_processes(),
+                loaded.saved_num_processes()
             )));
         }
         if let Some(scaler) = loaded.scaler() {

@@ -96,11 +96,11 @@ impl Checkpointer {
         dir: Option<&Path>,
         parts: &StateToSave,
         scaler: Option<LossScaler>,
-        (optimizer_state, model_state, splits, pp_size): (
+        (optimizer_state, model_state, splits, (pp_size, tp_size)): (
             StateScope,
             StateScope,
             Vec<super::repartition::SavedSplit>,
-            Option<usize>,
+            (Option<usize>, Option<usize>),
         ),
     ) -> Result<PathBuf> {
         // Every rank learns whether every rank may write there (a refusal on one must not leave the others
@@ -126,6 +126,7 @@ impl Checkpointer {
             model_state,
             splits,
             pp_size,
+            tp_size,
         };
         save::save(&dir, parts, ctx)?;
         if automatic {

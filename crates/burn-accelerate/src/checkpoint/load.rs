@@ -288,6 +288,11 @@ impl LoadedState {
         self.manifest.pp_size
     }
 
+    /// The saving run's tensor-parallel ranks per group, under tensor parallelism.
+    pub(crate) fn saved_tp_size(&self) -> Option<usize> {
+        self.manifest.tp_size
+    }
+
     /// Whether the saving run split parameters over its ranks (a sharded strategy).
     pub(crate) fn saved_split(&self) -> bool {
         !self.manifest.splits.is_empty()

@@ -54,6 +54,10 @@ pub(crate) struct Manifest {
     /// replicas. Absent in other and older checkpoints.
     #[serde(default)]
     pub(crate) pp_size: Option<usize>,
+    /// The saving run's tensor-parallel ranks per group, when it had more than one: each rank's records hold its
+    /// slices of the split layers, so that the state resumes on the same `tp_size` and ranks. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) tp_size: Option<usize>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -151,6 +151,8 @@ pub(crate) struct SaveContext<'a> {
     pub splits: Vec<super::repartition::SavedSplit>,
     /// The pipeline's stages, when the run is pipelined (`splits` then holds every rank's).
     pub pp_size: Option<usize>,
+    /// The tensor-parallel ranks per group, under tensor parallelism.
+    pub tp_size: Option<usize>,
 }
 
 /// Writes a checkpoint into `dir` atomically, with every rank taking part. Each phase ends with every rank
@@ -288,6 +290,7 @@ fn commit(dir: &Path, partial: &Path, parts: &StateToSave, ctx: &SaveContext<'_>
         )?,
         splits: ctx.splits.clone(),
         pp_size: ctx.pp_size,
+        tp_size: ctx.tp_size,
     };
     write_synced(
         &partial.join(MANIFEST),

@@ -44,6 +44,12 @@ impl TensorParallel {
             .and_then(|s| s.get(&id).copied())
     }
 
+    /// This rank's slice of parameter `id`: `(dim, rank, parts)`, or `None` where it holds it whole.
+    pub fn slice_of_param(&self, id: ParamId) -> Option<(usize, usize, usize)> {
+        self.split_dim(id)
+            .map(|dim| (dim, self.context.rank, self.context.size))
+    }
+
     /// Whether a plan was applied (a model prepared without one would train every rank's copy whole).
     pub fn planned(&self) -> bool {
         self.splits

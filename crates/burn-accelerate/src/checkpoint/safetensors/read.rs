@@ -281,11 +281,28 @@ pub(crate) fn load_weights_split<M: Module>(
     options: &LoadOptions,
     split_of: SlicingOf<'_>,
 ) -> Result<(M, LoadReport)> {
+    load_weights_parts(module, path, options, split_of, &|_| None)
+}
+
+/// What a tensor-parallel rank holds of a parameter: `(dim, rank, parts)`, its slice `rank` of `parts` equal
+/// ones along `dim`; `None` where it holds the parameter whole.
+pub(crate) type TensorSliceOf<'a> = &'a dyn Fn(ParamId) -> Option<(usize, usize, usize)>;
+
+/// [`load_weights_split`], a tensor-parallel rank keeping its slice of each split parameter (`tp_of`): each
+/// stored tensor is read whole, one at a time, cut and let go.
+pub(crate) fn load_weights_parts<M: Module>(
+    module: M,
+    path: &Path,
+    options: &LoadOptions,
+    split_of: SlicingOf<'_>,
+    tp_of: TensorSliceOf<'_>,
+) -> Result<(M, LoadReport)> {
     let source = Source::open(path, &options.remap)?;
     let layout = options.layout.or(source.layout).unwrap_or_default();
     struct Apply<'a> {
         source: &'a Source,
         split_of: SlicingOf<'a>,
+        tp_of: TensorSliceOf<'a>,
         options: &'a LoadOptions,
         layout: WeightLayout,
         stack: Vec<String>,
@@ -310,9 +327,17 @@ pub(crate) fn load_weights_split<M: Module>(
                 (tensor.dims().as_slice() == local.as_slice() && split.dims() != local.as_slice())
                     .then(|| (split.dims().to_vec(), split.held_rows(me), local[0]))
             });
-            let whole_dims = slice
-                .as_ref()
-                .map_or_else(|| tensor.dims().to_vec(), |(dims, _, _)| dims.clone());
+            // A tensor-parallel slice: the whole tensor's shape, `parts` times its dimension `dim`.
+            let tp = (self.tp_of)(id).filter(|_| slice.is_none());
+            let whole_dims = match (&slice, tp) {
+                (Some((dims, _, _)), _) => dims.clone(),
+                (None, Some((dim, _, parts))) => {
+                    let mut dims = tensor.dims().to_vec();
+                    dims[dim] *= parts;
+                    dims
+                }
+                (None, None) => tensor.dims().to_vec(),
+            };
             let (key, stored_shape) =
                 self.layout
                     .file_key(&name, tensor.dtype(), &whole_dims, &self.containers);
@@ -390,8 +415,16 @@ pub(crate) fn load_weights_split<M: Module>(
             };
             let device = tensor.device();
             // The old value goes before the new one is made: a rank's memory holds one of them at a time.
+            let local = tensor.dims();
             drop(tensor);
-            Tensor::from_data(data, (&device, dtype))
+            let restored = Tensor::from_data(data, (&device, dtype));
+            match tp {
+                Some((dim, rank, _)) => {
+                    let len = local[dim];
+                    restored.narrow(dim, rank * len, len)
+                }
+                _ => restored,
+            }
         }
     }
     impl ModuleMapper for Apply<'_> {
@@ -440,6 +473,7 @@ pub(crate) fn load_weights_split<M: Module>(
     let mut apply = Apply {
         source: &source,
         split_of,
+        tp_of,
         options,
         layout,
         stack: Vec::new(),
