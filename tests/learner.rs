@@ -1421,3 +1421,25 @@ fn under_full_shard_the_learner_says_what_to_change_instead_of_training_wrong() 
         );
     }
 }
+
+#[test]
+fn the_learner_refuses_tensor_parallelism_with_a_message() {
+    let errors = Accelerator::builder()
+        .tp_size(2)
+        .launch(2, |acc| {
+            Ok(
+                burn_accelerate::learner::AcceleratedStrategy::new(Arc::new(acc))
+                    .map(|_| ())
+                    .unwrap_err()
+                    .to_string(),
+            )
+        })
+        .unwrap();
+    for error in errors {
+        assert!(
+            error.contains("Learner cannot train with tensor parallelism yet (tp_size 2)")
+                && error.contains("prepare_tensor_parallel"),
+            "{error}"
+        );
+    }
+}

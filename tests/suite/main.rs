@@ -44,4 +44,5 @@ mod public_paths;
 mod pytorch_layout;
 mod resume_any_ranks;
 mod sharded;
+mod tensor_parallel;
 mod tracking;

@@ -25,7 +25,8 @@ pub(crate) struct TpContext {
 }
 
 thread_local! {
-    static CURRENT: RefCell<Option<Arc<TpContext>>> = const { RefCell::new(None) };
+    /// `None` until an accelerator is created on this thread; then its group, or `Some(None)` without one.
+    static CURRENT: RefCell<Option<Option<Arc<TpContext>>>> = const { RefCell::new(None) };
 }
 
 /// Every context of this process, for a thread that has none installed (a process of one rank that runs its
@@ -42,13 +43,14 @@ pub(crate) fn install(context: Option<Arc<TpContext>>) {
             live.push(Arc::downgrade(c));
         }
     }
-    CURRENT.with(|slot| *slot.borrow_mut() = context);
+    CURRENT.with(|slot| *slot.borrow_mut() = Some(context));
 }
 
-/// The context of this thread: the one installed, else the only one alive in the process.
+/// The context of this thread: the one its accelerator installed; on a thread that created none, the only one
+/// alive in the process (a process of one rank).
 pub(crate) fn current() -> Option<Arc<TpContext>> {
-    if let Some(c) = CURRENT.with(|slot| slot.borrow().clone()) {
-        return Some(c);
+    if let Some(installed) = CURRENT.with(|slot| slot.borrow().clone()) {
+        return installed;
     }
     let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
     let mut alive = live.iter().filter_map(Weak::upgrade);

@@ -361,9 +361,10 @@ impl StateScopes for TensorParallel {
 
     fn check_learner(&self) -> Result<()> {
         Err(Error::InvalidArgument(format!(
-            "burn-train's Learner cannot train with tensor parallelism yet (tp_size {}): its steps run on a thread \
-             of its own, outside the tensor-parallel regions' group; train with your own loop \
-             (`accelerator.prepare_tensor_parallel` and `backward_blocks`), or set tp_size to 1",
+            "burn-train's Learner cannot train with tensor parallelism yet (tp_size {}): a TrainStep's gradients \
+             come from `loss.backward()`, which does not cross the tensor-parallel regions' cuts; train with your \
+             own loop (`accelerator.prepare_tensor_parallel`, then `backward` or `backward_blocks`), or set \
+             tp_size to 1",
             self.context.size
         )))
     }

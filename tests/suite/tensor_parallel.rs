@@ -1,0 +1,391 @@
+//! Tensor parallelism against one process, in-process ranks (the same under `mpirun` is
+//! `tests/mpi/tensor_parallel_mpi.rs`): the transformer example (`transformer_lm --tp-size`: every layer split the
+//! Megatron way, the token embedding by vocabulary, the head by columns) and a pre-norm MLP stack of this file's
+//! own, over 2 and 4 tensor-parallel ranks and over 2 × 2 (tensor × data), end with one process's weights: within
+//! 1e-6 after 20 SGD steps, within the parity suite's bounds after 20 Adam steps (1e-5; fp16 with global-norm
+//! clipping 3.5e-2); with dropout on (and activation checkpointing), the same masks as one process. The plan's
+//! mistakes are errors before the first step that name the module, its sizes and the fix.
+
+use crate::deep::deterministic;
+use crate::examples;
+use crate::fixtures::max_abs_diff;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn::module::Module;
+use burn::nn::{
+    DropoutConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+    transformer::TransformerEncoderConfig,
+};
+use burn::optim::{AdamConfig, SgdConfig};
+use burn::tensor::Tensor;
+use burn_accelerate::tensor_parallel::{
+    ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan, dropout, residual,
+};
+use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision, ShardingStrategy};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ba-tp-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The final weights `transformer_lm` wrote with `args` (every float parameter, whole, little-endian f32), after
+/// checking that it trained its 20 steps.
+fn lm_weights(dir: &Path, name: &str, args: &[&str]) -> Vec<Vec<f32>> {
+    let path = dir.join(format!("{name}.bin"));
+    let out = Command::new(examples::example("transformer_lm"))
+        .args(["--steps", "20", "--weights"])
+        .arg(&path)
+        .args(args)
+        .env_remove("ACCELERATE_MIXED_PRECISION")
+        .output()
+        .expect("the example starts");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("step  20 loss"),
+        "{args:?}\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&path).unwrap();
+    vec![
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    ]
+}
+
+#[test]
+fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weights() {
+    let dir = scratch("lm");
+    let sgd = ["--sgd", "--lr", "0.1"];
+    let fp16 = ["--mixed-precision", "fp16", "--clip-norm", "0.5"];
+    let dropout = ["--sgd", "--lr", "0.1", "--dropout", "0.1"];
+    let one_sgd = lm_weights(&dir, "sgd-1", &sgd);
+    let one_adam = lm_weights(&dir, "adam-1", &[]);
+    let one_fp16 = lm_weights(&dir, "fp16-1", &fp16);
+    let one_dropout = lm_weights(&dir, "dropout-1", &dropout);
+    // Dropout changes the training (so its comparison can fail), and so does fp16.
+    assert!(max_abs_diff(&one_sgd, &one_dropout) > 1e-4);
+    assert!(max_abs_diff(&one_adam, &one_fp16) > 1e-4);
+    for tp in ["2", "4"] {
+        let split = ["--processes", tp, "--tp-size", tp];
+        let with = |extra: &[&'static str]| -> Vec<&str> { [&split[..], extra].concat() };
+        let cases: [(&str, Vec<&str>, &Vec<Vec<f32>>, f32); 5] = [
+            ("sgd", with(&sgd), &one_sgd, 1e-6),
+            ("adam", with(&[]), &one_adam, 1e-5),
+            ("fp16-clipped", with(&fp16), &one_fp16, 3.5e-2),
+            ("dropout", with(&dropout), &one_dropout, 1e-6),
+            (
+                "dropout-checkpointed",
+                with(&[&dropout[..], &["--checkpointing"]].concat()),
+                &one_dropout,
+                1e-6,
+            ),
+        ];
+        for (case, args, one, bound) in cases {
+            let split = lm_weights(&dir, &format!("{case}-{tp}"), &args);
+            let diff = max_abs_diff(one, &split);
+            println!("transformer_lm tp {tp} {case}: max |Δ| = {diff:e}");
+            assert!(
+                diff <= bound,
+                "tp {tp} {case}: max |Δ| = {diff:e} > {bound:e}"
+            );
+        }
+    }
+    // Tensor × data parallelism: two groups of two, each reading half of every batch.
+    let both = lm_weights(&dir, "adam-2x2", &["--processes", "4", "--tp-size", "2"]);
+    let diff = max_abs_diff(&one_adam, &both);
+    println!("transformer_lm tp 2 × dp 2 adam: max |Δ| = {diff:e}");
+    assert!(diff <= 1e-5, "tp 2 × dp 2: max |Δ| = {diff:e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A pre-norm MLP stack: an input layer, blocks `x + down(gelu(up(norm(x))))`, a head.
+#[derive(Module, Debug)]
+struct Stack {
+    input: Linear,
+    blocks: Vec<Block>,
+    head: Linear,
+}
+
+#[derive(Module, Debug)]
+struct Block {
+    norm: LayerNorm,
+    up: ParallelLinear,
+    down: ParallelLinear,
+}
+
+const WIDTH: usize = 8;
+const HIDDEN: usize = 32;
+const ROWS: usize = 16;
+const STEPS: usize = 20;
+
+impl Stack {
+    fn new(device: &burn::tensor::Device) -> Self {
+        deterministic(Self {
+            input: LinearConfig::new(6, WIDTH).init(device),
+            blocks: (0..3)
+                .map(|_| Block {
+                    norm: LayerNormConfig::new(WIDTH).init(device),
+                    up: LinearConfig::new(WIDTH, HIDDEN).init(device).into(),
+                    down: LinearConfig::new(HIDDEN, WIDTH).init(device).into(),
+                })
+                .collect(),
+            head: LinearConfig::new(WIDTH, 1).init(device),
+        })
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let mut h = self.input.forward(x);
+        for b in &self.blocks {
+            // The norm whole on every rank, then the region: `up` by columns, `down` by rows.
+            h = residual(
+                h,
+                |h| b.norm.forward(h),
+                |h| {
+                    b.down
+                        .forward(burn::tensor::activation::gelu(b.up.forward(h)))
+                },
+            );
+        }
+        self.head.forward(h)
+    }
+
+    fn plan() -> TensorParallelPlan {
+        TensorParallelPlan::new()
+            .split("blocks.*.up", Split::Columns)
+            .split("blocks.*.down", Split::Rows)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Optimizer {
+    Sgd,
+    Adam,
+}
+
+/// The stack's whole weights after training on `ranks` ranks of which groups of `tp` split it, with `builder`'s
+/// settings (mixed precision) and, with `clip`, global-norm clipping.
+fn train_stack(
+    builder: AcceleratorBuilder,
+    ranks: usize,
+    tp: usize,
+    optimizer: Optimizer,
+    clip: Option<f64>,
+) -> Vec<Vec<f32>> {
+    let weights = builder
+        .tp_size(tp)
+        .launch(ranks, move |acc| {
+            let model = acc.prepare_tensor_parallel(Stack::new(acc.device()), &Stack::plan())?;
+            let mut model = model;
+            let mut opt = match optimizer {
+                Optimizer::Sgd => acc.prepare_optimizer(SgdConfig::new().init(), 0.05),
+                Optimizer::Adam => acc.prepare_optimizer(AdamConfig::new().init(), 1e-2),
+            };
+            let layout = acc.pipeline_layout();
+            let rows = ROWS / layout.replicas;
+            for step in 0..STEPS {
+                let (x, y) =
+                    crate::deep::batch(step * ROWS + layout.replica * rows, rows, acc.device());
+                let loss = acc.autocast(&model, x, |m, x| m.forward(x));
+                let loss = (loss - y).powi_scalar(2).mean();
+                acc.backward(loss, &model)?;
+                if let Some(max_norm) = clip {
+                    acc.clip_grad_norm(&model, max_norm)?;
+                }
+                model = opt.try_step(model)?;
+            }
+            Ok(crate::deep::params(&acc.unshard(&model)?))
+        })
+        .unwrap();
+    // Every rank ends with the same whole model.
+    for w in &weights[1..] {
+        assert_eq!(max_abs_diff(&weights[0], w), 0.0);
+    }
+    weights.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_pre_norm_mlp_stack_of_ones_own_split_by_a_plan_trains_to_one_process_weights() {
+    let b = Accelerator::builder;
+    let fp16 = || b().mixed_precision(MixedPrecision::Fp16);
+    for (optimizer, bound) in [(Optimizer::Sgd, 1e-6), (Optimizer::Adam, 1e-5)] {
+        let one = train_stack(b(), 1, 1, optimizer, None);
+        let untrained = crate::deep::params(&Stack::new(&Default::default()));
+        assert!(max_abs_diff(&one, &untrained) > 1e-3, "the stack trains");
+        for (ranks, tp) in [(2, 2), (4, 4), (4, 2)] {
+            let split = train_stack(b(), ranks, tp, optimizer, None);
+            let diff = max_abs_diff(&one, &split);
+            println!("stack {optimizer:?} on {ranks} ranks, tp {tp}: max |Δ| = {diff:e}");
+            assert!(
+                diff <= bound,
+                "{optimizer:?} {ranks} ranks tp {tp}: max |Δ| = {diff:e}"
+            );
+        }
+    }
+    // fp16 with the loss scaled and the global norm clipped: the norm sums each rank's slices once and the whole
+    // parameters once.
+    let one = train_stack(fp16(), 1, 1, Optimizer::Adam, Some(0.05));
+    for tp in [2, 4] {
+        let split = train_stack(fp16(), tp, tp, Optimizer::Adam, Some(0.05));
+        let diff = max_abs_diff(&one, &split);
+        println!("stack fp16 clipped, tp {tp}: max |Δ| = {diff:e}");
+        assert!(diff <= 3.5e-2, "fp16 tp {tp}: max |Δ| = {diff:e}");
+    }
+    let unclipped = train_stack(fp16(), 1, 1, Optimizer::Adam, None);
+    assert!(max_abs_diff(&one, &unclipped) > 1e-4, "clipping bites");
+}
+
+/// The dropout masks of a tensor-parallel group: where the model is whole every rank draws one process's mask;
+/// where it is split (a head range, a block of columns) each rank draws its own slice of one process's mask.
+#[test]
+fn dropout_draws_one_process_masks_whole_and_each_ranks_slice_where_split() {
+    fn masks(acc: &Accelerator) -> (Vec<f32>, Vec<f32>) {
+        acc.set_seed(7, false);
+        let drop = DropoutConfig::new(0.5).init();
+        let (rank, ranks) = burn_accelerate::tensor_parallel::tp_rank_and_size();
+        let whole = dropout(&drop, Tensor::<2>::ones([4, 16], acc.device()), None);
+        let cols = 16 / ranks;
+        let split = dropout(
+            &drop,
+            Tensor::<2>::ones([4, cols], acc.device()),
+            Some((1, rank * cols, 16)),
+        );
+        let v = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        (v(whole), v(split))
+    }
+    let one = Accelerator::builder()
+        .launch(1, |acc| Ok(masks(&acc)))
+        .unwrap()
+        .remove(0);
+    assert!(one.0.contains(&0.0) && one.0.contains(&2.0), "{:?}", one.0);
+    let split = Accelerator::builder()
+        .tp_size(2)
+        .launch(2, |acc| Ok(masks(&acc)))
+        .unwrap();
+    for (rank, (whole, part)) in split.iter().enumerate() {
+        assert_eq!(whole, &one.0, "rank {rank}'s mask where the model is whole");
+        let expected: Vec<f32> = one
+            .1
+            .chunks(16)
+            .flat_map(|row| row[rank * 8..rank * 8 + 8].to_vec())
+            .collect();
+        assert_eq!(part, &expected, "rank {rank}'s columns of the split mask");
+    }
+    assert_ne!(split[0].1, split[1].1, "each rank draws its own slice");
+}
+
+#[test]
+fn a_plan_that_does_not_fit_the_model_says_so_before_the_first_step() {
+    let errors = Accelerator::builder()
+        .tp_size(2)
+        .launch(2, |acc| {
+            let device = acc.device().clone();
+            let layer = || {
+                ParallelTransformerLayer::new(&TransformerEncoderConfig::new(12, 24, 3, 1), &device)
+            };
+            let err = |r: burn_accelerate::Result<_>| r.map(|_: ()| ()).unwrap_err().to_string();
+            let stack = || Stack::new(&device);
+            Ok(vec![
+                err(acc
+                    .prepare_tensor_parallel(
+                        stack(),
+                        &Stack::plan().split("blocks.*.upp", Split::Columns),
+                    )
+                    .map(|_| ())),
+                err(acc
+                    .prepare_tensor_parallel(stack(), &Stack::plan().split("input", Split::Columns))
+                    .map(|_| ())),
+                err(acc
+                    .prepare_tensor_parallel(stack(), &Stack::plan().split("blocks.0", Split::Rows))
+                    .map(|_| ())),
+                err(acc
+                    .prepare_tensor_parallel(
+                        ParallelTransformerLayer::new(
+                            &TransformerEncoderConfig::new(8, 16, 2, 1),
+                            &device,
+                        ),
+                        &TensorParallelPlan::megatron()
+                            .split("pwff.linear_outer", Split::Replicated),
+                    )
+                    .map(|_| ())),
+                // 3 heads over 2 ranks.
+                err(acc
+                    .prepare_tensor_parallel(layer(), &TensorParallelPlan::megatron())
+                    .map(|_| ())),
+                err(acc.prepare_model(stack()).map(|_| ())),
+            ])
+        })
+        .unwrap();
+    let expected: [&[&str]; 6] = [
+        &["`blocks.*.upp`", "names no module", "blocks.0.up"],
+        &[
+            "`input` is a Linear",
+            "ParallelLinear::from(linear)",
+            "the same record",
+        ],
+        &["`blocks.0` is a Block", "splits a ParallelLinear only"],
+        &[
+            "ParallelFeedForward `pwff`",
+            "split on some of its layers only",
+            "linear_inner: columns, linear_outer: replicated",
+        ],
+        &["3 heads", "tp_size 2", "does not divide"],
+        &["prepare_tensor_parallel(model, &plan)"],
+    ];
+    for errors in &errors {
+        for (err, words) in errors.iter().zip(expected) {
+            for w in words {
+                assert!(err.contains(w), "`{w}` in: {err}");
+            }
+        }
+    }
+    // A size the ranks do not divide, named with the parameter's shape.
+    let err = Accelerator::builder()
+        .tp_size(3)
+        .launch(3, |acc| {
+            acc.prepare_tensor_parallel(Stack::new(acc.device()), &Stack::plan())
+                .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`blocks.0.up.weight` [8, 32]")
+            && err.contains("does not divide its 32 output features"),
+        "{err}"
+    );
+    // Tensor parallelism composes with NO_SHARD only, for now.
+    let err = Accelerator::builder()
+        .tp_size(2)
+        .sharding(ShardingStrategy::FullShard)
+        .launch(4, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tp_size") && err.contains("NO_SHARD"), "{err}");
+}
+
+#[test]
+fn a_split_layer_outside_a_region_fails_the_backward_pass_naming_it() {
+    let errors = Accelerator::builder()
+        .tp_size(2)
+        .launch(2, |acc| {
+            let model = acc.prepare_tensor_parallel(Stack::new(acc.device()), &Stack::plan())?;
+            let (x, _) = crate::deep::batch(0, 4, acc.device());
+            // `up` without `residual` around it: its input's gradient would miss the other rank's part.
+            let h = model.input.forward(x);
+            let y = model.blocks[0].down.forward(model.blocks[0].up.forward(h));
+            Ok(acc.backward(y.sum(), &model).unwrap_err().to_string())
+        })
+        .unwrap();
+    for err in errors {
+        assert!(
+            err.contains(
+                "ParallelLinear [8 x 32] split by Columns ran outside a tensor-parallel region"
+            ) && err.contains("tensor_parallel::residual"),
+            "{err}"
+        );
+    }
+}
