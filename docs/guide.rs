@@ -137,4 +137,6 @@ mod pages {
     struct Pipeline;
     #[doc = include_str!("sharded.md")]
     struct Sharded;
+    #[doc = include_str!("tensor-parallel.md")]
+    struct TensorParallel;
 }

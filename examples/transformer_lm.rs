@@ -254,8 +254,11 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     let one_mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, &device);
     let rows = args.batch / replicas;
     let (mut loss_value, mut grads, mut step_secs) = (0.0, 0, 0.0);
+    // What the backward passes and steps pass through host memory (0 where in-process ranks share a device).
+    let mut host_values = 0;
     for step in first..args.steps {
         let started = Instant::now();
+        let before = acc.host_values();
         let (inputs, targets) = batch(
             (step * args.batch + replica * rows, rows),
             args.seq,
@@ -291,6 +294,7 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             acc.clip_grad_norm(&model, max_norm)?;
         }
         model = optimizer.try_step(model)?;
+        host_values += acc.host_values() - before;
         loss_value = acc.reduce(loss, ReduceOp::Mean)?.into_scalar::<f32>();
         step_secs = started.elapsed().as_secs_f64();
         if acc.is_main_process() && (step == 0 || (step + 1) % 10 == 0) {
@@ -366,7 +370,8 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     };
     println!(
         "rank {rank}/{ranks} mode={} params={params} params_at_rest={at_rest} grads={grads} \
-         optimizer_state={state} peak_rss={peak_rss} peak_vm={peak_vm} step_secs={step_secs:.3}",
+         optimizer_state={state} peak_rss={peak_rss} peak_vm={peak_vm} step_secs={step_secs:.3} \
+         host_values={host_values}",
         mode(&acc, args).replace(' ', "_")
     );
     // The final weights' digest, bit for bit: each part from a rank that trains it (under a pipeline, the
@@ -492,7 +497,7 @@ fn write_part<M: Module>(
     }
 }
 
-fn main() {
+pub fn main() {
     ranks::exit_on_error(run());
 }
 

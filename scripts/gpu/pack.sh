@@ -7,7 +7,7 @@
 #
 # The kit (default target/gpu-kit/, ignored by git; KIT_DIR to change) holds:
 #   burn-accelerate-gpu-kit.xz  the stripped multi-call binary (the CLI, the quicktour, memory, data_parallel,
-#                               sharded_training and learner examples, the overhead and throughput benches),
+#                               sharded_training, learner and transformer_lm examples, the overhead and throughput benches),
 #                               xz-compressed
 #   lib/libvulkan.so.1          the Vulkan loader, from Debian's libvulkan1 package (the GPU image has none)
 #   lib/libGLdispatch.so.0 ...  GLVND's dispatch libraries (libglvnd0, libglx0, libegl1), which the NVIDIA driver's

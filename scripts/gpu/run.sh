@@ -161,7 +161,7 @@ unpack() {
       "$kit/burn-accelerate-gpu-kit.xz" "$bin"
   fi
   chmod +x "$bin"
-  for program in burn-accelerate quicktour memory data_parallel sharded_training learner overhead throughput; do
+  for program in burn-accelerate quicktour memory data_parallel sharded_training learner transformer_lm overhead throughput; do
     ln -sf "$bin" "$work/bin/$program"
   done
   cp "$kit"/lib/* "$work/lib/"
@@ -502,6 +502,11 @@ run_step pipeline-ckpt-cuda gpu 180 check_same_on_device sh -c \
 # reduce-scattered, validation on the gathered model): the held-out loss within float rounding.
 run_step learner-blockwise-cuda gpu 180 check_near_1e3 sh -c \
   'BURN_DEVICE=cuda learner --processes 1 && echo --- && BURN_DEVICE=cuda learner --processes 2 --sharding FULL_SHARD --block-wise --activation-checkpointing'
+# Tensor parallelism on two in-process ranks sharing the GPU: every layer split the Megatron way, the token
+# embedding by vocabulary and the head by columns, each region's all-reduce and the head's all-gather handed over
+# on the device (no value through host memory); one process's loss within float rounding.
+run_step tp2-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
+  'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 && echo --- && BURN_DEVICE=cuda transformer_lm --processes 2 --tp-size 2 --steps 10'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

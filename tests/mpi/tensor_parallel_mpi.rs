@@ -1,5 +1,6 @@
-//! Tensor parallelism under `mpirun`: the transformer example split over 2 and 4 processes, and over 2 × 2
-//! (tensor × data), ends with one process's weights; and each process holds its share of the training state, which
+//! Tensor parallelism under `mpirun`: the transformer example and a pre-norm MLP stack of one's own (the
+//! `tensor_parallel` example) split over 2 and 4 processes, and over 2 × 2 (tensor × data), end with one process's
+//! weights; and each process holds its share of the training state, which
 //! in-process ranks (one address space) cannot show: parameters, gradients and Adam's state within 1.05 × of the
 //! replicated part plus 1/`tp` of the split part.
 
@@ -66,6 +67,53 @@ fn the_transformer_example_split_over_processes_trains_to_one_process_weights() 
             assert!(
                 diff <= bound,
                 "np {np} tp {tp} {optimizer}: max |Δ| = {diff:e} > {bound:e}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_model_of_ones_own_split_over_processes_trains_to_one_process_weights() {
+    let dir = std::env::temp_dir().join(format!("ba-tp-stack-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stack = example("tensor_parallel");
+    let run = |out: std::process::Output| {
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success() && stdout.contains("final_loss="),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    for (case, args, bound) in [
+        ("sgd", &["--sgd", "--lr", "0.05"][..], 1e-6),
+        ("adam", &[][..], 1e-5),
+        (
+            "fp16-clipped",
+            &["--mixed-precision", "fp16", "--clip-norm", "0.05"][..],
+            3.5e-2,
+        ),
+    ] {
+        let one = dir.join(format!("{case}-one.bin"));
+        let with = |path: &Path, tp: &str| -> Vec<String> {
+            ["--weights", path.to_str().unwrap(), "--tp-size", tp]
+                .into_iter()
+                .chain(args.iter().copied())
+                .map(String::from)
+                .collect()
+        };
+        run(Command::new(&stack).args(with(&one, "1")).output().unwrap());
+        for (np, tp) in [(2, "2"), (4, "4"), (4, "2")] {
+            let path = dir.join(format!("{case}-{np}-{tp}.bin"));
+            let run_args = with(&path, tp);
+            let run_args: Vec<&str> = run_args.iter().map(String::as_str).collect();
+            run(mpirun(np, &stack, &run_args));
+            let diff = max_abs_diff(&floats(&one), &floats(&path));
+            println!("stack under mpirun -np {np} tp {tp} {case}: max |Δ| = {diff:e}");
+            assert!(
+                diff <= bound,
+                "np {np} tp {tp} {case}: max |Δ| = {diff:e} > {bound:e}"
             );
         }
     }

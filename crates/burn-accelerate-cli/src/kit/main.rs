@@ -3,7 +3,8 @@
 //!
 //! It is a multi-call binary: it runs the program its own name says (the name it was started under, through a
 //! link) — `burn-accelerate` (the command: `env`, `test`, ...), the examples `quicktour`, `memory`,
-//! `data_parallel`, `sharded_training` and `learner` (burn-train's Learner), and the benches `overhead` and `throughput` — each exactly as its own
+//! `data_parallel`, `sharded_training`, `learner` (burn-train's Learner) and `transformer_lm` (tensor
+//! parallelism), and the benches `overhead` and `throughput` — each exactly as its own
 //! binary would, arguments included. `scripts/gpu/pack.sh` builds it with `cuda` and `vulkan`;
 //! `scripts/gpu/run.sh` makes the links and runs the checks.
 
@@ -33,6 +34,9 @@ mod sharded_training;
 #[path = "../../../../examples/learner.rs"]
 mod learner;
 
+#[path = "../../../../examples/transformer_lm.rs"]
+mod transformer_lm;
+
 #[path = "../../../../benches/overhead.rs"]
 mod overhead;
 
@@ -40,13 +44,14 @@ mod overhead;
 mod throughput;
 
 /// The programs this binary holds, by the name it runs them under.
-const PROGRAMS: [&str; 8] = [
+const PROGRAMS: [&str; 9] = [
     "burn-accelerate",
     "quicktour",
     "memory",
     "data_parallel",
     "sharded_training",
     "learner",
+    "transformer_lm",
     "overhead",
     "throughput",
 ];
@@ -71,6 +76,7 @@ fn main() {
         "data_parallel" => data_parallel::main(),
         "sharded_training" => sharded_training::main(),
         "learner" => learner::main(),
+        "transformer_lm" => transformer_lm::main(),
         "overhead" => bench(overhead::main()),
         "throughput" => bench(throughput::main()),
         _ => {

@@ -63,7 +63,13 @@ impl Accelerator {
             .zip(&resolved.dims)
             .filter_map(|(id, dim)| dim.map(|d| (ParamId::from(*id), d)))
             .collect();
-        if self.is_main_process() {
+        if splits.is_empty() && self.is_main_process() {
+            crate::notice::warn_visibly(&format!(
+                "prepare_tensor_parallel: the plan splits none of the model's parameters, so each of the {tp} ranks \
+                 of a tensor-parallel group trains the whole model on the same data; name the layers to split (or \
+                 use TensorParallelPlan::megatron() with the crate's transformer modules)"
+            ));
+        } else if self.is_main_process() {
             let (split, whole) = resolved.elements;
             log::info!(
                 "tensor-parallel plan: {} parameters split ({split} of {whole} elements), each rank keeping 1/{tp} \

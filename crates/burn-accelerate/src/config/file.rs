@@ -186,8 +186,8 @@ fn read_fsdp_config(
 /// Reads `parallelism_config` (Accelerate's `ParallelismConfig`): `parallelism_config_dp_shard_size` sets the shard
 /// groups of a hybrid strategy; a replicate size follows from it; `parallelism_config_pp_size`,
 /// `parallelism_config_pp_microbatches` and `parallelism_config_pp_schedule` set pipeline parallelism;
-/// `parallelism_config_tp_size` and `parallelism_config_cp_size` the mesh's `tp` and `cp` dimensions (only 1 until
-/// tensor and context parallelism land: a larger value is refused when the accelerator is built).
+/// `parallelism_config_tp_size` and `parallelism_config_cp_size` the mesh's `tp` and `cp` dimensions (`cp` only 1
+/// until context parallelism lands: a larger value is refused when the accelerator is built).
 fn read_parallelism_config(
     value: &Value,
     origin: &str,

@@ -154,14 +154,24 @@ pub fn region<const D: usize, const E: usize>(
     }
 }
 
+/// The group of a split layer's forward pass. A split layer on a thread without its group (one that created no
+/// accelerator, among several in-process ranks) would compute a part as if it were the whole: it stops there.
+fn group_of_split(operation: &str) -> std::sync::Arc<TpContext> {
+    group().unwrap_or_else(|| {
+        panic!(
+            "tensor parallelism: {operation} of a split layer ran on a thread without its tensor-parallel group \
+             (the thread that created the Accelerator has it): run the model there, or gather it whole first with \
+             `accelerator.unshard(&model)`"
+        )
+    })
+}
+
 /// *g*: the partial results `y` of every rank of the group summed, with the identity gradient.
 pub(crate) fn reduce_from_region<const D: usize>(
     y: Tensor<D>,
     operation: &'static str,
 ) -> Tensor<D> {
-    let Some(ctx) = group() else {
-        return y;
-    };
+    let ctx = group_of_split(operation);
     match ctx.all_reduce_sum(y.clone().detach(), operation) {
         Ok(sum) if y.is_tracked() => sum + (y.clone() - y.detach()),
         Ok(sum) => sum,
@@ -179,9 +189,7 @@ pub(crate) fn gather_from_region<const D: usize>(
     dim: usize,
     operation: &'static str,
 ) -> Tensor<D> {
-    let Some(ctx) = group() else {
-        return y;
-    };
+    let ctx = group_of_split(operation);
     let whole = match ctx.all_gather(y.clone().detach(), dim, operation) {
         Ok(whole) => whole,
         Err(e) => {
