@@ -201,6 +201,8 @@ fn main() {
 fn run() -> Result<()> {
     burn_accelerate::logging::init(None);
     let args = Args::parse();
+    // The main process draws the initial weights (at `prepare_tensor_parallel`) from this seed.
+    ranks::default_device().seed(42);
     let mut builder = Accelerator::builder().tp_size(args.tp_size);
     if let Some(precision) = args.mixed_precision {
         builder = builder.mixed_precision(precision);

@@ -104,7 +104,13 @@ fn a_model_of_ones_own_split_over_processes_trains_to_one_process_weights() {
                 .collect()
         };
         run(Command::new(&stack).args(with(&one, "1")).output().unwrap());
-        for (np, tp) in [(2, "2"), (4, "4"), (4, "2")] {
+        // Tensor × data parallelism in fp16 rounds each replica's half batch on its own (as plain data parallelism
+        // does, which the parity suite bounds apart): its comparison is in f32.
+        let meshes: &[(usize, &str)] = match case {
+            "fp16-clipped" => &[(2, "2"), (4, "4")],
+            _ => &[(2, "2"), (4, "4"), (4, "2")],
+        };
+        for &(np, tp) in meshes {
             let path = dir.join(format!("{case}-{np}-{tp}.bin"));
             let run_args = with(&path, tp);
             let run_args: Vec<&str> = run_args.iter().map(String::as_str).collect();

@@ -57,6 +57,9 @@ fn lm_weights(dir: &Path, name: &str, args: &[&str]) -> Vec<Vec<f32>> {
     ]
 }
 
+/// One comparison: its name, the split run's arguments, one process's weights, the bound.
+type Case<'a> = (&'a str, Vec<&'a str>, &'a Vec<Vec<f32>>, f32);
+
 #[test]
 fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weights() {
     let dir = scratch("lm");
@@ -73,7 +76,7 @@ fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weight
     for tp in ["2", "4"] {
         let split = ["--processes", tp, "--tp-size", tp];
         let with = |extra: &[&'static str]| -> Vec<&str> { [&split[..], extra].concat() };
-        let cases: [(&str, Vec<&str>, &Vec<Vec<f32>>, f32); 5] = [
+        let cases: [Case<'_>; 5] = [
             ("sgd", with(&sgd), &one_sgd, 1e-6),
             ("adam", with(&[]), &one_adam, 1e-5),
             ("fp16-clipped", with(&fp16), &one_fp16, 3.5e-2),

@@ -283,14 +283,15 @@ impl Accelerator {
             splits = every_stage_splits(self, stages, splits)?;
         }
         let tp = self.parallel_dims().tp;
-        let scopes = (
-            strategy.optimizer_state(),
-            strategy.model_state(),
+        let layout = crate::checkpoint::StateLayout {
+            optimizer_state: strategy.optimizer_state(),
+            model_state: strategy.model_state(),
             splits,
-            (pp_size, (tp > 1).then_some(tp)),
-        );
+            pp_size,
+            tp_size: (tp > 1).then_some(tp),
+        };
         self.checkpointer
-            .save_state(&self.group, dir, parts, scaler, scopes)
+            .save_state(&self.group, dir, parts, scaler, layout)
     }
 
     /// Loads a training state saved by [`save_state`](Self::save_state) from `dir`, or, with `None`, from the

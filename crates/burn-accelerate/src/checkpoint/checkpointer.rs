@@ -29,6 +29,22 @@ pub(crate) struct Checkpointer {
     loaders: Mutex<Vec<Arc<LoaderCursor>>>,
 }
 
+/// How a save holds the training state: one optimizer state and model record or one per rank, how a sharded
+/// strategy split each parameter, and the pipeline's and tensor parallelism's sizes where they are above 1.
+#[derive(Debug)]
+pub(crate) struct StateLayout {
+    /// One optimizer state or one per rank.
+    pub optimizer_state: StateScope,
+    /// One model record or one per rank.
+    pub model_state: StateScope,
+    /// How a sharded strategy split each parameter (none where every rank holds every parameter whole).
+    pub splits: Vec<super::repartition::SavedSplit>,
+    /// The pipeline's stages, when the run is pipelined.
+    pub pp_size: Option<usize>,
+    /// The tensor-parallel ranks per group, under tensor parallelism.
+    pub tp_size: Option<usize>,
+}
+
 impl Checkpointer {
     /// A checkpointer for `project`.
     pub fn new(project: ProjectConfiguration) -> Self {
@@ -96,13 +112,15 @@ impl Checkpointer {
         dir: Option<&Path>,
         parts: &StateToSave,
         scaler: Option<LossScaler>,
-        (optimizer_state, model_state, splits, (pp_size, tp_size)): (
-            StateScope,
-            StateScope,
-            Vec<super::repartition::SavedSplit>,
-            (Option<usize>, Option<usize>),
-        ),
+        layout: StateLayout,
     ) -> Result<PathBuf> {
+        let StateLayout {
+            optimizer_state,
+            model_state,
+            splits,
+            pp_size,
+            tp_size,
+        } = layout;
         // Every rank learns whether every rank may write there (a refusal on one must not leave the others
         // waiting in the save's collectives).
         let (dir, iteration, automatic) = rank.agree("save_state", self.target(dir))?;

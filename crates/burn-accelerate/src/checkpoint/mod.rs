@@ -23,7 +23,7 @@ mod merge;
 mod save;
 mod checkpointer;
 
-pub(crate) use checkpointer::Checkpointer;
+pub(crate) use checkpointer::{Checkpointer, StateLayout};
 pub use load::LoadedState;
 pub use manifest::FORMAT;
 pub use merge::merge_weights;

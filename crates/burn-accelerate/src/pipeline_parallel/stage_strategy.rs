@@ -10,7 +10,6 @@ use burn::tensor::Tensor;
 
 use super::stage::Stages;
 use crate::distributed::DistributedType;
-use crate::distributed::comm::ReduceOp;
 use crate::distributed::strategy::{
     Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
     ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
@@ -109,16 +108,7 @@ impl GradientSync for Staged {
         } else {
             self.inner.gradient_norm(norms, norm_type)?
         };
-        let comm = &self.stages.comm;
-        Ok(match norm_type {
-            NormType::Inf => comm.all_reduce_value(stage, ReduceOp::Max, "gradient norm")?,
-            NormType::L2 => comm
-                .all_reduce_value(stage * stage, ReduceOp::Sum, "gradient norm")?
-                .sqrt(),
-            NormType::P(p) => comm
-                .all_reduce_value(stage.powf(p), ReduceOp::Sum, "gradient norm")?
-                .powf(1.0 / p),
-        })
+        crate::distributed::strategy::norm_over(self.stages.comm.as_ref(), stage, norm_type)
     }
 
     /// A tied parameter's gradient (the same on every stage that uses it) counts on the first of them.
@@ -143,12 +133,7 @@ impl GradientSync for Staged {
 
     fn any_rank(&self, local: bool) -> Result<bool> {
         let stage = self.inner.any_rank(local)?;
-        let any = self.stages.comm.all_reduce_value(
-            f64::from(u8::from(stage)),
-            ReduceOp::Max,
-            "overflow verdict",
-        )?;
-        Ok(any > 0.0)
+        crate::distributed::strategy::any_over(self.stages.comm.as_ref(), stage)
     }
 
     fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {

@@ -12,10 +12,9 @@ use burn::tensor::Tensor;
 
 use super::context::TpContext;
 use crate::distributed::DistributedType;
-use crate::distributed::comm::ReduceOp;
 use crate::distributed::strategy::{
     Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
-    ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
+    ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo, any_over, norm_over,
 };
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::{Error, Result};
@@ -65,19 +64,6 @@ impl TensorParallel {
             .unwrap_or_else(|e| e.into_inner())
             .get_or_insert_with(HashMap::new)
             .extend(splits);
-    }
-
-    fn combined(&self, local: f64, norm_type: NormType) -> Result<f64> {
-        let comm = &self.context.comm;
-        Ok(match norm_type {
-            NormType::Inf => comm.all_reduce_value(local, ReduceOp::Max, "gradient norm")?,
-            NormType::L2 => comm
-                .all_reduce_value(local * local, ReduceOp::Sum, "gradient norm")?
-                .sqrt(),
-            NormType::P(p) => comm
-                .all_reduce_value(local.powf(p), ReduceOp::Sum, "gradient norm")?
-                .powf(1.0 / p),
-        })
     }
 }
 
@@ -147,7 +133,7 @@ impl GradientSync for TensorParallel {
         } else {
             self.inner.gradient_norm(norms, norm_type)?
         };
-        self.combined(local, norm_type)
+        norm_over(self.context.comm.as_ref(), local, norm_type)
     }
 
     /// A split parameter's slice counts on every rank; a whole one (the same on every rank of the group) on the
@@ -159,12 +145,7 @@ impl GradientSync for TensorParallel {
     /// Any rank of the group (each checks its own slices).
     fn any_rank(&self, local: bool) -> Result<bool> {
         let here = self.inner.any_rank(local)?;
-        let any = self.context.comm.all_reduce_value(
-            f64::from(u8::from(here)),
-            ReduceOp::Max,
-            "overflow verdict",
-        )?;
-        Ok(any > 0.0)
+        any_over(self.context.comm.as_ref(), here)
     }
 
     fn any_rank_each(&self, flags: &[bool]) -> Result<Vec<bool>> {

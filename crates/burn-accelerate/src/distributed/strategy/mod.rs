@@ -467,6 +467,41 @@ pub(crate) fn balanced_owners(params: &[(ParamId, usize)], world: usize) -> Vec<
     owners
 }
 
+/// A gradient norm of this rank's part (`local`) combined with those of the ranks `comm` connects, each holding
+/// other gradients (a pipeline's stages, a tensor-parallel group's slices).
+///
+/// # Errors
+/// The all-reduce's (a timeout, a peer that failed).
+pub(crate) fn norm_over(
+    comm: &dyn tensor_comm::TensorComm,
+    local: f64,
+    norm_type: NormType,
+) -> Result<f64> {
+    use crate::distributed::comm::ReduceOp;
+    Ok(match norm_type {
+        NormType::Inf => comm.all_reduce_value(local, ReduceOp::Max, "gradient norm")?,
+        NormType::L2 => comm
+            .all_reduce_value(local * local, ReduceOp::Sum, "gradient norm")?
+            .sqrt(),
+        NormType::P(p) => comm
+            .all_reduce_value(local.powf(p), ReduceOp::Sum, "gradient norm")?
+            .powf(1.0 / p),
+    })
+}
+
+/// Whether `local` (this rank's fp16 overflow verdict) holds on any rank `comm` connects.
+///
+/// # Errors
+/// The all-reduce's.
+pub(crate) fn any_over(comm: &dyn tensor_comm::TensorComm, local: bool) -> Result<bool> {
+    let any = comm.all_reduce_value(
+        f64::from(u8::from(local)),
+        crate::distributed::comm::ReduceOp::Max,
+        "overflow verdict",
+    )?;
+    Ok(any > 0.0)
+}
+
 /// `(id, number of elements)` of every float parameter of `module` that requires a gradient, in visiting order
 /// (the same on every rank for the same model).
 pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
