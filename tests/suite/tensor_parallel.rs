@@ -392,3 +392,55 @@ fn a_split_layer_outside_a_region_fails_the_backward_pass_naming_it() {
         );
     }
 }
+
+/// A prepared dataloader under tensor × data parallelism: the two ranks of a tensor-parallel group read the same
+/// batches, in the same shuffled order; the two groups read different ones, between them every sample once.
+#[test]
+fn a_prepared_dataloader_shards_by_the_data_parallel_index() {
+    use burn::data::dataset::Dataset;
+    use burn_accelerate::data::DataLoaderBuilder;
+    let seen = Accelerator::builder()
+        .tp_size(2)
+        .launch(4, |acc| {
+            let loader = acc.prepare_dataloader(
+                DataLoaderBuilder::new(crate::mlp::SampleBatcher)
+                    .batch_size(4)
+                    .shuffle(11)
+                    .build(crate::mlp::dataset(32, 3)),
+            )?;
+            let mut rows = Vec::new();
+            for batch in loader.iter() {
+                rows.extend(
+                    batch?
+                        .y
+                        .into_data()
+                        .convert::<f32>()
+                        .try_to_vec::<f32>()
+                        .unwrap(),
+                );
+            }
+            Ok(rows)
+        })
+        .unwrap();
+    assert_eq!(
+        seen[0], seen[1],
+        "one tensor-parallel group reads the same batches"
+    );
+    assert_eq!(seen[2], seen[3]);
+    assert_ne!(
+        seen[0], seen[2],
+        "the data-parallel ranks read different ones"
+    );
+    let mut all: Vec<u32> = seen[0]
+        .iter()
+        .chain(&seen[2])
+        .map(|v| v.to_bits())
+        .collect();
+    let mut one: Vec<u32> = crate::mlp::dataset(32, 3)
+        .iter()
+        .map(|s| s.unwrap().y.to_bits())
+        .collect();
+    all.sort_unstable();
+    one.sort_unstable();
+    assert_eq!(all, one, "every sample once");
+}

@@ -221,8 +221,9 @@ impl Accelerator {
     /// rank that fails to read its slices makes the call fail on every rank.
     ///
     /// Into a model prepared with [`prepare_tensor_parallel`](Self::prepare_tensor_parallel), each rank keeps its
-    /// slice of each split layer: every stored tensor is read whole, one at a time, cut and let go, so a rank
-    /// holds its share of the model and one whole tensor at most.
+    /// slice of each split layer: a slice of rows is read alone, as above; a slice of columns from its whole
+    /// tensor, one tensor at a time, cut and let go, so a rank holds its share of the model and one whole tensor at
+    /// most.
     pub fn load_checkpoint_in_model<M: Module>(
         &self,
         model: M,

@@ -186,8 +186,9 @@ impl ParamPlacement for TensorParallel {
         self.inner.slicings()
     }
 
-    /// Rank 0's value on every rank, of which a split parameter keeps this rank's slice at once (a whole
-    /// parameter in flight at a time, never the whole model).
+    /// Rank 0's value: a whole parameter broadcast to every rank; a split one scattered, each rank receiving only
+    /// its slice (the split dimension moved first at rank 0, so that a slice is one range), so that no rank but
+    /// rank 0 ever holds more than its share of it.
     fn arrive(
         &self,
         id: ParamId,
@@ -197,17 +198,35 @@ impl ParamPlacement for TensorParallel {
         root: usize,
     ) -> Result<(Tensor<1>, Vec<usize>)> {
         let _ = trains;
-        let whole = self.broadcast(value.into_buffer(), root)?;
         let Some(dim) = self.split_dim(id) else {
-            return Ok((whole, dims.to_vec()));
+            return Ok((self.broadcast(value.into_buffer(), root)?, dims.to_vec()));
         };
-        Ok(slice_of(
-            whole,
-            dims,
-            dim,
-            self.context.rank,
-            self.context.size,
-        ))
+        let (device, dtype) = value.place();
+        let (me, size) = (self.world.rank(), self.context.size);
+        let whole = match value {
+            Arriving::Value(v) if me == root => Some(split_dimension_first(v, dims, dim)),
+            // A value this rank drew itself is dropped before its slice arrives.
+            _ => None,
+        };
+        let is_root = whole.is_some();
+        let flat = whole.unwrap_or_else(|| Tensor::zeros([0], (&device, dtype)));
+        let len = dims.iter().product::<usize>() / size;
+        // Tensor parallelism is the mesh's innermost dimension: rank `w` holds slice `w % size`.
+        let parts: Vec<_> = (0..self.world.world_size())
+            .map(|w| (w % size) * len..(w % size + 1) * len)
+            .collect();
+        let part = self
+            .world
+            .scatter(flat, &parts, root, "tensor-parallel parameter arrival")?
+            .wait()?;
+        // The root's part is a view of the whole: copied into a buffer of its own, so that the whole is freed.
+        let part = match is_root {
+            true => Tensor::from_data(part.into_data(), (&device, dtype)),
+            false => part,
+        };
+        let mut local = dims.to_vec();
+        local[dim] /= size;
+        Ok((split_dimension_back(part, &local, dim), local))
     }
 
     fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {
@@ -287,42 +306,26 @@ impl TensorParallel {
     }
 }
 
-/// Rank `rank`'s slice (of `parts` equal ones along `dim`) of the flat tensor `whole` of shape `dims`: flat, and
-/// its shape.
-pub(crate) fn slice_of(
-    whole: Tensor<1>,
-    dims: &[usize],
-    dim: usize,
-    rank: usize,
-    parts: usize,
-) -> (Tensor<1>, Vec<usize>) {
-    let len = dims[dim] / parts;
-    let mut shape = dims.to_vec();
-    shape[dim] = len;
-    let n: usize = shape.iter().product();
-    let part = match dims.len() {
-        1 => whole.slice(rank * len..(rank + 1) * len),
-        2 => {
-            let t = whole.reshape([dims[0], dims[1]]);
-            let t = match dim {
-                0 => t.slice([rank * len..(rank + 1) * len, 0..dims[1]]),
-                _ => t.slice([0..dims[0], rank * len..(rank + 1) * len]),
-            };
-            t.reshape([n])
-        }
-        _ => {
-            // Any rank: the split dimension first, its rows taken, back in place.
-            let t = whole.reshape([
-                dims[..dim].iter().product::<usize>(),
-                dims[dim],
-                dims[dim + 1..].iter().product(),
-            ]);
-            let [a, _, c] = t.dims();
-            t.slice([0..a, rank * len..(rank + 1) * len, 0..c])
-                .reshape([n])
-        }
-    };
-    (part, shape)
+/// The flat tensor `flat` of shape `dims` with dimension `dim` moved first (a 2-D weight's columns as rows), flat.
+fn split_dimension_first(flat: Tensor<1>, dims: &[usize], dim: usize) -> Tensor<1> {
+    match (dims.len(), dim) {
+        (2, 1) => flat
+            .reshape([dims[0], dims[1]])
+            .swap_dims(0, 1)
+            .reshape([dims[0] * dims[1]]),
+        _ => flat,
+    }
+}
+
+/// A slice as [`split_dimension_first`] laid it out, back in the shape `local` (flat).
+fn split_dimension_back(part: Tensor<1>, local: &[usize], dim: usize) -> Tensor<1> {
+    match (local.len(), dim) {
+        (2, 1) => part
+            .reshape([local[1], local[0]])
+            .swap_dims(0, 1)
+            .reshape([local[0] * local[1]]),
+        _ => part,
+    }
 }
 
 impl StateScopes for TensorParallel {

@@ -288,8 +288,8 @@ pub(crate) fn load_weights_split<M: Module>(
 /// ones along `dim`; `None` where it holds the parameter whole.
 pub(crate) type TensorSliceOf<'a> = &'a dyn Fn(ParamId) -> Option<(usize, usize, usize)>;
 
-/// [`load_weights_split`], a tensor-parallel rank keeping its slice of each split parameter (`tp_of`): each
-/// stored tensor is read whole, one at a time, cut and let go.
+/// [`load_weights_split`], a tensor-parallel rank keeping its slice of each split parameter (`tp_of`): a slice of
+/// rows is read alone, as a sharded slice is; a slice of columns from its whole tensor, cut and let go.
 pub(crate) fn load_weights_parts<M: Module>(
     module: M,
     path: &Path,
@@ -368,6 +368,15 @@ pub(crate) fn load_weights_parts<M: Module>(
                 ));
                 return tensor;
             }
+            // A tensor-parallel slice of rows (Burn's dim 0: a row split, vocabulary rows, a column split's bias)
+            // is read as a sharded slice is; one of columns is read whole and cut below.
+            let slice = slice.or_else(|| match tp {
+                Some((0, rank, _)) => {
+                    let rows = tensor.dims()[0];
+                    Some((whole_dims.clone(), rank * rows..(rank + 1) * rows, rows))
+                }
+                _ => None,
+            });
             let restored = match slice {
                 Some((_, rows, local_rows)) => {
                     if self.options.dtype.is_some_and(|d| d != tensor.dtype()) {
@@ -419,7 +428,7 @@ pub(crate) fn load_weights_parts<M: Module>(
             drop(tensor);
             let restored = Tensor::from_data(data, (&device, dtype));
             match tp {
-                Some((dim, rank, _)) => {
+                Some((dim, rank, _)) if dim > 0 => {
                     let len = local[dim];
                     restored.narrow(dim, rank * len, len)
                 }
