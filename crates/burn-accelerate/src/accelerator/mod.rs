@@ -306,7 +306,7 @@ impl Accelerator {
 
     /// Seeds the device's random generator (parameter initialisation, dropout, `Tensor::random`).
     /// With `device_specific`, rank `i` uses `seed + i` so that ranks draw different numbers. The
-    /// tensor-parallel modules' dropout ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout)) takes
+    /// tensor-parallel modules' dropout ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout())) takes
     /// `seed` itself: the ranks of a tensor-parallel group draw the same masks where the model is whole.
     pub fn set_seed(&self, seed: u64, device_specific: bool) {
         crate::tensor_parallel::manual_seed(seed);

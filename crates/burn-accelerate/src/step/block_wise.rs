@@ -566,7 +566,7 @@ fn splitmix64(x: u64) -> u64 {
 ///
 /// Under tensor parallelism the user code holds collectives (a row-parallel layer's all-reduce), so no lock is
 /// taken: the tensor-parallel modules draw their masks from a generator of each rank's own
-/// ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout)), never the device's.
+/// ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout())), never the device's.
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 pub(crate) fn generator() -> Option<std::sync::MutexGuard<'static, ()>> {

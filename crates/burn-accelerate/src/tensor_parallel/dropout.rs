@@ -79,9 +79,16 @@ fn key(parts: &[u64]) -> u64 {
         .fold(0u64, |k, p| splitmix64(k ^ splitmix64(*p)))
 }
 
-/// `dropout` applied to `x` with a reproducible mask: `split` is `None` in a replicated part, else
-/// `Some((dim, offset, whole))`: `x` holds rows `offset..offset + x.dims()[dim]` of `whole` along `dim`.
-/// Inactive (evaluation, no autodiff, probability 0) exactly where Burn's `Dropout` is.
+/// `dropout` applied to `x` with a mask tensor parallelism can reproduce (Megatron's RNG tracker): `split` is `None`
+/// in a replicated part, else `Some((dim, offset, whole))`: `x` holds rows `offset..offset + x.dims()[dim]` of
+/// `whole` along `dim`. Inactive (evaluation, no autodiff, probability 0) exactly where Burn's `Dropout` is.
+///
+/// The mask comes from a counter-based stream keyed by the seed ([`manual_seed`], which
+/// [`Accelerator::set_seed`](crate::Accelerator::set_seed) calls), the data-parallel rank, the backward pass and the
+/// draw's place in it, never from the device's generator: in a replicated part every rank of a tensor-parallel group
+/// draws one process's mask; in a split part each row of the split dimension has a stream of its own, keyed by its
+/// index in the whole, so each rank's slice differs from its peers' and equals one process's slice there; a block
+/// recomputed by activation checkpointing draws its masks again.
 pub fn dropout<const D: usize>(
     dropout: &Dropout,
     x: Tensor<D>,

@@ -9,7 +9,7 @@
 //! - **Regions** ([`residual`], [`region`]): a region's input is cut, and the gradient at the cut summed over the
 //!   group in the backward pass (Megatron's *f*); a row-parallel layer's partial outputs are summed in the forward
 //!   pass (*g*). See the `cut` module.
-//! - **Randomness** ([`dropout`]): replicated parts draw the same mask on every rank of a group, split parts each
+//! - **Randomness** ([`dropout()`]): replicated parts draw the same mask on every rank of a group, split parts each
 //!   rank its own, and a recomputed block the same again.
 //! - **Placement**: `Accelerator::prepare_tensor_parallel` resolves the plan (its errors come before the first
 //!   step), then each rank keeps its slice of a split parameter as it arrives from rank 0; the ranks of one
@@ -22,7 +22,7 @@
 
 pub(crate) mod context;
 pub(crate) mod cut;
-pub mod dropout;
+pub(crate) mod dropout;
 mod modules;
 mod plan;
 pub(crate) mod strategy;
