@@ -95,7 +95,6 @@ impl TpContext {
         dim: usize,
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let dims = part.dims();
         let n = part.shape().num_elements();
         // Gathered flat in rank order: each rank's part whole, so the split dimension goes first and back.
         let moved = part.swap_dims(0, dim);
@@ -105,7 +104,6 @@ impl TpContext {
         let all = self.comm.all_gather(flat, &counts, operation)?.wait()?;
         let mut whole = moved_dims;
         whole[0] *= self.size;
-        let _ = dims;
         Ok(all.reshape(whole).swap_dims(0, dim))
     }
 }
