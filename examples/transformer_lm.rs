@@ -29,6 +29,10 @@
 //! mpirun -np 4 target/release/examples/transformer_lm --tp-size 2       # tp 2 × dp 2
 //! ```
 //!
+//! `--sequence-parallel` splits the activations between the regions along the sequence (each rank its part of
+//! the norms', dropout's and residual adds' activations). `--loss-parallel` keeps the head's logits split (each rank its range of the 256 byte values) and computes the
+//! cross-entropy over the ranks without gathering them (`tensor_parallel::cross_entropy`).
+//!
 //! `--whole` gathers the whole model for the forward pass instead (`unshard` and `backward`: today's `FULL_SHARD`
 //! without blocks), `--checkpointing` turns activation checkpointing on, `--freeze-bottom K` freezes the embeddings
 //! and the first K layers (fine-tuning the top). Every rank prints what it held:
@@ -44,6 +48,8 @@
 mod byte_lm;
 #[path = "support/held.rs"]
 mod held;
+#[path = "support/live_bytes.rs"]
+mod live_bytes;
 #[path = "support/ranks.rs"]
 mod ranks;
 
@@ -57,6 +63,10 @@ use burn::tensor::{Bool, Tensor};
 use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy, StateToSave};
 use byte_lm::{ByteLm, VOCAB, batch};
 use clap::Parser;
+
+/// Counts the live bytes, for `step_peak_bytes`.
+#[global_allocator]
+static ALLOC: live_bytes::Counting = live_bytes::Counting;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -77,6 +87,15 @@ struct Args {
     /// Tensor-parallel ranks: each layer, the token embedding and the head split over groups of this many ranks.
     #[arg(long = "tp-size")]
     tp_size: Option<usize>,
+    /// Loss parallelism: under --tp-size each rank keeps its columns of the logits, and the cross-entropy
+    /// combines their maxima, sums of exponentials and target logits over the ranks (`tensor_parallel::
+    /// cross_entropy`) instead of gathering them.
+    #[arg(long = "loss-parallel")]
+    loss_parallel: bool,
+    /// Sequence parallelism: under --tp-size the activations between the tensor-parallel regions (norms,
+    /// dropout, residual adds) split along the sequence, each rank its part.
+    #[arg(long = "sequence-parallel")]
+    sequence_parallel: bool,
     /// Pipeline stages: the layers cut into this many stages, one per group of ranks (`backward_batch`).
     #[arg(long = "pp-size")]
     pp_size: Option<usize>,
@@ -173,8 +192,12 @@ fn mode(acc: &Accelerator, args: &Args) -> String {
         ""
     };
     let tp = acc.parallel_dims().tp;
+    let sp = match acc.config().distributed.sequence_parallel {
+        true => " + sp",
+        false => "",
+    };
     let tp = if tp > 1 {
-        format!(" + tp {tp}")
+        format!(" + tp {tp}{sp}")
     } else {
         String::new()
     };
@@ -256,9 +279,14 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     let (mut loss_value, mut grads, mut step_secs) = (0.0, 0, 0.0);
     // What the backward passes and steps pass through host memory (0 where in-process ranks share a device).
     let mut host_values = 0;
+    // The most a step's forward and backward passes allocated above what was live when it began (its activations,
+    // its gradients and what the passes allocate meanwhile), over the steps.
+    let mut step_peak = 0;
     for step in first..args.steps {
         let started = Instant::now();
         let before = acc.host_values();
+        let resting = live_bytes::live();
+        live_bytes::reset_peak();
         let (inputs, targets) = batch(
             (step * args.batch + replica * rows, rows),
             args.seq,
@@ -271,7 +299,10 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             for layer in &whole.layers {
                 x = layer.forward(x, None, Some(mask.clone()));
             }
-            let loss = whole.loss(x, targets);
+            let loss = match args.loss_parallel {
+                true => whole.parallel_loss(x, targets),
+                false => whole.loss(x, targets),
+            };
             acc.backward(loss.clone(), &whole)?;
             loss.detach()
         } else {
@@ -281,14 +312,20 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 (inputs, targets),
                 |m, (inputs, _)| m.embed(inputs.clone()),
                 // Each layer and the head under autocast (a no-op without --mixed-precision).
+                // One sequence's mask, broadcast over the batch: every layer shares its one buffer.
                 |layer, x| {
-                    let sequences = x.dims()[0];
-                    let mask = one_mask.clone().repeat_dim(0, sequences);
+                    let mask = one_mask.clone();
                     acc.autocast(layer, x, |layer, x| layer.forward(x, None, Some(mask)))
                 },
-                |m, x, (_, targets)| acc.autocast(m, x, |m, x| m.loss(x, targets.clone())),
+                |m, x, (_, targets)| {
+                    acc.autocast(m, x, |m, x| match args.loss_parallel {
+                        true => m.parallel_loss(x, targets.clone()),
+                        false => m.loss(x, targets.clone()),
+                    })
+                },
             )?
         };
+        step_peak = step_peak.max(live_bytes::peak().saturating_sub(resting));
         grads = held::grad_bytes(&acc, &model);
         if let Some(max_norm) = args.clip_norm {
             acc.clip_grad_norm(&model, max_norm)?;
@@ -370,8 +407,8 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     };
     println!(
         "rank {rank}/{ranks} mode={} params={params} params_at_rest={at_rest} grads={grads} \
-         optimizer_state={state} peak_rss={peak_rss} peak_vm={peak_vm} step_secs={step_secs:.3} \
-         host_values={host_values}",
+         optimizer_state={state} peak_rss={peak_rss} peak_vm={peak_vm} step_peak_bytes={step_peak} \
+         step_secs={step_secs:.3} host_values={host_values}",
         mode(&acc, args).replace(' ', "_")
     );
     // The final weights' digest, bit for bit: each part from a rank that trains it (under a pipeline, the
@@ -509,6 +546,9 @@ fn run() -> Result<()> {
     let mut builder = Accelerator::builder().activation_checkpointing(args.checkpointing);
     if let Some(ranks) = args.tp_size {
         builder = builder.tp_size(ranks);
+    }
+    if args.sequence_parallel {
+        builder = builder.sequence_parallel(true);
     }
     if let Some(precision) = args.mixed_precision {
         builder = builder.mixed_precision(precision);

@@ -9,6 +9,9 @@
 //! mpirun -np 4 target/release/examples/tensor_parallel --tp-size 2                # tp 2 × dp 2 (--features mpi)
 //! ```
 //!
+//! `--sequence-parallel` splits the activations between the regions (the norms' and the residual adds') along the
+//! rows, each rank its part.
+//!
 //! Every rank prints `rank r/P tp_rank=t params_held=N` (the elements it holds); the main process prints
 //! `final_loss=<x>`, and with `--weights <file>` writes the final weights, gathered whole (every float parameter in
 //! visiting order, little-endian f32), for comparing runs.
@@ -22,7 +25,9 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::{Device, Tensor, activation::gelu};
-use burn_accelerate::tensor_parallel::{ParallelLinear, Split, TensorParallelPlan, residual};
+use burn_accelerate::tensor_parallel::{
+    ParallelLinear, Split, TensorParallelPlan, region, residual, sequence_part,
+};
 use burn_accelerate::{Accelerator, MixedPrecision, ReduceOp, Result};
 use clap::Parser;
 
@@ -34,6 +39,9 @@ struct Args {
     /// Tensor-parallel ranks per group (the groups train data-parallel with each other).
     #[arg(long = "tp-size", default_value_t = 1)]
     tp_size: usize,
+    /// Sequence parallelism: between the regions each rank holds its part of the rows.
+    #[arg(long = "sequence-parallel")]
+    sequence_parallel: bool,
     /// Blocks of the stack.
     #[arg(long, default_value_t = 3)]
     blocks: usize,
@@ -101,7 +109,9 @@ impl Stack {
     }
 
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let mut h = self.input.forward(x);
+        // Under sequence parallelism each rank carries its part of the rows between the regions (the rows are
+        // this model's sequence); `sequence_part` is the whole otherwise.
+        let mut h = sequence_part(self.input.forward(x));
         for b in &self.blocks {
             // x + down(gelu(up(norm(x)))): the norm whole, then the region of the two split layers.
             h = residual(
@@ -110,7 +120,9 @@ impl Stack {
                 |h| b.down.forward(gelu(b.up.forward(h))),
             );
         }
-        self.head.forward(h)
+        // The head, whole, as a region of its own: its input gathered whole along the rows under sequence
+        // parallelism (a plain call otherwise).
+        region(h, |h| self.head.forward(h))
     }
 }
 
@@ -203,7 +215,9 @@ fn run() -> Result<()> {
     let args = Args::parse();
     // The main process draws the initial weights (at `prepare_tensor_parallel`) from this seed.
     ranks::default_device().seed(42);
-    let mut builder = Accelerator::builder().tp_size(args.tp_size);
+    let mut builder = Accelerator::builder()
+        .tp_size(args.tp_size)
+        .sequence_parallel(args.sequence_parallel);
     if let Some(precision) = args.mixed_precision {
         builder = builder.mixed_precision(precision);
     }

@@ -13,7 +13,8 @@ use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, LinearCon
 use burn::tensor::{Device, Int, Tensor};
 use burn_accelerate::Blocks;
 use burn_accelerate::tensor_parallel::{
-    ParallelEmbedding, ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan, region,
+    self, ParallelEmbedding, ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan,
+    region,
 };
 
 /// The corpus, one token per byte.
@@ -75,22 +76,40 @@ impl ByteLm {
         }
     }
 
-    /// The first activation: token plus position embeddings, `[batch, seq, d_model]`.
+    /// The first activation: token plus position embeddings, `[batch, seq, d_model]` (under sequence
+    /// parallelism this rank's positions: the token embedding gives them, and the position embeddings are cut to
+    /// match).
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let [batch, seq] = tokens.dims();
         let device = tokens.device();
         let positions = Tensor::<1, Int>::arange(0..seq as i64, &device)
             .reshape([1, seq])
             .repeat_dim(0, batch);
-        self.tokens.forward(tokens) + self.positions.forward(positions)
+        self.tokens.forward(tokens)
+            + tensor_parallel::sequence_part(self.positions.forward(positions))
     }
 
     /// The next byte's logits after the last layer's activation `x`, `[batch * seq, VOCAB]`.
     pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
-        let [batch, seq, _] = x.dims();
-        // The head is a tensor-parallel region of its own: its input's gradient summed over the ranks' columns.
-        region(self.norm.forward(x), |h| self.head.forward_gathered(h))
-            .reshape([batch * seq, VOCAB])
+        // The head is a tensor-parallel region of its own: its input's gradient summed over the ranks' columns
+        // (and its input gathered along the sequence under sequence parallelism).
+        let logits = region(self.norm.forward(x), |h| self.head.forward_gathered(h));
+        let [batch, seq, _] = logits.dims();
+        logits.reshape([batch * seq, VOCAB])
+    }
+
+    /// [`loss`](Self::loss) with loss parallelism: under tensor parallelism each rank keeps its columns of the
+    /// logits (`[batch * seq, VOCAB / tp]`) and the cross-entropy combines three vectors over the ranks instead
+    /// of gathering them.
+    pub fn parallel_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        // The region's input comes whole along the sequence (gathered under sequence parallelism).
+        let logits = region(self.norm.forward(x), |h| self.head.forward(h));
+        let [batch, seq, width] = logits.dims();
+        tensor_parallel::cross_entropy(
+            logits.reshape([batch * seq, width]),
+            targets.reshape([batch * seq]),
+            VOCAB,
+        )
     }
 
     /// The mean cross-entropy of the next byte after the last layer's activation `x`.

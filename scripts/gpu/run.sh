@@ -507,6 +507,12 @@ run_step learner-blockwise-cuda gpu 180 check_near_1e3 sh -c \
 # on the device (no value through host memory); one process's loss within float rounding.
 run_step tp2-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
   'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 && echo --- && BURN_DEVICE=cuda transformer_lm --processes 2 --tp-size 2 --steps 10'
+# Sequence and loss parallelism on the same two ranks: the activations between the regions split along the
+# sequence (all-gathered into each region, reduce-scattered out of its row-parallel layers, on the device), the
+# head's logits never gathered (the loss's maxima, sums and target logits all-reduced); one process's loss within
+# float rounding, no value through host memory.
+run_step tp2-sp-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
+  'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 --loss-parallel && echo --- && BURN_DEVICE=cuda transformer_lm --processes 2 --tp-size 2 --sequence-parallel --loss-parallel --steps 10'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

@@ -1,8 +1,9 @@
 //! Tensor parallelism under `mpirun`: the transformer example and a pre-norm MLP stack of one's own (the
-//! `tensor_parallel` example) split over 2 and 4 processes, and over 2 × 2 (tensor × data), end with one process's
-//! weights; and each process holds its share of the training state, which
-//! in-process ranks (one address space) cannot show: parameters, gradients and Adam's state within 1.05 × of the
-//! replicated part plus 1/`tp` of the split part.
+//! `tensor_parallel` example) split over 2 and 4 processes, and over 2 × 2 (tensor × data), with and without
+//! sequence and loss parallelism, end with one process's weights; and each process holds its share of the training
+//! state and of the activations, which in-process ranks (one address space) cannot show: parameters, gradients and
+//! Adam's state within 1.05 × of the replicated part plus 1/`tp` of the split part, each layer's activations with
+//! sequence parallelism within 1.15 × of 1/`tp` of one process's, the logits split with loss parallelism.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -46,6 +47,26 @@ fn the_transformer_example_split_over_processes_trains_to_one_process_weights() 
     for (optimizer, args, bound) in [
         ("sgd", &["--sgd", "--lr", "0.1"][..], 1e-6),
         ("adam", &[][..], 1e-5),
+        // Loss parallelism: each process keeps its columns of the logits.
+        (
+            "sgd-loss-parallel",
+            &["--sgd", "--lr", "0.1", "--loss-parallel"][..],
+            1e-6,
+        ),
+        ("adam-loss-parallel", &["--loss-parallel"][..], 1e-5),
+        // Sequence parallelism: between the regions each process holds its part of the sequence.
+        (
+            "sgd-sp-lp",
+            &[
+                "--sgd",
+                "--lr",
+                "0.1",
+                "--sequence-parallel",
+                "--loss-parallel",
+            ][..],
+            1e-6,
+        ),
+        ("adam-sp", &["--sequence-parallel"][..], 1e-5),
         (
             "fp16-clipped",
             &["--mixed-precision", "fp16", "--clip-norm", "0.5"][..],
@@ -99,6 +120,11 @@ fn a_model_of_ones_own_split_over_processes_trains_to_one_process_weights() {
     for (case, args, bound) in [
         ("sgd", &["--sgd", "--lr", "0.05"][..], 1e-6),
         ("adam", &[][..], 1e-5),
+        (
+            "sgd-sp",
+            &["--sgd", "--lr", "0.05", "--sequence-parallel"][..],
+            1e-6,
+        ),
         (
             "fp16-clipped",
             &["--mixed-precision", "fp16", "--clip-norm", "0.05"][..],
@@ -207,5 +233,120 @@ fn each_process_holds_the_replicated_part_and_its_share_of_the_split_part() {
                 "tp {tp}: {ratio} of {expected} B: {r:?}"
             );
         }
+    }
+}
+
+/// Each rank's `step_peak_bytes` (the most a step allocated above what was live when it began, counted by the
+/// example's allocator) for `transformer_lm` with `args` on `np` processes: the largest over the ranks.
+fn step_peak(np: usize, args: &[&str]) -> u64 {
+    let lm = example("transformer_lm");
+    let args: Vec<&str> = ["--sgd", "--skip-state-bytes", "--steps", "2"]
+        .iter()
+        .chain(args)
+        .copied()
+        .collect();
+    let out = match np {
+        1 => Command::new(&lm).args(&args).output().unwrap(),
+        _ => mpirun(np, &lm, &args),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{args:?}\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let peaks: Vec<u64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("rank "))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|kv| kv.strip_prefix("step_peak_bytes="))
+        })
+        .map(|v| v.parse().unwrap())
+        .collect();
+    assert_eq!(peaks.len(), np, "{stdout}");
+    peaks.into_iter().max().unwrap()
+}
+
+/// Sequence parallelism under `mpirun`: the activations of each transformer layer (the step's peak at 6 layers less
+/// at 2, over 4) on each rank within 1.15 × of 1/`tp` of one process's, where tensor parallelism alone keeps the
+/// activations between the regions whole on every rank (and stays above it). Loss parallelism: the logits of a
+/// large batch never whole on a rank, so the peak falls by more than the part of the whole logits another rank
+/// would hold.
+#[test]
+fn sequence_parallelism_divides_each_layers_activations_and_loss_parallelism_keeps_the_logits_split()
+ {
+    let model = [
+        "--d-model",
+        "128",
+        "--heads",
+        "4",
+        "--seq",
+        "256",
+        "--batch",
+        "8",
+    ];
+    let per_layer = |np: usize, extra: &[&str]| -> f64 {
+        let at = |layers: &str| {
+            let args: Vec<&str> = model
+                .iter()
+                .chain(&["--layers", layers])
+                .chain(extra)
+                .copied()
+                .collect();
+            step_peak(np, &args) as f64
+        };
+        (at("6") - at("2")) / 4.0
+    };
+    let one = per_layer(1, &[]);
+    for tp in [2usize, 4] {
+        let t = tp.to_string();
+        let tp_args = ["--tp-size", t.as_str()];
+        let alone = per_layer(tp, &tp_args);
+        let sp = per_layer(tp, &[&tp_args[..], &["--sequence-parallel"]].concat());
+        let (alone_ratio, sp_ratio) = (alone * tp as f64 / one, sp * tp as f64 / one);
+        println!(
+            "activations per layer: one process {one:.0} B; tp {tp} {alone:.0} B ({alone_ratio:.3} × 1/tp), with \
+             sequence parallelism {sp:.0} B ({sp_ratio:.3} × 1/tp)"
+        );
+        assert!(
+            sp_ratio <= 1.15,
+            "tp {tp}: {sp_ratio:.3} × 1/tp of one process's"
+        );
+        assert!(
+            alone_ratio > sp_ratio,
+            "tp {tp}: sequence parallelism saves nothing"
+        );
+    }
+    // 32768 tokens of 256 logits: 33.5 MB whole in f32.
+    let big = [
+        "--d-model",
+        "16",
+        "--heads",
+        "4",
+        "--seq",
+        "64",
+        "--batch",
+        "512",
+        "--layers",
+        "1",
+    ];
+    let whole_logits = (512 * 64 * 256 * 4) as f64;
+    for tp in [2usize, 4] {
+        let t = tp.to_string();
+        let args = [&big[..], &["--tp-size", t.as_str(), "--sequence-parallel"]].concat();
+        let gathered = step_peak(tp, &args) as f64;
+        let split = step_peak(tp, &[&args[..], &["--loss-parallel"]].concat()) as f64;
+        let others = whole_logits * (tp - 1) as f64 / tp as f64;
+        println!(
+            "tp {tp} logits: the step's peak {gathered:.0} B gathered, {split:.0} B with loss parallelism ({:.2} × \
+             the whole logits less)",
+            (gathered - split) / whole_logits
+        );
+        assert!(
+            gathered - split > others,
+            "tp {tp}: loss parallelism saved {} B, less than the other ranks' logits ({others} B)",
+            gathered - split
+        );
     }
 }

@@ -3,8 +3,11 @@
 //! Megatron way, the token embedding by vocabulary, the head by columns) and a pre-norm MLP stack of this file's
 //! own, over 2 and 4 tensor-parallel ranks and over 2 × 2 (tensor × data), end with one process's weights: within
 //! 1e-6 after 20 SGD steps, within the parity suite's bounds after 20 Adam steps (1e-5; fp16 with global-norm
-//! clipping 3.5e-2); with dropout on (and activation checkpointing), the same masks as one process. The plan's
-//! mistakes are errors before the first step that name the module, its sizes and the fix.
+//! clipping 3.5e-2); with dropout on (and activation checkpointing), the same masks as one process; with sequence
+//! and loss parallelism, frozen lower layers, and a sequence the ranks do not divide, the same bounds. Each rank's
+//! part of the activations between the regions is one process's rows there, and the vocabulary-parallel loss and its
+//! gradient are Burn's on the whole logits. The plan's mistakes are errors before the first step that name the
+//! module, its sizes and the fix.
 
 use crate::deep::deterministic;
 use crate::examples;
@@ -21,7 +24,8 @@ use burn::nn::{
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Tensor;
 use burn_accelerate::tensor_parallel::{
-    ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan, dropout, residual,
+    ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan, dropout, region, residual,
+    sequence_part,
 };
 use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision, ShardingStrategy};
 
@@ -70,15 +74,65 @@ fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weight
     let one_adam = lm_weights(&dir, "adam-1", &[]);
     let one_fp16 = lm_weights(&dir, "fp16-1", &fp16);
     let one_dropout = lm_weights(&dir, "dropout-1", &dropout);
+    // Frozen lower layers (the usual fine-tuning): the first trained layer's norm is where a gradient enters the
+    // first region's cut.
+    let frozen = ["--sgd", "--lr", "0.1", "--freeze-bottom", "2"];
+    let one_frozen = lm_weights(&dir, "frozen-1", &frozen);
+    // Loss parallelism computes the cross-entropy in f32: under fp16 its one-process run is the reference.
+    let fp16_lp = [&fp16[..], &["--loss-parallel"]].concat();
+    let one_fp16_lp = lm_weights(&dir, "fp16-lp-1", &fp16_lp);
+    let sp = ["--sequence-parallel"];
+    let sp_lp = ["--sequence-parallel", "--loss-parallel"];
     // Dropout changes the training (so its comparison can fail), and so does fp16.
     assert!(max_abs_diff(&one_sgd, &one_dropout) > 1e-4);
     assert!(max_abs_diff(&one_adam, &one_fp16) > 1e-4);
     for tp in ["2", "4"] {
         let split = ["--processes", tp, "--tp-size", tp];
         let with = |extra: &[&'static str]| -> Vec<&str> { [&split[..], extra].concat() };
-        let cases: [Case<'_>; 5] = [
+        let cases: [Case<'_>; 14] = [
             ("sgd", with(&sgd), &one_sgd, 1e-6),
             ("adam", with(&[]), &one_adam, 1e-5),
+            // Loss parallelism: the logits stay split, the cross-entropy combined over the ranks.
+            (
+                "sgd-loss-parallel",
+                with(&[&sgd[..], &["--loss-parallel"]].concat()),
+                &one_sgd,
+                1e-6,
+            ),
+            (
+                "adam-loss-parallel",
+                with(&["--loss-parallel"]),
+                &one_adam,
+                1e-5,
+            ),
+            // Sequence parallelism, alone and with loss parallelism.
+            ("sgd-sp", with(&[&sgd[..], &sp].concat()), &one_sgd, 1e-6),
+            (
+                "sgd-sp-lp",
+                with(&[&sgd[..], &sp_lp].concat()),
+                &one_sgd,
+                1e-6,
+            ),
+            ("adam-sp-lp", with(&sp_lp), &one_adam, 1e-5),
+            (
+                "fp16-clipped-sp-lp",
+                with(&[&fp16_lp[..], &sp].concat()),
+                &one_fp16_lp,
+                3.5e-2,
+            ),
+            (
+                "dropout-checkpointed-sp",
+                with(&[&dropout[..], &["--checkpointing"], &sp].concat()),
+                &one_dropout,
+                1e-6,
+            ),
+            ("frozen", with(&frozen), &one_frozen, 1e-6),
+            (
+                "frozen-sp-lp",
+                with(&[&frozen[..], &sp_lp].concat()),
+                &one_frozen,
+                1e-6,
+            ),
             ("fp16-clipped", with(&fp16), &one_fp16, 3.5e-2),
             ("dropout", with(&dropout), &one_dropout, 1e-6),
             (
@@ -99,11 +153,98 @@ fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weight
         }
     }
     // Tensor × data parallelism: two groups of two, each reading half of every batch.
-    let both = lm_weights(&dir, "adam-2x2", &["--processes", "4", "--tp-size", "2"]);
-    let diff = max_abs_diff(&one_adam, &both);
-    println!("transformer_lm tp 2 × dp 2 adam: max |Δ| = {diff:e}");
-    assert!(diff <= 1e-5, "tp 2 × dp 2: max |Δ| = {diff:e}");
+    // A sequence the ranks do not divide (30 positions over 4: 8, 8, 7, 7).
+    let uneven = ["--sgd", "--lr", "0.1", "--seq", "30"];
+    let one_uneven = lm_weights(&dir, "uneven-1", &uneven);
+    let split = lm_weights(
+        &dir,
+        "uneven-4-sp",
+        &[&uneven[..], &["--processes", "4", "--tp-size", "4"], &sp_lp].concat(),
+    );
+    let diff = max_abs_diff(&one_uneven, &split);
+    println!("transformer_lm tp 4 sgd-sp-lp, 30 positions: max |Δ| = {diff:e}");
+    assert!(diff <= 1e-6, "tp 4 on 30 positions: max |Δ| = {diff:e}");
+    for (case, extra) in [("", &[][..]), (" sp lp", &sp_lp[..])] {
+        let args = [&["--processes", "4", "--tp-size", "2"][..], extra].concat();
+        let both = lm_weights(&dir, &format!("adam-2x2{}", case.replace(' ', "-")), &args);
+        let diff = max_abs_diff(&one_adam, &both);
+        println!("transformer_lm tp 2 × dp 2 adam{case}: max |Δ| = {diff:e}");
+        assert!(diff <= 1e-5, "tp 2 × dp 2{case}: max |Δ| = {diff:e}");
+    }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The vocabulary-parallel cross-entropy of each rank's columns of the logits is Burn's `CrossEntropyLoss` of the
+/// whole logits, and each rank's gradient its columns of the whole gradient; whole logits on a split group take
+/// the plain path.
+#[test]
+fn the_vocabulary_parallel_cross_entropy_is_the_whole_logits_loss_and_gradient() {
+    const ROWS: usize = 6;
+    const VOCAB: usize = 8;
+    let logits = |device: &burn::tensor::Device| {
+        let values: Vec<f32> = (0..ROWS * VOCAB)
+            .map(|i| (i as f32 * 0.7).sin() * 3.0)
+            .collect();
+        Tensor::<1>::from_floats(values.as_slice(), device).reshape([ROWS, VOCAB])
+    };
+    // Targets on every rank's range, at the rows' maxima and elsewhere.
+    let targets = |device: &burn::tensor::Device| {
+        Tensor::<1, burn::tensor::Int>::from_ints([0, 7, 3, 4, 1, 6], device)
+    };
+    let v = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let device = burn::tensor::Device::default().autodiff();
+    let whole = logits(&device).require_grad();
+    let burn_loss = burn::nn::loss::CrossEntropyLossConfig::new()
+        .init(&device)
+        .forward(whole.clone(), targets(&device));
+    let grads = burn_loss.backward();
+    let whole_grad = v(whole.grad(&grads).unwrap());
+    let burn_loss = burn_loss.into_scalar::<f32>();
+    for tp in [2, 4] {
+        let got = Accelerator::builder()
+            .tp_size(tp)
+            .launch(tp, move |acc| {
+                let (rank, ranks) = burn_accelerate::tensor_parallel::tp_rank_and_size();
+                let width = VOCAB / ranks;
+                let mine = logits(acc.device())
+                    .slice([0..ROWS, rank * width..(rank + 1) * width])
+                    .require_grad();
+                let loss = burn_accelerate::tensor_parallel::cross_entropy(
+                    mine.clone(),
+                    targets(acc.device()),
+                    VOCAB,
+                );
+                let grads = loss.backward();
+                let whole_on_split = burn_accelerate::tensor_parallel::cross_entropy(
+                    logits(acc.device()),
+                    targets(acc.device()),
+                    VOCAB,
+                );
+                Ok((
+                    loss.into_scalar::<f32>(),
+                    v(mine.grad(&grads).unwrap()),
+                    whole_on_split.into_scalar::<f32>(),
+                ))
+            })
+            .unwrap();
+        for (rank, (loss, grad, plain)) in got.into_iter().enumerate() {
+            assert!(
+                (loss - burn_loss).abs() < 1e-6,
+                "tp {tp} rank {rank}: {loss} against {burn_loss}"
+            );
+            assert!(
+                (plain - burn_loss).abs() < 1e-6,
+                "tp {tp} rank {rank}: whole logits {plain}"
+            );
+            let width = VOCAB / tp;
+            let expected: Vec<f32> = whole_grad
+                .chunks(VOCAB)
+                .flat_map(|row| row[rank * width..(rank + 1) * width].to_vec())
+                .collect();
+            let diff = max_abs_diff(&[expected], &[grad]);
+            assert!(diff < 1e-6, "tp {tp} rank {rank}: gradient off by {diff:e}");
+        }
+    }
 }
 
 /// A pre-norm MLP stack: an input layer, blocks `x + down(gelu(up(norm(x))))`, a head.
@@ -142,7 +283,16 @@ impl Stack {
     }
 
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let mut h = self.input.forward(x);
+        let h = self.hidden(x);
+        // A region of whole layers: under sequence parallelism its input gathered, its output whole with this
+        // rank's rows' gradient.
+        region(h, |h| self.head.forward(h))
+    }
+
+    /// The last block's output.
+    fn hidden(&self, x: Tensor<2>) -> Tensor<2> {
+        // Under sequence parallelism each rank holds its part of the rows between the regions.
+        let mut h = sequence_part(self.input.forward(x));
         for b in &self.blocks {
             // The norm whole on every rank, then the region: `up` by columns, `down` by rows.
             h = residual(
@@ -154,7 +304,7 @@ impl Stack {
                 },
             );
         }
-        self.head.forward(h)
+        h
     }
 
     fn plan() -> TensorParallelPlan {
@@ -220,19 +370,38 @@ fn a_pre_norm_mlp_stack_of_ones_own_split_by_a_plan_trains_to_one_process_weight
         let untrained = crate::deep::params(&Stack::new(&Default::default()));
         assert!(max_abs_diff(&one, &untrained) > 1e-3, "the stack trains");
         for (ranks, tp) in [(2, 2), (4, 4), (4, 2)] {
-            let split = train_stack(b(), ranks, tp, optimizer, None);
-            let diff = max_abs_diff(&one, &split);
-            println!("stack {optimizer:?} on {ranks} ranks, tp {tp}: max |Δ| = {diff:e}");
-            assert!(
-                diff <= bound,
-                "{optimizer:?} {ranks} ranks tp {tp}: max |Δ| = {diff:e}"
-            );
+            for sequence in [false, true] {
+                let split =
+                    train_stack(b().sequence_parallel(sequence), ranks, tp, optimizer, None);
+                let diff = max_abs_diff(&one, &split);
+                println!(
+                    "stack {optimizer:?} on {ranks} ranks, tp {tp}, sequence parallel {sequence}: max |Δ| = \
+                     {diff:e}"
+                );
+                assert!(
+                    diff <= bound,
+                    "{optimizer:?} {ranks} ranks tp {tp} sequence parallel {sequence}: max |Δ| = {diff:e}"
+                );
+            }
         }
     }
     // fp16 with the loss scaled and the global norm clipped: the norm sums each rank's slices once and the whole
     // parameters once.
     let one = train_stack(fp16(), 1, 1, Optimizer::Adam, Some(0.05));
     for tp in [2, 4] {
+        let split = train_stack(
+            fp16().sequence_parallel(true),
+            tp,
+            tp,
+            Optimizer::Adam,
+            Some(0.05),
+        );
+        let diff = max_abs_diff(&one, &split);
+        println!("stack fp16 clipped, tp {tp}, sequence parallel: max |Δ| = {diff:e}");
+        assert!(
+            diff <= 3.5e-2,
+            "fp16 tp {tp} sequence parallel: max |Δ| = {diff:e}"
+        );
         let split = train_stack(fp16(), tp, tp, Optimizer::Adam, Some(0.05));
         let diff = max_abs_diff(&one, &split);
         println!("stack fp16 clipped, tp {tp}: max |Δ| = {diff:e}");
@@ -240,6 +409,45 @@ fn a_pre_norm_mlp_stack_of_ones_own_split_by_a_plan_trains_to_one_process_weight
     }
     let unclipped = train_stack(fp16(), 1, 1, Optimizer::Adam, None);
     assert!(max_abs_diff(&one, &unclipped) > 1e-4, "clipping bites");
+}
+
+/// Under sequence parallelism each rank holds its part of the rows between the regions (10 rows over 4 ranks: 3,
+/// 3, 2, 2), the parts of one process's activations; the head's output is whole on every rank.
+#[test]
+fn under_sequence_parallelism_each_rank_holds_its_part_of_the_activations_between_regions() {
+    let rows = 10;
+    let run = |tp: usize| {
+        Accelerator::builder()
+            .tp_size(tp)
+            .sequence_parallel(true)
+            .launch(tp, move |acc| {
+                let model =
+                    acc.prepare_tensor_parallel(Stack::new(acc.device()), &Stack::plan())?;
+                let (x, _) = crate::deep::batch(0, rows, acc.device());
+                let v = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+                let hidden = model.hidden(x.clone());
+                Ok((hidden.dims()[0], v(hidden), v(model.forward(x))))
+            })
+            .unwrap()
+    };
+    let one = run(1).remove(0);
+    assert_eq!(one.0, rows);
+    let parts = run(4);
+    let held: Vec<usize> = parts.iter().map(|p| p.0).collect();
+    assert_eq!(held, [3, 3, 2, 2], "each rank's rows between the regions");
+    let joined: Vec<f32> = parts.iter().flat_map(|p| p.1.clone()).collect();
+    let diff = max_abs_diff(&[one.1], &[joined]);
+    assert!(
+        diff < 1e-5,
+        "the parts are one process's rows: max |Δ| = {diff:e}"
+    );
+    for p in &parts {
+        let diff = max_abs_diff(std::slice::from_ref(&one.2), std::slice::from_ref(&p.2));
+        assert!(
+            diff < 1e-5,
+            "the head's output is whole: max |Δ| = {diff:e}"
+        );
+    }
 }
 
 /// The dropout masks of a tensor-parallel group: where the model is whole every rank draws one process's mask;

@@ -111,6 +111,7 @@ fn for_tensor_parallel(
         size: mesh.dims.tp,
         comm,
         dp_index: mesh.coords.dp(&mesh.dims),
+        sequence: config.distributed.sequence_parallel,
     });
     Ok(TensorParallel {
         inner,

@@ -53,6 +53,7 @@ pub struct AcceleratorBuilder {
     gradient_transport: Option<GradientTransport>,
     resume_from_latest: Option<bool>,
     independent_processes: Option<bool>,
+    sequence_parallel: Option<bool>,
     project: Option<ProjectConfiguration>,
     log_with: Vec<LogWith>,
     strategy: Option<StrategyFactory>,
@@ -266,6 +267,21 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Sequence parallelism under tensor parallelism (Megatron's `--sequence-parallel`; default `false`;
+    /// `PARALLELISM_CONFIG_SEQUENCE_PARALLEL`): between the tensor-parallel regions each rank holds its part of
+    /// the sequence (`[batch, seq / tp_size, d_model]`), all-gathered into each region and reduce-scattered out of
+    /// its row-parallel layers, so that the norms', dropout's and residual adds' activations per rank fall with
+    /// `tp_size`. The model's first activation comes out split from a [`ParallelEmbedding`] (and
+    /// [`sequence_part`] for one's own additions, such as position embeddings); a parameter the plan keeps whole
+    /// then sees this rank's part of the sequence, and its gradient is summed over the tensor-parallel ranks.
+    ///
+    /// [`ParallelEmbedding`]: crate::tensor_parallel::ParallelEmbedding
+    /// [`sequence_part`]: crate::tensor_parallel::sequence_part
+    pub fn sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = Some(on);
+        self
+    }
+
     /// Micro-batches each batch of [`Accelerator::backward_batch`] is split into under a pipeline (default:
     /// `pp_size`; `ACCELERATE_PP_MICROBATCHES`).
     pub fn pp_microbatches(mut self, micro_batches: usize) -> Self {
@@ -443,6 +459,7 @@ impl AcceleratorBuilder {
             distributed.gradient_transport => GradientTransport,
             recovery.resume_from_latest => ResumeFromLatest,
             distributed.independent_processes => IndependentProcesses,
+            distributed.sequence_parallel => SequenceParallel,
         );
         if let Some(size) = self.dp_shard_size {
             config.distributed.dp_shard_size = Some(size);

@@ -114,6 +114,11 @@ pub struct DistributedSettings {
     /// `PARALLELISM_CONFIG_TP_SIZE`). Only 1 (the default) until tensor parallelism lands: a larger value is
     /// refused when the accelerator is built.
     pub tp_size: usize,
+    /// Sequence parallelism under tensor parallelism (Megatron's `--sequence-parallel`, torchtitan's
+    /// `enable_sequence_parallel`; `PARALLELISM_CONFIG_SEQUENCE_PARALLEL`): between the tensor-parallel regions
+    /// (norms, dropout, residual adds) each rank holds its part of the sequence, all-gathered into each region and
+    /// reduce-scattered out of it. Default `false`; no effect with `tp_size` 1.
+    pub sequence_parallel: bool,
     /// Context-parallel ranks: the mesh's `cp` dimension (Accelerate's `ParallelismConfig.cp_size`;
     /// `PARALLELISM_CONFIG_CP_SIZE`). Only 1 (the default) until context parallelism lands: a larger value is
     /// refused when the accelerator is built.
@@ -150,6 +155,7 @@ impl Default for DistributedSettings {
             sharding: ShardingStrategy::NoShard,
             dp_shard_size: None,
             tp_size: 1,
+            sequence_parallel: false,
             cp_size: 1,
             fsdp_param_dtype: None,
             fsdp_reduce_dtype: None,

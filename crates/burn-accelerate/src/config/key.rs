@@ -54,6 +54,7 @@ keys! {
     Sharding => "sharding",
     DpShardSize => "dp_shard_size",
     TpSize => "tp_size",
+    SequenceParallel => "sequence_parallel",
     CpSize => "cp_size",
     PpSize => "pp_size",
     PpMicrobatches => "pp_microbatches",

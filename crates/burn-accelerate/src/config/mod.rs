@@ -236,7 +236,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 21] {
+    fn values(&self) -> [(Key, String); 22] {
         [
             (
                 Key::MixedPrecision,
@@ -278,6 +278,10 @@ impl AcceleratorConfig {
                     .map_or_else(|| "processes per machine".into(), |n| n.to_string()),
             ),
             (Key::TpSize, self.distributed.tp_size.to_string()),
+            (
+                Key::SequenceParallel,
+                self.distributed.sequence_parallel.to_string(),
+            ),
             (Key::CpSize, self.distributed.cp_size.to_string()),
             (Key::PpSize, self.pipeline.pp_size.to_string()),
             (
@@ -434,6 +438,8 @@ pub const AUTODIFF_CHECKPOINTING_VAR: &str = "ACCELERATE_AUTODIFF_CHECKPOINTING"
 pub const DP_SHARD_SIZE_VAR: &str = "PARALLELISM_CONFIG_DP_SHARD_SIZE";
 /// The environment variable that sets [`DistributedSettings::tp_size`].
 pub const TP_SIZE_VAR: &str = "PARALLELISM_CONFIG_TP_SIZE";
+/// The environment variable that sets [`DistributedSettings::sequence_parallel`].
+pub const SEQUENCE_PARALLEL_VAR: &str = "PARALLELISM_CONFIG_SEQUENCE_PARALLEL";
 /// The environment variable that sets [`DistributedSettings::cp_size`].
 pub const CP_SIZE_VAR: &str = "PARALLELISM_CONFIG_CP_SIZE";
 

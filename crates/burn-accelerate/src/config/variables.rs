@@ -5,8 +5,8 @@
 use super::{
     ACTIVATION_CHECKPOINTING_VAR, AUTODIFF_CHECKPOINTING_VAR, AcceleratorConfig, CP_SIZE_VAR,
     DP_SHARD_SIZE_VAR, FSDP_VARS, INDEPENDENT_VAR, Key, PP_MICROBATCHES_VAR, PP_SCHEDULE_VAR,
-    PP_SIZE_VAR, PP_STAGE_BLOCKS_VAR, RESTART_COUNT_VARS, RESUME_VAR, ShardingStrategy, Source,
-    TP_SIZE_VAR, TRANSPORT_VAR, env,
+    PP_SIZE_VAR, PP_STAGE_BLOCKS_VAR, RESTART_COUNT_VARS, RESUME_VAR, SEQUENCE_PARALLEL_VAR,
+    ShardingStrategy, Source, TP_SIZE_VAR, TRANSPORT_VAR, env,
 };
 use crate::error::{Error, Result};
 
@@ -70,6 +70,14 @@ const VARIABLES: &[Variable] = &[
         key: Key::TpSize,
         read: |c, name, text| parse(name, text, COUNT).map(|v| c.distributed.tp_size = v),
         write: Some(|c| (c.distributed.tp_size != 1).then(|| c.distributed.tp_size.to_string())),
+    },
+    Variable {
+        name: SEQUENCE_PARALLEL_VAR,
+        key: Key::SequenceParallel,
+        read: |c, name, text| {
+            env::parse_bool(name, text).map(|v| c.distributed.sequence_parallel = v)
+        },
+        write: Some(|c| c.distributed.sequence_parallel.then(|| "true".to_string())),
     },
     Variable {
         name: CP_SIZE_VAR,
@@ -288,6 +296,7 @@ mod tests {
         launched.distributed.dp_shard_size = Some(3);
         // Carried though a run refuses them until tensor and context parallelism land: the refusal is the run's.
         launched.distributed.tp_size = 2;
+        launched.distributed.sequence_parallel = true;
         launched.distributed.cp_size = 3;
         launched.distributed.fsdp_param_dtype = Some(crate::ShardDtype::Bf16);
         launched.distributed.fsdp_reduce_dtype = Some(crate::ShardDtype::Fp32);

@@ -267,6 +267,9 @@ impl StepPipeline {
             let seeds = self.pass_seeds(&device)?;
             (h0, device, seeds)
         };
+        // The tensor-parallel cuts `before` made (a sequence-parallel embedding's scatter) wait for its own
+        // backward pass: the loss's and the blocks' come first. Where `before` runs again, it cuts again.
+        let before_cuts = crate::tensor_parallel::cut::take_tape();
         // Whether `before` has parameters that train (a frozen embedding has none).
         let before_trains = h0.is_tracked();
         let h0 = match gather_each_block {
@@ -438,9 +441,13 @@ impl StepPipeline {
                     let _generator = self.blocks_draw().then(generator);
                     seeds.before_rest(&device);
                     crate::tensor_parallel::dropout::set_site(before_sites);
+                    drop(before_cuts);
                     before(&rest)
                 }
-                false => h0,
+                false => {
+                    crate::tensor_parallel::cut::restore_tape(before_cuts);
+                    h0
+                }
             };
             let mut grads = crate::tensor_parallel::cut::backward((h0 * upstream).sum())?;
             let mut part = GradientBuffer::new();

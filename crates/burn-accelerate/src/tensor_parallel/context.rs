@@ -22,6 +22,8 @@ pub(crate) struct TpContext {
     pub comm: Arc<dyn TensorComm>,
     /// Its data-parallel index: dropout masks differ between data-parallel ranks.
     pub dp_index: usize,
+    /// Sequence parallelism: between the regions each rank holds its part of the sequence.
+    pub sequence: bool,
 }
 
 thread_local! {
@@ -75,14 +77,27 @@ impl TpContext {
         t: Tensor<D>,
         operation: &'static str,
     ) -> Result<Tensor<D>> {
+        self.all_reduce(t, ReduceOp::Sum, operation)
+    }
+
+    /// `t` combined element-wise by `op` over the group, in its shape, dtype and device.
+    ///
+    /// # Errors
+    /// The collective's.
+    pub fn all_reduce<const D: usize>(
+        &self,
+        t: Tensor<D>,
+        op: ReduceOp,
+        operation: &'static str,
+    ) -> Result<Tensor<D>> {
         let shape = t.shape();
         let n = shape.num_elements();
         let flat = t.reshape([n]);
-        let summed = self
+        let combined = self
             .comm
-            .all_reduce(flat, Reduction::Op(ReduceOp::Sum), operation)?
+            .all_reduce(flat, Reduction::Op(op), operation)?
             .wait()?;
-        Ok(summed.reshape(shape))
+        Ok(combined.reshape(shape))
     }
 
     /// Every rank's `part` (the same shape on each) concatenated along `dim`, in rank order.
@@ -95,15 +110,63 @@ impl TpContext {
         dim: usize,
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let n = part.shape().num_elements();
+        let rows = vec![part.dims()[dim]; self.size];
+        self.all_gather_rows(part, dim, &rows, operation)
+    }
+
+    /// Every rank's `part` (rank `r`'s `rows[r]` long along `dim`, the other dimensions alike) concatenated
+    /// along `dim`, in rank order.
+    ///
+    /// # Errors
+    /// The collective's.
+    pub fn all_gather_rows<const D: usize>(
+        &self,
+        part: Tensor<D>,
+        dim: usize,
+        rows: &[usize],
+        operation: &'static str,
+    ) -> Result<Tensor<D>> {
         // Gathered flat in rank order: each rank's part whole, so the split dimension goes first and back.
         let moved = part.swap_dims(0, dim);
-        let moved_dims = moved.dims();
-        let flat = moved.reshape([n]);
-        let counts = vec![n; self.size];
+        let mut whole = moved.dims();
+        let per_row: usize = whole[1..].iter().product();
+        let flat = moved.reshape([whole[0] * per_row]);
+        let counts: Vec<usize> = rows.iter().map(|r| r * per_row).collect();
         let all = self.comm.all_gather(flat, &counts, operation)?.wait()?;
-        let mut whole = moved_dims;
-        whole[0] *= self.size;
+        whole[0] = rows.iter().sum();
         Ok(all.reshape(whole).swap_dims(0, dim))
     }
+
+    /// `whole` summed over the group, this rank's rows `rows[rank]` of it along `dim` only (the rows before
+    /// it belong to the ranks before).
+    ///
+    /// # Errors
+    /// The collective's.
+    pub fn reduce_scatter_rows<const D: usize>(
+        &self,
+        whole: Tensor<D>,
+        dim: usize,
+        rows: &[usize],
+        operation: &'static str,
+    ) -> Result<Tensor<D>> {
+        let moved = whole.swap_dims(0, dim);
+        let mut part = moved.dims();
+        let per_row: usize = part[1..].iter().product();
+        let flat = moved.reshape([part[0] * per_row]);
+        let counts: Vec<usize> = rows.iter().map(|r| r * per_row).collect();
+        let mine = self
+            .comm
+            .reduce_scatter(flat, &counts, Reduction::Op(ReduceOp::Sum), operation)?
+            .wait()?;
+        part[0] = rows[self.rank];
+        Ok(mine.reshape(part).swap_dims(0, dim))
+    }
+}
+
+/// How `len` positions split over `ranks`: the first `len % ranks` ranks one more than the rest.
+pub(crate) fn split_rows(len: usize, ranks: usize) -> Vec<usize> {
+    let ranks = ranks.max(1);
+    (0..ranks)
+        .map(|r| len / ranks + usize::from(r < len % ranks))
+        .collect()
 }

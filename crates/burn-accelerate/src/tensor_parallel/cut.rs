@@ -3,14 +3,14 @@
 //! results are all-reduced in the forward pass with an identity gradient.
 //!
 //! A cut detaches the tensor entering a region into fresh leaves, so that the backward pass from the loss stops
-//! there: [`residual`] gives the region one leaf and the residual path around it another (every tensor that
-//! crosses the cut goes through it, the residual included, or the earlier graph would be walked twice, which
-//! Burn cannot); [`region`] gives the region the only one. The forward pass records each cut on this thread's
-//! tape; [`backward`] then back-propagates the loss, and the cuts in reverse order: each leaf's gradient taken
-//! from the passes so far, the region's summed over the group (*f*: every rank's columns contributed a part of
-//! it), the residual's kept as it is (every rank holds all of it), their sum back-propagated from the tensor that
-//! entered, as one pass more. *g* needs no cut: `all_reduce(y).detach() + (y - y.detach())` has the reduced value,
-//! bit for bit, and the identity gradient.
+//! there: [`residual`](super::residual) gives the region one leaf and the residual path around it another (every
+//! tensor that crosses the cut goes through it, the residual included, or the earlier graph would be walked twice,
+//! which Burn cannot); [`region`](super::region) gives the region the only one. The forward pass records each cut
+//! on this thread's tape; [`backward`] then back-propagates the loss, and the cuts in reverse order: each leaf's
+//! gradient taken from the passes so far, the region's summed over the group (*f*: every rank's columns
+//! contributed a part of it), the residual's kept as it is (every rank holds all of it), their sum
+//! back-propagated from the tensor that entered, as one pass more. *g* needs no cut: `all_reduce(y) + (y - y)`,
+//! the second `y` a constant, has the reduced value, bit for bit, and the identity gradient.
 
 use std::cell::RefCell;
 
@@ -28,12 +28,25 @@ thread_local! {
     static MISUSE: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
+/// `t`'s values without any graph: a constant of the autodiff device. Unlike `detach`, which keeps a parameter's
+/// (or a tracked result's) `require_grad` on the detached copy (so the operations on it are recorded, and keep
+/// what they read until a backward pass), nothing computed from it is tracked unless it meets a tracked tensor.
+pub(crate) fn constant<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    Tensor::from_inner(t.inner())
+}
+
+/// A fresh leaf of `t`'s values that requires a gradient: where a cut hands a tensor on.
+pub(crate) fn leaf<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    constant(t).require_grad()
+}
+
 /// The tensor-parallel group of this thread when it has more than one rank.
-fn group() -> Option<std::sync::Arc<TpContext>> {
+pub(crate) fn group() -> Option<std::sync::Arc<TpContext>> {
     current().filter(|c| c.size > 1)
 }
 
-/// Whether this thread's forward pass is inside a tensor-parallel region ([`residual`] or [`region`]).
+/// Whether this thread's forward pass is inside a tensor-parallel region ([`residual`](super::residual) or
+/// [`region`](super::region)).
 pub(crate) fn in_region() -> bool {
     REGIONS.with(|r| !r.borrow().is_empty())
 }
@@ -58,7 +71,7 @@ pub(crate) fn misused(message: String) {
 }
 
 /// Runs `f` as a region; returns its output and whether a split layer ran in it.
-fn enter<T>(f: impl FnOnce() -> T) -> (T, bool) {
+pub(crate) fn enter<T>(f: impl FnOnce() -> T) -> (T, bool) {
     REGIONS.with(|r| r.borrow_mut().push(false));
     let out = f();
     let split = REGIONS.with(|r| r.borrow_mut().pop().unwrap_or(false));
@@ -68,7 +81,7 @@ fn enter<T>(f: impl FnOnce() -> T) -> (T, bool) {
 /// Records `cut` before its region runs (a region inside it is then finished first in the backward pass), and
 /// after it whether the region's gradient is a part to sum: a region of whole layers (a plan that keeps them
 /// whole) gives every rank the whole gradient already.
-fn cut_around<T>(cut: Box<dyn PendingCut>, f: impl FnOnce() -> T) -> T {
+pub(crate) fn cut_around<T>(cut: Box<dyn PendingCut>, f: impl FnOnce() -> T) -> (T, bool) {
     let index = TAPE.with(|t| {
         let mut t = t.borrow_mut();
         t.push(cut);
@@ -80,83 +93,35 @@ fn cut_around<T>(cut: Box<dyn PendingCut>, f: impl FnOnce() -> T) -> T {
             cut.split(split);
         }
     });
-    out
+    (out, split)
 }
 
-/// `x + region(before(x))`: a transformer's sub-layer, `before` what the ranks compute whole (a norm) and
-/// `region` the tensor-parallel region (column-parallel layers, then row-parallel ones, whose partial outputs it
-/// sums). The cut goes between them: the residual and `before`'s output enter the region's pass as leaves, the
-/// latter's gradient summed over the group; `before` and everything earlier run backward once, from both. With
-/// one tensor-parallel rank this is exactly `x.clone() + region(before(x))`.
-///
-/// A region holds only what is split and what follows the sum: a parameter of the whole model used inside it
-/// before the split layers (a norm) would get a part of its gradient on each rank; put it in `before`.
-///
-/// ```
-/// use burn::tensor::Tensor;
-/// use burn_accelerate::tensor_parallel::residual;
-///
-/// let x = Tensor::<2>::ones([2, 3], &Default::default());
-/// let y = residual(x, |h| h.add_scalar(1.0), |h| h.mul_scalar(2.0));
-/// assert_eq!(y.into_data().to_vec::<f32>().unwrap(), vec![5.0; 6]);
-/// ```
-pub fn residual<const D: usize>(
-    x: Tensor<D>,
-    before: impl FnOnce(Tensor<D>) -> Tensor<D>,
-    region: impl FnOnce(Tensor<D>) -> Tensor<D>,
-) -> Tensor<D> {
-    match group().filter(|_| x.is_tracked()) {
-        None => enter(|| x.clone() + region(before(x))).0,
-        Some(_) => {
-            let z = before(x.clone());
-            let around = x.clone().detach().require_grad();
-            let inside = z.clone().detach().require_grad();
-            let cut = Cut {
-                parts: vec![
-                    Part {
-                        source: x,
-                        identity: vec![around.clone()],
-                        reduced: Vec::new(),
-                    },
-                    Part {
-                        source: z,
-                        identity: Vec::new(),
-                        reduced: vec![inside.clone()],
-                    },
-                ],
-                split: true,
-            };
-            cut_around(Box::new(cut), || around + region(inside))
-        }
-    }
+/// Records `cut` on this thread's tape, to be finished by the next [`backward`] (before the cuts recorded earlier).
+pub(crate) fn record(cut: Box<dyn PendingCut>) {
+    TAPE.with(|t| t.borrow_mut().push(cut));
 }
 
-/// `region(x)`, a tensor-parallel region whose input nothing else uses (a column-parallel head after the final
-/// norm): its input's gradient is summed over the group.
-pub fn region<const D: usize, const E: usize>(
-    x: Tensor<D>,
-    region: impl FnOnce(Tensor<D>) -> Tensor<E>,
-) -> Tensor<E> {
-    match group().filter(|_| x.is_tracked()) {
-        None => enter(|| region(x)).0,
-        Some(_) => {
-            let inside = x.clone().detach().require_grad();
-            let cut = Cut {
-                parts: vec![Part {
-                    source: x,
-                    identity: Vec::new(),
-                    reduced: vec![inside.clone()],
-                }],
-                split: true,
-            };
-            cut_around(Box::new(cut), || region(inside))
-        }
-    }
+/// The cuts recorded so far, taken off the tape: a backward pass of what came after them leaves them for the pass
+/// that reaches them ([`restore_tape`]).
+pub(crate) fn take_tape() -> Tape {
+    Tape(TAPE.with(|t| std::mem::take(&mut *t.borrow_mut())))
 }
+
+/// Puts cuts [`take_tape`] took back on the tape, for the next [`backward`].
+pub(crate) fn restore_tape(tape: Tape) {
+    TAPE.with(|t| {
+        let mut t = t.borrow_mut();
+        let later = std::mem::replace(&mut *t, tape.0);
+        t.extend(later);
+    });
+}
+
+/// Cuts taken off the tape.
+pub(crate) struct Tape(Vec<Box<dyn PendingCut>>);
 
 /// The group of a split layer's forward pass. A split layer on a thread without its group (one that created no
 /// accelerator, among several in-process ranks) would compute a part as if it were the whole: it stops there.
-fn group_of_split(operation: &str) -> std::sync::Arc<TpContext> {
+pub(crate) fn group_of_split(operation: &str) -> std::sync::Arc<TpContext> {
     group().unwrap_or_else(|| {
         panic!(
             "tensor parallelism: {operation} of a split layer ran on a thread without its tensor-parallel group \
@@ -172,8 +137,8 @@ pub(crate) fn reduce_from_region<const D: usize>(
     operation: &'static str,
 ) -> Tensor<D> {
     let ctx = group_of_split(operation);
-    match ctx.all_reduce_sum(y.clone().detach(), operation) {
-        Ok(sum) if y.is_tracked() => sum + (y.clone() - y.detach()),
+    match ctx.all_reduce_sum(constant(y.clone()), operation) {
+        Ok(sum) if y.is_tracked() => sum + (y.clone() - constant(y)),
         Ok(sum) => sum,
         Err(e) => {
             // A forward pass cannot fail: the next backward pass does, with the collective's error.
@@ -190,12 +155,12 @@ pub(crate) fn gather_from_region<const D: usize>(
     operation: &'static str,
 ) -> Tensor<D> {
     let ctx = group_of_split(operation);
-    let whole = match ctx.all_gather(y.clone().detach(), dim, operation) {
+    let whole = match ctx.all_gather(constant(y.clone()), dim, operation) {
         Ok(whole) => whole,
         Err(e) => {
             misused(format!("tensor parallelism: {operation} failed: {e}"));
-            let mut parts = vec![y.clone().detach().zeros_like(); ctx.size];
-            parts[ctx.rank] = y.clone().detach();
+            let mut parts = vec![constant(y.clone()).zeros_like(); ctx.size];
+            parts[ctx.rank] = constant(y.clone());
             Tensor::cat(parts, dim)
         }
     };
@@ -207,15 +172,15 @@ pub(crate) fn gather_from_region<const D: usize>(
     let mut parts = Vec::with_capacity(ctx.size);
     for r in 0..ctx.size {
         if r == ctx.rank {
-            parts.push(y.clone() - y.clone().detach());
+            parts.push(y.clone() - constant(y.clone()));
         } else {
-            parts.push(y.clone().detach().zeros_like());
+            parts.push(constant(y.clone()).zeros_like());
         }
     }
     whole + Tensor::cat(parts, dim)
 }
 
-trait PendingCut {
+pub(crate) trait PendingCut {
     /// Whether a split layer ran in the region.
     fn split(&mut self, split: bool);
     fn finish(self: Box<Self>, passes: &mut Passes, ctx: &TpContext) -> Result<()>;
@@ -223,16 +188,19 @@ trait PendingCut {
 
 /// One tensor that enters a region's pass: the leaves made of it, whose gradients are its own (`identity`) or a
 /// part on each rank (`reduced`).
-struct Part<const D: usize> {
-    source: Tensor<D>,
-    identity: Vec<Tensor<D>>,
-    reduced: Vec<Tensor<D>>,
+pub(crate) struct Part<const D: usize> {
+    pub source: Tensor<D>,
+    pub identity: Vec<Tensor<D>>,
+    pub reduced: Vec<Tensor<D>>,
+    /// Under sequence parallelism, the dimension `reduced` was gathered along and every rank's positions: their
+    /// gradient is reduce-scattered back.
+    pub scatter: Option<(usize, Vec<usize>)>,
 }
 
 /// The tensors that enter one region's pass, back-propagated together in one pass.
-struct Cut<const D: usize> {
-    parts: Vec<Part<D>>,
-    split: bool,
+pub(crate) struct Cut<const D: usize> {
+    pub parts: Vec<Part<D>>,
+    pub split: bool,
 }
 
 fn sum_of<const D: usize>(passes: &mut Passes, leaves: Vec<Tensor<D>>) -> Option<Tensor<D>> {
@@ -251,11 +219,19 @@ impl<const D: usize> PendingCut for Cut<D> {
         let mut root: Option<Tensor<1>> = None;
         for part in self.parts {
             let around = sum_of(passes, part.identity);
-            let inside = match sum_of(passes, part.reduced) {
-                Some(g) if self.split => {
+            let inside = match (sum_of(passes, part.reduced), &part.scatter) {
+                // Each rank's part of the gathered input's gradient (its columns', or its positions') summed,
+                // each rank keeping its positions.
+                (Some(g), Some((dim, rows))) => Some(ctx.reduce_scatter_rows(
+                    g,
+                    *dim,
+                    rows,
+                    "sequence-parallel region input gradient",
+                )?),
+                (Some(g), None) if self.split => {
                     Some(ctx.all_reduce_sum(g, "tensor-parallel region input gradient")?)
                 }
-                other => other,
+                (other, _) => other,
             };
             let grad = match (around, inside) {
                 (Some(a), Some(b)) => a + b,
@@ -284,8 +260,13 @@ pub(crate) struct Passes {
 }
 
 impl Passes {
+    /// Adds the gradients of one more pass.
+    pub(crate) fn push(&mut self, grads: Gradients) {
+        self.list.push(grads);
+    }
+
     /// The sum of `t`'s gradients in every pass (removed from them), if any pass reached it.
-    pub fn remove<const D: usize>(&mut self, t: &Tensor<D>) -> Option<Tensor<D>> {
+    pub(crate) fn remove<const D: usize>(&mut self, t: &Tensor<D>) -> Option<Tensor<D>> {
         self.list
             .iter_mut()
             .filter_map(|g| t.grad_remove(g))

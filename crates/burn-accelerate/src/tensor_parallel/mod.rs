@@ -9,6 +9,8 @@
 //! - **Regions** ([`residual`], [`region`]): a region's input is cut, and the gradient at the cut summed over the
 //!   group in the backward pass (Megatron's *f*); a row-parallel layer's partial outputs are summed in the forward
 //!   pass (*g*). See the `cut` module.
+//! - **Loss parallelism** ([`cross_entropy`]): the cross-entropy of a column-parallel head's logits, each rank
+//!   its range of the vocabulary, without gathering them.
 //! - **Randomness** ([`dropout()`]): replicated parts draw the same mask on every rank of a group, split parts each
 //!   rank its own, and a recomputed block the same again.
 //! - **Placement**: `Accelerator::prepare_tensor_parallel` resolves the plan (its errors come before the first
@@ -23,15 +25,20 @@
 pub(crate) mod context;
 pub(crate) mod cut;
 pub(crate) mod dropout;
+mod loss;
+pub(crate) mod sequence;
+pub(crate) mod regions;
 mod modules;
 mod plan;
 pub(crate) mod strategy;
 
 pub use context::tp_rank_and_size;
-pub use cut::{region, residual};
 pub use dropout::{dropout, manual_seed};
+pub use loss::cross_entropy;
 pub use modules::{
     LinearLayout, ParallelAttention, ParallelEmbedding, ParallelFeedForward, ParallelLinear,
     ParallelTransformerLayer,
 };
 pub use plan::{Split, TensorParallelPlan};
+pub use regions::{region, residual};
+pub use sequence::sequence_part;

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use burn::module::ParamId;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use super::context::TpContext;
 use crate::distributed::DistributedType;
@@ -57,6 +57,48 @@ impl TensorParallel {
             .is_some()
     }
 
+    /// Under sequence parallelism a parameter the plan keeps whole saw only this rank's positions (it runs between
+    /// the regions, or in a region of whole layers whose output carries this rank's positions' gradient): its
+    /// gradient, a part on each rank, is summed over the group before the data-parallel reduction. The ranks of
+    /// a group run the same model on the same batch, so the same parameters have a gradient on each.
+    fn sum_whole_over_group(
+        &self,
+        grads: &mut GradientBuffer,
+        params: &[(ParamId, usize)],
+    ) -> Result<()> {
+        if !self.context.sequence || self.context.size == 1 {
+            return Ok(());
+        }
+        let mut held = Vec::new();
+        for (id, _) in params {
+            if self.split_dim(*id).is_none()
+                && let Some(flat) = grads.flat(&[*id]).pop()
+            {
+                held.push((*id, flat));
+            }
+        }
+        if held.is_empty() {
+            return Ok(());
+        }
+        let lengths: Vec<usize> = held.iter().map(|(_, f)| f.dims()[0]).collect();
+        let dtypes: Vec<DType> = held.iter().map(|(_, f)| f.dtype()).collect();
+        let flat = Tensor::cat(
+            held.iter()
+                .map(|(_, f)| f.clone().cast(DType::F32))
+                .collect(),
+            0,
+        );
+        let summed = self
+            .context
+            .all_reduce_sum(flat, "sequence-parallel gradients of whole parameters")?;
+        let mut start = 0;
+        for (((id, _), len), dtype) in held.iter().zip(&lengths).zip(dtypes) {
+            grads.set_flat(*id, summed.clone().slice(start..start + len).cast(dtype));
+            start += len;
+        }
+        Ok(())
+    }
+
     /// Adds the split parameters of one prepared model.
     pub fn add_splits(&self, splits: HashMap<ParamId, usize>) {
         self.splits
@@ -94,19 +136,22 @@ impl GradientSync for TensorParallel {
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<()> {
+        self.sum_whole_over_group(grads, params)?;
         self.inner.reduce_gradients(grads, params, scale)
     }
 
+    /// Not under sequence parallelism, whose whole parameters' gradients are summed over the group.
     fn reduces_to_itself(&self, scale: f32) -> bool {
-        self.inner.reduces_to_itself(scale)
+        !(self.context.sequence && self.context.size > 1) && self.inner.reduces_to_itself(scale)
     }
 
     fn start_reduce(
         &self,
-        grads: GradientBuffer,
+        mut grads: GradientBuffer,
         params: &[(ParamId, usize)],
         scale: f32,
     ) -> Result<FinishReduce> {
+        self.sum_whole_over_group(&mut grads, params)?;
         self.inner.start_reduce(grads, params, scale)
     }
 

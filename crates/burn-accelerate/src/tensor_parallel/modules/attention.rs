@@ -87,16 +87,69 @@ impl ParallelAttention {
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
-        let [batch, seq, _] = x.dims();
-        let heads = |linear: &ParallelLinear, x: Tensor<3>| {
-            let y = linear.forward(x);
+        let query = self.query.forward(x.clone());
+        let key = self.key.forward(x.clone());
+        let value = self.value.forward(x);
+        self.attend(query, key, value, mask_pad, mask_attn)
+    }
+
+    /// Whether sequence parallelism can run this attention on a rank's positions (`forward_parts`): its
+    /// projections split the Megatron way.
+    pub(crate) fn splits_for_sequence(&self) -> bool {
+        use super::linear::LinearLayout::{Columns, Rows};
+        [&self.query, &self.key, &self.value]
+            .iter()
+            .all(|l| l.layout() == Columns)
+            && self.output.layout() == Rows
+    }
+
+    /// [`forward`](Self::forward) under sequence parallelism from this rank's positions `part`: the queries, keys and
+    /// values of the whole sequence from one all-gather, only the part kept for the backward pass; the output this
+    /// rank's positions.
+    pub(crate) fn forward_parts(
+        &self,
+        part: Tensor<3>,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+    ) -> Tensor<3> {
+        crate::tensor_parallel::cut::split_ran();
+        let mut projected = crate::tensor_parallel::sequence::columns(
+            part,
+            vec![
+                self.query.weight_and_bias(),
+                self.key.weight_and_bias(),
+                self.value.weight_and_bias(),
+            ],
+            "attention input gather",
+        )
+        .into_iter();
+        match (projected.next(), projected.next(), projected.next()) {
+            (Some(query), Some(key), Some(value)) => {
+                self.attend(query, key, value, mask_pad, mask_attn)
+            }
+            _ => unreachable!("three projections in, three out"),
+        }
+    }
+
+    /// Attention over this rank's heads of `query`, `key`, `value` `[batch, seq, heads * d_k]`, then the output
+    /// projection.
+    fn attend(
+        &self,
+        query: Tensor<3>,
+        key: Tensor<3>,
+        value: Tensor<3>,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+    ) -> Tensor<3> {
+        let [batch, seq, _] = query.dims();
+        let heads = |y: Tensor<3>| {
             let width = y.dims()[2];
             y.reshape([batch, seq, width / self.d_k, self.d_k])
                 .swap_dims(1, 2)
         };
-        let query = heads(&self.query, x.clone());
-        let key = heads(&self.key, x.clone());
-        let value = heads(&self.value, x);
+        let query = heads(query);
+        let key = heads(key);
+        let value = heads(value);
         let local_heads = query.dims()[1];
         let mut scores = query
             .matmul(key.transpose())

@@ -8,6 +8,7 @@ use burn::tensor::{Int, Tensor};
 
 use crate::tensor_parallel::context::tp_rank_and_size;
 use crate::tensor_parallel::cut::reduce_from_region;
+use crate::tensor_parallel::sequence;
 
 /// An embedding a plan can split by vocabulary (Megatron's vocabulary-parallel embedding): each rank holds a
 /// range of rows; a token outside its range looks up zeros, and the ranks' lookups are summed. Whole until a plan
@@ -47,10 +48,11 @@ impl ParallelEmbedding {
         self.weight.lazy_shape().dims::<2>()[0] < self.n_embedding
     }
 
-    /// The embeddings of `tokens` `[batch, seq]`: `[batch, seq, d_model]`.
+    /// The embeddings of `tokens` `[batch, seq]`: `[batch, seq, d_model]`; under sequence parallelism this rank's
+    /// positions of them, `[batch, seq / tp, d_model]` (split, the ranks' lookups reduce-scattered).
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         if !self.is_split() {
-            return embedding(self.weight.val(), tokens);
+            return sequence::sequence_part(embedding(self.weight.val(), tokens));
         }
         let rows = self.weight.lazy_shape().dims::<2>()[0];
         let start = (tp_rank_and_size().0 * rows) as i64;
@@ -63,6 +65,9 @@ impl ParallelEmbedding {
         let looked_up = embedding(self.weight.val(), local);
         let keep = mine.float().cast(looked_up.dtype()).unsqueeze_dim::<3>(2);
         let looked_up = looked_up * keep;
-        reduce_from_region(looked_up, "vocabulary-parallel embedding")
+        match sequence::active() {
+            Some(_) => sequence::scatter_from_region(looked_up, 1, "vocabulary-parallel embedding"),
+            None => reduce_from_region(looked_up, "vocabulary-parallel embedding"),
+        }
     }
 }

@@ -11,8 +11,9 @@ use burn::tensor::{Bool, Device, Tensor};
 
 use super::attention::ParallelAttention;
 use super::linear::ParallelLinear;
-use crate::tensor_parallel::cut::residual;
 use crate::tensor_parallel::dropout::dropout;
+use crate::tensor_parallel::regions::{residual, residual_of_parts};
+use crate::tensor_parallel::sequence;
 
 /// The position-wise feed-forward network (`linear_inner` by columns, `linear_outer` by rows): Burn's
 /// `PositionWiseFeedForward` with the same record.
@@ -41,9 +42,32 @@ impl From<PositionWiseFeedForward> for ParallelFeedForward {
 }
 
 impl ParallelFeedForward {
+    /// Whether sequence parallelism can run this network on a rank's positions (`forward_parts`).
+    pub(crate) fn splits_for_sequence(&self) -> bool {
+        use super::linear::LinearLayout::{Columns, Rows};
+        self.linear_inner.layout() == Columns && self.linear_outer.layout() == Rows
+    }
+
+    /// [`forward`](Self::forward) under sequence parallelism from this rank's positions `part`: the inner layer's
+    /// input all-gathered, only the part kept for the backward pass; the output this rank's positions.
+    pub(crate) fn forward_parts<const D: usize>(&self, part: Tensor<D>) -> Tensor<D> {
+        crate::tensor_parallel::cut::split_ran();
+        let h = crate::tensor_parallel::sequence::columns(
+            part,
+            vec![self.linear_inner.weight_and_bias()],
+            "feed-forward input gather",
+        )
+        .remove(0);
+        self.after_inner(h)
+    }
+
     /// `linear_outer(dropout(activation(linear_inner(x))))`, the inner width this rank's columns.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let h = self.linear_inner.forward(x);
+        self.after_inner(self.linear_inner.forward(x))
+    }
+
+    /// The activation, the dropout and the outer layer, after the inner layer's output `h`.
+    fn after_inner<const D: usize>(&self, h: Tensor<D>) -> Tensor<D> {
         let h = self.activation.forward(h);
         let offset = self.linear_inner.output_offset();
         let h = dropout(
@@ -115,14 +139,35 @@ impl ParallelTransformerLayer {
     ) -> Tensor<3> {
         // The norms run whole, before each region's cut (Megatron's *f* sits after them); the regions hold the
         // split layers and the dropout after their sum.
-        let attend = |h: Tensor<3>| {
-            dropout(
-                &self.dropout,
-                self.mha.forward(h, mask_pad.clone(), mask_attn.clone()),
-                None,
-            )
+        // The dropout on each sub-layer's output draws one stream per position of the sequence: under sequence
+        // parallelism each rank its positions' part of one process's mask.
+        let branch = |y: Tensor<3>| {
+            let split = sequence::dropout_split(y.dims()[1], 1);
+            dropout(&self.dropout, y, Some(split))
         };
-        let feed = |h: Tensor<3>| dropout(&self.dropout, self.pwff.forward(h), None);
+        if sequence::active().is_some()
+            && self.mha.splits_for_sequence()
+            && self.pwff.splits_for_sequence()
+        {
+            // Under sequence parallelism each region takes this rank's positions and gathers them itself.
+            let attend = |z: Tensor<3>| {
+                branch(
+                    self.mha
+                        .forward_parts(z, mask_pad.clone(), mask_attn.clone()),
+                )
+            };
+            let feed = |z: Tensor<3>| branch(self.pwff.forward_parts(z));
+            return if self.norm_first {
+                let x = residual_of_parts(x, |h| self.norm_2.forward(h), attend);
+                residual_of_parts(x, |h| self.norm_1.forward(h), feed)
+            } else {
+                let x = self.norm_1.forward(residual_of_parts(x, |h| h, attend));
+                self.norm_2.forward(residual_of_parts(x, |h| h, feed))
+            };
+        }
+        let attend =
+            |h: Tensor<3>| branch(self.mha.forward(h, mask_pad.clone(), mask_attn.clone()));
+        let feed = |h: Tensor<3>| branch(self.pwff.forward(h));
         if self.norm_first {
             let x = residual(x, |h| self.norm_2.forward(h), attend);
             residual(x, |h| self.norm_1.forward(h), feed)

@@ -10,6 +10,7 @@ use crate::tensor_parallel::context::tp_rank_and_size;
 use crate::tensor_parallel::cut::{
     gather_from_region, in_region, misused, reduce_from_region, split_ran,
 };
+use crate::tensor_parallel::sequence;
 
 /// How a [`ParallelLinear`] is held on this rank, read from its weight's shape against the whole layer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +76,11 @@ impl ParallelLinear {
         }
     }
 
+    /// The weight and the bias as the forward pass uses them.
+    pub(crate) fn weight_and_bias(&self) -> (Tensor<2>, Option<Tensor<1>>) {
+        (self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+
     /// The first output feature (of the whole layer's) this rank holds.
     pub fn output_offset(&self) -> usize {
         match self.layout() {
@@ -85,9 +91,9 @@ impl ParallelLinear {
 
     /// `x · weight + bias` of the layer as this rank holds it: whole, this rank's output features (column split),
     /// or the whole output from this rank's input features (row split: the partial products summed over the
-    /// group, then the bias). A split layer runs inside [`residual`](crate::tensor_parallel::residual) or
-    /// [`region`](crate::tensor_parallel::region), which sum its input's gradient over the group; elsewhere the
-    /// next backward pass fails, naming the layer's size.
+    /// group, then the bias; under sequence parallelism this rank's positions of the sum). A split layer runs
+    /// inside [`residual`](crate::tensor_parallel::residual) or [`region`](crate::tensor_parallel::region), which
+    /// sum its input's gradient over the group; elsewhere the next backward pass fails, naming the layer's size.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let layout = self.layout();
         if layout != LinearLayout::Whole && !in_region() {
@@ -105,8 +111,16 @@ impl ParallelLinear {
         match layout {
             LinearLayout::Whole | LinearLayout::Columns => linear(x, self.weight.val(), bias),
             LinearLayout::Rows => {
-                let partial = linear(x, self.weight.val(), None);
-                let whole = reduce_from_region(partial, "row-parallel linear output");
+                // Under sequence parallelism each rank keeps its positions of the sum.
+                let whole = match sequence::active() {
+                    Some(_) => {
+                        sequence::row_parallel(x, self.weight.val(), "row-parallel linear output")
+                    }
+                    None => reduce_from_region(
+                        linear(x, self.weight.val(), None),
+                        "row-parallel linear output",
+                    ),
+                };
                 match bias {
                     Some(b) => whole + b.unsqueeze(),
                     None => whole,
