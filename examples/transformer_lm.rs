@@ -431,7 +431,14 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     }
     if let Some(dir) = &args.save_model {
         // One file of the whole model in every mode (under --pp-size each stage's layers from that stage).
+        let resting = live_bytes::live();
+        live_bytes::reset_peak();
         let files = acc.save_blocks(&model, dir, "10GB")?;
+        // What the save allocated above what the rank held: its share of the model and one tensor at a time.
+        println!(
+            "rank {rank}/{ranks} save_peak_bytes={}",
+            live_bytes::peak().saturating_sub(resting)
+        );
         if acc.is_main_process() {
             println!(
                 "saved {} (peak RSS then {} B)",

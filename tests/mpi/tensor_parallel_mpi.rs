@@ -350,3 +350,65 @@ fn sequence_parallelism_divides_each_layers_activations_and_loss_parallelism_kee
         );
     }
 }
+
+/// `save_model` under `mpirun` with `tp` 4: the main process writes the whole model while each process holds its
+/// share, the split parameters gathered one at a time; what the save allocates on any process stays under half
+/// the whole model, and the share plus the save under the whole.
+#[test]
+fn save_model_under_tensor_parallelism_never_holds_the_whole_model_on_a_process() {
+    let dir = std::env::temp_dir().join(format!("ba-tp-save-mpi-{}", std::process::id()));
+    let saved = dir.join("model");
+    let lm = example("transformer_lm");
+    let args = [
+        "--layers",
+        "4",
+        "--d-model",
+        "256",
+        "--heads",
+        "4",
+        "--steps",
+        "1",
+        "--sgd",
+        "--skip-state-bytes",
+        "--tp-size",
+        "4",
+        "--save-model",
+        saved.to_str().unwrap(),
+    ];
+    let out = mpirun(4, &lm, &args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && saved.join("model.safetensors").exists(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let field = |line: &str, key: &str| -> Option<u64> {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+    };
+    let whole = stdout
+        .lines()
+        .find_map(|l| field(l, "params"))
+        .expect("the rank line")
+        * 4;
+    let held: Vec<u64> = stdout
+        .lines()
+        .filter_map(|l| field(l, "params_at_rest"))
+        .collect();
+    let saves: Vec<u64> = stdout
+        .lines()
+        .filter_map(|l| field(l, "save_peak_bytes"))
+        .collect();
+    assert_eq!((held.len(), saves.len()), (4, 4), "{stdout}");
+    for (held, save) in held.iter().zip(&saves) {
+        println!(
+            "tp 4 save_model: holds {held} B, the save allocated {save} B; the whole model {whole} B"
+        );
+        assert!(
+            *save < whole / 2 && held + save < whole,
+            "{held} + {save} of {whole}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -652,3 +652,76 @@ fn a_prepared_dataloader_shards_by_the_data_parallel_index() {
     one.sort_unstable();
     assert_eq!(all, one, "every sample once");
 }
+
+/// `save_model` under tensor parallelism (with sequence parallelism) writes one file of the whole model in
+/// PyTorch's layout, each split parameter gathered from the group as it is written; the file loads on one process
+/// (whole) and on 4 tensor-parallel ranks (each its slices) to the trained weights, bit for bit.
+#[test]
+fn a_model_saved_under_tensor_parallelism_loads_on_one_process_and_on_another_tp_size() {
+    let dir = scratch("save");
+    let saved = dir.join("model");
+    let run = |name: &str, args: &[&str]| -> Vec<Vec<f32>> {
+        let path = dir.join(format!("{name}.bin"));
+        let out = Command::new(examples::example("transformer_lm"))
+            .args(["--sgd", "--lr", "0.1", "--weights"])
+            .arg(&path)
+            .args(args)
+            .env_remove("ACCELERATE_MIXED_PRECISION")
+            .output()
+            .expect("the example starts");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("final_loss="),
+            "{args:?}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bytes = std::fs::read(&path).unwrap();
+        vec![
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ]
+    };
+    let saved_arg = saved.to_str().unwrap();
+    let trained = run(
+        "tp2",
+        &[
+            "--processes",
+            "2",
+            "--tp-size",
+            "2",
+            "--sequence-parallel",
+            "--steps",
+            "5",
+            "--save-model",
+            saved_arg,
+        ],
+    );
+    assert!(saved.join("model.safetensors").exists());
+    let whole = run("one", &["--steps", "0", "--load-pretrained", saved_arg]);
+    assert_eq!(
+        max_abs_diff(&trained, &whole),
+        0.0,
+        "loaded whole on one process"
+    );
+    let split = run(
+        "tp4",
+        &[
+            "--processes",
+            "4",
+            "--tp-size",
+            "4",
+            "--steps",
+            "0",
+            "--load-pretrained",
+            saved_arg,
+        ],
+    );
+    assert_eq!(
+        max_abs_diff(&trained, &split),
+        0.0,
+        "loaded in slices on tp 4"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -85,6 +85,13 @@ impl Accelerator {
         {
             return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
         }
+        // Under tensor parallelism each split parameter is gathered whole from the group as it is written.
+        if options.safe_serialization
+            && let Some(tp) = self.tensor.as_ref().filter(|t| t.context.size > 1)
+        {
+            let fetcher = crate::tensor_parallel::fetch::TpFetcher::of(tp, model);
+            return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
+        }
         // Every rank holds the whole model (or, under FULL_SHARD with Burn's record format, takes part in
         // gathering it), and the main process writes it.
         let whole = self.unshard(model)?;

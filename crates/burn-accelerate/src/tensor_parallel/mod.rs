@@ -31,6 +31,7 @@ pub(crate) mod regions;
 mod modules;
 mod plan;
 pub(crate) mod strategy;
+pub(crate) mod fetch;
 
 pub use context::tp_rank_and_size;
 pub use dropout::{dropout, manual_seed};

@@ -352,7 +352,7 @@ impl TensorParallel {
 }
 
 /// The flat tensor `flat` of shape `dims` with dimension `dim` moved first (a 2-D weight's columns as rows), flat.
-fn split_dimension_first(flat: Tensor<1>, dims: &[usize], dim: usize) -> Tensor<1> {
+pub(crate) fn split_dimension_first(flat: Tensor<1>, dims: &[usize], dim: usize) -> Tensor<1> {
     match (dims.len(), dim) {
         (2, 1) => flat
             .reshape([dims[0], dims[1]])
@@ -363,7 +363,7 @@ fn split_dimension_first(flat: Tensor<1>, dims: &[usize], dim: usize) -> Tensor<
 }
 
 /// A slice as [`split_dimension_first`] laid it out, back in the shape `local` (flat).
-fn split_dimension_back(part: Tensor<1>, local: &[usize], dim: usize) -> Tensor<1> {
+pub(crate) fn split_dimension_back(part: Tensor<1>, local: &[usize], dim: usize) -> Tensor<1> {
     match (local.len(), dim) {
         (2, 1) => part
             .reshape([local[1], local[0]])
