@@ -162,6 +162,21 @@ fn a_model_of_ones_own_split_over_processes_trains_to_one_process_weights() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The `key=number` fields of each rank's line of `stdout` that has `key` (`rank r/P ... key=...`).
+fn rank_reports<'a>(stdout: &'a str, key: &str) -> Vec<BTreeMap<&'a str, u64>> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("rank "))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .filter_map(|(k, v)| Some((k, v.parse().ok()?)))
+                .collect::<BTreeMap<&str, u64>>()
+        })
+        .filter(|fields| fields.contains_key(key))
+        .collect()
+}
+
 /// The model's elements whole on every rank and split over the tensor-parallel ranks, as `byte_lm::plan` cuts the
 /// example's model (`layers` layers of width `d`, sequences of `seq` bytes, 256 byte values).
 fn replicated_and_split(layers: usize, d: usize, seq: usize) -> (usize, usize) {
@@ -177,24 +192,17 @@ fn replicated_and_split(layers: usize, d: usize, seq: usize) -> (usize, usize) {
     (replicated, split)
 }
 
+/// The transformer example at 4 layers of width 256 with 4 heads (3.3 M parameters).
+const LM_4X256: [&str; 6] = ["--layers", "4", "--d-model", "256", "--heads", "4"];
+
 #[test]
 fn each_process_holds_the_replicated_part_and_its_share_of_the_split_part() {
     let lm = example("transformer_lm");
     let (layers, d) = (4, 256);
     let (replicated, split) = replicated_and_split(layers, d, 32);
     for tp in [1usize, 2, 4] {
-        let args = [
-            "--layers",
-            "4",
-            "--d-model",
-            "256",
-            "--heads",
-            "4",
-            "--steps",
-            "2",
-            "--tp-size",
-            &tp.to_string(),
-        ];
+        let tp_arg = tp.to_string();
+        let args = [&LM_4X256[..], &["--steps", "2", "--tp-size", &tp_arg]].concat();
         let out = mpirun(tp, &lm, &args);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
@@ -202,16 +210,7 @@ fn each_process_holds_the_replicated_part_and_its_share_of_the_split_part() {
             "{stdout}\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let reports: Vec<BTreeMap<&str, u64>> = stdout
-            .lines()
-            .filter(|l| l.starts_with("rank ") && l.contains("params_at_rest="))
-            .map(|l| {
-                l.split_whitespace()
-                    .filter_map(|kv| kv.split_once('='))
-                    .filter_map(|(k, v)| Some((k, v.parse().ok()?)))
-                    .collect()
-            })
-            .collect();
+        let reports = rank_reports(&stdout, "params_at_rest");
         assert_eq!(reports.len(), tp, "{stdout}");
         // f32 parameters and gradients, Adam's two moments.
         let share = (replicated + split / tp) as f64;
@@ -255,14 +254,9 @@ fn step_peak(np: usize, args: &[&str]) -> u64 {
         "{args:?}\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let peaks: Vec<u64> = stdout
-        .lines()
-        .filter(|l| l.starts_with("rank "))
-        .filter_map(|l| {
-            l.split_whitespace()
-                .find_map(|kv| kv.strip_prefix("step_peak_bytes="))
-        })
-        .map(|v| v.parse().unwrap())
+    let peaks: Vec<u64> = rank_reports(&stdout, "step_peak_bytes")
+        .iter()
+        .map(|r| r["step_peak_bytes"])
         .collect();
     assert_eq!(peaks.len(), np, "{stdout}");
     peaks.into_iter().max().unwrap()
@@ -359,13 +353,7 @@ fn save_model_under_tensor_parallelism_never_holds_the_whole_model_on_a_process(
     let dir = std::env::temp_dir().join(format!("ba-tp-save-mpi-{}", std::process::id()));
     let saved = dir.join("model");
     let lm = example("transformer_lm");
-    let args = [
-        "--layers",
-        "4",
-        "--d-model",
-        "256",
-        "--heads",
-        "4",
+    let saving = [
         "--steps",
         "1",
         "--sgd",
@@ -375,6 +363,7 @@ fn save_model_under_tensor_parallelism_never_holds_the_whole_model_on_a_process(
         "--save-model",
         saved.to_str().unwrap(),
     ];
+    let args = [&LM_4X256[..], &saving].concat();
     let out = mpirun(4, &lm, &args);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
@@ -382,24 +371,11 @@ fn save_model_under_tensor_parallelism_never_holds_the_whole_model_on_a_process(
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let field = |line: &str, key: &str| -> Option<u64> {
-        line.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-            .and_then(|v| v.parse().ok())
-    };
-    let whole = stdout
-        .lines()
-        .find_map(|l| field(l, "params"))
-        .expect("the rank line")
-        * 4;
-    let held: Vec<u64> = stdout
-        .lines()
-        .filter_map(|l| field(l, "params_at_rest"))
-        .collect();
-    let saves: Vec<u64> = stdout
-        .lines()
-        .filter_map(|l| field(l, "save_peak_bytes"))
-        .collect();
+    let ranks = rank_reports(&stdout, "params_at_rest");
+    let saves = rank_reports(&stdout, "save_peak_bytes");
+    let whole = ranks.first().map(|r| r["params"]).expect("the rank lines") * 4;
+    let held: Vec<u64> = ranks.iter().map(|r| r["params_at_rest"]).collect();
+    let saves: Vec<u64> = saves.iter().map(|r| r["save_peak_bytes"]).collect();
     assert_eq!((held.len(), saves.len()), (4, 4), "{stdout}");
     for (held, save) in held.iter().zip(&saves) {
         println!(

@@ -38,17 +38,23 @@ fn scratch(name: &str) -> PathBuf {
 /// The final weights `transformer_lm` wrote with `args` (every float parameter, whole, little-endian f32), after
 /// checking that it trained its 20 steps.
 fn lm_weights(dir: &Path, name: &str, args: &[&str]) -> Vec<Vec<f32>> {
+    lm_weights_after(dir, name, 20, args)
+}
+
+/// [`lm_weights`] after `steps` steps (0: the weights it started from).
+fn lm_weights_after(dir: &Path, name: &str, steps: usize, args: &[&str]) -> Vec<Vec<f32>> {
     let path = dir.join(format!("{name}.bin"));
     let out = Command::new(examples::example("transformer_lm"))
-        .args(["--steps", "20", "--weights"])
+        .args(["--steps", &steps.to_string(), "--weights"])
         .arg(&path)
         .args(args)
         .env_remove("ACCELERATE_MIXED_PRECISION")
         .output()
         .expect("the example starts");
     let stdout = String::from_utf8_lossy(&out.stdout);
+    let trained = steps == 0 || stdout.contains(&format!("step {steps:>3} loss"));
     assert!(
-        out.status.success() && stdout.contains("step  20 loss"),
+        out.status.success() && stdout.contains("final_loss=") && trained,
         "{args:?}\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -660,46 +666,30 @@ fn a_prepared_dataloader_shards_by_the_data_parallel_index() {
 fn a_model_saved_under_tensor_parallelism_loads_on_one_process_and_on_another_tp_size() {
     let dir = scratch("save");
     let saved = dir.join("model");
-    let run = |name: &str, args: &[&str]| -> Vec<Vec<f32>> {
-        let path = dir.join(format!("{name}.bin"));
-        let out = Command::new(examples::example("transformer_lm"))
-            .args(["--sgd", "--lr", "0.1", "--weights"])
-            .arg(&path)
-            .args(args)
-            .env_remove("ACCELERATE_MIXED_PRECISION")
-            .output()
-            .expect("the example starts");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("final_loss="),
-            "{args:?}\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bytes = std::fs::read(&path).unwrap();
-        vec![
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ]
+    let run = |name: &str, steps: usize, args: &[&str]| {
+        lm_weights_after(
+            &dir,
+            name,
+            steps,
+            &[&["--sgd", "--lr", "0.1"], args].concat(),
+        )
     };
     let saved_arg = saved.to_str().unwrap();
     let trained = run(
         "tp2",
+        10,
         &[
             "--processes",
             "2",
             "--tp-size",
             "2",
             "--sequence-parallel",
-            "--steps",
-            "5",
             "--save-model",
             saved_arg,
         ],
     );
     assert!(saved.join("model.safetensors").exists());
-    let whole = run("one", &["--steps", "0", "--load-pretrained", saved_arg]);
+    let whole = run("one", 0, &["--load-pretrained", saved_arg]);
     assert_eq!(
         max_abs_diff(&trained, &whole),
         0.0,
@@ -707,13 +697,12 @@ fn a_model_saved_under_tensor_parallelism_loads_on_one_process_and_on_another_tp
     );
     let split = run(
         "tp4",
+        0,
         &[
             "--processes",
             "4",
             "--tp-size",
             "4",
-            "--steps",
-            "0",
             "--load-pretrained",
             saved_arg,
         ],

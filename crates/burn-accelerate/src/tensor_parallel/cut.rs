@@ -197,6 +197,33 @@ pub(crate) struct Part<const D: usize> {
     pub scatter: Option<(usize, Vec<usize>)>,
 }
 
+impl<const D: usize> Part<D> {
+    /// `leaf`, made of `source`, whose gradient goes back to `source` as it is.
+    pub fn kept(source: Tensor<D>, leaf: Tensor<D>) -> Self {
+        Self {
+            source,
+            identity: vec![leaf],
+            reduced: Vec::new(),
+            scatter: None,
+        }
+    }
+
+    /// `leaf`, made of `source`, whose gradient is a part on each rank: summed over the group where a split layer
+    /// ran (reduce-scattered along `scatter`'s dimension under sequence parallelism) before it goes back.
+    pub fn summed(
+        source: Tensor<D>,
+        leaf: Tensor<D>,
+        scatter: Option<(usize, Vec<usize>)>,
+    ) -> Self {
+        Self {
+            source,
+            identity: Vec::new(),
+            reduced: vec![leaf],
+            scatter,
+        }
+    }
+}
+
 /// The tensors that enter one region's pass, back-propagated together in one pass.
 pub(crate) struct Cut<const D: usize> {
     pub parts: Vec<Part<D>>,
@@ -216,7 +243,7 @@ impl<const D: usize> PendingCut for Cut<D> {
     }
 
     fn finish(self: Box<Self>, passes: &mut Passes, ctx: &TpContext) -> Result<()> {
-        let mut root: Option<Tensor<1>> = None;
+        let mut roots = Roots::default();
         for part in self.parts {
             let around = sum_of(passes, part.identity);
             let inside = match (sum_of(passes, part.reduced), &part.scatter) {
@@ -238,18 +265,35 @@ impl<const D: usize> PendingCut for Cut<D> {
                 (Some(g), None) | (None, Some(g)) => g,
                 (None, None) => continue,
             };
-            if part.source.is_tracked() {
-                let term = (part.source * grad).sum();
-                root = Some(match root {
-                    Some(r) => r + term,
-                    None => term,
-                });
-            }
+            roots.add(part.source, grad);
         }
-        if let Some(root) = root {
+        roots.backward_into(passes);
+        Ok(())
+    }
+}
+
+/// The terms one cut back-propagates together, as one pass: `(tensor * its gradient).sum()` of each tensor that
+/// gets a gradient from the cut.
+#[derive(Default)]
+pub(crate) struct Roots(Option<Tensor<1>>);
+
+impl Roots {
+    /// Adds the term of `tensor` with the gradient `grad`, where `tensor` has a graph to back-propagate.
+    pub fn add<const D: usize>(&mut self, tensor: Tensor<D>, grad: Tensor<D>) {
+        if tensor.is_tracked() {
+            let term = (tensor * grad).sum();
+            self.0 = Some(match self.0.take() {
+                Some(r) => r + term,
+                None => term,
+            });
+        }
+    }
+
+    /// Back-propagates the terms, as one pass more of `passes`.
+    pub fn backward_into(self, passes: &mut Passes) {
+        if let Some(root) = self.0 {
             passes.list.push(root.backward());
         }
-        Ok(())
     }
 }
 
@@ -260,11 +304,6 @@ pub(crate) struct Passes {
 }
 
 impl Passes {
-    /// Adds the gradients of one more pass.
-    pub(crate) fn push(&mut self, grads: Gradients) {
-        self.list.push(grads);
-    }
-
     /// The sum of `t`'s gradients in every pass (removed from them), if any pass reached it.
     pub(crate) fn remove<const D: usize>(&mut self, t: &Tensor<D>) -> Option<Tensor<D>> {
         self.list

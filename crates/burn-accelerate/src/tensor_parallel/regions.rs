@@ -42,28 +42,25 @@ pub fn residual<const D: usize>(
     match x.is_tracked() || z.is_tracked() {
         false => enter(|| x + region(z)).0,
         true => {
-            let around = leaf(x.clone());
             let inside = leaf(z.clone());
-            let cut = Cut {
-                parts: vec![
-                    Part {
-                        source: x,
-                        identity: vec![around.clone()],
-                        reduced: Vec::new(),
-                        scatter: None,
-                    },
-                    Part {
-                        source: z,
-                        identity: Vec::new(),
-                        reduced: vec![inside.clone()],
-                        scatter: None,
-                    },
-                ],
-                split: true,
-            };
-            cut_around(Box::new(cut), || around + region(inside)).0
+            behind_cut(x, Part::summed(z, inside.clone(), None), || region(inside))
         }
     }
+}
+
+/// `x + region()` behind the cut of the residual `x` (its gradient kept as it is) and of what enters the region
+/// (`entering`, the leaf `region` reads).
+fn behind_cut<const D: usize>(
+    x: Tensor<D>,
+    entering: Part<D>,
+    region: impl FnOnce() -> Tensor<D>,
+) -> Tensor<D> {
+    let around = leaf(x.clone());
+    let cut = Cut {
+        parts: vec![Part::kept(x, around.clone()), entering],
+        split: true,
+    };
+    cut_around(Box::new(cut), || around + region()).0
 }
 
 /// [`residual`] under sequence parallelism: `x` and `before`'s output are this rank's positions; the latter is
@@ -83,29 +80,11 @@ fn sequence_residual<const D: usize>(
         let (y, _) = enter(|| region(whole));
         return x + sequence::own_part(ctx, y, dim, &rows);
     }
-    let around = leaf(x.clone());
     let inside = leaf(whole);
-    let cut = Cut {
-        parts: vec![
-            Part {
-                source: x,
-                identity: vec![around.clone()],
-                reduced: Vec::new(),
-                scatter: None,
-            },
-            Part {
-                source: z,
-                identity: Vec::new(),
-                reduced: vec![inside.clone()],
-                scatter: Some((dim, rows.clone())),
-            },
-        ],
-        split: true,
-    };
-    cut_around(Box::new(cut), || {
-        around + sequence::own_part(ctx, region(inside), dim, &rows)
+    let entering = Part::summed(z, inside.clone(), Some((dim, rows.clone())));
+    behind_cut(x, entering, || {
+        sequence::own_part(ctx, region(inside), dim, &rows)
     })
-    .0
 }
 
 /// `region(x)`, a tensor-parallel region whose input nothing else uses (a column-parallel head after the final
@@ -122,12 +101,7 @@ pub fn region<const D: usize, const E: usize>(
         Some(_) => {
             let inside = leaf(x.clone());
             let cut = Cut {
-                parts: vec![Part {
-                    source: x,
-                    identity: Vec::new(),
-                    reduced: vec![inside.clone()],
-                    scatter: None,
-                }],
+                parts: vec![Part::summed(x, inside.clone(), None)],
                 split: true,
             };
             cut_around(Box::new(cut), || region(inside)).0
@@ -147,26 +121,8 @@ pub(crate) fn residual_of_parts<const D: usize>(
     if !(x.is_tracked() || z.is_tracked()) {
         return enter(|| x + region(z)).0;
     }
-    let around = leaf(x.clone());
     let inside = leaf(z.clone());
-    let cut = Cut {
-        parts: vec![
-            Part {
-                source: x,
-                identity: vec![around.clone()],
-                reduced: Vec::new(),
-                scatter: None,
-            },
-            Part {
-                source: z,
-                identity: vec![inside.clone()],
-                reduced: Vec::new(),
-                scatter: None,
-            },
-        ],
-        split: true,
-    };
-    cut_around(Box::new(cut), || around + region(inside)).0
+    behind_cut(x, Part::kept(z, inside.clone()), || region(inside))
 }
 
 /// [`region`] under sequence parallelism: `x`, this rank's positions, gathered whole into the region; the
@@ -184,12 +140,7 @@ fn sequence_region<const D: usize, const E: usize>(
     }
     let inside = leaf(whole);
     let cut = Cut {
-        parts: vec![Part {
-            source: x,
-            identity: Vec::new(),
-            reduced: vec![inside.clone()],
-            scatter: Some((dim, rows.clone())),
-        }],
+        parts: vec![Part::summed(x, inside.clone(), Some((dim, rows.clone())))],
         split: true,
     };
     let (y, split) = cut_around(Box::new(cut), || region(inside));

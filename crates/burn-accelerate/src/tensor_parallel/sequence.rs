@@ -22,7 +22,9 @@ use std::sync::Arc;
 use burn::tensor::Tensor;
 
 use super::context::{TpContext, split_rows};
-use super::cut::{Passes, PendingCut, constant, group, group_of_split, leaf, misused, record};
+use super::cut::{
+    Passes, PendingCut, Roots, constant, group, group_of_split, leaf, misused, record,
+};
 use crate::error::Result;
 
 thread_local! {
@@ -287,13 +289,7 @@ impl<const D: usize> PendingCut for ColumnsCut<D> {
         let n = dims[..D - 1].iter().product::<usize>();
         let d_input = dims[D - 1];
         let input = whole.reshape([n, d_input]);
-        let mut root: Option<Tensor<1>> = None;
-        let mut add = |term: Tensor<1>| {
-            root = Some(match root.take() {
-                Some(r) => r + term,
-                None => term,
-            });
-        };
+        let mut roots = Roots::default();
         let mut input_grad: Option<Tensor<2>> = None;
         for ((weight, bias), grad) in self.layers.into_iter().zip(grads) {
             let Some(grad) = grad else { continue };
@@ -301,10 +297,10 @@ impl<const D: usize> PendingCut for ColumnsCut<D> {
             let grad = grad.reshape([n, cols]);
             if weight.is_tracked() {
                 let weight_grad = input.clone().transpose().matmul(grad.clone());
-                add((weight.clone() * weight_grad).sum());
+                roots.add(weight.clone(), weight_grad);
             }
             if let Some(bias) = bias.filter(Tensor::is_tracked) {
-                add((bias * grad.clone().sum_dim(0).reshape([cols])).sum());
+                roots.add(bias, grad.clone().sum_dim(0).reshape([cols]));
             }
             let term = grad.matmul(constant(weight).transpose());
             input_grad = Some(match input_grad {
@@ -322,11 +318,9 @@ impl<const D: usize> PendingCut for ColumnsCut<D> {
                 &self.rows,
                 "sequence-parallel region input gradient",
             )?;
-            add((self.part * part_grad).sum());
+            roots.add(self.part, part_grad);
         }
-        if let Some(root) = root {
-            passes.push(root.backward());
-        }
+        roots.backward_into(passes);
         Ok(())
     }
 }
@@ -379,38 +373,24 @@ impl<const D: usize> PendingCut for RowCut<D> {
     fn split(&mut self, _split: bool) {}
 
     fn finish(self: Box<Self>, passes: &mut Passes, ctx: &TpContext) -> Result<()> {
-        let Some(grad) = passes.remove(&self.leaf) else {
+        let Some(whole) = gathered_grad(passes, &self.leaf, self.dim, &self.rows, ctx)? else {
             return Ok(());
         };
-        let whole = ctx.all_gather_rows(
-            grad,
-            self.dim,
-            &self.rows,
-            "sequence-parallel gradient gather",
-        )?;
         let [d_input, d_output] = self.weight.dims();
         let dims = self.input.dims();
         let n = dims[..D - 1].iter().product::<usize>();
         let grad = whole.reshape([n, d_output]);
-        let weight = constant(self.weight.clone());
-        let mut root: Option<Tensor<1>> = None;
-        let mut add = |term: Tensor<1>| {
-            root = Some(match root.take() {
-                Some(r) => r + term,
-                None => term,
-            });
-        };
+        let mut roots = Roots::default();
         if self.input.is_tracked() {
+            let weight = constant(self.weight.clone());
             let input_grad = grad.clone().matmul(weight.transpose()).reshape(dims);
-            add((self.input.clone() * input_grad).sum());
+            roots.add(self.input.clone(), input_grad);
         }
         if self.weight.is_tracked() {
             let input = constant(self.input).reshape([n, d_input]);
-            add((self.weight * input.transpose().matmul(grad)).sum());
+            roots.add(self.weight, input.transpose().matmul(grad));
         }
-        if let Some(root) = root {
-            passes.push(root.backward());
-        }
+        roots.backward_into(passes);
         Ok(())
     }
 }
@@ -428,16 +408,31 @@ impl<const D: usize> PendingCut for ScatterCut<D> {
     fn split(&mut self, _split: bool) {}
 
     fn finish(self: Box<Self>, passes: &mut Passes, ctx: &TpContext) -> Result<()> {
-        let Some(grad) = passes.remove(&self.leaf) else {
-            return Ok(());
-        };
-        let whole = ctx.all_gather_rows(
-            grad,
-            self.dim,
-            &self.rows,
-            "sequence-parallel gradient gather",
-        )?;
-        passes.push((self.source * whole).sum().backward());
+        if let Some(whole) = gathered_grad(passes, &self.leaf, self.dim, &self.rows, ctx)? {
+            let mut roots = Roots::default();
+            roots.add(self.source, whole);
+            roots.backward_into(passes);
+        }
         Ok(())
+    }
+}
+
+/// The gradient of every rank's part `leaf` (along `dim`, split into `rows`) gathered whole: the gradient of the
+/// partial result that was reduce-scattered into it. `None` where no pass reached the part.
+fn gathered_grad<const D: usize>(
+    passes: &mut Passes,
+    leaf: &Tensor<D>,
+    dim: usize,
+    rows: &[usize],
+    ctx: &TpContext,
+) -> Result<Option<Tensor<D>>> {
+    match passes.remove(leaf) {
+        Some(grad) => Ok(Some(ctx.all_gather_rows(
+            grad,
+            dim,
+            rows,
+            "sequence-parallel gradient gather",
+        )?)),
+        None => Ok(None),
     }
 }
