@@ -64,7 +64,9 @@ use burn_accelerate::{Accelerator, ReduceOp, Result, ShardingStrategy, StateToSa
 use byte_lm::{ByteLm, VOCAB, batch};
 use clap::Parser;
 
-/// Counts the live bytes, for `step_peak_bytes`.
+/// Counts the live bytes, for `step_peak_bytes` (not in a test build of a binary that includes this example and
+/// has an allocator of its own for its tests: the GPU kit's).
+#[cfg(not(test))]
 #[global_allocator]
 static ALLOC: live_bytes::Counting = live_bytes::Counting;
 

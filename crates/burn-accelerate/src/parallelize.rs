@@ -118,6 +118,7 @@ fn for_tensor_parallel(
         world,
         context,
         splits: Mutex::new(None),
+        whole_dims: Mutex::new(std::collections::HashMap::new()),
     })
 }
 

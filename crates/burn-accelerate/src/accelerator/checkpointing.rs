@@ -282,9 +282,11 @@ impl Accelerator {
         let scaler = self.loss_scaler();
         let strategy = self.step.strategy();
         let mut splits: Vec<_> = strategy
-            .slicings()
+            .checkpoint_slicings()
             .iter()
-            .map(|(id, split)| crate::checkpoint::repartition::SavedSplit::of(*id, split))
+            .map(|(id, split, dim)| {
+                crate::checkpoint::repartition::SavedSplit::of(*id, split, *dim)
+            })
             .collect();
         let pp_size = self.stage().map(|stages| stages.layout.stages);
         if let Some(stages) = self.stage() {
@@ -340,22 +342,8 @@ impl Accelerator {
                 stages.layout.stages
             )));
         }
-        // Under tensor parallelism each rank's records hold its slices: the same tp_size on as many ranks.
-        let (saved_tp, tp) = (loaded.saved_tp_size().unwrap_or(1), self.parallel_dims().tp);
-        if (saved_tp > 1 || tp > 1)
-            && (saved_tp != tp || loaded.saved_num_processes() != self.num_processes())
-        {
-            return Err(crate::Error::InvalidArgument(format!(
-                "load_state: {} was saved by {} ranks with tp_size {saved_tp}, and this run has {} ranks with \
-                 tp_size {tp}: a state saved under tensor parallelism holds each rank's slices and resumes on the \
-                 same tp_size and number of ranks (re-cutting them for another comes later); launch {} ranks \
-                 with tp_size {saved_tp}, or start from the whole weights `save_model` writes",
-                loaded.dir().display(),
-                loaded.saved_num_processes(),
-                self.num_processes(),
-                loaded.saved_num_processes()
-            )));
-        }
+        // Under tensor parallelism each rank's records hold its slices, which the manifest lists: another tp_size
+        // or number of ranks re-cuts them, each rank reading its own from the saved files one tensor at a time.
         if let Some(scaler) = loaded.scaler() {
             self.step.precision().restore_scaler(scaler);
         }

@@ -288,11 +288,6 @@ impl LoadedState {
         self.manifest.pp_size
     }
 
-    /// The saving run's tensor-parallel ranks per group, under tensor parallelism.
-    pub(crate) fn saved_tp_size(&self) -> Option<usize> {
-        self.manifest.tp_size
-    }
-
     /// Whether the saving run split parameters over its ranks (a sharded strategy).
     pub(crate) fn saved_split(&self) -> bool {
         !self.manifest.splits.is_empty()
@@ -380,10 +375,10 @@ impl LoadedState {
         let mut now: Vec<_> = self
             .strategy
             .as_ref()
-            .map(|s| s.slicings())
+            .map(|s| s.checkpoint_slicings())
             .unwrap_or_default()
             .iter()
-            .map(|(id, split)| repartition::SavedSplit::of(*id, split).layout())
+            .map(|(id, split, dim)| repartition::SavedSplit::of(*id, split, *dim).layout())
             .collect();
         saved.sort();
         now.sort();
@@ -400,12 +395,12 @@ impl LoadedState {
             .strategy
             .clone()
             .filter(|s| scope(s.as_ref()) == StateScope::PerRank);
-        move |id| match strategy.as_ref().and_then(|s| s.slicing(id)) {
+        move |id| match strategy.as_ref().and_then(|s| s.checkpoint_slicing(id)) {
             // A split of nothing: a sharded pipeline stage's placeholder for another stage's parameter.
-            Some((split, _)) if split.dims().iter().product::<usize>() == 0 => {
+            Some((split, _, _)) if split.dims().iter().product::<usize>() == 0 => {
                 repartition::Want::Placeholder(split.dims().to_vec())
             }
-            Some((split, q)) => repartition::Want::Part(split, q),
+            Some((split, q, dim)) => repartition::Want::Part(split, q, dim),
             None => repartition::Want::Whole,
         }
     }

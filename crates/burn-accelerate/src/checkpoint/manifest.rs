@@ -55,7 +55,8 @@ pub(crate) struct Manifest {
     #[serde(default)]
     pub(crate) pp_size: Option<usize>,
     /// The saving run's tensor-parallel ranks per group, when it had more than one: each rank's records hold its
-    /// slices of the split layers, so that the state resumes on the same `tp_size` and ranks. Absent otherwise.
+    /// slices of the split layers, which `splits` lists (with the dimension each is cut along), so that another
+    /// `tp_size` or number of ranks re-cuts them. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) tp_size: Option<usize>,
 }

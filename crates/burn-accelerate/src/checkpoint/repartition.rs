@@ -45,11 +45,19 @@ pub(crate) struct SavedSplit {
     /// empty placeholder, or a stale copy of a parameter they do not train); `None`: every rank's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holders: Option<std::ops::Range<usize>>,
+    /// The dimension the parameter is cut along: 0, or 1 for a 2-D weight split by columns (tensor parallelism),
+    /// whose `dims` are then the weight's with the two swapped and whose parts are its columns.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dim: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl SavedSplit {
-    /// What `split` of parameter `id` saves.
-    pub fn of(id: ParamId, split: &Slicing) -> Self {
+    /// What `split` of parameter `id` saves, its parts cut along `dim` (see [`SavedSplit::dim`]).
+    pub fn of(id: ParamId, split: &Slicing, dim: usize) -> Self {
         Self {
             id: id.val(),
             dims: split.dims().to_vec(),
@@ -59,6 +67,7 @@ impl SavedSplit {
                 SliceKind::Whole { owner } => Some(owner),
             },
             holders: None,
+            dim,
         }
     }
 
@@ -70,15 +79,18 @@ impl SavedSplit {
         Slicing::new(self.dims.clone(), self.parts, kind)
     }
 
-    /// The layout alone (shape, parts, owner), to compare two runs' splits whatever their ids.
-    pub fn layout(&self) -> (Vec<usize>, usize, Option<usize>) {
-        (self.dims.clone(), self.parts, self.owner)
+    /// The layout alone (shape, parts, owner, dimension), to compare two runs' splits whatever their ids.
+    pub fn layout(&self) -> (Vec<usize>, usize, Option<usize>, usize) {
+        (self.dims.clone(), self.parts, self.owner, self.dim)
     }
 }
 
+/// One saved split: how, the ranks whose files hold its parts, the dimension its parts are cut along.
+type Saved = (Slicing, Option<std::ops::Range<usize>>, usize);
+
 /// The splits of a saved checkpoint, by saved parameter id, with the ranks whose files hold each one's parts.
 #[derive(Debug, Default)]
-pub(crate) struct SavedSplits(HashMap<u64, (Slicing, Option<std::ops::Range<usize>>)>);
+pub(crate) struct SavedSplits(HashMap<u64, Saved>);
 
 impl SavedSplits {
     /// The splits the manifest lists.
@@ -86,29 +98,30 @@ impl SavedSplits {
         Self(
             saved
                 .iter()
-                .map(|s| (s.id, (s.slicing(), s.holders.clone())))
+                .map(|s| (s.id, (s.slicing(), s.holders.clone(), s.dim)))
                 .collect(),
         )
     }
 
-    /// How parameter `id` was split, if it was.
-    fn get(&self, id: u64) -> Option<&Slicing> {
-        self.0.get(&id).map(|(split, _)| split)
+    /// How parameter `id` was split, if it was, and the dimension its parts are cut along.
+    fn get(&self, id: u64) -> Option<(&Slicing, usize)> {
+        self.0.get(&id).map(|(split, _, dim)| (split, *dim))
     }
 
     /// Whether rank `rank`'s file holds parameter `id`'s part (not a placeholder or a stale copy).
     fn held_by(&self, id: Option<u64>, rank: usize) -> bool {
         id.and_then(|id| self.0.get(&id))
-            .and_then(|(_, holders)| holders.as_ref())
+            .and_then(|(_, holders, _)| holders.as_ref())
             .is_none_or(|holders| holders.contains(&rank))
     }
 }
 
-/// What this rank wants of one parameter's tensor: the whole, or its part `q` of `split`.
+/// What this rank wants of one parameter's tensor: the whole, or its part `q` of `split`, cut along the
+/// dimension the third field names (see [`SavedSplit::dim`]).
 #[derive(Debug, Clone)]
 pub(crate) enum Want {
     Whole,
-    Part(Slicing, usize),
+    Part(Slicing, usize, usize),
     /// Nothing: the rank holds an empty placeholder of this shape (another pipeline stage's block).
     Placeholder(Vec<usize>),
 }
@@ -140,6 +153,9 @@ struct Assembly {
     filled: usize,
     /// The parts taken so far (the replicas of a hybrid strategy saved the same part: the first copy counts).
     parts: std::collections::HashSet<usize>,
+    /// Whether the pieces were taken with the tensor's two dimensions swapped (a split by columns), to be swapped
+    /// back once assembled.
+    swapped: bool,
 }
 
 /// The pieces of each tensor found in the saved files, cut to what this rank wants.
@@ -158,9 +174,23 @@ impl Assembler {
         path: &Path,
         rank: usize,
         tensor: burn_pack::Tensor,
-        saved: Option<&Slicing>,
+        saved: Option<(&Slicing, usize)>,
         want: &Want,
     ) -> Result<()> {
+        // A split by columns (saved, or wanted of a whole tensor) is handled with its columns as rows.
+        let want_dim = match want {
+            Want::Part(_, _, dim) => *dim,
+            _ => 0,
+        };
+        let swapped = match saved {
+            Some((_, dim)) => dim == 1,
+            None => want_dim == 1,
+        };
+        let tensor = match swapped {
+            true => swap_2d(path, tensor)?,
+            false => tensor,
+        };
+        let saved = saved.map(|(split, _)| split);
         if let Want::Placeholder(dims) = want {
             // Kept empty here, whatever the saving rank held; the saved id goes with it.
             let empty = burn_pack::Tensor::new(
@@ -182,30 +212,31 @@ impl Assembler {
             // A placeholder saved by a rank that held none of it (an older checkpoint's owner layout).
             _ if elems == 0 && !shape.is_empty() => return Ok(()),
             _ => {
-                if let (Want::Part(split, _), true) = (want, elems > 0) {
+                if let (Want::Part(split, _, _), true) = (want, elems > 0) {
                     // A whole tensor (a replicated save) wanted as a slice: the whole is its only piece.
                     if split.dims() == shape {
                         let whole = Slicing::new(shape, 1, SliceKind::Whole { owner: 0 });
-                        return self.piece(path, tensor, &whole, 0, want);
+                        return self.piece(path, tensor, (&whole, 0), want, swapped);
                     }
                 }
                 self.whole.entry(tensor.name.clone()).or_insert(tensor);
                 return Ok(());
             }
         };
-        self.piece(path, tensor, &split, part, want)
+        self.piece(path, tensor, (&split, part), want, swapped)
     }
 
-    /// Copies what this rank wants of `tensor`, part `part` of `split`.
+    /// Copies what this rank wants of `tensor`, part `part` of `split` (`swapped`: taken with its two dimensions
+    /// swapped).
     fn piece(
         &mut self,
         path: &Path,
         tensor: burn_pack::Tensor,
-        split: &Slicing,
-        part: usize,
+        (split, part): (&Slicing, usize),
         want: &Want,
+        swapped: bool,
     ) -> Result<()> {
-        if let Want::Part(target, _) = want
+        if let Want::Part(target, _, _) = want
             && target.dims() != split.dims()
         {
             return Err(corrupt(
@@ -231,6 +262,7 @@ impl Assembler {
                 wanted,
                 filled: 0,
                 parts: Default::default(),
+                swapped,
             }
         });
         let held = split.held(part);
@@ -275,24 +307,67 @@ impl Assembler {
                     ),
                 ));
             }
-            out.push(burn_pack::Tensor::new(
+            let assembled = burn_pack::Tensor::new(
                 name,
                 a.dtype,
                 burn_pack::Shape::from(a.dims),
                 a.param_id,
                 Bytes::from_bytes_vec(a.bytes),
-            ));
+            );
+            out.push(match a.swapped {
+                true => swap_2d(last, assembled)?,
+                false => assembled,
+            });
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
 }
 
+/// `tensor`, a 2-D tensor `[a, b]`, with its two dimensions swapped: `[b, a]` (its columns as rows).
+fn swap_2d(path: &Path, tensor: burn_pack::Tensor) -> Result<burn_pack::Tensor> {
+    let dims: Vec<usize> = tensor.shape.to_vec();
+    let [a, b] = dims[..] else {
+        return Err(corrupt(
+            path,
+            format!(
+                "`{}` is recorded as split by columns, but it has {} dimensions, not 2",
+                tensor.name,
+                dims.len()
+            ),
+        ));
+    };
+    let size = tensor.dtype.size();
+    let data = tensor
+        .to_bytes()
+        .map_err(|e| corrupt(path, format!("unreadable tensor `{}`: {e}", tensor.name)))?;
+    if data.len() != a * b * size {
+        return Err(corrupt(
+            path,
+            format!("`{}` holds {} bytes for {dims:?}", tensor.name, data.len()),
+        ));
+    }
+    let mut out = vec![0u8; data.len()];
+    for i in 0..a {
+        for j in 0..b {
+            let (from, to) = ((i * b + j) * size, (j * a + i) * size);
+            out[to..to + size].copy_from_slice(&data[from..from + size]);
+        }
+    }
+    Ok(burn_pack::Tensor::new(
+        tensor.name.clone(),
+        tensor.dtype,
+        burn_pack::Shape::from(vec![b, a]),
+        tensor.param_id,
+        Bytes::from_bytes_vec(out),
+    ))
+}
+
 /// The shape of the tensor this rank assembles, and the elements of the whole it holds.
 fn wanted_of(dims: &[usize], want: &Want) -> (Vec<usize>, std::ops::Range<usize>) {
     match want {
         Want::Whole => (dims.to_vec(), 0..dims.iter().product()),
-        Want::Part(split, q) => (split.local_dims(*q), split.held(*q)),
+        Want::Part(split, q, _) => (split.local_dims(*q), split.held(*q)),
         Want::Placeholder(dims) => (dims.clone(), 0..0),
     }
 }

@@ -32,9 +32,32 @@ pub(crate) struct TensorParallel {
     /// The split parameters (rank 0's ids) and the dimension each is split along, set by
     /// `prepare_tensor_parallel` before the weights arrive.
     pub splits: Mutex<Option<HashMap<ParamId, usize>>>,
+    /// Each split parameter's whole shape, as it arrived (for a checkpoint's manifest).
+    pub whole_dims: Mutex<HashMap<ParamId, Vec<usize>>>,
+}
+
+/// A tensor-parallel split of a parameter whose whole shape is `dims`, cut along `dim` into `parts`, as a checkpoint
+/// handles it: rows of the shape with `dim` first (a column-split 2-D weight's columns are its rows then), so that
+/// each part is one range.
+fn tp_slicing(dims: &[usize], dim: usize, parts: usize) -> Slicing {
+    let mut moved = dims.to_vec();
+    moved.swap(0, dim);
+    Slicing::new(moved, parts, crate::distributed::strategy::SliceKind::Rows)
 }
 
 impl TensorParallel {
+    /// Parameter `id`'s split dimension and whole shape, where it is split.
+    fn split_and_dims(&self, id: ParamId) -> Option<(usize, Vec<usize>)> {
+        let dim = self.split_dim(id)?;
+        let whole = self
+            .whole_dims
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()?;
+        Some((dim, whole))
+    }
+
     fn split_dim(&self, id: ParamId) -> Option<usize> {
         self.splits
             .lock()
@@ -220,6 +243,13 @@ impl ParamPlacement for TensorParallel {
                 }
             }
         }
+        let mut whole = self.whole_dims.lock().unwrap_or_else(|e| e.into_inner());
+        for (old, new) in renamed {
+            if let Some(dims) = whole.remove(old) {
+                whole.insert(*new, dims);
+            }
+        }
+        drop(whole);
         self.inner.params_renamed(renamed);
     }
 
@@ -229,6 +259,36 @@ impl ParamPlacement for TensorParallel {
 
     fn slicings(&self) -> Vec<(ParamId, Slicing)> {
         self.inner.slicings()
+    }
+
+    /// A split parameter's part as this rank holds it: the group's parts, this rank's tensor-parallel index, the
+    /// split dimension first (see [`tp_slicing`]).
+    fn checkpoint_slicing(&self, id: ParamId) -> Option<(Slicing, usize, usize)> {
+        let (split, dims) = self.split_and_dims(id)?;
+        Some((
+            tp_slicing(&dims, split, self.context.size),
+            self.context.rank,
+            split,
+        ))
+    }
+
+    fn checkpoint_slicings(&self) -> Vec<(ParamId, Slicing, usize)> {
+        let splits = self
+            .splits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default();
+        let mut out: Vec<(ParamId, Slicing, usize)> = splits
+            .keys()
+            .filter_map(|id| {
+                let (split, part, dim) = self.checkpoint_slicing(*id)?;
+                let _ = part;
+                Some((*id, split, dim))
+            })
+            .collect();
+        out.sort_by_key(|(id, _, _)| id.val());
+        out
     }
 
     /// Rank 0's value: a whole parameter broadcast to every rank; a split one scattered, each rank receiving only
@@ -246,6 +306,10 @@ impl ParamPlacement for TensorParallel {
         let Some(dim) = self.split_dim(id) else {
             return Ok((self.broadcast(value.into_buffer(), root)?, dims.to_vec()));
         };
+        self.whole_dims
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, dims.to_vec());
         let (device, dtype) = value.place();
         let (me, size) = (self.world.rank(), self.context.size);
         let whole = match value {

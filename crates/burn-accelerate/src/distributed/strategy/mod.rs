@@ -278,6 +278,22 @@ pub(crate) trait ParamPlacement: GradientSync {
         Vec::new()
     }
 
+    /// How a checkpoint holds parameter `id` on this rank: [`slicing`](Self::slicing), with the dimension the
+    /// parts are cut along (0; 1 for a 2-D weight split by columns, whose parts a checkpoint handles with that
+    /// dimension first: the slicing's shape is then the weight's with its two dimensions swapped).
+    fn checkpoint_slicing(&self, id: ParamId) -> Option<(Slicing, usize, usize)> {
+        self.slicing(id).map(|(split, part)| (split, part, 0))
+    }
+
+    /// [`slicings`](Self::slicings) as a checkpoint's manifest records them, each with the dimension its parts
+    /// are cut along (see [`checkpoint_slicing`](Self::checkpoint_slicing)).
+    fn checkpoint_slicings(&self) -> Vec<(ParamId, Slicing, usize)> {
+        self.slicings()
+            .into_iter()
+            .map(|(id, split)| (id, split, 0))
+            .collect()
+    }
+
     /// A parameter arriving from rank `root` at `prepare_model` (`id`: `root`'s id, `dims`: its shape, `trains`:
     /// whether it tracks a gradient, `value`: `root`'s value, or what this rank has of it): what this rank keeps
     /// of it, flat, and in which shape. Every rank calls it for every float parameter, in visiting order. By
