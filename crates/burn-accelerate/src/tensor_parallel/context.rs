@@ -127,11 +127,7 @@ impl TpContext {
         operation: &'static str,
     ) -> Result<Tensor<D>> {
         // Gathered flat in rank order: each rank's part whole, so the split dimension goes first and back.
-        let moved = part.swap_dims(0, dim);
-        let mut whole = moved.dims();
-        let per_row: usize = whole[1..].iter().product();
-        let flat = moved.reshape([whole[0] * per_row]);
-        let counts: Vec<usize> = rows.iter().map(|r| r * per_row).collect();
+        let (flat, mut whole, counts) = rows_first(part, dim, rows);
         let all = self.comm.all_gather(flat, &counts, operation)?.wait()?;
         whole[0] = rows.iter().sum();
         Ok(all.reshape(whole).swap_dims(0, dim))
@@ -149,11 +145,7 @@ impl TpContext {
         rows: &[usize],
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let moved = whole.swap_dims(0, dim);
-        let mut part = moved.dims();
-        let per_row: usize = part[1..].iter().product();
-        let flat = moved.reshape([part[0] * per_row]);
-        let counts: Vec<usize> = rows.iter().map(|r| r * per_row).collect();
+        let (flat, mut part, counts) = rows_first(whole, dim, rows);
         let mine = self
             .comm
             .reduce_scatter(flat, &counts, Reduction::Op(ReduceOp::Sum), operation)?
@@ -161,6 +153,20 @@ impl TpContext {
         part[0] = rows[self.rank];
         Ok(mine.reshape(part).swap_dims(0, dim))
     }
+}
+
+/// `t` flat with dimension `dim` first (so that rows of it are ranges), its shape so moved, and the elements of
+/// each rank's `rows`.
+fn rows_first<const D: usize>(
+    t: Tensor<D>,
+    dim: usize,
+    rows: &[usize],
+) -> (Tensor<1>, [usize; D], Vec<usize>) {
+    let moved = t.swap_dims(0, dim);
+    let dims = moved.dims();
+    let per_row: usize = dims[1..].iter().product();
+    let counts = rows.iter().map(|r| r * per_row).collect();
+    (moved.reshape([dims[0] * per_row]), dims, counts)
 }
 
 /// How `len` positions split over `ranks`: the first `len % ranks` ranks one more than the rest.

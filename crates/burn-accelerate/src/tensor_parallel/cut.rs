@@ -189,12 +189,12 @@ pub(crate) trait PendingCut {
 /// One tensor that enters a region's pass: the leaves made of it, whose gradients are its own (`identity`) or a
 /// part on each rank (`reduced`).
 pub(crate) struct Part<const D: usize> {
-    pub source: Tensor<D>,
-    pub identity: Vec<Tensor<D>>,
-    pub reduced: Vec<Tensor<D>>,
+    source: Tensor<D>,
+    identity: Vec<Tensor<D>>,
+    reduced: Vec<Tensor<D>>,
     /// Under sequence parallelism, the dimension `reduced` was gathered along and every rank's positions: their
     /// gradient is reduce-scattered back.
-    pub scatter: Option<(usize, Vec<usize>)>,
+    scatter: Option<(usize, Vec<usize>)>,
 }
 
 impl<const D: usize> Part<D> {

@@ -5,12 +5,15 @@
 //! - Into a region (the cut [`residual`](super::residual) and [`region`](super::region) make): the parts are
 //!   all-gathered along the sequence; in the backward pass the gradient at the cut, a part on each rank, is
 //!   reduce-scattered (Megatron's *g̅*), instead of all-reduced.
-//! - Out of a row-parallel layer ([`scatter_from_region`]): the partial outputs are reduce-scattered, each rank
-//!   keeping its part of the sum; in the backward pass the parts' gradients are all-gathered (*ḡ*). Without custom
-//!   autograd this is a cut of its own: the part is a fresh leaf, and the backward pass back-propagates the
-//!   gathered gradient from the partial output, as one pass more, before the region's input cut is finished.
+//! - Out of a row-parallel layer ([`row_parallel`]): the partial outputs are reduce-scattered, each rank keeping
+//!   its part of the sum; in the backward pass the parts' gradients are all-gathered (*ḡ*). Without custom
+//!   autograd this is a cut of its own: the part is a fresh leaf, and the backward pass computes the layer's
+//!   gradients from the gathered gradient, as one pass more, before the region's input cut is finished.
+//! - The crate's layers ([`columns`]) gather their input themselves and keep only the part between the passes,
+//!   gathering it again for the weights' gradients (Megatron-LM's scheme).
 //! - The first activation: a vocabulary-parallel [`ParallelEmbedding`](super::ParallelEmbedding) reduce-scatters
-//!   its lookups; [`sequence_part`] cuts what the model adds whole (position embeddings).
+//!   its lookups ([`scatter_from_region`]); [`sequence_part`] cuts what the model adds whole (position
+//!   embeddings).
 //!
 //! The sequence is the dimension before the features (`[batch, seq, d_model]`: 1; `[tokens, d_model]`: 0). A
 //! length that does not divide by `tp` splits as evenly as it can (the first ranks one position more): the length

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 
 use super::context::TpContext;
 use crate::distributed::DistributedType;
@@ -16,7 +16,7 @@ use crate::distributed::strategy::{
     Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
     ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo, any_over, norm_over,
 };
-use crate::distributed::tensor_comm::TensorComm;
+use crate::distributed::tensor_comm::{TensorComm, bucket};
 use crate::error::{Error, Result};
 use crate::grad::{GradientBuffer, NormType};
 
@@ -100,23 +100,23 @@ impl TensorParallel {
                 held.push((*id, flat));
             }
         }
-        if held.is_empty() {
+        let Some((_, first)) = held.first() else {
             return Ok(());
-        }
-        let lengths: Vec<usize> = held.iter().map(|(_, f)| f.dims()[0]).collect();
-        let dtypes: Vec<DType> = held.iter().map(|(_, f)| f.dtype()).collect();
-        let flat = Tensor::cat(
-            held.iter()
-                .map(|(_, f)| f.clone().cast(DType::F32))
-                .collect(),
-            0,
+        };
+        let place = (first.device(), first.dtype());
+        // One bucket: these are the small parameters (norms, biases, position embeddings).
+        let flat = bucket::concat(
+            held.iter().map(|(_, f)| f.clone()).collect(),
+            (&place.0, place.1),
         );
         let summed = self
             .context
             .all_reduce_sum(flat, "sequence-parallel gradients of whole parameters")?;
         let mut start = 0;
-        for (((id, _), len), dtype) in held.iter().zip(&lengths).zip(dtypes) {
-            grads.set_flat(*id, summed.clone().slice(start..start + len).cast(dtype));
+        for (id, flat) in held {
+            let len = flat.dims()[0];
+            let part = summed.clone().slice(start..start + len);
+            grads.set_flat(id, bucket::in_dtype(part, flat.dtype()));
             start += len;
         }
         Ok(())
@@ -282,8 +282,7 @@ impl ParamPlacement for TensorParallel {
         let mut out: Vec<(ParamId, Slicing, usize)> = splits
             .keys()
             .filter_map(|id| {
-                let (split, part, dim) = self.checkpoint_slicing(*id)?;
-                let _ = part;
+                let (split, _, dim) = self.checkpoint_slicing(*id)?;
                 Some((*id, split, dim))
             })
             .collect();
