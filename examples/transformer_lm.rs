@@ -141,6 +141,10 @@ struct Args {
     /// Plain SGD instead of Adam (the parity tests compare weights after SGD steps to 1e-6).
     #[arg(long)]
     sgd: bool,
+    /// Micro-batches per step (`gradient_accumulation_steps`): each step's rows split into this many, their
+    /// gradients accumulated and synchronised once.
+    #[arg(long, default_value_t = 1)]
+    accumulate: usize,
     /// Clip the gradients' global norm to this before each step (`clip_grad_norm`).
     #[arg(long = "clip-norm")]
     clip_norm: Option<f64>,
@@ -211,10 +215,10 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     // Under a pipeline, the ranks of one stage are the data-parallel replicas; without one, every rank is.
     let layout = acc.pipeline_layout();
     let (replica, replicas) = (layout.replica, layout.replicas);
-    if !args.batch.is_multiple_of(replicas) {
+    if !args.batch.is_multiple_of(replicas * args.accumulate) {
         return Err(burn_accelerate::Error::InvalidArgument(format!(
-            "--batch {} is not divisible by {replicas} data-parallel replicas",
-            args.batch
+            "--batch {} is not divisible by {replicas} data-parallel replicas × {} micro-batches",
+            args.batch, args.accumulate
         )));
     }
     if layout.stages > 1 && (args.whole || args.weights.is_some()) {
@@ -289,44 +293,57 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
         let before = acc.host_values();
         let resting = live_bytes::live();
         live_bytes::reset_peak();
-        let (inputs, targets) = batch(
-            (step * args.batch + replica * rows, rows),
-            args.seq,
-            &device,
-        );
-        let mask = one_mask.clone().repeat_dim(0, rows);
-        let loss = if args.whole {
-            let whole = acc.unshard(&model)?;
-            let mut x = whole.embed(inputs);
-            for layer in &whole.layers {
-                x = layer.forward(x, None, Some(mask.clone()));
+        // Each step's rows in `--accumulate` micro-batches, their gradients accumulated and synchronised once.
+        let mut losses = Vec::with_capacity(args.accumulate);
+        for micro in 0..args.accumulate {
+            if args.accumulate > 1 {
+                acc.accumulate();
             }
-            let loss = match args.loss_parallel {
-                true => whole.parallel_loss(x, targets),
-                false => whole.loss(x, targets),
+            let rows = rows / args.accumulate;
+            let (inputs, targets) = batch(
+                (
+                    step * args.batch + replica * rows * args.accumulate + micro * rows,
+                    rows,
+                ),
+                args.seq,
+                &device,
+            );
+            let mask = one_mask.clone().repeat_dim(0, rows);
+            let loss = if args.whole {
+                let whole = acc.unshard(&model)?;
+                let mut x = whole.embed(inputs);
+                for layer in &whole.layers {
+                    x = layer.forward(x, None, Some(mask.clone()));
+                }
+                let loss = match args.loss_parallel {
+                    true => whole.parallel_loss(x, targets),
+                    false => whole.loss(x, targets),
+                };
+                acc.backward(loss.clone(), &whole)?;
+                loss.detach()
+            } else {
+                // The same call in every mode: block by block, and through the stages under --pp-size.
+                acc.backward_batch(
+                    &model,
+                    (inputs, targets),
+                    |m, (inputs, _)| m.embed(inputs.clone()),
+                    // Each layer and the head under autocast (a no-op without --mixed-precision).
+                    // One sequence's mask, broadcast over the batch: every layer shares its one buffer.
+                    |layer, x| {
+                        let mask = one_mask.clone();
+                        acc.autocast(layer, x, |layer, x| layer.forward(x, None, Some(mask)))
+                    },
+                    |m, x, (_, targets)| {
+                        acc.autocast(m, x, |m, x| match args.loss_parallel {
+                            true => m.parallel_loss(x, targets.clone()),
+                            false => m.loss(x, targets.clone()),
+                        })
+                    },
+                )?
             };
-            acc.backward(loss.clone(), &whole)?;
-            loss.detach()
-        } else {
-            // The same call in every mode: block by block, and through the stages under --pp-size.
-            acc.backward_batch(
-                &model,
-                (inputs, targets),
-                |m, (inputs, _)| m.embed(inputs.clone()),
-                // Each layer and the head under autocast (a no-op without --mixed-precision).
-                // One sequence's mask, broadcast over the batch: every layer shares its one buffer.
-                |layer, x| {
-                    let mask = one_mask.clone();
-                    acc.autocast(layer, x, |layer, x| layer.forward(x, None, Some(mask)))
-                },
-                |m, x, (_, targets)| {
-                    acc.autocast(m, x, |m, x| match args.loss_parallel {
-                        true => m.parallel_loss(x, targets.clone()),
-                        false => m.loss(x, targets.clone()),
-                    })
-                },
-            )?
-        };
+            losses.push(loss);
+        }
+        let loss = Tensor::cat(losses, 0).mean();
         step_peak = step_peak.max(live_bytes::peak().saturating_sub(resting));
         grads = held::grad_bytes(&acc, &model);
         if let Some(max_norm) = args.clip_norm {
@@ -552,7 +569,9 @@ fn run() -> Result<()> {
     let args = Args::parse();
     // The main process draws the initial weights (at `prepare_model`) from this seed.
     ranks::default_device().seed(42);
-    let mut builder = Accelerator::builder().activation_checkpointing(args.checkpointing);
+    let mut builder = Accelerator::builder()
+        .activation_checkpointing(args.checkpointing)
+        .gradient_accumulation_steps(args.accumulate);
     if let Some(ranks) = args.tp_size {
         builder = builder.tp_size(ranks);
     }

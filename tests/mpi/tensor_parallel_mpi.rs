@@ -1,8 +1,9 @@
 //! Tensor parallelism under `mpirun`: the transformer example and a pre-norm MLP stack of one's own (the
-//! `tensor_parallel` example) split over 2 and 4 processes, and over 2 × 2 (tensor × data), with and without
-//! sequence and loss parallelism, end with one process's weights; and each process holds its share of the training
-//! state and of the activations, which in-process ranks (one address space) cannot show: parameters, gradients and
-//! Adam's state within 1.05 × of the replicated part plus 1/`tp` of the split part, each layer's activations with
+//! `tensor_parallel` example) split over 2 and 4 processes, over 2 × 2 (tensor × data) and over tensor × sharded
+//! data (FSDP2 + TP: 2 × 2, and 2 × 2 × 2 hybrid), with and without sequence and loss parallelism, end with one
+//! process's weights; and each process holds its share of the training state and of the activations, which
+//! in-process ranks (one address space) cannot show: parameters, gradients and Adam's state within 1.05 × of the
+//! replicated part plus 1/`tp` of the split part (divided by the shards under FSDP2 + TP), each layer's activations with
 //! sequence parallelism within 1.15 × of 1/`tp` of one process's, the logits split with loss parallelism.
 
 use std::collections::BTreeMap;
@@ -104,6 +105,107 @@ fn the_transformer_example_split_over_processes_trains_to_one_process_weights() 
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// FSDP2 + TP under `mpirun`: `tp` 2 × `FULL_SHARD` 2 (4 processes), `tp` 2 × `SHARD_GRAD_OP` 2 and `tp` 2 ×
+/// `dp_replicate` 2 × `dp_shard` 2 (`HYBRID_SHARD`, 8 processes), the data dimension sharding what the tensor
+/// dimension split: 20 steps end at one process's weights with Adam, with the global norm clipped (each element
+/// counted once over every dimension; the clip moves the weights by 1e-2, so a norm counted wrong shows), with 2
+/// micro-batches accumulated per step, with sequence and loss parallelism; in fp16 (one overflow verdict over
+/// every dimension) within the fp16 bound of one process.
+#[test]
+fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weights() {
+    let dir = std::env::temp_dir().join(format!("ba-tp-fsdp-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lm = example("transformer_lm");
+    let sp_lp = ["--sequence-parallel", "--loss-parallel"];
+    let clipped = ["--clip-norm", "0.5"];
+    let accumulated = ["--sgd", "--lr", "0.1", "--accumulate", "2"];
+    let fp16 = [
+        "--mixed-precision",
+        "fp16",
+        "--clip-norm",
+        "0.5",
+        "--loss-parallel",
+    ];
+    let mut reference = BTreeMap::new();
+    for (name, args) in [
+        ("adam", &[][..]),
+        ("clipped", &clipped[..]),
+        ("accumulated", &accumulated[..]),
+        ("fp16", &fp16[..]),
+    ] {
+        let path = dir.join(format!("{name}-one.bin"));
+        let run_args = [
+            &["--steps", "20", "--weights", path.to_str().unwrap()][..],
+            args,
+        ]
+        .concat();
+        succeeded(&Command::new(&lm).args(&run_args).output().unwrap());
+        reference.insert(name, floats(&path));
+    }
+    assert!(max_abs_diff(&reference["adam"], &reference["clipped"]) > 1e-3);
+    let full = ["--tp-size", "2", "--sharding", "FULL_SHARD"];
+    let hybrid = [
+        "--tp-size",
+        "2",
+        "--sharding",
+        "HYBRID_SHARD",
+        "--dp-shard-size",
+        "2",
+    ];
+    let grad_op = ["--tp-size", "2", "--sharding", "SHARD_GRAD_OP"];
+    let cases: [(&str, usize, Vec<&str>, &str, f32); 6] = [
+        ("tp 2 × FULL_SHARD 2, adam", 4, full.to_vec(), "adam", 1e-5),
+        (
+            "tp 2 × FULL_SHARD 2, clipped, sp lp",
+            4,
+            [&full[..], &clipped, &sp_lp].concat(),
+            "clipped",
+            1e-5,
+        ),
+        (
+            "tp 2 × FULL_SHARD 2, sgd accumulated, sp",
+            4,
+            [&full[..], &accumulated, &["--sequence-parallel"]].concat(),
+            "accumulated",
+            1e-6,
+        ),
+        (
+            "tp 2 × FULL_SHARD 2, fp16 clipped, sp lp",
+            4,
+            [&full[..], &fp16, &["--sequence-parallel"]].concat(),
+            "fp16",
+            3.5e-2,
+        ),
+        (
+            "tp 2 × SHARD_GRAD_OP 2, clipped",
+            4,
+            [&grad_op[..], &clipped].concat(),
+            "clipped",
+            1e-5,
+        ),
+        (
+            "tp 2 × dp_replicate 2 × dp_shard 2, clipped, sp lp",
+            8,
+            [&hybrid[..], &clipped, &sp_lp].concat(),
+            "clipped",
+            1e-5,
+        ),
+    ];
+    for (i, (case, np, args, one, bound)) in cases.into_iter().enumerate() {
+        let path = dir.join(format!("case-{i}.bin"));
+        let run_args = [
+            &["--steps", "20", "--weights", path.to_str().unwrap()][..],
+            &args,
+        ]
+        .concat();
+        succeeded(&mpirun(np, &lm, &run_args));
+        let diff = max_abs_diff(&reference[one], &floats(&path));
+        println!("mpirun -np {np} {case}: max |Δ| = {diff:e}");
+        assert!(diff <= bound, "{case}: max |Δ| = {diff:e} > {bound:e}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn a_model_of_ones_own_split_over_processes_trains_to_one_process_weights() {
     let dir = std::env::temp_dir().join(format!("ba-tp-stack-mpi-{}", std::process::id()));
@@ -200,10 +302,17 @@ fn each_process_holds_the_replicated_part_and_its_share_of_the_split_part() {
     let lm = example("transformer_lm");
     let (layers, d) = (4, 256);
     let (replicated, split) = replicated_and_split(layers, d, 32);
-    for tp in [1usize, 2, 4] {
+    // `tp` 1, 2 and 4 alone, and `tp` 2 × `FULL_SHARD` 2: the data dimension halves each process's share again.
+    for (tp, shards) in [(1usize, 1usize), (2, 1), (4, 1), (2, 2)] {
         let tp_arg = tp.to_string();
-        let args = [&LM_4X256[..], &["--steps", "2", "--tp-size", &tp_arg]].concat();
-        let out = mpirun(tp, &lm, &args);
+        let sharding = if shards > 1 { "FULL_SHARD" } else { "NO_SHARD" };
+        let args = [
+            &LM_4X256[..],
+            &["--steps", "2", "--tp-size", &tp_arg, "--sharding", sharding],
+        ]
+        .concat();
+        let np = tp * shards;
+        let out = mpirun(np, &lm, &args);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
@@ -211,9 +320,9 @@ fn each_process_holds_the_replicated_part_and_its_share_of_the_split_part() {
             String::from_utf8_lossy(&out.stderr)
         );
         let reports = rank_reports(&stdout, "params_at_rest");
-        assert_eq!(reports.len(), tp, "{stdout}");
+        assert_eq!(reports.len(), np, "{stdout}");
         // f32 parameters and gradients, Adam's two moments.
-        let share = (replicated + split / tp) as f64;
+        let share = (replicated + split / tp) as f64 / shards as f64;
         let expected = 4.0 * share * 4.0;
         for r in &reports {
             assert_eq!(
@@ -224,12 +333,13 @@ fn each_process_holds_the_replicated_part_and_its_share_of_the_split_part() {
             let held = (r["params_at_rest"] + r["grads"] + r["optimizer_state"]) as f64;
             let ratio = held / expected;
             println!(
-                "tp {tp}: params {} grads {} adam {} = {held} B, {ratio:.4} × replicated + 1/tp split; peak RSS {} B",
+                "tp {tp} × {sharding} {shards}: params {} grads {} adam {} = {held} B, {ratio:.4} × (replicated + \
+                 1/tp split) / shards; peak RSS {} B",
                 r["params_at_rest"], r["grads"], r["optimizer_state"], r["peak_rss"]
             );
             assert!(
                 (0.99..=1.05).contains(&ratio),
-                "tp {tp}: {ratio} of {expected} B: {r:?}"
+                "tp {tp} × {sharding} {shards}: {ratio} of {expected} B: {r:?}"
             );
         }
     }
@@ -389,9 +499,10 @@ fn save_model_under_tensor_parallelism_never_holds_the_whole_model_on_a_process(
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A training state saved under `mpirun` by `tp` 2 × `dp` 2 (4 processes, each its slices) resumes on one process
-/// and on `tp` 4 under `mpirun`, each process re-cutting its slices from the saved files: the 20 steps end within
-/// the parity bound of a straight run (Adam, 1e-5).
+/// A training state saved under `mpirun` by `tp` 2 × `dp` 2 (4 processes, the data dimension `FULL_SHARD`: each
+/// process its rows of its tensor-parallel slices, 2-D splits in the manifest) resumes on one process, on `tp` 4
+/// and on `FULL_SHARD` 4 under `mpirun`, each process re-cutting its slices from the saved files: the 20 steps end
+/// within the parity bound of a straight run (Adam, 1e-5).
 #[test]
 fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
     let dir = std::env::temp_dir().join(format!("ba-tp-state-mpi-{}", std::process::id()));
@@ -412,6 +523,8 @@ fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
         &[
             "--tp-size",
             "2",
+            "--sharding",
+            "FULL_SHARD",
             "--steps",
             "10",
             "--state",
@@ -420,14 +533,20 @@ fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
             "10",
         ],
     );
+    let manifest = std::fs::read_to_string(state.join("checkpoint.json")).unwrap();
+    assert!(manifest.contains("\"within\""), "no 2-D split: {manifest}");
     assert!(
         saved.status.success() && state.join("checkpoint.json").exists(),
         "{}\n{}",
         String::from_utf8_lossy(&saved.stdout),
         String::from_utf8_lossy(&saved.stderr)
     );
-    for (np, tp) in [(1usize, "1"), (4, "4")] {
-        let out_path = dir.join(format!("resumed-{np}.bin"));
+    for (np, tp, sharding) in [
+        (1usize, "1", "NO_SHARD"),
+        (4, "4", "NO_SHARD"),
+        (4, "1", "FULL_SHARD"),
+    ] {
+        let out_path = dir.join(format!("resumed-{np}-{tp}.bin"));
         let args = [
             "--steps",
             "20",
@@ -436,6 +555,8 @@ fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
             "--resume",
             "--tp-size",
             tp,
+            "--sharding",
+            sharding,
             "--weights",
             out_path.to_str().unwrap(),
         ];
@@ -446,7 +567,9 @@ fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
         let stdout = succeeded(&out);
         assert!(stdout.contains("resumed after step 10"), "{stdout}");
         let diff = max_abs_diff(&floats(&straight), &floats(&out_path));
-        println!("tp 2 × dp 2 state resumed on {np} process(es), tp {tp}: max |Δ| = {diff:e}");
+        println!(
+            "tp 2 × FULL_SHARD 2 state resumed on {np} process(es), tp {tp}, {sharding}: max |Δ| = {diff:e}"
+        );
         assert!(diff <= 1e-5, "np {np} tp {tp}: max |Δ| = {diff:e}");
     }
     std::fs::remove_dir_all(&dir).ok();

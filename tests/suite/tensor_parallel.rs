@@ -27,7 +27,7 @@ use burn_accelerate::tensor_parallel::{
     ParallelLinear, ParallelTransformerLayer, Split, TensorParallelPlan, dropout, region, residual,
     sequence_part,
 };
-use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision, ShardingStrategy};
+use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ba-tp-{name}-{}", std::process::id()));
@@ -170,7 +170,22 @@ fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weight
     let diff = max_abs_diff(&one_uneven, &split);
     println!("transformer_lm tp 4 sgd-sp-lp, 30 positions: max |Δ| = {diff:e}");
     assert!(diff <= 1e-6, "tp 4 on 30 positions: max |Δ| = {diff:e}");
-    for (case, extra) in [("", &[][..]), (" sp lp", &sp_lp[..])] {
+    // FSDP2 + TP: the data dimension shards what the tensor dimension split (SHARD_GRAD_OP: the gradients and
+    // the optimizer state only).
+    for (case, extra) in [
+        ("", &[][..]),
+        (" sp lp", &sp_lp[..]),
+        (
+            " FULL_SHARD sp lp",
+            &[
+                "--sharding",
+                "FULL_SHARD",
+                "--sequence-parallel",
+                "--loss-parallel",
+            ][..],
+        ),
+        (" SHARD_GRAD_OP", &["--sharding", "SHARD_GRAD_OP"][..]),
+    ] {
         let args = [&["--processes", "4", "--tp-size", "2"][..], extra].concat();
         let both = lm_weights(&dir, &format!("adam-2x2{}", case.replace(' ', "-")), &args);
         let diff = max_abs_diff(&one_adam, &both);
@@ -574,14 +589,17 @@ fn a_plan_that_does_not_fit_the_model_says_so_before_the_first_step() {
             && err.contains("does not divide its 32 output features"),
         "{err}"
     );
-    // Tensor parallelism composes with NO_SHARD only, for now.
+    // Tensor parallelism composes with data parallelism, not yet with a pipeline.
     let err = Accelerator::builder()
         .tp_size(2)
-        .sharding(ShardingStrategy::FullShard)
+        .pp_size(2)
         .launch(4, |_| Ok(()))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("tp_size") && err.contains("NO_SHARD"), "{err}");
+    assert!(
+        err.contains("tp_size") && err.contains("pp_size 2"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -661,7 +679,8 @@ fn a_prepared_dataloader_shards_by_the_data_parallel_index() {
 
 /// `save_model` under tensor parallelism (with sequence parallelism) writes one file of the whole model in
 /// PyTorch's layout, each split parameter gathered from the group as it is written; the file loads on one process
-/// (whole) and on 4 tensor-parallel ranks (each its slices) to the trained weights, bit for bit.
+/// (whole) and on 4 tensor-parallel ranks (each its slices) to the trained weights, bit for bit. So does one saved
+/// under `tp` 2 × `FULL_SHARD` 2, loaded on one process and on `tp` 2 × `FULL_SHARD` 2.
 #[test]
 fn a_model_saved_under_tensor_parallelism_loads_on_one_process_and_on_another_tp_size() {
     let dir = scratch("save");
@@ -712,12 +731,46 @@ fn a_model_saved_under_tensor_parallelism_loads_on_one_process_and_on_another_tp
         0.0,
         "loaded in slices on tp 4"
     );
+    // FSDP2 + TP: saved with each tensor-parallel part joined from its data-parallel slices, loaded with each rank
+    // reading its rows of its part (of rows, or of columns).
+    let fsdp = dir.join("fsdp-model");
+    let fsdp_arg = fsdp.to_str().unwrap();
+    let tp_fsdp = [
+        "--processes",
+        "4",
+        "--tp-size",
+        "2",
+        "--sharding",
+        "FULL_SHARD",
+    ];
+    let trained = run(
+        "tp2-fsdp2",
+        10,
+        &[&tp_fsdp[..], &["--save-model", fsdp_arg]].concat(),
+    );
+    for (case, args) in [
+        ("one process", &[][..]),
+        ("tp 2 × FULL_SHARD 2", &tp_fsdp[..]),
+    ] {
+        let loaded = run(
+            &format!("tp2-fsdp2-on-{}", args.len()),
+            0,
+            &[args, &["--load-pretrained", fsdp_arg]].concat(),
+        );
+        assert_eq!(
+            max_abs_diff(&trained, &loaded),
+            0.0,
+            "saved by tp 2 × FULL_SHARD 2, loaded on {case}"
+        );
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A training state saved on `tp` 2 × `dp` 2 (each rank its slices and their Adam moments; the manifest lists each
 /// split and its dimension) resumes on one process, on `tp` 4 and on `tp` 2 with sequence parallelism, and one
-/// saved on one process resumes on `tp` 2: every rank re-cuts its slices from the saved files, and the 20 steps end
+/// saved on one process resumes on `tp` 2; one saved on `tp` 2 × `FULL_SHARD` 2 (each part sliced again: 2-D splits)
+/// resumes on one process and on `FULL_SHARD` 4, and one process's on `tp` 2 × `FULL_SHARD` 2: every rank re-cuts
+/// its slices from the saved files, and the 20 steps end
 /// within the parity bound of a straight run (Adam, 1e-5).
 #[test]
 fn a_state_saved_under_tensor_parallelism_resumes_on_another_tp_size_and_number_of_ranks() {
@@ -736,7 +789,24 @@ fn a_state_saved_under_tensor_parallelism_resumes_on_another_tp_size_and_number_
     };
     let tp2x2 = save("tp2x2", &["--processes", "4", "--tp-size", "2"]);
     let one = save("one", &[]);
-    let cases: [(&str, &Path, &[&str]); 4] = [
+    // FSDP2 + TP: each rank's file holds its rows of its tensor-parallel part (a 2-D split in the manifest).
+    let tp_fsdp = [
+        "--processes",
+        "4",
+        "--tp-size",
+        "2",
+        "--sharding",
+        "FULL_SHARD",
+    ];
+    let tp2_fsdp2 = save("tp2-fsdp2", &tp_fsdp);
+    let cases: [(&str, &Path, &[&str]); 7] = [
+        ("tp2 × FULL_SHARD 2 on one process", &tp2_fsdp2, &[]),
+        (
+            "tp2 × FULL_SHARD 2 on FULL_SHARD 4",
+            &tp2_fsdp2,
+            &["--processes", "4", "--sharding", "FULL_SHARD"],
+        ),
+        ("one process on tp 2 × FULL_SHARD 2", &one, &tp_fsdp),
         ("tp2x2 on one process", &tp2x2, &[]),
         (
             "tp2x2 on tp 4",

@@ -79,17 +79,19 @@ impl Accelerator {
             ));
         }
         let max = crate::checkpoint::parse_size(&options.max_shard_size)?;
-        if options.safe_serialization
-            && let Some(fetcher) =
-                crate::distributed::strategy::param_fetcher(self.step.strategy().as_ref(), model)
-        {
-            return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
-        }
-        // Under tensor parallelism each split parameter is gathered whole from the group as it is written.
+        let sharded =
+            || crate::distributed::strategy::param_fetcher(self.step.strategy().as_ref(), model);
+        // Under tensor parallelism each split parameter is gathered whole from the group as it is written (its
+        // part first joined from the data-parallel group's slices under a sharded strategy).
         if options.safe_serialization
             && let Some(tp) = self.tensor.as_ref().filter(|t| t.context.size > 1)
         {
-            let fetcher = crate::tensor_parallel::fetch::TpFetcher::of(tp, model);
+            let fetcher = crate::tensor_parallel::fetch::TpFetcher::of(tp, model, sharded());
+            return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
+        }
+        if options.safe_serialization
+            && let Some(fetcher) = sharded()
+        {
             return self.save_sharded_model(model, dir, max, options, std::rc::Rc::new(fetcher));
         }
         // Every rank holds the whole model (or, under FULL_SHARD with Burn's record format, takes part in
@@ -284,9 +286,7 @@ impl Accelerator {
         let mut splits: Vec<_> = strategy
             .checkpoint_slicings()
             .iter()
-            .map(|(id, split, dim)| {
-                crate::checkpoint::repartition::SavedSplit::of(*id, split, *dim)
-            })
+            .map(|(id, cut)| crate::checkpoint::repartition::SavedSplit::of(*id, cut))
             .collect();
         let pp_size = self.stage().map(|stages| stages.layout.stages);
         if let Some(stages) = self.stage() {

@@ -378,7 +378,7 @@ impl LoadedState {
             .map(|s| s.checkpoint_slicings())
             .unwrap_or_default()
             .iter()
-            .map(|(id, split, dim)| repartition::SavedSplit::of(*id, split, *dim).layout())
+            .map(|(id, cut)| repartition::SavedSplit::of(*id, cut).layout())
             .collect();
         saved.sort();
         now.sort();
@@ -397,10 +397,10 @@ impl LoadedState {
             .filter(|s| scope(s.as_ref()) == StateScope::PerRank);
         move |id| match strategy.as_ref().and_then(|s| s.checkpoint_slicing(id)) {
             // A split of nothing: a sharded pipeline stage's placeholder for another stage's parameter.
-            Some((split, _, _)) if split.dims().iter().product::<usize>() == 0 => {
-                repartition::Want::Placeholder(split.dims().to_vec())
+            Some(cut) if cut.split.dims().iter().product::<usize>() == 0 => {
+                repartition::Want::Placeholder(cut.split.dims().to_vec())
             }
-            Some((split, q, dim)) => repartition::Want::Part(split, q, dim),
+            Some(cut) => repartition::Want::Part(cut),
             None => repartition::Want::Whole,
         }
     }

@@ -14,6 +14,7 @@
 //! a save leaves the previous checkpoint whole; loading a truncated, corrupt or mismatched checkpoint is an error
 //! naming the file and tensor.
 
+mod pieces;
 pub(crate) mod repartition;
 mod manifest;
 mod load;

@@ -16,7 +16,8 @@ use burn_pack::{Reader, Writer};
 use crate::fs::Scratch;
 use serde::{Deserialize, Serialize};
 
-use crate::distributed::strategy::{SliceKind, Slicing};
+use super::pieces::{Piece, Run, shared};
+use crate::distributed::strategy::{CheckpointCut, SliceKind, Slicing};
 use crate::error::{Error, Result};
 
 fn corrupt(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -37,7 +38,7 @@ pub(crate) struct SavedSplit {
     pub id: u64,
     /// Its whole shape.
     pub dims: Vec<usize>,
-    /// The ranks it was split over (a shard group: rank `k`'s file holds part `k % parts`).
+    /// The ranks it was split over (a shard group: rank `k`'s file holds part `(k / stride) % parts`).
     pub parts: usize,
     /// The rank holding it whole, or `None` where it was cut in rows.
     pub owner: Option<usize>,
@@ -49,81 +50,161 @@ pub(crate) struct SavedSplit {
     /// whose `dims` are then the weight's with the two swapped and whose parts are its columns.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub dim: usize,
+    /// How far apart the ranks of the split are: 1 where they are consecutive, `tp_size` for the data-parallel
+    /// ranks of a tensor-parallel run.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub stride: usize,
+    /// Each part split again (FSDP2 over a tensor-parallel part: a 2-D split), or `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub within: Option<SavedWithin>,
+}
+
+/// The second split of a [`SavedSplit`]'s parts: rank `k`'s file holds piece `(k / stride) % parts` of its part
+/// (the part in its own shape, Burn's layout, cut in rows or owned whole).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct SavedWithin {
+    /// The ranks each part is split over.
+    pub parts: usize,
+    /// The rank holding a part whole, or `None` where it was cut in rows.
+    pub owner: Option<usize>,
+    /// How far apart those ranks are.
+    pub stride: usize,
 }
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
 }
 
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
+fn kind_of(owner: Option<usize>) -> SliceKind {
+    match owner {
+        None => SliceKind::Rows,
+        Some(owner) => SliceKind::Whole { owner },
+    }
+}
+
+fn owner_of(kind: SliceKind) -> Option<usize> {
+    match kind {
+        SliceKind::Rows => None,
+        SliceKind::Whole { owner } => Some(owner),
+    }
+}
+
+/// The layout of a split alone (see [`SavedSplit::layout`]).
+pub(crate) type SplitLayout = (
+    Vec<usize>,
+    usize,
+    Option<usize>,
+    usize,
+    usize,
+    Option<SavedWithin>,
+);
+
 impl SavedSplit {
-    /// What `split` of parameter `id` saves, its parts cut along `dim` (see [`SavedSplit::dim`]).
-    pub fn of(id: ParamId, split: &Slicing, dim: usize) -> Self {
+    /// What `cut` of parameter `id` saves.
+    pub fn of(id: ParamId, cut: &CheckpointCut) -> Self {
         Self {
             id: id.val(),
-            dims: split.dims().to_vec(),
-            parts: split.parts(),
-            owner: match split.kind() {
-                SliceKind::Rows => None,
-                SliceKind::Whole { owner } => Some(owner),
-            },
+            dims: cut.split.dims().to_vec(),
+            parts: cut.split.parts(),
+            owner: owner_of(cut.split.kind()),
             holders: None,
-            dim,
+            dim: cut.dim,
+            stride: cut.stride,
+            within: cut.within.as_ref().map(|w| SavedWithin {
+                parts: w.split.parts(),
+                owner: owner_of(w.split.kind()),
+                stride: w.stride,
+            }),
         }
     }
 
     fn slicing(&self) -> Slicing {
-        let kind = match self.owner {
-            None => SliceKind::Rows,
-            Some(owner) => SliceKind::Whole { owner },
-        };
-        Slicing::new(self.dims.clone(), self.parts, kind)
+        Slicing::new(self.dims.clone(), self.parts, kind_of(self.owner))
     }
 
-    /// The layout alone (shape, parts, owner, dimension), to compare two runs' splits whatever their ids.
-    pub fn layout(&self) -> (Vec<usize>, usize, Option<usize>, usize) {
-        (self.dims.clone(), self.parts, self.owner, self.dim)
+    /// The piece rank `rank`'s file holds, and which (its part, and its piece of the part).
+    fn piece(&self, rank: usize) -> (Piece, (usize, usize)) {
+        let part = (rank / self.stride.max(1)) % self.parts.max(1);
+        let within = self.within.as_ref().map(|w| {
+            let q = (rank / w.stride.max(1)) % w.parts.max(1);
+            (w.parts, kind_of(w.owner), q)
+        });
+        let q = within.map_or(0, |(_, _, q)| q);
+        (
+            Piece::cut(&self.slicing(), part, self.dim, within),
+            (part, q),
+        )
+    }
+
+    /// The layout alone (shape, parts, owner, dimension, stride, second split), to compare two runs' splits
+    /// whatever their ids.
+    pub fn layout(&self) -> SplitLayout {
+        (
+            self.dims.clone(),
+            self.parts,
+            self.owner,
+            self.dim,
+            self.stride,
+            self.within.clone(),
+        )
     }
 }
 
-/// One saved split: how, the ranks whose files hold its parts, the dimension its parts are cut along.
-type Saved = (Slicing, Option<std::ops::Range<usize>>, usize);
-
-/// The splits of a saved checkpoint, by saved parameter id, with the ranks whose files hold each one's parts.
+/// The splits of a saved checkpoint, by saved parameter id.
 #[derive(Debug, Default)]
-pub(crate) struct SavedSplits(HashMap<u64, Saved>);
+pub(crate) struct SavedSplits(HashMap<u64, SavedSplit>);
 
 impl SavedSplits {
     /// The splits the manifest lists.
     pub fn new(saved: &[SavedSplit]) -> Self {
-        Self(
-            saved
-                .iter()
-                .map(|s| (s.id, (s.slicing(), s.holders.clone(), s.dim)))
-                .collect(),
-        )
+        Self(saved.iter().map(|s| (s.id, s.clone())).collect())
     }
 
-    /// How parameter `id` was split, if it was, and the dimension its parts are cut along.
-    fn get(&self, id: u64) -> Option<(&Slicing, usize)> {
-        self.0.get(&id).map(|(split, _, dim)| (split, *dim))
+    /// How parameter `id` was split, if it was.
+    fn get(&self, id: u64) -> Option<&SavedSplit> {
+        self.0.get(&id)
     }
 
     /// Whether rank `rank`'s file holds parameter `id`'s part (not a placeholder or a stale copy).
     fn held_by(&self, id: Option<u64>, rank: usize) -> bool {
         id.and_then(|id| self.0.get(&id))
-            .and_then(|(_, holders, _)| holders.as_ref())
+            .and_then(|split| split.holders.as_ref())
             .is_none_or(|holders| holders.contains(&rank))
     }
 }
 
-/// What this rank wants of one parameter's tensor: the whole, or its part `q` of `split`, cut along the
-/// dimension the third field names (see [`SavedSplit::dim`]).
+/// What this rank wants of one parameter's tensor: the whole, or its part as the strategy holds it.
 #[derive(Debug, Clone)]
 pub(crate) enum Want {
     Whole,
-    Part(Slicing, usize, usize),
+    Part(CheckpointCut),
     /// Nothing: the rank holds an empty placeholder of this shape (another pipeline stage's block).
     Placeholder(Vec<usize>),
+}
+
+impl Want {
+    /// The piece wanted of a tensor of whole shape `whole` (for `Whole`; a part knows its own).
+    fn piece(&self, whole: &[usize]) -> Piece {
+        match self {
+            Want::Part(cut) => Piece::cut(
+                &cut.split,
+                cut.part,
+                cut.dim,
+                cut.within
+                    .as_ref()
+                    .map(|w| (w.split.parts(), w.split.kind(), w.piece)),
+            ),
+            _ => Piece::whole(whole.to_vec()),
+        }
+    }
 }
 
 fn reader(path: &Path, what: &str) -> Result<Reader> {
@@ -141,21 +222,21 @@ fn key_id(key: &str) -> Option<u64> {
     key.split('.').next().and_then(|id| id.parse().ok())
 }
 
-/// One tensor being assembled from the saved pieces: this rank's wanted elements of the whole.
+/// One tensor being assembled from the saved pieces: this rank's wanted piece of the whole.
 struct Assembly {
     /// The saved tensor's element type and parameter id (not the tensor: it may hold on to its whole file).
     dtype: burn_pack::DType,
     param_id: Option<u64>,
+    /// The wanted piece's shape, its runs of the whole and their number of elements, and its buffer (padding
+    /// stays zero).
     dims: Vec<usize>,
-    /// The elements of the whole this rank wants, and the buffer they go to (padding stays zero).
-    wanted: std::ops::Range<usize>,
+    runs: Vec<Run>,
+    wanted: usize,
     bytes: Vec<u8>,
     filled: usize,
-    /// The parts taken so far (the replicas of a hybrid strategy saved the same part: the first copy counts).
-    parts: std::collections::HashSet<usize>,
-    /// Whether the pieces were taken with the tensor's two dimensions swapped (a split by columns), to be swapped
-    /// back once assembled.
-    swapped: bool,
+    /// The pieces taken so far, by part and piece of it (the replicas of a hybrid strategy saved the same piece:
+    /// the first copy counts).
+    pieces: std::collections::HashSet<(usize, usize)>,
 }
 
 /// The pieces of each tensor found in the saved files, cut to what this rank wants.
@@ -167,30 +248,16 @@ struct Assembler {
 }
 
 impl Assembler {
-    /// Takes tensor `tensor` of rank `rank`'s file: a piece of a split parameter (its shape is that rank's part
-    /// of the saved split) is cut to this rank's wanted elements; anything else is kept whole (first copy).
+    /// Takes tensor `tensor` of rank `rank`'s file: a piece of a split parameter (its shape is that rank's piece
+    /// of the saved split) gives this rank's wanted elements of it; anything else is kept whole (first copy).
     fn take(
         &mut self,
         path: &Path,
         rank: usize,
         tensor: burn_pack::Tensor,
-        saved: Option<(&Slicing, usize)>,
+        saved: Option<&SavedSplit>,
         want: &Want,
     ) -> Result<()> {
-        // A split by columns (saved, or wanted of a whole tensor) is handled with its columns as rows.
-        let want_dim = match want {
-            Want::Part(_, _, dim) => *dim,
-            _ => 0,
-        };
-        let swapped = match saved {
-            Some((_, dim)) => dim == 1,
-            None => want_dim == 1,
-        };
-        let tensor = match swapped {
-            true => swap_2d(path, tensor)?,
-            false => tensor,
-        };
-        let saved = saved.map(|(split, _)| split);
         if let Want::Placeholder(dims) = want {
             // Kept empty here, whatever the saving rank held; the saved id goes with it.
             let empty = burn_pack::Tensor::new(
@@ -205,86 +272,96 @@ impl Assembler {
         }
         let shape: Vec<usize> = tensor.shape.to_vec();
         let elems: usize = shape.iter().product();
-        let (split, part) = match saved {
-            Some(split) if split.local_dims(rank % split.parts()) == shape => {
-                (split.clone(), rank % split.parts())
-            }
+        let piece = saved
+            .map(|split| split.piece(rank))
+            .filter(|(piece, _)| piece.dims() == shape);
+        let (piece, key) = match piece {
+            Some(piece) => piece,
             // A placeholder saved by a rank that held none of it (an older checkpoint's owner layout).
-            _ if elems == 0 && !shape.is_empty() => return Ok(()),
-            _ => {
-                if let (Want::Part(split, _, _), true) = (want, elems > 0) {
-                    // A whole tensor (a replicated save) wanted as a slice: the whole is its only piece.
-                    if split.dims() == shape {
-                        let whole = Slicing::new(shape, 1, SliceKind::Whole { owner: 0 });
-                        return self.piece(path, tensor, (&whole, 0), want, swapped);
-                    }
-                }
+            None if elems == 0 && !shape.is_empty() => return Ok(()),
+            // A whole tensor (a replicated save) wanted as a part: the whole is its only piece.
+            None if matches!(want, Want::Part(_))
+                && elems > 0
+                && want.piece(&shape).whole == shape =>
+            {
+                (Piece::whole(shape), (usize::MAX, usize::MAX))
+            }
+            None => {
                 self.whole.entry(tensor.name.clone()).or_insert(tensor);
                 return Ok(());
             }
         };
-        self.piece(path, tensor, (&split, part), want, swapped)
+        self.piece(path, tensor, (&piece, key), want)
     }
 
-    /// Copies what this rank wants of `tensor`, part `part` of `split` (`swapped`: taken with its two dimensions
-    /// swapped).
+    /// Copies what this rank wants of `tensor`, the saved piece `piece` (`key`: its part and piece of it).
     fn piece(
         &mut self,
         path: &Path,
         tensor: burn_pack::Tensor,
-        (split, part): (&Slicing, usize),
+        (piece, key): (&Piece, (usize, usize)),
         want: &Want,
-        swapped: bool,
     ) -> Result<()> {
-        if let Want::Part(target, _, _) = want
-            && target.dims() != split.dims()
-        {
+        let name = tensor.name.clone();
+        let wanted = want.piece(&piece.whole);
+        if wanted.whole != piece.whole {
             return Err(corrupt(
                 path,
                 format!(
-                    "`{}` was saved with the shape {:?}, the model's is {:?}: it was saved from another model",
-                    tensor.name,
-                    split.dims(),
-                    target.dims()
+                    "`{name}` was saved with the shape {:?}, the model's is {:?}: it was saved from another model",
+                    piece.whole, wanted.whole
                 ),
             ));
         }
-        let name = tensor.name.clone();
         let size = tensor.dtype.size();
+        let runs = |p: &Piece| {
+            p.runs()
+                .map_err(|e| corrupt(path, format!("`{name}`: {e}")))
+        };
         // Every tensor met is assembled, even one this rank gets nothing of (padding, a placeholder).
-        let assembly = self.tensors.entry(name.clone()).or_insert_with(|| {
-            let (dims, wanted) = wanted_of(split.dims(), want);
-            Assembly {
-                dtype: tensor.dtype,
-                param_id: tensor.param_id,
-                bytes: vec![0u8; dims.iter().product::<usize>() * size],
-                dims,
-                wanted,
-                filled: 0,
-                parts: Default::default(),
-                swapped,
-            }
-        });
-        let held = split.held(part);
-        let from = held.start.max(assembly.wanted.start);
-        let to = held.end.min(assembly.wanted.end);
-        // The first copy of a part counts; a part holding none of the wanted elements is not read.
-        if !assembly.parts.insert(part) || from >= to {
+        if !self.tensors.contains_key(&name) {
+            let runs = runs(&wanted)?;
+            let dims = wanted.dims();
+            self.tensors.insert(
+                name.clone(),
+                Assembly {
+                    dtype: tensor.dtype,
+                    param_id: tensor.param_id,
+                    bytes: vec![0u8; dims.iter().product::<usize>() * size],
+                    dims,
+                    wanted: runs.iter().map(|r| r.len).sum(),
+                    runs,
+                    filled: 0,
+                    pieces: Default::default(),
+                },
+            );
+        }
+        let saved_runs = runs(piece)?;
+        let Some(assembly) = self.tensors.get_mut(&name) else {
+            return Ok(());
+        };
+        // The first copy of a piece counts; a piece holding none of the wanted elements is not read.
+        let copies = shared(&saved_runs, &assembly.runs);
+        if !assembly.pieces.insert(key) || copies.is_empty() {
             return Ok(());
         }
         let data = tensor
             .to_bytes()
             .map_err(|e| corrupt(path, format!("unreadable tensor `{name}`: {e}")))?;
-        let src = (from - held.start) * size..(to - held.start) * size;
-        let dst = (from - assembly.wanted.start) * size..(to - assembly.wanted.start) * size;
-        if src.end > data.len() || dst.end > assembly.bytes.len() {
-            return Err(corrupt(
-                path,
-                format!("`{name}` does not match the split the manifest records"),
-            ));
+        for (from, to, len) in copies {
+            let (src, dst) = (
+                from * size..(from + len) * size,
+                to * size..(to + len) * size,
+            );
+            if src.end > data.len() || dst.end > assembly.bytes.len() {
+                return Err(corrupt(
+                    path,
+                    format!("`{name}` does not match the split the manifest records"),
+                ));
+            }
+            assembly.bytes[dst].copy_from_slice(&data[src]);
+            assembly.filled += len;
         }
-        assembly.bytes[dst].copy_from_slice(&data[src]);
-        assembly.filled += to - from;
         Ok(())
     }
 
@@ -296,79 +373,26 @@ impl Assembler {
         }
         let mut out: Vec<burn_pack::Tensor> = whole.into_values().collect();
         for (name, a) in self.tensors {
-            if a.filled != a.wanted.len() {
+            if a.filled != a.wanted {
                 return Err(corrupt(
                     last,
                     format!(
                         "the saved files hold {} of the {} elements of `{name}` this rank needs: the checkpoint \
                          is missing a rank's file",
-                        a.filled,
-                        a.wanted.len()
+                        a.filled, a.wanted
                     ),
                 ));
             }
-            let assembled = burn_pack::Tensor::new(
+            out.push(burn_pack::Tensor::new(
                 name,
                 a.dtype,
                 burn_pack::Shape::from(a.dims),
                 a.param_id,
                 Bytes::from_bytes_vec(a.bytes),
-            );
-            out.push(match a.swapped {
-                true => swap_2d(last, assembled)?,
-                false => assembled,
-            });
+            ));
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
-    }
-}
-
-/// `tensor`, a 2-D tensor `[a, b]`, with its two dimensions swapped: `[b, a]` (its columns as rows).
-fn swap_2d(path: &Path, tensor: burn_pack::Tensor) -> Result<burn_pack::Tensor> {
-    let dims: Vec<usize> = tensor.shape.to_vec();
-    let [a, b] = dims[..] else {
-        return Err(corrupt(
-            path,
-            format!(
-                "`{}` is recorded as split by columns, but it has {} dimensions, not 2",
-                tensor.name,
-                dims.len()
-            ),
-        ));
-    };
-    let size = tensor.dtype.size();
-    let data = tensor
-        .to_bytes()
-        .map_err(|e| corrupt(path, format!("unreadable tensor `{}`: {e}", tensor.name)))?;
-    if data.len() != a * b * size {
-        return Err(corrupt(
-            path,
-            format!("`{}` holds {} bytes for {dims:?}", tensor.name, data.len()),
-        ));
-    }
-    let mut out = vec![0u8; data.len()];
-    for i in 0..a {
-        for j in 0..b {
-            let (from, to) = ((i * b + j) * size, (j * a + i) * size);
-            out[to..to + size].copy_from_slice(&data[from..from + size]);
-        }
-    }
-    Ok(burn_pack::Tensor::new(
-        tensor.name.clone(),
-        tensor.dtype,
-        burn_pack::Shape::from(vec![b, a]),
-        tensor.param_id,
-        Bytes::from_bytes_vec(out),
-    ))
-}
-
-/// The shape of the tensor this rank assembles, and the elements of the whole it holds.
-fn wanted_of(dims: &[usize], want: &Want) -> (Vec<usize>, std::ops::Range<usize>) {
-    match want {
-        Want::Whole => (dims.to_vec(), 0..dims.iter().product()),
-        Want::Part(split, q, _) => (split.local_dims(*q), split.held(*q)),
-        Want::Placeholder(dims) => (dims.clone(), 0..0),
     }
 }
 

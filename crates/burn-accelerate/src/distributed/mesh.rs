@@ -90,7 +90,7 @@ impl ParallelDims {
     ///
     /// # Errors
     /// A size of 0; `pp_size` × `tp_size` × `cp_size` not dividing the ranks; a `dp_shard_size` that does not divide
-    /// the data-parallel ranks; `tp_size` above 1 with a pipeline or a sharded strategy; `cp_size` above 1 (not
+    /// the data-parallel ranks; `tp_size` above 1 with a pipeline; `cp_size` above 1 (not
     /// available yet). Each error names its setting and how to set it.
     pub fn from_config(
         config: &AcceleratorConfig,
@@ -115,19 +115,15 @@ impl ParallelDims {
                 ));
             }
             if size > 1 && name == "tp_size" {
-                let sharding = config.distributed.sharding;
-                if pp > 1 || sharding.is_sharded() {
-                    let (what, fix) = match pp > 1 {
-                        true => (format!("pp_size {pp}"), "set pp_size to 1"),
-                        false => (format!("sharding {sharding}"), "set sharding to NO_SHARD"),
-                    };
+                if pp > 1 {
                     return Err(Error::config(
                         name,
                         size.to_string(),
                         "configuration",
                         format!(
-                            "1 with {what}: tensor parallelism composes with NO_SHARD data parallelism only for \
-                             now; {fix}, or tp_size to 1"
+                            "1 with pp_size {pp}: tensor parallelism composes with data parallelism (NO_SHARD, \
+                             SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD) but not yet with a pipeline; set pp_size to \
+                             1, or tp_size to 1"
                         ),
                     ));
                 }
@@ -414,18 +410,27 @@ mod tests {
             err.contains("cp_size") && err.contains("not available yet"),
             "{err}"
         );
-        for (pp, sharding, names) in [
-            (2, ShardingStrategy::NoShard, "pp_size 2"),
-            (1, ShardingStrategy::FullShard, "sharding FULL_SHARD"),
-        ] {
-            let mut c = config(pp, sharding, None);
-            c.distributed.tp_size = 2;
-            let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
-            assert!(
-                err.contains("tp_size") && err.contains(names) && err.contains("NO_SHARD"),
-                "{err}"
-            );
-        }
+        let mut c = config(2, ShardingStrategy::NoShard, None);
+        c.distributed.tp_size = 2;
+        let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
+        assert!(
+            err.contains("tp_size")
+                && err.contains("pp_size 2")
+                && err.contains("set pp_size to 1"),
+            "{err}"
+        );
+        // Sharded strategies shard over the ranks of one tensor-parallel index: FSDP2 + TP.
+        let mut c = config(1, ShardingStrategy::FullShard, None);
+        c.distributed.tp_size = 2;
+        let dims = ParallelDims::from_config(&c, 4, 4).unwrap();
+        assert_eq!((dims.dp_replicate, dims.dp_shard, dims.tp), (1, 2, 2));
+        let mut c = config(1, ShardingStrategy::HybridShard, Some(2));
+        c.distributed.tp_size = 2;
+        let dims = ParallelDims::from_config(&c, 8, 8).unwrap();
+        assert_eq!((dims.dp_replicate, dims.dp_shard, dims.tp), (2, 2, 2));
+        // Rank 5: tp 1 of the shard group's rank 0, replica 1.
+        let c5 = dims.coords(5);
+        assert_eq!((c5.dp_replicate, c5.dp_shard, c5.tp), (1, 0, 1));
         let mut c = config(1, ShardingStrategy::NoShard, None);
         c.distributed.tp_size = 3;
         let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();

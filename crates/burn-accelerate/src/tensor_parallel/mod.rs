@@ -15,7 +15,8 @@
 //!   rank its own, and a recomputed block the same again.
 //! - **Placement**: `Accelerator::prepare_tensor_parallel` resolves the plan (its errors come before the first
 //!   step), then each rank keeps its slice of a split parameter as it arrives from rank 0; the ranks of one
-//!   tensor-parallel group read the same data, the data-parallel ranks (`NO_SHARD`) different data.
+//!   tensor-parallel group read the same data, the data-parallel ranks different data; a sharded data-parallel
+//!   strategy then keeps each rank's rows of its slice (FSDP2 + TP).
 //!
 //! ```text
 //! let model = accelerator.prepare_tensor_parallel(ByteLm::new(...), &TensorParallelPlan::megatron())?;

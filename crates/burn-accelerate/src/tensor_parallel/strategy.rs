@@ -13,8 +13,9 @@ use burn::tensor::Tensor;
 use super::context::TpContext;
 use crate::distributed::DistributedType;
 use crate::distributed::strategy::{
-    Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
-    ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo, any_over, norm_over,
+    Arriving, BlockPass, CheckpointCut, FinishReduce, FinishUnshard, GradientSync, ModuleParams,
+    ParamFetcher, ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo, Within,
+    any_over, norm_over,
 };
 use crate::distributed::tensor_comm::{TensorComm, bucket};
 use crate::error::{Error, Result};
@@ -23,7 +24,8 @@ use crate::grad::{GradientBuffer, NormType};
 /// The strategy of a rank of a tensor-parallel group.
 #[derive(Debug)]
 pub(crate) struct TensorParallel {
-    /// The data-parallel group's strategy (`NO_SHARD` over the ranks of the same tensor-parallel index).
+    /// The data-parallel group's strategy (over the ranks of the same tensor-parallel index): replicas, or a
+    /// sharded strategy slicing each rank's tensor-parallel parts again (FSDP2 + TP).
     pub inner: Arc<dyn Strategy>,
     /// Every rank of the run: the initial weights come from its rank 0.
     pub world: Arc<dyn TensorComm>,
@@ -122,6 +124,26 @@ impl TensorParallel {
         Ok(())
     }
 
+    /// What this rank keeps of `value` (its tensor-parallel part of parameter `id`, of shape `dims`, the same on
+    /// every rank of its data-parallel group): the data-parallel strategy's share of it. A sharded strategy keeps
+    /// its slice of the part (FSDP2 over what TP split), from the group's rank 0; a replicating one all of it,
+    /// with nothing sent.
+    fn within_data_group(
+        &self,
+        id: ParamId,
+        dims: &[usize],
+        trains: bool,
+        value: Tensor<1>,
+    ) -> Result<(Tensor<1>, Vec<usize>)> {
+        match self.inner.block_pass() {
+            BlockPass::GatherEachBlock => {
+                self.inner
+                    .arrive(id, dims, trains, Arriving::Value(value), 0)
+            }
+            _ => Ok((value, dims.to_vec())),
+        }
+    }
+
     /// Adds the split parameters of one prepared model.
     pub fn add_splits(&self, splits: HashMap<ParamId, usize>) {
         self.splits
@@ -196,10 +218,11 @@ impl GradientSync for TensorParallel {
     /// The norm of what this rank counts (its slices; the whole parameters on tensor-parallel rank 0 only),
     /// combined over the group.
     fn gradient_norm(&self, norms: Vec<Tensor<1>>, norm_type: NormType) -> Result<f64> {
-        let local = if norms.is_empty() {
-            0.0
-        } else {
-            self.inner.gradient_norm(norms, norm_type)?
+        // A data-parallel strategy whose ranks hold the same gradients has nothing to combine (and no norm of
+        // nothing); a sharded one combines its ranks' slices, every rank taking part.
+        let local = match self.inner.gradient_norm(norms, norm_type) {
+            Err(Error::NoGradients { .. }) => 0.0,
+            other => other?,
         };
         norm_over(self.context.comm.as_ref(), local, norm_type)
     }
@@ -262,31 +285,51 @@ impl ParamPlacement for TensorParallel {
     }
 
     /// A split parameter's part as this rank holds it: the group's parts, this rank's tensor-parallel index, the
-    /// split dimension first (see [`tp_slicing`]).
-    fn checkpoint_slicing(&self, id: ParamId) -> Option<(Slicing, usize, usize)> {
-        let (split, dims) = self.split_and_dims(id)?;
-        Some((
-            tp_slicing(&dims, split, self.context.size),
-            self.context.rank,
+    /// split dimension first (see [`tp_slicing`]), each part sliced again where the data-parallel strategy shards
+    /// it (FSDP2 + TP: a 2-D split). A whole parameter as the data-parallel strategy holds it, its ranks `tp_size`
+    /// apart.
+    fn checkpoint_slicing(&self, id: ParamId) -> Option<CheckpointCut> {
+        let size = self.context.size;
+        let Some((split, dims)) = self.split_and_dims(id) else {
+            return self.inner.checkpoint_slicing(id).map(|cut| CheckpointCut {
+                stride: cut.stride * size,
+                ..cut
+            });
+        };
+        let within = self.inner.slicing(id).map(|(split, piece)| Within {
             split,
-        ))
+            piece,
+            stride: size,
+        });
+        Some(CheckpointCut {
+            split: tp_slicing(&dims, split, size),
+            part: self.context.rank,
+            dim: split,
+            stride: 1,
+            within,
+        })
     }
 
-    fn checkpoint_slicings(&self) -> Vec<(ParamId, Slicing, usize)> {
+    fn checkpoint_slicings(&self) -> Vec<(ParamId, CheckpointCut)> {
         let splits = self
             .splits
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
             .unwrap_or_default();
-        let mut out: Vec<(ParamId, Slicing, usize)> = splits
+        let whole = self
+            .inner
+            .checkpoint_slicings()
+            .into_iter()
+            .map(|(id, _)| id)
+            .filter(|id| !splits.contains_key(id));
+        let mut out: Vec<(ParamId, CheckpointCut)> = splits
             .keys()
-            .filter_map(|id| {
-                let (split, _, dim) = self.checkpoint_slicing(*id)?;
-                Some((*id, split, dim))
-            })
+            .copied()
+            .chain(whole)
+            .filter_map(|id| Some((id, self.checkpoint_slicing(id)?)))
             .collect();
-        out.sort_by_key(|(id, _, _)| id.val());
+        out.sort_by_key(|(id, _)| id.val());
         out
     }
 
@@ -301,9 +344,9 @@ impl ParamPlacement for TensorParallel {
         value: Arriving,
         root: usize,
     ) -> Result<(Tensor<1>, Vec<usize>)> {
-        let _ = trains;
         let Some(dim) = self.split_dim(id) else {
-            return Ok((self.broadcast(value.into_buffer(), root)?, dims.to_vec()));
+            let whole = self.broadcast(value.into_buffer(), root)?;
+            return self.within_data_group(id, dims, trains, whole);
         };
         self.whole_dims
             .lock()
@@ -334,7 +377,8 @@ impl ParamPlacement for TensorParallel {
         };
         let mut local = dims.to_vec();
         local[dim] /= size;
-        Ok((split_dimension_back(part, &local, dim), local))
+        let part = split_dimension_back(part, &local, dim);
+        self.within_data_group(id, &local, trains, part)
     }
 
     fn setup(&self, params: &mut ModuleParams<'_>) -> Result<()> {

@@ -321,22 +321,25 @@ pub(crate) fn load_weights_parts<M: Module>(
             if self.error.is_some() {
                 return tensor;
             }
-            // A slice of a parameter split over the ranks: its rows of the whole stored tensor.
-            let slice = (self.split_of)(id).and_then(|(split, me)| {
-                let local = split.local_dims(me);
-                (tensor.dims().as_slice() == local.as_slice() && split.dims() != local.as_slice())
-                    .then(|| (split.dims().to_vec(), split.held_rows(me), local[0]))
+            // A slice of a parameter split over the ranks (of its tensor-parallel part, under both): its shape is
+            // the slice's, the split's the part's.
+            let slice = (self.split_of)(id).filter(|(split, me)| {
+                let local = split.local_dims(*me);
+                tensor.dims().as_slice() == local.as_slice() && split.dims() != local.as_slice()
             });
-            // A tensor-parallel slice: the whole tensor's shape, `parts` times its dimension `dim`.
-            let tp = (self.tp_of)(id).filter(|_| slice.is_none());
-            let whole_dims = match (&slice, tp) {
-                (Some((dims, _, _)), _) => dims.clone(),
-                (None, Some((dim, _, parts))) => {
-                    let mut dims = tensor.dims().to_vec();
+            // A tensor-parallel part: the whole tensor's shape, `parts` times the part's dimension `dim`.
+            let tp = (self.tp_of)(id);
+            let part_dims = slice.as_ref().map_or_else(
+                || tensor.dims().to_vec(),
+                |(split, _)| split.dims().to_vec(),
+            );
+            let whole_dims = match tp {
+                Some((dim, _, parts)) => {
+                    let mut dims = part_dims.clone();
                     dims[dim] *= parts;
                     dims
                 }
-                (None, None) => tensor.dims().to_vec(),
+                None => part_dims.clone(),
             };
             let (key, stored_shape) =
                 self.layout
@@ -368,17 +371,26 @@ pub(crate) fn load_weights_parts<M: Module>(
                 ));
                 return tensor;
             }
-            // A tensor-parallel slice of rows (Burn's dim 0: a row split, vocabulary rows, a column split's bias)
-            // is read as a sharded slice is; one of columns is read whole and cut below.
-            let slice = slice.or_else(|| match tp {
-                Some((0, rank, _)) => {
-                    let rows = tensor.dims()[0];
-                    Some((whole_dims.clone(), rank * rows..(rank + 1) * rows, rows))
+            // The rows of the whole to read: a slice's (of its tensor-parallel part of rows: a row split, vocabulary
+            // rows, a column split's bias), or a part of rows; a part of columns is read whole and cut below.
+            let rows_of_part = |rank: usize| rank * part_dims[0];
+            let rows = match (&slice, tp) {
+                (Some((split, me)), None) => Some((split.held_rows(*me), split.local_dims(*me)[0])),
+                (Some((split, me)), Some((0, rank, _))) => {
+                    let held = split.held_rows(*me);
+                    let start = rows_of_part(rank);
+                    Some((
+                        start + held.start..start + held.end,
+                        split.local_dims(*me)[0],
+                    ))
+                }
+                (None, Some((0, rank, _))) => {
+                    Some((rows_of_part(rank)..rows_of_part(rank + 1), part_dims[0]))
                 }
                 _ => None,
-            });
-            let restored = match slice {
-                Some((_, rows, local_rows)) => {
+            };
+            let restored = match rows.clone() {
+                Some((rows, local_rows)) => {
                     if self.options.dtype.is_some_and(|d| d != tensor.dtype()) {
                         self.error = Some(Error::InvalidArgument(format!(
                             "load_checkpoint_in_model: `{name}` is held as a slice of a sharded model, whose \
@@ -427,12 +439,31 @@ pub(crate) fn load_weights_parts<M: Module>(
             let local = tensor.dims();
             drop(tensor);
             let restored = Tensor::from_data(data, (&device, dtype));
-            match tp {
-                Some((dim, rank, _)) if dim > 0 => {
-                    let len = local[dim];
-                    restored.narrow(dim, rank * len, len)
+            let (dim, rank) = match tp {
+                Some((dim, rank, _)) if dim > 0 => (dim, rank),
+                _ => return restored,
+            };
+            let len = part_dims[dim];
+            let part = restored.narrow(dim, rank * len, len);
+            match slice {
+                // This rank's rows of its part of columns, padded as the sharded strategy holds them.
+                Some((split, me)) => {
+                    let held = split.held_rows(me);
+                    if held.is_empty() {
+                        return Tensor::zeros(local, (&device, dtype));
+                    }
+                    let part = part.narrow(0, held.start, held.len());
+                    let pad = local[0] - held.len();
+                    match pad {
+                        0 => part,
+                        _ => {
+                            let mut dims = local;
+                            dims[0] = pad;
+                            Tensor::cat(vec![part, Tensor::zeros(dims, (&device, dtype))], 0)
+                        }
+                    }
                 }
-                _ => restored,
+                None => part,
             }
         }
     }

@@ -27,6 +27,7 @@ mod data_parallel;
 mod params;
 mod placement;
 mod sharded;
+mod cut;
 
 use std::collections::HashSet;
 use std::fmt;
@@ -39,6 +40,7 @@ use burn::tensor::{DType, Device, Tensor};
 #[cfg(test)]
 use crate::distributed::tensor_comm::on_device::{DeviceEngine, OnDevice};
 use crate::distributed::tensor_comm::{self, on_device};
+pub(crate) use cut::{CheckpointCut, Within};
 pub(crate) use data_parallel::{DataParallel, SingleDevice};
 pub(crate) use params::ParamTable;
 pub(crate) use placement::{
@@ -278,19 +280,23 @@ pub(crate) trait ParamPlacement: GradientSync {
         Vec::new()
     }
 
-    /// How a checkpoint holds parameter `id` on this rank: [`slicing`](Self::slicing), with the dimension the
-    /// parts are cut along (0; 1 for a 2-D weight split by columns, whose parts a checkpoint handles with that
-    /// dimension first: the slicing's shape is then the weight's with its two dimensions swapped).
-    fn checkpoint_slicing(&self, id: ParamId) -> Option<(Slicing, usize, usize)> {
-        self.slicing(id).map(|(split, part)| (split, part, 0))
+    /// How a checkpoint holds parameter `id` on this rank: [`slicing`](Self::slicing), cut along dimension 0 (see
+    /// [`CheckpointCut`]; tensor parallelism cuts a 2-D weight split by columns along 1, whose parts a checkpoint
+    /// handles with that dimension first, and slices each part again under a sharded strategy).
+    fn checkpoint_slicing(&self, id: ParamId) -> Option<CheckpointCut> {
+        self.slicing(id)
+            .map(|(split, part)| CheckpointCut::of(split, part, 0))
     }
 
-    /// [`slicings`](Self::slicings) as a checkpoint's manifest records them, each with the dimension its parts
-    /// are cut along (see [`checkpoint_slicing`](Self::checkpoint_slicing)).
-    fn checkpoint_slicings(&self) -> Vec<(ParamId, Slicing, usize)> {
+    /// [`slicings`](Self::slicings) as a checkpoint's manifest records them (see
+    /// [`checkpoint_slicing`](Self::checkpoint_slicing)).
+    fn checkpoint_slicings(&self) -> Vec<(ParamId, CheckpointCut)> {
         self.slicings()
             .into_iter()
-            .map(|(id, split)| (id, split, 0))
+            .map(|(id, split)| {
+                let part = self.slicing(id).map_or(0, |(_, q)| q);
+                (id, CheckpointCut::of(split, part, 0))
+            })
             .collect()
     }
 
