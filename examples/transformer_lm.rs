@@ -141,6 +141,10 @@ struct Args {
     /// Plain SGD instead of Adam (the parity tests compare weights after SGD steps to 1e-6).
     #[arg(long)]
     sgd: bool,
+    /// After training, evaluate this many held-out sequences (divided between the data-parallel replicas) through
+    /// `forward_batch` and `gather_for_metrics`: prints `eval_samples=` and `eval_loss=`.
+    #[arg(long)]
+    eval: Option<usize>,
     /// Micro-batches per step (`gradient_accumulation_steps`): each step's rows split into this many, their
     /// gradients accumulated and synchronised once.
     #[arg(long, default_value_t = 1)]
@@ -412,6 +416,9 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
             }
         }
     }
+    if let Some(samples) = args.eval {
+        evaluate(&acc, &model, samples, args)?;
+    }
     let (peak_rss, peak_vm) = (held::peak("VmHWM:"), held::peak("VmPeak:"));
     let at_rest = held::param_bytes(&model);
     let state = if args.skip_state_bytes {
@@ -512,6 +519,42 @@ fn load_pretrained(
         held::peak("VmHWM:")
     );
     Ok(model)
+}
+
+/// Evaluates `samples` held-out sequences (after the training data), each data-parallel replica its share,
+/// through `forward_batch` (block by block, through the stages under a pipeline) and `gather_for_metrics` (over the
+/// data dimension: the ranks of a tensor-parallel group hold the same values); the main process prints how many
+/// came back and their mean loss.
+fn evaluate(acc: &Accelerator, model: &ByteLm, samples: usize, args: &Args) -> Result<()> {
+    let layout = acc.pipeline_layout();
+    let (replica, replicas) = (layout.replica, layout.replicas);
+    if samples < replicas {
+        // Every rank runs the forward pass (its collectives), and Burn's CPU matmul fails on an empty batch.
+        return Err(burn_accelerate::Error::InvalidArgument(format!(
+            "--eval {samples}: fewer held-out sequences than the {replicas} data-parallel replicas; evaluate at \
+             least {replicas}"
+        )));
+    }
+    // The first `samples % replicas` replicas one sequence more than the rest, none repeated.
+    let rows = samples / replicas + usize::from(replica < samples % replicas);
+    let first = 1_000_000 + replica * (samples / replicas) + replica.min(samples % replicas);
+    let one_mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, acc.device());
+    let losses = acc.forward_batch(
+        model,
+        batch((first, rows), args.seq, acc.device()),
+        |m, (inputs, _)| m.embed(inputs.clone()),
+        |layer, x| layer.forward(x, None, Some(one_mask.clone())),
+        |m, x, (_, targets)| m.sequence_losses(x, targets.clone()),
+    )?;
+    let all = acc.gather_for_metrics(losses)?;
+    if acc.is_main_process() {
+        let n = all.dims()[0];
+        println!(
+            "eval_samples={n}\neval_loss={:.7}",
+            all.mean().into_scalar::<f32>()
+        );
+    }
+    Ok(())
 }
 
 /// Every float parameter of `model`, in visiting order, as little-endian f32, written by the main process; under

@@ -112,6 +112,19 @@ impl ByteLm {
         )
     }
 
+    /// Each sequence's mean cross-entropy of the next byte after the last layer's activation `x`, `[batch]`: the
+    /// per-sample values of an evaluation (`forward_batch`, then `gather_for_metrics`).
+    pub fn sequence_losses(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let [batch, seq] = targets.dims();
+        let log_p = burn::tensor::activation::log_softmax(self.logits(x), 1);
+        let picked = log_p.gather(1, targets.reshape([batch * seq, 1]));
+        picked
+            .reshape([batch, seq])
+            .mean_dim(1)
+            .reshape([batch])
+            .neg()
+    }
+
     /// The mean cross-entropy of the next byte after the last layer's activation `x`.
     pub fn loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let logits = self.logits(x);

@@ -110,7 +110,8 @@ fn the_transformer_example_split_over_processes_trains_to_one_process_weights() 
 /// dimension split: 20 steps end at one process's weights with Adam, with the global norm clipped (each element
 /// counted once over every dimension; the clip moves the weights by 1e-2, so a norm counted wrong shows), with 2
 /// micro-batches accumulated per step, with sequence and loss parallelism; in fp16 (one overflow verdict over
-/// every dimension) within the fp16 bound of one process.
+/// every dimension) within the fp16 bound of one process. An evaluation after training (`forward_batch`, then
+/// `gather_for_metrics` over the data dimension) returns every held-out sample once, at one process's loss.
 #[test]
 fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weights() {
     let dir = std::env::temp_dir().join(format!("ba-tp-fsdp-mpi-{}", std::process::id()));
@@ -126,6 +127,21 @@ fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weight
         "0.5",
         "--loss-parallel",
     ];
+    // After training, 5 held-out sequences evaluated through `forward_batch` and gathered over the data dimension
+    // (on 4 data-parallel replicas: 2, 1, 1, 1).
+    let eval = |stdout: &str| -> (usize, f64) {
+        let value = |key: &str| {
+            stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in {stdout}"))
+                .to_string()
+        };
+        (
+            value("eval_samples=").parse().unwrap(),
+            value("eval_loss=").parse().unwrap(),
+        )
+    };
     let mut reference = BTreeMap::new();
     for (name, args) in [
         ("adam", &[][..]),
@@ -135,14 +151,21 @@ fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weight
     ] {
         let path = dir.join(format!("{name}-one.bin"));
         let run_args = [
-            &["--steps", "20", "--weights", path.to_str().unwrap()][..],
+            &[
+                "--steps",
+                "20",
+                "--eval",
+                "5",
+                "--weights",
+                path.to_str().unwrap(),
+            ][..],
             args,
         ]
         .concat();
-        succeeded(&Command::new(&lm).args(&run_args).output().unwrap());
-        reference.insert(name, floats(&path));
+        let stdout = succeeded(&Command::new(&lm).args(&run_args).output().unwrap());
+        reference.insert(name, (floats(&path), eval(&stdout)));
     }
-    assert!(max_abs_diff(&reference["adam"], &reference["clipped"]) > 1e-3);
+    assert!(max_abs_diff(&reference["adam"].0, &reference["clipped"].0) > 1e-3);
     let full = ["--tp-size", "2", "--sharding", "FULL_SHARD"];
     let hybrid = [
         "--tp-size",
@@ -194,14 +217,31 @@ fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weight
     for (i, (case, np, args, one, bound)) in cases.into_iter().enumerate() {
         let path = dir.join(format!("case-{i}.bin"));
         let run_args = [
-            &["--steps", "20", "--weights", path.to_str().unwrap()][..],
+            &[
+                "--steps",
+                "20",
+                "--eval",
+                "5",
+                "--weights",
+                path.to_str().unwrap(),
+            ][..],
             &args,
         ]
         .concat();
-        succeeded(&mpirun(np, &lm, &run_args));
-        let diff = max_abs_diff(&reference[one], &floats(&path));
-        println!("mpirun -np {np} {case}: max |Δ| = {diff:e}");
+        let stdout = succeeded(&mpirun(np, &lm, &run_args));
+        let (weights, (samples, loss)) = &reference[one];
+        let diff = max_abs_diff(weights, &floats(&path));
+        let (got_samples, got_loss) = eval(&stdout);
+        println!(
+            "mpirun -np {np} {case}: max |Δ| = {diff:e}; evaluation: {got_samples} samples, loss {got_loss} (one \
+             process: {loss})"
+        );
         assert!(diff <= bound, "{case}: max |Δ| = {diff:e} > {bound:e}");
+        assert_eq!(got_samples, *samples, "{case}: every held-out sample once");
+        assert!(
+            (got_loss - loss).abs() <= f64::from(bound) * 10.0,
+            "{case}: evaluation loss {got_loss} against {loss}"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -92,12 +92,12 @@ impl TpContext {
     ) -> Result<Tensor<D>> {
         let shape = t.shape();
         let n = shape.num_elements();
-        let flat = t.reshape([n]);
+        let flat = reshaped(t, [n]);
         let combined = self
             .comm
             .all_reduce(flat, Reduction::Op(op), operation)?
             .wait()?;
-        Ok(combined.reshape(shape))
+        Ok(reshaped(combined, shape.dims()))
     }
 
     /// Every rank's `part` (the same shape on each) concatenated along `dim`, in rank order.
@@ -130,7 +130,7 @@ impl TpContext {
         let (flat, mut whole, counts) = rows_first(part, dim, rows);
         let all = self.comm.all_gather(flat, &counts, operation)?.wait()?;
         whole[0] = rows.iter().sum();
-        Ok(all.reshape(whole).swap_dims(0, dim))
+        Ok(reshaped(all, whole).swap_dims(0, dim))
     }
 
     /// `whole` summed over the group, this rank's rows `rows[rank]` of it along `dim` only (the rows before
@@ -151,7 +151,7 @@ impl TpContext {
             .reduce_scatter(flat, &counts, Reduction::Op(ReduceOp::Sum), operation)?
             .wait()?;
         part[0] = rows[self.rank];
-        Ok(mine.reshape(part).swap_dims(0, dim))
+        Ok(reshaped(mine, part).swap_dims(0, dim))
     }
 }
 
@@ -166,7 +166,22 @@ fn rows_first<const D: usize>(
     let dims = moved.dims();
     let per_row: usize = dims[1..].iter().product();
     let counts = rows.iter().map(|r| r * per_row).collect();
-    (moved.reshape([dims[0] * per_row]), dims, counts)
+    (reshaped(moved, [dims[0] * per_row]), dims, counts)
+}
+
+/// `t` in the shape `dims`, an empty one included: Burn's `reshape` reads a 0 as "keep this dimension", so an
+/// empty tensor (a rank's empty batch, an empty part) is made anew, empty.
+pub(crate) fn reshaped<const D: usize, const D2: usize>(
+    t: Tensor<D>,
+    dims: [usize; D2],
+) -> Tensor<D2> {
+    let from = t.dims();
+    // A 0 Burn keeps from `t`'s own dimension at its index is a 0 already there.
+    let kept = (0..D2).all(|i| dims[i] != 0 || from.get(i) == Some(&0));
+    match kept {
+        true => t.reshape(dims),
+        false => Tensor::zeros(dims, (&t.device(), t.dtype())),
+    }
 }
 
 /// How `len` positions split over `ranks`: the first `len % ranks` ranks one more than the rest.
