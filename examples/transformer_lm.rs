@@ -255,13 +255,9 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 .into(),
         ));
     }
-    // Under a pipeline each stage keeps its blocks; otherwise the plan splits the layers over the tensor-parallel
-    // ranks (with one, every layer stays whole).
-    let mut model = if layout.stages > 1 {
-        acc.prepare_blocks(initial)?
-    } else {
-        acc.prepare_tensor_parallel(initial, &byte_lm::plan())?
-    };
+    // Under a pipeline each stage keeps its blocks; the plan splits the layers over the tensor-parallel ranks
+    // (with one, every layer stays whole).
+    let mut model = acc.prepare_tensor_parallel_blocks(initial, &byte_lm::plan())?;
     if let Some(path) = &args.load_pretrained {
         model = load_pretrained(&acc, model, path, args)?;
     }

@@ -513,6 +513,12 @@ run_step tp2-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
 # float rounding, no value through host memory.
 run_step tp2-sp-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
   'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 --loss-parallel && echo --- && BURN_DEVICE=cuda transformer_lm --processes 2 --tp-size 2 --sequence-parallel --loss-parallel --steps 10'
+# FSDP2 + TP in a pipeline on eight in-process ranks sharing the GPU (pp 2 × dp_shard 2 × tp 2, torchtitan's 3-D
+# mesh): each stage's layers split over its tensor-parallel ranks and sharded over its data-parallel ones, the
+# activations sent between the stages, the regions' collectives and the blocks' gathers all on the device (no value
+# through host memory); one process's loss within float rounding.
+run_step pp2-tp2-fsdp2-shared-cuda gpu 240 check_near_1e3_on_device sh -c \
+  'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 && echo --- && BURN_DEVICE=cuda transformer_lm --processes 8 --pp-size 2 --tp-size 2 --sharding FULL_SHARD --sequence-parallel --steps 10'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

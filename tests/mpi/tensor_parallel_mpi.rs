@@ -105,6 +105,82 @@ fn the_transformer_example_split_over_processes_trains_to_one_process_weights() 
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The global norm clipped: it moves the weights by 1e-2, so a norm counted wrong shows.
+const CLIPPED: [&str; 2] = ["--clip-norm", "0.5"];
+/// SGD with two micro-batches accumulated per step.
+const ACCUMULATED: [&str; 5] = ["--sgd", "--lr", "0.1", "--accumulate", "2"];
+/// fp16 with the loss scaled and the norm clipped, the loss in f32 (loss parallelism's, on one process too).
+const FP16: [&str; 5] = [
+    "--mixed-precision",
+    "fp16",
+    "--clip-norm",
+    "0.5",
+    "--loss-parallel",
+];
+
+/// The evaluation `transformer_lm --eval` printed: how many held-out sequences came back, their mean loss.
+fn evaluation(stdout: &str) -> (usize, f64) {
+    let value = |key: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap_or_else(|| panic!("no {key} in {stdout}"))
+            .to_string()
+    };
+    (
+        value("eval_samples=").parse().unwrap(),
+        value("eval_loss=").parse().unwrap(),
+    )
+}
+
+/// `transformer_lm` with `args` for 20 steps on `np` processes (one: without a launcher), its final weights written
+/// to `path` and 5 held-out sequences evaluated: its standard output.
+fn evaluated_run(lm: &Path, np: usize, path: &Path, args: &[&str]) -> String {
+    let run_args = [
+        &[
+            "--steps",
+            "20",
+            "--eval",
+            "5",
+            "--weights",
+            path.to_str().unwrap(),
+        ][..],
+        args,
+    ]
+    .concat();
+    match np {
+        1 => succeeded(&Command::new(lm).args(&run_args).output().unwrap()),
+        _ => succeeded(&mpirun(np, lm, &run_args)),
+    }
+}
+
+/// What [`references`] holds: by name, one process's final weights and its evaluation.
+type References = BTreeMap<&'static str, (Vec<f32>, (usize, f64))>;
+
+/// One process's weights after 20 steps, and its evaluation of 5 held-out sequences, for the 2-D and 3-D meshes to
+/// be held against (run once for the tests that share them): Adam, clipped, accumulated, fp16.
+fn references() -> &'static References {
+    static REFERENCES: std::sync::OnceLock<References> = std::sync::OnceLock::new();
+    REFERENCES.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ba-tp-references-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let lm = example("transformer_lm");
+        let mut reference = BTreeMap::new();
+        for (name, args) in [
+            ("adam", &[][..]),
+            ("clipped", &CLIPPED[..]),
+            ("accumulated", &ACCUMULATED[..]),
+            ("fp16", &FP16[..]),
+        ] {
+            let path = dir.join(format!("{name}-one.bin"));
+            let stdout = evaluated_run(&lm, 1, &path, args);
+            reference.insert(name, (floats(&path), evaluation(&stdout)));
+        }
+        std::fs::remove_dir_all(&dir).ok();
+        reference
+    })
+}
+
 /// FSDP2 + TP under `mpirun`: `tp` 2 × `FULL_SHARD` 2 (4 processes), `tp` 2 × `SHARD_GRAD_OP` 2 and `tp` 2 ×
 /// `dp_replicate` 2 × `dp_shard` 2 (`HYBRID_SHARD`, 8 processes), the data dimension sharding what the tensor
 /// dimension split: 20 steps end at one process's weights with Adam, with the global norm clipped (each element
@@ -118,53 +194,8 @@ fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weight
     std::fs::create_dir_all(&dir).unwrap();
     let lm = example("transformer_lm");
     let sp_lp = ["--sequence-parallel", "--loss-parallel"];
-    let clipped = ["--clip-norm", "0.5"];
-    let accumulated = ["--sgd", "--lr", "0.1", "--accumulate", "2"];
-    let fp16 = [
-        "--mixed-precision",
-        "fp16",
-        "--clip-norm",
-        "0.5",
-        "--loss-parallel",
-    ];
-    // After training, 5 held-out sequences evaluated through `forward_batch` and gathered over the data dimension
-    // (on 4 data-parallel replicas: 2, 1, 1, 1).
-    let eval = |stdout: &str| -> (usize, f64) {
-        let value = |key: &str| {
-            stdout
-                .lines()
-                .find_map(|l| l.strip_prefix(key))
-                .unwrap_or_else(|| panic!("no {key} in {stdout}"))
-                .to_string()
-        };
-        (
-            value("eval_samples=").parse().unwrap(),
-            value("eval_loss=").parse().unwrap(),
-        )
-    };
-    let mut reference = BTreeMap::new();
-    for (name, args) in [
-        ("adam", &[][..]),
-        ("clipped", &clipped[..]),
-        ("accumulated", &accumulated[..]),
-        ("fp16", &fp16[..]),
-    ] {
-        let path = dir.join(format!("{name}-one.bin"));
-        let run_args = [
-            &[
-                "--steps",
-                "20",
-                "--eval",
-                "5",
-                "--weights",
-                path.to_str().unwrap(),
-            ][..],
-            args,
-        ]
-        .concat();
-        let stdout = succeeded(&Command::new(&lm).args(&run_args).output().unwrap());
-        reference.insert(name, (floats(&path), eval(&stdout)));
-    }
+    let (clipped, accumulated, fp16) = (CLIPPED, ACCUMULATED, FP16);
+    let reference = references();
     assert!(max_abs_diff(&reference["adam"].0, &reference["clipped"].0) > 1e-3);
     let full = ["--tp-size", "2", "--sharding", "FULL_SHARD"];
     let hybrid = [
@@ -216,22 +247,10 @@ fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weight
     ];
     for (i, (case, np, args, one, bound)) in cases.into_iter().enumerate() {
         let path = dir.join(format!("case-{i}.bin"));
-        let run_args = [
-            &[
-                "--steps",
-                "20",
-                "--eval",
-                "5",
-                "--weights",
-                path.to_str().unwrap(),
-            ][..],
-            &args,
-        ]
-        .concat();
-        let stdout = succeeded(&mpirun(np, &lm, &run_args));
+        let stdout = evaluated_run(&lm, np, &path, &args);
         let (weights, (samples, loss)) = &reference[one];
         let diff = max_abs_diff(weights, &floats(&path));
-        let (got_samples, got_loss) = eval(&stdout);
+        let (got_samples, got_loss) = evaluation(&stdout);
         println!(
             "mpirun -np {np} {case}: max |Δ| = {diff:e}; evaluation: {got_samples} samples, loss {got_loss} (one \
              process: {loss})"
@@ -242,6 +261,98 @@ fn tensor_parallelism_over_sharded_data_parallelism_trains_to_one_process_weight
             (got_loss - loss).abs() <= f64::from(bound) * 10.0,
             "{case}: evaluation loss {got_loss} against {loss}"
         );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The weights `transformer_lm` saved with `--save-model` into `dir`, read back whole on one process.
+fn saved_weights(lm: &Path, dir: &Path) -> Vec<f32> {
+    let path = dir.with_extension("bin");
+    let out = Command::new(lm)
+        .args(["--steps", "0", "--load-pretrained", dir.to_str().unwrap()])
+        .args(["--weights", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    floats(&path)
+}
+
+/// A pipeline of tensor-parallel stages under `mpirun` (torchtitan's 3-D mesh): `pp` 2 × `tp` 2 (4 processes) and
+/// `pp` 2 × `tp` 2 × `dp` 2 (8, replicated and `FULL_SHARD`), each stage's layers split over its tensor-parallel
+/// ranks, each micro-batch's regions cut and finished within its stage: 20 steps end at one process's weights
+/// with Adam and sequence and loss parallelism, with the global norm clipped over every dimension, with 2
+/// micro-batches accumulated per step and activation checkpointing, and in fp16 within its bound; the model is
+/// saved whole from the stages' slices, and an evaluation through the stages returns every held-out sample once.
+#[test]
+fn a_pipeline_of_tensor_parallel_stages_trains_to_one_process_weights() {
+    let dir = std::env::temp_dir().join(format!("ba-pp-tp-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lm = example("transformer_lm");
+    let (clipped, accumulated, fp16) = (CLIPPED, ACCUMULATED, FP16);
+    let reference = references();
+    let pp_tp = ["--pp-size", "2", "--tp-size", "2"];
+    let cases: [(&str, usize, Vec<&str>, &str, f32); 4] = [
+        (
+            "pp 2 × tp 2, adam, sp lp",
+            4,
+            [
+                &pp_tp[..],
+                &["--sequence-parallel", "--loss-parallel", "--eval", "5"],
+            ]
+            .concat(),
+            "adam",
+            1e-5,
+        ),
+        (
+            "pp 2 × tp 2 × FULL_SHARD 2, clipped, sp",
+            8,
+            [
+                &pp_tp[..],
+                &clipped,
+                &["--sharding", "FULL_SHARD", "--sequence-parallel"],
+            ]
+            .concat(),
+            "clipped",
+            1e-5,
+        ),
+        (
+            "pp 2 × tp 2 × dp 2, sgd accumulated, checkpointed, gpipe",
+            8,
+            [
+                &pp_tp[..],
+                &accumulated,
+                &["--checkpointing", "--pp-schedule", "gpipe"],
+            ]
+            .concat(),
+            "accumulated",
+            1e-6,
+        ),
+        (
+            "pp 2 × tp 2, fp16 clipped, lp",
+            4,
+            [&pp_tp[..], &fp16].concat(),
+            "fp16",
+            3.5e-2,
+        ),
+    ];
+    for (i, (case, np, args, one, bound)) in cases.into_iter().enumerate() {
+        let saved = dir.join(format!("case-{i}"));
+        let run_args = [
+            &["--steps", "20", "--save-model", saved.to_str().unwrap()][..],
+            &args,
+        ]
+        .concat();
+        let stdout = succeeded(&mpirun(np, &lm, &run_args));
+        let diff = max_abs_diff(&reference[one].0, &saved_weights(&lm, &saved));
+        println!("mpirun -np {np} {case}: max |Δ| = {diff:e}");
+        assert!(diff <= bound, "{case}: max |Δ| = {diff:e} > {bound:e}");
+        if args.contains(&"--eval") {
+            assert!(stdout.contains("eval_samples=5\n"), "{stdout}");
+        }
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -541,8 +652,9 @@ fn save_model_under_tensor_parallelism_never_holds_the_whole_model_on_a_process(
 
 /// A training state saved under `mpirun` by `tp` 2 × `dp` 2 (4 processes, the data dimension `FULL_SHARD`: each
 /// process its rows of its tensor-parallel slices, 2-D splits in the manifest) resumes on one process, on `tp` 4
-/// and on `FULL_SHARD` 4 under `mpirun`, each process re-cutting its slices from the saved files: the 20 steps end
-/// within the parity bound of a straight run (Adam, 1e-5).
+/// and on `FULL_SHARD` 4 under `mpirun`, each process re-cutting its slices from the saved files; one saved by
+/// `pp` 2 × `tp` 2 × `FULL_SHARD` 2 (8 processes) resumes on one process: the 20 steps end within the parity bound
+/// of a straight run (Adam, 1e-5).
 #[test]
 fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
     let dir = std::env::temp_dir().join(format!("ba-tp-state-mpi-{}", std::process::id()));
@@ -612,5 +724,54 @@ fn a_state_saved_by_tp2_dp2_processes_resumes_on_one_process_and_on_tp4() {
         );
         assert!(diff <= 1e-5, "np {np} tp {tp}: max |Δ| = {diff:e}");
     }
+    // A pipeline of tensor-parallel stages sharded over the data dimension (8 processes, 3-D): resumed on one
+    // process, each parameter's pieces taken from the stage that holds them.
+    let state3d = dir.join("state-3d");
+    let state3d_arg = state3d.to_str().unwrap();
+    let saved = mpirun(
+        8,
+        &lm,
+        &[
+            "--pp-size",
+            "2",
+            "--tp-size",
+            "2",
+            "--sharding",
+            "FULL_SHARD",
+            "--steps",
+            "10",
+            "--state",
+            state3d_arg,
+            "--save-at",
+            "10",
+        ],
+    );
+    assert!(
+        saved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&saved.stderr)
+    );
+    let out_path = dir.join("resumed-3d.bin");
+    let stdout = succeeded(
+        &Command::new(&lm)
+            .args([
+                "--steps",
+                "20",
+                "--state",
+                state3d_arg,
+                "--resume",
+                "--weights",
+            ])
+            .arg(&out_path)
+            .output()
+            .unwrap(),
+    );
+    assert!(stdout.contains("resumed after step 10"), "{stdout}");
+    let diff = max_abs_diff(&floats(&straight), &floats(&out_path));
+    println!("pp 2 × tp 2 × FULL_SHARD 2 state resumed on 1 process: max |Δ| = {diff:e}");
+    assert!(
+        diff <= 1e-5,
+        "pp 2 × tp 2 × FULL_SHARD 2 on one process: max |Δ| = {diff:e}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -195,6 +195,53 @@ fn the_transformer_example_split_over_2_and_4_ranks_trains_to_one_process_weight
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A pipeline of tensor-parallel stages on in-process ranks: `pp` 2 × `tp` 2 (4 ranks) with sequence and loss
+/// parallelism, and with activation checkpointing, trains to one process's weights (SGD, 1e-6); the model is saved
+/// whole from the stages' slices (`--save-model`) and read back on one process.
+#[test]
+fn a_pipeline_of_tensor_parallel_stages_trains_to_one_process_weights() {
+    let dir = scratch("pp-tp");
+    let sgd = ["--sgd", "--lr", "0.1"];
+    let one = lm_weights(&dir, "sgd-1", &sgd);
+    for (case, extra) in [
+        ("sp lp", &["--sequence-parallel", "--loss-parallel"][..]),
+        (
+            "checkpointed, 1f1b",
+            &["--checkpointing", "--pp-microbatches", "4"][..],
+        ),
+    ] {
+        let saved = dir.join(format!("model-{}", case.len()));
+        let saved_arg = saved.to_str().unwrap();
+        let args = [
+            &sgd[..],
+            &["--processes", "4", "--pp-size", "2", "--tp-size", "2"],
+            &["--save-model", saved_arg],
+            extra,
+        ]
+        .concat();
+        let out = Command::new(examples::example("transformer_lm"))
+            .args(["--steps", "20"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("step  20 loss"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let split = lm_weights_after(
+            &dir,
+            &format!("loaded-{}", case.len()),
+            0,
+            &["--load-pretrained", saved_arg],
+        );
+        let diff = max_abs_diff(&one, &split);
+        println!("transformer_lm pp 2 × tp 2 {case}: max |Δ| = {diff:e}");
+        assert!(diff <= 1e-6, "pp 2 × tp 2 {case}: max |Δ| = {diff:e}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The vocabulary-parallel cross-entropy of each rank's columns of the logits is Burn's `CrossEntropyLoss` of the
 /// whole logits, and each rank's gradient its columns of the whole gradient; whole logits on a split group take
 /// the plain path.
@@ -589,17 +636,17 @@ fn a_plan_that_does_not_fit_the_model_says_so_before_the_first_step() {
             && err.contains("does not divide its 32 output features"),
         "{err}"
     );
-    // Tensor parallelism composes with data parallelism, not yet with a pipeline.
+    // Under a pipeline each stage keeps its blocks: a model of blocks is prepared for it.
     let err = Accelerator::builder()
         .tp_size(2)
         .pp_size(2)
-        .launch(4, |_| Ok(()))
+        .launch(4, |acc| {
+            acc.prepare_tensor_parallel(Stack::new(acc.device()), &Stack::plan())
+                .map(|_| ())
+        })
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("tp_size") && err.contains("pp_size 2"),
-        "{err}"
-    );
+    assert!(err.contains("prepare_tensor_parallel_blocks"), "{err}");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! A rank's parallelisms composed on its mesh: the mesh built once from the settings, the data-parallel strategy
-//! on its data-parallel group, and a pipeline stage where `pp` > 1. The facade keeps what this returns and
-//! dispatches to it; nothing asks a strategy what it is.
+//! on its data-parallel group, the tensor-parallel strategy over it where `tp` > 1, and a pipeline stage over
+//! either where `pp` > 1 (`Staged` → `TensorParallel` → a data-parallel strategy, torchtitan's 3-D mesh). The
+//! facade keeps what this returns and dispatches to it; nothing asks a strategy what it is.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,7 +25,7 @@ pub(crate) struct Parallelized {
     pub strategy: Arc<dyn Strategy>,
     /// This rank's pipeline stage, with `pp` > 1.
     pub stages: Option<Arc<Stages>>,
-    /// This rank's tensor-parallel strategy (the same as `strategy`), with `tp` > 1.
+    /// This rank's tensor-parallel strategy, with `tp` > 1: `strategy` itself, or under a pipeline the stage's.
     pub tensor: Option<Arc<TensorParallel>>,
 }
 
@@ -37,12 +38,17 @@ impl Parallelized {
     pub fn build(world: &Arc<ProcessGroup>, config: &AcceleratorConfig) -> Result<Self> {
         let mesh = Mesh::build(world, config)?;
         if mesh.dims.pp > 1 {
-            let (strategy, stages) = for_mesh(&mesh, config)?;
+            // Each stage's ranks tensor-parallel groups where `tp` > 1, the stage's strategy theirs.
+            let tensor = match mesh.tp.clone() {
+                Some(tp) => Some(Arc::new(for_tensor_parallel(&mesh, &tp, config)?)),
+                None => None,
+            };
+            let (strategy, stages) = for_mesh(&mesh, config, tensor.clone())?;
             return Ok(Self {
                 mesh,
                 strategy,
                 stages: Some(stages),
-                tensor: None,
+                tensor,
             });
         }
         if let Some(tp) = mesh.tp.clone() {
@@ -75,7 +81,8 @@ impl Parallelized {
 
 /// The strategy of a tensor-parallel rank of `mesh` (its group `tp`): its data-parallel group's strategy, with
 /// the collectives of the tensor-parallel regions on the device path where the ranks have one (in-process ranks
-/// sharing a device hand each other the tensors), and the initial weights from rank 0 of the whole run.
+/// sharing a device hand each other the tensors), and the initial weights from rank 0 of the whole run (of its
+/// stage, under a pipeline: the stage's strategy hands them on to it).
 ///
 /// # Errors
 /// A strategy or a transport that cannot be built.
@@ -92,7 +99,7 @@ fn for_tensor_parallel(
         crate::distributed::tensor_comm::on_device::Exchanges::Shards,
     )?;
     let (world, _) = crate::distributed::tensor_comm::select_transport(
-        &mesh.world,
+        mesh.stage.as_ref().unwrap_or(&mesh.world),
         config.distributed.gradient_transport,
         config.collective_timeout(),
         crate::distributed::tensor_comm::on_device::Exchanges::Messages,
@@ -122,14 +129,16 @@ fn for_tensor_parallel(
     })
 }
 
-/// The strategy of a pipelined rank of `mesh` under `config`: its data-parallel group's strategy (the ranks of its
-/// stage) wrapped in `Staged`, and what its pipelined steps share.
+/// The strategy of a pipelined rank of `mesh` under `config`: its stage's strategy (its data-parallel group's, or
+/// `tensor`, its tensor-parallel one's over the data-parallel group) wrapped in `Staged`, and what its pipelined
+/// steps share.
 ///
 /// # Errors
 /// A mesh without a pipeline; a strategy that cannot be built.
 pub(crate) fn for_mesh(
     mesh: &Mesh,
     config: &AcceleratorConfig,
+    tensor: Option<Arc<TensorParallel>>,
 ) -> Result<(Arc<dyn Strategy>, Arc<Stages>)> {
     let group = &mesh.world;
     let pipe = mesh.pp.clone().ok_or_else(|| {
@@ -144,7 +153,10 @@ pub(crate) fn for_mesh(
         replica: mesh.coords.dp(&mesh.dims),
         replicas: mesh.dims.dp(),
     };
-    let inner = for_data_parallel(mesh, config)?;
+    let inner: Arc<dyn Strategy> = match tensor {
+        Some(tensor) => tensor,
+        None => for_data_parallel(mesh, config)?,
+    };
     // Activations and their gradients go where the gradient transport goes: the device where it can (in-process
     // stages sharing a GPU hand each other the tensors), host memory otherwise.
     let (stage_comm, choice) = crate::distributed::tensor_comm::select_transport(
@@ -177,6 +189,7 @@ pub(crate) fn for_mesh(
     }
     let stages = Arc::new(Stages {
         layout,
+        stage_ranks: mesh.dims.dp() * mesh.dims.tp,
         comm: stage_comm,
         schedule: config.pipeline.pp_schedule,
         micro_batches: config.pipeline.microbatches(),

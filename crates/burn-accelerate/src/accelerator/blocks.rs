@@ -270,14 +270,15 @@ impl Accelerator {
         M: Blocks,
         B: crate::Split,
     {
-        match &self.stage {
+        // No backward pass follows: the tensor-parallel regions' cuts are dropped, the tape left as it was.
+        crate::tensor_parallel::cut::without_cuts(|| match &self.stage {
             Some(stage) => self
                 .step
                 .forward_staged(stage, model, batch, (before, block, after)),
             None => self
                 .step
                 .forward_whole(model, batch, (before, block, after)),
-        }
+        })
     }
 
     /// [`prepare_model`](Self::prepare_model) for a model made of blocks: under a pipeline (`pp_size` > 1) this

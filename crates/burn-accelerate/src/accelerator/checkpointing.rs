@@ -454,16 +454,16 @@ fn every_stage_splits(
             (split, held && trains)
         })
         .collect();
-    let replicas = stages.layout.replicas;
+    let ranks = stages.stage_ranks;
     let mut by_id: std::collections::BTreeMap<
         u64,
         (crate::checkpoint::repartition::SavedSplit, bool),
     > = Default::default();
     for (rank, splits) in accelerator.gather_object(&mine)?.into_iter().enumerate() {
-        let stage = rank / replicas;
+        let stage = rank / ranks;
         for (mut split, trains) in splits {
             if trains {
-                split.holders = Some(stage * replicas..(stage + 1) * replicas);
+                split.holders = Some(stage * ranks..(stage + 1) * ranks);
             }
             match by_id.get(&split.id) {
                 Some((_, true)) => {}

@@ -36,20 +36,51 @@ impl Accelerator {
         model: M,
         plan: &TensorParallelPlan,
     ) -> Result<M> {
+        if self.stage().is_some() {
+            return Err(Error::InvalidArgument(
+                "prepare_tensor_parallel under a pipeline (pp_size > 1): each stage keeps its own blocks; prepare \
+                 the model with `accelerator.prepare_tensor_parallel_blocks(model, &plan)`"
+                    .into(),
+            ));
+        }
+        self.apply_plan(&model, plan)?;
+        self.prepare_model(model)
+    }
+
+    /// [`prepare_tensor_parallel`](Self::prepare_tensor_parallel) for a model made of blocks, under a pipeline
+    /// too: each stage keeps only its blocks, as [`prepare_blocks`](Self::prepare_blocks) does, each split by
+    /// `plan` over the stage's tensor-parallel ranks (`pp` × `tp` × `dp`: torchtitan's 3-D mesh). Without a
+    /// pipeline, the same as `prepare_tensor_parallel`; with `tp_size` 1, the same as `prepare_blocks`.
+    ///
+    /// # Errors
+    /// As [`prepare_tensor_parallel`](Self::prepare_tensor_parallel) and
+    /// [`prepare_blocks`](Self::prepare_blocks).
+    pub fn prepare_tensor_parallel_blocks<M: crate::Blocks>(
+        &self,
+        model: M,
+        plan: &TensorParallelPlan,
+    ) -> Result<M> {
+        self.apply_plan(&model, plan)?;
+        self.prepare_blocks(model)
+    }
+
+    /// Resolves `plan` against `model` (on every rank alike) and, under tensor parallelism, tells the strategy
+    /// which parameters it splits, under rank 0's ids.
+    fn apply_plan<M: Module>(&self, model: &M, plan: &TensorParallelPlan) -> Result<()> {
         let tp = self.parallel_dims().tp;
-        let resolved = plan.resolve(&model, tp)?;
+        let resolved = plan.resolve(model, tp)?;
         let Some(tensor) = &self.tensor else {
-            return self.prepare_model(model);
+            return Ok(());
         };
         // The plan resolved alike on every rank (the same model); the split parameters under rank 0's ids, which
         // every rank's parameters take on arrival.
-        let ids: Vec<u64> = crate::grad::param_ids(&model)
+        let ids: Vec<u64> = crate::grad::param_ids(model)
             .iter()
             .map(|id| id.val())
             .collect();
         let ids = self.broadcast_object(&ids, 0)?;
         let mut floats = Vec::new();
-        crate::named_params::floats(&model, |p| floats.push(p.id()));
+        crate::named_params::floats(model, |p| floats.push(p.id()));
         if floats.len() != resolved.dims.len() || floats.len() != ids.len() {
             return Err(Error::InvalidArgument(format!(
                 "prepare_tensor_parallel: the model has {} float parameters here and {} on rank 0: every rank \
@@ -78,7 +109,7 @@ impl Accelerator {
             );
         }
         tensor.add_splits(splits);
-        self.prepare_model(model)
+        Ok(())
     }
 
     /// Under tensor parallelism, a model prepared without a plan would train whole on every rank of a group, each

@@ -90,7 +90,7 @@ impl ParallelDims {
     ///
     /// # Errors
     /// A size of 0; `pp_size` × `tp_size` × `cp_size` not dividing the ranks; a `dp_shard_size` that does not divide
-    /// the data-parallel ranks; `tp_size` above 1 with a pipeline; `cp_size` above 1 (not
+    /// the data-parallel ranks; `cp_size` above 1 (not
     /// available yet). Each error names its setting and how to set it.
     pub fn from_config(
         config: &AcceleratorConfig,
@@ -115,18 +115,6 @@ impl ParallelDims {
                 ));
             }
             if size > 1 && name == "tp_size" {
-                if pp > 1 {
-                    return Err(Error::config(
-                        name,
-                        size.to_string(),
-                        "configuration",
-                        format!(
-                            "1 with pp_size {pp}: tensor parallelism composes with data parallelism (NO_SHARD, \
-                             SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD) but not yet with a pipeline; set pp_size to \
-                             1, or tp_size to 1"
-                        ),
-                    ));
-                }
                 continue;
             }
             if size > 1 {
@@ -248,6 +236,9 @@ pub(crate) struct Mesh {
     /// This rank's tensor-parallel group (the ranks of its data-parallel index), numbered by `tp` coordinate;
     /// `None` with `tp` 1.
     pub tp: Option<Arc<ProcessGroup>>,
+    /// Under a pipeline of tensor-parallel groups: the ranks of this rank's stage (its data-parallel and
+    /// tensor-parallel ranks), numbered `dp × tp`; `None` otherwise.
+    pub stage: Option<Arc<ProcessGroup>>,
     /// Under a hybrid strategy over more than one data-parallel rank: the shard group (`dp_shard` consecutive ranks
     /// of `dp`) and the replica group (the `dp_replicate` ranks holding the same slice), in that order.
     pub hybrid: Option<(Arc<ProcessGroup>, Arc<ProcessGroup>)>,
@@ -274,6 +265,7 @@ impl Mesh {
             dp: world.clone(),
             pp: None,
             tp: None,
+            stage: None,
             hybrid: None,
         }
     }
@@ -283,18 +275,28 @@ impl Mesh {
         let dp_index = coords.dp(&dims);
         // Every rank splits in the same order: its stage's data-parallel group, then its replica's pipeline, then a
         // hybrid strategy's shard and replica groups within the data-parallel group.
-        let (dp, pp, tp) = if dims.pp > 1 {
+        let (dp, pp, tp, stage) = if dims.pp > 1 && dims.tp > 1 {
+            // A stage's ranks of one tensor-parallel index read different data; a replica's ranks of one stage form
+            // a tensor-parallel group; the ranks of one data-parallel and tensor-parallel index, one per stage, a
+            // pipeline.
+            let (pp_i, tp_i) = (coords.pp, coords.tp);
+            let dp = Arc::new(world.split(pp_i * dims.tp + tp_i, dp_index)?);
+            let pp = Arc::new(world.split(dp_index * dims.tp + tp_i, pp_i)?);
+            let tp = Arc::new(world.split(pp_i * dims.dp() + dp_index, tp_i)?);
+            let stage = Arc::new(world.split(pp_i, dp_index * dims.tp + tp_i)?);
+            (dp, Some(pp), Some(tp), Some(stage))
+        } else if dims.pp > 1 {
             let dp = Arc::new(world.split(coords.pp, dp_index)?);
             let pp = Arc::new(world.split(dp_index, coords.pp)?);
-            (dp, Some(pp), None)
+            (dp, Some(pp), None, None)
         } else if dims.tp > 1 {
             // The ranks of one tensor-parallel index read different data; those of one data-parallel index form a
             // tensor-parallel group.
             let dp = Arc::new(world.split(coords.tp, dp_index)?);
             let tp = Arc::new(world.split(dp_index, coords.tp)?);
-            (dp, None, Some(tp))
+            (dp, None, Some(tp), None)
         } else {
-            (world.clone(), None, None)
+            (world.clone(), None, None, None)
         };
         let hybrid = if hybrid && dims.dp() > 1 {
             Some(hybrid_groups(&dp, dims.dp_shard)?)
@@ -308,6 +310,7 @@ impl Mesh {
             dp,
             pp,
             tp,
+            stage,
             hybrid,
         })
     }
@@ -410,15 +413,13 @@ mod tests {
             err.contains("cp_size") && err.contains("not available yet"),
             "{err}"
         );
+        // A pipeline of tensor-parallel stages: rank 6 is stage 1's replica 1, its tensor-parallel rank 0.
         let mut c = config(2, ShardingStrategy::NoShard, None);
         c.distributed.tp_size = 2;
-        let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
-        assert!(
-            err.contains("tp_size")
-                && err.contains("pp_size 2")
-                && err.contains("set pp_size to 1"),
-            "{err}"
-        );
+        let dims = ParallelDims::from_config(&c, 8, 8).unwrap();
+        assert_eq!((dims.pp, dims.dp_replicate, dims.tp), (2, 2, 2));
+        let c6 = dims.coords(6);
+        assert_eq!((c6.pp, c6.dp(&dims), c6.tp), (1, 1, 0));
         // Sharded strategies shard over the ranks of one tensor-parallel index: FSDP2 + TP.
         let mut c = config(1, ShardingStrategy::FullShard, None);
         c.distributed.tp_size = 2;

@@ -56,8 +56,12 @@ pub fn measure_block_costs<B, const D: usize>(
         for run in 0..=repeats {
             let start = Instant::now();
             let input = x.clone().require_grad();
-            let y = block(b, input.clone());
-            let grads = y.clone().sum().backward();
+            // A timing pass: a tensor-parallel block's cuts are dropped, not finished, the tape left as it was.
+            let (y, grads) = crate::tensor_parallel::cut::without_cuts(|| {
+                let y = block(b, input.clone());
+                let grads = y.clone().sum().backward();
+                (y, grads)
+            });
             // Reading one value waits for the device (a GPU backend queues its work).
             if let Some(g) = input.grad(&grads) {
                 g.sum().into_data();

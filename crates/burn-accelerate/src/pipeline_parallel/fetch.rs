@@ -41,7 +41,6 @@ impl StageFetcher {
         world: Arc<dyn TensorComm>,
         whole: &M,
     ) -> Result<Self> {
-        let layout = stages.layout;
         let ranges = stages.blocks_of(whole)?;
         let mut block_stage: HashMap<ParamId, usize> = HashMap::new();
         for (i, block) in whole.blocks().iter().enumerate() {
@@ -79,7 +78,7 @@ impl StageFetcher {
                     .copied()
                     .unwrap_or(0);
                 let fetched = Fetched {
-                    root: stage * layout.replicas,
+                    root: stage * stages.stage_ranks,
                     dims,
                     own: value(),
                     place,

@@ -30,6 +30,7 @@ mod checks;
 mod window;
 mod forward;
 mod tops;
+mod recompute;
 
 use checks::*;
 pub(crate) use tops::Tops;
@@ -40,7 +41,7 @@ use mailbox::{Mailbox, micros};
 use tied::sum_tied;
 
 use crate::distributed::comm::ReduceOp;
-use crate::distributed::strategy::{BlockPass, trainable_params, unshard, unshard_except};
+use crate::distributed::strategy::{BlockPass, unshard, unshard_except};
 use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
 use crate::grad::param_ids;
@@ -51,6 +52,7 @@ use crate::pipeline_parallel::schedule::{Pass, stage_passes};
 use crate::pipeline_parallel::{SpanKind, StageTrace, TraceSpan};
 use crate::step::StepPipeline;
 use crate::step::block_wise::{BlockSeeds, generator};
+use crate::tensor_parallel::cut::{self, Tape};
 
 /// What a forward pass left for its backward pass: the graph of each of the stage's blocks apart, cut at every
 /// block's input, so that a backward pass runs block by block from the last, adding each block's gradients to the
@@ -72,6 +74,11 @@ struct Live<const D: usize> {
     end: Option<End<D>>,
     /// Under a sharded stage, what `before` and `after` run again in the backward pass (see [`Deferred`]).
     deferred: Option<Deferred<D>>,
+    /// The tensor-parallel cuts of each graph the backward pass runs (see `tensor_parallel::cut`), taken off the
+    /// tape as the forward pass made them: one per block, from the first (the first's holding `before`'s, the
+    /// last's `after`'s); under activation checkpointing, `after`'s (`before`'s go with [`Recompute`], the blocks'
+    /// are made again by their recompute). Empty without tensor parallelism.
+    tapes: Vec<Tape>,
 }
 
 /// Under a sharded stage (`FULL_SHARD`, the hybrids), what is outside the blocks (the embeddings on the first
@@ -98,6 +105,8 @@ struct Recompute<const D: usize> {
     draws: bool,
     /// On the last stage, the last block's output tracked anew: where the loss's graph starts.
     top: Option<Tensor<D>>,
+    /// The tensor-parallel cuts of `before`'s graph (the first stage's), for its backward pass.
+    before_cuts: Tape,
 }
 
 /// Where a stage's last graph ends.
@@ -203,11 +212,12 @@ impl StepPipeline {
                     let deferred_before =
                         |seeds: &BlockSeeds| -> Result<(Tensor<D>, Option<Tensor<D>>)> {
                             let rest = gather_rest()?;
-                            let h = {
+                            // Its graph is made anew in the backward pass, with its cuts.
+                            let h = cut::without_cuts(|| {
                                 let _generator = self.blocks_draw().then(generator);
                                 seeds.before_rest(&device);
                                 before(&rest, &parts[i])
-                            };
+                            });
                             let trains = h.is_tracked();
                             let h = match trains {
                                 true => h.detach().require_grad(),
@@ -220,11 +230,11 @@ impl StepPipeline {
                     let deferred_after =
                         |top: &Tensor<D>, seeds: &BlockSeeds| -> Result<Tensor<1>> {
                             let rest = gather_rest()?;
-                            let loss = {
+                            let loss = cut::without_cuts(|| {
                                 let _generator = self.blocks_draw().then(generator);
                                 seeds.before_after(&device);
                                 after(&rest, top.clone(), &parts[i])
-                            };
+                            });
                             tracked(&loss)?;
                             Ok(loss.detach())
                         };
@@ -247,8 +257,10 @@ impl StepPipeline {
                             (None, None) => before(&whole, &parts[i]),
                         };
                         let mut cuts = Vec::with_capacity(blocks.len().saturating_sub(1));
+                        let mut tapes = Vec::with_capacity(blocks.len());
                         for (j, b) in blocks.iter().enumerate() {
                             if j > 0 {
+                                tapes.push(cut::take_tape());
                                 let next = y.clone().detach().require_grad();
                                 cuts.push((y, next.clone()));
                                 y = next;
@@ -258,6 +270,7 @@ impl StepPipeline {
                         keep_top(i, &y);
                         let end = match (last, &mut deferred) {
                             (true, Some(d)) => {
+                                tapes.push(cut::take_tape());
                                 let top = y.clone().detach().require_grad();
                                 cuts.push((y, top.clone()));
                                 let value = deferred_after(&top, &d.seeds)?;
@@ -267,9 +280,13 @@ impl StepPipeline {
                             (true, None) => {
                                 let loss = after(&whole, y, &parts[i]);
                                 tracked(&loss)?;
+                                tapes.push(cut::take_tape());
                                 End::Loss(loss)
                             }
-                            (false, _) => End::Output(y),
+                            (false, _) => {
+                                tapes.push(cut::take_tape());
+                                End::Output(y)
+                            }
                         };
                         Ok(Live {
                             input: input.clone(),
@@ -277,6 +294,7 @@ impl StepPipeline {
                             recompute: None,
                             end: Some(end),
                             deferred,
+                            tapes,
                         })
                     };
                     // Activation checkpointing: the blocks run without a graph, keeping only their inputs.
@@ -301,6 +319,8 @@ impl StepPipeline {
                                 before(&whole, &parts[i])
                             }
                         };
+                        // `before`'s graph's cuts (the first stage's), for its backward pass.
+                        let before_cuts = cut::take_tape();
                         let seeds = self.pass_seeds(&device)?;
                         let mut draws = self.blocks_draw();
                         let mut inputs = Vec::with_capacity(frozen.len());
@@ -323,6 +343,8 @@ impl StepPipeline {
                             };
                         }
                         keep_top(i, &y);
+                        // The blocks ran without a graph: their recompute makes their cuts again.
+                        drop(cut::take_tape());
                         let (end, top) = match (last, &mut deferred) {
                             (true, Some(d)) => {
                                 let top = y.require_grad();
@@ -349,9 +371,12 @@ impl StepPipeline {
                                 seeds,
                                 draws,
                                 top,
+                                before_cuts,
                             }),
                             end: Some(end),
                             deferred,
+                            // `after`'s graph's cuts (the last stage's).
+                            tapes: vec![cut::take_tape()],
                         })
                     };
                     let kept = match failure {
@@ -372,6 +397,7 @@ impl StepPipeline {
                         recompute: None,
                         end: None,
                         deferred: None,
+                        tapes: Vec::new(),
                     });
                     if !last {
                         let sent = match &kept.end {
@@ -399,6 +425,7 @@ impl StepPipeline {
                         recompute,
                         end,
                         deferred,
+                        mut tapes,
                     } = live.remove(&i).ok_or_else(|| {
                         Error::other(format!(
                             "backward_batch: micro-batch {i} was not run forward"
@@ -425,7 +452,7 @@ impl StepPipeline {
                     let start = Instant::now();
                     // The loss's graph made anew on the head gathered for it (see `Deferred`): its gradients
                     // collected, the head freed, the gradient of the blocks' output returned.
-                    let deferred_loss = |d: &Deferred<D>| -> Result<burn::tensor::Gradients> {
+                    let deferred_loss = |d: &Deferred<D>| -> Result<cut::Passes> {
                         let top = d
                             .top
                             .as_ref()
@@ -436,7 +463,7 @@ impl StepPipeline {
                             d.seeds.before_after(&device);
                             after(&rest, top.clone(), &parts[i])
                         };
-                        let mut grads = self.precision().scale_loss(loss).backward();
+                        let mut grads = cut::backward(self.precision().scale_loss(loss))?;
                         self.shared.lock().grads.collect(&rest, &mut grads);
                         Ok(grads)
                     };
@@ -449,7 +476,7 @@ impl StepPipeline {
                             d.seeds.before_rest(&device);
                             before(&rest, &parts[i])
                         };
-                        let mut grads = (h * g).sum().backward();
+                        let mut grads = cut::backward((h * g).sum())?;
                         self.shared.lock().grads.collect(&rest, &mut grads);
                         drop((grads, rest));
                         crate::heap::release_free_heap();
@@ -457,10 +484,13 @@ impl StepPipeline {
                     };
                     let backward = || -> Result<Option<Tensor<D>>> {
                         if let Some(recompute) = recompute {
+                            let after_cuts = tapes.pop().unwrap_or_default();
                             let g = match end {
                                 Some(End::Loss(loss)) => {
                                     losses[i] = Some(loss.clone().detach());
-                                    let mut grads = self.precision().scale_loss(loss).backward();
+                                    cut::restore_tape(after_cuts);
+                                    let mut grads =
+                                        cut::backward(self.precision().scale_loss(loss))?;
                                     let top = recompute.top.as_ref().ok_or_else(|| {
                                         Error::other("the last stage kept no output")
                                     })?;
@@ -507,7 +537,8 @@ impl StepPipeline {
                         let mut grads = match end {
                             Some(End::Loss(loss)) => {
                                 losses[i] = Some(loss.clone().detach());
-                                self.precision().scale_loss(loss).backward()
+                                cut::restore_tape(tapes.pop().unwrap_or_default());
+                                cut::backward(self.precision().scale_loss(loss))?
                             }
                             Some(End::Deferred(value)) => {
                                 losses[i] = Some(value);
@@ -519,7 +550,8 @@ impl StepPipeline {
                             Some(End::Output(y)) if !y.is_tracked() => return Ok(None),
                             Some(End::Output(y)) => {
                                 let g = g.ok_or_else(|| Error::other("no gradient came back"))?;
-                                (y * g).sum().backward()
+                                cut::restore_tape(tapes.pop().unwrap_or_default());
+                                cut::backward((y * g).sum())?
                             }
                             None => return Err(Error::other("the forward pass did not run")),
                         };
@@ -535,7 +567,9 @@ impl StepPipeline {
                                 // `before`): nothing below needs a gradient.
                                 return Ok(None);
                             }
-                            grads = (output * g).sum().backward();
+                            // The block's graph, with the cuts its forward pass recorded.
+                            cut::restore_tape(tapes.pop().unwrap_or_default());
+                            grads = cut::backward((output * g).sum())?;
                         }
                         let dx = match &input {
                             Some(x) => Some(input_grad(x, &mut grads, s)?),
@@ -623,73 +657,5 @@ impl StepPipeline {
             spans: mail.spans,
         });
         Ok(loss)
-    }
-
-    /// A checkpointed micro-batch's backward pass on stage `s`: each block recomputed with a graph, from the last,
-    /// with the seeds of its forward pass, its gradients added to the window's before the block before it runs,
-    /// from `g`, the gradient of the stage's output; returns the gradient of the stage's input (none on the first
-    /// stage, where it goes on into `before`'s graph, the embeddings'; but the gradient of `before`'s output where
-    /// `embed_deferred`: the caller runs `before` anew).
-    fn recompute_backward<M: Blocks, const D: usize>(
-        &self,
-        whole: &M,
-        blocks: &[M::Block],
-        block: &impl Fn(&M::Block, Tensor<D>) -> Tensor<D>,
-        recompute: Recompute<D>,
-        mut g: Tensor<D>,
-        (s, device, embed_deferred): (usize, &burn::tensor::Device, bool),
-    ) -> Result<Option<Tensor<D>>> {
-        let Recompute {
-            inputs,
-            seeds,
-            draws,
-            ..
-        } = recompute;
-        let first = inputs.first().cloned();
-        // On the first stage, below the lowest block that trains nothing needs a gradient when `before` is frozen
-        // too: those blocks are not recomputed. A later stage sends its input's gradient back, so recomputes all.
-        let lowest = match (s, &first) {
-            (0, Some(h0)) if !h0.is_tracked() => blocks
-                .iter()
-                .position(|b| !trainable_params(b).is_empty())
-                .unwrap_or(blocks.len()),
-            _ => 0,
-        };
-        for (j, (b, stored)) in blocks.iter().zip(inputs).enumerate().skip(lowest).rev() {
-            let needs_input_grad =
-                s > 0 || j > lowest || first.as_ref().is_some_and(|h| h.is_tracked());
-            // A received activation is the leaf its gradient is read from; any other input starts a graph anew.
-            let x = match (j, s) {
-                (0, 1..) => stored,
-                _ if needs_input_grad => stored.detach().require_grad(),
-                _ => stored.detach(),
-            };
-            let y = {
-                let _generator = draws.then(generator);
-                seeds.before_block(device, j);
-                block(b, x.clone())
-            };
-            let mut grads = (y * g.clone()).sum().backward();
-            if needs_input_grad {
-                g = input_grad(&x, &mut grads, s)?;
-            }
-            self.shared.lock().grads.collect(whole, &mut grads);
-        }
-        if lowest > 0 {
-            return Ok(None);
-        }
-        if embed_deferred && s == 0 {
-            // The embeddings are made anew by the caller (see `Deferred`): the gradient of their output.
-            return Ok(Some(g));
-        }
-        match first {
-            Some(h0) if s == 0 && h0.is_tracked() => {
-                let mut grads = (h0 * g).sum().backward();
-                self.shared.lock().grads.collect(whole, &mut grads);
-                Ok(None)
-            }
-            _ if s == 0 => Ok(None),
-            _ => Ok(Some(g)),
-        }
     }
 }

@@ -47,6 +47,9 @@ impl PipelineLayout {
 pub(crate) struct Stages {
     /// This rank's place in the mesh.
     pub layout: PipelineLayout,
+    /// The ranks of one stage: its data-parallel replicas times its tensor-parallel ranks (rank `r` runs stage
+    /// `r / stage_ranks`).
+    pub stage_ranks: usize,
     /// The ranks of this replica's pipeline, one per stage, numbered by stage.
     pub comm: Arc<dyn TensorComm>,
     /// How each stage orders its passes.

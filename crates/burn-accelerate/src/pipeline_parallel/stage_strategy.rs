@@ -11,8 +11,8 @@ use burn::tensor::Tensor;
 use super::stage::Stages;
 use crate::distributed::DistributedType;
 use crate::distributed::strategy::{
-    Arriving, BlockPass, FinishReduce, FinishUnshard, GradientSync, ModuleParams, ParamFetcher,
-    ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
+    Arriving, BlockPass, CheckpointCut, FinishReduce, FinishUnshard, GradientSync, ModuleParams,
+    ParamFetcher, ParamPlacement, Slicing, StateScope, StateScopes, Strategy, StrategyInfo,
 };
 use crate::distributed::tensor_comm::TensorComm;
 use crate::error::Result;
@@ -186,6 +186,15 @@ impl ParamPlacement for Staged {
         self.inner.slicings()
     }
 
+    /// The stage's strategy's (a tensor-parallel stage's splits).
+    fn checkpoint_slicing(&self, id: ParamId) -> Option<CheckpointCut> {
+        self.inner.checkpoint_slicing(id)
+    }
+
+    fn checkpoint_slicings(&self) -> Vec<(ParamId, CheckpointCut)> {
+        self.inner.checkpoint_slicings()
+    }
+
     /// Rank 0's value (the run's initial weights) on the ranks that keep it, then kept as the stage's strategy
     /// keeps it: a block's parameter is sent only to the ranks of the stage that runs it, one outside the blocks
     /// to those of the first and the last stage, and each arrives elsewhere as an empty placeholder (no rank
@@ -215,10 +224,10 @@ impl ParamPlacement for Staged {
                 .inner
                 .arrive(id, dims, trains, Arriving::Value(whole), 0);
         }
-        let replicas = self.stages.layout.replicas;
+        let ranks = self.stages.stage_ranks;
         let mut holders: Vec<usize> = keepers
             .iter()
-            .flat_map(|stage| stage * replicas..(stage + 1) * replicas)
+            .flat_map(|stage| stage * ranks..(stage + 1) * ranks)
             .collect();
         holders.dedup();
         let me = self.world.rank();

@@ -117,7 +117,18 @@ pub(crate) fn restore_tape(tape: Tape) {
 }
 
 /// Cuts taken off the tape.
+#[derive(Default)]
 pub(crate) struct Tape(Vec<Box<dyn PendingCut>>);
+
+/// Runs `f`, a pass no backward pass follows (an evaluation, a value-only pass whose graph is made anew later),
+/// leaving the tape as it was: the cuts `f` records are dropped.
+pub(crate) fn without_cuts<T>(f: impl FnOnce() -> T) -> T {
+    let pending = take_tape();
+    let out = f();
+    drop(take_tape());
+    restore_tape(pending);
+    out
+}
 
 /// The group of a split layer's forward pass. A split layer on a thread without its group (one that created no
 /// accelerator, among several in-process ranks) would compute a part as if it were the whole: it stops there.

@@ -29,7 +29,7 @@ pub(super) fn check_stages_agree(
 ) -> Result<()> {
     let layout = stages.layout;
     let mine = StageStep {
-        rank: layout.stage * layout.replicas + layout.replica,
+        rank: stages.world.rank(),
         stage: layout.stage,
         stages: layout.stages,
         micro_batches: stages.micro_batches,
@@ -196,7 +196,7 @@ pub(super) fn verdict(
         Some(Failure::Here(Caught::Error(e))) => e,
         _ => {
             let rank = (verdict / 2.0) as usize;
-            let stage = rank / stages.layout.replicas.max(1);
+            let stage = rank / stages.stage_ranks.max(1);
             Error::OtherRankFailed {
                 operation,
                 rank,
@@ -244,10 +244,10 @@ pub(super) fn tracked(loss: &Tensor<1>) -> Result<()> {
 /// None: the blocks' output does not depend on `x`.
 pub(super) fn input_grad<const D: usize>(
     x: &Tensor<D>,
-    grads: &mut burn::tensor::Gradients,
+    grads: &mut crate::tensor_parallel::cut::Passes,
     s: usize,
 ) -> Result<Tensor<D>> {
-    x.grad_remove(grads).ok_or_else(|| {
+    grads.remove(x).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "backward_batch: stage {s}'s output does not depend on a block's input; `block` must compute each \
              block's output from the activation it is given"
