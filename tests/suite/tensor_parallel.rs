@@ -239,6 +239,54 @@ fn a_pipeline_of_tensor_parallel_stages_trains_to_one_process_weights() {
         println!("transformer_lm pp 2 × tp 2 {case}: max |Δ| = {diff:e}");
         assert!(diff <= 1e-6, "pp 2 × tp 2 {case}: max |Δ| = {diff:e}");
     }
+    // Dropout: a block recomputed by activation checkpointing (its masks drawn again where its forward pass drew
+    // them, micro-batches interleaved by 1F1B) trains to the weights of the blocks keeping their activations.
+    let dropout = |name: &str, extra: &[&str]| {
+        let saved = dir.join(name);
+        let saved_arg = saved.to_str().unwrap();
+        let args = [
+            &sgd[..],
+            &[
+                "--dropout",
+                "0.1",
+                "--processes",
+                "4",
+                "--pp-size",
+                "2",
+                "--tp-size",
+                "2",
+            ],
+            &["--save-model", saved_arg, "--steps", "10"],
+            extra,
+        ]
+        .concat();
+        let out = Command::new(examples::example("transformer_lm"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        lm_weights_after(
+            &dir,
+            &format!("{name}-loaded"),
+            0,
+            &["--load-pretrained", saved_arg],
+        )
+    };
+    let kept = dropout("dropout-kept", &[]);
+    let recomputed = dropout("dropout-recomputed", &["--checkpointing"]);
+    assert!(
+        max_abs_diff(&kept, &one) > 1e-4,
+        "dropout changes the training"
+    );
+    assert_eq!(
+        max_abs_diff(&kept, &recomputed),
+        0.0,
+        "pp 2 × tp 2 with dropout: the recomputed blocks drew other masks"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

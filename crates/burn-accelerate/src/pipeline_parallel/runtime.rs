@@ -53,6 +53,7 @@ use crate::pipeline_parallel::{SpanKind, StageTrace, TraceSpan};
 use crate::step::StepPipeline;
 use crate::step::block_wise::{BlockSeeds, generator};
 use crate::tensor_parallel::cut::{self, Tape};
+use crate::tensor_parallel::dropout;
 
 /// What a forward pass left for its backward pass: the graph of each of the stage's blocks apart, cut at every
 /// block's input, so that a backward pass runs block by block from the last, adding each block's gradients to the
@@ -92,6 +93,9 @@ struct Deferred<const D: usize> {
     top: Option<Tensor<D>>,
     /// The seeds of `before`'s and `after`'s draws.
     seeds: BlockSeeds,
+    /// Where `before`'s and `after`'s tensor-parallel dropout draws began (see `tensor_parallel::dropout`), to
+    /// draw the same masks when they run again.
+    sites: [u64; 2],
 }
 
 /// What a checkpointed forward pass keeps for the backward pass's recompute.
@@ -107,6 +111,8 @@ struct Recompute<const D: usize> {
     top: Option<Tensor<D>>,
     /// The tensor-parallel cuts of `before`'s graph (the first stage's), for its backward pass.
     before_cuts: Tape,
+    /// Where each block's tensor-parallel dropout draws began, to draw its masks again in its recompute.
+    sites: Vec<u64>,
 }
 
 /// Where a stage's last graph ends.
@@ -244,12 +250,14 @@ impl StepPipeline {
                                 h0: None,
                                 top: None,
                                 seeds: self.pass_seeds(&device)?,
+                                sites: [0; 2],
                             }),
                             false => None,
                         };
                         let mut y = match (&input, &mut deferred) {
                             (Some(x), _) => x.clone(),
                             (None, Some(d)) => {
+                                d.sites[0] = dropout::site();
                                 let (h, h0) = deferred_before(&d.seeds)?;
                                 d.h0 = h0;
                                 h
@@ -273,6 +281,7 @@ impl StepPipeline {
                                 tapes.push(cut::take_tape());
                                 let top = y.clone().detach().require_grad();
                                 cuts.push((y, top.clone()));
+                                d.sites[1] = dropout::site();
                                 let value = deferred_after(&top, &d.seeds)?;
                                 d.top = Some(top);
                                 End::Deferred(value)
@@ -304,12 +313,14 @@ impl StepPipeline {
                                 h0: None,
                                 top: None,
                                 seeds: self.pass_seeds(&device)?,
+                                sites: [0; 2],
                             }),
                             false => None,
                         };
                         let first = match (&input, &mut deferred) {
                             (Some(x), _) => x.clone(),
                             (None, Some(d)) => {
+                                d.sites[0] = dropout::site();
                                 let (h, h0) = deferred_before(&d.seeds)?;
                                 d.h0 = h0;
                                 h
@@ -324,9 +335,11 @@ impl StepPipeline {
                         let seeds = self.pass_seeds(&device)?;
                         let mut draws = self.blocks_draw();
                         let mut inputs = Vec::with_capacity(frozen.len());
+                        let mut sites = Vec::with_capacity(frozen.len());
                         let mut y = first;
                         for (j, b) in frozen.iter().enumerate() {
                             inputs.push(y.clone());
+                            sites.push(dropout::site());
                             let x = y.detach();
                             y = if k == 0 && j == 0 {
                                 // Whether the blocks draw random numbers, found on the step's first block.
@@ -348,6 +361,7 @@ impl StepPipeline {
                         let (end, top) = match (last, &mut deferred) {
                             (true, Some(d)) => {
                                 let top = y.require_grad();
+                                d.sites[1] = dropout::site();
                                 let value = deferred_after(&top, &d.seeds)?;
                                 d.top = Some(top.clone());
                                 (End::Deferred(value), Some(top))
@@ -372,6 +386,7 @@ impl StepPipeline {
                                 draws,
                                 top,
                                 before_cuts,
+                                sites,
                             }),
                             end: Some(end),
                             deferred,
@@ -461,7 +476,7 @@ impl StepPipeline {
                         let loss = {
                             let _generator = self.blocks_draw().then(generator);
                             d.seeds.before_after(&device);
-                            after(&rest, top.clone(), &parts[i])
+                            dropout::again_at(d.sites[1], || after(&rest, top.clone(), &parts[i]))
                         };
                         let mut grads = cut::backward(self.precision().scale_loss(loss))?;
                         self.shared.lock().grads.collect(&rest, &mut grads);
@@ -474,7 +489,7 @@ impl StepPipeline {
                         let h = {
                             let _generator = self.blocks_draw().then(generator);
                             d.seeds.before_rest(&device);
-                            before(&rest, &parts[i])
+                            dropout::again_at(d.sites[0], || before(&rest, &parts[i]))
                         };
                         let mut grads = cut::backward((h * g).sum())?;
                         self.shared.lock().grads.collect(&rest, &mut grads);

@@ -66,6 +66,15 @@ pub(crate) fn set_site(site: u64) {
     DRAWS.with(|d| d.borrow_mut().site = site);
 }
 
+/// Runs `f` (a pass run again: a recomputed block, a part made anew in the backward pass) with its draws from
+/// `site`, where its first run's began, so that it draws the same masks; the next draws then go on where they were.
+pub(crate) fn again_at<T>(site: u64, f: impl FnOnce() -> T) -> T {
+    let resume = DRAWS.with(|d| std::mem::replace(&mut d.borrow_mut().site, site));
+    let out = f();
+    set_site(resume);
+    out
+}
+
 fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -32,6 +32,7 @@ impl StepPipeline {
             seeds,
             draws,
             before_cuts,
+            sites,
             ..
         } = recompute;
         let first = inputs.first().cloned();
@@ -56,7 +57,9 @@ impl StepPipeline {
             let y = {
                 let _generator = draws.then(generator);
                 seeds.before_block(device, j);
-                block(b, x.clone())
+                // The block's tensor-parallel dropout masks drawn again where its forward pass drew them.
+                let site = sites.get(j).copied().unwrap_or_default();
+                crate::tensor_parallel::dropout::again_at(site, || block(b, x.clone()))
             };
             let mut grads = cut::backward((y * g.clone()).sum())?;
             if needs_input_grad {
