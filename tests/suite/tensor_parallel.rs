@@ -67,6 +67,16 @@ fn lm_weights_after(dir: &Path, name: &str, steps: usize, args: &[&str]) -> Vec<
     ]
 }
 
+/// FSDP2 + TP on 4 in-process ranks: `tp` 2 × `FULL_SHARD` 2.
+const TP2_FSDP2: [&str; 6] = [
+    "--processes",
+    "4",
+    "--tp-size",
+    "2",
+    "--sharding",
+    "FULL_SHARD",
+];
+
 /// One comparison: its name, the split run's arguments, one process's weights, the bound.
 type Case<'a> = (&'a str, Vec<&'a str>, &'a Vec<Vec<f32>>, f32);
 
@@ -830,14 +840,7 @@ fn a_model_saved_under_tensor_parallelism_loads_on_one_process_and_on_another_tp
     // reading its rows of its part (of rows, or of columns).
     let fsdp = dir.join("fsdp-model");
     let fsdp_arg = fsdp.to_str().unwrap();
-    let tp_fsdp = [
-        "--processes",
-        "4",
-        "--tp-size",
-        "2",
-        "--sharding",
-        "FULL_SHARD",
-    ];
+    let tp_fsdp = TP2_FSDP2;
     let trained = run(
         "tp2-fsdp2",
         10,
@@ -885,14 +888,7 @@ fn a_state_saved_under_tensor_parallelism_resumes_on_another_tp_size_and_number_
     let tp2x2 = save("tp2x2", &["--processes", "4", "--tp-size", "2"]);
     let one = save("one", &[]);
     // FSDP2 + TP: each rank's file holds its rows of its tensor-parallel part (a 2-D split in the manifest).
-    let tp_fsdp = [
-        "--processes",
-        "4",
-        "--tp-size",
-        "2",
-        "--sharding",
-        "FULL_SHARD",
-    ];
+    let tp_fsdp = TP2_FSDP2;
     let tp2_fsdp2 = save("tp2-fsdp2", &tp_fsdp);
     let cases: [(&str, &Path, &[&str]); 7] = [
         ("tp2 × FULL_SHARD 2 on one process", &tp2_fsdp2, &[]),

@@ -86,14 +86,14 @@ impl LazyParams for TpFetcher {
             };
         };
         let whole = self.whole_dims(id).unwrap_or_default();
+        // A part the data-parallel strategy shards is joined from its slices first (`Held::part` is `None` only
+        // where `inner` has it).
         let part = match (&held.part, &self.inner) {
             (Some(part), _) => part.clone(),
-            (None, Some(inner)) => inner.fetch(id)?,
-            (None, None) => {
-                return Err(Error::InvalidArgument(format!(
-                    "save_model: parameter {id} is held by no strategy on this rank"
-                )));
-            }
+            (None, inner) => inner
+                .as_ref()
+                .ok_or_else(|| Error::other(format!("save_model: parameter {id} has no holder")))?
+                .fetch(id)?,
         };
         // Each rank's part with the split dimension first is one range of the whole laid out alike.
         let moved = split_dimension_first(part, &held.local, held.dim);

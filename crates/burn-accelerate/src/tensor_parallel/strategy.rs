@@ -144,6 +144,15 @@ impl TensorParallel {
         }
     }
 
+    /// The data-parallel strategy's `cut` of a parameter kept whole by the plan, as the run's ranks hold it: the
+    /// ranks of the data-parallel group are `tp_size` apart.
+    fn strided(&self, cut: CheckpointCut) -> CheckpointCut {
+        CheckpointCut {
+            stride: cut.stride * self.context.size,
+            ..cut
+        }
+    }
+
     /// Adds the split parameters of one prepared model.
     pub fn add_splits(&self, splits: HashMap<ParamId, usize>) {
         self.splits
@@ -291,10 +300,10 @@ impl ParamPlacement for TensorParallel {
     fn checkpoint_slicing(&self, id: ParamId) -> Option<CheckpointCut> {
         let size = self.context.size;
         let Some((split, dims)) = self.split_and_dims(id) else {
-            return self.inner.checkpoint_slicing(id).map(|cut| CheckpointCut {
-                stride: cut.stride * size,
-                ..cut
-            });
+            return self
+                .inner
+                .checkpoint_slicing(id)
+                .map(|cut| self.strided(cut));
         };
         let within = self.inner.slicing(id).map(|(split, piece)| Within {
             split,
@@ -321,13 +330,12 @@ impl ParamPlacement for TensorParallel {
             .inner
             .checkpoint_slicings()
             .into_iter()
-            .map(|(id, _)| id)
-            .filter(|id| !splits.contains_key(id));
+            .filter(|(id, _)| !splits.contains_key(id))
+            .map(|(id, cut)| (id, self.strided(cut)));
         let mut out: Vec<(ParamId, CheckpointCut)> = splits
             .keys()
-            .copied()
+            .filter_map(|id| Some((*id, self.checkpoint_slicing(*id)?)))
             .chain(whole)
-            .filter_map(|id| Some((id, self.checkpoint_slicing(id)?)))
             .collect();
         out.sort_by_key(|(id, _)| id.val());
         out
