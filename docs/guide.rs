@@ -139,4 +139,6 @@ mod pages {
     struct Sharded;
     #[doc = include_str!("tensor-parallel.md")]
     struct TensorParallel;
+    #[doc = include_str!("context-parallel.md")]
+    struct ContextParallel;
 }

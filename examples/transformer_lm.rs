@@ -98,6 +98,17 @@ struct Args {
     /// dropout, residual adds) split along the sequence, each rank its part.
     #[arg(long = "sequence-parallel")]
     sequence_parallel: bool,
+    /// Context-parallel ranks: each sequence cut over groups of this many ranks (head-tail balanced), the
+    /// attention across them (`context_parallel::attention`).
+    #[arg(long = "cp-size")]
+    cp_size: Option<usize>,
+    /// How the context group's attention reaches every rank's keys and values: allgather or ring.
+    #[arg(long = "cp-mode")]
+    cp_mode: Option<burn_accelerate::config::ContextAttention>,
+    /// Cut each sequence into contiguous slices instead of the head-tail balance (the last rank then computes the
+    /// most).
+    #[arg(long = "cp-contiguous")]
+    cp_contiguous: bool,
     /// Pipeline stages: the layers cut into this many stages, one per group of ranks (`backward_batch`).
     #[arg(long = "pp-size")]
     pp_size: Option<usize>,
@@ -211,7 +222,11 @@ fn mode(acc: &Accelerator, args: &Args) -> String {
     } else {
         String::new()
     };
-    format!("{sharding}{how}{tp}{checkpointing}")
+    let cp = match acc.parallel_dims().cp {
+        1 => String::new(),
+        cp => format!(" + cp {cp} {}", acc.config().distributed.cp_comm_strategy),
+    };
+    format!("{sharding}{how}{tp}{cp}{checkpointing}")
 }
 
 fn train(acc: Accelerator, args: &Args) -> Result<f32> {
@@ -281,6 +296,18 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     }
     // One sequence's causal mask, repeated for however many sequences a (micro-)batch holds.
     let one_mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, &device);
+    // Under --cp-size each rank's slice of every sequence (its tokens, targets and position ids); every
+    // position otherwise.
+    let split = acc.context_split(args.seq)?;
+    let context = split.rank_and_size().1 > 1;
+    if context && (args.whole || args.eval.is_some()) {
+        return Err(burn_accelerate::Error::InvalidArgument(
+            "--cp-size trains each rank's slice of the sequences through `backward_batch`: leave out --whole and \
+             --eval"
+                .into(),
+        ));
+    }
+    let positions = split.position_ids(&device);
     let rows = args.batch / replicas;
     let (mut loss_value, mut grads, mut step_secs) = (0.0, 0, 0.0);
     // What the backward passes and steps pass through host memory (0 where in-process ranks share a device).
@@ -308,6 +335,7 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 args.seq,
                 &device,
             );
+            let (inputs, targets) = (split.part(inputs, 1)?, split.part(targets, 1)?);
             let mask = one_mask.clone().repeat_dim(0, rows);
             let loss = if args.whole {
                 let whole = acc.unshard(&model)?;
@@ -326,12 +354,16 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
                 acc.backward_batch(
                     &model,
                     (inputs, targets),
-                    |m, (inputs, _)| m.embed(inputs.clone()),
+                    |m, (inputs, _)| m.embed_at(inputs.clone(), positions.clone()),
                     // Each layer and the head under autocast (a no-op without --mixed-precision).
-                    // One sequence's mask, broadcast over the batch: every layer shares its one buffer.
-                    |layer, x| {
-                        let mask = one_mask.clone();
-                        acc.autocast(layer, x, |layer, x| layer.forward(x, None, Some(mask)))
+                    // One sequence's mask, broadcast over the batch: every layer shares its one buffer. Under
+                    // --cp-size the causal attention across the context group.
+                    |layer, x| match context {
+                        true => acc.autocast(layer, x, |layer, x| layer.forward_causal(x)),
+                        false => {
+                            let mask = one_mask.clone();
+                            acc.autocast(layer, x, |layer, x| layer.forward(x, None, Some(mask)))
+                        }
                     },
                     |m, x, (_, targets)| {
                         acc.autocast(m, x, |m, x| match args.loss_parallel {
@@ -613,6 +645,15 @@ fn run() -> Result<()> {
         .gradient_accumulation_steps(args.accumulate);
     if let Some(ranks) = args.tp_size {
         builder = builder.tp_size(ranks);
+    }
+    if let Some(ranks) = args.cp_size {
+        builder = builder.cp_size(ranks);
+    }
+    if let Some(mode) = args.cp_mode {
+        builder = builder.cp_comm_strategy(mode);
+    }
+    if args.cp_contiguous {
+        builder = builder.cp_load_balance(false);
     }
     if args.sequence_parallel {
         builder = builder.sequence_parallel(true);

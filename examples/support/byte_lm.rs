@@ -89,6 +89,15 @@ impl ByteLm {
             + tensor_parallel::sequence_part(self.positions.forward(positions))
     }
 
+    /// [`embed`](Self::embed) at the positions `positions` `[seq]` (under context parallelism this rank's, from
+    /// `ContextSplit::position_ids`).
+    pub fn embed_at(&self, tokens: Tensor<2, Int>, positions: Tensor<1, Int>) -> Tensor<3> {
+        let [batch, seq] = tokens.dims();
+        let positions = positions.reshape([1, seq]).repeat_dim(0, batch);
+        self.tokens.forward(tokens)
+            + tensor_parallel::sequence_part(self.positions.forward(positions))
+    }
+
     /// The next byte's logits after the last layer's activation `x`, `[batch * seq, VOCAB]`.
     pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
         // The head is a tensor-parallel region of its own: its input's gradient summed over the ranks' columns

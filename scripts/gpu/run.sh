@@ -519,6 +519,11 @@ run_step tp2-sp-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
 # through host memory); one process's loss within float rounding.
 run_step pp2-tp2-fsdp2-shared-cuda gpu 240 check_near_1e3_on_device sh -c \
   'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 && echo --- && BURN_DEVICE=cuda transformer_lm --processes 8 --pp-size 2 --tp-size 2 --sharding FULL_SHARD --sequence-parallel --steps 10'
+# Context parallelism on two in-process ranks sharing the GPU: each sequence cut head-tail over the two, the ring's
+# key/value blocks and their gradients passed between them on the device, the gradients reduced over both (no value
+# through host memory); one process's loss within float rounding.
+run_step cp2-ring-shared-cuda gpu 180 check_near_1e3_on_device sh -c \
+  'BURN_DEVICE=cuda transformer_lm --processes 1 --steps 10 && echo --- && BURN_DEVICE=cuda transformer_lm --processes 2 --cp-size 2 --cp-mode ring --steps 10'
 # NCCL between processes needs a launcher: the kit carries no MPI (the GPU image has none, and the binary would
 # need its libraries), so the one-rank NCCL communicator of test-cuda is what runs NCCL here.
 kind_now=multi-gpu

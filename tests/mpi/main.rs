@@ -16,6 +16,7 @@ mod parity_mpi;
 mod faults_mpi;
 mod restarts_mpi;
 mod tensor_parallel_mpi;
+mod context_parallel_mpi;
 
 // Every public path under the `mpi` and `train` features too (the suite builds it with the default ones).
 #[path = "../suite/public_paths.rs"]

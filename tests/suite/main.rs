@@ -28,6 +28,7 @@ mod suite;
 mod blockwise;
 mod checkpointing;
 mod collectives;
+mod context_parallel;
 mod data_parallel;
 mod examples_run;
 mod faults;

@@ -29,7 +29,7 @@ use burn_accelerate::tensor_parallel::{
 };
 use burn_accelerate::{Accelerator, AcceleratorBuilder, MixedPrecision};
 
-fn scratch(name: &str) -> PathBuf {
+pub(crate) fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ba-tp-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -37,12 +37,17 @@ fn scratch(name: &str) -> PathBuf {
 
 /// The final weights `transformer_lm` wrote with `args` (every float parameter, whole, little-endian f32), after
 /// checking that it trained its 20 steps.
-fn lm_weights(dir: &Path, name: &str, args: &[&str]) -> Vec<Vec<f32>> {
+pub(crate) fn lm_weights(dir: &Path, name: &str, args: &[&str]) -> Vec<Vec<f32>> {
     lm_weights_after(dir, name, 20, args)
 }
 
 /// [`lm_weights`] after `steps` steps (0: the weights it started from).
-fn lm_weights_after(dir: &Path, name: &str, steps: usize, args: &[&str]) -> Vec<Vec<f32>> {
+pub(crate) fn lm_weights_after(
+    dir: &Path,
+    name: &str,
+    steps: usize,
+    args: &[&str],
+) -> Vec<Vec<f32>> {
     let path = dir.join(format!("{name}.bin"));
     let out = Command::new(examples::example("transformer_lm"))
         .args(["--steps", &steps.to_string(), "--weights"])

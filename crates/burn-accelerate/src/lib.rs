@@ -105,6 +105,7 @@ mod named_params; // one walk over a module's parameters, with their names
 mod model; // what a model and its batches provide: blocks, micro-batches, the cut into stages
 mod traverse; // walking a batch value's tensors
 pub(crate) mod grad; // gradient buffer, clipping, the step window
+pub(crate) mod graph_cut; // cutting the autodiff graph by hand where a collective sits in the forward pass
 pub mod precision; // autocast, loss scaler, the precision policy
 pub mod config; // settings: builder > ACCELERATE_* > config file > defaults; environment spelling
 pub mod backend; // compiled backends, device choice, moving values to a device, machine facts
@@ -112,6 +113,7 @@ pub mod tracking; // trackers and progress bars
 pub mod distributed; // process group, cluster, collectives, launching, distribution strategies
 pub mod logging; // rank-aware logging
 pub mod data; // prepared dataloaders: sharding, positions
+pub mod context_parallel; // context parallelism: the sequence split, attention across ranks (all-gather, ring)
 pub mod tensor_parallel; // tensor parallelism: plans, split modules, regions, reproducible dropout
 pub(crate) mod step; // the step pipeline: one backward's path to the optimizer, block-wise passes
 pub mod pipeline_parallel; // pipeline parallelism: stages, schedules, the pipelined step, traces

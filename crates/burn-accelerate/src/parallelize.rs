@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::config::AcceleratorConfig;
+use crate::context_parallel::group::CpContext;
 use crate::distributed::ProcessGroup;
 use crate::distributed::mesh::Mesh;
 use crate::distributed::strategy::{Strategy, for_data_parallel};
@@ -27,6 +28,8 @@ pub(crate) struct Parallelized {
     pub stages: Option<Arc<Stages>>,
     /// This rank's tensor-parallel strategy, with `tp` > 1: `strategy` itself, or under a pipeline the stage's.
     pub tensor: Option<Arc<TensorParallel>>,
+    /// This rank's context group, with `cp` > 1.
+    pub context: Option<Arc<CpContext>>,
 }
 
 impl Parallelized {
@@ -37,6 +40,17 @@ impl Parallelized {
     /// strategy that cannot be built (`gradient_transport = device` where the device path is not available).
     pub fn build(world: &Arc<ProcessGroup>, config: &AcceleratorConfig) -> Result<Self> {
         let mesh = Mesh::build(world, config)?;
+        let context = match &mesh.cp {
+            Some(cp) => Some(for_context_parallel(&mesh, cp, config)?),
+            None => None,
+        };
+        let mut built = Self::strategies(mesh, config)?;
+        built.context = context;
+        Ok(built)
+    }
+
+    /// The strategies of `mesh`'s rank: a pipeline's, a tensor-parallel one's, or a data-parallel one's.
+    fn strategies(mesh: Mesh, config: &AcceleratorConfig) -> Result<Self> {
         if mesh.dims.pp > 1 {
             // Each stage's ranks tensor-parallel groups where `tp` > 1, the stage's strategy theirs.
             let tensor = match mesh.tp.clone() {
@@ -49,6 +63,7 @@ impl Parallelized {
                 strategy,
                 stages: Some(stages),
                 tensor,
+                context: None,
             });
         }
         if let Some(tp) = mesh.tp.clone() {
@@ -58,6 +73,7 @@ impl Parallelized {
                 mesh,
                 stages: None,
                 tensor: Some(tensor),
+                context: None,
             });
         }
         Ok(Self {
@@ -65,6 +81,7 @@ impl Parallelized {
             mesh,
             stages: None,
             tensor: None,
+            context: None,
         })
     }
 
@@ -75,8 +92,49 @@ impl Parallelized {
             strategy,
             stages: None,
             tensor: None,
+            context: None,
         }
     }
+}
+
+/// The context group of a rank of `mesh` (its group `cp`): the collectives of its attention on the device path
+/// where the ranks have one.
+///
+/// # Errors
+/// A transport that cannot be built.
+fn for_context_parallel(
+    mesh: &Mesh,
+    cp: &Arc<ProcessGroup>,
+    config: &AcceleratorConfig,
+) -> Result<Arc<CpContext>> {
+    let (comm, choice) = crate::distributed::tensor_comm::select_transport(
+        cp,
+        config.distributed.gradient_transport,
+        config.collective_timeout(),
+        crate::distributed::tensor_comm::on_device::Exchanges::Shards,
+    )?;
+    if mesh.world.is_main_process() {
+        log::info!(
+            "context parallelism: {} ranks per context group ({} attention, {}), their keys and values through \
+             {choice}; gradients reduced over {} ranks (dp {} × cp {})",
+            mesh.dims.cp,
+            config.distributed.cp_comm_strategy,
+            match config.distributed.cp_load_balance {
+                true => "head-tail balanced",
+                false => "contiguous",
+            },
+            mesh.grad.num_processes(),
+            mesh.dims.dp(),
+            mesh.dims.cp
+        );
+    }
+    Ok(Arc::new(CpContext {
+        rank: mesh.coords.cp,
+        size: mesh.dims.cp,
+        comm,
+        mode: config.distributed.cp_comm_strategy,
+        balanced: config.distributed.cp_load_balance,
+    }))
 }
 
 /// The strategy of a tensor-parallel rank of `mesh` (its group `tp`): its data-parallel group's strategy, with

@@ -129,6 +129,30 @@ fn env_shows_the_tensor_parallel_dimension_of_the_mesh() {
 }
 
 #[test]
+fn env_shows_the_context_parallel_dimension_of_the_mesh_and_its_attention() {
+    let dir = std::env::temp_dir().join(format!("env-cp-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+        .arg("env")
+        .env("HF_HOME", &dir)
+        .env("PARALLELISM_CONFIG_CP_SIZE", "2")
+        .env("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")
+        .env("ACCELERATE_USE_FSDP", "true")
+        .env("WORLD_SIZE", "8")
+        .env("LOCAL_WORLD_SIZE", "8")
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "cp_size = 2 (environment PARALLELISM_CONFIG_CP_SIZE)",
+        "cp_comm_strategy = ring (environment PARALLELISM_CONFIG_CP_COMM_STRATEGY)",
+        "cp_load_balance = true (default)",
+        "- Mesh: pp 1 × dp_replicate 1 × dp_shard 4 × cp 2 × tp 1 (8 rank(s))",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
+}
+
+#[test]
 fn unknown_subcommand_is_a_usage_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
         .arg("frobnicate")

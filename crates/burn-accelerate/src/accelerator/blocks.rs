@@ -271,7 +271,7 @@ impl Accelerator {
         B: crate::Split,
     {
         // No backward pass follows: the tensor-parallel regions' cuts are dropped, the tape left as it was.
-        crate::tensor_parallel::cut::without_cuts(|| match &self.stage {
+        crate::graph_cut::without_cuts(|| match &self.stage {
             Some(stage) => self
                 .step
                 .forward_staged(stage, model, batch, (before, block, after)),
@@ -347,6 +347,34 @@ impl Accelerator {
     /// Where this rank sits on the mesh ([`parallel_dims`](Self::parallel_dims)): its index along each dimension.
     pub fn mesh_coords(&self) -> crate::MeshCoords {
         self.mesh.coords
+    }
+
+    /// This rank's slice of sequences of `seq_len` positions under context parallelism (`cp_size` > 1): which
+    /// positions it holds, and its tokens, targets and position ids cut to them
+    /// ([`ContextSplit::part`](crate::context_parallel::ContextSplit::part),
+    /// [`position_ids`](crate::context_parallel::ContextSplit::position_ids)); every position with `cp_size` 1.
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let positions = Accelerator::builder()
+    ///     .cp_size(2)
+    ///     .launch(2, |acc| Ok(acc.context_split(8)?.positions()))?;
+    /// assert_eq!(positions, vec![vec![0, 1, 6, 7], vec![2, 3, 4, 5]]);
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// A `seq_len` that `2 × cp_size` does not divide, saying how to fix it.
+    pub fn context_split(&self, seq_len: usize) -> Result<crate::context_parallel::ContextSplit> {
+        match self.mesh.dims.cp {
+            1 => Ok(crate::context_parallel::ContextSplit::whole(seq_len)),
+            cp => crate::context_parallel::ContextSplit::new(
+                seq_len,
+                self.mesh.coords.cp,
+                cp,
+                self.config.distributed.cp_load_balance,
+            ),
+        }
     }
 
     /// This rank's last pipelined step ([`backward_batch`](Self::backward_batch) under `pp_size` > 1): each

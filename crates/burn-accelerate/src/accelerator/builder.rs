@@ -43,6 +43,9 @@ pub struct AcceleratorBuilder {
     dp_shard_size: Option<usize>,
     pp_size: Option<usize>,
     tp_size: Option<usize>,
+    cp_size: Option<usize>,
+    cp_comm_strategy: Option<crate::config::ContextAttention>,
+    cp_load_balance: Option<bool>,
     pp_microbatches: Option<usize>,
     pp_schedule: Option<crate::config::PipelineSchedule>,
     pp_stage_blocks: Option<Vec<usize>>,
@@ -267,6 +270,40 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Context-parallel ranks (Accelerate's `cp_size`, torchtitan's `context_parallel_degree`; default 1;
+    /// `PARALLELISM_CONFIG_CP_SIZE`): each sequence is cut over groups of this many ranks, which read the same
+    /// batches and attend across each other through
+    /// [`context_parallel::attention`](crate::context_parallel::attention); the groups' ranks join the
+    /// data-parallel gradient reduction. It must divide the number of ranks.
+    ///
+    /// ```
+    /// use burn_accelerate::Accelerator;
+    /// let places = Accelerator::builder()
+    ///     .cp_size(2)
+    ///     .launch(4, |acc| Ok(acc.mesh_coords()))?;
+    /// assert_eq!((places[1].cp, places[2].cp, places[2].dp_replicate), (1, 0, 1));
+    /// # Ok::<(), burn_accelerate::Error>(())
+    /// ```
+    pub fn cp_size(mut self, ranks: usize) -> Self {
+        self.cp_size = Some(ranks);
+        self
+    }
+
+    /// How context parallelism's attention reaches the keys and values of the whole sequence (default
+    /// [`ContextAttention::AllGather`](crate::config::ContextAttention); `PARALLELISM_CONFIG_CP_COMM_STRATEGY`).
+    pub fn cp_comm_strategy(mut self, mode: crate::config::ContextAttention) -> Self {
+        self.cp_comm_strategy = Some(mode);
+        self
+    }
+
+    /// Head-tail load balance of context parallelism's causal attention (default `true`;
+    /// `PARALLELISM_CONFIG_CP_LOAD_BALANCE`); see
+    /// [`DistributedSettings::cp_load_balance`](crate::config::DistributedSettings::cp_load_balance).
+    pub fn cp_load_balance(mut self, balanced: bool) -> Self {
+        self.cp_load_balance = Some(balanced);
+        self
+    }
+
     /// Sequence parallelism under tensor parallelism (Megatron's `--sequence-parallel`; default `false`;
     /// `PARALLELISM_CONFIG_SEQUENCE_PARALLEL`): between the tensor-parallel regions each rank holds its part of
     /// the sequence (`[batch, seq / tp_size, d_model]`), all-gathered into each region and reduce-scattered out of
@@ -472,6 +509,18 @@ impl AcceleratorBuilder {
         if let Some(ranks) = self.tp_size {
             config.distributed.tp_size = ranks;
             config.set_source(Key::TpSize, Source::Builder);
+        }
+        if let Some(ranks) = self.cp_size {
+            config.distributed.cp_size = ranks;
+            config.set_source(Key::CpSize, Source::Builder);
+        }
+        if let Some(mode) = self.cp_comm_strategy {
+            config.distributed.cp_comm_strategy = mode;
+            config.set_source(Key::CpCommStrategy, Source::Builder);
+        }
+        if let Some(balanced) = self.cp_load_balance {
+            config.distributed.cp_load_balance = balanced;
+            config.set_source(Key::CpLoadBalance, Source::Builder);
         }
         if let Some(micro_batches) = self.pp_microbatches {
             config.pipeline.pp_microbatches = Some(micro_batches);

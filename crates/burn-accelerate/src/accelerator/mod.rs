@@ -156,9 +156,12 @@ impl Accelerator {
             strategy,
             stages,
             tensor,
+            context,
         } = parallelized;
-        // This thread's tensor-parallel modules talk over this rank's group (none: every module whole).
+        // This thread's tensor-parallel modules talk over this rank's group (none: every module whole), and its
+        // attention over its context group (none: every sequence whole).
         crate::tensor_parallel::context::install(tensor.as_ref().map(|t| t.context.clone()));
+        crate::context_parallel::group::install(context);
         Ok(Self {
             trackers: Mutex::new(Trackers::new(log_with, project.project_dir.as_deref())),
             step: StepPipeline::new(&config, strategy),

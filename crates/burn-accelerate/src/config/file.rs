@@ -263,6 +263,17 @@ fn read_parallelism_config(
                     config.set_source(Key::CpSize, source);
                 }
             }
+            "parallelism_config_cp_comm_strategy" => {
+                config.distributed.cp_comm_strategy = raw.parse().map_err(|_| {
+                    Error::config(
+                        "parallelism_config.parallelism_config_cp_comm_strategy",
+                        &raw,
+                        origin,
+                        "allgather or ring (alltoall)",
+                    )
+                })?;
+                config.set_source(Key::CpCommStrategy, Source::File(origin.to_string()));
+            }
             "parallelism_config_dp_replicate_size" => {}
             _ if raw.is_empty() || raw == "1" => {}
             _ => {

@@ -119,10 +119,19 @@ pub struct DistributedSettings {
     /// (norms, dropout, residual adds) each rank holds its part of the sequence, all-gathered into each region and
     /// reduce-scattered out of it. Default `false`; no effect with `tp_size` 1.
     pub sequence_parallel: bool,
-    /// Context-parallel ranks: the mesh's `cp` dimension (Accelerate's `ParallelismConfig.cp_size`;
-    /// `PARALLELISM_CONFIG_CP_SIZE`). Only 1 (the default) until context parallelism lands: a larger value is
-    /// refused when the accelerator is built.
+    /// Context-parallel ranks: the mesh's `cp` dimension (Accelerate's `ParallelismConfig.cp_size`, torchtitan's
+    /// `context_parallel_degree`; `PARALLELISM_CONFIG_CP_SIZE`; default 1). Each rank of a context group holds a
+    /// slice of every sequence; the group reads the same batches and joins the data-parallel gradient reduction.
     pub cp_size: usize,
+    /// How a context group's attention reaches the whole sequence's keys and values (default
+    /// [`ContextAttention::AllGather`](super::ContextAttention); Accelerate's `cp_comm_strategy`,
+    /// `PARALLELISM_CONFIG_CP_COMM_STRATEGY=allgather|ring`).
+    pub cp_comm_strategy: super::ContextAttention,
+    /// Head-tail load balance of causal attention (torchtitan's `context_parallel_load_balancer`; default `true`;
+    /// `PARALLELISM_CONFIG_CP_LOAD_BALANCE`): each sequence cut into `2 × cp_size` chunks, rank `r` holding chunks
+    /// `r` and `2 × cp_size − 1 − r`, so that every rank computes as many unmasked scores. `false`: each rank one
+    /// contiguous slice (the last rank then computes the most).
+    pub cp_load_balance: bool,
     /// The dtype a block-wise pass of a sharded strategy gathers each block's parameters in (FSDP2's
     /// `param_dtype`; `FSDP_PARAM_DTYPE`). Default: the parameters' own. Each rank keeps its slices in their own
     /// dtype (the master weights); the block's gradients come back in this dtype.
@@ -157,6 +166,8 @@ impl Default for DistributedSettings {
             tp_size: 1,
             sequence_parallel: false,
             cp_size: 1,
+            cp_comm_strategy: super::ContextAttention::AllGather,
+            cp_load_balance: true,
             fsdp_param_dtype: None,
             fsdp_reduce_dtype: None,
             bucket_size_mb: 25.0,

@@ -56,6 +56,8 @@ keys! {
     TpSize => "tp_size",
     SequenceParallel => "sequence_parallel",
     CpSize => "cp_size",
+    CpCommStrategy => "cp_comm_strategy",
+    CpLoadBalance => "cp_load_balance",
     PpSize => "pp_size",
     PpMicrobatches => "pp_microbatches",
     PpSchedule => "pp_schedule",

@@ -1,6 +1,7 @@
 //! The accelerator's configuration, where each setting came from, and where Accelerate keeps its config file.
 
 pub mod env;
+mod context;
 mod key;
 mod pipeline;
 mod shard_dtype;
@@ -10,6 +11,7 @@ mod transport;
 mod groups;
 mod variables;
 
+pub use context::{CP_COMM_STRATEGY_VAR, CP_LOAD_BALANCE_VAR, ContextAttention};
 pub use file::UnsupportedValue;
 pub use groups::{
     AccumulationSettings, DataSettings, DeviceSettings, DistributedSettings, MemorySettings,
@@ -236,7 +238,7 @@ impl AcceleratorConfig {
     }
 
     /// The values [`settings`](Self::settings) shows, in its order.
-    fn values(&self) -> [(Key, String); 22] {
+    fn values(&self) -> [(Key, String); 24] {
         [
             (
                 Key::MixedPrecision,
@@ -283,6 +285,14 @@ impl AcceleratorConfig {
                 self.distributed.sequence_parallel.to_string(),
             ),
             (Key::CpSize, self.distributed.cp_size.to_string()),
+            (
+                Key::CpCommStrategy,
+                self.distributed.cp_comm_strategy.to_string(),
+            ),
+            (
+                Key::CpLoadBalance,
+                self.distributed.cp_load_balance.to_string(),
+            ),
             (Key::PpSize, self.pipeline.pp_size.to_string()),
             (
                 Key::PpMicrobatches,

@@ -86,6 +86,25 @@ const VARIABLES: &[Variable] = &[
         write: Some(|c| (c.distributed.cp_size != 1).then(|| c.distributed.cp_size.to_string())),
     },
     Variable {
+        name: super::CP_COMM_STRATEGY_VAR,
+        key: Key::CpCommStrategy,
+        read: |c, name, text| {
+            parse(name, text, "allgather or ring").map(|v| c.distributed.cp_comm_strategy = v)
+        },
+        write: Some(|c| {
+            (c.distributed.cp_comm_strategy != super::ContextAttention::AllGather)
+                .then(|| c.distributed.cp_comm_strategy.to_string())
+        }),
+    },
+    Variable {
+        name: super::CP_LOAD_BALANCE_VAR,
+        key: Key::CpLoadBalance,
+        read: |c, name, text| {
+            env::parse_bool(name, text).map(|v| c.distributed.cp_load_balance = v)
+        },
+        write: Some(|c| (!c.distributed.cp_load_balance).then(|| "false".to_string())),
+    },
+    Variable {
         name: PP_SIZE_VAR,
         key: Key::PpSize,
         read: |c, name, text| parse(name, text, COUNT).map(|v| c.pipeline.pp_size = v),
@@ -294,10 +313,11 @@ mod tests {
         launched.device.cpu = true;
         launched.distributed.sharding = ShardingStrategy::HybridShardZero2;
         launched.distributed.dp_shard_size = Some(3);
-        // Carried though a run refuses them until tensor and context parallelism land: the refusal is the run's.
         launched.distributed.tp_size = 2;
         launched.distributed.sequence_parallel = true;
         launched.distributed.cp_size = 3;
+        launched.distributed.cp_comm_strategy = crate::config::ContextAttention::Ring;
+        launched.distributed.cp_load_balance = false;
         launched.distributed.fsdp_param_dtype = Some(crate::ShardDtype::Bf16);
         launched.distributed.fsdp_reduce_dtype = Some(crate::ShardDtype::Fp32);
         launched.memory.activation_checkpointing = true;

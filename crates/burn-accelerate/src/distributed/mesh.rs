@@ -38,7 +38,7 @@ pub struct ParallelDims {
     /// Ranks one training state is sharded over (`SHARD_GRAD_OP`'s and `FULL_SHARD`'s ranks, a hybrid strategy's
     /// `dp_shard_size`).
     pub dp_shard: usize,
-    /// Context-parallel ranks (`cp_size`): each holds a slice of every sequence. 1 until context parallelism lands.
+    /// Context-parallel ranks (`cp_size`): each holds a slice of every sequence.
     pub cp: usize,
     /// Tensor-parallel ranks (`tp_size`): each holds a slice of every layer a plan splits.
     pub tp: usize,
@@ -90,8 +90,8 @@ impl ParallelDims {
     ///
     /// # Errors
     /// A size of 0; `pp_size` × `tp_size` × `cp_size` not dividing the ranks; a `dp_shard_size` that does not divide
-    /// the data-parallel ranks; `cp_size` above 1 (not
-    /// available yet). Each error names its setting and how to set it.
+    /// the data-parallel ranks; `cp_size` × `tp_size` not dividing the ranks, or `cp_size` above 1 under a pipeline.
+    /// Each error names its setting and how to set it.
     pub fn from_config(
         config: &AcceleratorConfig,
         world: usize,
@@ -102,10 +102,7 @@ impl ParallelDims {
             config.distributed.tp_size,
             config.distributed.cp_size,
         );
-        for (name, size, how) in [
-            ("tp_size", tp, "tensor parallelism"),
-            ("cp_size", cp, "context parallelism"),
-        ] {
+        for (name, size) in [("tp_size", tp), ("cp_size", cp)] {
             if size == 0 {
                 return Err(Error::config(
                     name,
@@ -114,20 +111,26 @@ impl ParallelDims {
                     "a number of ranks of 1 or more",
                 ));
             }
-            if size > 1 && name == "tp_size" {
-                continue;
-            }
-            if size > 1 {
-                return Err(Error::config(
-                    name,
-                    size.to_string(),
-                    "configuration",
-                    format!(
-                        "1: {how} is not available yet (the mesh has its dimension, of size 1); leave {name} \
-                         unset, or set it to 1"
-                    ),
-                ));
-            }
+        }
+        if cp > 1 && pp > 1 {
+            return Err(Error::config(
+                "cp_size",
+                cp.to_string(),
+                "configuration",
+                format!(
+                    "1 under a pipeline (pp_size {pp}): context parallelism does not run inside pipeline stages \
+                     yet; set cp_size 1, or pp_size 1"
+                ),
+            ));
+        }
+        if cp > 1 && !world.is_multiple_of(cp * tp) {
+            return Err(Error::InvalidArgument(format!(
+                "cp_size {cp} × tp_size {tp} does not divide the {world} rank(s) of this run: each context group \
+                 needs {cp} ranks (of one tensor-parallel index); launch a multiple of {} processes, or set cp_size \
+                 to a divisor of {}",
+                cp * tp,
+                world / tp.max(1)
+            )));
         }
         let inner = pp * tp * cp;
         if tp > 1 && !world.is_multiple_of(tp) {
@@ -228,9 +231,15 @@ pub(crate) struct Mesh {
     pub coords: MeshCoords,
     /// Every rank of the run.
     pub world: Arc<ProcessGroup>,
-    /// The data-parallel ranks of this rank's stage (and tensor and context rank): the ranks whose data differ,
-    /// over which gradients are reduced. The whole world without a pipeline.
+    /// The data-parallel ranks of this rank's stage (and tensor and context rank): the ranks whose data differ.
+    /// The whole world without a pipeline, tensor or context parallelism.
     pub dp: Arc<ProcessGroup>,
+    /// The ranks gradients are reduced (and a sharded strategy's state sharded) over: `dp` with every context rank
+    /// of each (`dp × cp`, torchtitan's `dp_shard_cp`), numbered `dp × cp + cp`. `dp` itself with `cp` 1.
+    pub grad: Arc<ProcessGroup>,
+    /// This rank's context group (the ranks of its data-parallel and tensor-parallel index), numbered by `cp`
+    /// coordinate; `None` with `cp` 1.
+    pub cp: Option<Arc<ProcessGroup>>,
     /// This replica's pipeline, one rank per stage, numbered by stage; `None` without a pipeline.
     pub pp: Option<Arc<ProcessGroup>>,
     /// This rank's tensor-parallel group (the ranks of its data-parallel index), numbered by `tp` coordinate;
@@ -263,6 +272,8 @@ impl Mesh {
             dims,
             world: world.clone(),
             dp: world.clone(),
+            grad: world.clone(),
+            cp: None,
             pp: None,
             tp: None,
             stage: None,
@@ -275,6 +286,9 @@ impl Mesh {
         let dp_index = coords.dp(&dims);
         // Every rank splits in the same order: its stage's data-parallel group, then its replica's pipeline, then a
         // hybrid strategy's shard and replica groups within the data-parallel group.
+        if dims.cp > 1 {
+            return Self::with_context(world, dims, hybrid);
+        }
         let (dp, pp, tp, stage) = if dims.pp > 1 && dims.tp > 1 {
             // A stage's ranks of one tensor-parallel index read different data; a replica's ranks of one stage form
             // a tensor-parallel group; the ranks of one data-parallel and tensor-parallel index, one per stage, a
@@ -307,10 +321,47 @@ impl Mesh {
             dims,
             coords,
             world: world.clone(),
+            grad: dp.clone(),
+            cp: None,
             dp,
             pp,
             tp,
             stage,
+            hybrid,
+        })
+    }
+
+    /// The mesh of a context-parallel run (`cp` > 1, no pipeline): the data-parallel group (one context and
+    /// tensor index), the context group, the tensor-parallel group, and the gradient group (`dp × cp` of one tensor
+    /// index), split in that order; a hybrid strategy's groups within the gradient group, each shard group
+    /// `dp_shard × cp` consecutive ranks of it.
+    fn with_context(world: &Arc<ProcessGroup>, dims: ParallelDims, hybrid: bool) -> Result<Self> {
+        let coords = dims.coords(world.process_index());
+        let (dp_i, cp_i, tp_i) = (coords.dp(&dims), coords.cp, coords.tp);
+        let dp = Arc::new(world.split(cp_i * dims.tp + tp_i, dp_i)?);
+        let cp = Arc::new(world.split(dp_i * dims.tp + tp_i, cp_i)?);
+        let (tp, grad) = match dims.tp > 1 {
+            true => (
+                Some(Arc::new(world.split(dp_i * dims.cp + cp_i, tp_i)?)),
+                Arc::new(world.split(tp_i, dp_i * dims.cp + cp_i)?),
+            ),
+            // One tensor index: every rank reduces gradients with every other, in world order.
+            false => (None, world.clone()),
+        };
+        let hybrid = match hybrid && dims.dp() > 1 {
+            true => Some(hybrid_groups(&grad, dims.dp_shard * dims.cp)?),
+            false => None,
+        };
+        Ok(Self {
+            dims,
+            coords,
+            world: world.clone(),
+            dp,
+            grad,
+            cp: Some(cp),
+            pp: None,
+            tp,
+            stage: None,
             hybrid,
         })
     }
@@ -406,11 +457,23 @@ mod tests {
             err.contains("dp_shard_size") && err.contains("divides the 4"),
             "{err}"
         );
-        let mut c = config(1, ShardingStrategy::NoShard, None);
+        // Context parallelism: cp varies faster than the data-parallel index, slower than tp.
+        let mut c = config(1, ShardingStrategy::FullShard, None);
         c.distributed.cp_size = 2;
-        let err = ParallelDims::from_config(&c, 4, 4).unwrap_err().to_string();
+        c.distributed.tp_size = 2;
+        let dims = ParallelDims::from_config(&c, 8, 8).unwrap();
+        assert_eq!((dims.dp_shard, dims.cp, dims.tp), (2, 2, 2));
+        let c6 = dims.coords(6);
+        assert_eq!((c6.dp(&dims), c6.cp, c6.tp), (1, 1, 0));
+        let err = ParallelDims::from_config(&c, 6, 6).unwrap_err().to_string();
         assert!(
-            err.contains("cp_size") && err.contains("not available yet"),
+            err.contains("cp_size 2 × tp_size 2 does not divide the 6"),
+            "{err}"
+        );
+        c.pipeline.pp_size = 2;
+        let err = ParallelDims::from_config(&c, 8, 8).unwrap_err().to_string();
+        assert!(
+            err.contains("cp_size") && err.contains("under a pipeline"),
             "{err}"
         );
         // A pipeline of tensor-parallel stages: rank 6 is stage 1's replica 1, its tensor-parallel rank 0.

@@ -57,7 +57,7 @@ pub fn measure_block_costs<B, const D: usize>(
             let start = Instant::now();
             let input = x.clone().require_grad();
             // A timing pass: a tensor-parallel block's cuts are dropped, not finished, the tape left as it was.
-            let (y, grads) = crate::tensor_parallel::cut::without_cuts(|| {
+            let (y, grads) = crate::graph_cut::without_cuts(|| {
                 let y = block(b, input.clone());
                 let grads = y.clone().sum().backward();
                 (y, grads)

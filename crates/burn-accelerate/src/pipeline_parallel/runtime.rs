@@ -46,13 +46,13 @@ use crate::distributed::tensor_comm::Incoming;
 use crate::error::{Error, Result};
 use crate::grad::param_ids;
 use crate::grad::window::{BackwardPlan, model_key};
+use crate::graph_cut::{self as cut, Tape};
 use crate::model::{Blocks, Split};
 use crate::pipeline_parallel::Stages;
 use crate::pipeline_parallel::schedule::{Pass, stage_passes};
 use crate::pipeline_parallel::{SpanKind, StageTrace, TraceSpan};
 use crate::step::StepPipeline;
 use crate::step::block_wise::{BlockSeeds, generator};
-use crate::tensor_parallel::cut::{self, Tape};
 use crate::tensor_parallel::dropout;
 
 /// What a forward pass left for its backward pass: the graph of each of the stage's blocks apart, cut at every
@@ -75,7 +75,7 @@ struct Live<const D: usize> {
     end: Option<End<D>>,
     /// Under a sharded stage, what `before` and `after` run again in the backward pass (see [`Deferred`]).
     deferred: Option<Deferred<D>>,
-    /// The tensor-parallel cuts of each graph the backward pass runs (see `tensor_parallel::cut`), taken off the
+    /// The tensor-parallel cuts of each graph the backward pass runs (see `graph_cut`), taken off the
     /// tape as the forward pass made them: one per block, from the first (the first's holding `before`'s, the
     /// last's `after`'s); under activation checkpointing, `after`'s (`before`'s go with [`Recompute`], the blocks'
     /// are made again by their recompute). Empty without tensor parallelism.

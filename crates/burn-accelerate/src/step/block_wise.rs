@@ -269,7 +269,7 @@ impl StepPipeline {
         };
         // The tensor-parallel cuts `before` made (a sequence-parallel embedding's scatter) wait for its own
         // backward pass: the loss's and the blocks' come first. Where `before` runs again, it cuts again.
-        let before_cuts = crate::tensor_parallel::cut::take_tape();
+        let before_cuts = crate::graph_cut::take_tape();
         // Whether `before` has parameters that train (a frozen embedding has none).
         let before_trains = h0.is_tracked();
         let h0 = match gather_each_block {
@@ -340,7 +340,7 @@ impl StepPipeline {
         }
         let value = loss.clone().detach();
         let scaled = self.precision().scale_loss(loss);
-        let mut grads = crate::tensor_parallel::cut::backward(scaled)?;
+        let mut grads = crate::graph_cut::backward(scaled)?;
         let mut upstream = grads.remove(&top).ok_or_else(|| {
             Error::InvalidArgument(
                 "backward_blocks: the loss `after` returned does not depend on the activation it was given (the \
@@ -408,7 +408,7 @@ impl StepPipeline {
                 crate::tensor_parallel::dropout::set_site(block_sites[i]);
                 block(&whole, x.clone())
             };
-            let mut grads = crate::tensor_parallel::cut::backward((y * upstream).sum())?;
+            let mut grads = crate::graph_cut::backward((y * upstream).sum())?;
             upstream = if needs_input_grad {
                 grads.remove(&x).ok_or_else(|| {
                     Error::InvalidArgument(format!(
@@ -445,11 +445,11 @@ impl StepPipeline {
                     before(&rest)
                 }
                 false => {
-                    crate::tensor_parallel::cut::restore_tape(before_cuts);
+                    crate::graph_cut::restore_tape(before_cuts);
                     h0
                 }
             };
-            let mut grads = crate::tensor_parallel::cut::backward((h0 * upstream).sum())?;
+            let mut grads = crate::graph_cut::backward((h0 * upstream).sum())?;
             let mut part = GradientBuffer::new();
             part.collect(&rest, &mut grads);
             drop(grads);
@@ -571,13 +571,15 @@ fn splitmix64(x: u64) -> u64 {
 /// nothing (no dropout) run side by side: whether they draw is found on each pass's first block, under the lock
 /// ([`BlockSeeds::block_drew`]).
 ///
-/// Under tensor parallelism the user code holds collectives (a row-parallel layer's all-reduce), so no lock is
-/// taken: the tensor-parallel modules draw their masks from a generator of each rank's own
+/// Under tensor and context parallelism the user code holds collectives (a row-parallel layer's all-reduce, the
+/// attention's key/value exchange), so no lock is taken: the tensor-parallel modules draw their masks from a generator of each rank's own
 /// ([`tensor_parallel::dropout`](crate::tensor_parallel::dropout())), never the device's.
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 pub(crate) fn generator() -> Option<std::sync::MutexGuard<'static, ()>> {
-    if crate::tensor_parallel::tp_rank_and_size().1 > 1 {
+    if crate::tensor_parallel::tp_rank_and_size().1 > 1
+        || crate::context_parallel::cp_rank_and_size().1 > 1
+    {
         return None;
     }
     Some(GENERATOR.lock().unwrap_or_else(|p| p.into_inner()))

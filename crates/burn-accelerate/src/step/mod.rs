@@ -260,7 +260,7 @@ impl StepPipeline {
         let started = Instant::now();
         let scaled = self.precision().scale_loss(loss);
         // Through the tensor-parallel regions' cuts, where the forward pass made any.
-        let mut grads = crate::tensor_parallel::cut::backward(scaled)?;
+        let mut grads = crate::graph_cut::backward(scaled)?;
         crate::tensor_parallel::dropout::next_pass();
         self.collect_and_end(&mut grads, model, started)
     }

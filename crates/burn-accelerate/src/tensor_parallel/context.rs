@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex, Weak};
 use burn::tensor::Tensor;
 
 use crate::distributed::comm::ReduceOp;
-use crate::distributed::tensor_comm::{Reduction, TensorComm};
+use crate::distributed::tensor_comm::TensorComm;
+use crate::distributed::tensor_comm::along;
 use crate::error::Result;
 
 /// This rank's tensor-parallel group: its index in it, its size, and the collectives over it.
@@ -90,14 +91,7 @@ impl TpContext {
         op: ReduceOp,
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let shape = t.shape();
-        let n = shape.num_elements();
-        let flat = reshaped(t, [n]);
-        let combined = self
-            .comm
-            .all_reduce(flat, Reduction::Op(op), operation)?
-            .wait()?;
-        Ok(reshaped(combined, shape.dims()))
+        along::all_reduce(self.comm.as_ref(), t, op, operation)
     }
 
     /// Every rank's `part` (the same shape on each) concatenated along `dim`, in rank order.
@@ -126,11 +120,7 @@ impl TpContext {
         rows: &[usize],
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        // Gathered flat in rank order: each rank's part whole, so the split dimension goes first and back.
-        let (flat, mut whole, counts) = rows_first(part, dim, rows);
-        let all = self.comm.all_gather(flat, &counts, operation)?.wait()?;
-        whole[0] = rows.iter().sum();
-        Ok(reshaped(all, whole).swap_dims(0, dim))
+        along::all_gather_rows(self.comm.as_ref(), part, dim, rows, operation)
     }
 
     /// `whole` summed over the group, this rank's rows `rows[rank]` of it along `dim` only (the rows before
@@ -145,42 +135,7 @@ impl TpContext {
         rows: &[usize],
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let (flat, mut part, counts) = rows_first(whole, dim, rows);
-        let mine = self
-            .comm
-            .reduce_scatter(flat, &counts, Reduction::Op(ReduceOp::Sum), operation)?
-            .wait()?;
-        part[0] = rows[self.rank];
-        Ok(reshaped(mine, part).swap_dims(0, dim))
-    }
-}
-
-/// `t` flat with dimension `dim` first (so that rows of it are ranges), its shape so moved, and the elements of
-/// each rank's `rows`.
-fn rows_first<const D: usize>(
-    t: Tensor<D>,
-    dim: usize,
-    rows: &[usize],
-) -> (Tensor<1>, [usize; D], Vec<usize>) {
-    let moved = t.swap_dims(0, dim);
-    let dims = moved.dims();
-    let per_row: usize = dims[1..].iter().product();
-    let counts = rows.iter().map(|r| r * per_row).collect();
-    (reshaped(moved, [dims[0] * per_row]), dims, counts)
-}
-
-/// `t` in the shape `dims`, an empty one included: Burn's `reshape` reads a 0 as "keep this dimension", so an
-/// empty tensor (a rank's empty batch, an empty part) is made anew, empty.
-pub(crate) fn reshaped<const D: usize, const D2: usize>(
-    t: Tensor<D>,
-    dims: [usize; D2],
-) -> Tensor<D2> {
-    let from = t.dims();
-    // A 0 Burn keeps from `t`'s own dimension at its index is a 0 already there.
-    let kept = (0..D2).all(|i| dims[i] != 0 || from.get(i) == Some(&0));
-    match kept {
-        true => t.reshape(dims),
-        false => Tensor::zeros(dims, (&t.device(), t.dtype())),
+        along::reduce_scatter_rows(self.comm.as_ref(), whole, dim, rows, operation)
     }
 }
 

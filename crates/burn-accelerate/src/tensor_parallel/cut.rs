@@ -6,128 +6,56 @@
 //! there: [`residual`](super::residual) gives the region one leaf and the residual path around it another (every
 //! tensor that crosses the cut goes through it, the residual included, or the earlier graph would be walked twice,
 //! which Burn cannot); [`region`](super::region) gives the region the only one. The forward pass records each cut
-//! on this thread's tape; [`backward`] then back-propagates the loss, and the cuts in reverse order: each leaf's
+//! on this thread's tape; [`backward`](crate::graph_cut::backward) then back-propagates the loss, and the cuts in reverse order: each leaf's
 //! gradient taken from the passes so far, the region's summed over the group (*f*: every rank's columns
 //! contributed a part of it), the residual's kept as it is (every rank holds all of it), their sum
 //! back-propagated from the tensor that entered, as one pass more. *g* needs no cut: `all_reduce(y) + (y - y)`,
 //! the second `y` a constant, has the reduced value, bit for bit, and the identity gradient.
 
-use std::cell::RefCell;
-
-use burn::module::Param;
-use burn::tensor::{Gradients, Tensor};
+use burn::tensor::Tensor;
 
 use super::context::{TpContext, current};
 use crate::error::{Error, Result};
-use crate::grad::GradSource;
-
-thread_local! {
-    static TAPE: RefCell<Vec<Box<dyn PendingCut>>> = const { RefCell::new(Vec::new()) };
-    /// The regions the forward pass is inside, innermost last: whether a split layer ran in each.
-    static REGIONS: RefCell<Vec<bool>> = const { RefCell::new(Vec::new()) };
-    static MISUSE: RefCell<Option<String>> = const { RefCell::new(None) };
-}
-
-/// `t`'s values without any graph: a constant of the autodiff device. Unlike `detach`, which keeps a parameter's
-/// (or a tracked result's) `require_grad` on the detached copy (so the operations on it are recorded, and keep
-/// what they read until a backward pass), nothing computed from it is tracked unless it meets a tracked tensor.
-pub(crate) fn constant<const D: usize>(t: Tensor<D>) -> Tensor<D> {
-    Tensor::from_inner(t.inner())
-}
-
-/// A fresh leaf of `t`'s values that requires a gradient: where a cut hands a tensor on.
-pub(crate) fn leaf<const D: usize>(t: Tensor<D>) -> Tensor<D> {
-    constant(t).require_grad()
-}
+pub(crate) use crate::graph_cut::{
+    Passes, Roots, constant, enter, in_region, leaf, misused, split_ran,
+};
 
 /// The tensor-parallel group of this thread when it has more than one rank.
 pub(crate) fn group() -> Option<std::sync::Arc<TpContext>> {
     current().filter(|c| c.size > 1)
 }
 
-/// Whether this thread's forward pass is inside a tensor-parallel region ([`residual`](super::residual) or
-/// [`region`](super::region)).
-pub(crate) fn in_region() -> bool {
-    REGIONS.with(|r| !r.borrow().is_empty())
-}
-
-/// A split layer ran: the innermost region's input gradient is a part on each rank, to be summed.
-pub(crate) fn split_ran() {
-    REGIONS.with(|r| {
-        if let Some(top) = r.borrow_mut().last_mut() {
-            *top = true;
-        }
-    });
-}
-
-/// Says, at the next backward pass, that a module ran where it needs a region around it.
-pub(crate) fn misused(message: String) {
-    MISUSE.with(|m| {
-        let mut m = m.borrow_mut();
-        if m.is_none() {
-            *m = Some(message);
-        }
-    });
-}
-
-/// Runs `f` as a region; returns its output and whether a split layer ran in it.
-pub(crate) fn enter<T>(f: impl FnOnce() -> T) -> (T, bool) {
-    REGIONS.with(|r| r.borrow_mut().push(false));
-    let out = f();
-    let split = REGIONS.with(|r| r.borrow_mut().pop().unwrap_or(false));
-    (out, split)
-}
-
-/// Records `cut` before its region runs (a region inside it is then finished first in the backward pass), and
-/// after it whether the region's gradient is a part to sum: a region of whole layers (a plan that keeps them
-/// whole) gives every rank the whole gradient already.
+/// Records `cut` before its region runs, and after it whether the region's gradient is a part to sum: a region
+/// of whole layers (a plan that keeps them whole) gives every rank the whole gradient already. See
+/// [`crate::graph_cut::cut_around`].
 pub(crate) fn cut_around<T>(cut: Box<dyn PendingCut>, f: impl FnOnce() -> T) -> (T, bool) {
-    let index = TAPE.with(|t| {
-        let mut t = t.borrow_mut();
-        t.push(cut);
-        t.len() - 1
-    });
-    let (out, split) = enter(f);
-    TAPE.with(|t| {
-        if let Some(cut) = t.borrow_mut().get_mut(index) {
-            cut.split(split);
-        }
-    });
-    (out, split)
+    crate::graph_cut::cut_around(Box::new(OnGroup(cut)), f)
 }
 
-/// Records `cut` on this thread's tape, to be finished by the next [`backward`] (before the cuts recorded earlier).
+/// Records `cut` on this thread's tape, to be finished by the next backward pass (before the cuts recorded
+/// earlier).
 pub(crate) fn record(cut: Box<dyn PendingCut>) {
-    TAPE.with(|t| t.borrow_mut().push(cut));
+    crate::graph_cut::record(Box::new(OnGroup(cut)));
 }
 
-/// The cuts recorded so far, taken off the tape: a backward pass of what came after them leaves them for the pass
-/// that reaches them ([`restore_tape`]).
-pub(crate) fn take_tape() -> Tape {
-    Tape(TAPE.with(|t| std::mem::take(&mut *t.borrow_mut())))
-}
+/// A tensor-parallel cut on the tape: finished over this thread's tensor-parallel group.
+struct OnGroup(Box<dyn PendingCut>);
 
-/// Puts cuts [`take_tape`] took back on the tape, for the next [`backward`].
-pub(crate) fn restore_tape(tape: Tape) {
-    TAPE.with(|t| {
-        let mut t = t.borrow_mut();
-        let later = std::mem::replace(&mut *t, tape.0);
-        t.extend(later);
-    });
-}
+impl crate::graph_cut::Pending for OnGroup {
+    fn split(&mut self, split: bool) {
+        self.0.split(split);
+    }
 
-/// Cuts taken off the tape.
-#[derive(Default)]
-pub(crate) struct Tape(Vec<Box<dyn PendingCut>>);
-
-/// Runs `f`, a pass no backward pass follows (an evaluation, a value-only pass whose graph is made anew later),
-/// leaving the tape as it was: the cuts `f` records are dropped.
-pub(crate) fn without_cuts<T>(f: impl FnOnce() -> T) -> T {
-    let pending = take_tape();
-    let out = f();
-    drop(take_tape());
-    restore_tape(pending);
-    out
+    fn finish(self: Box<Self>, passes: &mut Passes) -> Result<()> {
+        let ctx = current().ok_or_else(|| {
+            Error::InvalidArgument(
+                "tensor parallelism: the forward pass cut tensor-parallel regions, but this thread has no \
+                 tensor-parallel group: run the backward pass on the thread that created the Accelerator"
+                    .into(),
+            )
+        })?;
+        self.0.finish(passes, &ctx)
+    }
 }
 
 /// The group of a split layer's forward pass. A split layer on a thread without its group (one that created no
@@ -281,82 +209,4 @@ impl<const D: usize> PendingCut for Cut<D> {
         roots.backward_into(passes);
         Ok(())
     }
-}
-
-/// The terms one cut back-propagates together, as one pass: `(tensor * its gradient).sum()` of each tensor that
-/// gets a gradient from the cut.
-#[derive(Default)]
-pub(crate) struct Roots(Option<Tensor<1>>);
-
-impl Roots {
-    /// Adds the term of `tensor` with the gradient `grad`, where `tensor` has a graph to back-propagate.
-    pub fn add<const D: usize>(&mut self, tensor: Tensor<D>, grad: Tensor<D>) {
-        if tensor.is_tracked() {
-            let term = (tensor * grad).sum();
-            self.0 = Some(match self.0.take() {
-                Some(r) => r + term,
-                None => term,
-            });
-        }
-    }
-
-    /// Back-propagates the terms, as one pass more of `passes`.
-    pub fn backward_into(self, passes: &mut Passes) {
-        if let Some(root) = self.0 {
-            passes.list.push(root.backward());
-        }
-    }
-}
-
-/// The gradients of one backward pass and of each cut's pass after it; a parameter's gradient is the sum of its
-/// gradients in each.
-pub(crate) struct Passes {
-    list: Vec<Gradients>,
-}
-
-impl Passes {
-    /// The sum of `t`'s gradients in every pass (removed from them), if any pass reached it.
-    pub(crate) fn remove<const D: usize>(&mut self, t: &Tensor<D>) -> Option<Tensor<D>> {
-        self.list
-            .iter_mut()
-            .filter_map(|g| t.grad_remove(g))
-            .reduce(|a, b| a + b)
-    }
-}
-
-impl GradSource for Passes {
-    fn take<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<Tensor<D>> {
-        let value = param.val();
-        self.remove(&value)
-    }
-}
-
-/// Back-propagates `root`, then every cut this thread's forward pass recorded since the last backward, latest
-/// first, as the module's documentation says. Without cuts (one tensor-parallel rank, or no region) this is
-/// `root.backward()`.
-///
-/// # Errors
-/// A column-parallel module that ran outside a region; a collective's failure.
-pub(crate) fn backward<const D: usize>(root: Tensor<D>) -> Result<Passes> {
-    let cuts = TAPE.with(|t| std::mem::take(&mut *t.borrow_mut()));
-    if let Some(message) = MISUSE.with(|m| m.borrow_mut().take()) {
-        return Err(Error::InvalidArgument(message));
-    }
-    let mut passes = Passes {
-        list: vec![root.backward()],
-    };
-    if cuts.is_empty() {
-        return Ok(passes);
-    }
-    let ctx = current().ok_or_else(|| {
-        Error::InvalidArgument(
-            "tensor parallelism: the forward pass cut tensor-parallel regions, but this thread has no tensor-parallel \
-             group: run the backward pass on the thread that created the Accelerator"
-                .into(),
-        )
-    })?;
-    for cut in cuts.into_iter().rev() {
-        cut.finish(&mut passes, &ctx)?;
-    }
-    Ok(passes)
 }

@@ -34,6 +34,9 @@ pub fn residual<const D: usize>(
         return sequence_residual(&ctx, x, before, region);
     }
     if group().is_none() {
+        if crate::context_parallel::group::active().is_some() {
+            return context_residual(x, before, region);
+        }
         return enter(|| x.clone() + region(before(x))).0;
     }
     let z = before(x.clone());
@@ -46,6 +49,25 @@ pub fn residual<const D: usize>(
             behind_cut(x, Part::summed(z, inside.clone(), None), || region(inside))
         }
     }
+}
+
+/// [`residual`] under context parallelism without a tensor-parallel group: the residual and `before`'s output
+/// cut (their gradients kept as they are), so that the attention's own cut inside the region back-propagates to
+/// a leaf, not into the graph before it.
+fn context_residual<const D: usize>(
+    x: Tensor<D>,
+    before: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    region: impl FnOnce(Tensor<D>) -> Tensor<D>,
+) -> Tensor<D> {
+    let z = before(x.clone());
+    if !(x.is_tracked() || z.is_tracked()) {
+        return enter(|| x + region(z)).0;
+    }
+    let (around, inside) = (leaf(x.clone()), leaf(z.clone()));
+    let cut = crate::graph_cut::Kept {
+        parts: vec![(x, around.clone()), (z, inside.clone())],
+    };
+    crate::graph_cut::cut_around(Box::new(cut), || around + region(inside)).0
 }
 
 /// `x + region()` behind the cut of the residual `x` (its gradient kept as it is) and of what enters the region

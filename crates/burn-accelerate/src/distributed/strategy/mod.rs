@@ -418,7 +418,7 @@ pub(crate) fn for_data_parallel(
     mesh: &crate::distributed::mesh::Mesh,
     config: &AcceleratorConfig,
 ) -> Result<Arc<dyn Strategy>> {
-    let group = &mesh.dp;
+    let group = &mesh.grad;
     let bucket_bytes = (config.distributed.bucket_size_mb * 1024.0 * 1024.0) as usize;
     let world = group.num_processes();
     if world > 1 && config.distributed.sharding.is_sharded() {

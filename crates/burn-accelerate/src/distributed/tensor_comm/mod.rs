@@ -27,6 +27,7 @@
 //! call, instead of a hang or wrong data. [`bucket`] groups many small tensors into fewer calls, for every
 //! strategy alike.
 
+pub(crate) mod along;
 pub(crate) mod bucket;
 pub(crate) mod host;
 mod lane;

@@ -244,7 +244,7 @@ pub(super) fn tracked(loss: &Tensor<1>) -> Result<()> {
 /// None: the blocks' output does not depend on `x`.
 pub(super) fn input_grad<const D: usize>(
     x: &Tensor<D>,
-    grads: &mut crate::tensor_parallel::cut::Passes,
+    grads: &mut crate::graph_cut::Passes,
     s: usize,
 ) -> Result<Tensor<D>> {
     grads.remove(x).ok_or_else(|| {

@@ -7,10 +7,10 @@ use super::Recompute;
 use super::checks::input_grad;
 use crate::distributed::strategy::trainable_params;
 use crate::error::Result;
+use crate::graph_cut as cut;
 use crate::model::Blocks;
 use crate::step::StepPipeline;
 use crate::step::block_wise::generator;
-use crate::tensor_parallel::cut;
 
 impl StepPipeline {
     /// A checkpointed micro-batch's backward pass on stage `s`: each block recomputed with a graph, from the last,

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use burn::module::{Module, ParamId};
 use burn::nn::Dropout;
-use burn::nn::attention::MultiHeadAttention;
+use burn::nn::attention::{MultiHeadAttention, generate_autoregressive_mask};
 use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Tensor};
 
@@ -93,6 +93,52 @@ impl ParallelAttention {
         self.attend(query, key, value, mask_pad, mask_attn)
     }
 
+    /// Causal self-attention over `x` `[batch, seq, d_model]`, then the output projection: [`forward`](Self::forward)
+    /// with the causal mask, and under context parallelism (`x` this rank's slice of the sequence) attending to
+    /// every rank's positions before each of its own through
+    /// [`context_parallel::attention`](crate::context_parallel::attention).
+    pub fn forward_causal(&self, x: Tensor<3>) -> Tensor<3> {
+        let [batch, seq, _] = x.dims();
+        if crate::context_parallel::group::active().is_none() {
+            let mask = generate_autoregressive_mask(batch, seq, &x.device());
+            return self.forward(x, None, Some(mask));
+        }
+        let query = self.query.forward(x.clone());
+        let key = self.key.forward(x.clone());
+        let value = self.value.forward(x);
+        self.attend_context(query, key, value, true)
+    }
+
+    /// Attention through the context group of this rank's heads of `query`, `key`, `value` `[batch, seq, heads *
+    /// d_k]`, then the output projection.
+    fn attend_context(
+        &self,
+        query: Tensor<3>,
+        key: Tensor<3>,
+        value: Tensor<3>,
+        causal: bool,
+    ) -> Tensor<3> {
+        if self.dropout.prob > 0.0 {
+            crate::graph_cut::misused(format!(
+                "context parallelism: attention dropout {} (its probabilities are never whole on one rank): \
+                 train with dropout 0 under cp_size > 1",
+                self.dropout.prob
+            ));
+        }
+        let [batch, seq, _] = query.dims();
+        let heads = |y: Tensor<3>| {
+            let width = y.dims()[2];
+            y.reshape([batch, seq, width / self.d_k, self.d_k])
+                .swap_dims(1, 2)
+        };
+        let local_heads = query.dims()[2] / self.d_k;
+        let context =
+            crate::context_parallel::attention(heads(query), heads(key), heads(value), causal)
+                .swap_dims(1, 2)
+                .reshape([batch, seq, local_heads * self.d_k]);
+        self.output.forward(context)
+    }
+
     /// Whether sequence parallelism can run this attention on a rank's positions (`forward_parts`): its
     /// projections split the Megatron way.
     pub(crate) fn splits_for_sequence(&self) -> bool {
@@ -141,6 +187,18 @@ impl ParallelAttention {
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
+        if crate::context_parallel::group::active().is_some() {
+            if mask_pad.is_some() || mask_attn.is_some() {
+                crate::graph_cut::misused(
+                    "context parallelism: an attention mask passed to `ParallelAttention::forward` (a mask of \
+                     this rank's slice cannot say which of the other ranks' positions to hide): the ring needs the \
+                     causal one; call `forward_causal` (`ParallelTransformerLayer::forward_causal`), or \
+                     `context_parallel::attention(q, k, v, true)` from your own attention"
+                        .into(),
+                );
+            }
+            return self.attend_context(query, key, value, false);
+        }
         let [batch, seq, _] = query.dims();
         let heads = |y: Tensor<3>| {
             let width = y.dims()[2];

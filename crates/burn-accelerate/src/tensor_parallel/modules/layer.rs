@@ -165,8 +165,45 @@ impl ParallelTransformerLayer {
                 self.norm_2.forward(residual_of_parts(x, |h| h, feed))
             };
         }
-        let attend =
-            |h: Tensor<3>| branch(self.mha.forward(h, mask_pad.clone(), mask_attn.clone()));
+        self.sub_layers(x, |h| {
+            self.mha.forward(h, mask_pad.clone(), mask_attn.clone())
+        })
+    }
+
+    /// The layer's output for `x` `[batch, seq, d_model]` with causal self-attention: [`forward`](Self::forward)
+    /// with the causal mask, and under context parallelism (`x` this rank's slice of each sequence, see
+    /// `Accelerator::context_split`) attending across the context group through
+    /// [`context_parallel::attention`](crate::context_parallel::attention).
+    pub fn forward_causal(&self, x: Tensor<3>) -> Tensor<3> {
+        if crate::context_parallel::group::active().is_none() {
+            let [batch, seq, _] = x.dims();
+            let mask = burn::nn::attention::generate_autoregressive_mask(batch, seq, &x.device());
+            return self.forward(x, None, Some(mask));
+        }
+        let dropout = [self.dropout.prob, self.pwff.dropout.prob]
+            .into_iter()
+            .fold(0.0, f64::max);
+        if dropout > 0.0 || sequence::active().is_some() {
+            crate::graph_cut::misused(format!(
+                "context parallelism: a ParallelTransformerLayer with {} under cp_size > 1 (each rank's slice of \
+                 the sequence is not contiguous, so its masks and parts would not be one process's): train with \
+                 dropout 0 and without sequence parallelism",
+                match dropout > 0.0 {
+                    true => format!("dropout {dropout}"),
+                    false => "sequence parallelism".to_string(),
+                }
+            ));
+        }
+        self.sub_layers(x, |h| self.mha.forward_causal(h))
+    }
+
+    /// Each sub-layer with its residual around it (a tensor-parallel region each), `attend` the attention.
+    fn sub_layers(&self, x: Tensor<3>, attend: impl Fn(Tensor<3>) -> Tensor<3>) -> Tensor<3> {
+        let branch = |y: Tensor<3>| {
+            let split = sequence::dropout_split(y.dims()[1], 1);
+            dropout(&self.dropout, y, Some(split))
+        };
+        let attend = |h: Tensor<3>| branch(attend(h));
         let feed = |h: Tensor<3>| branch(self.pwff.forward(h));
         if self.norm_first {
             let x = residual(x, |h| self.norm_2.forward(h), attend);
