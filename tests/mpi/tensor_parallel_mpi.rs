@@ -14,7 +14,8 @@ use crate::examples;
 
 use examples::{example, mpirun};
 
-fn floats(path: &Path) -> Vec<f32> {
+/// The little-endian f32 values of a `--weights` file.
+pub(crate) fn floats(path: &Path) -> Vec<f32> {
     std::fs::read(path)
         .unwrap()
         .chunks_exact(4)
@@ -22,7 +23,8 @@ fn floats(path: &Path) -> Vec<f32> {
         .collect()
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+/// The largest |a − b| of two equally long weight lists.
+pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)

@@ -42,8 +42,7 @@ impl CpContext {
         dim: usize,
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let rows = vec![part.dims()[dim]; self.size];
-        along::all_gather_rows(self.comm.as_ref(), part, dim, &rows, operation)
+        along::all_gather(self.comm.as_ref(), part, dim, operation)
     }
 
     /// `whole` summed over the group, this rank's equal share of it along `dim`.

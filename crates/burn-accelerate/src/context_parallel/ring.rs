@@ -83,24 +83,30 @@ impl<'a> Ring<'a> {
         t.clone().narrow(2, i * c, c)
     }
 
-    /// Sends `flat` to the next rank and receives the previous rank's, as one batch.
+    /// Sends `k` and `v` to the next rank and receives the previous rank's (the same shapes), as one batch: two
+    /// messages, each a view of its tensor (no copy here).
     fn pass(
         &self,
-        flat: Tensor<1>,
+        k: &Tensor<4>,
+        v: &Tensor<4>,
         operation: &'static str,
     ) -> Result<crate::distributed::tensor_comm::Pending<Vec<Tensor<1>>>> {
         let (rank, size) = (self.ctx.rank, self.ctx.size);
-        let len = flat.dims()[0];
-        let incoming = Incoming {
-            peer: (rank + size - 1) % size,
-            len,
-            device: flat.device(),
-            dtype: flat.dtype(),
-        };
-        count(0, (len * flat.dtype().size()) as u64, 0);
-        self.ctx
-            .comm
-            .send_recv(vec![((rank + 1) % size, flat)], vec![incoming], operation)
+        let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+        let mut sends = Vec::with_capacity(2);
+        let mut recvs = Vec::with_capacity(2);
+        for t in [k, v] {
+            let len = t.shape().num_elements();
+            recvs.push(Incoming {
+                peer: prev,
+                len,
+                device: t.device(),
+                dtype: t.dtype(),
+            });
+            count(0, (len * t.dtype().size()) as u64, 0);
+            sends.push((next, t.clone().reshape([len])));
+        }
+        self.ctx.comm.send_recv(sends, recvs, operation)
     }
 
     /// The forward pass: this rank's output and each row's log-sum-exp.
@@ -113,7 +119,7 @@ impl<'a> Ring<'a> {
             let owner = (rank + size - step) % size;
             // The next block travels while this one is computed.
             let next = match step + 1 < size {
-                true => Some(self.pass(pack(&k, &v), "context-parallel ring key/value pass")?),
+                true => Some(self.pass(&k, &v, "context-parallel ring key/value pass")?),
                 false => None,
             };
             for (i, j, meet) in self.pairs(owner) {
@@ -124,7 +130,7 @@ impl<'a> Ring<'a> {
                 merged[i] = Some(blocks::merge(merged[i].take(), part));
             }
             if let Some(next) = next {
-                (k, v) = unpack(next.wait()?, &k, &v);
+                (k, v) = unpack(next.wait()?, &k, &v)?;
             }
         }
         let (outs, lses): (Vec<_>, Vec<_>) = merged
@@ -163,7 +169,7 @@ impl<'a> Ring<'a> {
         for step in 0..size {
             let owner = (rank + size - step) % size;
             let next = match step + 1 < size {
-                true => Some(self.pass(pack(&k, &v), "context-parallel ring key/value pass")?),
+                true => Some(self.pass(&k, &v, "context-parallel ring key/value pass")?),
                 false => None,
             };
             let mut dks: Vec<Option<Tensor<4>>> = vec![None, None];
@@ -193,36 +199,35 @@ impl<'a> Ring<'a> {
             dk = add(dk, dks);
             dv = add(dv, dvs);
             if let Some(next) = next {
-                (k, v) = unpack(next.wait()?, &k, &v);
+                (k, v) = unpack(next.wait()?, &k, &v)?;
             }
             // The gradients go on with their keys; after the last step they reach their owner.
             let back = self
-                .pass(
-                    pack(&dk, &dv),
-                    "context-parallel ring key/value gradient pass",
-                )?
+                .pass(&dk, &dv, "context-parallel ring key/value gradient pass")?
                 .wait()?;
-            (dk, dv) = unpack(back, &dk, &dv);
+            (dk, dv) = unpack(back, &dk, &dv)?;
         }
         Ok((Tensor::cat(dq, 2), dk, dv))
     }
 }
 
-/// `k` and `v` flat, one after the other.
-fn pack(k: &Tensor<4>, v: &Tensor<4>) -> Tensor<1> {
-    let (nk, nv) = (k.shape().num_elements(), v.shape().num_elements());
-    Tensor::cat(vec![k.clone().reshape([nk]), v.clone().reshape([nv])], 0)
-}
-
-/// [`pack`]'s inverse, in the shapes of `k` and `v`.
-fn unpack(mut received: Vec<Tensor<1>>, k: &Tensor<4>, v: &Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-    let flat = received.remove(0);
-    let nk = k.shape().num_elements();
-    let nv = v.shape().num_elements();
-    (
-        flat.clone().narrow(0, 0, nk).reshape(k.dims()),
-        flat.narrow(0, nk, nv).reshape(v.dims()),
-    )
+/// The two tensors a [`Ring::pass`] received, in the shapes of `k` and `v`.
+///
+/// # Errors
+/// A transport that returned other than one tensor per receive.
+fn unpack(
+    received: Vec<Tensor<1>>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+) -> Result<(Tensor<4>, Tensor<4>)> {
+    let n = received.len();
+    let mut received = received.into_iter();
+    match (received.next(), received.next()) {
+        (Some(rk), Some(rv)) => Ok((rk.reshape(k.dims()), rv.reshape(v.dims()))),
+        _ => Err(crate::error::Error::other(format!(
+            "context parallelism: the ring's transport returned {n} tensor(s) for 2 receives"
+        ))),
+    }
 }
 
 /// The ring mode of [`attention`](super::attention): its output, behind a cut whose backward half is the ring's.

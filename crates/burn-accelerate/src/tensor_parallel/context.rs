@@ -104,8 +104,7 @@ impl TpContext {
         dim: usize,
         operation: &'static str,
     ) -> Result<Tensor<D>> {
-        let rows = vec![part.dims()[dim]; self.size];
-        self.all_gather_rows(part, dim, &rows, operation)
+        along::all_gather(self.comm.as_ref(), part, dim, operation)
     }
 
     /// Every rank's `part` (rank `r`'s `rows[r]` long along `dim`, the other dimensions alike) concatenated

@@ -26,6 +26,20 @@ pub(crate) fn all_reduce<const D: usize>(
     Ok(reshaped(combined, shape.dims()))
 }
 
+/// Every rank's `part` (the same shape on each) concatenated along `dim`, in rank order.
+///
+/// # Errors
+/// The collective's.
+pub(crate) fn all_gather<const D: usize>(
+    comm: &dyn TensorComm,
+    part: Tensor<D>,
+    dim: usize,
+    operation: &'static str,
+) -> Result<Tensor<D>> {
+    let rows = vec![part.dims()[dim]; comm.world_size()];
+    all_gather_rows(comm, part, dim, &rows, operation)
+}
+
 /// Every rank's `part` (rank `r`'s `rows[r]` long along `dim`, the other dimensions alike) concatenated along
 /// `dim`, in rank order.
 ///
