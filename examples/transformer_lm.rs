@@ -300,10 +300,9 @@ fn train(acc: Accelerator, args: &Args) -> Result<f32> {
     // position otherwise.
     let split = acc.context_split(args.seq)?;
     let context = split.rank_and_size().1 > 1;
-    if context && (args.whole || args.eval.is_some()) {
+    if context && args.whole {
         return Err(burn_accelerate::Error::InvalidArgument(
-            "--cp-size trains each rank's slice of the sequences through `backward_batch`: leave out --whole and \
-             --eval"
+            "--cp-size trains each rank's slice of the sequences through `backward_batch`: leave out --whole"
                 .into(),
         ));
     }
@@ -567,13 +566,23 @@ fn evaluate(acc: &Accelerator, model: &ByteLm, samples: usize, args: &Args) -> R
     let rows = samples / replicas + usize::from(replica < samples % replicas);
     let first = 1_000_000 + replica * (samples / replicas) + replica.min(samples % replicas);
     let one_mask: Tensor<3, Bool> = generate_autoregressive_mask(1, args.seq, acc.device());
+    // Under --cp-size each rank evaluates its slice of every sequence; its per-sample means are averaged over the
+    // context group into the whole sequences'.
+    let split = acc.context_split(args.seq)?;
+    let context = split.rank_and_size().1 > 1;
+    let positions = split.position_ids(acc.device());
+    let (inputs, targets) = batch((first, rows), args.seq, acc.device());
     let losses = acc.forward_batch(
         model,
-        batch((first, rows), args.seq, acc.device()),
-        |m, (inputs, _)| m.embed(inputs.clone()),
-        |layer, x| layer.forward(x, None, Some(one_mask.clone())),
+        (split.part(inputs, 1)?, split.part(targets, 1)?),
+        |m, (inputs, _)| m.embed_at(inputs.clone(), positions.clone()),
+        |layer, x| match context {
+            true => layer.forward_causal(x),
+            false => layer.forward(x, None, Some(one_mask.clone())),
+        },
         |m, x, (_, targets)| m.sequence_losses(x, targets.clone()),
     )?;
+    let losses = acc.reduce_context(losses, ReduceOp::Mean)?;
     let all = acc.gather_for_metrics(losses)?;
     if acc.is_main_process() {
         let n = all.dims()[0];

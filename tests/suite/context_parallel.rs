@@ -4,7 +4,8 @@
 //! (all-gather, ring), ends with one process's weights: within 1e-6 after 20 SGD steps, within the parity suite's
 //! bounds after 20 Adam steps (1e-5; fp16 with global-norm clipping 3.5e-2); so do frozen lower layers with
 //! accumulation, the contiguous split, `cp` 2 × `FULL_SHARD` 2 (with activation checkpointing), `cp` 2 × `tp` 2 and
-//! `cp` 2 × `dp` 2; a state saved on 2 context ranks resumes on one process and on 4. The attention's counters show
+//! `cp` 2 × `dp` 2; a state saved on 2 context ranks resumes on one process and on 4; an evaluation over context
+//! ranks (`forward_batch`, `reduce_context`, `gather_for_metrics`) gives one process's held-out loss. The attention's counters show
 //! the head-tail split's balance against the contiguous one's imbalance, and the ring's bytes match its formula.
 //! Each misuse (a sequence `2 × cp` does not divide, a mask, an attention not routed through the building block or
 //! outside a region, dropout) fails before the first step, saying how to fix it.
@@ -134,6 +135,47 @@ fn the_transformer_example_over_2_and_4_context_ranks_trains_to_one_process_weig
         assert!(diff <= bound, "{case}: max |Δ| = {diff:e} > {bound:e}");
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The mean held-out loss `transformer_lm --eval 6` printed after 10 SGD steps with `args`.
+fn evaluated(args: &[&str]) -> f64 {
+    let out = std::process::Command::new(crate::examples::example("transformer_lm"))
+        .args(["--steps", "10", "--eval", "6"])
+        .args(SGD)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{args:?}\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let samples = stdout.lines().find_map(|l| l.strip_prefix("eval_samples="));
+    assert_eq!(samples, Some("6"), "{stdout}");
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("eval_loss="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no eval_loss in {stdout}"))
+}
+
+#[test]
+fn an_evaluation_over_context_ranks_gives_one_process_held_out_loss() {
+    let one = evaluated(&[]);
+    for args in [
+        &["--processes", "2", "--cp-size", "2", "--cp-mode", "ring"][..],
+        &["--processes", "4", "--cp-size", "4"][..],
+        // Two replicas, each a context group evaluating half of the held-out sequences.
+        &["--processes", "4", "--cp-size", "2", "--cp-mode", "ring"][..],
+    ] {
+        let split = evaluated(args);
+        println!("eval loss {args:?}: {split} (one process {one})");
+        assert!(
+            (split - one).abs() <= 1e-5 * one.abs(),
+            "{args:?}: {split} vs {one}"
+        );
+    }
 }
 
 #[test]

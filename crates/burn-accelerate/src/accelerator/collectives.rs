@@ -58,6 +58,25 @@ impl Accelerator {
         collectives::reduce(&self.group, tensor, op)
     }
 
+    /// `tensor` combined with `op` over this rank's context group (the ranks holding the other slices of its
+    /// sequences, see [`context_split`](Self::context_split)); `tensor` itself with `cp_size` 1. For values per
+    /// sequence that each rank computed on its slice: a per-sample loss averaged over a rank's positions becomes the
+    /// whole sequence's with `ReduceOp::Mean` (every rank holds as many positions), before `gather_for_metrics`
+    /// gathers the samples over the data-parallel ranks.
+    ///
+    /// # Errors
+    /// The collective's (a timeout, a peer that failed).
+    pub fn reduce_context<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        op: ReduceOp,
+    ) -> Result<Tensor<D, K>> {
+        match &self.mesh.cp {
+            Some(cp) => collectives::reduce(cp, tensor, op),
+            None => Ok(tensor),
+        }
+    }
+
     /// Returns rank `from`'s tensor on every rank.
     pub fn broadcast<const D: usize, K: Basic>(
         &self,

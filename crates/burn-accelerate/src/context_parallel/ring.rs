@@ -4,8 +4,9 @@
 //! log-sum-exp from the forward pass: it passes the keys and values around again, recomputes each step's scores,
 //! and sends the keys' and values' gradients around with them, so that each arrives back at its owner.
 //!
-//! Per attention and step, each rank sends `(cp − 1)` key/value blocks forward and `(cp − 1)` key/value blocks
-//! plus `cp` gradient blocks back, a block being `2 × batch × heads × seq / cp × width` values.
+//! Per attention and training step, each rank sends `cp − 1` key/value blocks in the forward pass, and `cp − 1`
+//! key/value blocks plus `cp` gradient blocks in the backward pass, a block being `2 × batch × heads × seq / cp ×
+//! width` values.
 
 use std::sync::Arc;
 
@@ -30,7 +31,8 @@ enum Meet {
     Diagonal,
 }
 
-/// One step's blocks: a query chunk, a key chunk and how they meet.
+/// The ring of one attention call: this rank's context group, the split of the sequence, whether the mask is
+/// causal, and the diagonal blocks' mask.
 struct Ring<'a> {
     ctx: &'a CpContext,
     split: ContextSplit,

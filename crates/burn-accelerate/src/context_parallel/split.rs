@@ -160,9 +160,9 @@ impl ContextSplit {
         Ok(Tensor::cat(parts, dim))
     }
 
-    /// The causal attention score elements per `(query, key)` row pair that rank `rank` computes with blocks a
-    /// causal mask hides skipped: for each of its chunks, the chunks at or before it, `chunk_len²` each. What the
-    /// ring's counters measure, per head and sequence.
+    /// The attention score elements rank `rank` computes per head and sequence under a causal mask when the
+    /// blocks it hides entirely are skipped, as the ring does: for each of its chunks, `chunk_len²` for every chunk
+    /// at or before it.
     pub fn causal_block_elements(&self, rank: usize) -> u64 {
         let c = self.chunk_len() as u64;
         self.chunks_of(rank)
