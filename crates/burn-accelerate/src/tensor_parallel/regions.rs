@@ -35,7 +35,7 @@ pub fn residual<const D: usize>(
     }
     if group().is_none() {
         if crate::context_parallel::group::active().is_some() {
-            return context_residual(x, before, region);
+            return residual_of_parts(x, before, region);
         }
         return enter(|| x.clone() + region(before(x))).0;
     }
@@ -49,25 +49,6 @@ pub fn residual<const D: usize>(
             behind_cut(x, Part::summed(z, inside.clone(), None), || region(inside))
         }
     }
-}
-
-/// [`residual`] under context parallelism without a tensor-parallel group: the residual and `before`'s output
-/// cut (their gradients kept as they are), so that the attention's own cut inside the region back-propagates to
-/// a leaf, not into the graph before it.
-fn context_residual<const D: usize>(
-    x: Tensor<D>,
-    before: impl FnOnce(Tensor<D>) -> Tensor<D>,
-    region: impl FnOnce(Tensor<D>) -> Tensor<D>,
-) -> Tensor<D> {
-    let z = before(x.clone());
-    if !(x.is_tracked() || z.is_tracked()) {
-        return enter(|| x + region(z)).0;
-    }
-    let (around, inside) = (leaf(x.clone()), leaf(z.clone()));
-    let cut = crate::graph_cut::Kept {
-        parts: vec![(x, around.clone()), (z, inside.clone())],
-    };
-    crate::graph_cut::cut_around(Box::new(cut), || around + region(inside)).0
 }
 
 /// `x + region()` behind the cut of the residual `x` (its gradient kept as it is) and of what enters the region
@@ -131,9 +112,11 @@ pub fn region<const D: usize, const E: usize>(
     }
 }
 
-/// [`residual`] under sequence parallelism for a region that takes this rank's positions and gathers them itself
-/// (the crate's layers, through `sequence::columns`, which keep only the part between the passes): the cut passes
-/// the part, whose gradient comes back whole (the region's column cut reduce-scattered it already).
+/// `x + region(before(x))` behind a cut whose gradients come back as they are (no collective at the cut): under
+/// sequence parallelism for a region that takes this rank's positions and gathers them itself (the crate's layers,
+/// through `sequence::columns`, whose column cut reduce-scatters the gradient already), and under context
+/// parallelism without a tensor-parallel group, so that the attention's own cut inside the region back-propagates
+/// to a leaf, not into the graph before it.
 pub(crate) fn residual_of_parts<const D: usize>(
     x: Tensor<D>,
     before: impl FnOnce(Tensor<D>) -> Tensor<D>,
@@ -143,8 +126,11 @@ pub(crate) fn residual_of_parts<const D: usize>(
     if !(x.is_tracked() || z.is_tracked()) {
         return enter(|| x + region(z)).0;
     }
-    let inside = leaf(z.clone());
-    behind_cut(x, Part::kept(z, inside.clone()), || region(inside))
+    let (around, inside) = (leaf(x.clone()), leaf(z.clone()));
+    let cut = crate::graph_cut::Kept {
+        parts: vec![(x, around.clone()), (z, inside.clone())],
+    };
+    crate::graph_cut::cut_around(Box::new(cut), || around + region(inside)).0
 }
 
 /// [`region`] under sequence parallelism: `x`, this rank's positions, gathered whole into the region; the
